@@ -1,0 +1,162 @@
+"""Per-expert LoRA on quantized experts, plugged into transformers' experts interface.
+
+transformers v5 MoE blocks route tokens themselves and call `experts(hidden, top_k_index, top_k_weights)`;
+the experts class dispatches on `config._experts_implementation`. We register "moe_qlora" there: the
+block's routing stays exactly the model's own, and only the expert computation is ours.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import bitsandbytes as bnb
+import torch
+from torch import nn
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface, _default_apply_gate
+
+from .moe_autograd import FrozenExperts, MoEPlan, moe_lora_experts
+from .nf4 import NF4Stack
+from .routing import route
+
+EXPERTS_IMPLEMENTATION = "moe_qlora"
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+class UnsupportedExpertsError(ValueError):
+    """An experts module whose layout or math the MoE layer cannot compute exactly."""
+
+
+class ExpertLoRA(nn.Module):
+    """LoRA factors for every expert of one layer (fp32 master weights).
+
+    gate_up_a: (E, r, H)  gate_up_b: (E, 2I, r)  down_a: (E, r, I)  down_b: (E, H, r)
+    Expert e's update is scale * B_e A_e with scale = alpha / r; B starts at zero so training starts at the base model.
+    """
+
+    def __init__(
+        self, *, num_experts: int, hidden: int, intermediate: int, rank: int, alpha: float, device=None, generator=None
+    ):
+        super().__init__()
+        shapes = {
+            "gate_up_a": (num_experts, rank, hidden),
+            "gate_up_b": (num_experts, 2 * intermediate, rank),
+            "down_a": (num_experts, rank, intermediate),
+            "down_b": (num_experts, hidden, rank),
+        }
+        for name, shape in shapes.items():
+            self.register_parameter(name, nn.Parameter(torch.zeros(shape, dtype=torch.float32, device=device)))
+        self.rank, self.alpha = rank, alpha
+        self.scale = alpha / rank
+        self.enabled = True
+        self.reset_parameters(generator)
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        # Same distribution PEFT gives lora_A (kaiming-uniform, a=sqrt(5), fan_in = in features), per expert.
+        for a in (self.gate_up_a, self.down_a):
+            bound = 1.0 / math.sqrt(a.shape[-1])
+            nn.init.uniform_(a, -bound, bound, generator=generator)
+        nn.init.zeros_(self.gate_up_b)
+        nn.init.zeros_(self.down_b)
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (self.gate_up_a, self.gate_up_b, self.down_a, self.down_b)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.gate_up_a.shape[0]}, rank={self.rank}, alpha={self.alpha}"
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """True for a transformers experts class (fused 3D gate_up_proj / down_proj)."""
+    return hasattr(module, "has_gate") and all(hasattr(module, n) for n in EXPERT_PARAMS)
+
+
+def check_supported_layout(module: nn.Module, name: str = "experts") -> None:
+    """Refuse an experts module the MoE layer would compute wrongly, naming what is unsupported."""
+    problems = []
+    if not getattr(module, "has_gate", False):
+        problems.append("experts without a gate (has_gate=False)")
+    if getattr(module, "is_transposed", False):
+        problems.append("transposed expert weights (is_transposed=True)")
+    if not getattr(module, "is_concatenated", True):
+        problems.append("interleaved gate/up rows (is_concatenated=False)")
+    if getattr(module, "has_bias", False):
+        problems.append("expert biases (has_bias=True)")
+    if getattr(module, "has_post_expert_norm", False):
+        problems.append("a post-expert norm")
+    if type(module)._apply_gate is not _default_apply_gate:
+        problems.append(f"a custom gating function ({type(module).__name__}._apply_gate)")
+    if problems:
+        raise UnsupportedExpertsError(
+            f"{name} ({type(module).__name__}) has " + ", ".join(problems) + "; moe-qlora computes "
+            "act(gate) * up experts with concatenated [gate; up] rows of shape (experts, out, in) and no bias. "
+            "Refusing rather than training on a wrong forward."
+        )
+
+
+def _frozen_experts(module: nn.Module) -> FrozenExperts:
+    for n in EXPERT_PARAMS:
+        if not isinstance(getattr(module, n), bnb.nn.Params4bit):
+            raise UnsupportedExpertsError(
+                f"{type(module).__name__}.{n} is not NF4-quantized; load the model with moe_qlora.loading.load_model"
+            )
+    return FrozenExperts(NF4Stack.from_param(module.gate_up_proj), NF4Stack.from_param(module.down_proj), module.act_fn)
+
+
+def moe_qlora_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The registered experts implementation. hidden_states: (T, H), top_k_*: (T, K) -> (T, H)."""
+    frozen = _frozen_experts(self)
+    lora: ExpertLoRA | None = getattr(self, "moe_lora", None)
+    active = lora is not None and lora.enabled
+    plan = MoEPlan(frozen, route(top_k_index, frozen.gate_up.num_experts), lora.scale if active else 0.0)
+    return moe_lora_experts(hidden_states, top_k_weights, lora.factors() if active else None, plan)
+
+
+def register_experts_implementation() -> None:
+    """Make "moe_qlora" a valid `experts_implementation` (idempotent; the mapping is transformers' global one)."""
+    if EXPERTS_IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
+        ExpertsInterface.register(EXPERTS_IMPLEMENTATION, moe_qlora_experts_forward)
+
+
+def apply_moe_qlora_experts(model) -> str:
+    """Route every experts module of `model` through moe-qlora; returns the previous implementation."""
+    register_experts_implementation()
+    previous = model.config._experts_implementation
+    model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    return previous
+
+
+def revert_moe_qlora_experts(model, previous: str) -> None:
+    """Undo `apply_moe_qlora_experts`."""
+    model.set_experts_implementation(previous)
+
+
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if is_experts_module(m)]
+
+
+def attach_expert_lora(model: nn.Module, *, rank: int, alpha: float, seed: int) -> list[str]:
+    """Add an ExpertLoRA to every experts module (checked for a supported layout first). Returns their names."""
+    names = []
+    generator = torch.Generator().manual_seed(seed)
+    for name, module in experts_modules(model):
+        check_supported_layout(module, name)
+        e, two_i, h = module.gate_up_proj.quant_state.shape
+        lora = ExpertLoRA(num_experts=e, hidden=h, intermediate=two_i // 2, rank=rank, alpha=alpha, generator=generator)
+        module.moe_lora = lora.to(module.gate_up_proj.device)
+        names.append(name)
+    return names
+
+
+@contextmanager
+def expert_lora_disabled(model: nn.Module):
+    """Run the experts without their LoRA (the base policy), restoring the previous state after."""
+    loras = [m for m in model.modules() if isinstance(m, ExpertLoRA)]
+    before = [m.enabled for m in loras]
+    for m in loras:
+        m.enabled = False
+    try:
+        yield
+    finally:
+        for m, state in zip(loras, before):
+            m.enabled = state

@@ -1,0 +1,150 @@
+"""NF4 storage of expert stacks in bitsandbytes' format, and per-expert dequantization.
+
+A stack of E matrices (E, out, in) is quantized as one flat tensor with blocksize 64, exactly as
+bitsandbytes would quantize it; expert e then owns a contiguous slice of the packed codes and of
+the block scales, so it can be dequantized alone (the MoE layer never holds more than one expert).
+
+Shape letters: E experts, O rows (out features), I columns (in features), N = O * I, B = blocksize.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import bitsandbytes as bnb
+import bitsandbytes.functional as bnbF
+import torch
+
+BLOCKSIZE = 64
+# bitsandbytes' nested (double) quantization groups 256 block scales under one fp32 scale.
+NESTED_BLOCKSIZE = 256
+
+# The 16 NF4 levels (QLoRA, Dettmers et al. 2023, appendix E): quantiles of N(0, 1) scaled to [-1, 1].
+# Written out here rather than read from bitsandbytes so the torch decoder is an independent oracle.
+NF4_LEVELS = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)  # fmt: skip
+
+
+class QuantizationLayoutError(ValueError):
+    """An expert stack whose shape cannot be split per expert in NF4 blocks."""
+
+
+@dataclass(frozen=True)
+class NF4Stack:
+    """A read-only view of one quantized expert stack (E, O, I).
+
+    packed:  (E*N/2,) uint8, two codes a byte, the first in the high nibble.
+    absmax:  (E*N/B,) float32 block scales, or uint8 codes of them when `nested` is set.
+    nested:  (absmax2 (ceil(E*N/B/256),) float32, code2 (256,) float32, offset float) or None.
+    """
+
+    packed: torch.Tensor
+    absmax: torch.Tensor
+    nested: tuple[torch.Tensor, torch.Tensor, float] | None
+    shape: tuple[int, int, int]
+    blocksize: int = BLOCKSIZE
+
+    @classmethod
+    def from_param(cls, param: bnb.nn.Params4bit) -> NF4Stack:
+        qs = param.quant_state
+        nested = (qs.state2.absmax, qs.state2.code, float(qs.offset)) if qs.nested else None
+        return cls(param.data.view(-1), qs.absmax, nested, tuple(qs.shape), qs.blocksize)
+
+    @property
+    def num_experts(self) -> int:
+        return self.shape[0]
+
+    @property
+    def expert_numel(self) -> int:
+        return self.shape[1] * self.shape[2]
+
+    def expert_absmax(self, e: int) -> torch.Tensor:
+        """Block scales of expert e as float32: (N/B,). Undoes the nested quantization if any."""
+        per_expert = self.expert_numel // self.blocksize
+        lo, hi = e * per_expert, (e + 1) * per_expert
+        if self.nested is None:
+            return self.absmax[lo:hi].float()
+        absmax2, code2, offset = self.nested
+        # Block i of the flat stack is scaled by absmax2[i // 256]; slices need not align with 256.
+        nested_idx = torch.arange(lo, hi, device=self.absmax.device) // NESTED_BLOCKSIZE
+        return code2[self.absmax[lo:hi].long()] * absmax2[nested_idx] + offset
+
+    def expert_codes(self, e: int) -> torch.Tensor:
+        """Packed codes of expert e: (N/2,) uint8."""
+        half = self.expert_numel // 2
+        return self.packed[e * half : (e + 1) * half]
+
+
+def check_quantizable(shape: tuple[int, ...]) -> None:
+    """Raise unless every expert of a (E, O, I) stack fills whole NF4 blocks."""
+    if len(shape) != 3:
+        raise QuantizationLayoutError(f"expected a 3D expert stack (experts, out, in), got shape {tuple(shape)}")
+    if (shape[1] * shape[2]) % BLOCKSIZE:
+        raise QuantizationLayoutError(
+            f"expert matrices of shape {tuple(shape[1:])} have {shape[1] * shape[2]} elements, not a multiple of "
+            f"the NF4 blocksize {BLOCKSIZE}; experts could not be dequantized one at a time"
+        )
+
+
+def quantize_stack(weight: torch.Tensor, *, double_quant: bool = False) -> bnb.nn.Params4bit:
+    """Quantize a (E, O, I) expert stack to a frozen bitsandbytes Params4bit (NF4, blocksize 64)."""
+    check_quantizable(tuple(weight.shape))
+    packed, state = bnbF.quantize_4bit(
+        weight.contiguous(),
+        blocksize=BLOCKSIZE,
+        quant_type="nf4",
+        compress_statistics=double_quant,
+        quant_storage=torch.uint8,
+    )
+    return bnb.nn.Params4bit(
+        packed,
+        requires_grad=False,
+        quant_state=state,
+        blocksize=BLOCKSIZE,
+        compress_statistics=double_quant,
+        quant_type="nf4",
+        quant_storage=torch.uint8,
+        bnb_quantized=True,
+    )
+
+
+def dequantize_expert_reference(stack: NF4Stack, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Pure-torch NF4 decode of expert e: (O, I). The oracle for bitsandbytes' and our kernels."""
+    codes = stack.expert_codes(e)
+    levels = torch.tensor(NF4_LEVELS, dtype=torch.float32, device=codes.device)
+    nibbles = torch.stack([codes >> 4, codes & 0x0F], dim=-1).reshape(-1).long()  # high nibble first
+    values = levels[nibbles].view(-1, stack.blocksize) * stack.expert_absmax(e)[:, None]
+    return values.view(stack.shape[1], stack.shape[2]).to(dtype)
+
+
+def dequantize_expert(stack: NF4Stack, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dequantize expert e with bitsandbytes' native kernel (CPU or CUDA): (O, I) in `dtype`."""
+    # Decoded as a flat vector, then viewed: bitsandbytes 0.50's CPU kernel mis-decodes 2D shapes whose
+    # last dimension is not a multiple of the blocksize (e.g. (64, 32)); flat shapes are always right.
+    state = bnbF.QuantState(
+        absmax=stack.expert_absmax(e),
+        shape=torch.Size([stack.expert_numel]),
+        code=bnbF.get_4bit_type("nf4", device=stack.packed.device),
+        blocksize=stack.blocksize,
+        quant_type="nf4",
+        dtype=dtype,
+    )
+    return bnbF.dequantize_4bit(stack.expert_codes(e), state).view(stack.shape[1], stack.shape[2])
+
+
+def dequantize_stack(stack: NF4Stack, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """All experts at once, (E, O, I): for tests and for building a dequantized reference model."""
+    return torch.stack([dequantize_expert(stack, e, dtype) for e in range(stack.num_experts)])
+
+
+def stack_nbytes(param: bnb.nn.Params4bit) -> int:
+    """Bytes held by a quantized stack: codes plus block scales (and nested scales)."""
+    qs = param.quant_state
+    total = param.data.numel() * param.data.element_size() + qs.absmax.numel() * qs.absmax.element_size()
+    if qs.nested:
+        total += qs.state2.absmax.numel() * qs.state2.absmax.element_size()
+    return total

@@ -1,0 +1,24 @@
+"""Shared fixtures: tiny MoE checkpoints generated with a fixed seed, saved in HF format."""
+
+import os
+
+import pytest
+import torch
+
+from moe_qlora.tiny import build_byte_tokenizer, save_tiny_model, tiny_mixtral_config
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Generated builtin models go to a per-session temp dir, never the user's cache."""
+    monkeypatch.setenv("MOE_QLORA_CACHE", str(tmp_path_factory.getbasetemp() / "moe-qlora-cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory):
+    """2 layers, 8 experts, top-2, hidden 64, expert intermediate 128: experts (64*128) fill whole NF4 blocks."""
+    path = tmp_path_factory.mktemp("tiny-mixtral")
+    tok = build_byte_tokenizer()
+    return save_tiny_model(path, tiny_mixtral_config(len(tok)), seed=0, tokenizer=tok)

@@ -1,0 +1,59 @@
+"""NF4 storage: our torch decoder against bitsandbytes' kernel, per-expert slicing, refusal of bad shapes."""
+
+import copy
+
+import bitsandbytes.functional as bnbF
+import pytest
+import torch
+
+from moe_qlora.nf4 import (
+    NF4Stack,
+    QuantizationLayoutError,
+    dequantize_expert,
+    dequantize_expert_reference,
+    dequantize_stack,
+    quantize_stack,
+)
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (3, 64, 32),  # one expert = 32 blocks
+        (5, 48, 40),  # 30 blocks per expert: expert slices straddle the 256-block nested groups
+        (1, 8, 8),  # a single block
+    ],
+)
+def test_per_expert_decode_equals_bitsandbytes_whole_stack(shape, double_quant):
+    torch.manual_seed(0)
+    w = torch.randn(shape) * 0.05
+    param = quantize_stack(w, double_quant=double_quant)
+    stack = NF4Stack.from_param(param)
+    # bitsandbytes decodes the full stack, flat (its CPU kernel mis-decodes last dims not a multiple of 64).
+    flat_state = copy.copy(param.quant_state)
+    flat_state.shape = torch.Size([w.numel()])
+    whole = bnbF.dequantize_4bit(param.data, flat_state).view(shape)
+    ours_ref = torch.stack([dequantize_expert_reference(stack, e) for e in range(shape[0])])
+    # Exact: both multiply the same fp32 level by the same fp32 scale.
+    torch.testing.assert_close(ours_ref, whole, rtol=0, atol=0)
+    torch.testing.assert_close(dequantize_stack(stack), whole, rtol=0, atol=0)
+    # NF4 is lossy: the error is bounded by half the widest gap between levels (0.304/2) times the block scale.
+    blocks = w.reshape(-1, 64)
+    err = (whole.reshape(-1, 64) - blocks).abs()
+    assert torch.all(err <= 0.1521 * blocks.abs().amax(-1, keepdim=True) + 1e-6)
+
+
+def test_decoder_detects_swapped_nibbles():
+    """Broken control: decoding the low nibble first must not match bitsandbytes."""
+    torch.manual_seed(0)
+    param = quantize_stack(torch.randn(2, 16, 64))
+    stack = NF4Stack.from_param(param)
+    swapped = NF4Stack(((stack.packed & 0x0F) << 4) | (stack.packed >> 4), stack.absmax, None, stack.shape)
+    assert not torch.equal(dequantize_expert_reference(swapped, 0), dequantize_expert(stack, 0))
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5), (4, 10)])
+def test_refuses_stacks_that_do_not_fill_blocks(shape):
+    with pytest.raises(QuantizationLayoutError, match="expert|3D"):
+        quantize_stack(torch.randn(shape))
