@@ -9,6 +9,7 @@ Shape letters: E experts, O rows (out features), I columns (in features), N = O 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import bitsandbytes as bnb
@@ -148,3 +149,12 @@ def stack_nbytes(param: bnb.nn.Params4bit) -> int:
     if qs.nested:
         total += qs.state2.absmax.numel() * qs.state2.absmax.element_size()
     return total
+
+
+def dequantize_param(param: bnb.nn.Params4bit, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Any bitsandbytes 4-bit parameter back to its full shape (decoded flat: see dequantize_expert)."""
+    state = copy.copy(param.quant_state)
+    shape = state.shape
+    state.shape = torch.Size([shape.numel()])
+    state.dtype = dtype
+    return bnbF.dequantize_4bit(param.data, state).view(shape)

@@ -1,0 +1,53 @@
+"""Attach the trainable adapters: PEFT LoRA on the 4-bit linears, ours on the NF4 experts.
+
+PEFT does LoRA on bitsandbytes Linear4bit well; for experts it would wrap full-precision 3D weights, so
+experts get `ExpertLoRA` (see experts.py). Everything else is frozen.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from peft import LoraConfig, get_peft_model
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from .config import LoraSection
+from .experts import ExpertLoRA, attach_expert_lora, experts_modules
+
+log = logging.getLogger(__name__)
+
+
+def attach_adapters(model, cfg: LoraSection, *, seed: int):
+    """Freeze the base model, add LoRA; returns the model to train (a PeftModel when linears are targeted)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if cfg.target_modules:
+        peft_config = LoraConfig(
+            r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules)
+        )
+        model = get_peft_model(model, peft_config)
+    if cfg.experts:
+        if not experts_modules(model):
+            log.warning("no MoE experts found: training LoRA on the linears only (plain QLoRA)")
+        attach_expert_lora(model, rank=cfg.rank, alpha=cfg.alpha, seed=seed)
+    return model
+
+
+def trainable_parameters(model) -> list:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def expert_loras(model) -> list[tuple[str, ExpertLoRA]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, ExpertLoRA)]
+
+
+def configure_checkpointing(model, *, enabled: bool, interval: int) -> int:
+    """Gradient checkpointing on every `interval`-th decoder layer; returns how many layers are checkpointed."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not enabled:
+        base.activation_checkpointing_disable()
+        return 0
+    base.activation_checkpointing_enable(
+        activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=interval
+    )
+    return sum(1 for m in base.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing)

@@ -1,0 +1,118 @@
+"""Command line: `moe-qlora train`, `moe-qlora check-norms`.
+
+A user error (bad config, bad data, missing model, unreadable adapter) prints one sentence and exits 2;
+`--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
+console = Console()
+err_console = Console(stderr=True)
+
+TRAIN_EPILOG = """Examples:
+
+  moe-qlora train --config configs/demo.yaml
+
+  moe-qlora train --config cfg.yaml --set train.lr=2e-4 --set lora.rank=16
+
+  moe-qlora train --config cfg.yaml --dry-run     # print the resolved config and stop
+"""
+
+
+def _quiet_libraries() -> None:
+    """Library chatter that says nothing to a user of this tool (progress bars we replace, hub fallbacks)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\.")
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    import datasets
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    from .config import ConfigError
+    from .data import DataError
+    from .diagnostics import AdapterReadError
+    from .experts import UnsupportedExpertsError
+    from .loading import ModelLoadError
+    from .nf4 import QuantizationLayoutError
+
+    return (ConfigError, DataError, AdapterReadError, ModelLoadError, UnsupportedExpertsError,
+            QuantizationLayoutError, FileNotFoundError)  # fmt: skip
+
+
+def _fail(exc: Exception, debug: bool) -> None:
+    if debug:
+        raise exc
+    err_console.print(f"[red]error:[/red] {exc}", highlight=False)
+    raise typer.Exit(2)
+
+
+@app.command(epilog=TRAIN_EPILOG)
+def train(
+    config: str = typer.Option(..., "--config", "-c", help="YAML run configuration"),
+    set_: list[str] = typer.Option([], "--set", help="override a key, e.g. --set train.lr=2e-4 (repeatable)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved configuration and exit"),
+    debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
+):
+    """Fine-tune a MoE model with QLoRA (experts frozen in NF4, per-expert LoRA)."""
+    _quiet_libraries()
+    from .config import load_config
+
+    try:
+        cfg = load_config(config, set_)
+    except _user_errors() as exc:
+        _fail(exc, debug)
+    if dry_run:
+        import yaml
+
+        console.print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), highlight=False)
+        return
+    from .trainer import train as run_training
+
+    try:
+        run_training(cfg, console)
+    except _user_errors() as exc:
+        _fail(exc, debug)
+
+
+@app.command("check-norms")
+def check_norms_cmd(
+    adapter: str = typer.Argument(..., help="adapter_model.safetensors, or the folder holding it"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+    debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
+):
+    """Norms of every LoRA factor (per expert for experts); exit 0 healthy, 1 problems, 2 unreadable."""
+    from .diagnostics import AdapterReadError, check_norms, render_table, report_json
+
+    try:
+        report = check_norms(adapter)
+    except AdapterReadError as exc:
+        _fail(exc, debug)
+    if as_json:
+        sys.stdout.write(report_json(report) + "\n")
+    else:
+        render_table(report, console)
+    raise typer.Exit(0 if report.healthy else 1)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""The run configuration: one YAML file, validated strictly, with `--set a.b=value` overrides.
+
+Every section is a pydantic model that forbids unknown keys. Errors name the file, the key path, its
+line in the YAML, what was expected and, for an unknown key, the nearest valid one.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message is meant for the user as is."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(Section):
+    name_or_path: str = Field(description="hub id, local HF checkpoint folder, or builtin:tiny-mixtral")
+    compute_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype of activations and dequantized experts; bfloat16 halves activation memory"
+    )
+    expert_double_quant: bool = Field(False, description="quantize the experts' block scales too (~3% smaller)")
+    linear_double_quant: bool = Field(False, description="double quantization for the 4-bit attention linears")
+    trust_remote_code: bool = Field(False, description="run model code shipped with the checkpoint")
+    strict_quantization: bool = Field(True, description="fail if any expert stack stays in high precision")
+
+
+class LoraSection(Section):
+    rank: int = Field(8, ge=1, le=1024, description="LoRA rank r for experts and linears")
+    alpha: float = Field(16.0, gt=0, description="LoRA scale is alpha / rank")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the linears' LoRA input (not experts)")
+    experts: bool = Field(True, description="per-expert LoRA on gate_up_proj and down_proj")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="nn.Linear names that get PEFT LoRA",
+    )
+
+    @model_validator(mode="after")
+    def _something_to_train(self):
+        if not self.experts and not self.target_modules:
+            raise ValueError("nothing to train: set lora.experts: true or list lora.target_modules")
+        return self
+
+
+class DataSection(Section):
+    train_files: list[str] = Field(min_length=1, description="JSONL, JSON or parquet files")
+    format: Literal["auto", "prompt_completion", "messages", "text"] = Field(
+        "auto", description="row format; auto decides per row from its keys"
+    )
+    train_on_prompt: bool = Field(False, description="also train on prompt tokens")
+    all_assistant_turns: bool = Field(False, description="messages: train on every assistant turn, not just the last")
+    max_seq_len: int = Field(512, ge=8, description="longer rows follow `overlength`")
+    overlength: Literal["truncate", "drop"] = Field("truncate", description="what to do with rows over max_seq_len")
+
+
+class TrainSection(Section):
+    objective: Literal["sft"] = "sft"
+    epochs: int = Field(1, ge=1)
+    max_steps: int = Field(0, ge=0, description="stop after this many optimizer steps (0: run all epochs)")
+    micro_batch_size: int = Field(4, ge=1)
+    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    lr: float = Field(2e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    gclip: float = Field(0.0, ge=0, description="clamp each gradient element to [-gclip, gclip]; 0 disables")
+    max_grad_norm: float = Field(0.0, ge=0, description="global-norm clipping before gclip; 0 disables")
+    schedule: Literal["constant", "linear", "cosine"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    gradient_checkpointing: bool = Field(True, description="recompute activations in backward: less memory")
+    checkpoint_interval: int = Field(1, ge=1, description="checkpoint every Nth decoder layer")
+    seed: int = 0
+    log_every: int = Field(1, ge=1)
+
+
+class OutputSection(Section):
+    dir: str = Field("runs/latest", description="metrics.jsonl and adapter/ go here")
+
+
+class RunConfig(Section):
+    model: ModelSection
+    lora: LoraSection = Field(default_factory=LoraSection)
+    data: DataSection
+    train: TrainSection = Field(default_factory=TrainSection)
+    output: OutputSection = Field(default_factory=OutputSection)
+
+
+def _section_at(path: tuple) -> type[BaseModel] | None:
+    """The pydantic model that holds the key at `path` (for suggesting the nearest valid key)."""
+    cls: Any = RunConfig
+    for part in path[:-1]:
+        field = cls.model_fields.get(part) if isinstance(part, str) else None
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return None
+        cls = field.annotation
+    return cls
+
+
+def _yaml_line(text: str | None, path: tuple) -> int | None:
+    """1-based line of the key at `path` in the YAML text, if it is there."""
+    if not text:
+        return None
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return None
+    line = None
+    for part in path:
+        if not isinstance(node, yaml.MappingNode):
+            break
+        match = next(((k, v) for k, v in node.value if k.value == str(part)), None)
+        if match is None:
+            break
+        line, node = match[0].start_mark.line + 1, match[1]
+    return line
+
+
+def _describe(err: dict, source: str, text: str | None) -> str:
+    path = tuple(err["loc"])
+    key = ".".join(str(p) for p in path)
+    line = _yaml_line(text, path)
+    where = f"{source}:{line}" if line else source
+    if err["type"] == "extra_forbidden":
+        section = _section_at(path)
+        valid = list(section.model_fields) if section else []
+        near = difflib.get_close_matches(str(path[-1]), valid, n=1)
+        hint = f"; did you mean {'.'.join([*map(str, path[:-1]), near[0]])!r}?" if near else ""
+        return f"{where}: unknown key {key!r}{hint} (valid here: {', '.join(valid)})"
+    if err["type"] == "missing":
+        return f"{where}: missing required key {key!r}"
+    got = err.get("input")
+    return f"{where}: {key}: {err['msg']} (got {got!r})" if path else f"{where}: {err['msg']}"
+
+
+def parse_overrides(pairs: list[str]) -> dict:
+    """['train.lr=2e-4', 'lora.rank=16'] -> nested dict; values parsed as YAML scalars/lists."""
+    out: dict = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {pair!r}: expected KEY.PATH=VALUE, e.g. --set train.lr=2e-4")
+        node = out
+        *parents, leaf = key.strip().split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {pair!r}: value is not valid YAML: {exc}") from None
+        # YAML 1.1 reads "2e-4" as a string; a number was clearly meant.
+        node[leaf] = _number_or(value)
+    return out
+
+
+def _number_or(value):
+    if isinstance(value, str):
+        try:
+            return float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _deep_merge(base: dict, extra: dict) -> dict:
+    merged = dict(base)
+    for k, v in extra.items():
+        merged[k] = _deep_merge(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
+    return merged
+
+
+def _numbers_in(obj):
+    """YAML 1.1 leaves 2e-4 (no dot) as a string: read such scalars as numbers before validation."""
+    if isinstance(obj, dict):
+        return {k: _numbers_in(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_numbers_in(v) for v in obj]
+    if isinstance(obj, str) and obj[:1].isdigit() and "e" in obj.lower():
+        return _number_or(obj)
+    return obj
+
+
+def validate_config(raw: dict, *, source: str = "<config>", text: str | None = None) -> RunConfig:
+    """Validate a raw mapping; all problems are reported at once, one line each."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections (model, lora, data, train, output)")
+    try:
+        return RunConfig.model_validate(_numbers_in(raw))
+    except ValidationError as exc:
+        lines = [_describe(e, source, text) for e in exc.errors()]
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read, merge overrides into, and validate a YAML config file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    if overrides:
+        raw = _deep_merge(raw, parse_overrides(overrides))
+    return validate_config(raw, source=str(path), text=text)

@@ -1,0 +1,232 @@
+"""SFT data: rows from JSONL/JSON/parquet (through `datasets`) to masked token sequences and batches.
+
+Row formats: {"prompt", "completion"} (or "response"), {"messages": [...]} through the tokenizer's chat
+template, and {"text"}. Labels are -100 where no loss is taken (the prompt, unless train_on_prompt).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config import DataSection
+
+IGNORE = -100
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class DataError(ValueError):
+    """A dataset row or file that cannot be trained on; names the file and row."""
+
+
+@dataclass(frozen=True)
+class Example:
+    """One tokenized row. input_ids, labels: (L,). `source` is 'file:row' for messages about it."""
+
+    input_ids: list[int]
+    labels: list[int]
+    source: str
+
+
+@dataclass
+class DataStats:
+    rows: int = 0
+    truncated: int = 0
+    dropped_overlength: int = 0
+    dropped_no_target: int = 0
+    target_tokens: int = 0
+    formats: dict[str, int] = field(default_factory=dict)
+
+
+def _reader_for(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        return "json"
+    if suffix == ".parquet":
+        return "parquet"
+    raise DataError(f"{path}: unsupported file type {suffix!r} (expected .jsonl, .json or .parquet)")
+
+
+def _first_bad_json_line(path: Path) -> str | None:
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    if not isinstance(json.loads(line), dict):
+                        return f"{path}:{n}: expected a JSON object per line"
+                except json.JSONDecodeError as exc:
+                    return f"{path}:{n}: not valid JSON ({exc.msg})"
+    return None
+
+
+def load_rows(files: list[str]) -> list[tuple[str, dict]]:
+    """All rows of all files, each with its 'file:row' (1-based) source, in file order."""
+    from datasets import load_dataset
+
+    rows = []
+    for name in files:
+        path = Path(name)
+        if not path.is_file():
+            raise DataError(f"{name}: data file not found")
+        reader = _reader_for(path)
+        try:
+            ds = load_dataset(reader, data_files=str(path), split="train")
+        except Exception as exc:  # datasets wraps parse errors in several types; find the line ourselves
+            bad = _first_bad_json_line(path) if path.suffix.lower() == ".jsonl" else None
+            raise DataError(bad or f"{name}: cannot be read as {reader}: {exc}") from None
+        rows.extend((f"{name}:{i + 1}", dict(row)) for i, row in enumerate(ds))
+    return rows
+
+
+def detect_format(row: dict, requested: str, source: str) -> str:
+    """The row's format: the requested one, or from its keys when 'auto'."""
+    present = {k for k, v in row.items() if v is not None}
+    if requested != "auto":
+        return requested
+    if "messages" in present:
+        return "messages"
+    if "prompt" in present and ({"completion", "response"} & present):
+        return "prompt_completion"
+    if "text" in present:
+        return "text"
+    raise DataError(
+        f"{source}: cannot tell the row format from keys {sorted(present)}; expected prompt+completion "
+        "(or prompt+response), messages, or text"
+    )
+
+
+def _text_field(row: dict, key: str, source: str) -> str:
+    value = row.get(key)
+    if not isinstance(value, str):
+        raise DataError(f"{source}: field {key!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _ids(enc) -> list[int]:
+    """Token ids from a tokenizer call or apply_chat_template (list or BatchEncoding)."""
+    return list(enc["input_ids"] if not isinstance(enc, list) else enc)
+
+
+def tokenize_prompt_completion(row, tokenizer, train_on_prompt, source):
+    completion_key = "completion" if row.get("completion") is not None else "response"
+    prompt, completion = _text_field(row, "prompt", source), _text_field(row, completion_key, source)
+    if not completion.strip():
+        raise DataError(f"{source}: empty {completion_key!r}: nothing to train on")
+    prompt_ids = _ids(tokenizer(prompt, add_special_tokens=True))
+    target_ids = _ids(tokenizer(completion, add_special_tokens=False)) + [tokenizer.eos_token_id]
+    prompt_labels = prompt_ids if train_on_prompt else [IGNORE] * len(prompt_ids)
+    return prompt_ids + target_ids, prompt_labels + target_ids
+
+
+def _check_messages(messages, source):
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{source}: 'messages' must be a non-empty list of {{role, content}}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise DataError(f"{source}: messages[{i}] must have role in {ROLES} and string content, got {m!r}")
+    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not assistant:
+        raise DataError(f"{source}: no assistant turn to train on")
+    if not messages[assistant[-1]]["content"].strip():
+        raise DataError(f"{source}: the last assistant turn is empty")
+    return assistant
+
+
+def tokenize_messages(row, tokenizer, train_on_prompt, all_turns, source):
+    """Targets are assistant turns: the tokens between the generation prompt and the end of the turn.
+
+    Spans come from rendering conversation prefixes, which needs a template whose render of a prefix is
+    a prefix of the full render (true of common chat templates); a template that is not is refused.
+    """
+    messages = row["messages"]
+    assistant = _check_messages(messages, source)
+    full = _ids(tokenizer.apply_chat_template(messages, tokenize=True))
+    labels = list(full) if train_on_prompt else [IGNORE] * len(full)
+    for i in assistant if all_turns else assistant[-1:]:
+        start = len(_ids(tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=True)))
+        end_ids = _ids(tokenizer.apply_chat_template(messages[: i + 1], tokenize=True))
+        if full[: len(end_ids)] != end_ids or end_ids[:start] != full[:start]:
+            raise DataError(f"{source}: the chat template does not render conversation prefixes as prefixes")
+        labels[start : len(end_ids)] = full[start : len(end_ids)]
+    return full, labels
+
+
+def tokenize_text(row, tokenizer, source):
+    text = _text_field(row, "text", source)
+    if not text.strip():
+        raise DataError(f"{source}: empty 'text'")
+    ids = _ids(tokenizer(text, add_special_tokens=True)) + [tokenizer.eos_token_id]
+    return ids, list(ids)
+
+
+def tokenize_row(row: dict, tokenizer, cfg: DataSection, source: str, stats: DataStats) -> Example | None:
+    """One row to an Example, applying max_seq_len; None (counted in stats) when the row is dropped."""
+    fmt = detect_format(row, cfg.format, source)
+    stats.formats[fmt] = stats.formats.get(fmt, 0) + 1
+    if fmt == "prompt_completion":
+        ids, labels = tokenize_prompt_completion(row, tokenizer, cfg.train_on_prompt, source)
+    elif fmt == "messages":
+        if "messages" not in row:
+            raise DataError(f"{source}: format 'messages' needs a 'messages' field")
+        ids, labels = tokenize_messages(row, tokenizer, cfg.train_on_prompt, cfg.all_assistant_turns, source)
+    else:
+        ids, labels = tokenize_text(row, tokenizer, source)
+    if len(ids) > cfg.max_seq_len:
+        if cfg.overlength == "drop":
+            stats.dropped_overlength += 1
+            return None
+        stats.truncated += 1
+        ids, labels = ids[: cfg.max_seq_len], labels[: cfg.max_seq_len]
+    # The label of position t is predicted from position t-1: the first label is never used.
+    n_targets = sum(1 for t in labels[1:] if t != IGNORE)
+    if n_targets == 0:
+        stats.dropped_no_target += 1  # never trained on as a zero loss
+        return None
+    stats.target_tokens += n_targets
+    return Example(ids, labels, source)
+
+
+def build_examples(cfg: DataSection, tokenizer) -> tuple[list[Example], DataStats]:
+    stats = DataStats()
+    examples = []
+    for source, row in load_rows(cfg.train_files):
+        stats.rows += 1
+        ex = tokenize_row(row, tokenizer, cfg, source, stats)
+        if ex is not None:
+            examples.append(ex)
+    if not examples:
+        raise DataError(
+            f"no trainable rows in {', '.join(cfg.train_files)} ({stats.rows} read, "
+            f"{stats.dropped_overlength} over max_seq_len, {stats.dropped_no_target} with no target left)"
+        )
+    return examples, stats
+
+
+def epoch_order(num_examples: int, *, seed: int, epoch: int) -> list[int]:
+    """The shuffled order of one epoch: a function of (seed, epoch) only, so a run is reproducible."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_examples, generator=g).tolist()
+
+
+def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch: input_ids, labels (-100 on padding), attention_mask, all (B, L)."""
+    length = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), length), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(examples), length), dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids[i, :n] = torch.tensor(e.input_ids)
+        labels[i, :n] = torch.tensor(e.labels)
+        mask[i, :n] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def micro_batches(examples: list[Example], order: list[int], size: int) -> Iterator[list[Example]]:
+    """Consecutive groups of `size` examples in `order` (the last may be smaller)."""
+    for i in range(0, len(order), size):
+        yield [examples[j] for j in order[i : i + size]]

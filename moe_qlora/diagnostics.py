@@ -1,0 +1,202 @@
+"""`check-norms`: the health of a LoRA adapter, read from its tensors alone (no model code runs).
+
+For every module (and every expert of an expert stack): ||A||, ||B|| and ||scale * B A|| (Frobenius).
+The last is computed without forming B A: ||B A||_F^2 = trace((A A^T)(B^T B)), r x r matrices only.
+Flags: NaN/Inf, B all zero (never trained), and updates over OUTLIER_FACTOR times the median of the
+same module across layers and experts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+OUTLIER_FACTOR = 10.0
+MIN_GROUP_FOR_OUTLIERS = 4
+PARAM_ORDER = ("gate_up_proj", "down_proj")  # PEFT nests wrappers in this order: gate_up_proj innermost
+
+
+class AdapterReadError(ValueError):
+    """The file cannot be read as a LoRA adapter (exit code 2)."""
+
+
+@dataclass
+class NormRow:
+    module: str
+    expert: int | None
+    norm_a: float
+    norm_b: float
+    norm_delta: float
+    issues: list[str] = field(default_factory=list)
+
+
+@dataclass
+class NormReport:
+    adapter: str
+    scale: float
+    scale_known: bool
+    rows: list[NormRow]
+
+    @property
+    def problems(self) -> list[str]:
+        return [f"{r.module}{'' if r.expert is None else f' expert {r.expert}'}: {i}" for r in self.rows for i in r.issues]
+
+    @property
+    def healthy(self) -> bool:
+        return not self.problems
+
+
+def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | None, Path]:
+    """Tensors of an adapter file (or folder) and its adapter_config.json when present beside it."""
+    path = Path(path)
+    weights = path / "adapter_model.safetensors" if path.is_dir() else path
+    if not weights.is_file():
+        raise AdapterReadError(f"{path}: no such adapter file")
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise AdapterReadError(f"{weights}: not a readable safetensors file ({exc})") from None
+    config_path = weights.parent / "adapter_config.json"
+    config = None
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise AdapterReadError(f"{config_path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    return tensors, config, weights
+
+
+def pair_factors(tensors: dict[str, torch.Tensor], source: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{module: (A (r*, in), B (out, r*))} from '<module>.lora_A.weight' / '<module>.lora_B.weight' keys."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = re.fullmatch(r"(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
+        if m:
+            pairs.setdefault(m.group(1), {})[m.group(2)] = t
+    if not pairs:
+        raise AdapterReadError(f"{source}: no lora_A / lora_B tensors: not a LoRA adapter")
+    out = {}
+    for module, ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise AdapterReadError(f"{source}: {module} has lora_{''.join(ab)} but not both lora_A and lora_B")
+        a, b = ab["A"], ab["B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise AdapterReadError(
+                f"{source}: {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not multiply"
+            )
+        out[module] = (a.double(), b.double())
+    return out
+
+
+def _scale(config: dict | None) -> tuple[float, bool]:
+    if not config or "r" not in config or "lora_alpha" not in config:
+        return 1.0, False
+    r, alpha = config["r"], config["lora_alpha"]
+    return (alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r), True
+
+
+def _module_label(module: str, config: dict | None) -> str:
+    """Readable name: prefix dropped; an expert wrapper named by the parameter it adapts."""
+    name = module.removeprefix("base_model.model.")
+    depth = 0
+    while name.endswith(".base_layer"):
+        name, depth = name.removesuffix(".base_layer"), depth + 1
+    targets = [t for t in (config or {}).get("target_parameters") or [] if name.endswith(t.rsplit(".", 1)[0])]
+    params = [p for p in PARAM_ORDER if any(t.endswith("." + p) for t in targets)]
+    if params and depth < len(params):
+        return f"{name}.{params[len(params) - 1 - depth]}"
+    return module.removeprefix("base_model.model.")
+
+
+def _frobenius_delta(a: torch.Tensor, b: torch.Tensor) -> float:
+    return math.sqrt(max(0.0, float(torch.trace((a @ a.T) @ (b.T @ b)))))
+
+
+def _factor_issues(a: torch.Tensor, b: torch.Tensor) -> list[str]:
+    issues = []
+    for name, t in (("A", a), ("B", b)):
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            issues.append(f"{bad} NaN/Inf values in lora_{name}")
+    if torch.isfinite(b).all() and not bool(b.any()):
+        issues.append("lora_B is all zero (never trained)")
+    return issues
+
+
+def module_rows(label: str, a, b, *, rank: int | None, scale: float) -> list[NormRow]:
+    """One row, or one per expert when the factors stack E experts (A: (r*E, in), B: (out, r*E))."""
+    experts = a.shape[0] // rank if rank and a.shape[0] > rank and a.shape[0] % rank == 0 else 1
+    rows = []
+    for e in range(experts):
+        ae = a[e * rank : (e + 1) * rank] if experts > 1 else a
+        be = b.view(b.shape[0], rank, experts)[:, :, e] if experts > 1 else b  # columns j*E + e
+        rows.append(NormRow(
+            module=label, expert=e if experts > 1 else None,
+            norm_a=float(ae.norm()), norm_b=float(be.norm()), norm_delta=scale * _frobenius_delta(ae, be),
+            issues=_factor_issues(ae, be),
+        ))  # fmt: skip
+    return rows
+
+
+def flag_outliers(rows: list[NormRow]) -> None:
+    """Mark updates far above the rest of the same module kind (across layers and experts)."""
+    groups: dict[str, list[NormRow]] = {}
+    for r in rows:
+        groups.setdefault(re.sub(r"\.\d+\.", ".*.", r.module), []).append(r)
+    for group in groups.values():
+        finite = [r.norm_delta for r in group if math.isfinite(r.norm_delta)]
+        if len(finite) < MIN_GROUP_FOR_OUTLIERS:
+            continue
+        median = statistics.median(finite)
+        for r in group:
+            if median > 0 and math.isfinite(r.norm_delta) and r.norm_delta > OUTLIER_FACTOR * median:
+                r.issues.append(f"||scale*BA|| {r.norm_delta:.3g} is over {OUTLIER_FACTOR:g}x the median {median:.3g}")
+
+
+def check_norms(path: str | Path) -> NormReport:
+    tensors, config, weights = read_adapter(path)
+    scale, known = _scale(config)
+    rank = (config or {}).get("r")
+    rows = []
+    for module, (a, b) in pair_factors(tensors, weights).items():
+        rows.extend(module_rows(_module_label(module, config), a, b, rank=rank, scale=scale))
+    flag_outliers(rows)
+    return NormReport(adapter=str(weights), scale=scale, scale_known=known, rows=rows)
+
+
+def report_json(report: NormReport) -> str:
+    def finite(x):
+        return x if isinstance(x, float) and math.isfinite(x) else None if isinstance(x, float) else x
+
+    rows = [{k: finite(v) for k, v in asdict(r).items()} for r in report.rows]
+    return json.dumps(
+        {"adapter": report.adapter, "scale": report.scale, "scale_known": report.scale_known,
+         "healthy": report.healthy, "problems": report.problems, "rows": rows},
+        indent=2,
+    )  # fmt: skip
+
+
+def render_table(report: NormReport, console) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"LoRA norms: {report.adapter}", show_lines=False)
+    for col in ("module", "expert", "||A||", "||B||", "||scale*BA||", "issues"):
+        table.add_column(col, justify="left" if col in ("module", "issues") else "right", overflow="fold")
+    for r in report.rows:
+        table.add_row(
+            r.module, "" if r.expert is None else str(r.expert), f"{r.norm_a:.4g}", f"{r.norm_b:.4g}",
+            f"{r.norm_delta:.4g}", "[red]" + "; ".join(r.issues) if r.issues else "[green]ok",
+        )  # fmt: skip
+    console.print(table)
+    if not report.scale_known:
+        console.print("[yellow]no adapter_config.json beside the file: scale taken as 1 and experts not split")
+    verdict = "[green]healthy" if report.healthy else f"[red]{len(report.problems)} problem(s)"
+    console.print(f"{len(report.rows)} rows, scale {report.scale:g}: {verdict}")

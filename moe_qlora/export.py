@@ -1,0 +1,113 @@
+"""Export adapters in PEFT's own format, experts in the layout PEFT uses for `target_parameters`.
+
+PEFT wraps a 3D expert parameter (E, out, in) in a ParamWrapper holding
+  lora_A: Linear(in, r*E), weight (r*E, in), rows expert-major: row e*r + j is A_e[j];
+  lora_B: Linear(r*E, out), weight (out, r*E), columns rank-major: column j*E + e is B_e[:, j]
+(ParamWrapper.get_delta_weight reshapes A to (E, r, in) and B to (out, r, E)). One wrapper is nested per
+targeted parameter, in the module's parameter order: gate_up_proj is the inner one, reached as `base_layer`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model_state_dict
+from safetensors.torch import save_file
+
+from .config import LoraSection
+from .experts import ExpertLoRA, experts_modules
+from .fileio import atomic_dir
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+# Keys of each expert LoRA factor relative to the experts module, in PEFT's nesting.
+PEFT_EXPERT_KEYS = {
+    "gate_up_a": "base_layer.lora_A.weight",
+    "gate_up_b": "base_layer.lora_B.weight",
+    "down_a": "lora_A.weight",
+    "down_b": "lora_B.weight",
+}
+
+
+def expert_lora_to_peft(lora: ExpertLoRA) -> dict[str, torch.Tensor]:
+    """Our (E, r, in) / (E, out, r) factors as PEFT's flat lora_A / lora_B weights."""
+    out = {}
+    for name, key in PEFT_EXPERT_KEYS.items():
+        t = getattr(lora, name).detach()
+        e, d0, d1 = t.shape
+        out[key] = t.reshape(e * d0, d1) if name.endswith("_a") else t.permute(1, 2, 0).reshape(d0, d1 * e)
+    return {k: v.contiguous().float() for k, v in out.items()}
+
+
+def peft_to_expert_lora(tensors: dict[str, torch.Tensor], lora: ExpertLoRA) -> None:
+    """Load PEFT-layout expert factors (keys as in PEFT_EXPERT_KEYS) into `lora`, in place."""
+    for name, key in PEFT_EXPERT_KEYS.items():
+        param = getattr(lora, name)
+        e, d0, d1 = param.shape
+        t = tensors[key]
+        value = t.reshape(e, d0, d1) if name.endswith("_a") else t.reshape(d0, d1, e).permute(2, 0, 1)
+        with torch.no_grad():
+            param.copy_(value)
+
+
+def _peft_prefix(model) -> str:
+    return "" if isinstance(model, PeftModel) else "base_model.model."
+
+
+def adapter_state_dict(model) -> dict[str, torch.Tensor]:
+    """Every LoRA tensor of `model` under the key PEFT's `PeftModel.from_pretrained` expects."""
+    state = {}
+    if isinstance(model, PeftModel):
+        state.update({k: v.detach().float() for k, v in get_peft_model_state_dict(model).items() if "moe_lora" not in k})
+    prefix = _peft_prefix(model)
+    for name, module in experts_modules(model):
+        lora = getattr(module, "moe_lora", None)
+        if lora is not None:
+            state.update({f"{prefix}{name}.{k}": v for k, v in expert_lora_to_peft(lora).items()})
+    return state
+
+
+def target_parameter_names(model) -> list[str]:
+    """PEFT target_parameters for the experts, e.g. ['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']."""
+    names = set()
+    for name, module in experts_modules(model):
+        if getattr(module, "moe_lora", None) is not None:
+            inner = re.sub(r"^.*\.layers\.\d+\.", "", name)
+            names.update({f"{inner}.gate_up_proj", f"{inner}.down_proj"})
+    return sorted(names)
+
+
+def adapter_config(model, cfg: LoraSection, base_model_name_or_path: str) -> LoraConfig:
+    return LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules) or None,
+        target_parameters=target_parameter_names(model) or None,
+        base_model_name_or_path=base_model_name_or_path,
+        task_type="CAUSAL_LM",
+    )
+
+
+def save_adapter(model, out_dir: str | Path, *, cfg: LoraSection, base_model_name_or_path: str) -> Path:
+    """Write adapter_model.safetensors + adapter_config.json atomically into `out_dir`."""
+    state = adapter_state_dict(model)
+    config = adapter_config(model, cfg, base_model_name_or_path)
+    with atomic_dir(out_dir) as tmp:
+        save_file(state, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        config_dict = config.to_dict()
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(_jsonable(config_dict), indent=2, sort_keys=True))
+    return Path(out_dir)
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set)):
+        return [_jsonable(v) for v in (sorted(obj) if isinstance(obj, set) else obj)]
+    if hasattr(obj, "value"):  # enums
+        return obj.value
+    return obj

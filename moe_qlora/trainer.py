@@ -1,0 +1,182 @@
+"""The SFT loop: token-normalised loss over accumulated micro-batches, clipping, schedule, logging, export.
+
+One optimizer step sees `grad_accum` micro-batches; each contributes sum(token losses) / N where N is the
+number of target tokens in the whole step, so the step's gradient equals that of one big batch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from transformers import AutoTokenizer
+
+from .adapters import attach_adapters, configure_checkpointing, trainable_parameters
+from .config import RunConfig
+from .data import IGNORE, Example, build_examples, collate, epoch_order, micro_batches
+from .export import save_adapter
+from .loading import LoadOptions, load_model, parameter_bytes_by_kind
+from .optim import build_optimizer, clip_global_norm, lr_multiplier
+from .tiny import resolve_model_path
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class MetricsLog:
+    """Append-only JSONL of metrics, one object a line, flushed at once (a crash keeps what was logged)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = path.open("a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record, allow_nan=True) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    losses: list[float]
+    adapter_dir: Path
+    metrics_path: Path
+
+
+def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Sum of next-token cross-entropies over target positions, and their count. logits: (B, L, V)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    targets = batch["labels"][:, 1:]
+    loss = F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
+    )
+    return loss, int((targets != IGNORE).sum())
+
+
+def optimizer_steps(examples: list[Example], cfg: RunConfig):
+    """Yield (epoch, [micro-batches]) per optimizer step, each epoch in its own seeded order."""
+    t = cfg.train
+    for epoch in range(t.epochs):
+        order = epoch_order(len(examples), seed=t.seed, epoch=epoch)
+        group = []
+        for mb in micro_batches(examples, order, t.micro_batch_size):
+            group.append(mb)
+            if len(group) == t.grad_accum:
+                yield epoch, group
+                group = []
+        if group:
+            yield epoch, group
+
+
+def count_steps(num_examples: int, cfg: RunConfig) -> int:
+    t = cfg.train
+    per_epoch = math.ceil(math.ceil(num_examples / t.micro_batch_size) / t.grad_accum)
+    total = per_epoch * t.epochs
+    return min(total, t.max_steps) if t.max_steps else total
+
+
+def train_step(model, optimizer, group, pad_id: int, train_cfg) -> dict:
+    """One optimizer step over the micro-batches in `group`; returns its metrics."""
+    batches = [collate(mb, pad_id) for mb in group]
+    n_targets = sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in batches)
+    total = 0.0
+    for batch in batches:
+        loss_sum, _ = token_loss_sum(model, batch)
+        (loss_sum / n_targets).backward()
+        total += float(loss_sum.detach())
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    grad_norm = clip_global_norm(params, train_cfg.max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+    return {"loss": total / n_targets, "grad_norm": grad_norm, "target_tokens": n_targets, "tokens": tokens}
+
+
+def prepare(cfg: RunConfig, console: Console):
+    """Tokenizer, data, quantized model with adapters, optimizer and schedule for a run."""
+    model_path = resolve_model_path(cfg.model.name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    examples, stats = build_examples(cfg.data, tokenizer)
+    console.print(
+        f"data: {stats.rows} rows -> {len(examples)} examples, {stats.target_tokens} target tokens; "
+        f"truncated {stats.truncated}, dropped {stats.dropped_overlength} over max_seq_len and "
+        f"{stats.dropped_no_target} with no target left; formats {stats.formats}"
+    )
+    opts = LoadOptions(
+        name_or_path=model_path,
+        compute_dtype=DTYPES[cfg.model.compute_dtype],
+        expert_double_quant=cfg.model.expert_double_quant,
+        linear_double_quant=cfg.model.linear_double_quant,
+        trust_remote_code=cfg.model.trust_remote_code,
+        strict=cfg.model.strict_quantization,
+    )
+    model = attach_adapters(load_model(opts), cfg.lora, seed=cfg.train.seed)
+    n_ckpt = configure_checkpointing(
+        model, enabled=cfg.train.gradient_checkpointing, interval=cfg.train.checkpoint_interval
+    )
+    params = trainable_parameters(model)
+    if not params:
+        raise ValueError("no trainable parameters: lora.target_modules matched nothing and the model has no experts")
+    sizes = parameter_bytes_by_kind(model)
+    console.print(
+        "model: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sizes.items())
+        + f"; {sum(p.numel() for p in params):,} trainable parameters; {n_ckpt} layers checkpointed"
+    )
+    return model_path, tokenizer, examples, model, params
+
+
+def train(cfg: RunConfig, console: Console | None = None) -> TrainResult:
+    """Run SFT as configured: returns the per-step losses and where the adapter and metrics went."""
+    console = console or Console()
+    torch.manual_seed(cfg.train.seed)
+    out = Path(cfg.output.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model_path, tokenizer, examples, model, params = prepare(cfg, console)
+    optimizer = build_optimizer(params, cfg.train)
+    total = count_steps(len(examples), cfg)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: lr_multiplier(
+            s, total_steps=total, warmup_steps=cfg.train.warmup_steps, schedule=cfg.train.schedule
+        ),
+    )
+    metrics = MetricsLog(out / "metrics.jsonl")
+    model.train()
+    losses, start = [], time.perf_counter()
+    columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+               TimeRemainingColumn()]  # fmt: skip
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("train", total=total, info="")
+        for step, (epoch, group) in enumerate(optimizer_steps(examples, cfg)):
+            if step >= total:
+                break
+            t0 = time.perf_counter()
+            lr = optimizer.param_groups[0]["lr"]
+            record = train_step(model, optimizer, group, tokenizer.pad_token_id, cfg.train)
+            schedule.step()
+            dt = time.perf_counter() - t0
+            losses.append(record["loss"])
+            record.update(step=step + 1, epoch=epoch, lr=lr, step_time_s=dt, tokens_per_s=record["tokens"] / dt,
+                          elapsed_s=time.perf_counter() - start)  # fmt: skip
+            if (step + 1) % cfg.train.log_every == 0 or step + 1 == total:
+                metrics.write(record)
+            progress.update(
+                task, advance=1, info=f"loss {record['loss']:.4f}  lr {lr:.2e}  {record['tokens_per_s']:.0f} tok/s"
+            )
+    metrics.close()
+    adapter_dir = save_adapter(model, out / "adapter", cfg=cfg.lora, base_model_name_or_path=model_path)
+    console.print(f"adapter: {adapter_dir}  metrics: {metrics.path}")
+    return TrainResult(steps=len(losses), losses=losses, adapter_dir=adapter_dir, metrics_path=metrics.path)

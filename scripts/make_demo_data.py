@@ -1,0 +1,48 @@
+"""Regenerate data/demo_*.jsonl: small tasks a tiny byte-level MoE can learn in minutes on a CPU.
+
+    python scripts/make_demo_data.py
+"""
+
+import json
+import random
+from pathlib import Path
+
+WORDS = (
+    "apple river stone cloud tiger piano orange garden silver rocket candle forest "
+    "window spider marble pencil dragon violet summer winter yellow basket castle dolphin"
+).split()
+
+
+def sft_rows(rng):
+    rows = []
+    for w in WORDS:
+        rows.append({"prompt": f"Reverse: {w}\n", "completion": f"{w[::-1]}"})
+        rows.append({"prompt": f"Upper: {w}\n", "completion": f"{w.upper()}"})
+    for _ in range(40):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        rows.append({"prompt": f"Add: {a}+{b}\n", "response": f"{a + b}"})  # llama.cpp's qlora sample key
+    rng.shuffle(rows)
+    return rows
+
+
+def chat_rows(rng):
+    rows = []
+    for w in rng.sample(WORDS, 16):
+        rows.append({"messages": [
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": f"First letter of {w}?"},
+            {"role": "assistant", "content": w[0]},
+        ]})  # fmt: skip
+    return rows
+
+
+def main():
+    rng = random.Random(0)
+    out = Path(__file__).resolve().parent.parent / "data"
+    for name, rows in (("demo_sft.jsonl", sft_rows(rng)), ("demo_chat.jsonl", chat_rows(rng))):
+        (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        print(f"{out / name}: {len(rows)} rows")
+
+
+if __name__ == "__main__":
+    main()
