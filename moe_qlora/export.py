@@ -18,7 +18,7 @@ from peft import LoraConfig, PeftModel, get_peft_model_state_dict
 from safetensors.torch import save_file
 
 from .config import LoraSection
-from .experts import ExpertLoRA, experts_modules
+from .experts import ExpertLoRA, experts_modules  # noqa: F401 (ExpertLoRA re-exported for tests)
 from .fileio import atomic_dir
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -111,3 +111,19 @@ def _jsonable(obj):
     if hasattr(obj, "value"):  # enums
         return obj.value
     return obj
+
+
+def dequantized_base_state_dict(model, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The base model's weights as the training model sees them (4-bit ones dequantized), under the
+    names of the plain transformers model: what a merge, or an exact reference model, starts from."""
+    import bitsandbytes as bnb
+
+    from .nf4 import dequantize_param
+
+    state = {}
+    for name, p in model.named_parameters():
+        if "lora" in name:
+            continue
+        key = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        state[key] = dequantize_param(p, dtype) if isinstance(p, bnb.nn.Params4bit) else p.detach().to(dtype)
+    return state

@@ -137,11 +137,24 @@ def load_model(opts: LoadOptions):
         trust_remote_code=opts.trust_remote_code,
         use_safetensors=True,
     )
+    if opts.compute_dtype != torch.bfloat16:
+        keep_linears_in_compute_dtype(model)
     if opts.strict:
         assert_experts_quantized(model)
     if experts_modules(model):
         apply_moe_qlora_experts(model)
     return model
+
+
+def keep_linears_in_compute_dtype(model) -> None:
+    """Stop bitsandbytes from switching 4-bit linears to its bf16 CPU kernel in eval mode.
+
+    On AVX512-BF16 CPUs, Linear4bit (eval mode, no grad) repacks its weight in place and computes in
+    bf16 whatever compute dtype was asked; an fp32 run must stay fp32 in training and in generation.
+    """
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
 
 
 def assert_experts_quantized(model) -> None:

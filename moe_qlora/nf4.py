@@ -153,8 +153,12 @@ def stack_nbytes(param: bnb.nn.Params4bit) -> int:
 
 def dequantize_param(param: bnb.nn.Params4bit, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Any bitsandbytes 4-bit parameter back to its full shape (decoded flat: see dequantize_expert)."""
-    state = copy.copy(param.quant_state)
+    data, state = param.data, param.quant_state
+    if getattr(state, "packing_format_for_cpu", False):
+        # bitsandbytes repacked this weight for its bf16 CPU inference kernel: back to the standard layout.
+        data, state = bnbF._convert_weight_packed_for_cpu_inverse(data.clone(), copy.deepcopy(state))
+    state = copy.copy(state)
     shape = state.shape
     state.shape = torch.Size([shape.numel()])
     state.dtype = dtype
-    return bnbF.dequantize_4bit(param.data, state).view(shape)
+    return bnbF.dequantize_4bit(data, state).view(shape)

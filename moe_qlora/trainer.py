@@ -23,7 +23,7 @@ from .adapters import attach_adapters, configure_checkpointing, trainable_parame
 from .config import RunConfig
 from .data import IGNORE, Example, build_examples, collate, epoch_order, micro_batches
 from .export import save_adapter
-from .loading import LoadOptions, load_model, parameter_bytes_by_kind
+from .loading import LoadOptions, check_model_path, load_model, parameter_bytes_by_kind
 from .optim import build_optimizer, clip_global_norm, lr_multiplier
 from .tiny import resolve_model_path
 
@@ -86,26 +86,34 @@ def count_steps(num_examples: int, cfg: RunConfig) -> int:
     return min(total, t.max_steps) if t.max_steps else total
 
 
-def train_step(model, optimizer, group, pad_id: int, train_cfg) -> dict:
-    """One optimizer step over the micro-batches in `group`; returns its metrics."""
-    batches = [collate(mb, pad_id) for mb in group]
+def accumulate_gradients(model, batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
+    """Backward over micro-batches, each scaled by 1/N with N the target tokens of all of them together,
+    so the gradient is that of the mean token loss over the whole step. Returns (mean loss, N)."""
     n_targets = sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in batches)
     total = 0.0
     for batch in batches:
         loss_sum, _ = token_loss_sum(model, batch)
         (loss_sum / n_targets).backward()
         total += float(loss_sum.detach())
+    return total / n_targets, n_targets
+
+
+def train_step(model, optimizer, group, pad_id: int, train_cfg) -> dict:
+    """One optimizer step over the micro-batches in `group`; returns its metrics."""
+    batches = [collate(mb, pad_id) for mb in group]
+    loss, n_targets = accumulate_gradients(model, batches)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     grad_norm = clip_global_norm(params, train_cfg.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
-    return {"loss": total / n_targets, "grad_norm": grad_norm, "target_tokens": n_targets, "tokens": tokens}
+    return {"loss": loss, "grad_norm": grad_norm, "target_tokens": n_targets, "tokens": tokens}
 
 
 def prepare(cfg: RunConfig, console: Console):
     """Tokenizer, data, quantized model with adapters, optimizer and schedule for a run."""
     model_path = resolve_model_path(cfg.model.name_or_path)
+    check_model_path(model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -1,0 +1,88 @@
+"""check-norms on synthetic adapters in PEFT's layout: per-expert split, flags, exit codes."""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from moe_qlora.cli import app
+from moe_qlora.diagnostics import check_norms
+
+E, R, H, I = 4, 2, 16, 8
+PREFIX = "base_model.model.model.layers"
+
+
+def make_adapter(tmp_path, *, layers=2, mutate=None, config=True):
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for layer in range(layers):
+        experts = f"{PREFIX}.{layer}.mlp.experts"
+        shapes = {
+            f"{experts}.base_layer.lora_A.weight": (R * E, H), f"{experts}.base_layer.lora_B.weight": (2 * I, R * E),
+            f"{experts}.lora_A.weight": (R * E, I), f"{experts}.lora_B.weight": (H, R * E),
+            f"{PREFIX}.{layer}.self_attn.q_proj.lora_A.weight": (R, H),
+            f"{PREFIX}.{layer}.self_attn.q_proj.lora_B.weight": (H, R),
+        }  # fmt: skip
+        tensors.update({k: torch.randn(s, generator=g) * 0.1 for k, s in shapes.items()})
+    if mutate:
+        mutate(tensors)
+    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    if config:
+        cfg = {"r": R, "lora_alpha": 4, "target_parameters": ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]}
+        (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+def run(*args):
+    return CliRunner().invoke(app, ["check-norms", *map(str, args)])
+
+
+def test_rows_per_expert_with_exact_norms(tmp_path):
+    adapter = make_adapter(tmp_path)
+    report = check_norms(adapter)
+    gate_up = [r for r in report.rows if r.module == "model.layers.0.mlp.experts.gate_up_proj"]
+    assert [r.expert for r in gate_up] == list(range(E))
+    t = {k: v.double() for k, v in load_file(str(adapter / "adapter_model.safetensors")).items()}
+    a = t[f"{PREFIX}.0.mlp.experts.base_layer.lora_A.weight"][2 * R : 3 * R]  # expert 2: rows e*r..
+    b = t[f"{PREFIX}.0.mlp.experts.base_layer.lora_B.weight"].view(2 * I, R, E)[:, :, 2]  # columns j*E + e
+    assert gate_up[2].norm_delta == pytest.approx(2.0 * float((b @ a).norm()), rel=1e-9)  # scale 4/2
+    assert {r.module for r in report.rows} >= {"model.layers.1.mlp.experts.down_proj", "model.layers.1.self_attn.q_proj"}
+
+
+def test_healthy_adapter_exits_0_and_json_is_parseable(tmp_path):
+    adapter = make_adapter(tmp_path)
+    assert run(adapter).exit_code == 0
+    result = run(adapter / "adapter_model.safetensors", "--json")
+    assert result.exit_code == 0
+    assert json.loads(result.stdout)["healthy"] is True
+
+
+@pytest.mark.parametrize(
+    "name,mutate,problem",
+    [
+        ("nan", lambda t: t[f"{PREFIX}.1.self_attn.q_proj.lora_A.weight"].__setitem__((0, 3), math.nan), "NaN/Inf"),
+        ("zero_b", lambda t: t[f"{PREFIX}.0.mlp.experts.lora_B.weight"].view(H, R, E)[:, :, 1].zero_(), "all zero"),
+        ("outlier", lambda t: t[f"{PREFIX}.1.mlp.experts.lora_B.weight"].view(H, R, E)[:, :, 3].mul_(100), "median"),
+    ],
+)
+def test_problems_exit_1_and_name_the_expert(tmp_path, name, mutate, problem):
+    adapter = make_adapter(tmp_path, mutate=mutate)
+    result = run(adapter, "--json")
+    assert result.exit_code == 1
+    problems = json.loads(result.stdout)["problems"]
+    assert len(problems) == 1 and problem in problems[0]
+    if name == "zero_b":
+        assert problems[0].startswith("model.layers.0.mlp.experts.down_proj expert 1")
+
+
+def test_unreadable_or_non_adapter_files_exit_2(tmp_path):
+    (tmp_path / "garbage.safetensors").write_bytes(b"\x00\x01 not a safetensors file")
+    result = run(tmp_path / "garbage.safetensors")
+    assert result.exit_code == 2 and "not a readable safetensors file" in result.output
+    save_file({"model.embed.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
+    result = run(tmp_path / "model.safetensors")
+    assert result.exit_code == 2 and "not a LoRA adapter" in result.output
+    assert run(tmp_path / "missing.safetensors").exit_code == 2

@@ -1,0 +1,59 @@
+"""Strict config: unknown keys with the nearest valid one, wrong types with the key path and line."""
+
+from pathlib import Path
+
+import pytest
+
+from moe_qlora.config import ConfigError, load_config, parse_overrides
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write(tmp_path, text):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return path
+
+
+BASE = "model:\n  name_or_path: builtin:tiny-mixtral\ndata:\n  train_files: [a.jsonl]\n"
+
+
+def test_unknown_key_names_it_its_line_and_the_nearest_valid_key(tmp_path):
+    path = write(tmp_path, BASE + "train:\n  lr: 1.0e-4\n  micro_batchsize: 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    msg = str(err.value)
+    assert f"{path}:7: unknown key 'train.micro_batchsize'" in msg
+    assert "did you mean 'train.micro_batch_size'" in msg
+
+
+def test_wrong_type_and_range_name_the_key_path_and_expectation(tmp_path):
+    path = write(tmp_path, BASE + "lora:\n  rank: eight\ntrain:\n  gclip: -1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    msg = str(err.value)
+    assert f"{path}:6: lora.rank: Input should be a valid integer" in msg
+    assert f"{path}:8: train.gclip: Input should be greater than or equal to 0" in msg
+
+
+def test_missing_section_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="missing required key 'data'"):
+        load_config(write(tmp_path, "model:\n  name_or_path: x\n"))
+    with pytest.raises(ConfigError, match=r"cfg.yaml:2: not valid YAML"):
+        load_config(write(tmp_path, "model:\n  - : : [\n"))
+
+
+def test_set_overrides_merge_and_are_validated(tmp_path):
+    path = write(tmp_path, BASE)
+    cfg = load_config(path, ["train.lr=2e-4", "lora.rank=16", "lora.target_modules=[q_proj]"])
+    assert (cfg.train.lr, cfg.lora.rank, cfg.lora.target_modules) == (2e-4, 16, ["q_proj"])
+    with pytest.raises(ConfigError, match="unknown key 'train.lrr'"):
+        load_config(path, ["train.lrr=1"])
+    with pytest.raises(ConfigError, match="expected KEY.PATH=VALUE"):
+        parse_overrides(["train.lr"])
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_validate_and_say_how_to_run(path):
+    load_config(path)
+    assert path.read_text().startswith("# moe-qlora ")

@@ -1,0 +1,107 @@
+"""Row formats, loss masks, truncation accounting, the seeded epoch order, and clear data errors."""
+
+import json
+
+import pytest
+
+from moe_qlora.config import DataSection
+from moe_qlora.data import IGNORE, DataError, DataStats, build_examples, epoch_order, tokenize_row
+from moe_qlora.tiny import build_byte_tokenizer
+
+TOK = build_byte_tokenizer()
+
+
+def cfg(**kw):
+    return DataSection(train_files=["unused.jsonl"], **kw)
+
+
+def targets(example):
+    return TOK.decode([t for t in example.labels if t != IGNORE])
+
+
+def row(data, **kw):
+    return tokenize_row(data, TOK, cfg(**kw), "f.jsonl:1", DataStats())
+
+
+@pytest.mark.parametrize("key", ["completion", "response"])
+def test_prompt_completion_trains_on_completion_and_eos_only(key):
+    ex = row({"prompt": "Q: 2+2\n", key: "4"})
+    assert TOK.decode(ex.input_ids) == "Q: 2+2\n4<|eos|>"
+    assert targets(ex) == "4<|eos|>"
+
+
+def test_train_on_prompt_keeps_every_label():
+    ex = row({"prompt": "Q: 2+2\n", "completion": "4"}, train_on_prompt=True)
+    assert ex.labels == ex.input_ids
+
+
+MESSAGES = {"messages": [
+    {"role": "user", "content": "hi"}, {"role": "assistant", "content": "one"},
+    {"role": "user", "content": "again"}, {"role": "assistant", "content": "two"},
+]}  # fmt: skip
+
+
+def test_messages_train_on_last_assistant_turn_only():
+    ex = row(MESSAGES)
+    assert targets(ex) == "two<|end|>"
+    assert TOK.decode(ex.input_ids).startswith("<|user|>hi<|end|><|assistant|>one")
+
+
+def test_messages_all_assistant_turns_when_asked():
+    assert targets(row(MESSAGES, all_assistant_turns=True)) == "one<|end|>two<|end|>"
+
+
+def test_text_rows_train_on_everything():
+    ex = row({"text": "hello"})
+    assert targets(ex) == "hello<|eos|>"
+
+
+def test_truncation_is_counted_and_fully_masked_rows_are_dropped():
+    stats = DataStats()
+    c = cfg(max_seq_len=10)
+    kept = tokenize_row({"prompt": "ab", "completion": "cdefghijklmn"}, TOK, c, "f:1", stats)
+    dropped = tokenize_row({"prompt": "a" * 20, "completion": "b"}, TOK, c, "f:2", stats)
+    assert len(kept.input_ids) == 10 and dropped is None
+    assert (stats.truncated, stats.dropped_no_target) == (2, 1)
+    stats = DataStats()
+    assert tokenize_row({"prompt": "a" * 20, "completion": "b"}, TOK, cfg(max_seq_len=10, overlength="drop"),
+                        "f:3", stats) is None  # fmt: skip
+    assert stats.dropped_overlength == 1
+
+
+def test_epoch_order_is_seeded_and_changes_every_epoch():
+    assert epoch_order(50, seed=1, epoch=0) == epoch_order(50, seed=1, epoch=0)
+    assert epoch_order(50, seed=1, epoch=0) != epoch_order(50, seed=1, epoch=1)
+    assert epoch_order(50, seed=1, epoch=0) != epoch_order(50, seed=2, epoch=0)
+    assert sorted(epoch_order(50, seed=1, epoch=3)) == list(range(50))
+
+
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        ({"prompt": "x"}, "cannot tell the row format"),
+        ({"prompt": "x", "completion": "  "}, "empty 'completion'"),
+        ({"prompt": 3, "completion": "y"}, "'prompt' must be a string"),
+        ({"messages": [{"role": "user", "content": "x"}]}, "no assistant turn"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, r"messages\[0\] must have role"),
+    ],
+)
+def test_bad_rows_are_refused_naming_the_row(bad, message):
+    with pytest.raises(DataError, match=message) as err:
+        row(bad)
+    assert "f.jsonl:1" in str(err.value)
+
+
+def test_bad_json_line_names_file_and_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"text": "ok"}) + "\n{not json\n")
+    with pytest.raises(DataError, match=r"d.jsonl:2: not valid JSON"):
+        build_examples(DataSection(train_files=[str(path)]), TOK)
+
+
+def test_files_load_through_datasets_with_row_sources(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"p{i}", "completion": f"c{i}"}) + "\n" for i in range(3)))
+    examples, stats = build_examples(DataSection(train_files=[str(path)]), TOK)
+    assert [e.source for e in examples] == [f"{path}:{i}" for i in (1, 2, 3)]
+    assert stats.formats == {"prompt_completion": 3}

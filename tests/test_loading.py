@@ -1,0 +1,58 @@
+"""Loading in 4-bit: what is quantized, what is not, and the fp32 guarantee of the 4-bit linears."""
+
+import bitsandbytes as bnb
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from moe_qlora.experts import EXPERTS_IMPLEMENTATION
+from moe_qlora.loading import LoadOptions, ModelLoadError, assert_experts_quantized, load_model
+from moe_qlora.nf4 import dequantize_param
+
+
+@pytest.fixture(scope="module")
+def model(tiny_mixtral_dir):
+    return load_model(LoadOptions(str(tiny_mixtral_dir)))
+
+
+def test_experts_nf4_linears_4bit_router_norms_embeddings_full(model):
+    layer = model.model.layers[0]
+    assert isinstance(layer.mlp.experts.gate_up_proj, bnb.nn.Params4bit)
+    assert layer.mlp.experts.gate_up_proj.quant_state.shape == (8, 256, 64)
+    assert layer.mlp.experts.down_proj.quant_state.quant_type == "nf4"
+    assert isinstance(layer.self_attn.q_proj, bnb.nn.Linear4bit)
+    for p in (layer.mlp.gate.weight, layer.input_layernorm.weight, model.model.embed_tokens.weight, model.lm_head.weight):
+        assert p.dtype == torch.float32 and not isinstance(p, bnb.nn.Params4bit)
+    assert model.config._experts_implementation == EXPERTS_IMPLEMENTATION
+
+
+def test_quantized_weights_are_close_to_the_checkpoint(model, tiny_mixtral_dir):
+    dense = AutoModelForCausalLM.from_pretrained(str(tiny_mixtral_dir), dtype=torch.float32)
+    w = dense.model.layers[1].mlp.experts.down_proj
+    err = (dequantize_param(model.model.layers[1].mlp.experts.down_proj) - w).abs().max()
+    assert 0 < err <= 0.1521 * w.abs().max()  # NF4: at most half the widest level gap times the block scale
+
+
+def test_linears_stay_fp32_in_eval_mode(model):
+    """bitsandbytes would switch an eval-mode Linear4bit to bf16 on AVX512-BF16 CPUs; we keep fp32 exact."""
+    q = model.model.layers[0].self_attn.q_proj
+    model.eval()
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        y = q(x)
+    torch.testing.assert_close(y, x @ dequantize_param(q.weight).T, atol=1e-6, rtol=1e-6)
+    model.train()
+
+
+def test_strict_check_names_high_precision_expert_stacks(tiny_mixtral_dir):
+    dense = AutoModelForCausalLM.from_pretrained(str(tiny_mixtral_dir), dtype=torch.float32)
+    with pytest.raises(ModelLoadError, match=r"model.layers.0.mlp.experts.gate_up_proj \(8, 256, 64\)"):
+        assert_experts_quantized(dense)
+
+
+def test_missing_model_path_is_refused(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(LoadOptions(str(tmp_path / "nothing")))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match="no .safetensors weights"):
+        load_model(LoadOptions(str(tmp_path)))
