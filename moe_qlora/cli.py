@@ -58,7 +58,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
 def _fail(exc: Exception, debug: bool) -> None:
     if debug:
         raise exc
-    err_console.print(f"[red]error:[/red] {exc}", highlight=False)
+    err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
