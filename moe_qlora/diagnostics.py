@@ -46,7 +46,8 @@ class NormReport:
 
     @property
     def problems(self) -> list[str]:
-        return [f"{r.module}{'' if r.expert is None else f' expert {r.expert}'}: {i}" for r in self.rows for i in r.issues]
+        return [f"{r.module}{'' if r.expert is None else f' expert {r.expert}'}: {issue}"
+                for r in self.rows for issue in r.issues]  # fmt: skip
 
     @property
     def healthy(self) -> bool:

@@ -158,5 +158,5 @@ def expert_lora_disabled(model: nn.Module):
     try:
         yield
     finally:
-        for m, state in zip(loras, before):
+        for m, state in zip(loras, before, strict=True):
             m.enabled = state

@@ -61,7 +61,8 @@ def adapter_state_dict(model) -> dict[str, torch.Tensor]:
     """Every LoRA tensor of `model` under the key PEFT's `PeftModel.from_pretrained` expects."""
     state = {}
     if isinstance(model, PeftModel):
-        state.update({k: v.detach().float() for k, v in get_peft_model_state_dict(model).items() if "moe_lora" not in k})
+        peft_state = get_peft_model_state_dict(model)
+        state.update({k: v.detach().float() for k, v in peft_state.items() if "moe_lora" not in k})
     prefix = _peft_prefix(model)
     for name, module in experts_modules(model):
         lora = getattr(module, "moe_lora", None)

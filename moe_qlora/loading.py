@@ -8,12 +8,17 @@ are never in memory together; its checkpoint conversions (per-expert legacy layo
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import bitsandbytes as bnb
 import torch
+from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 from transformers.core_model_loading import ConversionOps
 from transformers.integrations.bitsandbytes import Bnb4bitQuantize
@@ -23,6 +28,7 @@ from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
 from .experts import EXPERT_PARAMS, apply_moe_qlora_experts, experts_modules, is_experts_module
+from .memory import release_freed_memory
 from .nf4 import quantize_stack, stack_nbytes
 
 log = logging.getLogger(__name__)
@@ -64,7 +70,8 @@ class _QuantizeOnLoad(ConversionOps):
             value = value[0] if isinstance(value, list) else value
             module, param_name = get_module_from_name(model, name)
             if is_experts_module(module) and param_name in EXPERT_PARAMS:
-                result[name] = quantize_stack(value, double_quant=self.quantizer.quantization_config.expert_double_quant)
+                double_quant = self.quantizer.quantization_config.expert_double_quant
+                result[name] = quantize_stack(value, double_quant=double_quant)
                 module._is_hf_initialized = True
             else:
                 result.update(self.linear_op.convert({name: value}, model=model, **kwargs))
@@ -119,24 +126,83 @@ def check_model_path(name_or_path: str) -> None:
         raise ModelLoadError(f"model path {name_or_path!r} has no .safetensors weights (only safetensors are loaded)")
 
 
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def local_checkpoint(name_or_path: str) -> Path:
+    """A local folder holding the checkpoint: the path itself, or the hub snapshot (config and safetensors)."""
+    path = Path(os.path.expanduser(name_or_path))
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+    return Path(snapshot_download(name_or_path, allow_patterns=patterns))
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the shards its index names, or every weights file."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (folder / s).exists()]
+        if missing:
+            raise ModelLoadError(f"{index} names shards that are not there: {', '.join(missing[:3])}")
+        return [folder / s for s in shards]
+    files = sorted(f for f in folder.glob("*.safetensors") if not f.name.startswith("adapter_"))
+    if not files:
+        raise ModelLoadError(f"{folder} has no .safetensors weights (only safetensors are loaded)")
+    return files
+
+
+@contextmanager
+def lazy_state_dict(files: list[Path]):
+    """{name: slice} over all files, read with pread when a slice is materialized.
+
+    transformers mmaps safetensors on Linux; every page it touches then counts in the process's RSS until
+    loading ends (the whole checkpoint, for a one-file model). pread copies one tensor at a time instead.
+    """
+    handles = [safe_open(str(f), framework="pt", device="cpu", backend="pread") for f in files]
+    try:
+        yield {k: h.get_slice(k) for h in handles for k in h.keys()}
+    finally:
+        for h in handles:
+            h.__exit__(None, None, None)
+
+
+def stored_dtype(state: dict) -> torch.dtype:
+    """The floating dtype most tensors of the checkpoint are stored in."""
+    counts = Counter(s.get_dtype() for s in state.values() if s.get_dtype() in SAFETENSORS_DTYPES)
+    return SAFETENSORS_DTYPES[counts.most_common(1)[0][0]] if counts else torch.float32
+
+
 def load_model(opts: LoadOptions):
-    """Load a causal LM with NF4 experts and 4-bit linears, routed through the moe-qlora experts layer."""
+    """Load a causal LM with NF4 experts and 4-bit linears, routed through the moe-qlora experts layer.
+
+    Tensors are quantized from the dtype they are stored in (no whole-model upcast); what stays
+    unquantized (norms, router, embeddings) is then cast to the compute dtype.
+    """
     check_model_path(opts.name_or_path)
-    config = AutoConfig.from_pretrained(opts.name_or_path, trust_remote_code=opts.trust_remote_code)
+    folder = local_checkpoint(opts.name_or_path)
+    config = AutoConfig.from_pretrained(str(folder), trust_remote_code=opts.trust_remote_code)
     quant = MoEQLoRAQuantConfig(
         expert_double_quant=opts.expert_double_quant,
         bnb_4bit_use_double_quant=opts.linear_double_quant,
         bnb_4bit_compute_dtype=opts.compute_dtype,
     )
-    model = AutoModelForCausalLM.from_pretrained(
-        opts.name_or_path,
-        config=config,
-        quantization_config=quant,
-        dtype=opts.compute_dtype,
-        device_map={"": opts.device},
-        trust_remote_code=opts.trust_remote_code,
-        use_safetensors=True,
-    )
+    with lazy_state_dict(checkpoint_files(folder)) as state:
+        model = causal_lm_class(config, folder, opts.trust_remote_code).from_pretrained(
+            None,
+            config=config,
+            state_dict=state,
+            quantization_config=quant,
+            dtype=stored_dtype(state),
+            device_map={"": opts.device},
+            trust_remote_code=opts.trust_remote_code,
+        )
+    model.name_or_path = str(folder)
+    cast_unquantized(model, opts.compute_dtype)
+    release_freed_memory()
     if opts.compute_dtype != torch.bfloat16:
         keep_linears_in_compute_dtype(model)
     if opts.strict:
@@ -144,6 +210,30 @@ def load_model(opts: LoadOptions):
     if experts_modules(model):
         apply_moe_qlora_experts(model)
     return model
+
+
+def causal_lm_class(config, folder: Path, trust_remote_code: bool):
+    """The model class AutoModelForCausalLM would pick (a state dict load takes no path to pick from)."""
+    remote = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM")
+    if remote and trust_remote_code:
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+        return get_class_from_dynamic_module(remote, str(folder))
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        hint = " (its code ships with the checkpoint: set model.trust_remote_code: true)" if remote else ""
+        raise ModelLoadError(f"{folder}: {type(config).__name__} is not a causal LM transformers knows{hint}") from None
+
+
+def cast_unquantized(model, dtype: torch.dtype) -> None:
+    """Floating parameters that are not 4-bit to `dtype`; 4-bit linears dequantize straight to `dtype`."""
+    for p in model.parameters():
+        if isinstance(p, bnb.nn.Params4bit):
+            p.quant_state.dtype = dtype  # decode level * scale in `dtype`, not in the stored dtype
+        elif p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    model.config.dtype = dtype
 
 
 def keep_linears_in_compute_dtype(model) -> None:
@@ -166,7 +256,8 @@ def assert_experts_quantized(model) -> None:
     ]
     if leftovers:
         raise ModelLoadError(
-            "expert stacks left in high precision (unknown expert layout?): " + "; ".join(leftovers[:8])
+            "expert stacks left in high precision (unknown expert layout?): "
+            + "; ".join(leftovers[:8])
             + (f" and {len(leftovers) - 8} more" if len(leftovers) > 8 else "")
         )
 

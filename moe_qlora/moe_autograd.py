@@ -7,7 +7,8 @@ Forward (MUL_MAT_ID): for the rows s routed to expert e,
     out[t] = sum over the K slots of t of  w_s * y_s
 Backward: the input gradient through the transposed frozen experts (dx_s = dh_s W1_e + ...), the LoRA
 gradients as per-expert scattered outer products (OUT_PROD_ID: dB_e = c * sum_s dy_s (x) p_s), and the
-routing-weight gradient dw_s = <y_s, dout_t>. This file is the torch reference the GPU kernels match.
+routing-weight gradient dw_s = <y_s, dout_t>, obtained as <a_s, J^T dout_t> (see backward).
+This file is the torch reference the GPU kernels match.
 
 Shape letters: T tokens, K experts per token, S = T*K routed rows, E experts, H hidden,
 I expert intermediate, r LoRA rank, c = alpha / r.
@@ -67,91 +68,89 @@ def _gated(act, h, intermediate):
 def _gated_backward(act, h, da, intermediate):
     """d h from d a where a = act(gate) * up; the activation's derivative comes from autograd, exact."""
     gate, up = h[:, :intermediate], h[:, intermediate:]
+    grad_h = torch.empty_like(h)
     with torch.enable_grad():
         g = gate.detach().requires_grad_(True)
         act_g = act(g)
-        (dgate,) = torch.autograd.grad(act_g, g, da * up)
-    return torch.cat([dgate, da * act_g.detach()], dim=-1)
-
-
-def _lora_grads(dy, x_in, p, lora_a, lora_b, scale):
-    """Gradients of y = x W^T + c p B^T with p = x A^T, for one expert's rows.
-
-    dy: (n, out), x_in: (n, in), p: (n, r). Returns dA (r, in), dB (out, r), dp (n, r).
-    dB = c dy^T p and dA = (c dy B)^T x: the per-expert outer-product sums (OUT_PROD_ID).
-    """
-    dp = (dy @ lora_b).mul_(scale)
-    return dp.t() @ x_in, (dy.t() @ p).mul_(scale), dp
+        (grad_h[:, :intermediate],) = torch.autograd.grad(act_g, g, da * up)
+    torch.mul(da, act_g.detach(), out=grad_h[:, intermediate:])
+    return grad_h
 
 
 class MoELoRAFunction(torch.autograd.Function):
-    """Differentiable in x, the routing weights and the four LoRA stacks; the NF4 experts are frozen."""
+    """Differentiable in x, the routing weights and the four LoRA stacks; the NF4 experts are frozen.
+
+    Rows are gathered and scattered one expert at a time, so no (S, H) copy of the tokens exists at once;
+    the forward keeps h (S, 2I) and the LoRA projections (S, r) for the backward, nothing of size (S, H).
+    """
 
     @staticmethod
     def forward(ctx, x, routing_weights, gate_up_a, gate_up_b, down_a, down_b, plan: MoEPlan):
         """x: (T, H); routing_weights: (T, K); gate_up_a (E, r, H), gate_up_b (E, 2I, r),
         down_a (E, r, I), down_b (E, H, r), or all four None. Returns (T, H)."""
         ex, rt, dtype = plan.experts, plan.routing, x.dtype
-        inter = ex.intermediate
         lora = _cast_lora((gate_up_a, gate_up_b, down_a, down_b), dtype)
-        x_sorted = x[rt.token]  # (S, H)
-        h = x.new_empty(rt.num_rows, 2 * inter)
-        y = x.new_empty(rt.num_rows, x.shape[1])
         rank = 0 if lora[0] is None else lora[0].shape[1]
-        p_gate_up = x.new_empty(rt.num_rows, rank)
-        p_down = x.new_empty(rt.num_rows, rank)
+        h = x.new_empty(rt.num_rows, 2 * ex.intermediate)
+        p_gate_up, p_down = x.new_empty(rt.num_rows, rank), x.new_empty(rt.num_rows, rank)
+        w_sorted = routing_weights.reshape(-1).index_select(0, rt.order).to(dtype)  # (S,)
+        out = torch.zeros_like(x)
         for e in rt.active_experts():
             rows = slice(rt.offsets[e], rt.offsets[e + 1])
+            tokens = rt.token[rows]
             a1, b1, a2, b2 = _expert_lora(lora, e)
-            h[rows], p1 = _lora_linear(x_sorted[rows], dequantize_expert(ex.gate_up, e, dtype), a1, b1, plan.lora_scale)
-            act_out = _gated(ex.act, h[rows], inter)
-            y[rows], p2 = _lora_linear(act_out, dequantize_expert(ex.down, e, dtype), a2, b2, plan.lora_scale)
+            h[rows], p1 = _lora_linear(x.index_select(0, tokens), dequantize_expert(ex.gate_up, e, dtype), a1, b1,
+                                       plan.lora_scale)  # fmt: skip
+            act_out = _gated(ex.act, h[rows], ex.intermediate)
+            y, p2 = _lora_linear(act_out, dequantize_expert(ex.down, e, dtype), a2, b2, plan.lora_scale)
             if p1 is not None:
                 p_gate_up[rows], p_down[rows] = p1, p2
-        w_sorted = routing_weights.reshape(-1)[rt.order].to(dtype)  # (S,)
-        out = torch.zeros_like(x).index_add_(0, rt.token, y * w_sorted[:, None])
+            out.index_add_(0, tokens, y.mul_(w_sorted[rows, None]))
         ctx.plan = plan
-        ctx.save_for_backward(x, routing_weights, h, y, p_gate_up, p_down, gate_up_a, gate_up_b, down_a, down_b)
+        ctx.save_for_backward(x, routing_weights, h, p_gate_up, p_down, gate_up_a, gate_up_b, down_a, down_b)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, routing_weights, h, y, p_gate_up, p_down, *lora_params = ctx.saved_tensors
+        x, routing_weights, h, p_gate_up, p_down, *lora_params = ctx.saved_tensors
         plan: MoEPlan = ctx.plan
-        ex, rt, dtype = plan.experts, plan.routing, x.dtype
-        inter, scale = ex.intermediate, plan.lora_scale
+        ex, rt, dtype, scale = plan.experts, plan.routing, x.dtype, plan.lora_scale
         lora = _cast_lora(lora_params, dtype)
         has_lora = lora[0] is not None
-
-        grad_sorted = grad_out.to(dtype)[rt.token]  # (S, H), dout of each row's token
-        w_sorted = routing_weights.reshape(-1)[rt.order].to(dtype)
-        # out = sum_s w_s y_s, so dL/dw_s = <y_s, dout_t>; y_s was kept from the forward.
-        grad_weights = torch.zeros(rt.num_rows, dtype=torch.float32, device=x.device)
-        grad_weights[rt.order] = (y * grad_sorted).sum(-1, dtype=torch.float32)
-        grad_y = grad_sorted * w_sorted[:, None]
-
-        x_sorted = x[rt.token]
-        grad_x_sorted = torch.zeros_like(x_sorted)
+        grad_out = grad_out.to(dtype)
+        w_sorted = routing_weights.reshape(-1).index_select(0, rt.order).to(dtype)
+        grad_w_sorted = torch.zeros(rt.num_rows, dtype=torch.float32, device=x.device)
+        grad_x = torch.zeros_like(x)
         lora_grads = [torch.zeros_like(p, dtype=torch.float32) if has_lora else None for p in lora_params]
         for e in rt.active_experts():
             rows = slice(rt.offsets[e], rt.offsets[e + 1])
+            tokens, w = rt.token[rows], w_sorted[rows, None]
             a1, b1, a2, b2 = _expert_lora(lora, e)
-            act_out = _gated(ex.act, h[rows], inter)
-            # Input gradient through the transposed frozen down projection: da = dy W2 (+ LoRA path).
-            grad_act = grad_y[rows] @ dequantize_expert(ex.down, e, dtype)
+            g = grad_out.index_select(0, tokens)  # (S_e, H): dout of each row's token, before the weight
+            act_out = _gated(ex.act, h[rows], ex.intermediate)
+            # y = J a with J linear (a W2^T + c (a A2^T) B2^T): the row's output is w * y. Its input
+            # gradient is w * J^T g, and the routing-weight gradient <y, g> = <J a, g> = <a, J^T g>, so
+            # u = J^T g gives both, exactly, without keeping y from the forward or dividing by w.
+            u = g @ dequantize_expert(ex.down, e, dtype)  # (S_e, I)
             if has_lora:
-                da2, db2, dp2 = _lora_grads(grad_y[rows], act_out, p_down[rows], a2, b2, scale)
-                grad_act.addmm_(dp2, a2)
-                lora_grads[2][e], lora_grads[3][e] = da2, db2
-            grad_h = _gated_backward(ex.act, h[rows], grad_act, inter)
-            grad_x_sorted[rows] = grad_h @ dequantize_expert(ex.gate_up, e, dtype)
+                q2 = (g @ b2).mul_(scale)  # c g B2: (S_e, r)
+                u.addmm_(q2, a2)
+                # dy = w g: dA2 = (w c g B2)^T a and dB2 = c (w g)^T p2, rescaling only (S_e, r) factors.
+                lora_grads[2][e] = (q2 * w).t() @ act_out
+                lora_grads[3][e] = (g.t() @ (p_down[rows] * w)).mul_(scale)
+            grad_w_sorted[rows] = (act_out * u).sum(-1, dtype=torch.float32)
+            grad_h = _gated_backward(ex.act, h[rows], u.mul_(w), ex.intermediate)
+            # Input gradient through the transposed frozen gate_up projection (+ its LoRA path).
+            grad_x_rows = grad_h @ dequantize_expert(ex.gate_up, e, dtype)
             if has_lora:
-                da1, db1, dp1 = _lora_grads(grad_h, x_sorted[rows], p_gate_up[rows], a1, b1, scale)
-                grad_x_sorted[rows].addmm_(dp1, a1)
-                lora_grads[0][e], lora_grads[1][e] = da1, db1
-        # A token's K rows each send a gradient back to it: scatter-add over the sorted rows.
-        grad_x = torch.zeros_like(x).index_add_(0, rt.token, grad_x_sorted)
-        lora_grads = [g.to(p.dtype) if g is not None else None for g, p in zip(lora_grads, lora_params)]
+                dp1 = (grad_h @ b1).mul_(scale)  # (S_e, r)
+                grad_x_rows.addmm_(dp1, a1)
+                lora_grads[0][e] = dp1.t() @ x.index_select(0, tokens)
+                lora_grads[1][e] = (grad_h.t() @ p_gate_up[rows]).mul_(scale)
+            # A token's K rows each send a gradient back to it.
+            grad_x.index_add_(0, tokens, grad_x_rows)
+        grad_weights = torch.zeros_like(grad_w_sorted).index_copy_(0, rt.order, grad_w_sorted)
+        lora_grads = [g.to(p.dtype) if g is not None else None for g, p in zip(lora_grads, lora_params, strict=True)]
         return (grad_x, grad_weights.view_as(routing_weights).to(routing_weights.dtype), *lora_grads, None)
 
 

@@ -92,15 +92,21 @@ def check_quantizable(shape: tuple[int, ...]) -> None:
 
 
 def quantize_stack(weight: torch.Tensor, *, double_quant: bool = False) -> bnb.nn.Params4bit:
-    """Quantize a (E, O, I) expert stack to a frozen bitsandbytes Params4bit (NF4, blocksize 64)."""
+    """Quantize a (E, O, I) expert stack to a frozen bitsandbytes Params4bit (NF4, blocksize 64).
+
+    Experts are quantized one at a time, each upcast to fp32 alone, so a bf16 stack is never copied whole;
+    blocks never straddle experts, so the result equals bitsandbytes quantizing the fp32 stack at once.
+    """
     check_quantizable(tuple(weight.shape))
-    packed, state = bnbF.quantize_4bit(
-        weight.contiguous(),
-        blocksize=BLOCKSIZE,
-        quant_type="nf4",
-        compress_statistics=double_quant,
-        quant_storage=torch.uint8,
-    )
+    packed, absmax = [], []
+    for e in range(weight.shape[0]):
+        codes, scales = torch.ops.bitsandbytes.quantize_4bit.default(
+            weight[e].float().contiguous(), BLOCKSIZE, "nf4", torch.uint8
+        )
+        packed.append(codes.view(-1))
+        absmax.append(scales.view(-1))
+    packed, absmax = torch.cat(packed).view(-1, 1), torch.cat(absmax)
+    state = _stack_state(absmax, tuple(weight.shape), double_quant)
     return bnb.nn.Params4bit(
         packed,
         requires_grad=False,
@@ -111,6 +117,17 @@ def quantize_stack(weight: torch.Tensor, *, double_quant: bool = False) -> bnb.n
         quant_storage=torch.uint8,
         bnb_quantized=True,
     )
+
+
+def _stack_state(absmax: torch.Tensor, shape: tuple[int, ...], double_quant: bool) -> bnbF.QuantState:
+    """bitsandbytes' QuantState for fp32 block scales, nesting them as quantize_4bit does when asked."""
+    common = dict(shape=torch.Size(shape), dtype=torch.float32, blocksize=BLOCKSIZE, quant_type="nf4",
+                  code=bnbF.get_4bit_type("nf4", device=absmax.device))  # fmt: skip
+    if not double_quant:
+        return bnbF.QuantState(absmax=absmax, **common)
+    offset = absmax.mean()
+    nested_codes, nested_state = bnbF.quantize_blockwise(absmax - offset, blocksize=NESTED_BLOCKSIZE)
+    return bnbF.QuantState(absmax=nested_codes, offset=offset, state2=nested_state, **common)
 
 
 def dequantize_expert_reference(stack: NF4Stack, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -24,6 +24,7 @@ from .config import RunConfig
 from .data import IGNORE, Example, build_examples, collate, epoch_order, micro_batches
 from .export import save_adapter
 from .loading import LoadOptions, check_model_path, load_model, parameter_bytes_by_kind
+from .memory import release_freed_memory
 from .optim import build_optimizer, clip_global_norm, lr_multiplier
 from .tiny import resolve_model_path
 
@@ -56,7 +57,7 @@ class TrainResult:
 
 def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
     """Sum of next-token cross-entropies over target positions, and their count. logits: (B, L, V)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False).logits
     targets = batch["labels"][:, 1:]
     loss = F.cross_entropy(
         logits[:, :-1].reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
@@ -106,6 +107,7 @@ def train_step(model, optimizer, group, pad_id: int, train_cfg) -> dict:
     grad_norm = clip_global_norm(params, train_cfg.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    release_freed_memory()
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
     return {"loss": loss, "grad_norm": grad_norm, "target_tokens": n_targets, "tokens": tokens}
 
@@ -140,7 +142,8 @@ def prepare(cfg: RunConfig, console: Console):
         raise ValueError("no trainable parameters: lora.target_modules matched nothing and the model has no experts")
     sizes = parameter_bytes_by_kind(model)
     console.print(
-        "model: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sizes.items())
+        "model: "
+        + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sizes.items())
         + f"; {sum(p.numel() for p in params):,} trainable parameters; {n_ckpt} layers checkpointed"
     )
     return model_path, tokenizer, examples, model, params
@@ -157,9 +160,7 @@ def train(cfg: RunConfig, console: Console | None = None) -> TrainResult:
     total = count_steps(len(examples), cfg)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda s: lr_multiplier(
-            s, total_steps=total, warmup_steps=cfg.train.warmup_steps, schedule=cfg.train.schedule
-        ),
+        lambda s: lr_multiplier(s, total_steps=total, warmup_steps=cfg.train.warmup_steps, schedule=cfg.train.schedule),
     )
     metrics = MetricsLog(out / "metrics.jsonl")
     model.train()

@@ -1,6 +1,6 @@
 """Regenerate data/demo_*.jsonl: small tasks a tiny byte-level MoE can learn in minutes on a CPU.
 
-    python scripts/make_demo_data.py
+python scripts/make_demo_data.py
 """
 
 import json

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from moe_qlora.cli import app
 from moe_qlora.diagnostics import check_norms
 
-E, R, H, I = 4, 2, 16, 8
+E, R, H, INTER = 4, 2, 16, 8
 PREFIX = "base_model.model.model.layers"
 
 
@@ -21,8 +21,9 @@ def make_adapter(tmp_path, *, layers=2, mutate=None, config=True):
     for layer in range(layers):
         experts = f"{PREFIX}.{layer}.mlp.experts"
         shapes = {
-            f"{experts}.base_layer.lora_A.weight": (R * E, H), f"{experts}.base_layer.lora_B.weight": (2 * I, R * E),
-            f"{experts}.lora_A.weight": (R * E, I), f"{experts}.lora_B.weight": (H, R * E),
+            f"{experts}.base_layer.lora_A.weight": (R * E, H),
+            f"{experts}.base_layer.lora_B.weight": (2 * INTER, R * E),
+            f"{experts}.lora_A.weight": (R * E, INTER), f"{experts}.lora_B.weight": (H, R * E),
             f"{PREFIX}.{layer}.self_attn.q_proj.lora_A.weight": (R, H),
             f"{PREFIX}.{layer}.self_attn.q_proj.lora_B.weight": (H, R),
         }  # fmt: skip
@@ -47,9 +48,10 @@ def test_rows_per_expert_with_exact_norms(tmp_path):
     assert [r.expert for r in gate_up] == list(range(E))
     t = {k: v.double() for k, v in load_file(str(adapter / "adapter_model.safetensors")).items()}
     a = t[f"{PREFIX}.0.mlp.experts.base_layer.lora_A.weight"][2 * R : 3 * R]  # expert 2: rows e*r..
-    b = t[f"{PREFIX}.0.mlp.experts.base_layer.lora_B.weight"].view(2 * I, R, E)[:, :, 2]  # columns j*E + e
+    b = t[f"{PREFIX}.0.mlp.experts.base_layer.lora_B.weight"].view(2 * INTER, R, E)[:, :, 2]  # columns j*E + e
     assert gate_up[2].norm_delta == pytest.approx(2.0 * float((b @ a).norm()), rel=1e-9)  # scale 4/2
-    assert {r.module for r in report.rows} >= {"model.layers.1.mlp.experts.down_proj", "model.layers.1.self_attn.q_proj"}
+    modules = {r.module for r in report.rows}
+    assert modules >= {"model.layers.1.mlp.experts.down_proj", "model.layers.1.self_attn.q_proj"}
 
 
 def test_healthy_adapter_exits_0_and_json_is_parseable(tmp_path):

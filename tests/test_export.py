@@ -28,7 +28,7 @@ def exported(tiny_mixtral_dir, tmp_path_factory):
     model = attach_adapters(load_model(LoadOptions(str(tiny_mixtral_dir))), LORA, seed=0)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.requires_grad:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     model.eval()
@@ -42,7 +42,7 @@ def exported(tiny_mixtral_dir, tmp_path_factory):
 
 def peft_logits(tiny_mixtral_dir, training_model, adapter_dir, ids):
     base = AutoModelForCausalLM.from_pretrained(str(tiny_mixtral_dir), dtype=torch.float32)
-    missing, unexpected = base.load_state_dict(dequantized_base_state_dict(training_model), strict=False)
+    missing, unexpected = base.load_state_dict(dequantized_base_state_dict(training_model), strict=True)
     assert not unexpected and not missing
     peft_model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
     with torch.no_grad():
@@ -82,7 +82,7 @@ def test_expert_layout_round_trips():
             p.copy_(torch.randn(p.shape))
     copy = ExpertLoRA(num_experts=3, hidden=8, intermediate=4, rank=2, alpha=4.0)
     peft_to_expert_lora(expert_lora_to_peft(lora), copy)
-    for a, b in zip(lora.parameters(), copy.parameters()):
+    for a, b in zip(lora.parameters(), copy.parameters(), strict=True):
         assert torch.equal(a, b)
     flat = expert_lora_to_peft(lora)["base_layer.lora_B.weight"]  # (2I, r*E), column j*E + e is B_e[:, j]
     assert torch.equal(flat[:, 1 * 3 + 2], lora.gate_up_b[2, :, 1])

@@ -1,11 +1,12 @@
 """The MoE layer against transformers' own eager experts on the same dequantized weights.
 
-Oracle: transformers' `MixtralExperts` eager forward (its per-expert loop), fed the explicit per-expert
-weights W_e + c * B_e A_e, differentiated by autograd. Ours never merges LoRA and has its own backward.
+Oracle: transformers' `MixtralExperts` eager forward (its per-expert loop), fed the explicit
+per-expert weights W_e + c * B_e A_e, differentiated by autograd. Ours never merges LoRA and has its own backward.
 Tolerance (fp32): both sides do the same products in fp32 in a different order (LoRA unmerged vs merged,
 sorted-row vs per-expert accumulation), so the error scales with the tensor: measured worst case
 6.5e-7 * max|ref| (about 5 ulps of the largest value). We require max|ours - ref| <= 4e-6 * max|ref|
-(~6x headroom); the broken controls miss by a factor of ~1e4. Every comparison also runs with a broken control that must fail.
+(~6x headroom); the broken controls miss by a factor of ~1e4. Every comparison also runs with a broken
+control that must fail.
 """
 
 import copy
@@ -86,8 +87,9 @@ def assert_close_scaled(name, a, b):
 
 
 def assert_all_close(ours, ref):
-    names = ["output", "grad x", "grad routing weights", "grad A gate_up", "grad B gate_up", "grad A down", "grad B down"]
-    for name, a, b in zip(names, ours, ref):
+    names = ["output", "grad x", "grad routing weights", "grad A gate_up", "grad B gate_up", "grad A down",
+             "grad B down"]  # fmt: skip
+    for name, a, b in zip(names, ours, ref, strict=True):
         assert_close_scaled(name, a, b)
 
 
@@ -177,7 +179,8 @@ def test_moe_block_with_router_matches_eager_block(quantized):
     params = {"gate.weight": router, **{f"experts.{k}": v for k, v in weights(*f2).items()}}
     ref_out = functional_call(ref_block, params, (x2,))
     ref_out.backward(upstream)
-    for name, a, b in zip(["output", "grad x", "grad router"], ours, [ref_out.detach(), x2.grad, router.grad]):
+    refs = [ref_out.detach(), x2.grad, router.grad]
+    for name, a, b in zip(["output", "grad x", "grad router"], ours, refs, strict=True):
         assert_close_scaled(name, a, b)
     counts = torch.bincount(block.gate(x.reshape(-1, 64))[2].reshape(-1), minlength=8)
     assert int(counts.sum()) == 2 * 11 * 2

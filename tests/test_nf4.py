@@ -57,3 +57,17 @@ def test_decoder_detects_swapped_nibbles():
 def test_refuses_stacks_that_do_not_fill_blocks(shape):
     with pytest.raises(QuantizationLayoutError, match="expert|3D"):
         quantize_stack(torch.randn(shape))
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_per_expert_quantization_equals_bitsandbytes_on_the_whole_stack(double_quant):
+    """We quantize expert by expert (memory); the codes and scales must be bitsandbytes' own, bit for bit."""
+    torch.manual_seed(1)
+    w = (torch.randn(6, 32, 96) * 0.02).to(torch.bfloat16)
+    ours = quantize_stack(w, double_quant=double_quant)
+    codes, state = bnbF.quantize_4bit(w.float(), blocksize=64, quant_type="nf4", compress_statistics=double_quant)
+    assert torch.equal(ours.data, codes)
+    assert torch.equal(ours.quant_state.absmax, state.absmax)
+    if double_quant:
+        assert torch.equal(ours.quant_state.state2.absmax, state.state2.absmax)
+        assert float(ours.quant_state.offset) == float(state.offset)

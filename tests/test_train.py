@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def model_with_adapters(path):
-    model = attach_adapters(load_model(LoadOptions(str(path))), LoraSection(rank=4, target_modules=["q_proj", "o_proj"]),
-                            seed=0)  # fmt: skip
+    lora = LoraSection(rank=4, target_modules=["q_proj", "o_proj"])
+    model = attach_adapters(load_model(LoadOptions(str(path))), lora, seed=0)
     with torch.no_grad():  # non-zero B so that every factor gets a gradient
         for name, p in model.named_parameters():
             if p.requires_grad and ("lora_B" in name or name.endswith("_b")):
@@ -93,6 +93,7 @@ def test_cli_user_errors_exit_2_with_one_sentence(tmp_path):
     assert result.exit_code == 2
     assert "unknown key 'lora.rnk'" in result.output and "Traceback" not in result.output
     good = tmp_path / "good.yaml"
-    good.write_text(f"model:\n  name_or_path: {tmp_path / 'nope'}\ndata:\n  train_files: [{ROOT / 'data/demo_sft.jsonl'}]\n")
+    data = ROOT / "data" / "demo_sft.jsonl"
+    good.write_text(f"model:\n  name_or_path: {tmp_path / 'nope'}\ndata:\n  train_files: [{data}]\n")
     result = CliRunner().invoke(app, ["train", "--config", str(good)])
     assert result.exit_code == 2 and "does not exist" in result.output

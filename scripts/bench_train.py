@@ -1,0 +1,206 @@
+"""One training step of moe-qlora against transformers + bitsandbytes 4-bit + PEFT, side by side.
+
+    python scripts/bench_train.py                       # issue preset: Mixtral arch, seq 512
+    python scripts/bench_train.py --preset qwen3 --seq 1024 --json out.json
+
+Each contender runs in its own subprocess (so its peak RSS is its own) on the same generated checkpoint,
+the same tokens and the same loss code: a step is forward + backward + AdamW, batch 1, expert LoRA r8,
+gradient checkpointing on every layer. Reports median step time, peak RSS (ru_maxrss, loading included)
+and parameter bytes by kind, as a table and as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PRESETS = {
+    # Issue 2: Mixtral architecture, 4 layers, 32 experts, top-4, hidden 1024, expert intermediate 512.
+    "mixtral": dict(arch="mixtral", hidden=1024, layers=4, experts=32, top_k=4, inter=512, vocab=4096),
+    # The brief's CPU bar: a Qwen3-MoE-like model of the same size.
+    "qwen3": dict(arch="qwen3_moe", hidden=1024, layers=4, experts=32, top_k=4, inter=512, vocab=4096),
+}
+CONTENDERS = ["moe-qlora", "moe-qlora-bf16", "transformers+bnb+peft"]
+
+
+def build_config(p):
+    common = dict(vocab_size=p["vocab"], hidden_size=p["hidden"], num_hidden_layers=p["layers"], num_attention_heads=16,
+                  num_key_value_heads=4, max_position_embeddings=4096, num_experts_per_tok=p["top_k"])  # fmt: skip
+    if p["arch"] == "mixtral":
+        from transformers import MixtralConfig
+
+        return MixtralConfig(num_local_experts=p["experts"], intermediate_size=p["inter"], **common)
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(num_experts=p["experts"], moe_intermediate_size=p["inter"], intermediate_size=4 * p["inter"],
+                          head_dim=64, norm_topk_prob=True, decoder_sparse_step=1, **common)  # fmt: skip
+
+
+def ensure_checkpoint(preset: str) -> Path:
+    """The benchmark model, generated once (bf16 safetensors, seed 0) into the moe-qlora cache."""
+    from moe_qlora.tiny import build_byte_tokenizer, cache_dir
+
+    path = cache_dir() / f"bench-{preset}"
+    if (path / "config.json").exists():
+        return path
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(build_config(PRESETS[preset]), dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    build_byte_tokenizer().save_pretrained(path)
+    return path
+
+
+def setup_moe_qlora(path, dtype):
+    from moe_qlora.adapters import attach_adapters, configure_checkpointing
+    from moe_qlora.config import LoraSection
+    from moe_qlora.loading import LoadOptions, load_model
+
+    model = load_model(LoadOptions(str(path), compute_dtype=dtype))
+    model = attach_adapters(model, LoraSection(rank=8, alpha=16, experts=True, target_modules=[]), seed=0)
+    configure_checkpointing(model, enabled=True, interval=1)
+    return model
+
+
+def setup_peft(path, dtype):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(path), quantization_config=quant, dtype=dtype,
+                                                 experts_implementation="grouped_mm")  # fmt: skip
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=[],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
+    model = get_peft_model(model, lora)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def bytes_by_kind(model):
+    from moe_qlora.loading import parameter_bytes_by_kind
+
+    kinds = parameter_bytes_by_kind(model)
+    if not kinds["experts_nf4"]:  # transformers + PEFT: experts stay dense 3D parameters
+        dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                    if p.dim() == 3 and "lora" not in n)  # fmt: skip
+        kinds["experts_dense"], kinds["other"] = dense, kinds["other"] - dense
+    return kinds
+
+
+def worker(name: str, preset: str, seq: int, steps: int) -> dict:
+    """Runs in the subprocess: load, then time `steps` training steps after one warm-up step."""
+    from moe_qlora.memory import release_freed_memory
+    from moe_qlora.trainer import token_loss_sum
+
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1)))
+    path = ensure_checkpoint(preset)
+    t0 = time.perf_counter()
+    dtype = torch.bfloat16 if name in ("moe-qlora-bf16", "transformers+bnb+peft") else torch.float32
+    model = setup_peft(path, dtype) if name == "transformers+bnb+peft" else setup_moe_qlora(path, dtype)
+    load_s = time.perf_counter() - t0
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, PRESETS[preset]["vocab"], (1, seq), generator=g)
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+    times, losses = [], []
+    for i in range(steps + 1):
+        t = time.perf_counter()
+        loss, n = token_loss_sum(model, batch)
+        (loss / n).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        release_freed_memory()  # what the trainer does after every step, for every contender
+        if i:
+            times.append(time.perf_counter() - t)
+        losses.append(float(loss) / n)
+    return {
+        "contender": name, "compute_dtype": str(dtype).removeprefix("torch."), "load_s": round(load_s, 2),
+        "step_s": round(statistics.median(times), 3), "step_s_all": [round(t, 3) for t in times],
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "param_mib": {k: round(v / 2**20, 1) for k, v in bytes_by_kind(model).items()},
+        "trainable_params": sum(p.numel() for p in params), "first_loss": round(losses[0], 4),
+    }  # fmt: skip
+
+
+def run_contender(name, args) -> dict:
+    env = {**os.environ, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, __file__, "--worker", name, "--preset", args.preset, "--seq", str(args.seq),
+           "--steps", str(args.steps)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"contender": name, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def print_table(results, args):
+    from rich.console import Console
+    from rich.table import Table
+
+    p = PRESETS[args.preset]
+    title = (f"{p['arch']}: {p['layers']} layers, {p['experts']} experts top-{p['top_k']}, hidden {p['hidden']}, "
+             f"expert intermediate {p['inter']}; seq {args.seq}, batch 1, expert LoRA r8, checkpointing")  # fmt: skip
+    table = Table(title=title)
+    for col in ("contender", "dtype", "step s", "peak RSS MiB", "experts MiB", "other 4-bit MiB", "LoRA MiB", "load s"):
+        table.add_column(col, justify="right")
+    for r in results:
+        if "error" in r:
+            table.add_row(r["contender"], "", "error: " + r["error"][:60], "", "", "", "", "")
+            continue
+        pm = r["param_mib"]
+        experts = pm.get("experts_nf4") or pm.get("experts_dense", 0)
+        kind = "NF4" if pm.get("experts_nf4") else "dense"
+        table.add_row(
+            r["contender"],
+            r["compute_dtype"],
+            f"{r['step_s']:.3f}",
+            f"{r['peak_rss_mib']:.0f}",
+            f"{experts:.1f} {kind}",
+            f"{pm['linear_4bit']:.1f}",
+            f"{pm['lora']:.1f}",
+            f"{r['load_s']:.1f}",
+        )
+    Console().print(table)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="mixtral")
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--only", nargs="*", choices=CONTENDERS, default=CONTENDERS)
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        import logging
+
+        logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+        print(json.dumps(worker(args.worker, args.preset, args.seq, args.steps)))
+        return
+    ensure_checkpoint(args.preset)
+    results = [run_contender(name, args) for name in args.only]
+    print_table(results, args)
+    payload = {"preset": args.preset, "config": PRESETS[args.preset], "seq": args.seq, "threads": os.cpu_count(),
+               "torch": torch.__version__, "results": results}  # fmt: skip
+    print(json.dumps(payload))
+    if args.json:
+        Path(args.json).write_text(json.dumps(payload, indent=2))
+
+
+if __name__ == "__main__":
+    main()
