@@ -174,7 +174,7 @@ def print_table(results, args):
             f"{pm['lora']:.1f}",
             f"{r['load_s']:.1f}",
         )
-    Console().print(table)
+    Console(width=150).print(table)
 
 
 def main():

@@ -105,3 +105,24 @@ def test_files_load_through_datasets_with_row_sources(tmp_path):
     examples, stats = build_examples(DataSection(train_files=[str(path)]), TOK)
     assert [e.source for e in examples] == [f"{path}:{i}" for i in (1, 2, 3)]
     assert stats.formats == {"prompt_completion": 3}
+
+
+@pytest.mark.parametrize("suffix", [".json", ".parquet"])
+def test_json_array_and_parquet_files_load_too(tmp_path, suffix):
+    import datasets
+
+    rows = [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(4)]
+    path = tmp_path / f"d{suffix}"
+    if suffix == ".json":
+        path.write_text(json.dumps(rows))
+    else:
+        datasets.Dataset.from_list(rows).to_parquet(str(path))
+    examples, _ = build_examples(DataSection(train_files=[str(path)]), TOK)
+    assert [targets(e) for e in examples] == [f"c{i}<|eos|>" for i in range(4)]
+
+
+def test_unsupported_file_type_is_refused(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_text("a,b\n")
+    with pytest.raises(DataError, match=r"unsupported file type '.csv'"):
+        build_examples(DataSection(train_files=[str(path)]), TOK)
