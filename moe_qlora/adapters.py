@@ -13,6 +13,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .config import LoraSection
 from .experts import ExpertLoRA, attach_expert_lora, experts_modules
+from .families import resolve_targets
 
 log = logging.getLogger(__name__)
 
@@ -21,10 +22,9 @@ def attach_adapters(model, cfg: LoraSection, *, seed: int):
     """Freeze the base model, add LoRA; returns the model to train (a PeftModel when linears are targeted)."""
     for p in model.parameters():
         p.requires_grad_(False)
-    if cfg.target_modules:
-        peft_config = LoraConfig(
-            r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules)
-        )
+    targets = resolve_targets(model, cfg.target_modules)
+    if targets:
+        peft_config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets)
         model = get_peft_model(model, peft_config)
     if cfg.experts:
         if not experts_modules(model):

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import bitsandbytes as bnb
 import torch
 from torch import nn
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface, _default_apply_gate
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
 
 from .moe_autograd import FrozenExperts, MoEPlan, moe_lora_experts
 from .nf4 import NF4Stack
@@ -72,26 +72,30 @@ def is_experts_module(module: nn.Module) -> bool:
 
 
 def check_supported_layout(module: nn.Module, name: str = "experts") -> None:
-    """Refuse an experts module the MoE layer would compute wrongly, naming what is unsupported."""
+    """Refuse an experts module the MoE layer would compute wrongly, naming what is unsupported.
+
+    Supported: gate_up_proj / down_proj stacks, stored (E, out, in) or transposed (E, in, out), with or
+    without biases, and any gating the module defines in `_apply_gate` (it is called as is, and
+    differentiated by autograd), e.g. GPT-OSS's interleaved, clamped SwiGLU.
+    """
     problems = []
     if not getattr(module, "has_gate", False):
-        problems.append("experts without a gate (has_gate=False)")
-    if getattr(module, "is_transposed", False):
-        problems.append("transposed expert weights (is_transposed=True)")
-    if not getattr(module, "is_concatenated", True):
-        problems.append("interleaved gate/up rows (is_concatenated=False)")
-    if getattr(module, "has_bias", False):
-        problems.append("expert biases (has_bias=True)")
+        problems.append("experts without a gate_up projection (has_gate=False: up_proj and an activation)")
     if getattr(module, "has_post_expert_norm", False):
-        problems.append("a post-expert norm")
-    if type(module)._apply_gate is not _default_apply_gate:
-        problems.append(f"a custom gating function ({type(module).__name__}._apply_gate)")
+        problems.append("a norm after each expert (has_post_expert_norm=True)")
     if problems:
         raise UnsupportedExpertsError(
-            f"{name} ({type(module).__name__}) has " + ", ".join(problems) + "; moe-qlora computes "
-            "act(gate) * up experts with concatenated [gate; up] rows of shape (experts, out, in) and no bias. "
-            "Refusing rather than training on a wrong forward."
+            f"{name} ({type(module).__name__}) has " + ", ".join(problems) + "; moe-qlora computes experts "
+            "as down(gate(gate_up(x))) with optional biases. Refusing rather than training on a wrong forward."
         )
+
+
+def expert_dims(module: nn.Module) -> tuple[int, int, int]:
+    """(experts, hidden, intermediate) of an experts module, from its gate_up stack (quantized or not)."""
+    stack = module.gate_up_proj
+    e, d1, d2 = stack.quant_state.shape if isinstance(stack, bnb.nn.Params4bit) else stack.shape
+    hidden, two_i = (d1, d2) if getattr(module, "is_transposed", False) else (d2, d1)
+    return e, hidden, two_i // 2
 
 
 def _frozen_experts(module: nn.Module) -> FrozenExperts:
@@ -100,7 +104,15 @@ def _frozen_experts(module: nn.Module) -> FrozenExperts:
             raise UnsupportedExpertsError(
                 f"{type(module).__name__}.{n} is not NF4-quantized; load the model with moe_qlora.loading.load_model"
             )
-    return FrozenExperts(NF4Stack.from_param(module.gate_up_proj), NF4Stack.from_param(module.down_proj), module.act_fn)
+    has_bias = getattr(module, "has_bias", False)
+    return FrozenExperts(
+        gate_up=NF4Stack.from_param(module.gate_up_proj),
+        down=NF4Stack.from_param(module.down_proj),
+        gate=module._apply_gate,
+        transposed=getattr(module, "is_transposed", False),
+        gate_up_bias=module.gate_up_proj_bias if has_bias else None,
+        down_bias=module.down_proj_bias if has_bias else None,
+    )
 
 
 def moe_qlora_experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -141,8 +153,8 @@ def attach_expert_lora(model: nn.Module, *, rank: int, alpha: float, seed: int) 
     generator = torch.Generator().manual_seed(seed)
     for name, module in experts_modules(model):
         check_supported_layout(module, name)
-        e, two_i, h = module.gate_up_proj.quant_state.shape
-        lora = ExpertLoRA(num_experts=e, hidden=h, intermediate=two_i // 2, rank=rank, alpha=alpha, generator=generator)
+        e, hidden, inter = expert_dims(module)
+        lora = ExpertLoRA(num_experts=e, hidden=hidden, intermediate=inter, rank=rank, alpha=alpha, generator=generator)
         module.moe_lora = lora.to(module.gate_up_proj.device)
         names.append(name)
     return names

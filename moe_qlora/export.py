@@ -82,11 +82,12 @@ def target_parameter_names(model) -> list[str]:
 
 
 def adapter_config(model, cfg: LoraSection, base_model_name_or_path: str) -> LoraConfig:
+    linear_targets = sorted(model.peft_config["default"].target_modules) if isinstance(model, PeftModel) else []
     return LoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
-        target_modules=list(cfg.target_modules) or None,
+        target_modules=linear_targets or None,
         target_parameters=target_parameter_names(model) or None,
         base_model_name_or_path=base_model_name_or_path,
         task_type="CAUSAL_LM",

@@ -1,17 +1,18 @@
 """The MoE experts layer over frozen NF4 experts with per-expert LoRA: forward and its backward.
 
 Forward (MUL_MAT_ID): for the rows s routed to expert e,
-    h_s = x_s W1_e^T + c (x_s A1_e^T) B1_e^T            gate_up, (S_e, 2I)
-    a_s = act(gate(h_s)) * up(h_s)                       (S_e, I)
-    y_s = a_s W2_e^T + c (a_s A2_e^T) B2_e^T            down, (S_e, H)
+    h_s = x_s W1_e^T + b1_e + c (x_s A1_e^T) B1_e^T     gate_up, (S_e, 2I)
+    a_s = gate(h_s)                                      (S_e, I), the model's own gating (e.g. silu(g) * u)
+    y_s = a_s W2_e^T + b2_e + c (a_s A2_e^T) B2_e^T     down, (S_e, H)
     out[t] = sum over the K slots of t of  w_s * y_s
 Backward: the input gradient through the transposed frozen experts (dx_s = dh_s W1_e + ...), the LoRA
 gradients as per-expert scattered outer products (OUT_PROD_ID: dB_e = c * sum_s dy_s (x) p_s), and the
-routing-weight gradient dw_s = <y_s, dout_t>, obtained as <a_s, J^T dout_t> (see backward).
+routing-weight gradient dw_s = <y_s, dout_t>, obtained without keeping y (see backward).
 This file is the torch reference the GPU kernels match.
 
 Shape letters: T tokens, K experts per token, S = T*K routed rows, E experts, H hidden,
-I expert intermediate, r LoRA rank, c = alpha / r.
+I expert intermediate, r LoRA rank, c = alpha / r. W is stored (E, out, in), or (E, in, out) when
+`transposed` (GPT-OSS); the math above is the same either way.
 """
 
 from __future__ import annotations
@@ -27,19 +28,31 @@ from .routing import RoutedTokens
 
 @dataclass(frozen=True)
 class FrozenExperts:
-    """The quantized half of an experts layer: what the autograd function never differentiates.
+    """The frozen half of an experts layer: what the autograd function never differentiates.
 
-    gate_up: NF4 (E, 2I, H), gate rows first then up rows.  down: NF4 (E, H, I).
-    act: elementwise activation applied to the gate half.
+    gate_up: NF4 (E, 2I, H) or (E, H, 2I) if transposed.  down: NF4 (E, H, I) or (E, I, H).
+    gate_up_bias: (E, 2I) or None.  down_bias: (E, H) or None.
+    gate: (n, 2I) -> (n, I), the model's own gating of the gate_up output (any differentiable function).
     """
 
     gate_up: NF4Stack
     down: NF4Stack
-    act: Callable[[torch.Tensor], torch.Tensor]
+    gate: Callable[[torch.Tensor], torch.Tensor]
+    transposed: bool = False
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
 
     @property
     def intermediate(self) -> int:
-        return self.down.shape[2]
+        return self.down.shape[1] if self.transposed else self.down.shape[2]
+
+    def weight(self, stack: NF4Stack, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert e of a stack as (in, out), the right operand of x @ W: one expert dequantized at a time."""
+        w = dequantize_expert(stack, e, dtype)
+        return w if self.transposed else w.t()
+
+    def bias(self, bias: torch.Tensor | None, e: int, dtype: torch.dtype) -> torch.Tensor | None:
+        return None if bias is None else bias[e].to(dtype)
 
 
 @dataclass(frozen=True)
@@ -51,29 +64,22 @@ class MoEPlan:
     lora_scale: float
 
 
-def _lora_linear(x, weight, lora_a, lora_b, scale):
-    """x W^T + c (x A^T) B^T, also returning p = x A^T (None without LoRA). x: (n, in), W: (out, in)."""
-    y = x @ weight.t()
+def _lora_linear(x, weight_io, bias, lora_a, lora_b, scale):
+    """x W + b + c (x A^T) B^T, also returning p = x A^T (None without LoRA). x: (n, in), W: (in, out)."""
+    y = x @ weight_io
+    if bias is not None:
+        y += bias
     if lora_a is None:
         return y, None
     p = x @ lora_a.t()  # (n, r)
     return y.addmm_(p, lora_b.t(), alpha=scale), p
 
 
-def _gated(act, h, intermediate):
-    """act(gate) * up for h: (n, 2I) in concatenated [gate | up] layout."""
-    return act(h[:, :intermediate]) * h[:, intermediate:]
-
-
-def _gated_backward(act, h, da, intermediate):
-    """d h from d a where a = act(gate) * up; the activation's derivative comes from autograd, exact."""
-    gate, up = h[:, :intermediate], h[:, intermediate:]
-    grad_h = torch.empty_like(h)
+def _gate_backward(gate, h, da):
+    """d h from d a where a = gate(h); the derivative comes from autograd on the model's own gate, exact."""
     with torch.enable_grad():
-        g = gate.detach().requires_grad_(True)
-        act_g = act(g)
-        (grad_h[:, :intermediate],) = torch.autograd.grad(act_g, g, da * up)
-    torch.mul(da, act_g.detach(), out=grad_h[:, intermediate:])
+        hh = h.detach().requires_grad_(True)
+        (grad_h,) = torch.autograd.grad(gate(hh), hh, da)
     return grad_h
 
 
@@ -88,7 +94,7 @@ class MoELoRAFunction(torch.autograd.Function):
     def forward(ctx, x, routing_weights, gate_up_a, gate_up_b, down_a, down_b, plan: MoEPlan):
         """x: (T, H); routing_weights: (T, K); gate_up_a (E, r, H), gate_up_b (E, 2I, r),
         down_a (E, r, I), down_b (E, H, r), or all four None. Returns (T, H)."""
-        ex, rt, dtype = plan.experts, plan.routing, x.dtype
+        ex, rt, dtype, scale = plan.experts, plan.routing, x.dtype, plan.lora_scale
         lora = _cast_lora((gate_up_a, gate_up_b, down_a, down_b), dtype)
         rank = 0 if lora[0] is None else lora[0].shape[1]
         h = x.new_empty(rt.num_rows, 2 * ex.intermediate)
@@ -99,10 +105,10 @@ class MoELoRAFunction(torch.autograd.Function):
             rows = slice(rt.offsets[e], rt.offsets[e + 1])
             tokens = rt.token[rows]
             a1, b1, a2, b2 = _expert_lora(lora, e)
-            h[rows], p1 = _lora_linear(x.index_select(0, tokens), dequantize_expert(ex.gate_up, e, dtype), a1, b1,
-                                       plan.lora_scale)  # fmt: skip
-            act_out = _gated(ex.act, h[rows], ex.intermediate)
-            y, p2 = _lora_linear(act_out, dequantize_expert(ex.down, e, dtype), a2, b2, plan.lora_scale)
+            w1, bias1 = ex.weight(ex.gate_up, e, dtype), ex.bias(ex.gate_up_bias, e, dtype)
+            h[rows], p1 = _lora_linear(x.index_select(0, tokens), w1, bias1, a1, b1, scale)
+            w2, bias2 = ex.weight(ex.down, e, dtype), ex.bias(ex.down_bias, e, dtype)
+            y, p2 = _lora_linear(ex.gate(h[rows]), w2, bias2, a2, b2, scale)
             if p1 is not None:
                 p_gate_up[rows], p_down[rows] = p1, p2
             out.index_add_(0, tokens, y.mul_(w_sorted[rows, None]))
@@ -127,21 +133,24 @@ class MoELoRAFunction(torch.autograd.Function):
             tokens, w = rt.token[rows], w_sorted[rows, None]
             a1, b1, a2, b2 = _expert_lora(lora, e)
             g = grad_out.index_select(0, tokens)  # (S_e, H): dout of each row's token, before the weight
-            act_out = _gated(ex.act, h[rows], ex.intermediate)
-            # y = J a with J linear (a W2^T + c (a A2^T) B2^T): the row's output is w * y. Its input
-            # gradient is w * J^T g, and the routing-weight gradient <y, g> = <J a, g> = <a, J^T g>, so
-            # u = J^T g gives both, exactly, without keeping y from the forward or dividing by w.
-            u = g @ dequantize_expert(ex.down, e, dtype)  # (S_e, I)
+            act_out = ex.gate(h[rows])
+            # y = J a + b2 with J linear (a W2 + c (a A2^T) B2^T); the row's output is w * y. Its input
+            # gradient is w * J^T g, and the routing-weight gradient is <y, g> = <J a, g> + <b2, g>
+            # = <a, J^T g> + <b2, g>: u = J^T g gives both, exactly, without keeping y or dividing by w.
+            u = g @ ex.weight(ex.down, e, dtype).t()  # (S_e, I)
             if has_lora:
                 q2 = (g @ b2).mul_(scale)  # c g B2: (S_e, r)
                 u.addmm_(q2, a2)
                 # dy = w g: dA2 = (w c g B2)^T a and dB2 = c (w g)^T p2, rescaling only (S_e, r) factors.
                 lora_grads[2][e] = (q2 * w).t() @ act_out
                 lora_grads[3][e] = (g.t() @ (p_down[rows] * w)).mul_(scale)
-            grad_w_sorted[rows] = (act_out * u).sum(-1, dtype=torch.float32)
-            grad_h = _gated_backward(ex.act, h[rows], u.mul_(w), ex.intermediate)
+            dot = (act_out * u).sum(-1, dtype=torch.float32)
+            if ex.down_bias is not None:
+                dot += g.float() @ ex.down_bias[e].float()
+            grad_w_sorted[rows] = dot
+            grad_h = _gate_backward(ex.gate, h[rows], u.mul_(w))
             # Input gradient through the transposed frozen gate_up projection (+ its LoRA path).
-            grad_x_rows = grad_h @ dequantize_expert(ex.gate_up, e, dtype)
+            grad_x_rows = grad_h @ ex.weight(ex.gate_up, e, dtype).t()
             if has_lora:
                 dp1 = (grad_h @ b1).mul_(scale)  # (S_e, r)
                 grad_x_rows.addmm_(dp1, a1)

@@ -6,6 +6,7 @@ nothing is downloaded. A generated model is cached by a hash of its recipe.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -13,8 +14,9 @@ import tempfile
 from pathlib import Path
 
 import torch
+import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, MixtralConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
@@ -22,21 +24,72 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
-# The embedded default: Mixtral architecture, small enough to train for a few hundred steps on 2 CPU cores.
-TINY_MIXTRAL = {
+# Shared by every tiny model. The init is wide enough that a frozen random lm_head can express confident
+# predictions (std 0.02 caps logits near +-1.3 after the final RMSNorm, so a loss could not fall far below
+# ln(vocab)). Expert matrices (64 x 64 or 64 x 128) fill whole NF4 blocks.
+TINY_COMMON = {
     "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "num_local_experts": 8,
-    "num_experts_per_tok": 2,
     "max_position_embeddings": 512,
-    "rope_theta": 10000.0,
-    # Wide enough init that a frozen random lm_head can express confident predictions (std 0.02 caps
-    # logits near +-1.3 after the final RMSNorm, so the loss could not fall far below ln(vocab)).
     "initializer_range": 0.15,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
+# One entry per MoE family: its transformers config class and what makes it small but complete
+# (shared experts, dense layers first, grouped routing... as the family has them).
+TINY_FAMILIES = {
+    "mixtral": ("MixtralConfig", {
+        "num_hidden_layers": 2, "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 128,
+        "rope_theta": 10000.0,
+    }),
+    "qwen2_moe": ("Qwen2MoeConfig", {
+        "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 128, "intermediate_size": 128, "norm_topk_prob": False,
+    }),
+    "qwen3_moe": ("Qwen3MoeConfig", {
+        "num_hidden_layers": 3, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "intermediate_size": 128, "norm_topk_prob": True, "mlp_only_layers": [0], "head_dim": 16,
+    }),
+    "deepseek_v2": ("DeepseekV2Config", {
+        "num_hidden_layers": 3, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "intermediate_size": 128, "kv_lora_rank": 32,
+        "q_lora_rank": None, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_group": 4,
+        "topk_group": 2, "topk_method": "group_limited_greedy", "routed_scaling_factor": 2.0,
+        "num_key_value_heads": 4,  # MLA: one latent KV per attention head
+    }),
+    "deepseek_v3": ("DeepseekV3Config", {
+        "num_hidden_layers": 3, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "intermediate_size": 128, "kv_lora_rank": 32,
+        "q_lora_rank": 48, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_group": 4,
+        "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "num_key_value_heads": 4,
+    }),
+    "olmoe": ("OlmoeConfig", {
+        "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64,
+    }),
+    "gpt_oss": ("GptOssConfig", {
+        "num_hidden_layers": 2, "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64,
+        "head_dim": 16, "sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"],
+        "max_position_embeddings": 131072,  # YaRN's factor 32 over 4096 original positions
+    }),
+    "glm4_moe": ("Glm4MoeConfig", {
+        "num_hidden_layers": 3, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "intermediate_size": 128, "n_group": 2,
+        "topk_group": 1, "head_dim": 16, "routed_scaling_factor": 1.5, "norm_topk_prob": True,
+    }),
+}  # fmt: skip
+
+
+def tiny_config(family: str, vocab_size: int, **overrides):
+    """The tiny config of a family; `overrides` change any field (tests use more experts or layers)."""
+    class_name, fields = TINY_FAMILIES[family]
+    return getattr(transformers, class_name)(vocab_size=vocab_size, **{**TINY_COMMON, **fields, **overrides})
+
+
+def tiny_mixtral_config(vocab_size: int, **overrides):
+    """The demo model's config."""
+    return tiny_config("mixtral", vocab_size, **overrides)
 
 
 def build_byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -57,12 +110,6 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def tiny_mixtral_config(vocab_size: int, **overrides) -> MixtralConfig:
-    """The demo model's config; `overrides` change any field (tests use more experts or layers)."""
-    fields = {**TINY_MIXTRAL, **overrides}
-    return MixtralConfig(vocab_size=vocab_size, pad_token_id=0, bos_token_id=1, eos_token_id=2, **fields)
-
-
 def save_tiny_model(path: str | Path, config, *, seed: int = 0, tokenizer=None) -> Path:
     """Build a model from `config` with random weights (seeded) and save it with a tokenizer."""
     path = Path(path)
@@ -77,12 +124,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MOE_QLORA_CACHE", Path.home() / ".cache" / "moe-qlora"))
 
 
-def ensure_tiny_mixtral(*, seed: int = 0, **overrides) -> Path:
-    """Path of the generated tiny Mixtral for this recipe, building it on first use (atomically)."""
+def ensure_tiny(family: str = "mixtral", *, seed: int = 0, **overrides) -> Path:
+    """Path of the generated tiny model of a family for this recipe, building it on first use (atomically)."""
     tokenizer = build_byte_tokenizer()
-    config = tiny_mixtral_config(len(tokenizer), **overrides)
+    config = tiny_config(family, len(tokenizer), **overrides)
     recipe = json.dumps({"config": config.to_dict(), "seed": seed, "v": 1}, sort_keys=True, default=str)
-    target = cache_dir() / f"tiny-mixtral-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
+    target = cache_dir() / f"tiny-{family}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -97,7 +144,12 @@ def ensure_tiny_mixtral(*, seed: int = 0, **overrides) -> Path:
     return target
 
 
-BUILTIN_MODELS = {"builtin:tiny-mixtral": ensure_tiny_mixtral}
+def ensure_tiny_mixtral(*, seed: int = 0, **overrides) -> Path:
+    return ensure_tiny("mixtral", seed=seed, **overrides)
+
+
+# builtin:tiny-mixtral is the demo's model; builtin:tiny-<family> for every family in TINY_FAMILIES.
+BUILTIN_MODELS = {f"builtin:tiny-{f.replace('_', '-')}": functools.partial(ensure_tiny, f) for f in TINY_FAMILIES}
 
 
 def resolve_model_path(name_or_path: str) -> str:

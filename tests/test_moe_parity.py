@@ -13,13 +13,19 @@ import copy
 
 import pytest
 import torch
+from oracle import (
+    assert_all_close,
+    assert_close_scaled,
+    eager_reference_experts,
+    leaves,
+    randomize_lora_b,
+    run_experts_pair,
+)
 from torch.func import functional_call
 
 from moe_qlora.experts import attach_expert_lora
 from moe_qlora.loading import LoadOptions, load_model
 from moe_qlora.nf4 import NF4Stack, dequantize_stack, quantize_stack
-
-REL_TOL = 4e-6
 
 
 @pytest.fixture(scope="module")
@@ -27,70 +33,11 @@ def quantized(tiny_mixtral_dir):
     """The tiny Mixtral loaded in 4-bit with expert LoRA whose B factors are non-zero (so every grad is)."""
     model = load_model(LoadOptions(str(tiny_mixtral_dir)))
     attach_expert_lora(model, rank=4, alpha=8.0, seed=0)
-    g = torch.Generator().manual_seed(1)
-    for name, p in model.named_parameters():
-        if "moe_lora" in name and name.endswith("_b"):
-            p.data = torch.randn(p.shape, generator=g) * 0.05
+    randomize_lora_b(model)
     return model
 
 
-def eager_reference_experts(experts, config):
-    """transformers' eager experts module and a function giving its explicit weights from the LoRA factors."""
-    cfg = copy.deepcopy(config)
-    cfg._experts_implementation = "eager"
-    eager = type(experts)(cfg)
-    w1 = dequantize_stack(NF4Stack.from_param(experts.gate_up_proj))
-    w2 = dequantize_stack(NF4Stack.from_param(experts.down_proj))
-    scale = experts.moe_lora.scale
-
-    def weights(a1, b1, a2, b2):
-        # Expert e's effective weight, as PEFT defines it: W_e + scale * B_e @ A_e.
-        return {
-            "gate_up_proj": w1 + scale * torch.einsum("eor,eri->eoi", b1, a1),
-            "down_proj": w2 + scale * torch.einsum("eor,eri->eoi", b2, a2),
-        }
-
-    return eager, weights
-
-
-def leaves(*tensors):
-    return [t.detach().clone().requires_grad_(True) for t in tensors]
-
-
-def run_pair(experts, config, x, top_k_index, top_k_weights, mutate=None):
-    """Outputs and gradients (x, routing weights, 4 LoRA factors) of ours and of the eager oracle."""
-    lora = experts.moe_lora
-    factors = lora.factors()
-    upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(7))
-
-    x1, w1 = leaves(x, top_k_weights)
-    for p in factors:
-        p.grad = None
-    ours_idx, ours_w = (top_k_index, w1) if mutate is None else mutate(top_k_index, w1)
-    out = experts(x1, ours_idx, ours_w)
-    out.backward(upstream)
-    ours = [out.detach(), x1.grad, w1.grad] + [p.grad.clone() for p in factors]
-
-    eager, weights = eager_reference_experts(experts, config)
-    x2, w2, *f2 = leaves(x, top_k_weights, *factors)
-    ref_out = functional_call(eager, weights(*f2), (x2, top_k_index, w2))
-    ref_out.backward(upstream)
-    ref = [ref_out.detach(), x2.grad, w2.grad] + [f.grad for f in f2]
-    return ours, ref
-
-
-def assert_close_scaled(name, a, b):
-    """max |a - b| <= REL_TOL * max |b|: fp32 reordering error relative to the tensor's magnitude."""
-    assert a.shape == b.shape, f"{name}: shape {tuple(a.shape)} != {tuple(b.shape)}"
-    err, scale = float((a - b).abs().max()), float(b.abs().max())
-    assert scale > 0 and err <= REL_TOL * scale, f"{name}: max error {err:.3g} over {REL_TOL:g} * {scale:.3g}"
-
-
-def assert_all_close(ours, ref):
-    names = ["output", "grad x", "grad routing weights", "grad A gate_up", "grad B gate_up", "grad A down",
-             "grad B down"]  # fmt: skip
-    for name, a, b in zip(names, ours, ref, strict=True):
-        assert_close_scaled(name, a, b)
+run_pair = run_experts_pair
 
 
 def routing_case(kind, tokens, experts, k):

@@ -1,0 +1,90 @@
+"""Per-family entries: the LoRA targets a user fine-tuning that family would pick by default.
+
+Experts get per-expert LoRA (experts.py) in every family; this table names the nn.Linear modules that get
+PEFT LoRA: attention projections, and the dense MLPs that shared experts and dense-first layers use.
+A family not listed gets the generic names that exist in the model.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from .config import ConfigError
+
+log = logging.getLogger(__name__)
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLA_ATTENTION = ["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]  # DeepSeek MLA
+DENSE_MLP = ["gate_proj", "up_proj", "down_proj"]  # shared experts and dense layers
+
+# Names PEFT would move onto the experts (see peft_remapped_names) are dropped from these at run time.
+FAMILY_TARGETS: dict[str, list[str]] = {
+    "mixtral": ATTENTION,
+    "olmoe": ATTENTION,
+    "gpt_oss": ATTENTION,
+    "qwen2_moe": ATTENTION + DENSE_MLP,  # shared_expert.*; shared_expert_gate stays frozen (a gate)
+    "qwen3_moe": ATTENTION + DENSE_MLP,  # dense mlp_only_layers
+    "deepseek_v2": MLA_ATTENTION + DENSE_MLP,  # shared_experts.* and first_k_dense_replace layers
+    "deepseek_v3": MLA_ATTENTION + DENSE_MLP,
+    "glm4_moe": ATTENTION + DENSE_MLP,
+}
+GENERIC_TARGETS = ATTENTION + MLA_ATTENTION + DENSE_MLP
+
+
+def linear_names(model: nn.Module) -> set[str]:
+    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+def peft_remapped_names(model_type: str) -> set[str]:
+    """Module names PEFT rewrites into fused-expert `target_parameters` for this model type.
+
+    PEFT >= 0.18 converts v4-style targets (`gate_proj`, `up_proj`, `down_proj`, `gate`; `w1`..`w3` for
+    Mixtral) of these MoE families into LoRA on the experts' 3D parameters and drops them from
+    target_modules, both when creating and when loading an adapter. A dense MLP of the same name (shared
+    experts, dense-first layers) then loses its LoRA, and the experts get PEFT's full-precision wrapper,
+    so such names cannot be trained through PEFT on these families. Read from PEFT's own table.
+    """
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+
+        base = conversion._MODEL_TO_CONVERSION_PATTERN.get(model_type)
+        return set(conversion._MOE_TARGET_MODULE_MAPPING.get(base, {})) if base else set()
+    except (ImportError, AttributeError):  # an older or newer PEFT without the table
+        return set()
+
+
+def default_targets(model: nn.Module) -> list[str]:
+    """The family's default PEFT targets, kept to the names this model has (never lm_head or a router)."""
+    model_type = getattr(model.config, "model_type", "")
+    wanted = FAMILY_TARGETS.get(model_type)
+    if wanted is None:
+        log.warning("no LoRA defaults for model_type %r: targeting the usual projection names it has", model_type)
+        wanted = GENERIC_TARGETS
+    present, remapped = linear_names(model), peft_remapped_names(model_type)
+    skipped = [t for t in wanted if t in present and t in remapped]
+    if skipped:
+        log.info("not targeting %s on %s: PEFT would re-target them onto the experts", skipped, model_type)
+    return [t for t in dict.fromkeys(wanted) if t in present and t not in remapped]
+
+
+def resolve_targets(model: nn.Module, target_modules: list[str] | str) -> list[str]:
+    """`auto` -> the family defaults; an explicit list must name modules that exist and PEFT keeps as they are."""
+    if target_modules == "auto":
+        return default_targets(model)
+    model_type = getattr(model.config, "model_type", "")
+    remapped = [t for t in target_modules if t.rsplit(".", 1)[-1] in peft_remapped_names(model_type)]
+    if remapped:
+        raise ConfigError(
+            f"lora.target_modules {remapped} cannot be trained on {model_type}: PEFT rewrites these names into LoRA on "
+            "the fused expert parameters (its transformers v4->v5 conversion), so the adapter would not load as "
+            "trained. Experts already get per-expert LoRA (lora.experts); drop these names."
+        )
+    present = linear_names(model)
+    missing = [t for t in target_modules if t.rsplit(".", 1)[-1] not in present]
+    if missing:
+        raise ConfigError(
+            f"lora.target_modules names no nn.Linear of this model: {missing}; its linears: {sorted(present)}"
+        )
+    return list(target_modules)

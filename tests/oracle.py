@@ -1,0 +1,98 @@
+"""The independent oracle for the MoE layer: transformers' own eager experts on dequantized weights.
+
+Shared by the parity tests of every family. The eager module is the family's own experts class with
+`_experts_implementation = "eager"`, fed W_e + c * B_e A_e per expert (in the family's storage layout)
+and differentiated by autograd.
+"""
+
+import copy
+
+import torch
+from torch.func import functional_call
+
+from moe_qlora.experts import EXPERT_PARAMS
+from moe_qlora.nf4 import dequantize_param
+
+# fp32 reordering error scales with the tensor (see test_moe_parity): max|ours - ref| <= REL_TOL * max|ref|.
+REL_TOL = 4e-6
+BIASES = ("gate_up_proj_bias", "down_proj_bias")
+
+
+def lora_delta(b, a, transposed):
+    """scale-free B_e A_e for every expert, (E, out, in), or (E, in, out) for transposed storage."""
+    delta = torch.einsum("eor,eri->eoi", b, a)
+    return delta.transpose(1, 2) if transposed else delta
+
+
+def eager_reference_experts(experts, config):
+    """The family's eager experts module and a function giving its explicit weights from the LoRA factors."""
+    cfg = copy.deepcopy(config)
+    cfg._experts_implementation = "eager"
+    eager = type(experts)(cfg)
+    base = {n: dequantize_param(getattr(experts, n)) for n in EXPERT_PARAMS}
+    biases = {n: getattr(experts, n).detach() for n in BIASES if getattr(experts, "has_bias", False)}
+    scale, transposed = experts.moe_lora.scale, getattr(experts, "is_transposed", False)
+
+    def weights(a1, b1, a2, b2):
+        return {
+            "gate_up_proj": base["gate_up_proj"] + scale * lora_delta(b1, a1, transposed),
+            "down_proj": base["down_proj"] + scale * lora_delta(b2, a2, transposed),
+            **biases,
+        }
+
+    return eager, weights
+
+
+def leaves(*tensors):
+    return [t.detach().clone().requires_grad_(True) for t in tensors]
+
+
+def randomize_lora_b(model, seed=1, std=0.05):
+    """Non-zero B factors, so that every LoRA tensor gets a gradient and changes the output."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad and ("lora_B" in name or name.endswith("_b")):
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def run_experts_pair(experts, config, x, top_k_index, top_k_weights, mutate=None):
+    """Outputs and gradients (x, routing weights, 4 LoRA factors) of ours and of the eager oracle."""
+    factors = experts.moe_lora.factors()
+    upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(7))
+    x1, w1 = leaves(x, top_k_weights)
+    for p in factors:
+        p.grad = None
+    ours_idx, ours_w = (top_k_index, w1) if mutate is None else mutate(top_k_index, w1)
+    out = experts(x1, ours_idx, ours_w)
+    out.backward(upstream)
+    ours = [out.detach(), x1.grad, w1.grad] + [p.grad.clone() for p in factors]
+
+    eager, weights = eager_reference_experts(experts, config)
+    x2, w2, *f2 = leaves(x, top_k_weights, *factors)
+    ref_out = functional_call(eager, weights(*f2), (x2, top_k_index, w2))
+    ref_out.backward(upstream)
+    ref = [ref_out.detach(), x2.grad, w2.grad] + [f.grad for f in f2]
+    return ours, ref
+
+
+def assert_close_scaled(name, a, b):
+    """max |a - b| <= REL_TOL * max |b|: fp32 reordering error relative to the tensor's magnitude."""
+    assert a.shape == b.shape, f"{name}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    err, scale = float((a - b).abs().max()), float(b.abs().max())
+    assert scale > 0 and err <= REL_TOL * scale, f"{name}: max error {err:.3g} over {REL_TOL:g} * {scale:.3g}"
+
+
+PAIR_NAMES = ["output", "grad x", "grad routing weights", "grad A gate_up", "grad B gate_up", "grad A down",
+              "grad B down"]  # fmt: skip
+
+
+def assert_all_close(ours, ref, names=PAIR_NAMES):
+    for name, a, b in zip(names, ours, ref, strict=True):
+        assert_close_scaled(name, a, b)
+
+
+def ragged_routing(tokens, experts, k, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    return idx, torch.softmax(torch.randn(idx.shape, generator=g), -1)

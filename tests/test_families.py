@@ -1,0 +1,159 @@
+"""Every MoE family, through the same code path: parity with its own eager experts, the whole sparse block
+(its router, shared experts and scaling) against the block with eager experts, PEFT export parity, and a
+short training run that lowers the loss. Tolerances as in test_moe_parity (fp32 reordering only).
+"""
+
+import pytest
+import torch
+from oracle import (
+    assert_all_close,
+    assert_close_scaled,
+    eager_reference_experts,
+    leaves,
+    ragged_routing,
+    randomize_lora_b,
+    run_experts_pair,
+)
+from peft import PeftModel
+from rich.console import Console
+from torch.func import functional_call
+from transformers import AutoModelForCausalLM
+
+from moe_qlora.adapters import attach_adapters
+from moe_qlora.config import LoraSection, validate_config
+from moe_qlora.experts import experts_modules
+from moe_qlora.export import dequantized_base_state_dict, save_adapter
+from moe_qlora.loading import LoadOptions, load_model
+from moe_qlora.tiny import TINY_FAMILIES, build_byte_tokenizer, save_tiny_model, tiny_config
+from moe_qlora.trainer import train
+
+FAMILIES = list(TINY_FAMILIES)
+LORA = LoraSection(rank=4, alpha=8.0, target_modules="auto")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    """(name, checkpoint dir, 4-bit model with every LoRA factor non-zero) for each family."""
+    name = request.param
+    tok = build_byte_tokenizer()
+    path = save_tiny_model(tmp_path_factory.mktemp(name), tiny_config(name, len(tok)), seed=0, tokenizer=tok)
+    model = attach_adapters(load_model(LoadOptions(str(path))), LORA, seed=0)
+    randomize_lora_b(model)
+    return name, path, model
+
+
+def first_experts(model):
+    return experts_modules(model)[0]
+
+
+def test_experts_match_the_familys_eager_experts(family):
+    name, _, model = family
+    _, experts = first_experts(model)
+    idx, weights = ragged_routing(13, 8, 2)
+    x = torch.randn(13, 64, generator=torch.Generator().manual_seed(5))
+    assert_all_close(*run_experts_pair(experts, model.config, x, idx, weights))
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [lambda idx, w: ((idx + 1) % 8, w), lambda idx, w: (idx, torch.ones_like(w))],
+    ids=["experts_rolled", "routing_weights_dropped"],
+)
+def test_broken_routing_fails_the_same_comparison(family, broken):
+    _, _, model = family
+    _, experts = first_experts(model)
+    idx, weights = ragged_routing(13, 8, 2)
+    x = torch.randn(13, 64, generator=torch.Generator().manual_seed(5))
+    with pytest.raises(AssertionError):
+        assert_all_close(*run_experts_pair(experts, model.config, x, idx, weights, mutate=broken))
+
+
+def _block_of(model, experts_name):
+    return model.get_submodule(experts_name.rsplit(".", 1)[0])
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def test_sparse_block_with_router_and_shared_experts_matches(family):
+    """The family's own block: routing (grouped top-k, sigmoid scores, scaling...), shared experts, ours vs eager."""
+    _, _, model = family
+    experts_name, experts = first_experts(model)
+    block = _block_of(model, experts_name)
+    router = {n: p for n, p in block.named_parameters() if not n.startswith(("experts.", "shared_expert"))
+              and "lora" not in n and p.is_floating_point()}  # fmt: skip
+    assert router, "the block should own its router parameters"
+    x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(9))
+    upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(10))
+
+    x1, *r1 = leaves(x, *router.values())
+    out = _first(functional_call(block, dict(zip(router, r1, strict=True)), (x1,)))
+    out.backward(upstream)
+
+    eager, weights = eager_reference_experts(experts, model.config)
+    x2, *r2 = leaves(x, *router.values())
+    f2 = leaves(*experts.moe_lora.factors())
+    block.experts = eager
+    try:
+        params = {**dict(zip(router, r2, strict=True)), **{f"experts.{k}": v for k, v in weights(*f2).items()}}
+        ref = _first(functional_call(block, params, (x2,)))
+    finally:
+        block.experts = experts
+    ref.backward(upstream)
+    assert_close_scaled("block output", out.detach(), ref.detach())
+    assert_close_scaled("grad x", x1.grad, x2.grad)
+    for n, a, b in zip(router, r1, r2, strict=True):
+        assert_close_scaled(f"grad {n}", a.grad, b.grad)
+
+
+def test_exported_adapter_reproduces_logits_in_peft(family, tmp_path):
+    name, path, model = family
+    model.eval()
+    ids = torch.randint(3, 263, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(input_ids=ids).logits
+    adapter = save_adapter(model, tmp_path / "adapter", cfg=LORA, base_model_name_or_path=str(path))
+    base = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    missing, unexpected = base.load_state_dict(dequantized_base_state_dict(model), strict=False)
+    buffers = {n for n, _ in base.named_buffers()}
+    assert not unexpected and set(missing) <= buffers, (unexpected, missing)
+    peft_model = PeftModel.from_pretrained(base, str(adapter)).eval()
+    with torch.no_grad():
+        ref = peft_model(input_ids=ids).logits
+    model.train()
+    assert (ref - ours).abs().max() <= 1e-4, f"{name}: {(ref - ours).abs().max():.3g}"
+    assert ours.abs().max() > 0.5
+
+
+def test_short_training_run_lowers_the_loss(family, tmp_path):
+    name, _, _ = family
+    cfg = validate_config({
+        "model": {"name_or_path": f"builtin:tiny-{name.replace('_', '-')}"},
+        "lora": {"rank": 8, "alpha": 16},
+        "data": {"train_files": ["data/demo_sft.jsonl"], "max_seq_len": 48},
+        "train": {"max_steps": 30, "epochs": 10, "micro_batch_size": 8, "lr": 5e-3, "warmup_steps": 3, "seed": 0},
+        "output": {"dir": str(tmp_path / "run")},
+    })  # fmt: skip
+    losses = train(cfg, Console(quiet=True)).losses
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.7 * first, (name, first, last)
+
+
+def test_every_4bit_linear_computes_with_its_dequantized_weight(family):
+    """bitsandbytes' CPU Linear4bit mis-decodes in_features % 64 != 0 (DeepSeek's kv_b_proj here): such
+    linears must have been kept unquantized, and every 4-bit one must match F.linear on its weight."""
+    import bitsandbytes as bnb
+
+    from moe_qlora.nf4 import dequantize_param
+
+    _, _, model = family
+    checked = 0
+    for name, layer in model.named_modules():
+        if isinstance(layer, bnb.nn.Linear4bit):  # the 4-bit base layer itself (PEFT wraps it, not subclasses it)
+            x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0))
+            with torch.no_grad():
+                y = layer(x)
+            torch.testing.assert_close(y, x @ dequantize_param(layer.weight).T, atol=1e-5, rtol=1e-5, msg=name)
+            checked += 1
+    assert checked > 0
