@@ -7,11 +7,13 @@ experts get `ExpertLoRA` (see experts.py). Everything else is frozen.
 from __future__ import annotations
 
 import logging
+import re
 
+import torch
 from peft import LoraConfig, get_peft_model
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .config import LoraSection
+from .config import ConfigError, LoraSection
 from .experts import ExpertLoRA, attach_expert_lora, experts_modules
 from .families import resolve_targets
 
@@ -23,14 +25,30 @@ def attach_adapters(model, cfg: LoraSection, *, seed: int):
     for p in model.parameters():
         p.requires_grad_(False)
     targets = resolve_targets(model, cfg.target_modules)
-    if targets:
-        peft_config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets)
+    routers = router_parameter_names(model) if cfg.router else []
+    if cfg.router and not routers:
+        raise ConfigError("lora.router: true, but this model has no MoE router weight to adapt")
+    if targets or routers:
+        peft_config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                                 target_modules=targets or None, target_parameters=routers or None)  # fmt: skip
         model = get_peft_model(model, peft_config)
     if cfg.experts:
         if not experts_modules(model):
             log.warning("no MoE experts found: training LoRA on the linears only (plain QLoRA)")
         attach_expert_lora(model, rank=cfg.rank, alpha=cfg.alpha, seed=seed)
     return model
+
+
+def router_parameter_names(model) -> list[str]:
+    """PEFT target_parameters for the routers: the 2D weight of the block's router, e.g. 'mlp.gate.weight'."""
+    names = set()
+    for name, _ in experts_modules(model):
+        block = model.get_submodule(name.rsplit(".", 1)[0])
+        for child_name, child in block.named_children():
+            weight = getattr(child, "weight", None)
+            if child_name in ("gate", "router") and isinstance(weight, torch.nn.Parameter) and weight.dim() == 2:
+                names.add(re.sub(r"^.*\.layers\.\d+\.", "", f"{name.rsplit('.', 1)[0]}.{child_name}.weight"))
+    return sorted(names)
 
 
 def trainable_parameters(model) -> list:

@@ -90,6 +90,54 @@ def train(
         _fail(exc, debug)
 
 
+PLAN_EPILOG = """Examples:
+
+  moe-qlora plan --model configs/models/qwen3-30b-a3b --set data.max_seq_len=4096 --set lora.rank=16
+
+  moe-qlora plan --config cfg.yaml --device cpu
+"""
+
+
+@app.command(epilog=PLAN_EPILOG)
+def plan(
+    config: str | None = typer.Option(None, "--config", "-c", help="YAML run configuration"),
+    model: str | None = typer.Option(
+        None, "--model", help="a folder with config.json, or a hub id (overrides the config's)"
+    ),
+    set_: list[str] = typer.Option([], "--set", help="override a key, e.g. --set data.max_seq_len=4096"),
+    device: str = typer.Option("cuda", "--device", help="cuda or cpu (on cpu some linears stay unquantized)"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+    debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
+):
+    """Memory a run needs, by kind, from the model's config.json alone (no weights are read)."""
+    _quiet_libraries()
+    from .config import ConfigError, load_config, parse_overrides, validate_config
+    from .plan import plan_run, render_plan
+    from .tiny import resolve_model_path
+
+    try:
+        if config:
+            cfg = load_config(config, set_)
+        elif model:
+            raw = {"model": {"name_or_path": model}, "data": {"train_files": ["(not read by plan)"]}}
+            overrides = parse_overrides(set_)
+            cfg = validate_config(
+                {k: {**raw.get(k, {}), **overrides.get(k, {})} for k in raw.keys() | overrides.keys()}
+            )
+        else:
+            raise ConfigError("give --config or --model")
+        result = plan_run(cfg, name_or_path=resolve_model_path(model or cfg.model.name_or_path), device=device)
+    except (*_user_errors(), OSError) as exc:
+        _fail(exc, debug)
+    if as_json:
+        import json
+
+        sys.stdout.write(json.dumps({"model_type": result.model_type, "params": result.params, "bytes": result.bytes,
+                                     "total": result.total, "notes": result.notes}) + "\n")  # fmt: skip
+    else:
+        render_plan(result, console)
+
+
 @app.command("check-norms")
 def check_norms_cmd(
     adapter: str = typer.Argument(..., help="adapter_model.safetensors, or the folder holding it"),

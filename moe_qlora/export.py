@@ -82,13 +82,15 @@ def target_parameter_names(model) -> list[str]:
 
 
 def adapter_config(model, cfg: LoraSection, base_model_name_or_path: str) -> LoraConfig:
-    linear_targets = sorted(model.peft_config["default"].target_modules) if isinstance(model, PeftModel) else []
+    peft = model.peft_config["default"] if isinstance(model, PeftModel) else None
+    linear_targets = sorted(peft.target_modules or []) if peft else []
+    router_targets = sorted(peft.target_parameters or []) if peft else []
     return LoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
         target_modules=linear_targets or None,
-        target_parameters=target_parameter_names(model) or None,
+        target_parameters=(target_parameter_names(model) + router_targets) or None,
         base_model_name_or_path=base_model_name_or_path,
         task_type="CAUSAL_LM",
     )

@@ -86,3 +86,27 @@ def test_expert_layout_round_trips():
         assert torch.equal(a, b)
     flat = expert_lora_to_peft(lora)["base_layer.lora_B.weight"]  # (2I, r*E), column j*E + e is B_e[:, j]
     assert torch.equal(flat[:, 1 * 3 + 2], lora.gate_up_b[2, :, 1])
+
+
+def test_router_lora_trains_and_exports(tiny_mixtral_dir, tmp_path):
+    """lora.router: the router weight gets PEFT LoRA (gradients flow to it through the routing weights)."""
+    lora = LoraSection(rank=4, alpha=8.0, target_modules=["q_proj"], router=True)
+    model = attach_adapters(load_model(LoadOptions(str(tiny_mixtral_dir))), lora, seed=0)
+    router_params = {n: p for n, p in model.named_parameters() if "mlp.gate" in n and "lora_" in n}
+    assert len(router_params) == 4 and all(p.requires_grad for p in router_params.values())
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    ids = torch.randint(0, 263, (2, 12), generator=g)
+    model(input_ids=ids).logits.square().mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in router_params.values())
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    adapter = save_adapter(model, tmp_path / "adapter", cfg=lora, base_model_name_or_path=str(tiny_mixtral_dir))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert "mlp.gate.weight" in config["target_parameters"]
+    ref = peft_logits(tiny_mixtral_dir, model, adapter, ids)
+    assert (ref - logits).abs().max() <= 1e-4

@@ -157,3 +157,30 @@ def test_every_4bit_linear_computes_with_its_dequantized_weight(family):
             torch.testing.assert_close(y, x @ dequantize_param(layer.weight).T, atol=1e-5, rtol=1e-5, msg=name)
             checked += 1
     assert checked > 0
+
+
+def test_a_dense_model_trains_as_plain_qlora_with_a_warning(tmp_path, caplog):
+    from transformers import LlamaConfig
+
+    tok = build_byte_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.15)  # fmt: skip
+    path = save_tiny_model(tmp_path / "llama", cfg, tokenizer=tok)
+    with caplog.at_level("WARNING"):
+        model = attach_adapters(load_model(LoadOptions(str(path))), LORA, seed=0)
+    assert "no MoE experts found" in caplog.text
+    assert not experts_modules(model)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert any("gate_proj" in n for n in trainable)  # a dense model keeps its MLP targets
+
+
+@pytest.mark.parametrize("attribute", ["has_post_expert_norm", "has_gate"])
+def test_unsupported_expert_layouts_are_refused_by_name(tiny_mixtral_dir, attribute):
+    from moe_qlora.experts import UnsupportedExpertsError, attach_expert_lora
+
+    model = load_model(LoadOptions(str(tiny_mixtral_dir)))
+    experts = model.model.layers[1].mlp.experts
+    setattr(experts, attribute, attribute == "has_post_expert_norm")
+    with pytest.raises(UnsupportedExpertsError, match=r"model.layers.0.mlp.experts|model.layers.1.mlp.experts"):
+        attach_expert_lora(model, rank=4, alpha=8, seed=0)

@@ -1,0 +1,138 @@
+"""`moe-qlora plan`: will it fit? Bytes by kind for a configured run, from config.json alone.
+
+The model is built on the meta device (no weights, no memory) and every parameter is classified with the
+rules the loader applies: NF4 expert stacks, bitsandbytes 4-bit linears, what stays in the compute dtype,
+then LoRA (fp32), its gradients and AdamW's two moments. Activation memory is an estimate (see below).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.quantizers.base import get_keys_to_not_convert
+from transformers.quantizers.quantizers_utils import should_convert_module
+
+from .config import RunConfig
+from .experts import EXPERT_PARAMS, expert_dims, is_experts_module
+from .families import resolve_targets
+from .loading import ROUTER_PATTERNS
+from .nf4 import BLOCKSIZE, NESTED_BLOCKSIZE
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+LORA_BYTES = 4  # LoRA master weights, their gradients and AdamW moments are fp32
+
+
+def four_bit_bytes(numel: int, *, double_quant: bool) -> int:
+    """Codes (two a byte) plus block scales: fp32 per 64 values, or a byte each plus an fp32 per 256 blocks."""
+    blocks = numel // BLOCKSIZE
+    scales = blocks + 4 * math.ceil(blocks / NESTED_BLOCKSIZE) if double_quant else 4 * blocks
+    return numel // 2 + scales
+
+
+@dataclass
+class Plan:
+    model_type: str
+    params: int
+    bytes: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+
+def meta_model(name_or_path: str, trust_remote_code: bool = False) -> nn.Module:
+    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def weight_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> dict[str, int]:
+    """Bytes of the loaded weights by kind, classified as the quantizer does (see loading.py)."""
+    compute = DTYPE_BYTES[cfg.model.compute_dtype]
+    skip = set(get_keys_to_not_convert(model)) | set(ROUTER_PATTERNS)
+    if device == "cpu":
+        skip |= {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m.in_features % BLOCKSIZE}
+    kinds = {"experts_nf4": 0, "linear_4bit": 0, "other": 0}
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if is_experts_module(module) and pname in EXPERT_PARAMS:
+                kinds["experts_nf4"] += four_bit_bytes(p.numel(), double_quant=cfg.model.expert_double_quant)
+            elif isinstance(module, nn.Linear) and pname == "weight" and should_convert_module(name, sorted(skip)):
+                kinds["linear_4bit"] += four_bit_bytes(p.numel(), double_quant=cfg.model.linear_double_quant)
+            else:
+                kinds["other"] += p.numel() * compute
+    return kinds
+
+
+def lora_params(model: nn.Module, cfg: RunConfig) -> int:
+    """Number of LoRA parameters: per-expert factors, PEFT factors on targeted linears, router factors."""
+    r, total = cfg.lora.rank, 0
+    if cfg.lora.experts:
+        for _, module in ((n, m) for n, m in model.named_modules() if is_experts_module(m)):
+            e, hidden, inter = expert_dims(module)
+            total += e * r * ((hidden + 2 * inter) + (inter + hidden))  # gate_up: A (r,H) B (2I,r); down: A, B
+    targets = set(resolve_targets(model, cfg.lora.target_modules))
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets:
+            total += r * (module.in_features + module.out_features)
+    if cfg.lora.router:
+        for name, module in model.named_modules():
+            if is_experts_module(module):
+                block = model.get_submodule(name.rsplit(".", 1)[0])
+                router = getattr(block, "gate", None) or getattr(block, "router", None)
+                if router is not None and getattr(router, "weight", None) is not None:
+                    total += r * sum(router.weight.shape)
+    return total
+
+
+def activation_bytes(model: nn.Module, cfg: RunConfig) -> int:
+    """An estimate of activation memory for one micro-batch (N = batch * seq tokens, d = compute bytes).
+
+    Checkpointed layers keep their input (N H d); the others, and the one being recomputed, keep a layer's
+    activations: ~12 N H d for attention, norms and residuals, N K (2I + 2r) d for the MoE rows (h and the
+    LoRA projections) and 2 N E fp32 for the router; the loss keeps ~3 N V fp32 (logits, softmax, grad).
+    SDPA's memory-efficient kernels are assumed (no N x N attention matrix).
+    """
+    c, t, lora = model.config, cfg.train, cfg.lora
+    tokens = t.micro_batch_size * cfg.data.max_seq_len
+    d, hidden = DTYPE_BYTES[cfg.model.compute_dtype], c.hidden_size
+    layers = c.num_hidden_layers
+    moe = [m for m in model.modules() if is_experts_module(m)]
+    k = getattr(c, "num_experts_per_tok", 0) or 0
+    experts, _, inter = expert_dims(moe[0]) if moe else (0, hidden, 0)
+    per_layer = 12 * tokens * hidden * d + tokens * k * (2 * inter + 2 * lora.rank) * d + 2 * tokens * experts * 4
+    checkpointed = math.ceil(layers / t.checkpoint_interval) if t.gradient_checkpointing else 0
+    kept_full = layers - checkpointed + (1 if checkpointed else 0)
+    return checkpointed * tokens * hidden * d + kept_full * per_layer + 3 * tokens * c.vocab_size * 4
+
+
+def plan_run(cfg: RunConfig, *, name_or_path: str, device: str = "cuda") -> Plan:
+    model = meta_model(name_or_path, cfg.model.trust_remote_code)
+    plan = Plan(model_type=model.config.model_type, params=sum(p.numel() for p in model.parameters()))
+    plan.bytes.update(weight_bytes(model, cfg, device=device))
+    n_lora = lora_params(model, cfg)
+    plan.bytes.update(lora=n_lora * LORA_BYTES, gradients=n_lora * LORA_BYTES, optimizer=2 * n_lora * LORA_BYTES)
+    plan.bytes["activations_estimate"] = activation_bytes(model, cfg)
+    if not any(is_experts_module(m) for m in model.modules()):
+        plan.notes.append("no MoE experts in this model: it would train as plain QLoRA")
+    plan.notes.append(f"targets: experts={cfg.lora.experts}, linears={resolve_targets(model, cfg.lora.target_modules)}")
+    return plan
+
+
+def render_plan(plan: Plan, console) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{plan.model_type}: {plan.params / 1e9:.2f}B parameters")
+    table.add_column("kind")
+    table.add_column("MiB", justify="right")
+    table.add_column("GiB", justify="right")
+    for kind, n in [*plan.bytes.items(), ("total", plan.total)]:
+        table.add_row(kind, f"{n / 2**20:,.1f}", f"{n / 2**30:,.2f}")
+    console.print(table)
+    for note in plan.notes:
+        console.print(note, highlight=False)

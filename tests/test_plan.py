@@ -1,0 +1,54 @@
+"""`plan` counts from config.json alone exactly the bytes a loaded model holds; it runs on the shipped configs."""
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from moe_qlora.adapters import attach_adapters
+from moe_qlora.cli import app
+from moe_qlora.config import validate_config
+from moe_qlora.loading import LoadOptions, load_model, parameter_bytes_by_kind
+from moe_qlora.plan import plan_run
+from moe_qlora.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_config(path, **model):
+    return validate_config({
+        "model": {"name_or_path": str(path), **model},
+        "lora": {"rank": 4, "router": True},
+        "data": {"train_files": ["unused.jsonl"], "max_seq_len": 32},
+    })  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v2", "gpt_oss"])
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_plan_equals_the_bytes_of_the_loaded_model(tmp_path, family, double_quant):
+    tok = build_byte_tokenizer()
+    path = save_tiny_model(tmp_path / family, tiny_config(family, len(tok)), tokenizer=tok)
+    cfg = run_config(path, expert_double_quant=double_quant, linear_double_quant=double_quant)
+    opts = LoadOptions(str(path), expert_double_quant=double_quant, linear_double_quant=double_quant)
+    model = attach_adapters(load_model(opts), cfg.lora, seed=0)
+    measured = parameter_bytes_by_kind(model)
+    planned = plan_run(cfg, name_or_path=str(path), device="cpu").bytes
+    assert {k: planned[k] for k in measured} == measured
+    assert planned["optimizer"] == 2 * planned["lora"] and planned["activations_estimate"] > 0
+
+
+@pytest.mark.parametrize(
+    "name,params_b",
+    [("mixtral-8x7b", 46.70), ("qwen3-30b-a3b", 30.53), ("deepseek-v2-lite", 15.71)],  # published sizes
+)
+def test_plan_on_shipped_configs_from_the_cli(name, params_b):
+    result = CliRunner().invoke(app, ["plan", "--model", str(ROOT / "configs/models" / name), "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert round(plan["params"] / 1e9, 2) == params_b
+    b = plan["bytes"]
+    # The experts are most of the weights (DeepSeek-V2-Lite: 78%, its vocabulary is large); NF4 stores
+    # them in 0.5625 bytes per weight.
+    assert b["experts_nf4"] > 0.7 * (b["experts_nf4"] + b["linear_4bit"] + b["other"])
+    assert 0.55 * plan["params"] < b["experts_nf4"] + b["linear_4bit"] + b["other"] < 0.75 * plan["params"]
