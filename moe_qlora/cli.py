@@ -111,7 +111,7 @@ def plan(
 ):
     """Memory a run needs, by kind, from the model's config.json alone (no weights are read)."""
     _quiet_libraries()
-    from .config import ConfigError, load_config, parse_overrides, validate_config
+    from .config import ConfigError, deep_merge, load_config, parse_overrides, validate_config
     from .plan import plan_run, render_plan
     from .tiny import resolve_model_path
 
@@ -120,10 +120,7 @@ def plan(
             cfg = load_config(config, set_)
         elif model:
             raw = {"model": {"name_or_path": model}, "data": {"train_files": ["(not read by plan)"]}}
-            overrides = parse_overrides(set_)
-            cfg = validate_config(
-                {k: {**raw.get(k, {}), **overrides.get(k, {})} for k in raw.keys() | overrides.keys()}
-            )
+            cfg = validate_config(deep_merge(raw, parse_overrides(set_)))
         else:
             raise ConfigError("give --config or --model")
         result = plan_run(cfg, name_or_path=resolve_model_path(model or cfg.model.name_or_path), device=device)

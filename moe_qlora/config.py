@@ -169,10 +169,10 @@ def _number_or(value):
     return value
 
 
-def _deep_merge(base: dict, extra: dict) -> dict:
+def deep_merge(base: dict, extra: dict) -> dict:
     merged = dict(base)
     for k, v in extra.items():
-        merged[k] = _deep_merge(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
+        merged[k] = deep_merge(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
     return merged
 
 
@@ -212,5 +212,5 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         raise ConfigError(f"{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
     if overrides:
-        raw = _deep_merge(raw, parse_overrides(overrides))
+        raw = deep_merge(raw, parse_overrides(overrides))
     return validate_config(raw, source=str(path), text=text)
