@@ -25,3 +25,21 @@ def release_freed_memory() -> None:
     trim = _libc_trim()
     if trim is not None:
         trim(0)
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory (VmHWM), in MiB.
+
+    Not getrusage's ru_maxrss: Linux carries that across execve, so a subprocess would report its parent's
+    peak whenever the parent's was higher.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

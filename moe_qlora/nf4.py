@@ -98,14 +98,21 @@ def quantize_stack(weight: torch.Tensor, *, double_quant: bool = False) -> bnb.n
     blocks never straddle experts, so the result equals bitsandbytes quantizing the fp32 stack at once.
     """
     check_quantizable(tuple(weight.shape))
-    packed, absmax = [], []
-    for e in range(weight.shape[0]):
+    experts, numel = weight.shape[0], weight[0].numel()
+    # Outputs allocated once and one fp32 staging buffer reused: per-expert temporaries otherwise fragment
+    # the heap (measured: +250 MiB of RSS to quantize a 288 MiB bf16 stack, +95 MiB this way).
+    packed = torch.empty(experts * numel // 2, dtype=torch.uint8, device=weight.device)
+    absmax = torch.empty(experts * numel // BLOCKSIZE, dtype=torch.float32, device=weight.device)
+    staging = torch.empty(weight.shape[1:], dtype=torch.float32, device=weight.device)
+    for e in range(experts):
         codes, scales = torch.ops.bitsandbytes.quantize_4bit.default(
-            weight[e].float().contiguous(), BLOCKSIZE, "nf4", torch.uint8
+            staging.copy_(weight[e]), BLOCKSIZE, "nf4", torch.uint8
         )
-        packed.append(codes.view(-1))
-        absmax.append(scales.view(-1))
-    packed, absmax = torch.cat(packed).view(-1, 1), torch.cat(absmax)
+        packed[e * numel // 2 : (e + 1) * numel // 2] = codes.view(-1)
+        absmax[e * numel // BLOCKSIZE : (e + 1) * numel // BLOCKSIZE] = scales.view(-1)
+        del codes, scales
+    del staging
+    packed = packed.view(-1, 1)
     state = _stack_state(absmax, tuple(weight.shape), double_quant)
     return bnb.nn.Params4bit(
         packed,

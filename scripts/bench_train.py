@@ -5,7 +5,7 @@
 
 Each contender runs in its own subprocess (so its peak RSS is its own) on the same generated checkpoint,
 the same tokens and the same loss code: a step is forward + backward + AdamW, batch 1, expert LoRA r8,
-gradient checkpointing on every layer. Reports median step time, peak RSS (ru_maxrss, loading included)
+gradient checkpointing on every layer. Reports median step time, peak RSS (VmHWM, loading included)
 and parameter bytes by kind, as a table and as JSON.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -102,7 +101,7 @@ def bytes_by_kind(model):
 
 def worker(name: str, preset: str, seq: int, steps: int) -> dict:
     """Runs in the subprocess: load, then time `steps` training steps after one warm-up step."""
-    from moe_qlora.memory import release_freed_memory
+    from moe_qlora.memory import peak_rss_mib, release_freed_memory
     from moe_qlora.trainer import token_loss_sum
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1)))
@@ -131,7 +130,7 @@ def worker(name: str, preset: str, seq: int, steps: int) -> dict:
     return {
         "contender": name, "compute_dtype": str(dtype).removeprefix("torch."), "load_s": round(load_s, 2),
         "step_s": round(statistics.median(times), 3), "step_s_all": [round(t, 3) for t in times],
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_rss_mib": round(peak_rss_mib(), 1),
         "param_mib": {k: round(v / 2**20, 1) for k, v in bytes_by_kind(model).items()},
         "trainable_params": sum(p.numel() for p in params), "first_loss": round(losses[0], 4),
     }  # fmt: skip

@@ -79,3 +79,18 @@ def test_sharded_checkpoint_with_index_loads_the_same(fused_and_legacy, tmp_path
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_truncated_or_garbage_safetensors_is_refused_by_name(fused_and_legacy, tmp_path):
+    from moe_qlora.loading import ModelLoadError
+
+    _, fused, _, _ = fused_and_legacy
+    for f in fused.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match="model.safetensors: truncated safetensors file"):
+        load_model(LoadOptions(str(tmp_path)))
+    weights.write_bytes(b"\xff" * 64)
+    with pytest.raises(ModelLoadError, match="model.safetensors: not a readable safetensors file"):
+        load_model(LoadOptions(str(tmp_path)))

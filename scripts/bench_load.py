@@ -1,0 +1,162 @@
+"""Peak host memory while loading a sharded bf16 MoE checkpoint in 4-bit, against its bf16 and quantized sizes.
+
+    python scripts/bench_load.py                 # generates ~2.7 GB of bf16 shards once, then measures
+    python scripts/bench_load.py --json out.json
+
+The checkpoint (Qwen3-MoE architecture, random weights, seed 0) is written shard by shard, never whole in
+memory. Each loader runs in its own subprocess; peak RSS is its VmHWM and includes the ~450 MiB that
+importing torch, transformers, PEFT and bitsandbytes costs (reported as `baseline`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SHAPE = dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=6, num_attention_heads=16, num_key_value_heads=4,
+             head_dim=128, num_experts=48, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=4096,
+             max_position_embeddings=4096)  # fmt: skip
+SHARD_BYTES = 400 * 2**20
+
+
+def generate(path: Path) -> Path:
+    """Write random bf16 weights for every parameter of the meta model into ~400 MiB shards plus an index."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from moe_qlora.tiny import build_byte_tokenizer
+
+    if (path / "model.safetensors.index.json").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    config = Qwen3MoeConfig(**SHAPE)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    g = torch.Generator().manual_seed(0)
+    shard, size, weight_map, n = {}, 0, {}, 0
+
+    def flush():
+        nonlocal shard, size, n
+        if shard:
+            name = f"model-{n:05d}.safetensors"
+            save_file(shard, str(path / name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+            shard, size, n = {}, 0, n + 1
+
+    for key, p in model.state_dict().items():
+        shard[key] = (torch.randn(p.shape, generator=g) * 0.02).to(torch.bfloat16)
+        size += shard[key].numel() * 2
+        if size >= SHARD_BYTES:
+            flush()
+    flush()
+    total = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                   "weight_map": weight_map}))  # fmt: skip
+    config.save_pretrained(path)
+    build_byte_tokenizer().save_pretrained(path)
+    return path
+
+
+def worker(name: str, path: str) -> dict:
+    import logging
+
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    import bitsandbytes  # noqa: F401 (imported before the baseline reading, as both loaders need it)
+    import peft  # noqa: F401
+    import transformers
+
+    from moe_qlora.loading import LoadOptions, load_model, parameter_bytes_by_kind
+    from moe_qlora.memory import peak_rss_mib
+
+    baseline = peak_rss_mib()
+    t = time.perf_counter()
+    if name == "moe-qlora":
+        model = load_model(LoadOptions(path, compute_dtype=torch.bfloat16))
+    else:
+        quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, dtype=torch.bfloat16)
+    seconds = time.perf_counter() - t
+    peak_load = peak_rss_mib()
+    with torch.no_grad():  # what the first training step does: every weight page becomes resident
+        for p in model.parameters():
+            p.data.reshape(-1)[::512].float().sum()
+    kinds = parameter_bytes_by_kind(model)
+    dense_experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if p.dim() == 3)
+    return {
+        "loader": name,
+        "seconds": round(seconds, 1),
+        "baseline_mib": round(baseline, 1),
+        "peak_rss_mib": round(peak_load, 1),
+        "rss_after_touch_mib": round(peak_rss_mib(), 1),
+        "model_mib": round(sum(kinds.values()) / 2**20, 1),
+        "dense_expert_mib": round(dense_experts / 2**20, 1),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--path", default=None, help="where the generated checkpoint lives (default: the moe-qlora cache)")
+    ap.add_argument("--only", nargs="*", default=["moe-qlora", "transformers+bnb"])
+    ap.add_argument("--json")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.path)))
+        return
+    from moe_qlora.tiny import cache_dir
+
+    path = generate(Path(args.path) if args.path else cache_dir() / "bench-load-qwen3")
+    shards = sorted(path.glob("*.safetensors"))
+    ckpt_mib = sum(f.stat().st_size for f in shards) / 2**20
+    shard_mib = max(f.stat().st_size for f in shards) / 2**20
+    results = []
+    for name in args.only:
+        proc = subprocess.run([sys.executable, __file__, "--worker", name, "--path", str(path)],
+                              capture_output=True, text=True)  # fmt: skip
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0
+                       else {"loader": name, "error": proc.stderr.strip().splitlines()[-1]})  # fmt: skip
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{len(shards)} bf16 shards, {ckpt_mib:,.0f} MiB (largest {shard_mib:,.0f} MiB)")
+    columns = ("loader", "peak RSS MiB", "peak - baseline", "<= model + shard?", "RSS once weights touched",
+               "model MiB", "of which dense experts", "load s")  # fmt: skip
+    for col in columns:
+        table.add_column(col, justify="right")
+    for r in results:
+        if "error" in r:
+            table.add_row(r["loader"], "error: " + r["error"][:80], *[""] * (len(columns) - 2))
+            continue
+        above = r["peak_rss_mib"] - r["baseline_mib"]
+        r["within_model_plus_shard"] = above <= r["model_mib"] + shard_mib
+        table.add_row(
+            r["loader"],
+            f"{r['peak_rss_mib']:,.0f}",
+            f"{above:,.0f}",
+            "yes" if r["within_model_plus_shard"] else "no",
+            f"{r['rss_after_touch_mib']:,.0f}",
+            f"{r['model_mib']:,.0f}",
+            f"{r['dense_expert_mib']:,.0f}",
+            f"{r['seconds']:.1f}",
+        )
+    Console(width=150).print(table)
+    payload = {"checkpoint_mib": round(ckpt_mib, 1), "largest_shard_mib": round(shard_mib, 1), "shape": SHAPE,
+               "results": results}  # fmt: skip
+    print(json.dumps(payload))
+    if args.json:
+        Path(args.json).write_text(json.dumps(payload, indent=2))
+
+
+if __name__ == "__main__":
+    main()
