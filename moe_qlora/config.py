@@ -30,6 +30,7 @@ class ModelSection(Section):
     expert_double_quant: bool = Field(False, description="quantize the experts' block scales too (~3% smaller)")
     linear_double_quant: bool = Field(False, description="double quantization for the 4-bit attention linears")
     trust_remote_code: bool = Field(False, description="run model code shipped with the checkpoint")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: the GPU when there is one, else the CPU")
     strict_quantization: bool = Field(True, description="fail if any expert stack stays in high precision")
 
 

@@ -101,7 +101,8 @@ def accumulate_gradients(model, batches: list[dict[str, torch.Tensor]]) -> tuple
 
 def train_step(model, optimizer, group, pad_id: int, train_cfg) -> dict:
     """One optimizer step over the micro-batches in `group`; returns its metrics."""
-    batches = [collate(mb, pad_id) for mb in group]
+    device = next(model.parameters()).device
+    batches = [{k: v.to(device) for k, v in collate(mb, pad_id).items()} for mb in group]
     loss, n_targets = accumulate_gradients(model, batches)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     grad_norm = clip_global_norm(params, train_cfg.max_grad_norm)
@@ -125,7 +126,9 @@ def prepare(cfg: RunConfig, console: Console):
         f"truncated {stats.truncated}, dropped {stats.dropped_overlength} over max_seq_len and "
         f"{stats.dropped_no_target} with no target left; formats {stats.formats}"
     )
+    device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     opts = LoadOptions(
+        device=device,
         name_or_path=model_path,
         compute_dtype=DTYPES[cfg.model.compute_dtype],
         expert_double_quant=cfg.model.expert_double_quant,
@@ -142,7 +145,7 @@ def prepare(cfg: RunConfig, console: Console):
         raise ValueError("no trainable parameters: lora.target_modules matched nothing and the model has no experts")
     sizes = parameter_bytes_by_kind(model)
     console.print(
-        "model: "
+        f"model on {device}: "
         + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sizes.items())
         + f"; {sum(p.numel() for p in params):,} trainable parameters; {n_ckpt} layers checkpointed"
     )
