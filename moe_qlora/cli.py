@@ -44,6 +44,7 @@ def _quiet_libraries() -> None:
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
+    from .checkpoint import CheckpointError
     from .config import ConfigError
     from .data import DataError
     from .diagnostics import AdapterReadError
@@ -51,7 +52,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from .loading import ModelLoadError
     from .nf4 import QuantizationLayoutError
 
-    return (ConfigError, DataError, AdapterReadError, ModelLoadError, UnsupportedExpertsError,
+    return (CheckpointError, ConfigError, DataError, AdapterReadError, ModelLoadError, UnsupportedExpertsError,
             QuantizationLayoutError, FileNotFoundError)  # fmt: skip
 
 
@@ -67,6 +68,10 @@ def train(
     config: str = typer.Option(..., "--config", "-c", help="YAML run configuration"),
     set_: list[str] = typer.Option([], "--set", help="override a key, e.g. --set train.lr=2e-4 (repeatable)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved configuration and exit"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the newest valid checkpoint in output.dir"),
+    resume_anyway: bool = typer.Option(
+        False, "--resume-anyway", help="resume even if the config or the dataset changed since the checkpoint"
+    ),
     debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
 ):
     """Fine-tune a MoE model with QLoRA (experts frozen in NF4, per-expert LoRA)."""
@@ -74,7 +79,7 @@ def train(
     from .config import load_config
 
     try:
-        cfg = load_config(config, set_)
+        cfg = load_config(config, [*set_, *(["train.resume=auto"] if resume or resume_anyway else [])])
     except _user_errors() as exc:
         _fail(exc, debug)
     if dry_run:
@@ -85,7 +90,7 @@ def train(
     from .trainer import train as run_training
 
     try:
-        run_training(cfg, console)
+        run_training(cfg, console, allow_mismatch=resume_anyway)
     except _user_errors() as exc:
         _fail(exc, debug)
 

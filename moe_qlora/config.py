@@ -80,6 +80,9 @@ class TrainSection(Section):
     checkpoint_interval: int = Field(1, ge=1, description="checkpoint every Nth decoder layer")
     seed: int = 0
     log_every: int = Field(1, ge=1)
+    save_every: int = Field(0, ge=0, description="checkpoint every N optimizer steps (0: only at the end)")
+    keep_checkpoints: int = Field(2, ge=1, description="how many checkpoints to keep (newest first)")
+    resume: Literal["never", "auto"] = Field("never", description="auto: continue from the newest valid checkpoint")
 
 
 class OutputSection(Section):

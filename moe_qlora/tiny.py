@@ -113,12 +113,13 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
 def save_tiny_model(path: str | Path, config, *, seed: int = 0, tokenizer=None) -> Path:
     """Build a model from `config` with random weights (seeded) and save it with a tokenizer."""
     path = Path(path)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # a trained model's routing bias is not zero: make it matter in the tests too
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(torch.randn(buf.shape) * 0.5)
+    with torch.random.fork_rng():  # the caller's RNG (a training run's dropout) must not depend on the cache
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():  # a trained model's routing bias is not zero: make it matter in the tests too
+            for name, buf in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buf.copy_(torch.randn(buf.shape) * 0.5)
     model.save_pretrained(path)
     (tokenizer or build_byte_tokenizer()).save_pretrained(path)
     return path

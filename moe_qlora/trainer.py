@@ -9,10 +9,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from rich.console import Console
@@ -20,6 +23,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transformers import AutoTokenizer
 
 from .adapters import attach_adapters, configure_checkpointing, trainable_parameters
+from .checkpoint import (
+    RunProgress,
+    config_hash,
+    dataset_fingerprint,
+    latest_valid_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from .config import RunConfig
 from .data import IGNORE, Example, build_examples, collate, epoch_order, micro_batches
 from .export import save_adapter
@@ -152,32 +163,54 @@ def prepare(cfg: RunConfig, console: Console):
     return model_path, tokenizer, examples, model, params
 
 
-def train(cfg: RunConfig, console: Console | None = None) -> TrainResult:
-    """Run SFT as configured: returns the per-step losses and where the adapter and metrics went."""
-    console = console or Console()
-    torch.manual_seed(cfg.train.seed)
-    out = Path(cfg.output.dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model_path, tokenizer, examples, model, params = prepare(cfg, console)
-    optimizer = build_optimizer(params, cfg.train)
-    total = count_steps(len(examples), cfg)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: lr_multiplier(s, total_steps=total, warmup_steps=cfg.train.warmup_steps, schedule=cfg.train.schedule),
-    )
-    metrics = MetricsLog(out / "metrics.jsonl")
-    model.train()
+def seed_everything(seed: int) -> None:
+    """torch (CPU and CUDA), python and numpy RNGs from one seed: dropout and anything else random."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop records of steps after `last_step` (done after the checkpoint a run resumes from), atomically."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= last_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def resume_if_asked(cfg: RunConfig, out: Path, console: Console, *, allow_mismatch: bool, **training) -> RunProgress:
+    """Restore the newest valid checkpoint when `train.resume: auto`; a fresh RunProgress otherwise."""
+    if cfg.train.resume != "auto":
+        return RunProgress()
+    checkpoint = latest_valid_checkpoint(out)
+    if checkpoint is None:
+        console.print("resume: no valid checkpoint yet, starting from step 0")
+        return RunProgress()
+    done = load_checkpoint(checkpoint, allow_mismatch=allow_mismatch, **training)
+    truncate_metrics(out / "metrics.jsonl", done.step)
+    console.print(f"resumed from {checkpoint} at step {done.step}")
+    return done
+
+
+def run_steps(cfg: RunConfig, examples, pad_id: int, training: dict, *, total: int, done: RunProgress,
+              metrics: MetricsLog, console: Console, checkpoint) -> list[float]:  # fmt: skip
+    """The optimizer steps after `done`, with a progress bar, metrics and periodic checkpoints."""
+    model, optimizer, schedule = training["model"], training["optimizer"], training["scheduler"]
     losses, start = [], time.perf_counter()
     columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeRemainingColumn()]  # fmt: skip
-    with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("train", total=total, info="")
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task("train", total=total, info="", completed=done.step)
         for step, (epoch, group) in enumerate(optimizer_steps(examples, cfg)):
             if step >= total:
                 break
+            if step < done.step:  # done before the checkpoint: the order depends on (seed, epoch) only
+                continue
             t0 = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
-            record = train_step(model, optimizer, group, tokenizer.pad_token_id, cfg.train)
+            record = train_step(model, optimizer, group, pad_id, cfg.train)
             schedule.step()
             dt = time.perf_counter() - t0
             losses.append(record["loss"])
@@ -185,9 +218,42 @@ def train(cfg: RunConfig, console: Console | None = None) -> TrainResult:
                           elapsed_s=time.perf_counter() - start)  # fmt: skip
             if (step + 1) % cfg.train.log_every == 0 or step + 1 == total:
                 metrics.write(record)
-            progress.update(
+            bar.update(
                 task, advance=1, info=f"loss {record['loss']:.4f}  lr {lr:.2e}  {record['tokens_per_s']:.0f} tok/s"
             )
+            done = RunProgress(step=step + 1, epoch=epoch, skipped_steps=done.skipped_steps)
+            if cfg.train.save_every and done.step % cfg.train.save_every == 0 and done.step < total:
+                checkpoint(done)
+    checkpoint(done)
+    return losses
+
+
+def train(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool = False) -> TrainResult:
+    """Run SFT as configured: returns the per-step losses (of this invocation) and where the outputs went."""
+    console = console or Console()
+    out = Path(cfg.output.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    seed_everything(cfg.train.seed)  # LoRA initialisation (PEFT draws from the global RNG)
+    model_path, tokenizer, examples, model, params = prepare(cfg, console)
+    seed_everything(cfg.train.seed)  # and again: what loading consumed (e.g. a cold cache) must not matter
+    optimizer = build_optimizer(params, cfg.train)
+    total = count_steps(len(examples), cfg)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: lr_multiplier(s, total_steps=total, warmup_steps=cfg.train.warmup_steps, schedule=cfg.train.schedule),
+    )
+    identity = {"config_hash": config_hash(cfg.model_dump(mode="json")),
+                "dataset_fingerprint": dataset_fingerprint(examples)}  # fmt: skip
+    training = {"model": model, "optimizer": optimizer, "scheduler": schedule}
+    done = resume_if_asked(cfg, out, console, allow_mismatch=allow_mismatch, identity=identity, **training)
+    metrics = MetricsLog(out / "metrics.jsonl")
+    model.train()
+
+    def checkpoint(progress: RunProgress) -> None:
+        save_checkpoint(out, progress=progress, identity=identity, keep=cfg.train.keep_checkpoints, **training)
+
+    losses = run_steps(cfg, examples, tokenizer.pad_token_id, training, total=total, done=done, metrics=metrics,
+                       console=console, checkpoint=checkpoint)  # fmt: skip
     metrics.close()
     adapter_dir = save_adapter(model, out / "adapter", cfg=cfg.lora, base_model_name_or_path=model_path)
     console.print(f"adapter: {adapter_dir}  metrics: {metrics.path}")

@@ -1,0 +1,212 @@
+"""Training checkpoints that resume exactly: complete, atomic, verified.
+
+A checkpoint is a folder `checkpoints/step-NNNNNNNN/` holding the trainable tensors, AdamW's moments and
+the RNG states in safetensors, everything else (step, epoch, scheduler, python RNG, config hash, dataset
+fingerprint, versions) in JSON, and last a manifest with the sha256 of every file. It is written into a
+temporary folder, fsynced, then renamed into place, so a folder under its final name is complete; resume
+takes the newest one whose manifest verifies. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import signal
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from .fileio import atomic_dir
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from as asked (mismatch, nothing valid)."""
+
+
+@dataclass
+class RunProgress:
+    """Where the run is: optimizer steps done, and the epoch and step within it of the next step."""
+
+    step: int = 0
+    epoch: int = 0
+    step_in_epoch: int = 0
+    skipped_steps: int = 0
+
+
+def failpoint(name: str, step: int) -> None:
+    """Die by SIGKILL here when MOE_QLORA_FAILPOINT names this point and step (e.g. checkpoint-write@6).
+
+    Lets the crash tests kill a run at an exact place, with a real signal, as a crash would.
+    """
+    if os.environ.get("MOE_QLORA_FAILPOINT") == f"{name}@{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def config_hash(resolved: dict) -> str:
+    """sha256 of the resolved config, without what may change between a run and its resume (output)."""
+    relevant = {k: v for k, v in resolved.items() if k != "output"}
+    relevant["train"] = {k: v for k, v in relevant.get("train", {}).items() if k != "resume"}
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()
+
+
+def dataset_fingerprint(examples) -> str:
+    """sha256 of the tokenized training data (ids, labels, source) in order."""
+    h = hashlib.sha256()
+    for e in examples:
+        h.update(json.dumps([e.source, e.input_ids, e.labels]).encode())
+    return h.hexdigest()
+
+
+def _trainable(model) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _optimizer_tensors(model, optimizer) -> dict[str, torch.Tensor]:
+    names = {id(p): n for n, p in _trainable(model).items()}
+    out = {}
+    for p, state in optimizer.state.items():
+        for key, value in state.items():
+            out[f"{names[id(p)]}::{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
+    return out
+
+
+def _rng_tensors() -> dict[str, torch.Tensor]:
+    out = {
+        "torch_cpu": torch.get_rng_state(),
+        "numpy_keys": torch.from_numpy(np.random.get_state()[1].astype(np.int64)),
+    }
+    if torch.cuda.is_available():
+        out.update({f"torch_cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return out
+
+
+def _versions() -> dict[str, str]:
+    import bitsandbytes
+    import peft
+    import transformers
+
+    from . import __version__
+
+    return {"moe_qlora": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "peft": peft.__version__, "bitsandbytes": bitsandbytes.__version__}  # fmt: skip
+
+
+def save_checkpoint(run_dir: Path, *, model, optimizer, scheduler, progress: RunProgress, identity: dict,
+                    keep: int) -> Path:  # fmt: skip
+    """Write a complete checkpoint atomically; keep the newest `keep`. `identity`: config hash, dataset fp."""
+    target = Path(run_dir) / "checkpoints" / f"step-{progress.step:08d}"
+    scheduler_state = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
+    with atomic_dir(target) as tmp:
+        save_file(
+            {n: p.detach().cpu().contiguous() for n, p in _trainable(model).items()}, tmp / "trainable.safetensors"
+        )
+        save_file(_optimizer_tensors(model, optimizer), tmp / "optimizer.safetensors")
+        save_file(_rng_tensors(), tmp / "rng.safetensors")
+        failpoint("checkpoint-write", progress.step)
+        _, _, pos, has_gauss, cached = np.random.get_state()
+        state = {
+            "progress": asdict(progress), "scheduler": scheduler_state, "python_rng": random.getstate(),
+            "numpy_rng": [int(pos), int(has_gauss), float(cached)], **identity, "versions": _versions(),
+        }  # fmt: skip
+        (tmp / "state.json").write_text(json.dumps(state, indent=1))
+        files = sorted(f.name for f in tmp.iterdir())
+        (tmp / MANIFEST).write_text(json.dumps({f: sha256_file(tmp / f) for f in files}, indent=1))
+    prune_checkpoints(Path(run_dir), keep)
+    return target
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """Checkpoint folders under their final names, newest first (temporary folders are not listed)."""
+    root = Path(run_dir) / "checkpoints"
+    found = [d for d in root.iterdir() if d.is_dir() and STEP_DIR.match(d.name)] if root.is_dir() else []
+    return sorted(found, key=lambda d: d.name, reverse=True)
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> None:
+    for old in checkpoint_dirs(run_dir)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+    root = Path(run_dir) / "checkpoints"
+    for leftover in root.glob(".step-*.tmp-*") if root.is_dir() else []:  # from a run killed while saving
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def verify(checkpoint: Path) -> str | None:
+    """None if every file the manifest lists is there with its sha256; else what is wrong."""
+    try:
+        manifest = json.loads((checkpoint / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        return f"no readable manifest ({exc})"
+    for name, digest in manifest.items():
+        if not (checkpoint / name).is_file():
+            return f"{name} is missing"
+        if sha256_file(checkpoint / name) != digest:
+            return f"{name} does not match its sha256"
+    return None
+
+
+def latest_valid_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint that verifies; corrupt or partial ones are skipped with a warning."""
+    for d in checkpoint_dirs(run_dir):
+        problem = verify(d)
+        if problem is None:
+            return d
+        log.warning("skipping checkpoint %s: %s", d, problem)
+    return None
+
+
+def load_checkpoint(
+    checkpoint: Path, *, model, optimizer, scheduler, identity: dict, allow_mismatch: bool
+) -> RunProgress:
+    """Restore trainable tensors, optimizer, scheduler and RNG from `checkpoint`; returns where to go on."""
+    state = json.loads((checkpoint / "state.json").read_text())
+    for key, label in (("config_hash", "configuration"), ("dataset_fingerprint", "dataset")):
+        if state.get(key) != identity.get(key) and not allow_mismatch:
+            raise CheckpointError(
+                f"{checkpoint}: the {label} differs from the one this checkpoint was trained with; "
+                "resuming would not continue the same run (pass --resume-anyway to do it regardless)"
+            )
+    params = _trainable(model)
+    saved = load_file(str(checkpoint / "trainable.safetensors"))
+    if saved.keys() != params.keys():
+        raise CheckpointError(f"{checkpoint}: trainable tensors differ from this model's (another adapter layout?)")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(saved[name])
+    moments = load_file(str(checkpoint / "optimizer.safetensors"))
+    for name, p in params.items():
+        keys = {k.split("::", 1)[1]: v for k, v in moments.items() if k.startswith(f"{name}::")}
+        if keys:
+            optimizer.state[p] = {k: v.to(p.device) if k != "step" else v for k, v in keys.items()}
+    scheduler.load_state_dict({**scheduler.state_dict(), **state["scheduler"]})
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr
+    rng = load_file(str(checkpoint / "rng.safetensors"))
+    torch.set_rng_state(rng["torch_cpu"])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([rng[k] for k in sorted(k for k in rng if k.startswith("torch_cuda_"))])
+    version, internal, gauss = state["python_rng"]
+    random.setstate((version, tuple(internal), gauss))
+    pos, has_gauss, cached = state["numpy_rng"]
+    np.random.set_state(("MT19937", rng["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))
+    return RunProgress(**state["progress"])

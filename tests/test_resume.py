@@ -1,0 +1,128 @@
+"""Exact resume after a crash: real subprocesses, real SIGKILL, compared tensor for tensor with a run that was
+never interrupted (same seed). LoRA dropout is on, so the RNG state has to come back exactly too."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS, SAVE_EVERY = 24, 4
+CONFIG = f"""# moe-qlora train --config this.yaml
+model: {{name_or_path: "builtin:tiny-mixtral"}}
+lora: {{rank: 4, alpha: 8, dropout: 0.1, target_modules: [q_proj, v_proj]}}
+data: {{train_files: ["{ROOT / "data" / "demo_sft.jsonl"}"], max_seq_len: 48}}
+train: {{max_steps: {STEPS}, epochs: 10, micro_batch_size: 4, grad_accum: 2, lr: 5.0e-3, warmup_steps: 2,
+         save_every: {SAVE_EVERY}, keep_checkpoints: 2, seed: 3}}
+"""
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    return {**os.environ, "MOE_QLORA_CACHE": str(cache), "OMP_NUM_THREADS": "2"}
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cfg") / "resume.yaml"
+    path.write_text(CONFIG)
+    return path
+
+
+def command(config, out, *extra):
+    return [sys.executable, "-m", "moe_qlora.cli", "train", "--config", str(config), "--set", f"output.dir={out}",
+            *extra]  # fmt: skip
+
+
+def run(config, out, env, *extra, failpoint=None):
+    env = {**env, **({"MOE_QLORA_FAILPOINT": failpoint} if failpoint else {})}
+    return subprocess.run(command(config, out, *extra), env=env, capture_output=True, text=True, timeout=600)
+
+
+def losses(out: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+
+def assert_same_run(out: Path, reference: Path):
+    a = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(reference / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert losses(out) == losses(reference)
+
+
+@pytest.fixture(scope="module")
+def reference(config, env, tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference")
+    proc = run(config, out, env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [s for s, _ in losses(out)] == list(range(1, STEPS + 1))
+    return out
+
+
+def test_sigkill_at_a_random_step_then_resume_is_exact(config, env, reference, tmp_path):
+    kill_after = random.Random(0).randint(SAVE_EVERY + 1, STEPS - 3)  # lines in metrics.jsonl: steps done
+    proc = subprocess.Popen(command(config, tmp_path, "--debug"), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    metrics = tmp_path / "metrics.jsonl"
+    while proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= kill_after:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.002)
+    assert proc.wait() == -signal.SIGKILL, "the run must have been killed, not finished"
+    done = len(metrics.read_text().splitlines())
+    assert done < STEPS
+    proc = run(config, tmp_path, env, "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout
+    assert_same_run(tmp_path, reference)
+
+
+def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(config, env, reference, tmp_path):
+    proc = run(config, tmp_path, env, failpoint="checkpoint-write@8")
+    assert proc.returncode == -signal.SIGKILL
+    checkpoints = tmp_path / "checkpoints"
+    assert (checkpoints / "step-00000004" / "manifest.json").exists()
+    assert not (checkpoints / "step-00000008").exists()
+    assert list(checkpoints.glob(".step-00000008.tmp-*")), "the half-written folder is left under a temporary name"
+    proc = run(config, tmp_path, env, "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "at step 4" in proc.stdout
+    assert not list(checkpoints.glob(".step-*.tmp-*"))
+    assert_same_run(tmp_path, reference)
+
+
+def test_a_corrupt_newest_checkpoint_is_skipped_with_a_warning(config, env, reference, tmp_path):
+    proc = run(config, tmp_path, env, failpoint="checkpoint-write@12")
+    assert proc.returncode == -signal.SIGKILL
+    newest = tmp_path / "checkpoints" / "step-00000008" / "trainable.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[-1] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    proc = run(config, tmp_path, env, "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "skipping checkpoint" in proc.stderr and "does not match its sha256" in proc.stderr
+    assert "at step 4" in proc.stdout
+    assert_same_run(tmp_path, reference)
+
+
+def test_resuming_with_another_config_is_refused_unless_asked(config, env, tmp_path):
+    proc = run(config, tmp_path, env, failpoint="checkpoint-write@8")
+    assert proc.returncode == -signal.SIGKILL
+    proc = run(config, tmp_path, env, "--resume", "--set", "train.lr=1e-3")
+    assert proc.returncode == 2
+    assert "configuration differs" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run(config, tmp_path, env, "--resume-anyway", "--set", "train.lr=1e-3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout
