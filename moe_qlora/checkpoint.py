@@ -9,6 +9,7 @@ takes the newest one whose manifest verifies. No pickle anywhere.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -38,21 +39,26 @@ class CheckpointError(ValueError):
 
 @dataclass
 class RunProgress:
-    """Where the run is: optimizer steps done, and the epoch and step within it of the next step."""
+    """Where the run is: steps done (taken or skipped), the epoch of the last one, skip counters, loss EMA."""
 
     step: int = 0
     epoch: int = 0
-    step_in_epoch: int = 0
     skipped_steps: int = 0
+    consecutive_skips: int = 0
+    loss_ema: float | None = None
 
 
 def failpoint(name: str, step: int) -> None:
-    """Die by SIGKILL here when MOE_QLORA_FAILPOINT names this point and step (e.g. checkpoint-write@6).
+    """Fail here when MOE_QLORA_FAILPOINT names this point and step, for the crash tests.
 
-    Lets the crash tests kill a run at an exact place, with a real signal, as a crash would.
+    `checkpoint-write@6`: die by a real SIGKILL, as a crash would; `checkpoint-write:enospc@6`: raise the
+    OSError a full disk gives.
     """
-    if os.environ.get("MOE_QLORA_FAILPOINT") == f"{name}@{step}":
+    wanted = os.environ.get("MOE_QLORA_FAILPOINT", "")
+    if wanted == f"{name}@{step}":
         os.kill(os.getpid(), signal.SIGKILL)
+    if wanted == f"{name}:enospc@{step}":
+        raise OSError(errno.ENOSPC, "No space left on device (injected by MOE_QLORA_FAILPOINT)")
 
 
 def sha256_file(path: Path) -> str:

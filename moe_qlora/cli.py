@@ -56,11 +56,11 @@ def _user_errors() -> tuple[type[Exception], ...]:
             QuantizationLayoutError, FileNotFoundError)  # fmt: skip
 
 
-def _fail(exc: Exception, debug: bool) -> None:
+def _fail(exc: Exception, debug: bool, code: int = 2) -> None:
     if debug:
         raise exc
     err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
+    raise typer.Exit(code)
 
 
 @app.command(epilog=TRAIN_EPILOG)
@@ -87,12 +87,15 @@ def train(
 
         console.print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), highlight=False)
         return
+    from .trainer import TrainingAborted
     from .trainer import train as run_training
 
     try:
         run_training(cfg, console, allow_mismatch=resume_anyway)
     except _user_errors() as exc:
         _fail(exc, debug)
+    except TrainingAborted as exc:
+        _fail(exc, debug, code=1)
 
 
 PLAN_EPILOG = """Examples:

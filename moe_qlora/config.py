@@ -80,6 +80,11 @@ class TrainSection(Section):
     checkpoint_interval: int = Field(1, ge=1, description="checkpoint every Nth decoder layer")
     seed: int = 0
     log_every: int = Field(1, ge=1)
+    nan_policy: Literal["abort", "skip"] = Field(
+        "abort", description="a non-finite loss or gradient: stop, or skip the step (no weight or moment changes)"
+    )
+    max_consecutive_skips: int = Field(3, ge=1, description="skipped steps in a row before the run stops anyway")
+    spike_factor: float = Field(3.0, ge=0, description="log a loss_spike event above this times the loss EMA; 0: off")
     save_every: int = Field(0, ge=0, description="checkpoint every N optimizer steps (0: only at the end)")
     keep_checkpoints: int = Field(2, ge=1, description="how many checkpoints to keep (newest first)")
     resume: Literal["never", "auto"] = Field("never", description="auto: continue from the newest valid checkpoint")

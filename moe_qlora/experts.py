@@ -49,6 +49,8 @@ class ExpertLoRA(nn.Module):
         self.rank, self.alpha = rank, alpha
         self.scale = alpha / rank
         self.enabled = True
+        # Rows routed to each expert while training (router load), read and reset by the trainer.
+        self.register_buffer("routed_rows", torch.zeros(num_experts, dtype=torch.long, device=device), persistent=False)
         self.reset_parameters(generator)
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -121,6 +123,8 @@ def moe_qlora_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     lora: ExpertLoRA | None = getattr(self, "moe_lora", None)
     active = lora is not None and lora.enabled
     plan = MoEPlan(frozen, route(top_k_index, frozen.gate_up.num_experts), lora.scale if active else 0.0)
+    if lora is not None and self.training:
+        lora.routed_rows += plan.routing.counts
     return moe_lora_experts(hidden_states, top_k_weights, lora.factors() if active else None, plan)
 
 

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from transformers import AutoTokenizer
 
-from .adapters import attach_adapters, configure_checkpointing, trainable_parameters
+from .adapters import attach_adapters, configure_checkpointing, expert_loras, trainable_parameters
 from .checkpoint import (
     RunProgress,
     config_hash,
@@ -116,12 +116,48 @@ def train_step(model, optimizer, group, pad_id: int, train_cfg) -> dict:
     batches = [{k: v.to(device) for k, v in collate(mb, pad_id).items()} for mb in group]
     loss, n_targets = accumulate_gradients(model, batches)
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    grad_norm = clip_global_norm(params, train_cfg.max_grad_norm)
-    optimizer.step()
+    grad_norm = clip_global_norm(params, train_cfg.max_grad_norm)  # measured before any clipping
+    skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+    if not skipped:  # checked before the step: a non-finite one reaches no weight and no AdamW moment
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     release_freed_memory()
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
-    return {"loss": loss, "grad_norm": grad_norm, "target_tokens": n_targets, "tokens": tokens}
+    return {"loss": loss, "grad_norm": grad_norm, "target_tokens": n_targets, "tokens": tokens, "skipped": skipped}
+
+
+class TrainingAborted(RuntimeError):
+    """The run stopped on purpose (non-finite loss); the message says where and on which samples."""
+
+
+def after_step(record: dict, group, done: RunProgress, cfg) -> RunProgress:
+    """Apply the NaN policy and spike detection to a finished step; returns the new progress."""
+    t = cfg.train
+    if record["skipped"]:
+        samples = ", ".join(e.source for mb in group for e in mb)
+        where = f"step {record['step']}: loss {record['loss']}, grad norm {record['grad_norm']}, samples {samples}"
+        consecutive = done.consecutive_skips + 1
+        if t.nan_policy == "abort":
+            raise TrainingAborted(f"non-finite loss or gradient at {where} (nan_policy: abort)")
+        if consecutive >= t.max_consecutive_skips:
+            raise TrainingAborted(f"{consecutive} non-finite steps in a row, the last at {where}")
+        return RunProgress(step=record["step"], epoch=record["epoch"], skipped_steps=done.skipped_steps + 1,
+                           consecutive_skips=consecutive, loss_ema=done.loss_ema)  # fmt: skip
+    ema = done.loss_ema
+    if t.spike_factor and ema is not None and record["step"] > 10 and record["loss"] > t.spike_factor * ema:
+        record["event"] = "loss_spike"
+    ema = record["loss"] if ema is None else 0.9 * ema + 0.1 * record["loss"]
+    return RunProgress(step=record["step"], epoch=record["epoch"], skipped_steps=done.skipped_steps, loss_ema=ema)
+
+
+def router_load(model) -> list[list[float]]:
+    """Share of routed rows per expert, per MoE layer, since the last call (then reset)."""
+    loads = []
+    for _, lora in expert_loras(model):
+        counts = lora.routed_rows.double()
+        loads.append([round(float(c), 4) for c in (counts / counts.sum().clamp(min=1))])
+        lora.routed_rows.zero_()
+    return loads
 
 
 def prepare(cfg: RunConfig, console: Console):
@@ -211,17 +247,20 @@ def run_steps(cfg: RunConfig, examples, pad_id: int, training: dict, *, total: i
             t0 = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
             record = train_step(model, optimizer, group, pad_id, cfg.train)
-            schedule.step()
             dt = time.perf_counter() - t0
-            losses.append(record["loss"])
             record.update(step=step + 1, epoch=epoch, lr=lr, step_time_s=dt, tokens_per_s=record["tokens"] / dt,
-                          elapsed_s=time.perf_counter() - start)  # fmt: skip
-            if (step + 1) % cfg.train.log_every == 0 or step + 1 == total:
-                metrics.write(record)
+                          elapsed_s=time.perf_counter() - start, router_load=router_load(model))  # fmt: skip
+            try:
+                done = after_step(record, group, done, cfg)
+            finally:  # an aborting step is logged too, with its raw loss
+                if record["skipped"] or (step + 1) % cfg.train.log_every == 0 or step + 1 == total:
+                    metrics.write(record)
+            if not record["skipped"]:
+                schedule.step()  # a skipped step is not taken: the schedule does not move either
+            losses.append(record["loss"])
             bar.update(
                 task, advance=1, info=f"loss {record['loss']:.4f}  lr {lr:.2e}  {record['tokens_per_s']:.0f} tok/s"
             )
-            done = RunProgress(step=step + 1, epoch=epoch, skipped_steps=done.skipped_steps)
             if cfg.train.save_every and done.step % cfg.train.save_every == 0 and done.step < total:
                 checkpoint(done)
     checkpoint(done)

@@ -126,3 +126,14 @@ def test_resuming_with_another_config_is_refused_unless_asked(config, env, tmp_p
     proc = run(config, tmp_path, env, "--resume-anyway", "--set", "train.lr=1e-3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout
+
+
+def test_a_failed_save_stops_the_run_and_leaves_the_previous_checkpoint(config, env, tmp_path):
+    proc = run(config, tmp_path, env, failpoint="checkpoint-write:enospc@8")
+    assert proc.returncode not in (0, -signal.SIGKILL)
+    assert "No space left on device" in proc.stderr
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(d.name for d in checkpoints.iterdir()) == ["step-00000004"]  # no step-8, no temporary folder
+    from moe_qlora.checkpoint import verify
+
+    assert verify(checkpoints / "step-00000004") is None
