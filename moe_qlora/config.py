@@ -59,7 +59,12 @@ class DataSection(Section):
     train_on_prompt: bool = Field(False, description="also train on prompt tokens")
     all_assistant_turns: bool = Field(False, description="messages: train on every assistant turn, not just the last")
     max_seq_len: int = Field(512, ge=8, description="longer rows follow `overlength`")
-    overlength: Literal["truncate", "drop"] = Field("truncate", description="what to do with rows over max_seq_len")
+    overlength: Literal["truncate", "drop", "error"] = Field(
+        "truncate", description="rows over max_seq_len: cut them, skip them, or stop naming the row"
+    )
+    max_dropped_share: float = Field(
+        0.5, ge=0.0, le=1.0, description="stop if more than this share of rows is dropped (overlength, no target)"
+    )
 
 
 class TrainSection(Section):
@@ -100,6 +105,15 @@ class RunConfig(Section):
     data: DataSection
     train: TrainSection = Field(default_factory=TrainSection)
     output: OutputSection = Field(default_factory=OutputSection)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        t = self.train
+        if t.max_steps and t.warmup_steps >= t.max_steps:
+            raise ValueError(f"train.warmup_steps ({t.warmup_steps}) covers all of train.max_steps ({t.max_steps})")
+        if t.max_steps and t.save_every > t.max_steps:
+            raise ValueError(f"train.save_every ({t.save_every}) is beyond train.max_steps ({t.max_steps})")
+        return self
 
 
 def _section_at(path: tuple) -> type[BaseModel] | None:

@@ -128,12 +128,30 @@ def _check_messages(messages, source):
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise DataError(f"{source}: messages[{i}] must have role in {ROLES} and string content, got {m!r}")
+    _check_turn_order([m["role"] for m in messages], source)
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not assistant:
         raise DataError(f"{source}: no assistant turn to train on")
     if not messages[assistant[-1]]["content"].strip():
         raise DataError(f"{source}: the last assistant turn is empty")
     return assistant
+
+
+def _check_turn_order(roles: list[str], source: str) -> None:
+    """A system turn only first; then user and assistant alternate (tool turns answer an assistant)."""
+    for i, role in enumerate(roles):
+        prev = roles[i - 1] if i else None
+        if role == "system" and i:
+            problem = "a system turn after the first message"
+        elif role == "user" and prev == "user":
+            problem = "two user turns in a row"
+        elif role == "assistant" and prev in (None, "system", "assistant"):
+            problem = "an assistant turn with no user turn before it"
+        elif role == "tool" and prev not in ("assistant", "tool"):
+            problem = "a tool turn that answers no assistant turn"
+        else:
+            continue
+        raise DataError(f"{source}: roles out of order at messages[{i}] ({role}): {problem}")
 
 
 def tokenize_messages(row, tokenizer, train_on_prompt, all_turns, source):
@@ -176,6 +194,8 @@ def tokenize_row(row: dict, tokenizer, cfg: DataSection, source: str, stats: Dat
     else:
         ids, labels = tokenize_text(row, tokenizer, source)
     if len(ids) > cfg.max_seq_len:
+        if cfg.overlength == "error":
+            raise DataError(f"{source}: {len(ids)} tokens, over data.max_seq_len {cfg.max_seq_len} (overlength: error)")
         if cfg.overlength == "drop":
             stats.dropped_overlength += 1
             return None
@@ -198,6 +218,12 @@ def build_examples(cfg: DataSection, tokenizer) -> tuple[list[Example], DataStat
         ex = tokenize_row(row, tokenizer, cfg, source, stats)
         if ex is not None:
             examples.append(ex)
+    dropped = stats.dropped_overlength + stats.dropped_no_target
+    if examples and dropped > cfg.max_dropped_share * stats.rows:
+        raise DataError(
+            f"{dropped} of {stats.rows} rows dropped ({stats.dropped_overlength} over max_seq_len, "
+            f"{stats.dropped_no_target} with no target left), over data.max_dropped_share {cfg.max_dropped_share}"
+        )
     if not examples:
         raise DataError(
             f"no trainable rows in {', '.join(cfg.train_files)} ({stats.rows} read, "

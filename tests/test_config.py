@@ -57,3 +57,9 @@ def test_set_overrides_merge_and_are_validated(tmp_path):
 def test_shipped_configs_validate_and_say_how_to_run(path):
     load_config(path)
     assert path.read_text().startswith("# moe-qlora ")
+
+
+def test_contradictory_options_are_refused(tmp_path):
+    path = write(tmp_path, BASE + "train:\n  max_steps: 10\n  warmup_steps: 10\n")
+    with pytest.raises(ConfigError, match=r"warmup_steps \(10\) covers all of train.max_steps \(10\)"):
+        load_config(path)

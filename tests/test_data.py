@@ -126,3 +126,31 @@ def test_unsupported_file_type_is_refused(tmp_path):
     path.write_text("a,b\n")
     with pytest.raises(DataError, match=r"unsupported file type '.csv'"):
         build_examples(DataSection(train_files=[str(path)]), TOK)
+
+
+def test_overlength_error_names_the_row():
+    with pytest.raises(DataError, match=r"f.jsonl:1: \d+ tokens, over data.max_seq_len 10"):
+        row({"prompt": "a" * 20, "completion": "b"}, max_seq_len=10, overlength="error")
+
+
+@pytest.mark.parametrize(
+    "roles,problem",
+    [
+        (["user", "system", "assistant"], "system turn after the first"),
+        (["assistant", "user", "assistant"], "assistant turn with no user turn"),
+        (["user", "user", "assistant"], "two user turns in a row"),
+        (["user", "tool", "assistant"], "tool turn that answers no assistant"),
+    ],
+)
+def test_roles_out_of_order_are_refused(roles, problem):
+    messages = [{"role": r, "content": "x"} for r in roles]
+    with pytest.raises(DataError, match=problem):
+        row({"messages": messages})
+
+
+def test_too_many_dropped_rows_stop_the_run(tmp_path):
+    path = tmp_path / "d.jsonl"
+    rows = [{"prompt": "p" * 40, "completion": "c"}] * 3 + [{"prompt": "p", "completion": "c"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=r"3 of 4 rows dropped .* over data.max_dropped_share 0.5"):
+        build_examples(DataSection(train_files=[str(path)], max_seq_len=16, overlength="drop"), TOK)
