@@ -8,7 +8,6 @@ block's routing stays exactly the model's own, and only the expert computation i
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 
 import bitsandbytes as bnb
 import torch
@@ -162,17 +161,3 @@ def attach_expert_lora(model: nn.Module, *, rank: int, alpha: float, seed: int) 
         module.moe_lora = lora.to(module.gate_up_proj.device)
         names.append(name)
     return names
-
-
-@contextmanager
-def expert_lora_disabled(model: nn.Module):
-    """Run the experts without their LoRA (the base policy), restoring the previous state after."""
-    loras = [m for m in model.modules() if isinstance(m, ExpertLoRA)]
-    before = [m.enabled for m in loras]
-    for m in loras:
-        m.enabled = False
-    try:
-        yield
-    finally:
-        for m, state in zip(loras, before, strict=True):
-            m.enabled = state

@@ -199,7 +199,7 @@ class LazyTensor:
 
     def __getitem__(self, index):
         if index is not Ellipsis:
-            raise NotImplementedError("only whole-tensor reads ([...]) are needed when loading")
+            raise ValueError(f"LazyTensor reads whole tensors only ([...]), not [{index!r}]")
         buffer = torch.empty(self.end - self.start, dtype=torch.uint8)
         with open(self.path, "rb") as f:
             f.seek(self.start)

@@ -149,10 +149,6 @@ def ensure_tiny(family: str = "mixtral", *, seed: int = 0, **overrides) -> Path:
     return target
 
 
-def ensure_tiny_mixtral(*, seed: int = 0, **overrides) -> Path:
-    return ensure_tiny("mixtral", seed=seed, **overrides)
-
-
 # builtin:tiny-mixtral is the demo's model; builtin:tiny-<family> for every family in TINY_FAMILIES.
 BUILTIN_MODELS = {f"builtin:tiny-{f.replace('_', '-')}": functools.partial(ensure_tiny, f) for f in TINY_FAMILIES}
 
