@@ -155,7 +155,8 @@ def router_load(model) -> list[list[float]]:
     loads = []
     for _, lora in expert_loras(model):
         counts = lora.routed_rows.double()
-        loads.append([round(float(c), 4) for c in (counts / counts.sum().clamp(min=1))])
+        shares = (counts / counts.sum().clamp(min=1)).tolist()  # one device sync per layer, not per expert
+        loads.append([round(s, 4) for s in shares])
         lora.routed_rows.zero_()
     return loads
 
