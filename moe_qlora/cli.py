@@ -49,11 +49,14 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from .data import DataError
     from .diagnostics import AdapterReadError
     from .experts import UnsupportedExpertsError
+    from .export import AdapterMismatchError
     from .loading import ModelLoadError
     from .nf4 import QuantizationLayoutError
 
-    return (CheckpointError, ConfigError, DataError, AdapterReadError, ModelLoadError, UnsupportedExpertsError,
-            QuantizationLayoutError, FileNotFoundError)  # fmt: skip
+    return (
+        AdapterMismatchError, CheckpointError, ConfigError, DataError, AdapterReadError, ModelLoadError,
+        UnsupportedExpertsError, QuantizationLayoutError, FileNotFoundError,
+    )  # fmt: skip
 
 
 def _fail(exc: Exception, debug: bool, code: int = 2) -> None:

@@ -40,6 +40,7 @@ class LoraSection(Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the linears' LoRA input (not experts)")
     experts: bool = Field(True, description="per-expert LoRA on gate_up_proj and down_proj")
     router: bool = Field(False, description="LoRA on the router weight too (changes routing; usually frozen)")
+    init_from: str | None = Field(None, description="start from this exported adapter (folder) instead of new LoRA")
     target_modules: list[str] | Literal["auto"] = Field(
         "auto", description="nn.Linear names that get PEFT LoRA; auto: the family's defaults (attention, shared MLPs)"
     )

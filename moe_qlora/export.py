@@ -14,8 +14,8 @@ import re
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model_state_dict
-from safetensors.torch import save_file
+from peft import LoraConfig, PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file, save_file
 
 from .config import LoraSection
 from .experts import ExpertLoRA, experts_modules  # noqa: F401 (ExpertLoRA re-exported for tests)
@@ -131,3 +131,48 @@ def dequantized_base_state_dict(model, dtype: torch.dtype = torch.float32) -> di
         key = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
         state[key] = dequantize_param(p, dtype) if isinstance(p, bnb.nn.Params4bit) else p.detach().to(dtype)
     return state
+
+
+class AdapterMismatchError(ValueError):
+    """An adapter that does not fit this model: made for another base model or another LoRA layout."""
+
+
+def load_adapter(model, adapter_dir: str | Path, cfg: LoraSection) -> int:
+    """Load an exported adapter (this project's or PEFT's, same layout) into `model`'s LoRA; returns tensors set.
+
+    Every tensor this model's LoRA has must be in the file with the same shape, and the scale must match;
+    otherwise the adapter belongs to another base model or LoRA layout and is refused, naming the first key.
+    """
+    adapter_dir = Path(adapter_dir)
+    try:
+        saved = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
+        config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    except (OSError, ValueError) as exc:
+        raise AdapterMismatchError(f"{adapter_dir}: not a readable adapter ({exc})") from None
+    if (config.get("r"), config.get("lora_alpha")) != (cfg.rank, cfg.alpha):
+        raise AdapterMismatchError(
+            f"{adapter_dir}: trained with r={config.get('r')}, lora_alpha={config.get('lora_alpha')}; "
+            f"this run has lora.rank={cfg.rank}, lora.alpha={cfg.alpha}"
+        )
+    expected = adapter_state_dict(model)
+    for key, tensor in expected.items():
+        if key not in saved:
+            raise AdapterMismatchError(f"{adapter_dir}: has no {key} (an adapter for another model or targets?)")
+        if saved[key].shape != tensor.shape:
+            raise AdapterMismatchError(
+                f"{adapter_dir}: {key} has shape {tuple(saved[key].shape)}, this model needs {tuple(tensor.shape)} "
+                "(an adapter for another base model)"
+            )
+    extra = sorted(saved.keys() - expected.keys())
+    if extra:
+        raise AdapterMismatchError(f"{adapter_dir}: tensors this model has no LoRA for, e.g. {extra[0]}")
+    prefix, expert_keys = _peft_prefix(model), set()
+    for name, module in experts_modules(model):
+        lora = getattr(module, "moe_lora", None)
+        if lora is not None:
+            keys = {k: f"{prefix}{name}.{k}" for k in PEFT_EXPERT_KEYS.values()}
+            peft_to_expert_lora({k: saved[full] for k, full in keys.items()}, lora)
+            expert_keys.update(keys.values())
+    if isinstance(model, PeftModel):
+        set_peft_model_state_dict(model, {k: v for k, v in saved.items() if k not in expert_keys})
+    return len(expected)

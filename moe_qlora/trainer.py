@@ -33,7 +33,7 @@ from .checkpoint import (
 )
 from .config import RunConfig
 from .data import IGNORE, Example, build_examples, collate, epoch_order, micro_batches
-from .export import save_adapter
+from .export import load_adapter, save_adapter
 from .loading import LoadOptions, check_model_path, load_model, parameter_bytes_by_kind
 from .memory import release_freed_memory
 from .optim import build_optimizer, clip_global_norm, lr_multiplier
@@ -66,14 +66,20 @@ class TrainResult:
     metrics_path: Path
 
 
-def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Sum of next-token cross-entropies over target positions, and their count. logits: (B, L, V)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False).logits
+def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int, float | None]:
+    """Sum of next-token cross-entropies over target positions, their count, and the model's MoE auxiliary
+    (load-balancing) loss where the family defines one (logged, not trained on). logits: (B, L, V)."""
+    extra = {"output_router_logits": True} if hasattr(model.config, "router_aux_loss_coef") else {}
+    out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False, **extra)
     targets = batch["labels"][:, 1:]
     loss = F.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
+        out.logits[:, :-1].reshape(-1, out.logits.shape[-1]).float(),
+        targets.reshape(-1),
+        ignore_index=IGNORE,
+        reduction="sum",
     )
-    return loss, int((targets != IGNORE).sum())
+    aux = getattr(out, "aux_loss", None)
+    return loss, int((targets != IGNORE).sum()), None if aux is None else float(aux.detach())
 
 
 def optimizer_steps(examples: list[Example], cfg: RunConfig):
@@ -98,23 +104,25 @@ def count_steps(num_examples: int, cfg: RunConfig) -> int:
     return min(total, t.max_steps) if t.max_steps else total
 
 
-def accumulate_gradients(model, batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
+def accumulate_gradients(model, batches: list[dict[str, torch.Tensor]]) -> tuple[float, int, float | None]:
     """Backward over micro-batches, each scaled by 1/N with N the target tokens of all of them together,
-    so the gradient is that of the mean token loss over the whole step. Returns (mean loss, N)."""
+    so the gradient is that of the mean token loss over the whole step. Returns (mean loss, N, mean aux loss)."""
     n_targets = sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in batches)
-    total = 0.0
+    total, aux = 0.0, []
     for batch in batches:
-        loss_sum, _ = token_loss_sum(model, batch)
+        loss_sum, _, aux_loss = token_loss_sum(model, batch)
         (loss_sum / n_targets).backward()
         total += float(loss_sum.detach())
-    return total / n_targets, n_targets
+        if aux_loss is not None:
+            aux.append(aux_loss)
+    return total / n_targets, n_targets, (sum(aux) / len(aux) if aux else None)
 
 
 def train_step(model, optimizer, group, pad_id: int, train_cfg) -> dict:
     """One optimizer step over the micro-batches in `group`; returns its metrics."""
     device = next(model.parameters()).device
     batches = [{k: v.to(device) for k, v in collate(mb, pad_id).items()} for mb in group]
-    loss, n_targets = accumulate_gradients(model, batches)
+    loss, n_targets, aux_loss = accumulate_gradients(model, batches)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     grad_norm = clip_global_norm(params, train_cfg.max_grad_norm)  # measured before any clipping
     skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
@@ -123,7 +131,8 @@ def train_step(model, optimizer, group, pad_id: int, train_cfg) -> dict:
     optimizer.zero_grad(set_to_none=True)
     release_freed_memory()
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
-    return {"loss": loss, "grad_norm": grad_norm, "target_tokens": n_targets, "tokens": tokens, "skipped": skipped}
+    return {"loss": loss, "grad_norm": grad_norm, "target_tokens": n_targets, "tokens": tokens, "skipped": skipped,
+            "aux_loss": aux_loss}  # fmt: skip
 
 
 class TrainingAborted(RuntimeError):
@@ -185,6 +194,9 @@ def prepare(cfg: RunConfig, console: Console):
         strict=cfg.model.strict_quantization,
     )
     model = attach_adapters(load_model(opts), cfg.lora, seed=cfg.train.seed)
+    if cfg.lora.init_from:
+        n = load_adapter(model, cfg.lora.init_from, cfg.lora)
+        console.print(f"LoRA initialised from {cfg.lora.init_from} ({n} tensors)")
     n_ckpt = configure_checkpointing(
         model, enabled=cfg.train.gradient_checkpointing, interval=cfg.train.checkpoint_interval
     )

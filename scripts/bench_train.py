@@ -119,7 +119,7 @@ def worker(name: str, preset: str, seq: int, steps: int) -> dict:
     times, losses = [], []
     for i in range(steps + 1):
         t = time.perf_counter()
-        loss, n = token_loss_sum(model, batch)
+        loss, n, _ = token_loss_sum(model, batch)
         (loss / n).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

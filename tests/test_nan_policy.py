@@ -33,8 +33,8 @@ def poison(monkeypatch, nan_steps):
 
     def poisoned(model, batch):
         calls["n"] += 1
-        loss, n = real(model, batch)
-        return (loss * math.nan if calls["n"] in nan_steps else loss), n
+        loss, n, aux = real(model, batch)
+        return (loss * math.nan if calls["n"] in nan_steps else loss), n, aux
 
     monkeypatch.setattr(trainer, "token_loss_sum", poisoned)
 
@@ -75,6 +75,7 @@ def test_k_skips_in_a_row_stop_the_run(tmp_path, monkeypatch):
 
 def test_router_load_per_layer_is_logged(tmp_path):
     trainer.train(config(tmp_path, max_steps=2), Console(quiet=True))
+    assert records(tmp_path)[0]["aux_loss"] > 0  # Mixtral's load-balancing loss, logged
     load = records(tmp_path)[0]["router_load"]
     assert len(load) == 2 and all(len(layer) == 8 for layer in load)  # 2 MoE layers, 8 experts
     assert all(abs(sum(layer) - 1) < 1e-3 for layer in load)

@@ -42,7 +42,7 @@ def examples(n=4):
 
 def grads_of(model, batches):
     model.zero_grad(set_to_none=True)
-    loss, _ = accumulate_gradients(model, batches)
+    loss, _, _ = accumulate_gradients(model, batches)
     return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
