@@ -77,10 +77,10 @@ def config_hash(resolved: dict) -> str:
 
 
 def dataset_fingerprint(examples) -> str:
-    """sha256 of the tokenized training data (ids, labels, source) in order."""
+    """sha256 of the tokenized training data (source, ids, labels, weight) in order."""
     h = hashlib.sha256()
     for e in examples:
-        h.update(json.dumps([e.source, e.input_ids, e.labels]).encode())
+        h.update(json.dumps([e.source, e.input_ids, e.labels, e.weight]).encode())
     return h.hexdigest()
 
 

@@ -68,8 +68,19 @@ class DataSection(Section):
     )
 
 
+class RewardSection(Section):
+    """rwsft: how a row's `reward` (or `score`) becomes its loss weight."""
+
+    mapping: Literal["raw", "minmax", "zscore"] = Field(
+        "raw", description="raw: w = r; minmax: (r - min) / (max - min) over the dataset; zscore: (r - mean) / std"
+    )
+    clip_min: float | None = Field(None, description="weights below are raised to this")
+    clip_max: float | None = Field(None, description="weights above are lowered to this")
+    allow_negative: bool = Field(False, description="negative weights push probability away (unlikelihood)")
+
+
 class TrainSection(Section):
-    objective: Literal["sft"] = "sft"
+    objective: Literal["sft", "rwsft"] = Field("sft", description="rwsft: each sample's loss times its reward weight")
     epochs: int = Field(1, ge=1)
     max_steps: int = Field(0, ge=0, description="stop after this many optimizer steps (0: run all epochs)")
     micro_batch_size: int = Field(4, ge=1)
@@ -106,6 +117,7 @@ class RunConfig(Section):
     data: DataSection
     train: TrainSection = Field(default_factory=TrainSection)
     output: OutputSection = Field(default_factory=OutputSection)
+    reward: RewardSection = Field(default_factory=RewardSection)
 
     @model_validator(mode="after")
     def _consistent(self):

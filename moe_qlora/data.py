@@ -6,15 +6,20 @@ template, and {"text"}. Labels are -100 where no loss is taken (the prompt, unle
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
+import math
+import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .config import DataSection
+from .config import DataSection, RewardSection
 
+log = logging.getLogger(__name__)
 IGNORE = -100
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -30,6 +35,7 @@ class Example:
     input_ids: list[int]
     labels: list[int]
     source: str
+    weight: float = 1.0  # rwsft: the sample's loss weight, carried with it through shuffling and batching
 
 
 @dataclass
@@ -210,14 +216,31 @@ def tokenize_row(row: dict, tokenizer, cfg: DataSection, source: str, stats: Dat
     return Example(ids, labels, source)
 
 
-def build_examples(cfg: DataSection, tokenizer) -> tuple[list[Example], DataStats]:
+REWARD_KEYS = ("reward", "score")  # `score`: llama.cpp's sample_rwsft_data.jsonl
+
+
+def row_reward(row: dict, source: str) -> float:
+    """The row's reward, which must be a finite number under `reward` or `score`."""
+    # datasets gives None for a column other rows have: that is a missing reward too.
+    key = next((k for k in REWARD_KEYS if row.get(k) is not None), None)
+    if key is None:
+        raise DataError(f"{source}: rwsft needs a numeric 'reward' (or 'score') field; the row has {sorted(row)}")
+    value = row[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DataError(f"{source}: {key!r} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def build_examples(cfg: DataSection, tokenizer, *, rewards: bool = False) -> tuple[list[Example], DataStats]:
+    """Tokenize every row; with `rewards`, each example's weight is its row's raw reward (mapped later)."""
     stats = DataStats()
     examples = []
     for source, row in load_rows(cfg.train_files):
         stats.rows += 1
+        reward = row_reward(row, source) if rewards else 1.0
         ex = tokenize_row(row, tokenizer, cfg, source, stats)
         if ex is not None:
-            examples.append(ex)
+            examples.append(dataclasses.replace(ex, weight=reward))
     dropped = stats.dropped_overlength + stats.dropped_no_target
     if examples and dropped > cfg.max_dropped_share * stats.rows:
         raise DataError(
@@ -239,7 +262,7 @@ def epoch_order(num_examples: int, *, seed: int, epoch: int) -> list[int]:
 
 
 def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded batch: input_ids, labels (-100 on padding), attention_mask, all (B, L)."""
+    """Right-padded batch: input_ids, labels (-100 on padding), attention_mask (B, L); weights (B,)."""
     length = max(len(e.input_ids) for e in examples)
     ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), length), IGNORE, dtype=torch.long)
@@ -249,10 +272,45 @@ def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
         ids[i, :n] = torch.tensor(e.input_ids)
         labels[i, :n] = torch.tensor(e.labels)
         mask[i, :n] = 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    weights = torch.tensor([e.weight for e in examples], dtype=torch.float32)
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask, "weights": weights}
 
 
 def micro_batches(examples: list[Example], order: list[int], size: int) -> Iterator[list[Example]]:
     """Consecutive groups of `size` examples in `order` (the last may be smaller)."""
     for i in range(0, len(order), size):
         yield [examples[j] for j in order[i : i + size]]
+
+
+def _clip(w: float, lo: float | None, hi: float | None) -> float:
+    if lo is not None:
+        w = max(w, lo)
+    return w if hi is None else min(w, hi)
+
+
+def reward_weights(rewards: list[float], cfg: RewardSection) -> list[float]:
+    """Rewards to loss weights as configured: mapping over the whole dataset, then clipping, then the sign check."""
+    if cfg.mapping == "minmax":
+        lo, hi = min(rewards), max(rewards)
+        weights = [1.0 if hi == lo else (r - lo) / (hi - lo) for r in rewards]
+    elif cfg.mapping == "zscore":
+        mean, std = statistics.fmean(rewards), statistics.pstdev(rewards)
+        weights = [0.0 if std == 0 else (r - mean) / std for r in rewards]
+    else:
+        weights = list(rewards)
+    weights = [_clip(w, cfg.clip_min, cfg.clip_max) for w in weights]
+    negative = sum(w < 0 for w in weights)
+    if negative and not cfg.allow_negative:
+        raise DataError(
+            f"{negative} samples get a negative weight (mapping {cfg.mapping}); negative weights push probability "
+            "away from a sample (unlikelihood): set reward.allow_negative: true, or reward.clip_min: 0"
+        )
+    if negative:
+        log.warning("%d samples have negative weights: their probability is pushed down (unlikelihood)", negative)
+    return weights
+
+
+def apply_reward_weights(examples: list[Example], cfg: RewardSection) -> list[Example]:
+    """Replace each example's raw reward by its weight; the pairing with its sample never changes."""
+    weights = reward_weights([e.weight for e in examples], cfg)
+    return [dataclasses.replace(e, weight=w) for e, w in zip(examples, weights, strict=True)]

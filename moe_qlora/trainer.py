@@ -32,7 +32,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import RunConfig
-from .data import IGNORE, Example, build_examples, collate, epoch_order, micro_batches
+from .data import IGNORE, Example, apply_reward_weights, build_examples, collate, epoch_order, micro_batches
 from .export import load_adapter, save_adapter
 from .loading import LoadOptions, check_model_path, load_model, parameter_bytes_by_kind
 from .memory import release_freed_memory
@@ -72,12 +72,18 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
     extra = {"output_router_logits": True} if hasattr(model.config, "router_aux_loss_coef") else {}
     out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False, **extra)
     targets = batch["labels"][:, 1:]
-    loss = F.cross_entropy(
+    token_losses = F.cross_entropy(
         out.logits[:, :-1].reshape(-1, out.logits.shape[-1]).float(),
         targets.reshape(-1),
         ignore_index=IGNORE,
-        reduction="sum",
-    )
+        reduction="none",
+    ).view(targets.shape)
+    # Each sample's token losses times its weight (1 for SFT): sample i's gradient is w_i (p - onehot), so
+    # w = 0 contributes exactly nothing. The caller divides by the unweighted target count of the step, so
+    # doubling every weight doubles the gradient.
+    weights = batch.get("weights")
+    per_sample = token_losses.sum(dim=1)
+    loss = per_sample.sum() if weights is None else (per_sample * weights.to(per_sample)).sum()
     aux = getattr(out, "aux_loss", None)
     return loss, int((targets != IGNORE).sum()), None if aux is None else float(aux.detach())
 
@@ -177,7 +183,13 @@ def prepare(cfg: RunConfig, console: Console):
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    examples, stats = build_examples(cfg.data, tokenizer)
+    rwsft = cfg.train.objective == "rwsft"
+    examples, stats = build_examples(cfg.data, tokenizer, rewards=rwsft)
+    if rwsft:
+        examples = apply_reward_weights(examples, cfg.reward)
+        weights = [e.weight for e in examples]
+        console.print(f"rwsft: weights ({cfg.reward.mapping}) from {min(weights):.3g} to {max(weights):.3g}, "
+                      f"mean {sum(weights) / len(weights):.3g}")  # fmt: skip
     console.print(
         f"data: {stats.rows} rows -> {len(examples)} examples, {stats.target_tokens} target tokens; "
         f"truncated {stats.truncated}, dropped {stats.dropped_overlength} over max_seq_len and "
