@@ -36,10 +36,22 @@ def chat_rows(rng):
     return rows
 
 
+def rwsft_rows(rng):
+    """Additions with a right and a wrong answer each, scored 1 and 0 (llama.cpp's `score` key)."""
+    rows = []
+    for _ in range(40):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        rows.append({"prompt": f"Add: {a}+{b}\n", "response": f"{a + b}", "score": 1.0})
+        rows.append({"prompt": f"Add: {a}+{b}\n", "response": f"{a + b + rng.randint(1, 3)}", "score": 0.0})
+    rng.shuffle(rows)
+    return rows
+
+
 def main():
     rng = random.Random(0)
     out = Path(__file__).resolve().parent.parent / "data"
-    for name, rows in (("demo_sft.jsonl", sft_rows(rng)), ("demo_chat.jsonl", chat_rows(rng))):
+    sets = (("demo_sft.jsonl", sft_rows(rng)), ("demo_chat.jsonl", chat_rows(rng)), ("demo_rwsft.jsonl", rwsft_rows(rng)))
+    for name, rows in sets:
         (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
         print(f"{out / name}: {len(rows)} rows")
 
