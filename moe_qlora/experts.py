@@ -47,7 +47,6 @@ class ExpertLoRA(nn.Module):
             self.register_parameter(name, nn.Parameter(torch.zeros(shape, dtype=torch.float32, device=device)))
         self.rank, self.alpha = rank, alpha
         self.scale = alpha / rank
-        self.enabled = True
         # Rows routed to each expert while training (router load), read and reset by the trainer.
         self.register_buffer("routed_rows", torch.zeros(num_experts, dtype=torch.long, device=device), persistent=False)
         self.reset_parameters(generator)
@@ -120,11 +119,10 @@ def moe_qlora_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """The registered experts implementation. hidden_states: (T, H), top_k_*: (T, K) -> (T, H)."""
     frozen = _frozen_experts(self)
     lora: ExpertLoRA | None = getattr(self, "moe_lora", None)
-    active = lora is not None and lora.enabled
-    plan = MoEPlan(frozen, route(top_k_index, frozen.gate_up.num_experts), lora.scale if active else 0.0)
+    plan = MoEPlan(frozen, route(top_k_index, frozen.gate_up.num_experts), lora.scale if lora is not None else 0.0)
     if lora is not None and self.training:
         lora.routed_rows += plan.routing.counts
-    return moe_lora_experts(hidden_states, top_k_weights, lora.factors() if active else None, plan)
+    return moe_lora_experts(hidden_states, top_k_weights, lora.factors() if lora is not None else None, plan)
 
 
 def register_experts_implementation() -> None:

@@ -18,7 +18,7 @@ from peft import LoraConfig, PeftModel, get_peft_model_state_dict, set_peft_mode
 from safetensors.torch import load_file, save_file
 
 from .config import LoraSection
-from .experts import ExpertLoRA, experts_modules  # noqa: F401 (ExpertLoRA re-exported for tests)
+from .experts import ExpertLoRA, experts_modules
 from .fileio import atomic_dir
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -94,16 +94,21 @@ def cpu_unsafe_linears(model) -> list[str]:
     return names
 
 
+def linears_not_quantized(model, *, on_cpu: bool) -> set[str]:
+    """Patterns of linears that stay in the compute dtype: the output head, routers and gates, and on the
+    CPU the linears bitsandbytes cannot run in 4-bit. The quantizer and `plan` both use this rule."""
+    skips = set(get_keys_to_not_convert(model)) | set(ROUTER_PATTERNS)
+    return skips | set(cpu_unsafe_linears(model)) if on_cpu else skips
+
+
 @register_quantizer(QUANT_METHOD)
 class MoEQLoRAQuantizer(Bnb4BitHfQuantizer):
     """Bitsandbytes 4-bit quantizer that also quantizes fused 3D expert stacks to NF4."""
 
     def _process_model_before_weight_loading(self, model, device_map, **kwargs):
         skips = set(self.quantization_config.llm_int8_skip_modules or [])
-        skips.update(get_keys_to_not_convert(model))
-        skips.update(ROUTER_PATTERNS)
-        if all(str(d).startswith("cpu") for d in (device_map or {"": "cpu"}).values()):
-            skips.update(cpu_unsafe_linears(model))
+        on_cpu = all(str(d).startswith("cpu") for d in (device_map or {"": "cpu"}).values())
+        skips.update(linears_not_quantized(model, on_cpu=on_cpu))
         self.quantization_config.llm_int8_skip_modules = sorted(skips)
         super()._process_model_before_weight_loading(model, device_map, **kwargs)
 
@@ -131,7 +136,7 @@ class LoadOptions:
 
 
 def check_model_path(name_or_path: str) -> None:
-    """A local-looking path must exist and hold a config and weights; anything else is taken as a hub id."""
+    """A local-looking path must exist and hold a config (weights: checkpoint_files); else it is a hub id."""
     looks_local = os.path.isabs(name_or_path) or name_or_path.startswith((".", "~")) or os.path.exists(name_or_path)
     if not looks_local:
         return
@@ -140,11 +145,6 @@ def check_model_path(name_or_path: str) -> None:
         raise ModelLoadError(f"model path {name_or_path!r} does not exist")
     if not os.path.exists(os.path.join(path, "config.json")):
         raise ModelLoadError(f"model path {name_or_path!r} has no config.json")
-    if not any(f.endswith(".safetensors") or f.endswith(".safetensors.index.json") for f in os.listdir(path)):
-        raise ModelLoadError(f"model path {name_or_path!r} has no .safetensors weights (only safetensors are loaded)")
-
-
-SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 def local_checkpoint(name_or_path: str) -> Path:
@@ -238,8 +238,8 @@ def lazy_state_dict(files: list[Path]):
 
 def stored_dtype(state: dict) -> torch.dtype:
     """The floating dtype most tensors of the checkpoint are stored in."""
-    counts = Counter(s.get_dtype() for s in state.values() if s.get_dtype() in SAFETENSORS_DTYPES)
-    return SAFETENSORS_DTYPES[counts.most_common(1)[0][0]] if counts else torch.float32
+    counts = Counter(t.get_dtype() for t in state.values() if TORCH_DTYPES[t.get_dtype()].is_floating_point)
+    return TORCH_DTYPES[counts.most_common(1)[0][0]] if counts else torch.float32
 
 
 def load_model(opts: LoadOptions):
@@ -250,13 +250,14 @@ def load_model(opts: LoadOptions):
     """
     check_model_path(opts.name_or_path)
     folder = local_checkpoint(opts.name_or_path)
+    files = checkpoint_files(folder)
     config = AutoConfig.from_pretrained(str(folder), trust_remote_code=opts.trust_remote_code)
     quant = MoEQLoRAQuantConfig(
         expert_double_quant=opts.expert_double_quant,
         bnb_4bit_use_double_quant=opts.linear_double_quant,
         bnb_4bit_compute_dtype=opts.compute_dtype,
     )
-    with lazy_state_dict(checkpoint_files(folder)) as state:
+    with lazy_state_dict(files) as state:
         model = causal_lm_class(config, folder, opts.trust_remote_code).from_pretrained(
             None,
             config=config,

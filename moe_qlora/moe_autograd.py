@@ -75,12 +75,17 @@ def _lora_linear(x, weight_io, bias, lora_a, lora_b, scale):
     return y.addmm_(p, lora_b.t(), alpha=scale), p
 
 
-def _gate_backward(gate, h, da):
-    """d h from d a where a = gate(h); the derivative comes from autograd on the model's own gate, exact."""
+def _gate_with_vjp(gate, h):
+    """a = gate(h) and a function mapping d a to d h: autograd on the model's own gate, evaluated once."""
     with torch.enable_grad():
         hh = h.detach().requires_grad_(True)
-        (grad_h,) = torch.autograd.grad(gate(hh), hh, da)
-    return grad_h
+        a = gate(hh)
+
+    def vjp(da):
+        (grad_h,) = torch.autograd.grad(a, hh, da)
+        return grad_h
+
+    return a.detach(), vjp
 
 
 class MoELoRAFunction(torch.autograd.Function):
@@ -133,7 +138,7 @@ class MoELoRAFunction(torch.autograd.Function):
             tokens, w = rt.token[rows], w_sorted[rows, None]
             a1, b1, a2, b2 = _expert_lora(lora, e)
             g = grad_out.index_select(0, tokens)  # (S_e, H): dout of each row's token, before the weight
-            act_out = ex.gate(h[rows])
+            act_out, gate_vjp = _gate_with_vjp(ex.gate, h[rows])
             # y = J a + b2 with J linear (a W2 + c (a A2^T) B2^T); the row's output is w * y. Its input
             # gradient is w * J^T g, and the routing-weight gradient is <y, g> = <J a, g> + <b2, g>
             # = <a, J^T g> + <b2, g>: u = J^T g gives both, exactly, without keeping y or dividing by w.
@@ -148,7 +153,7 @@ class MoELoRAFunction(torch.autograd.Function):
             if ex.down_bias is not None:
                 dot += g.float() @ ex.down_bias[e].float()
             grad_w_sorted[rows] = dot
-            grad_h = _gate_backward(ex.gate, h[rows], u.mul_(w))
+            grad_h = gate_vjp(u.mul_(w))
             # Input gradient through the transposed frozen gate_up projection (+ its LoRA path).
             grad_x_rows = grad_h @ ex.weight(ex.gate_up, e, dtype).t()
             if has_lora:

@@ -13,13 +13,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
-from transformers.quantizers.base import get_keys_to_not_convert
 from transformers.quantizers.quantizers_utils import should_convert_module
 
 from .config import RunConfig
 from .experts import EXPERT_PARAMS, expert_dims, is_experts_module
 from .families import resolve_targets
-from .loading import ROUTER_PATTERNS
+from .loading import linears_not_quantized
 from .nf4 import BLOCKSIZE, NESTED_BLOCKSIZE
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -54,9 +53,7 @@ def meta_model(name_or_path: str, trust_remote_code: bool = False) -> nn.Module:
 def weight_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> dict[str, int]:
     """Bytes of the loaded weights by kind, classified as the quantizer does (see loading.py)."""
     compute = DTYPE_BYTES[cfg.model.compute_dtype]
-    skip = set(get_keys_to_not_convert(model)) | set(ROUTER_PATTERNS)
-    if device == "cpu":
-        skip |= {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m.in_features % BLOCKSIZE}
+    skip = linears_not_quantized(model, on_cpu=device == "cpu")
     kinds = {"experts_nf4": 0, "linear_4bit": 0, "other": 0}
     for name, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):

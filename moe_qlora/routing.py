@@ -39,10 +39,10 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> RoutedTokens:
     """Sort the router's choices by expert. top_k_index: (T, K) int."""
     k = top_k_index.shape[-1]
     flat = top_k_index.reshape(-1).long()
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
-        raise ValueError(f"router chose expert ids outside [0, {num_experts}): {flat.min()}..{flat.max()}")
+    counts = torch.bincount(flat, minlength=num_experts)  # negative ids raise here
+    offsets = [0] + torch.cumsum(counts, 0).tolist()  # the one host sync of the layer
+    if len(offsets) != num_experts + 1:  # bincount grew past num_experts: an id >= num_experts
+        raise ValueError(f"router chose expert ids outside [0, {num_experts}): {len(offsets) - 1} bins")
     # Stable sort keeps tokens in their original order inside each expert: deterministic accumulation.
     order = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=num_experts)
-    offsets = [0] + torch.cumsum(counts, 0).tolist()
     return RoutedTokens(order=order, token=order // k, counts=counts, offsets=offsets)

@@ -50,7 +50,11 @@ def rwsft_rows(rng):
 def main():
     rng = random.Random(0)
     out = Path(__file__).resolve().parent.parent / "data"
-    sets = (("demo_sft.jsonl", sft_rows(rng)), ("demo_chat.jsonl", chat_rows(rng)), ("demo_rwsft.jsonl", rwsft_rows(rng)))
+    sets = (
+        ("demo_sft.jsonl", sft_rows(rng)),
+        ("demo_chat.jsonl", chat_rows(rng)),
+        ("demo_rwsft.jsonl", rwsft_rows(rng)),
+    )
     for name, rows in sets:
         (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
         print(f"{out / name}: {len(rows)} rows")

@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from moe_qlora.adapters import attach_adapters
 from moe_qlora.config import LoraSection
+from moe_qlora.experts import ExpertLoRA
 from moe_qlora.export import (
-    ExpertLoRA,
     dequantized_base_state_dict,
     expert_lora_to_peft,
     peft_to_expert_lora,
