@@ -7,6 +7,7 @@ line in the YAML, what was expected and, for an unknown key, the nearest valid o
 from __future__ import annotations
 
 import difflib
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -107,6 +108,48 @@ class TrainSection(Section):
     resume: Literal["never", "auto"] = Field("never", description="auto: continue from the newest valid checkpoint")
 
 
+class RewardFunctionSpec(Section):
+    """One reward function of `grpo.rewards`; the total reward is the weighted sum of all of them."""
+
+    function: str = Field(
+        description="a built-in (exact_match, regex, length, ends_with) or `module:function` with signature "
+        "(prompts, completions, **columns) -> list[float]"
+    )
+    weight: float = Field(1.0, description="its weight in the total reward")
+    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of a built-in")
+
+
+class GrpoSection(Section):
+    """`moe-qlora grpo`: sample a group of completions per prompt, score them, train on the advantages."""
+
+    prompts_per_step: int = Field(2, ge=1, description="prompts per rollout batch (one optimizer step per pass)")
+    group_size: int = Field(4, ge=2, description="G completions sampled per prompt; advantages are within a group")
+    max_new_tokens: int = Field(32, ge=1)
+    temperature: float = Field(1.0, gt=0, description="sampling temperature; log-probs are taken at it too")
+    top_p: float = Field(1.0, gt=0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0: off")
+    stop: list[str] = Field(default_factory=list, description="stop strings: a completion ends after one")
+    passes: int = Field(1, ge=1, description="optimizer steps per rollout batch; >1 uses the clipped ratio")
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="ratio clipped to [1 - clip_eps, 1 + clip_eps_high]")
+    clip_eps_high: float | None = Field(None, gt=0, description="upper clip (DAPO's clip-higher); default clip_eps")
+    kl_coef: float = Field(0.0, ge=0, description="beta of the KL penalty to the base model (adapters off); 0: off")
+    scale_rewards: bool = Field(True, description="divide by the group's std (GRPO); false: mean-centred only")
+    std_eps: float = Field(1e-4, gt=0, description="(r - mean) / (std + std_eps)")
+    loss_normalization: Literal["token", "sequence"] = Field(
+        "token", description="token: sum over all completion tokens / their count; sequence: mean per completion"
+    )
+    rewards: list[RewardFunctionSpec] = Field(default_factory=list, description="reward functions (online mode)")
+    offline_file: str | None = Field(
+        None, description="JSONL of {prompt, completions, rewards}: train on these instead of sampling"
+    )
+
+    @model_validator(mode="after")
+    def _rewards_or_offline(self):
+        if self.offline_file is None and not self.rewards:
+            raise ValueError("grpo needs reward functions (grpo.rewards) or scored completions (grpo.offline_file)")
+        return self
+
+
 class OutputSection(Section):
     dir: str = Field("runs/latest", description="metrics.jsonl and adapter/ go here")
 
@@ -118,6 +161,7 @@ class RunConfig(Section):
     train: TrainSection = Field(default_factory=TrainSection)
     output: OutputSection = Field(default_factory=OutputSection)
     reward: RewardSection = Field(default_factory=RewardSection)
+    grpo: GrpoSection | None = Field(None, description="settings of `moe-qlora grpo` (ignored by `train`)")
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -133,11 +177,20 @@ def _section_at(path: tuple) -> type[BaseModel] | None:
     """The pydantic model that holds the key at `path` (for suggesting the nearest valid key)."""
     cls: Any = RunConfig
     for part in path[:-1]:
-        field = cls.model_fields.get(part) if isinstance(part, str) else None
-        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+        if isinstance(part, int):  # an item of a list of sections (grpo.rewards[0]): same model
+            continue
+        field = cls.model_fields.get(part)
+        cls = _model_in(field.annotation) if field is not None else None
+        if cls is None:
             return None
-        cls = field.annotation
     return cls
+
+
+def _model_in(annotation) -> type[BaseModel] | None:
+    """The section model inside an annotation: X, X | None, list[X]."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for m in map(_model_in, typing.get_args(annotation)) if m is not None), None)
 
 
 def _yaml_line(text: str | None, path: tuple) -> int | None:
@@ -150,6 +203,10 @@ def _yaml_line(text: str | None, path: tuple) -> int | None:
         return None
     line = None
     for part in path:
+        if isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+            continue
         if not isinstance(node, yaml.MappingNode):
             break
         match = next(((k, v) for k, v in node.value if k.value == str(part)), None)
