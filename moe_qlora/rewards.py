@@ -1,0 +1,144 @@
+"""Reward functions for GRPO and group-relative advantages.
+
+A reward function takes the batch's prompts, completions and the other columns of each prompt's row
+(`answer`, ...), one entry per completion, and returns one finite float per completion. The total reward
+is the weighted sum of the configured functions; advantages are taken within each prompt's group.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .config import ConfigError, RewardFunctionSpec
+
+RewardFn = Callable[..., list[float]]
+
+
+class RewardError(ValueError):
+    """A reward function that returned something unusable, or was asked for a column that is not there."""
+
+
+def _column(columns: dict, name: str, fn: str) -> list:
+    if name not in columns:
+        raise RewardError(f"reward {fn!r} needs a {name!r} field in every prompt row; the rows have {sorted(columns)}")
+    return columns[name]
+
+
+def exact_match(prompts, completions, *, normalize: bool = True, **columns) -> list[float]:
+    """1.0 where the completion equals the row's `answer` (whitespace-stripped and case-folded if normalize)."""
+    answers = _column(columns, "answer", "exact_match")
+
+    def norm(s) -> str:
+        s = str(s)
+        return " ".join(s.split()).casefold() if normalize else s
+
+    return [float(norm(c) == norm(a)) for c, a in zip(completions, answers, strict=True)]
+
+
+def regex(prompts, completions, *, pattern: str, mode: str = "search", **columns) -> list[float]:
+    """Format reward. mode search: 1.0 if the pattern occurs; fullmatch: if it matches the whole completion;
+    share: the fraction of the completion's characters inside matches (a dense reward)."""
+    rx = re.compile(pattern)
+    if mode == "search":
+        return [float(rx.search(c) is not None) for c in completions]
+    if mode == "fullmatch":
+        return [float(rx.fullmatch(c) is not None) for c in completions]
+    if mode == "share":
+        return [sum(m.end() - m.start() for m in rx.finditer(c)) / max(len(c), 1) for c in completions]
+    raise RewardError(f"regex reward: mode must be search, fullmatch or share, got {mode!r}")
+
+
+def length(prompts, completions, *, target: int, **columns) -> list[float]:
+    """Length penalty: -|characters - target| / target (0 at the target, -1 for an empty completion)."""
+    if target <= 0:
+        raise RewardError(f"length reward: target must be a positive number of characters, got {target!r}")
+    return [-abs(len(c) - target) / target for c in completions]
+
+
+def ends_with(prompts, completions, *, suffix: str, strip: bool = True, **columns) -> list[float]:
+    """1.0 where the completion (right-stripped of whitespace if strip) ends with `suffix`."""
+    return [float((c.rstrip() if strip else c).endswith(suffix)) for c in completions]
+
+
+BUILTINS: dict[str, RewardFn] = {"exact_match": exact_match, "regex": regex, "length": length, "ends_with": ends_with}
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    name: str
+    fn: RewardFn
+    weight: float
+    args: dict
+
+
+def resolve_reward(spec: RewardFunctionSpec, index: int) -> RewardFunction:
+    """A built-in by name, or `module:function` imported from the Python path (the config asked for it)."""
+    key = f"grpo.rewards.{index}.function"
+    if spec.function in BUILTINS:
+        return RewardFunction(spec.function, BUILTINS[spec.function], spec.weight, dict(spec.args))
+    module_name, sep, attr = spec.function.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(
+            f"{key}: {spec.function!r} is neither a built-in ({', '.join(BUILTINS)}) nor `module:function`"
+        )
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"{key}: cannot load {spec.function!r}: {exc}") from None
+    if not callable(fn):
+        raise ConfigError(f"{key}: {spec.function!r} is not callable")
+    if spec.args:
+        raise ConfigError(f"{key}: args are for built-ins; a user function gets (prompts, completions, **columns)")
+    return RewardFunction(spec.function, fn, spec.weight, {})
+
+
+def score(functions: Sequence[RewardFunction], prompts: list[str], completions: list[str],
+          columns: dict[str, list]) -> tuple[list[float], dict[str, list[float]]]:  # fmt: skip
+    """(total reward per completion, each function's rewards). Every value must be a finite number."""
+    per_fn = {}
+    for f in functions:
+        values = f.fn(prompts, completions, **columns, **f.args)
+        if not isinstance(values, (list, tuple)) or len(values) != len(completions):
+            got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
+            raise RewardError(f"reward {f.name!r} returned {got} for {len(completions)} completions; "
+                              "expected a list with one float per completion")  # fmt: skip
+        bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
+        if bad:
+            raise RewardError(f"reward {f.name!r} returned non-finite or non-numeric values, e.g. {bad[0]!r}")
+        per_fn[f.name] = [float(v) for v in values]
+    totals = [sum(f.weight * per_fn[f.name][i] for f in functions) for i in range(len(completions))]
+    return totals, per_fn
+
+
+def group_advantages(rewards: torch.Tensor, group_sizes: list[int], *, scale: bool, eps: float) -> torch.Tensor:
+    """A_i = (r_i - mean_g) / (std_g + eps) within each group g (std unbiased, as TRL), or r_i - mean_g.
+
+    rewards: (N,) in group order, N = sum(group_sizes). A group whose rewards are all equal gets A = 0
+    exactly: its completions carry no learning signal (r - mean is 0 before any division).
+    """
+    out = torch.empty_like(rewards, dtype=torch.float64)
+    start = 0
+    for size in group_sizes:
+        r = rewards[start : start + size].double()
+        if bool((r == r[0]).all()):
+            out[start : start + size] = 0.0  # exactly 0: no mean-rounding noise, no 0/0 when eps is 0
+        else:
+            centred = r - r.mean()
+            out[start : start + size] = centred / (r.std(unbiased=True) + eps) if scale else centred
+        start += size
+    return out.float()
+
+
+def flat_groups(group_sizes: list[int], advantages: torch.Tensor) -> int:
+    """How many groups carry no signal (every advantage zero)."""
+    start, n = 0, 0
+    for size in group_sizes:
+        n += int(bool((advantages[start : start + size] == 0).all()))
+        start += size
+    return n
