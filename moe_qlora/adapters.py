@@ -6,6 +6,7 @@ experts get `ExpertLoRA` (see experts.py). Everything else is frozen.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 
@@ -69,3 +70,19 @@ def configure_checkpointing(model, *, enabled: bool, interval: int) -> int:
         activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=interval
     )
     return sum(1 for m in base.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """The base model: PEFT's LoRA and the expert LoRA both off inside the block (no second copy of the
+    model is needed for a reference policy); restored on exit, even after an error."""
+    loras = [lora for _, lora in expert_loras(model)]
+    peft_off = model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
+    with peft_off:
+        for lora in loras:
+            lora.active = False
+        try:
+            yield model
+        finally:
+            for lora in loras:
+                lora.active = True

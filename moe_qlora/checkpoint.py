@@ -78,9 +78,14 @@ def config_hash(resolved: dict) -> str:
 
 def dataset_fingerprint(examples) -> str:
     """sha256 of the tokenized training data (source, ids, labels, weight) in order."""
+    return fingerprint([e.source, e.input_ids, e.labels, e.weight] for e in examples)
+
+
+def fingerprint(records) -> str:
+    """sha256 of JSON-serialisable records, in order."""
     h = hashlib.sha256()
-    for e in examples:
-        h.update(json.dumps([e.source, e.input_ids, e.labels, e.weight]).encode())
+    for record in records:
+        h.update(json.dumps(record, sort_keys=True, default=str).encode())
     return h.hexdigest()
 
 

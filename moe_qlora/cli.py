@@ -1,4 +1,4 @@
-"""Command line: `moe-qlora train`, `moe-qlora check-norms`.
+"""Command line: `moe-qlora train`, `moe-qlora grpo`, `moe-qlora plan`, `moe-qlora check-norms`.
 
 A user error (bad config, bad data, missing model, unreadable adapter) prints one sentence and exits 2;
 `--debug` shows the traceback instead.
@@ -52,10 +52,11 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from .export import AdapterMismatchError
     from .loading import ModelLoadError
     from .nf4 import QuantizationLayoutError
+    from .rewards import RewardError
 
     return (
         AdapterMismatchError, CheckpointError, ConfigError, DataError, AdapterReadError, ModelLoadError,
-        UnsupportedExpertsError, QuantizationLayoutError, FileNotFoundError,
+        UnsupportedExpertsError, QuantizationLayoutError, RewardError, FileNotFoundError,
     )  # fmt: skip
 
 
@@ -95,6 +96,53 @@ def train(
 
     try:
         run_training(cfg, console, allow_mismatch=resume_anyway)
+    except _user_errors() as exc:
+        _fail(exc, debug)
+    except TrainingAborted as exc:
+        _fail(exc, debug, code=1)
+
+
+GRPO_EPILOG = """Examples:
+
+  moe-qlora grpo --config configs/grpo-demo.yaml
+
+  moe-qlora grpo --config cfg.yaml --set grpo.group_size=8 --set grpo.kl_coef=0.04
+
+  moe-qlora grpo --config cfg.yaml --set grpo.offline_file=scored.jsonl   # completions generated elsewhere
+"""
+
+
+@app.command(epilog=GRPO_EPILOG)
+def grpo(
+    config: str = typer.Option(..., "--config", "-c", help="YAML run configuration with a grpo: section"),
+    set_: list[str] = typer.Option([], "--set", help="override a key, e.g. --set grpo.group_size=8 (repeatable)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved configuration and exit"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the newest valid checkpoint in output.dir"),
+    resume_anyway: bool = typer.Option(
+        False, "--resume-anyway", help="resume even if the config or the prompts changed since the checkpoint"
+    ),
+    debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
+):
+    """Online GRPO on the 4-bit model: sample groups, score them with reward functions, train on advantages."""
+    _quiet_libraries()
+    from .config import ConfigError, load_config
+
+    try:
+        cfg = load_config(config, [*set_, *(["train.resume=auto"] if resume or resume_anyway else [])])
+        if cfg.grpo is None:
+            raise ConfigError(f"{config}: no `grpo:` section; moe-qlora grpo needs at least grpo.rewards")
+    except _user_errors() as exc:
+        _fail(exc, debug)
+    if dry_run:
+        import yaml
+
+        console.print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), highlight=False)
+        return
+    from .grpo import grpo as run_grpo
+    from .trainer import TrainingAborted
+
+    try:
+        run_grpo(cfg, console, allow_mismatch=resume_anyway)
     except _user_errors() as exc:
         _fail(exc, debug)
     except TrainingAborted as exc:

@@ -47,6 +47,7 @@ class ExpertLoRA(nn.Module):
             self.register_parameter(name, nn.Parameter(torch.zeros(shape, dtype=torch.float32, device=device)))
         self.rank, self.alpha = rank, alpha
         self.scale = alpha / rank
+        self.active = True  # False: the experts compute the frozen base alone (GRPO's reference policy)
         # Rows routed to each expert while training (router load), read and reset by the trainer.
         self.register_buffer("routed_rows", torch.zeros(num_experts, dtype=torch.long, device=device), persistent=False)
         self.reset_parameters(generator)
@@ -119,6 +120,8 @@ def moe_qlora_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """The registered experts implementation. hidden_states: (T, H), top_k_*: (T, K) -> (T, H)."""
     frozen = _frozen_experts(self)
     lora: ExpertLoRA | None = getattr(self, "moe_lora", None)
+    if lora is not None and not lora.active:
+        lora = None
     plan = MoEPlan(frozen, route(top_k_index, frozen.gate_up.num_experts), lora.scale if lora is not None else 0.0)
     if lora is not None and self.training:
         lora.routed_rows += plan.routing.counts

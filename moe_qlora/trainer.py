@@ -124,11 +124,9 @@ def accumulate_gradients(model, batches: list[dict[str, torch.Tensor]]) -> tuple
     return total / n_targets, n_targets, (sum(aux) / len(aux) if aux else None)
 
 
-def train_step(model, optimizer, group, pad_id: int, train_cfg) -> dict:
-    """One optimizer step over the micro-batches in `group`; returns its metrics."""
-    device = next(model.parameters()).device
-    batches = [{k: v.to(device) for k, v in collate(mb, pad_id).items()} for mb in group]
-    loss, n_targets, aux_loss = accumulate_gradients(model, batches)
+def apply_update(optimizer, loss: float, train_cfg) -> tuple[float, bool]:
+    """Clip and take the optimizer step on the accumulated gradients unless the loss or the gradient is not
+    finite; returns (pre-clip gradient norm, skipped). Gradients are cleared either way."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     grad_norm = clip_global_norm(params, train_cfg.max_grad_norm)  # measured before any clipping
     skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
@@ -136,6 +134,15 @@ def train_step(model, optimizer, group, pad_id: int, train_cfg) -> dict:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     release_freed_memory()
+    return grad_norm, skipped
+
+
+def train_step(model, optimizer, group, pad_id: int, train_cfg) -> dict:
+    """One optimizer step over the micro-batches in `group`; returns its metrics."""
+    device = next(model.parameters()).device
+    batches = [{k: v.to(device) for k, v in collate(mb, pad_id).items()} for mb in group]
+    loss, n_targets, aux_loss = accumulate_gradients(model, batches)
+    grad_norm, skipped = apply_update(optimizer, loss, train_cfg)
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
     return {"loss": loss, "grad_norm": grad_norm, "target_tokens": n_targets, "tokens": tokens, "skipped": skipped,
             "aux_loss": aux_loss}  # fmt: skip
@@ -145,11 +152,12 @@ class TrainingAborted(RuntimeError):
     """The run stopped on purpose (non-finite loss); the message says where and on which samples."""
 
 
-def after_step(record: dict, group, done: RunProgress, cfg) -> RunProgress:
-    """Apply the NaN policy and spike detection to a finished step; returns the new progress."""
+def after_step(record: dict, sources: list[str], done: RunProgress, cfg, *, spikes: bool = True) -> RunProgress:
+    """Apply the NaN policy and (if `spikes`) loss-spike detection to a finished step; returns the new progress.
+    sources: 'file:row' of the step's samples, named when the step is not finite."""
     t = cfg.train
     if record["skipped"]:
-        samples = ", ".join(e.source for mb in group for e in mb)
+        samples = ", ".join(sources)
         where = f"step {record['step']}: loss {record['loss']}, grad norm {record['grad_norm']}, samples {samples}"
         consecutive = done.consecutive_skips + 1
         if t.nan_policy == "abort":
@@ -159,7 +167,7 @@ def after_step(record: dict, group, done: RunProgress, cfg) -> RunProgress:
         return RunProgress(step=record["step"], epoch=record["epoch"], skipped_steps=done.skipped_steps + 1,
                            consecutive_skips=consecutive, loss_ema=done.loss_ema)  # fmt: skip
     ema = done.loss_ema
-    if t.spike_factor and ema is not None and record["step"] > 10 and record["loss"] > t.spike_factor * ema:
+    if spikes and t.spike_factor and ema is not None and record["step"] > 10 and record["loss"] > t.spike_factor * ema:
         record["event"] = "loss_spike"
     ema = record["loss"] if ema is None else 0.9 * ema + 0.1 * record["loss"]
     return RunProgress(step=record["step"], epoch=record["epoch"], skipped_steps=done.skipped_steps, loss_ema=ema)
@@ -176,13 +184,19 @@ def router_load(model) -> list[list[float]]:
     return loads
 
 
-def prepare(cfg: RunConfig, console: Console):
-    """Tokenizer, data, quantized model with adapters, optimizer and schedule for a run."""
+def load_tokenizer(cfg: RunConfig):
+    """(resolved model path, tokenizer with a pad token)."""
     model_path = resolve_model_path(cfg.model.name_or_path)
     check_model_path(model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    return model_path, tokenizer
+
+
+def prepare(cfg: RunConfig, console: Console):
+    """Tokenizer, data, and the quantized model with adapters for an SFT run."""
+    model_path, tokenizer = load_tokenizer(cfg)
     rwsft = cfg.train.objective == "rwsft"
     examples, stats = build_examples(cfg.data, tokenizer, rewards=rwsft)
     if rwsft:
@@ -195,6 +209,12 @@ def prepare(cfg: RunConfig, console: Console):
         f"truncated {stats.truncated}, dropped {stats.dropped_overlength} over max_seq_len and "
         f"{stats.dropped_no_target} with no target left; formats {stats.formats}"
     )
+    model, params = load_policy(cfg, model_path, console)
+    return model_path, tokenizer, examples, model, params
+
+
+def load_policy(cfg: RunConfig, model_path: str, console: Console):
+    """The quantized model with its adapters (new, or from lora.init_from) and checkpointing; (model, params)."""
     device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     opts = LoadOptions(
         device=device,
@@ -221,7 +241,7 @@ def prepare(cfg: RunConfig, console: Console):
         + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sizes.items())
         + f"; {sum(p.numel() for p in params):,} trainable parameters; {n_ckpt} layers checkpointed"
     )
-    return model_path, tokenizer, examples, model, params
+    return model, params
 
 
 def seed_everything(seed: int) -> None:
@@ -241,8 +261,10 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
-def resume_if_asked(cfg: RunConfig, out: Path, console: Console, *, allow_mismatch: bool, **training) -> RunProgress:
-    """Restore the newest valid checkpoint when `train.resume: auto`; a fresh RunProgress otherwise."""
+def resume_if_asked(cfg: RunConfig, out: Path, console: Console, *, allow_mismatch: bool,
+                    logs: tuple[str, ...] = ("metrics.jsonl",), **training) -> RunProgress:  # fmt: skip
+    """Restore the newest valid checkpoint when `train.resume: auto`; a fresh RunProgress otherwise.
+    Records of `logs` after the checkpoint's step are dropped: those steps will be done again."""
     if cfg.train.resume != "auto":
         return RunProgress()
     checkpoint = latest_valid_checkpoint(out)
@@ -250,7 +272,8 @@ def resume_if_asked(cfg: RunConfig, out: Path, console: Console, *, allow_mismat
         console.print("resume: no valid checkpoint yet, starting from step 0")
         return RunProgress()
     done = load_checkpoint(checkpoint, allow_mismatch=allow_mismatch, **training)
-    truncate_metrics(out / "metrics.jsonl", done.step)
+    for name in logs:
+        truncate_metrics(out / name, done.step)
     console.print(f"resumed from {checkpoint} at step {done.step}")
     return done
 
@@ -276,7 +299,7 @@ def run_steps(cfg: RunConfig, examples, pad_id: int, training: dict, *, total: i
             record.update(step=step + 1, epoch=epoch, lr=lr, step_time_s=dt, tokens_per_s=record["tokens"] / dt,
                           elapsed_s=time.perf_counter() - start, router_load=router_load(model))  # fmt: skip
             try:
-                done = after_step(record, group, done, cfg)
+                done = after_step(record, [e.source for mb in group for e in mb], done, cfg)
             finally:  # an aborting step is logged too, with its raw loss
                 if record["skipped"] or (step + 1) % cfg.train.log_every == 0 or step + 1 == total:
                     metrics.write(record)
@@ -292,6 +315,16 @@ def run_steps(cfg: RunConfig, examples, pad_id: int, training: dict, *, total: i
     return losses
 
 
+def build_schedule(optimizer, total_updates: int, train_cfg):
+    """Warmup then constant, linear or cosine decay over `total_updates` optimizer steps."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: lr_multiplier(
+            s, total_steps=total_updates, warmup_steps=train_cfg.warmup_steps, schedule=train_cfg.schedule
+        ),  # fmt: skip
+    )
+
+
 def train(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool = False) -> TrainResult:
     """Run SFT as configured: returns the per-step losses (of this invocation) and where the outputs went."""
     console = console or Console()
@@ -302,10 +335,7 @@ def train(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: boo
     seed_everything(cfg.train.seed)  # and again: what loading consumed (e.g. a cold cache) must not matter
     optimizer = build_optimizer(params, cfg.train)
     total = count_steps(len(examples), cfg)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: lr_multiplier(s, total_steps=total, warmup_steps=cfg.train.warmup_steps, schedule=cfg.train.schedule),
-    )
+    schedule = build_schedule(optimizer, total, cfg.train)
     identity = {"config_hash": config_hash(cfg.model_dump(mode="json")),
                 "dataset_fingerprint": dataset_fingerprint(examples)}  # fmt: skip
     training = {"model": model, "optimizer": optimizer, "scheduler": schedule}

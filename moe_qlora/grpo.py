@@ -1,0 +1,331 @@
+"""GRPO in one process on the 4-bit model: sample G completions per prompt, score them, train on the
+group-relative advantages with the clipped-ratio policy gradient and an optional KL to the base model.
+
+Per completion token t of completion i (A_i its advantage, rho = exp(logp - logp_old)):
+    L_t = -min(rho A_i, clip(rho, 1 - eps, 1 + eps_high) A_i) + beta * KL_t,
+    KL_t = exp(ref - logp) - (ref - logp) - 1      (k3 estimator, >= 0; ref: adapters disabled)
+With one pass per batch logp_old is logp itself (detached): rho = 1 and the gradient is A_i grad logp,
+the plain policy gradient. The reference policy is the same model with the adapters off: never a copy.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from .adapters import adapters_disabled
+from .checkpoint import RunProgress, config_hash, fingerprint, save_checkpoint
+from .config import ConfigError, RunConfig
+from .data import IGNORE, Example, collate, epoch_order
+from .export import save_adapter
+from .optim import build_optimizer
+from .rewards import flat_groups, group_advantages, resolve_reward, score
+from .rollout import Rollout, load_offline_groups, load_prompts, offline_rollouts, sample_rollouts
+from .trainer import (
+    MetricsLog,
+    after_step,
+    apply_update,
+    build_schedule,
+    load_policy,
+    load_tokenizer,
+    resume_if_asked,
+    router_load,
+    seed_everything,
+)
+
+
+@dataclass
+class GrpoResult:
+    steps: int
+    reward_means: list[float]
+    adapter_dir: Path
+    metrics_path: Path
+    rollouts_path: Path
+
+
+# ---------------------------------------------------------------------------------------------- the loss
+
+
+def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(token) of every completion token at the sampling temperature, and the mask of those tokens.
+
+    batch: input_ids, labels (IGNORE outside completions), attention_mask, (B, L). Returns (B, L-1) each;
+    position t scores labels[t + 1] from the logits at t.
+    """
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    targets = batch["labels"][:, 1:]
+    mask = targets != IGNORE
+    logits = out.logits[:, :-1].float() / temperature
+    logp = -F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.clamp(min=0).reshape(-1), reduction="none"
+    ).view(targets.shape)
+    return logp * mask, mask
+
+
+def token_weights(mask: torch.Tensor, normalization: str, *, total_tokens: int, total_sequences: int) -> torch.Tensor:
+    """Each token's share of the batch loss. mask: (B, T). token: 1 / (completion tokens of the whole
+    batch); sequence: 1 / (tokens of its completion * completions of the whole batch). Totals are over
+    the whole rollout batch, so splitting it into micro-batches does not change the gradient."""
+    mask = mask.float()
+    if normalization == "token":
+        return mask / total_tokens
+    return mask / (mask.sum(dim=1, keepdim=True).clamp(min=1) * total_sequences)
+
+
+def grpo_token_loss(logp, old_logp, ref_logp, advantages, weights, *, clip_eps: float, clip_eps_high: float,
+                    kl_coef: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+    """The clipped GRPO objective of a micro-batch as a loss to minimise, and its statistics (summed over
+    tokens with the same weights: add them up over micro-batches).
+
+    logp: (B, T) current policy, with grad. old_logp, ref_logp: (B, T) or None. advantages: (B,).
+    weights: (B, T) from `token_weights` (0 off the completions).
+    """
+    a = advantages.to(logp)[:, None]
+    old = logp.detach() if old_logp is None else old_logp
+    ratio = torch.exp(logp - old)
+    unclipped = ratio * a
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high) * a
+    per_token = -torch.minimum(unclipped, clipped)
+    # A token is clipped where the clipped term is the smaller one: its gradient is zero there.
+    stats = {"clip_fraction": (weights * (clipped < unclipped).float()).sum().detach()}
+    if kl_coef and ref_logp is not None:
+        delta = ref_logp - logp
+        kl = torch.exp(delta) - delta - 1
+        per_token = per_token + kl_coef * kl
+        stats["kl"] = (weights * kl).sum().detach()
+    loss = (per_token * weights).sum()
+    stats["loss"] = loss.detach()
+    return loss, stats
+
+
+# ------------------------------------------------------------------------------------------ one step
+
+
+def rollout_examples(rollouts: list[Rollout], advantages: torch.Tensor) -> list[Example]:
+    """prompt + completion as a training sequence, labels only on the completion, weight = advantage."""
+    return [
+        Example(
+            r.prompt.ids + r.completion_ids, [IGNORE] * len(r.prompt.ids) + r.completion_ids, r.prompt.source, float(a)
+        )  # fmt: skip
+        for r, a in zip(rollouts, advantages.tolist(), strict=True)
+    ]
+
+
+def micro_batch_indices(active: list[int], size: int) -> list[list[int]]:
+    return [active[i : i + size] for i in range(0, len(active), size)]
+
+
+@torch.no_grad()
+def frozen_logprobs(model, batches, temperature: float, *, reference: bool) -> list[torch.Tensor]:
+    """Per micro-batch log-probs of the sampling policy (adapters on) or the reference (adapters off)."""
+    was_training = model.training
+    model.eval()
+    try:
+        if reference:
+            with adapters_disabled(model):
+                return [token_logprobs(model, b, temperature)[0] for b in batches]
+        return [token_logprobs(model, b, temperature)[0] for b in batches]
+    finally:
+        model.train(was_training)
+
+
+def policy_update(model, optimizer, schedule, examples: list[Example], cfg: RunConfig, pad_id: int) -> dict:
+    """`grpo.passes` optimizer steps on one rollout batch; returns the step's training metrics.
+
+    Sequences with advantage 0 are not run when there is no KL term: their loss and gradient are exactly
+    zero, and the normalisation still counts them, so leaving them out changes nothing.
+    """
+    g, device = cfg.grpo, next(model.parameters()).device
+    active = [i for i, e in enumerate(examples) if e.weight != 0 or g.kl_coef]
+    groups = micro_batch_indices(active, cfg.train.micro_batch_size)
+    batches = [{k: v.to(device) for k, v in collate([examples[i] for i in idx], pad_id).items()} for idx in groups]
+    total_tokens = sum(sum(t != IGNORE for t in e.labels[1:]) for e in examples)
+    old = frozen_logprobs(model, batches, g.temperature, reference=False) if g.passes > 1 else [None] * len(batches)
+    ref = frozen_logprobs(model, batches, g.temperature, reference=True) if g.kl_coef else [None] * len(batches)
+    record = {"sequences_trained": len(active), "passes": 0, "skipped": False, "loss": 0.0, "grad_norm": 0.0}
+    for _ in range(g.passes):
+        sums: dict[str, float] = {}
+        for batch, old_lp, ref_lp in zip(batches, old, ref, strict=True):
+            logp, mask = token_logprobs(model, batch, g.temperature)
+            weights = token_weights(mask, g.loss_normalization, total_tokens=total_tokens,
+                                    total_sequences=len(examples))  # fmt: skip
+            loss, stats = grpo_token_loss(logp, old_lp, ref_lp, batch["weights"], weights, clip_eps=g.clip_eps,
+                                          clip_eps_high=g.clip_eps_high or g.clip_eps, kl_coef=g.kl_coef)  # fmt: skip
+            loss.backward()
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        loss_value = sums.get("loss", 0.0)
+        grad_norm, skipped = apply_update(optimizer, loss_value, cfg.train)
+        record.update({k: v for k, v in sums.items()}, grad_norm=grad_norm, skipped=skipped)
+        if skipped:
+            break
+        record["passes"] += 1
+        schedule.step()
+    return record
+
+
+# ------------------------------------------------------------------------------------------ the loop
+
+
+def batch_prompts(items: list, cfg: RunConfig):
+    """Yield (epoch, items of one rollout batch) in each epoch's seeded order."""
+    per_step = cfg.grpo.prompts_per_step
+    for epoch in range(cfg.train.epochs):
+        order = epoch_order(len(items), seed=cfg.train.seed, epoch=epoch)
+        for i in range(0, len(order), per_step):
+            yield epoch, [items[j] for j in order[i : i + per_step]]
+
+
+def count_grpo_steps(num_items: int, cfg: RunConfig) -> int:
+    total = math.ceil(num_items / cfg.grpo.prompts_per_step) * cfg.train.epochs
+    return min(total, cfg.train.max_steps) if cfg.train.max_steps else total
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(values), "std": statistics.pstdev(values), "min": min(values),
+            "max": max(values)}  # fmt: skip
+
+
+def rollout_metrics(rollouts, rewards, per_fn, advantages, group_sizes) -> dict:
+    """Reward (total and per function), advantage and completion-length statistics of a batch."""
+    lengths = [len(r.completion_ids) for r in rollouts]
+    record = {"reward_mean": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),
+              "advantage": _spread(advantages.tolist()), "completion_tokens": _spread(lengths),
+              "flat_groups": flat_groups(group_sizes, advantages), "groups": len(group_sizes)}  # fmt: skip
+    for name, values in per_fn.items():
+        record[f"reward/{name}"] = {"mean": statistics.fmean(values), "std": statistics.pstdev(values)}
+    return record
+
+
+def columns_of(rollouts: list[Rollout]) -> dict[str, list]:
+    """The prompt rows' other fields, one entry per completion (what reward functions get as **columns)."""
+    keys = sorted({k for r in rollouts for k in r.prompt.columns})
+    return {k: [r.prompt.columns.get(k) for r in rollouts] for k in keys}
+
+
+class RolloutSource:
+    """Where a step's scored rollouts come from: sampling + reward functions (online), or a file (offline)."""
+
+    def __init__(self, cfg: RunConfig, tokenizer, console: Console):
+        g = cfg.grpo
+        self.cfg, self.tokenizer, self.offline = cfg, tokenizer, g.offline_file is not None
+        if self.offline:
+            self.items = load_offline_groups(g.offline_file, cfg.data, tokenizer)
+            self.identity = fingerprint([x.prompt.source, x.prompt.ids, x.completions, x.rewards] for x in self.items)
+            console.print(f"grpo offline: {len(self.items)} prompts with "
+                          f"{sum(len(x.completions) for x in self.items)} scored completions")  # fmt: skip
+        else:
+            self.items, dropped = load_prompts(cfg.data, tokenizer, g.max_new_tokens)
+            self.identity = fingerprint([p.source, p.ids, p.columns] for p in self.items)
+            self.functions = [resolve_reward(spec, i) for i, spec in enumerate(g.rewards)]
+            console.print(
+                f"grpo: {len(self.items)} prompts ({dropped} dropped as over-long), {g.group_size} "
+                f"completions each; rewards {', '.join(f'{s.weight:g} x {s.function}' for s in g.rewards)}"
+            )
+
+    def collect(self, model, batch: list) -> tuple[list[Rollout], list[float], dict[str, list[float]], list[int]]:
+        """(rollouts, total rewards, rewards per function, group sizes) of one step's prompts."""
+        if self.offline:
+            rollouts = offline_rollouts(batch, self.tokenizer, self.cfg.data.max_seq_len)
+            return rollouts, [r for grp in batch for r in grp.rewards], {}, [len(grp.completions) for grp in batch]
+        rollouts = sample_rollouts(model, self.tokenizer, batch, self.cfg.grpo)
+        prompts, completions = [r.prompt.text for r in rollouts], [r.text for r in rollouts]
+        rewards, per_fn = score(self.functions, prompts, completions, columns_of(rollouts))
+        return rollouts, rewards, per_fn, [self.cfg.grpo.group_size] * len(batch)
+
+
+def write_rollouts(log: MetricsLog, step: int, rollouts, rewards, per_fn, advantages) -> None:
+    for i, (r, reward, adv) in enumerate(zip(rollouts, rewards, advantages.tolist(), strict=True)):
+        log.write({"step": step, "source": r.prompt.source, "group": r.group, "prompt": r.prompt.text,
+                   "completion": r.text, "completion_tokens": len(r.completion_ids), "reward": reward,
+                   "rewards": {k: v[i] for k, v in per_fn.items()}, "advantage": adv})  # fmt: skip
+
+
+def grpo_step(source: RolloutSource, batch: list, training: dict, pad_id: int, rollout_log: MetricsLog,
+              step: int) -> dict:  # fmt: skip
+    """Collect and score one batch of rollouts, update the policy on their advantages; the step's metrics."""
+    cfg, model = source.cfg, training["model"]
+    t0 = time.perf_counter()
+    lr = training["optimizer"].param_groups[0]["lr"]
+    rollouts, rewards, per_fn, group_sizes = source.collect(model, batch)
+    t_gen = time.perf_counter() - t0
+    advantages = group_advantages(torch.tensor(rewards), group_sizes, scale=cfg.grpo.scale_rewards,
+                                  eps=cfg.grpo.std_eps)  # fmt: skip
+    write_rollouts(rollout_log, step, rollouts, rewards, per_fn, advantages)
+    record = policy_update(model, training["optimizer"], training["scheduler"], rollout_examples(rollouts, advantages),
+                           cfg, pad_id)  # fmt: skip
+    record.update(rollout_metrics(rollouts, rewards, per_fn, advantages, group_sizes), step=step, lr=lr,
+                  generation_s=t_gen, training_s=time.perf_counter() - t0 - t_gen, router_load=router_load(model),
+                  sources=sorted({r.prompt.source for r in rollouts}))  # fmt: skip
+    return record
+
+
+def run_grpo_steps(source: RolloutSource, training: dict, *, total: int, done: RunProgress, out: Path,
+                   console: Console, checkpoint) -> list[float]:  # fmt: skip
+    """The rollout batches after `done`, with a progress bar, metrics, rollouts and periodic checkpoints."""
+    cfg = source.cfg
+    metrics, rollout_log = MetricsLog(out / "metrics.jsonl"), MetricsLog(out / "rollouts.jsonl")
+    reward_means = []
+    columns = [TextColumn("[bold]grpo"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+               TimeRemainingColumn()]  # fmt: skip
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task("grpo", total=total, info="", completed=done.step)
+        for step, (epoch, batch) in enumerate(batch_prompts(source.items, cfg)):
+            if step >= total:
+                break
+            if step < done.step:  # done before the checkpoint: the order depends on (seed, epoch) only
+                continue
+            record = grpo_step(source, batch, training, source.tokenizer.pad_token_id, rollout_log, step + 1)
+            record["epoch"] = epoch
+            try:
+                done = after_step(record, record.pop("sources"), done, cfg, spikes=False)
+            finally:  # an aborting step is logged too
+                metrics.write(record)
+            reward_means.append(record["reward_mean"])
+            bar.update(task, advance=1, info=f"reward {record['reward_mean']:.3f}  kl {record.get('kl', 0):.4f}  "
+                       f"gen {record['generation_s']:.1f}s  train {record['training_s']:.1f}s")  # fmt: skip
+            if cfg.train.save_every and done.step % cfg.train.save_every == 0 and done.step < total:
+                checkpoint(done)
+    checkpoint(done)
+    metrics.close()
+    rollout_log.close()
+    return reward_means
+
+
+def grpo(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool = False) -> GrpoResult:
+    """Run GRPO as configured (online sampling, or offline scored completions)."""
+    console = console or Console()
+    if cfg.grpo is None:
+        raise ConfigError("moe-qlora grpo needs a `grpo:` section in the config (reward functions, group size...)")
+    out = Path(cfg.output.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    seed_everything(cfg.train.seed)
+    model_path, tokenizer = load_tokenizer(cfg)
+    source = RolloutSource(cfg, tokenizer, console)
+    model, params = load_policy(cfg, model_path, console)
+    seed_everything(cfg.train.seed)  # what loading consumed must not matter
+    optimizer = build_optimizer(params, cfg.train)
+    total = count_grpo_steps(len(source.items), cfg)
+    training = {"model": model, "optimizer": optimizer,
+                "scheduler": build_schedule(optimizer, total * cfg.grpo.passes, cfg.train)}  # fmt: skip
+    identity = {"config_hash": config_hash(cfg.model_dump(mode="json")), "dataset_fingerprint": source.identity}
+    done = resume_if_asked(cfg, out, console, allow_mismatch=allow_mismatch, identity=identity,
+                           logs=("metrics.jsonl", "rollouts.jsonl"), **training)  # fmt: skip
+    model.train()
+
+    def checkpoint(progress: RunProgress) -> None:
+        save_checkpoint(out, progress=progress, identity=identity, keep=cfg.train.keep_checkpoints, **training)
+
+    reward_means = run_grpo_steps(source, training, total=total, done=done, out=out, console=console,
+                                  checkpoint=checkpoint)  # fmt: skip
+    adapter_dir = save_adapter(model, out / "adapter", cfg=cfg.lora, base_model_name_or_path=model_path)
+    console.print(f"adapter: {adapter_dir}  metrics: {out / 'metrics.jsonl'}  rollouts: {out / 'rollouts.jsonl'}")
+    return GrpoResult(len(reward_means), reward_means, adapter_dir, out / "metrics.jsonl", out / "rollouts.jsonl")
