@@ -47,6 +47,26 @@ def rwsft_rows(rng):
     return rows
 
 
+def grpo_rows(rng):
+    """Prompts for GRPO: additions with their `answer` (passed to the reward functions as a column)."""
+    rows = []
+    for _ in range(32):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        rows.append({"prompt": f"Add: {a}+{b}\n", "answer": f"{a + b}"})
+    return rows
+
+
+def grpo_offline_rows(rng):
+    """Offline GRPO: each prompt with completions generated elsewhere and their rewards."""
+    rows = []
+    for _ in range(16):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        wrong = [str(a + b + d) for d in rng.sample([-2, -1, 1, 2, 3], 3)]
+        completions = [str(a + b), *wrong]
+        rows.append({"prompt": f"Add: {a}+{b}\n", "completions": completions, "rewards": [1.0, 0.0, 0.0, 0.0]})
+    return rows
+
+
 def main():
     rng = random.Random(0)
     out = Path(__file__).resolve().parent.parent / "data"
@@ -54,6 +74,8 @@ def main():
         ("demo_sft.jsonl", sft_rows(rng)),
         ("demo_chat.jsonl", chat_rows(rng)),
         ("demo_rwsft.jsonl", rwsft_rows(rng)),
+        ("demo_grpo.jsonl", grpo_rows(random.Random(1))),
+        ("demo_grpo_offline.jsonl", grpo_offline_rows(random.Random(2))),
     )
     for name, rows in sets:
         (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
