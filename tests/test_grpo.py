@@ -208,3 +208,42 @@ def test_cli_grpo_user_errors_exit_2(tmp_path):
                                       "--set", "grpo.rewards=[{function: exact_match}]", "--set",
                                       f"output.dir={tmp_path / 'o2'}"])  # fmt: skip
     assert result.exit_code == 2 and "needs a 'answer' field" in result.output, result.output
+
+
+def test_prompt_rows_strings_messages_and_overlength(tmp_path):
+    from moe_qlora.config import DataSection
+    from moe_qlora.data import DataError
+    from moe_qlora.rollout import load_prompts
+
+    rows = tmp_path / "p.jsonl"
+    rows.write_text(
+        '{"prompt": "Add: 1+1\\n", "answer": "2"}\n'
+        '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "ref"}], "answer": "x"}\n'
+        '{"prompt": "' + "long " * 20 + '"}\n'
+    )  # fmt: skip
+    cfg = DataSection(train_files=[str(rows)], max_seq_len=40, overlength="drop")
+    prompts, dropped = load_prompts(cfg, TOK, max_new_tokens=8)
+    assert dropped == 1 and [p.source for p in prompts] == [f"{rows}:1", f"{rows}:2"]
+    assert prompts[0].columns == {"answer": "2"} and prompts[0].ids == TOK("Add: 1+1\n")["input_ids"]
+    # messages: the trailing reference answer is not part of the prompt; the template's generation prompt is.
+    expected = TOK.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)["input_ids"]
+    assert prompts[1].ids == expected and TOK.decode(expected) == "<|user|>Hi<|end|><|assistant|>"
+    truncated, _ = load_prompts(cfg.model_copy(update={"overlength": "truncate"}), TOK, max_new_tokens=8)
+    assert len(truncated[2].ids) == 32 and truncated[2].ids[-1] == TOK("long " * 20)["input_ids"][-1]  # keeps the end
+    with pytest.raises(DataError, match=rf"{rows}:3: prompt of \d+ tokens"):
+        load_prompts(cfg.model_copy(update={"overlength": "error"}), TOK, max_new_tokens=8)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"question": "no prompt"}\n')
+    with pytest.raises(DataError, match=rf"{bad}:2: a GRPO prompt row needs 'prompt'"):
+        load_prompts(DataSection(train_files=[str(bad)]), TOK, max_new_tokens=8)
+
+
+def test_stop_strings_end_sampled_completions(policy):
+    prompts = [PromptRow("p:1", TOK("Add: 1+1\n")["input_ids"], "Add: 1+1\n")]
+    cfg = GrpoSection(group_size=16, max_new_tokens=12, stop=["a", "e", "o"], rewards=[{"function": "exact_match"}])
+    torch.manual_seed(0)
+    rollouts = sample_rollouts(policy, TOK, prompts, cfg)
+    stopped = [r for r in rollouts if any(s in r.text for s in cfg.stop)]
+    assert stopped, "with 3 common letters as stop strings some of 16 completions must hit one (control)"
+    for r in stopped:  # nothing is kept after the first stop string
+        assert any(r.text.endswith(s) for s in cfg.stop), r.text
