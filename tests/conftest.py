@@ -2,12 +2,24 @@
 
 import os
 
+# Without a GPU the Triton kernels run in Triton's interpreter. The switch is read when triton is first
+# imported (its own jitted helpers are built then), so it is set here, before anything imports triton;
+# it is what running `TRITON_INTERPRET=1 pytest` does. With CUDA the kernels are compiled and run for real.
+if os.environ.get("CUDA_VISIBLE_DEVICES", None) != "" and not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 
 from moe_qlora.tiny import build_byte_tokenizer, save_tiny_model, tiny_mixtral_config
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture
+def small_triton_blocks(monkeypatch):
+    """16-wide blocks, so the small test shapes span several tiles in every dimension."""
+    monkeypatch.setenv("MOE_QLORA_TRITON_BLOCKS", "16,16,16")
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,152 @@
+"""Launchers of the Triton kernels and, beside each, the plain-torch reference that is its oracle.
+
+grouped_matmul:        Y[s] = X[row(s)] @ W_e(s) (+ b_e(s))       MUL_MAT_ID, NF4 or dense experts
+grouped_outer_product: G[e] = sum over rows s of e of a[s] (x) b[s]  OUT_PROD_ID, the LoRA gradients
+Rows are sorted by expert (routing.RoutedTokens); `offsets` gives each expert's row range.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..nf4 import NF4_LEVELS, NF4Stack, dequantize_expert
+
+
+@dataclass(frozen=True)
+class GroupedWeight:
+    """W_e[k, n] of every expert e, read from a dense (E, R, C) tensor or an NF4 stack (E, R, C) with
+    `transpose` saying whether W_e is the stored matrix (k = row) or its transpose (k = column)."""
+
+    data: torch.Tensor  # dense (E, R, C), or the NF4 stack's packed bytes
+    shape: tuple[int, int, int]  # stored (E, R, C)
+    transpose: bool
+    nf4: NF4Stack | None = None
+
+    @classmethod
+    def dense(cls, w: torch.Tensor, *, transpose: bool) -> GroupedWeight:
+        return cls(w, tuple(w.shape), transpose)
+
+    @classmethod
+    def quantized(cls, stack: NF4Stack, *, transpose: bool) -> GroupedWeight:
+        return cls(stack.packed, tuple(stack.shape), transpose, stack)
+
+    @property
+    def k(self) -> int:
+        return self.shape[2] if self.transpose else self.shape[1]
+
+    @property
+    def n(self) -> int:
+        return self.shape[1] if self.transpose else self.shape[2]
+
+    def strides(self) -> tuple[int, int, int]:
+        """(per expert, per k, per n) in elements of the flat stack (NF4: elements, not bytes)."""
+        if self.nf4 is None:
+            se, sr, sc = self.data.stride()
+        else:
+            se, sr, sc = self.shape[1] * self.shape[2], self.shape[2], 1
+        return (se, sc, sr) if self.transpose else (se, sr, sc)
+
+    def expert(self, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """W_e as a (K, N) tensor (the reference path: one expert dequantized at a time)."""
+        w = dequantize_expert(self.nf4, e, dtype) if self.nf4 is not None else self.data[e].to(dtype)
+        return w.t() if self.transpose else w
+
+
+# ------------------------------------------------------------------------------------- torch references
+
+
+def grouped_matmul_reference(x, weight: GroupedWeight, offsets: list[int], *, gather=None, bias=None):
+    """Y (S, N) with Y[s] = x[gather[s]] @ W_e + bias[e] for the rows s of each expert e. x: (T or S, K)."""
+    rows = x if gather is None else x.index_select(0, gather)
+    y = x.new_zeros(offsets[-1], weight.n)
+    for e in range(len(offsets) - 1):
+        lo, hi = offsets[e], offsets[e + 1]
+        if hi > lo:
+            y[lo:hi] = rows[lo:hi] @ weight.expert(e, x.dtype)
+            if bias is not None:
+                y[lo:hi] += bias[e].to(x.dtype)
+    return y
+
+
+def grouped_outer_product_reference(a, b, offsets: list[int], *, gather=None):
+    """G (E, M, N) fp32 with G[e] = a_e^T b_e over the rows of expert e. a: (T or S, M), b: (S, N)."""
+    rows = a if gather is None else a.index_select(0, gather)
+    out = torch.zeros(len(offsets) - 1, a.shape[1], b.shape[1], dtype=torch.float32, device=a.device)
+    for e in range(len(offsets) - 1):
+        lo, hi = offsets[e], offsets[e + 1]
+        if hi > lo:
+            out[e] = rows[lo:hi].float().t() @ b[lo:hi].float()
+    return out
+
+
+# ------------------------------------------------------------------------------------------ launchers
+
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32  # fixed, not autotuned (MOE_QLORA_TRITON_BLOCKS overrides, e.g. 16,16,16)
+
+
+def block_sizes() -> tuple[int, int, int]:
+    override = os.environ.get("MOE_QLORA_TRITON_BLOCKS")
+    return tuple(int(v) for v in override.split(",")) if override else (BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+def expert_tiles(offsets: list[int], block_m: int, device) -> torch.Tensor:
+    """(num_tiles, 3) int32: (expert, first row, end row) of each BLOCK_M-row tile of the non-empty experts."""
+    tiles = [(e, lo, offsets[e + 1]) for e in range(len(offsets) - 1) for lo in range(offsets[e], offsets[e + 1],
+                                                                                         block_m)]  # fmt: skip
+    return torch.tensor(tiles or [(0, 0, 0)], dtype=torch.int32, device=device)
+
+
+def _interpreted() -> bool:
+    """Running in Triton's interpreter (CPU tests), whose bf16 tl.dot gives wrong results."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _levels(device: str) -> torch.Tensor:
+    return torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
+
+
+def grouped_matmul(x, weight: GroupedWeight, offsets: list[int], *, gather=None, bias=None):
+    """Triton MUL_MAT_ID; same contract as grouped_matmul_reference. NF4 tiles are decoded in registers."""
+    from .triton_kernels import _grouped_matmul_kernel
+
+    bm, bn, bk = block_sizes()
+    y = x.new_empty(offsets[-1], weight.n)
+    if offsets[-1] == 0:
+        return y
+    tiles = expert_tiles(offsets, bm, x.device)
+    q = weight.nf4
+    nested = q is not None and q.nested is not None
+    absmax, absmax2, code2, offset2 = (q.absmax, *q.nested) if nested else (q.absmax if q else x, x, x, 0.0)
+    se, sk, sn = weight.strides()
+    grid = (tiles.shape[0], -(-weight.n // bn))
+    _grouped_matmul_kernel[grid](
+        x, gather if gather is not None else tiles, tiles, weight.data, _levels(str(x.device)), absmax, absmax2,
+        code2, float(offset2), bias if bias is not None else x, y, weight.k, weight.n,
+        x.stride(0), x.stride(1), se, sk, sn, bias.stride(0) if bias is not None else 0, y.stride(0), y.stride(1),
+        W_NF4=q is not None, NESTED=nested, GATHER=gather is not None, HAS_BIAS=bias is not None,
+        BLOCKSIZE=q.blocksize if q else 64, IEEE=x.dtype == torch.float32, DOT_FP32=_interpreted(),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+    )  # fmt: skip
+    return y
+
+
+def grouped_outer_product(a, b, offsets: list[int], *, gather=None):
+    """Triton OUT_PROD_ID; same contract as grouped_outer_product_reference."""
+    from .triton_kernels import _grouped_outer_product_kernel
+
+    bm, bn, bs = block_sizes()
+    num_experts, m, n = len(offsets) - 1, a.shape[1], b.shape[1]
+    out = torch.empty(num_experts, m, n, dtype=torch.float32, device=a.device)
+    offs = torch.tensor(offsets, dtype=torch.int64, device=a.device)
+    grid = (num_experts, -(-m // bm) * -(-n // bn))
+    _grouped_outer_product_kernel[grid](
+        a, gather if gather is not None else offs, b, offs, out, m, n, a.stride(0), a.stride(1), b.stride(0),
+        b.stride(1), out.stride(0), out.stride(1), out.stride(2), GATHER=gather is not None,
+        IEEE=a.dtype == torch.float32, DOT_FP32=_interpreted(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_S=bs,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,132 @@
+"""Triton kernels of the MoE layer: the expert-dispatched matmul (MUL_MAT_ID) over NF4 or dense expert
+weights, and the per-expert scattered outer product (OUT_PROD_ID) that gives the LoRA weight gradients.
+
+Shape letters: S routed rows sorted by expert, K reduction dim, N output dim, E experts.
+A "tile" is (expert, first row, end row) of at most BLOCK_M rows of one expert: the launcher lists only
+the tiles of experts that received rows, so an expert with none costs nothing. Launchers: ops.py.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_weight_tile(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_k, offs_n, K, N,
+                      stride_we, stride_wk, stride_wn, W_NF4: tl.constexpr, NESTED: tl.constexpr,
+                      BLOCKSIZE: tl.constexpr):  # fmt: skip
+    """(BLOCK_K, BLOCK_N) tile of expert e's weight as fp32: read dense, or decoded from NF4 in registers.
+
+    NF4 (bitsandbytes): element f of the flat stack is nibble f % 2 (high first) of byte f // 2, scaled by
+    absmax[f // BLOCKSIZE] (itself code2[absmax_u8] * absmax2[block // 256] + offset2 when nested).
+    """
+    mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
+    # int64: e * stride_we reaches E * out * in, past 2**31 for the largest stacks (DeepSeek-V3: 3.7e9).
+    flat = e.to(tl.int64) * stride_we + offs_k[:, None].to(tl.int64) * stride_wk + offs_n[None, :] * stride_wn
+    if W_NF4:
+        byte = tl.load(w_ptr + (flat >> 1), mask=mask, other=0).to(tl.int32)
+        nibble = (byte >> ((1 - (flat & 1)) * 4).to(tl.int32)) & 0xF
+        level = tl.load(code_ptr + nibble, mask=mask, other=0.0)
+        block = flat // BLOCKSIZE
+        if NESTED:
+            q = tl.load(absmax_ptr + block, mask=mask, other=0).to(tl.int32)
+            scale = tl.load(code2_ptr + q, mask=mask, other=0.0) * tl.load(absmax2_ptr + block // 256, mask=mask,
+                                                                            other=0.0) + offset2  # fmt: skip
+        else:
+            scale = tl.load(absmax_ptr + block, mask=mask, other=0.0)
+        return level * scale
+    return tl.load(w_ptr + flat, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _grouped_matmul_kernel(
+    x_ptr,  # (T, K) rows, read through gather_ptr when GATHER, else (S, K) already sorted
+    gather_ptr,  # (S,) int64: the x row of each sorted row (its token)
+    tiles_ptr,  # (num_tiles, 3) int32: expert, first sorted row, end row (exclusive)
+    w_ptr,  # expert weights: (E, ...) dense, or the packed NF4 bytes of the stack
+    code_ptr,  # (16,) fp32 NF4 levels
+    absmax_ptr,  # block scales: fp32, or uint8 codes when NESTED
+    absmax2_ptr,  # nested: fp32 scale per 256 blocks
+    code2_ptr,  # nested: (256,) fp32 code of the block scales
+    offset2,  # nested: fp32 offset added to decoded block scales
+    bias_ptr,  # (E, N) bias or a dummy when not HAS_BIAS
+    y_ptr,  # (S, N) output, one row per sorted row
+    K, N,
+    stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_be, stride_ym, stride_yn,
+    W_NF4: tl.constexpr, NESTED: tl.constexpr, GATHER: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCKSIZE: tl.constexpr, IEEE: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Y[s, n] = sum_k X[row(s), k] W_e(s)[k, n] (+ bias[e(s), n]): MUL_MAT_ID.
+
+    W_e[k, n] lives at w + e*stride_we + k*stride_wk + n*stride_wn, so the same kernel computes x W^T on
+    stored (E, out, in) weights (forward) and g W through the transposed experts (input gradient) by
+    swapping the two strides, and reads LoRA factors (E, r, in) / (E, out, r) the same way.
+    """
+    tile = tl.program_id(0)
+    e = tl.load(tiles_ptr + tile * 3)
+    start = tl.load(tiles_ptr + tile * 3 + 1)
+    end = tl.load(tiles_ptr + tile * 3 + 2)
+    rows = start + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GATHER:
+        src = tl.load(gather_ptr + rows, mask=row_ok, other=0)
+    else:
+        src = rows.to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=row_ok[:, None] & (offs_k[None, :] < K), other=0.0)  # fmt: skip
+        w = _load_weight_tile(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_k, offs_n, K,
+                              N, stride_we, stride_wk, stride_wn, W_NF4, NESTED, BLOCKSIZE)  # fmt: skip
+        if IEEE:  # fp32 inputs: exact fp32 products (tf32 would cost ~1e-3 relative error)
+            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+        elif DOT_FP32:  # the interpreter's bf16 dot is wrong; bf16 x bf16 products are exact in fp32 anyway
+            acc += tl.dot(x.to(tl.float32), w.to(x.dtype).to(tl.float32), input_precision="ieee")
+        else:  # bf16/fp16 inputs: tensor-core products of the decoded weight in the input dtype
+            acc += tl.dot(x, w.to(x.dtype))
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e * stride_be + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn,
+             acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N))  # fmt: skip
+
+
+@triton.jit
+def _grouped_outer_product_kernel(
+    a_ptr,  # (T, M) rows, read through gather_ptr when GATHER, else (S, M) sorted
+    gather_ptr,  # (S,) int64: the a row of each sorted row
+    b_ptr,  # (S, N) sorted rows
+    offsets_ptr,  # (E + 1,) int64: rows of expert e are offsets[e]:offsets[e + 1]
+    out_ptr,  # (E, M, N) fp32: out[e] = sum over rows s of e of a[s] (x) b[s]
+    M, N,
+    stride_am, stride_ak, stride_bm, stride_bn, stride_oe, stride_om, stride_on,
+    GATHER: tl.constexpr, IEEE: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """OUT_PROD_ID: out[e] = A_e^T B_e with A_e, B_e the rows routed to e; one program per (expert, tile
+    of out[e]), reducing over the expert's rows BLOCK_S at a time. An expert with no rows writes zeros."""
+    e = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    offs_m = (tl.program_id(1) // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (tl.program_id(1) % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    start = tl.load(offsets_ptr + e)
+    end = tl.load(offsets_ptr + e + 1)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s0 in range(start, end, BLOCK_S):
+        rows = s0 + tl.arange(0, BLOCK_S)
+        row_ok = rows < end
+        if GATHER:
+            src = tl.load(gather_ptr + rows, mask=row_ok, other=0)
+        else:
+            src = rows.to(tl.int64)
+        a = tl.load(a_ptr + src[:, None] * stride_am + offs_m[None, :] * stride_ak,
+                    mask=row_ok[:, None] & (offs_m[None, :] < M), other=0.0)  # fmt: skip
+        b = tl.load(b_ptr + rows[:, None].to(tl.int64) * stride_bm + offs_n[None, :] * stride_bn,
+                    mask=row_ok[:, None] & (offs_n[None, :] < N), other=0.0)  # fmt: skip
+        if IEEE or DOT_FP32:
+            acc += tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(tl.trans(a), b.to(a.dtype))
+    tl.store(out_ptr + e.to(tl.int64) * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, acc,
+             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))  # fmt: skip

@@ -1,0 +1,148 @@
+"""Every Triton kernel against its torch reference, run by Triton's interpreter on the CPU
+(TRITON_INTERPRET=1, set before triton is imported: see conftest), and compiled ahead of time for
+sm_80 and sm_90 so nothing only the interpreter accepts slips in.
+
+Shapes are small (the interpreter runs each program in Python) but cover what breaks grouped kernels:
+ragged groups, experts with no rows, one expert with every row, dims that are not multiples of the blocks.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_qlora.kernels.ops import (
+    GroupedWeight,
+    grouped_matmul,
+    grouped_matmul_reference,
+    grouped_outer_product,
+    grouped_outer_product_reference,
+)
+from moe_qlora.nf4 import NF4Stack, dequantize_stack, quantize_stack
+
+# (dtype, atol, rtol). fp32: products are exact (ieee dot); only the summation order differs, ~1e-6
+# relative on sums of O(10) terms. bf16 with dense bf16 weights: the products of bf16 inputs are exact in
+# fp32 in both paths; the outputs are rounded to bf16 (torch to nearest, the interpreter towards zero:
+# up to 2 ulps apart, 2**-6 relative), hence rtol 2e-2 and atol 2e-2 for values near zero. The NF4 test
+# bounds its bf16 error per element instead (the weights are rounded too).
+DTYPES = [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 2e-2, 2e-2)]
+
+# counts per expert: ragged; experts 1 and 4 empty; all rows on one expert
+ROUTINGS = {"ragged": [5, 0, 17, 3, 0, 9], "one_expert": [0, 0, 21, 0, 0, 0]}
+
+
+def offsets_of(counts):
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + c)
+    return out
+
+
+def nf4_stack(e, rows, cols, *, double_quant=False, seed=0):
+    w = torch.randn(e, rows, cols, generator=torch.Generator().manual_seed(seed))
+    return NF4Stack.from_param(quantize_stack(w, double_quant=double_quant))
+
+
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES)
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("transpose", [True, False], ids=["x_WT", "x_W"])
+@pytest.mark.parametrize("double_quant", [False, True], ids=["absmax", "nested"])
+@pytest.mark.usefixtures("small_triton_blocks")
+def test_grouped_nf4_matmul_matches_reference(dtype, atol, rtol, routing, transpose, double_quant):
+    # Stored (6, 40, 48): K and N of 40/48 are not multiples of the 16-wide blocks the tests use.
+    offsets = offsets_of(ROUTINGS[routing])
+    stack = nf4_stack(6, 40, 48, double_quant=double_quant)
+    weight = GroupedWeight.quantized(stack, transpose=transpose)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(11, weight.k, generator=g).to(dtype)  # 11 tokens, gathered into sorted rows
+    gather = torch.randint(0, 11, (offsets[-1],), generator=g)
+    bias = torch.randn(6, weight.n, generator=g)
+    expected = grouped_matmul_reference(x, weight, offsets, gather=gather, bias=bias)
+    got = grouped_matmul(x, weight, offsets, gather=gather, bias=bias)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
+        return
+    # bf16: both paths round the decoded weight and the output to bf16; torch to nearest even, Triton's
+    # interpreter towards zero (measured: 1.6940 -> 1.6875, where nearest gives 1.6953), so they may be a
+    # whole ulp apart, at most 2**-7 relative. Per element: |got - expected| <= 2**-7 sum_k |x_k| |w_k|
+    # (weights) + 2**-6 |y| (the two output roundings, with room) + fp32 summation noise.
+    dense_abs = GroupedWeight.dense(dequantize_stack(stack).abs(), transpose=transpose)
+    magnitude = grouped_matmul_reference(x.float().abs(), dense_abs, offsets, gather=gather)
+    bound = 2**-7 * magnitude + 2**-6 * expected.float().abs() + 1e-5
+    excess = (got.float() - expected.float()).abs() / bound
+    assert excess.max() <= 1.0, f"bf16 error {excess.max():.2f}x its bound"
+
+
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES)
+@pytest.mark.parametrize("transpose", [True, False])
+@pytest.mark.usefixtures("small_triton_blocks")
+def test_grouped_dense_matmul_matches_reference(dtype, atol, rtol, transpose):
+    # The LoRA projections: (E, r, in) and (E, out, r) factors, rank 4 smaller than a block.
+    offsets = offsets_of(ROUTINGS["ragged"])
+    w = torch.randn(6, 4, 37, generator=torch.Generator().manual_seed(2)).to(dtype)
+    weight = GroupedWeight.dense(w, transpose=transpose)
+    x = torch.randn(offsets[-1], weight.k, generator=torch.Generator().manual_seed(3)).to(dtype)
+    torch.testing.assert_close(grouped_matmul(x, weight, offsets).float(),
+                               grouped_matmul_reference(x, weight, offsets).float(), atol=atol, rtol=rtol)  # fmt: skip
+
+
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES)
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("gathered", [False, True])
+@pytest.mark.usefixtures("small_triton_blocks")
+def test_grouped_outer_product_matches_reference(dtype, atol, rtol, routing, gathered):
+    offsets = offsets_of(ROUTINGS[routing])
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(13 if gathered else offsets[-1], 5, generator=g).to(dtype)
+    b = torch.randn(offsets[-1], 37, generator=g).to(dtype)
+    gather = torch.randint(0, 13, (offsets[-1],), generator=g) if gathered else None
+    expected = grouped_outer_product_reference(a, b, offsets, gather=gather)
+    got = grouped_outer_product(a, b, offsets, gather=gather)
+    # bf16 here accumulates in fp32 from bf16 inputs in both paths: only the summation order differs.
+    torch.testing.assert_close(got, expected, atol=atol if dtype == torch.float32 else 1e-4, rtol=1e-4)
+    empty = [e for e, c in enumerate(ROUTINGS[routing]) if c == 0]
+    assert torch.equal(got[empty], torch.zeros_like(got[empty]))
+
+
+@pytest.mark.usefixtures("small_triton_blocks")
+def test_grouped_matmul_fails_when_experts_are_rolled():
+    """Control: the reference must tell experts apart (a kernel reading expert e+1's weights is caught)."""
+    offsets = offsets_of(ROUTINGS["ragged"])
+    stack = nf4_stack(6, 32, 32)
+    weight = GroupedWeight.quantized(stack, transpose=True)
+    x = torch.randn(offsets[-1], 32, generator=torch.Generator().manual_seed(5))
+    expected = grouped_matmul_reference(x, weight, offsets)
+    rolled = [0, *offsets[2:], offsets[-1]]  # every row attributed to the next expert's range
+    got = grouped_matmul(x, weight, rolled)
+    assert (got - expected).abs().max() > 0.5
+
+
+@pytest.fixture(scope="module")
+def compiled_variants():
+    """Every kernel variant compiled ahead of time for sm_80 and sm_90 in a subprocess: compiling needs
+    the real @triton.jit functions, which an interpreter-mode process (this one, on a CPU) does not have."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "moe_qlora.kernels.aot", "--json"], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {r["variant"]: r for r in json.loads(proc.stdout)}
+
+
+@pytest.mark.parametrize("arch", [80, 90], ids=["sm_80", "sm_90"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("weights", ["dense", "nf4", "nf4_nested"])
+def test_grouped_matmul_compiles_for_ampere_and_hopper(compiled_variants, arch, dtype, weights):
+    r = compiled_variants[f"grouped_matmul/{weights}/{dtype}/sm_{arch}"]
+    assert r["cubin_bytes"] > 1000
+    # bf16 products on tensor cores (mma); fp32 asks for exact IEEE products, which tensor cores do not do.
+    assert r["tensor_core_mma"] == (dtype == "bf16")
+
+
+@pytest.mark.parametrize("arch", [80, 90], ids=["sm_80", "sm_90"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_grouped_outer_product_compiles_for_ampere_and_hopper(compiled_variants, arch, dtype):
+    r = compiled_variants[f"grouped_outer_product/{dtype}/sm_{arch}"]
+    assert r["cubin_bytes"] > 1000 and r["tensor_core_mma"] == (dtype == "bf16")
