@@ -33,6 +33,9 @@ class ModelSection(Section):
     trust_remote_code: bool = Field(False, description="run model code shipped with the checkpoint")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: the GPU when there is one, else the CPU")
     strict_quantization: bool = Field(True, description="fail if any expert stack stays in high precision")
+    kernels: Literal["auto", "triton", "torch"] = Field(
+        "auto", description="MoE layer: Triton grouped kernels (CUDA) or the torch reference; auto: Triton on CUDA"
+    )
 
 
 class LoraSection(Section):

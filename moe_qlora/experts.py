@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
 
-from .moe_autograd import FrozenExperts, MoEPlan, moe_lora_experts
+from .moe_autograd import FrozenExperts, MoEPlan, grouped_ops, moe_lora_experts, moe_lora_experts_grouped
 from .nf4 import NF4Stack
 from .routing import route
 
@@ -125,7 +125,26 @@ def moe_qlora_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     plan = MoEPlan(frozen, route(top_k_index, frozen.gate_up.num_experts), lora.scale if lora is not None else 0.0)
     if lora is not None and self.training:
         lora.routed_rows += plan.routing.counts
-    return moe_lora_experts(hidden_states, top_k_weights, lora.factors() if lora is not None else None, plan)
+    factors = lora.factors() if lora is not None else None
+    kernels = getattr(self, "moe_kernels", "torch")
+    if kernels == "torch":
+        return moe_lora_experts(hidden_states, top_k_weights, factors, plan)
+    return moe_lora_experts_grouped(hidden_states, top_k_weights, factors, plan, grouped_ops(kernels))
+
+
+# torch: the per-expert reference (CPU); triton: grouped Triton kernels (CUDA, or TRITON_INTERPRET=1);
+# torch-grouped: the grouped formulation on the kernels' torch references (a CPU check of that path).
+KERNELS = ("torch", "triton", "torch-grouped")
+
+
+def set_moe_kernels(model, kernels: str) -> int:
+    """Run every experts module of `model` with `kernels`; returns how many modules were set."""
+    if kernels not in KERNELS:
+        raise ValueError(f"unknown MoE kernels {kernels!r}; expected one of {KERNELS}")
+    modules = experts_modules(model)
+    for _, module in modules:
+        module.moe_kernels = kernels
+    return len(modules)
 
 
 def register_experts_implementation() -> None:

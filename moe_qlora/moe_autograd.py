@@ -185,3 +185,97 @@ def moe_lora_experts(
     """Functional entry: x (T, H), routing_weights (T, K), lora = (A1, B1, A2, B2) or None -> (T, H)."""
     lora = lora if lora is not None else (None, None, None, None)
     return MoELoRAFunction.apply(x, routing_weights, *lora, plan)
+
+
+# ------------------------------------------------------------------------------------------------------
+# The same layer as whole-batch grouped operations (one launch per projection instead of a loop over
+# experts): the GPU path, run with the Triton kernels, or with their torch references as a CPU check.
+
+
+@dataclass(frozen=True)
+class GroupedOps:
+    """grouped_matmul and grouped_outer_product with kernels.ops' contracts: Triton or torch reference."""
+
+    matmul: Callable
+    outer: Callable
+
+
+def grouped_ops(kind: str) -> GroupedOps:
+    from .kernels import ops
+
+    if kind == "triton":
+        return GroupedOps(ops.grouped_matmul, ops.grouped_outer_product)
+    return GroupedOps(ops.grouped_matmul_reference, ops.grouped_outer_product_reference)
+
+
+class MoELoRAGroupedFunction(torch.autograd.Function):
+    """MoELoRAFunction's math over all rows at once: h = MUL_MAT_ID(x, W1) (+ LoRA), a = gate(h),
+    y = MUL_MAT_ID(a, W2) (+ LoRA), out = sum_k w y. Backward: the input gradient through the same
+    grouped matmul over the transposed NF4 experts, the LoRA gradients by OUT_PROD_ID, and the
+    routing-weight gradient <a, J^T g> + <b2, g> (exact, no division by w; see MoELoRAFunction)."""
+
+    @staticmethod
+    def forward(ctx, x, routing_weights, gate_up_a, gate_up_b, down_a, down_b, plan: MoEPlan, ops: GroupedOps):
+        from .kernels.ops import GroupedWeight as GW
+
+        ex, rt, c = plan.experts, plan.routing, plan.lora_scale
+        off, token, has_lora = rt.offsets, rt.token, gate_up_a is not None
+        # Stored (E, out, in): x W^T reads W transposed; GPT-OSS stores (E, in, out) and reads it as is.
+        w1 = GW.quantized(ex.gate_up, transpose=not ex.transposed)
+        h = ops.matmul(x, w1, off, gather=token, bias=ex.gate_up_bias)  # (S, 2I)
+        p1 = p2 = None
+        if has_lora:
+            p1 = ops.matmul(x, GW.dense(gate_up_a, transpose=True), off, gather=token)  # x A1^T: (S, r)
+            h = h + c * ops.matmul(p1, GW.dense(gate_up_b, transpose=True), off)
+        a = ex.gate(h)
+        y = ops.matmul(a, GW.quantized(ex.down, transpose=not ex.transposed), off, bias=ex.down_bias)  # (S, H)
+        if has_lora:
+            p2 = ops.matmul(a, GW.dense(down_a, transpose=True), off)
+            y = y + c * ops.matmul(p2, GW.dense(down_b, transpose=True), off)
+        w_sorted = routing_weights.reshape(-1).index_select(0, rt.order).to(x.dtype)
+        out = torch.zeros_like(x).index_add_(0, token, y * w_sorted[:, None])
+        ctx.plan, ctx.ops = plan, ops
+        ctx.save_for_backward(x, routing_weights, h, p1, p2, gate_up_a, gate_up_b, down_a, down_b)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from .kernels.ops import GroupedWeight as GW
+
+        x, routing_weights, h, p1, p2, a1, b1, a2, b2 = ctx.saved_tensors
+        plan, ops = ctx.plan, ctx.ops
+        ex, rt, c = plan.experts, plan.routing, plan.lora_scale
+        off, token, has_lora = rt.offsets, rt.token, a1 is not None
+        g = grad_out.to(x.dtype)
+        w = routing_weights.reshape(-1).index_select(0, rt.order).to(x.dtype)[:, None]  # (S, 1)
+        act, gate_vjp = _gate_with_vjp(ex.gate, h)
+        # u = J^T g: the down projection's input gradient before the routing weight, (S, I).
+        u = ops.matmul(g, GW.quantized(ex.down, transpose=ex.transposed), off, gather=token)
+        grads = [None] * 4
+        if has_lora:
+            q2 = c * ops.matmul(g, GW.dense(b2, transpose=False), off, gather=token)  # c g B2: (S, r)
+            u = u + ops.matmul(q2, GW.dense(a2, transpose=False), off)
+            grads[2] = ops.outer(q2 * w, act, off)  # dA2[e] = sum_s (w c g B2)_s (x) a_s
+            grads[3] = c * ops.outer(g, p2 * w, off, gather=token)  # dB2[e] = c sum_s g_s (x) (w p2)_s
+        dot = (act * u).sum(-1, dtype=torch.float32)
+        if ex.down_bias is not None:
+            experts_of_rows = torch.repeat_interleave(torch.arange(len(off) - 1, device=x.device), rt.counts)
+            dot += (g.index_select(0, token).float() * ex.down_bias.float()[experts_of_rows]).sum(-1)
+        grad_h = gate_vjp(u * w)
+        grad_rows = ops.matmul(grad_h, GW.quantized(ex.gate_up, transpose=ex.transposed), off)  # (S, H)
+        if has_lora:
+            dp1 = c * ops.matmul(grad_h, GW.dense(b1, transpose=False), off)  # (S, r)
+            grad_rows = grad_rows + ops.matmul(dp1, GW.dense(a1, transpose=False), off)
+            # dA1[e] = sum_s dp1_s (x) x_s; the gathered operand (x) must come first, so transpose after.
+            grads[0] = ops.outer(x, dp1, off, gather=token).transpose(1, 2)
+            grads[1] = c * ops.outer(grad_h, p1, off)  # dB1[e] = c sum_s dh_s (x) p1_s
+        grad_x = torch.zeros_like(x).index_add_(0, token, grad_rows.to(x.dtype))
+        grad_w = torch.zeros_like(dot).index_copy_(0, rt.order, dot).view_as(routing_weights)
+        grads = [None if gr is None else gr.to(p.dtype) for gr, p in zip(grads, (a1, b1, a2, b2), strict=True)]
+        return grad_x, grad_w.to(routing_weights.dtype), *grads, None, None
+
+
+def moe_lora_experts_grouped(x, routing_weights, lora, plan: MoEPlan, ops: GroupedOps) -> torch.Tensor:
+    """moe_lora_experts through grouped operations (`ops`: Triton kernels or their torch references)."""
+    lora = lora if lora is not None else (None, None, None, None)
+    return MoELoRAGroupedFunction.apply(x, routing_weights, *lora, plan, ops)

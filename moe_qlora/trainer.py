@@ -6,6 +6,7 @@ number of target tokens in the whole step, so the step's gradient equals that of
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -31,8 +32,9 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from .config import RunConfig
+from .config import ConfigError, RunConfig
 from .data import IGNORE, Example, apply_reward_weights, build_examples, collate, epoch_order, micro_batches
+from .experts import set_moe_kernels
 from .export import load_adapter, save_adapter
 from .loading import LoadOptions, check_model_path, load_model, parameter_bytes_by_kind
 from .memory import release_freed_memory
@@ -226,6 +228,9 @@ def load_policy(cfg: RunConfig, model_path: str, console: Console):
         strict=cfg.model.strict_quantization,
     )
     model = attach_adapters(load_model(opts), cfg.lora, seed=cfg.train.seed)
+    kernels = resolve_kernels(cfg.model.kernels, device)
+    if set_moe_kernels(model, kernels):
+        console.print(f"MoE kernels: {kernels}" + (" (model.kernels: auto)" if cfg.model.kernels == "auto" else ""))
     if cfg.lora.init_from:
         n = load_adapter(model, cfg.lora.init_from, cfg.lora)
         console.print(f"LoRA initialised from {cfg.lora.init_from} ({n} tensors)")
@@ -242,6 +247,20 @@ def load_policy(cfg: RunConfig, model_path: str, console: Console):
         + f"; {sum(p.numel() for p in params):,} trainable parameters; {n_ckpt} layers checkpointed"
     )
     return model, params
+
+
+def resolve_kernels(choice: str, device: str) -> str:
+    """model.kernels to what runs: auto is Triton on CUDA when triton is installed, else the torch reference."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if choice == "torch" or (choice == "auto" and device != "cuda"):
+        return "torch"
+    if importlib.util.find_spec("triton") is None:
+        if choice == "auto":
+            return "torch"
+        raise ConfigError("model.kernels: triton, but triton is not installed (pip install -e '.[gpu]')")
+    if device != "cuda" and not interpreted:
+        raise ConfigError("model.kernels: triton needs a CUDA device (or TRITON_INTERPRET=1, as the tests use)")
+    return "triton"
 
 
 def seed_everything(seed: int) -> None:

@@ -1,0 +1,153 @@
+"""One MoE experts layer, forward + backward: time and peak memory, with a roofline line per case.
+
+python scripts/bench_moe.py                 # CPU: shapes shrunk 8x, a few token counts
+python scripts/bench_moe.py --full          # GPU: Mixtral-8x7B and Qwen3-30B-A3B layer shapes, 512..16k tokens
+
+Contenders, side by side in one run, on the same random weights and routing:
+  moe-qlora triton      NF4 experts, grouped Triton kernels (CUDA only)
+  moe-qlora torch       NF4 experts, the per-expert torch reference
+  transformers+PEFT     bf16/fp32 experts (what bitsandbytes leaves), PEFT target_parameters LoRA on them,
+                        transformers' grouped_mm and eager experts
+Roofline: the bytes the layer must read (NF4 experts of the experts that get tokens, activations) and the
+FLOPs it must do, and the ideal time on an H100 (3.35 TB/s, 990 TFLOP/s bf16 dense).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+H100_BYTES_PER_S, H100_FLOPS = 3.35e12, 990e12
+SHAPES = {"mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8)}  # hidden, inter, E, top-k
+
+
+def experts_module(hidden, inter, num_experts, top_k, dtype):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    cfg = MixtralConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=num_experts,
+                        num_experts_per_tok=top_k)  # fmt: skip
+    torch.manual_seed(0)
+    module = MixtralExperts(cfg).to(dtype)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.02)
+    return module, cfg
+
+
+def ours(module, cfg, kernels, rank):
+    from moe_qlora.experts import attach_expert_lora, register_experts_implementation, set_moe_kernels
+    from moe_qlora.nf4 import quantize_stack
+
+    for name in ("gate_up_proj", "down_proj"):
+        setattr(module, name, quantize_stack(getattr(module, name).detach().float()))
+    register_experts_implementation()
+    cfg._experts_implementation = "moe_qlora"
+    attach_expert_lora(module, rank=rank, alpha=2 * rank, seed=0)
+    set_moe_kernels(module, kernels)
+    return module
+
+
+def peft(module, cfg, implementation, rank):
+    from peft import LoraConfig, inject_adapter_in_model
+
+    cfg._experts_implementation = implementation
+    for p in module.parameters():
+        p.requires_grad_(False)
+    lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=[], target_parameters=["gate_up_proj", "down_proj"])
+    wrapper = torch.nn.ModuleDict({"experts": module})
+    inject_adapter_in_model(lora, wrapper)
+    return wrapper["experts"]
+
+
+def roofline(tokens, hidden, inter, num_experts, top_k, rank, active):
+    """(bytes, flops, ideal seconds on an H100) of forward + backward with NF4 experts and LoRA."""
+    rows = tokens * top_k
+    expert_bytes = active * 3 * hidden * inter * (0.5 + 4 / 64)  # NF4 codes + fp32 absmax per 64
+    act_bytes = 2 * (tokens * hidden * 4 + rows * 3 * inter * 2)  # x, out, grads (bf16) and h, a kept
+    fwd = 2 * rows * 3 * hidden * inter + 2 * rows * rank * 2 * (hidden + 3 * inter)
+    flops = fwd * 2  # backward: the input gradient (same size) + LoRA gradients (rank-sized, in fwd term)
+    total = 2 * expert_bytes + act_bytes  # experts read in forward and again in backward
+    return total, flops, max(total / H100_BYTES_PER_S, flops / H100_FLOPS)
+
+
+def measure(layer, x, idx, weights, repeats):
+    device = x.device
+    times = []
+    for i in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        xi = x.clone().requires_grad_(True)
+        layer(xi, idx, weights).float().square().mean().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i:  # the first run warms up (kernel compilation, allocator)
+            times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
+    return min(times), peak
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--full", action="store_true", help="real layer shapes (needs a GPU)")
+    parser.add_argument("--tokens", type=int, nargs="*")
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    shrink = 1 if args.full else 8
+    token_counts = args.tokens or ([512, 2048, 8192, 16384] if args.full else [128, 512])
+    contenders = [("moe-qlora triton", "triton"), ("moe-qlora torch", "torch"),
+                  ("transformers grouped_mm + PEFT", "grouped_mm"), ("transformers eager + PEFT", "eager")]  # fmt: skip
+    results = []
+    for shape_name, (hidden, inter, num_experts, top_k) in SHAPES.items():
+        hidden, inter = hidden // shrink, inter // shrink
+        for tokens in token_counts:
+            g = torch.Generator().manual_seed(1)
+            x = torch.randn(tokens, hidden, generator=g).to(device, dtype)
+            logits = torch.randn(tokens, num_experts, generator=g)
+            weights, idx = torch.topk(logits.softmax(-1), top_k, dim=-1)
+            idx, weights = idx.to(device), weights.to(device, dtype)
+            active = int(torch.unique(idx).numel())
+            nbytes, flops, ideal = roofline(tokens, hidden, inter, num_experts, top_k, args.rank, active)
+            for name, kind in contenders:
+                if kind == "triton" and not cuda:
+                    results.append({"shape": shape_name, "tokens": tokens, "contender": name,
+                                    "skipped": "needs CUDA"})  # fmt: skip
+                    continue
+                module, cfg = experts_module(hidden, inter, num_experts, top_k, dtype)
+                layer = ours(module, cfg, kind, args.rank) if kind in ("triton", "torch") else peft(
+                    module, cfg, kind, args.rank)  # fmt: skip
+                layer = layer.to(device)
+                try:
+                    seconds, peak = measure(layer, x, idx, weights, args.repeats)
+                except Exception as exc:  # a contender that cannot run this case says why, the others go on
+                    results.append({"shape": shape_name, "tokens": tokens, "contender": name,
+                                    "skipped": f"{type(exc).__name__}: {exc}"[:200]})  # fmt: skip
+                    continue
+                results.append({"shape": shape_name, "hidden": hidden, "intermediate": inter, "tokens": tokens,
+                                "contender": name, "seconds": seconds, "peak_mib": peak, "bytes": nbytes,
+                                "flops": flops, "h100_ideal_s": ideal, "x_over_ideal": seconds / ideal})  # fmt: skip
+                del layer, module
+    print(f"{'shape':16s} {'tokens':>6s}  {'contender':32s} {'fwd+bwd':>10s} {'peak MiB':>9s} {'H100 ideal':>11s}")
+    for r in results:
+        if "skipped" in r:
+            print(f"{r['shape']:16s} {r['tokens']:6d}  {r['contender']:32s} skipped: {r['skipped']}")
+        else:
+            print(f"{r['shape']:16s} {r['tokens']:6d}  {r['contender']:32s} {r['seconds'] * 1e3:8.1f}ms "
+                  f"{r['peak_mib']:9.1f} {r['h100_ideal_s'] * 1e6:9.1f}us")  # fmt: skip
+    print(json.dumps({"device": device, "dtype": str(dtype), "shrink": shrink, "results": results}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
