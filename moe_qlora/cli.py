@@ -79,11 +79,19 @@ def train(
     debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
 ):
     """Fine-tune a MoE model with QLoRA (experts frozen in NF4, per-expert LoRA)."""
+    _run("train", config, set_, dry_run=dry_run, resume=resume, resume_anyway=resume_anyway, debug=debug)
+
+
+def _run(command: str, config: str, overrides: list[str], *, dry_run, resume, resume_anyway, debug) -> None:
+    """Load and validate the config, then print it (--dry-run) or run `train` or `grpo` on it, turning
+    user errors into one sentence and exit code 2, and an aborted run into exit code 1."""
     _quiet_libraries()
-    from .config import load_config
+    from .config import ConfigError, load_config
 
     try:
-        cfg = load_config(config, [*set_, *(["train.resume=auto"] if resume or resume_anyway else [])])
+        cfg = load_config(config, [*overrides, *(["train.resume=auto"] if resume or resume_anyway else [])])
+        if command == "grpo" and cfg.grpo is None:
+            raise ConfigError(f"{config}: no `grpo:` section; moe-qlora grpo needs at least grpo.rewards")
     except _user_errors() as exc:
         _fail(exc, debug)
     if dry_run:
@@ -92,10 +100,13 @@ def train(
         console.print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), highlight=False)
         return
     from .trainer import TrainingAborted
-    from .trainer import train as run_training
 
+    if command == "grpo":
+        from .grpo import grpo as run
+    else:
+        from .trainer import train as run
     try:
-        run_training(cfg, console, allow_mismatch=resume_anyway)
+        run(cfg, console, allow_mismatch=resume_anyway)
     except _user_errors() as exc:
         _fail(exc, debug)
     except TrainingAborted as exc:
@@ -124,29 +135,7 @@ def grpo(
     debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
 ):
     """Online GRPO on the 4-bit model: sample groups, score them with reward functions, train on advantages."""
-    _quiet_libraries()
-    from .config import ConfigError, load_config
-
-    try:
-        cfg = load_config(config, [*set_, *(["train.resume=auto"] if resume or resume_anyway else [])])
-        if cfg.grpo is None:
-            raise ConfigError(f"{config}: no `grpo:` section; moe-qlora grpo needs at least grpo.rewards")
-    except _user_errors() as exc:
-        _fail(exc, debug)
-    if dry_run:
-        import yaml
-
-        console.print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), highlight=False)
-        return
-    from .grpo import grpo as run_grpo
-    from .trainer import TrainingAborted
-
-    try:
-        run_grpo(cfg, console, allow_mismatch=resume_anyway)
-    except _user_errors() as exc:
-        _fail(exc, debug)
-    except TrainingAborted as exc:
-        _fail(exc, debug, code=1)
+    _run("grpo", config, set_, dry_run=dry_run, resume=resume, resume_anyway=resume_anyway, debug=debug)
 
 
 PLAN_EPILOG = """Examples:
