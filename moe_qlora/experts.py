@@ -12,7 +12,8 @@ import math
 import bitsandbytes as bnb
 import torch
 from torch import nn
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+from transformers.activations import SiLUActivation
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface, _default_apply_gate
 
 from .moe_autograd import FrozenExperts, MoEPlan, grouped_ops, moe_lora_experts, moe_lora_experts_grouped
 from .nf4 import NF4Stack
@@ -113,7 +114,15 @@ def _frozen_experts(module: nn.Module) -> FrozenExperts:
         transposed=getattr(module, "is_transposed", False),
         gate_up_bias=module.gate_up_proj_bias if has_bias else None,
         down_bias=module.down_proj_bias if has_bias else None,
+        gate_is_silu_mul=_gates_with_silu_mul(module),
     )
+
+
+def _gates_with_silu_mul(module: nn.Module) -> bool:
+    """True when the module gates with transformers' default silu(gate) * up over the two halves of gate_up
+    (Mixtral, Qwen-MoE, DeepSeek, OLMoE, ...), which the kernels fuse; any other gate runs as the module's own."""
+    own_gate = getattr(type(module), "_apply_gate", None)
+    return own_gate is _default_apply_gate and isinstance(getattr(module, "act_fn", None), SiLUActivation | nn.SiLU)
 
 
 def moe_qlora_experts_forward(self, hidden_states, top_k_index, top_k_weights):

@@ -33,6 +33,8 @@ class FrozenExperts:
     gate_up: NF4 (E, 2I, H) or (E, H, 2I) if transposed.  down: NF4 (E, H, I) or (E, I, H).
     gate_up_bias: (E, 2I) or None.  down_bias: (E, H) or None.
     gate: (n, 2I) -> (n, I), the model's own gating of the gate_up output (any differentiable function).
+    gate_is_silu_mul: gate is transformers' default silu(h[:, :I]) * h[:, I:], which the Triton gate_up
+    kernel can apply in its epilogue.
     """
 
     gate_up: NF4Stack
@@ -41,6 +43,7 @@ class FrozenExperts:
     transposed: bool = False
     gate_up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
+    gate_is_silu_mul: bool = False
 
     @property
     def intermediate(self) -> int:
@@ -194,9 +197,11 @@ def moe_lora_experts(
 
 @dataclass(frozen=True)
 class GroupedOps:
-    """grouped_matmul and grouped_outer_product with kernels.ops' contracts: Triton or torch reference."""
+    """grouped_matmul, grouped_matmul_silu_mul and grouped_outer_product with kernels.ops' contracts:
+    the Triton kernels or their torch references."""
 
     matmul: Callable
+    matmul_silu_mul: Callable
     outer: Callable
 
 
@@ -204,8 +209,10 @@ def grouped_ops(kind: str) -> GroupedOps:
     from .kernels import ops
 
     if kind == "triton":
-        return GroupedOps(ops.grouped_matmul, ops.grouped_outer_product)
-    return GroupedOps(ops.grouped_matmul_reference, ops.grouped_outer_product_reference)
+        return GroupedOps(ops.grouped_matmul, ops.grouped_matmul_silu_mul, ops.grouped_outer_product)
+    return GroupedOps(
+        ops.grouped_matmul_reference, ops.grouped_matmul_silu_mul_reference, ops.grouped_outer_product_reference
+    )
 
 
 class MoELoRAGroupedFunction(torch.autograd.Function):
@@ -217,21 +224,28 @@ class MoELoRAGroupedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, routing_weights, gate_up_a, gate_up_b, down_a, down_b, plan: MoEPlan, ops: GroupedOps):
         from .kernels.ops import GroupedWeight as GW
+        from .kernels.ops import LowRank
 
         ex, rt, c = plan.experts, plan.routing, plan.lora_scale
         off, token, has_lora = rt.offsets, rt.token, gate_up_a is not None
         # Stored (E, out, in): x W^T reads W transposed; GPT-OSS stores (E, in, out) and reads it as is.
         w1 = GW.quantized(ex.gate_up, transpose=not ex.transposed)
-        h = ops.matmul(x, w1, off, gather=token, bias=ex.gate_up_bias)  # (S, 2I)
-        p1 = p2 = None
-        if has_lora:
-            p1 = ops.matmul(x, GW.dense(gate_up_a, transpose=True), off, gather=token)  # x A1^T: (S, r)
-            h = h + c * ops.matmul(p1, GW.dense(gate_up_b, transpose=True), off)
-        a = ex.gate(h)
-        y = ops.matmul(a, GW.quantized(ex.down, transpose=not ex.transposed), off, bias=ex.down_bias)  # (S, H)
+        p1 = p2 = lora1 = lora2 = None
+        if has_lora:  # x A1^T: (S, r); the up-projection c p1 B1^T is fused into the gate_up matmul
+            p1 = ops.matmul(x, GW.dense(gate_up_a, transpose=True), off, gather=token)
+            lora1 = LowRank(p1, GW.dense(gate_up_b, transpose=True), c)
+        backward_to_come = any(ctx.needs_input_grad[:6])
+        if ex.gate_is_silu_mul:  # silu(gate) * up in the matmul's epilogue; h (S, 2I) kept for the backward
+            h, a = ops.matmul_silu_mul(x, w1, off, gather=token, bias=ex.gate_up_bias, lora=lora1,
+                                       keep_h=backward_to_come)  # fmt: skip
+        else:
+            h = ops.matmul(x, w1, off, gather=token, bias=ex.gate_up_bias, lora=lora1)  # (S, 2I)
+            a = ex.gate(h)
         if has_lora:
             p2 = ops.matmul(a, GW.dense(down_a, transpose=True), off)
-            y = y + c * ops.matmul(p2, GW.dense(down_b, transpose=True), off)
+            lora2 = LowRank(p2, GW.dense(down_b, transpose=True), c)
+        w2 = GW.quantized(ex.down, transpose=not ex.transposed)
+        y = ops.matmul(a, w2, off, bias=ex.down_bias, lora=lora2)  # (S, H)
         w_sorted = routing_weights.reshape(-1).index_select(0, rt.order).to(x.dtype)
         out = torch.zeros_like(x).index_add_(0, token, y * w_sorted[:, None])
         ctx.plan, ctx.ops = plan, ops
@@ -241,6 +255,7 @@ class MoELoRAGroupedFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         from .kernels.ops import GroupedWeight as GW
+        from .kernels.ops import LowRank
 
         x, routing_weights, h, p1, p2, a1, b1, a2, b2 = ctx.saved_tensors
         plan, ops = ctx.plan, ctx.ops
@@ -249,26 +264,29 @@ class MoELoRAGroupedFunction(torch.autograd.Function):
         g = grad_out.to(x.dtype)
         w = routing_weights.reshape(-1).index_select(0, rt.order).to(x.dtype)[:, None]  # (S, 1)
         act, gate_vjp = _gate_with_vjp(ex.gate, h)
-        # u = J^T g: the down projection's input gradient before the routing weight, (S, I).
-        u = ops.matmul(g, GW.quantized(ex.down, transpose=ex.transposed), off, gather=token)
         grads = [None] * 4
+        # u = J^T g = g W2 + (c g B2) A2: the down projection's input gradient before the routing weight,
+        # (S, I), with the LoRA path fused into the transposed-experts matmul.
+        lora2 = None
         if has_lora:
             q2 = c * ops.matmul(g, GW.dense(b2, transpose=False), off, gather=token)  # c g B2: (S, r)
-            u = u + ops.matmul(q2, GW.dense(a2, transpose=False), off)
+            lora2 = LowRank(q2, GW.dense(a2, transpose=False))
             grads[2] = ops.outer(q2 * w, act, off)  # dA2[e] = sum_s (w c g B2)_s (x) a_s
             grads[3] = c * ops.outer(g, p2 * w, off, gather=token)  # dB2[e] = c sum_s g_s (x) (w p2)_s
+        u = ops.matmul(g, GW.quantized(ex.down, transpose=ex.transposed), off, gather=token, lora=lora2)
         dot = (act * u).sum(-1, dtype=torch.float32)
         if ex.down_bias is not None:
             experts_of_rows = torch.repeat_interleave(torch.arange(len(off) - 1, device=x.device), rt.counts)
             dot += (g.index_select(0, token).float() * ex.down_bias.float()[experts_of_rows]).sum(-1)
         grad_h = gate_vjp(u * w)
-        grad_rows = ops.matmul(grad_h, GW.quantized(ex.gate_up, transpose=ex.transposed), off)  # (S, H)
+        lora1 = None
         if has_lora:
             dp1 = c * ops.matmul(grad_h, GW.dense(b1, transpose=False), off)  # (S, r)
-            grad_rows = grad_rows + ops.matmul(dp1, GW.dense(a1, transpose=False), off)
+            lora1 = LowRank(dp1, GW.dense(a1, transpose=False))
             # dA1[e] = sum_s dp1_s (x) x_s; the gathered operand (x) must come first, so transpose after.
             grads[0] = ops.outer(x, dp1, off, gather=token).transpose(1, 2)
             grads[1] = c * ops.outer(grad_h, p1, off)  # dB1[e] = c sum_s dh_s (x) p1_s
+        grad_rows = ops.matmul(grad_h, GW.quantized(ex.gate_up, transpose=ex.transposed), off, lora=lora1)  # (S, H)
         grad_x = torch.zeros_like(x).index_add_(0, token, grad_rows.to(x.dtype))
         grad_w = torch.zeros_like(dot).index_copy_(0, rt.order, dot).view_as(routing_weights)
         grads = [None if gr is None else gr.to(p.dtype) for gr, p in zip(grads, (a1, b1, a2, b2), strict=True)]

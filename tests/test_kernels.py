@@ -16,8 +16,11 @@ import torch
 
 from moe_qlora.kernels.ops import (
     GroupedWeight,
+    LowRank,
     grouped_matmul,
     grouped_matmul_reference,
+    grouped_matmul_silu_mul,
+    grouped_matmul_silu_mul_reference,
     grouped_outer_product,
     grouped_outer_product_reference,
 )
@@ -107,6 +110,70 @@ def test_grouped_outer_product_matches_reference(dtype, atol, rtol, routing, gat
     assert torch.equal(got[empty], torch.zeros_like(got[empty]))
 
 
+def lora_term(offsets, rank, n, *, scale, dtype, seed=6):
+    """A LowRank term: P (S, rank) sorted rows and L (E, n, rank) stored as a B factor (read transposed)."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.randn(offsets[-1], rank, generator=g).to(dtype)
+    b = torch.randn(len(offsets) - 1, n, rank, generator=g)
+    return LowRank(p, GroupedWeight.dense(b, transpose=True), scale)
+
+
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES)
+@pytest.mark.parametrize("rank", [4, 20], ids=["rank_below_block", "rank_over_block"])
+@pytest.mark.usefixtures("small_triton_blocks")
+def test_fused_lora_term_matches_reference(dtype, atol, rtol, rank):
+    # y = x W^T + c P B^T, the LoRA term added in the epilogue; rank 20 loops over two 16-wide chunks.
+    offsets = offsets_of(ROUTINGS["ragged"])
+    w = torch.randn(6, 37, 40, generator=torch.Generator().manual_seed(7)).to(dtype)
+    weight = GroupedWeight.dense(w, transpose=True)  # K = 40, N = 37
+    x = torch.randn(offsets[-1], weight.k, generator=torch.Generator().manual_seed(8)).to(dtype)
+    lora = lora_term(offsets, rank, weight.n, scale=0.75, dtype=dtype)
+    expected = grouped_matmul_reference(x, weight, offsets, lora=lora).float()
+    got = grouped_matmul(x, weight, offsets, lora=lora).float()
+    torch.testing.assert_close(got, expected, atol=atol * 4, rtol=rtol)
+    # Control: the LoRA term matters at this scale (a kernel that drops it is caught).
+    assert (grouped_matmul(x, weight, offsets).float() - expected).abs().max() > 1.0
+
+
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES)
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("double_quant", [False, True], ids=["absmax", "nested"])
+@pytest.mark.usefixtures("small_triton_blocks")
+def test_silu_mul_epilogue_matches_reference(dtype, atol, rtol, routing, double_quant):
+    # gate_up stored (6, 2*24, 40): I = 24 is not a multiple of the 16-wide blocks, so the last gate tile
+    # straddles the gate/up boundary; bias and LoRA are added to both halves before the activation.
+    offsets = offsets_of(ROUTINGS[routing])
+    stack = nf4_stack(6, 48, 40, double_quant=double_quant, seed=9)
+    weight = GroupedWeight.quantized(stack, transpose=True)
+    g = torch.Generator().manual_seed(10)
+    x = (0.3 * torch.randn(11, 40, generator=g)).to(dtype)
+    gather = torch.randint(0, 11, (offsets[-1],), generator=g)
+    bias = torch.randn(6, 48, generator=g)
+    lora = lora_term(offsets, 4, 48, scale=0.5, dtype=dtype)
+    h_ref, act_ref = grouped_matmul_silu_mul_reference(x, weight, offsets, gather=gather, bias=bias, lora=lora)
+    h, act = grouped_matmul_silu_mul(x, weight, offsets, gather=gather, bias=bias, lora=lora)
+    _, act_only = grouped_matmul_silu_mul(x, weight, offsets, gather=gather, bias=bias, lora=lora, keep_h=False)
+    assert _ is None and torch.equal(act_only, act)
+    # h as in the NF4 test: per element 2**-7 of sum |x||w| + |b| + c |P||L| (bf16 weights, bias and LoRA
+    # factor may round a whole ulp apart) + 2**-6 |h| (output roundings); fp32: summation order only.
+    # act = silu(g) u then errs by |silu'(g)| |dg| |u| + |silu(g)| |du| <= 1.1 |u| |dg| + |g| |du|, plus
+    # its own rounding.
+    rel = 1e-5 if dtype == torch.float32 else 2**-7
+    dense_abs = GroupedWeight.dense(dequantize_stack(stack).abs(), transpose=True)
+    abs_lora = LowRank(lora.p.float().abs(), GroupedWeight.dense(lora.weight.data.abs(), transpose=True), lora.scale)
+    magnitude = grouped_matmul_reference(x.float().abs(), dense_abs, offsets, gather=gather, bias=bias.abs(),
+                                         lora=abs_lora)  # fmt: skip
+    dh = rel * magnitude + 2 * rel * h_ref.float().abs() + 1e-5
+    assert ((h.float() - h_ref.float()).abs() <= dh).all()
+    gate, up = h_ref.float().chunk(2, dim=-1)
+    dgate, dup = dh.chunk(2, dim=-1)
+    bound = 1.1 * up.abs() * dgate + gate.abs() * dup + 2 * rel * act_ref.float().abs() + 1e-5
+    assert ((act.float() - act_ref.float()).abs() <= bound).all()
+    # Control: gate and up swapped is caught (silu(u) g differs from silu(g) u).
+    swapped = torch.nn.functional.silu(up) * gate
+    assert ((swapped - act_ref.float()).abs() > bound).any()
+
+
 @pytest.mark.usefixtures("small_triton_blocks")
 def test_grouped_matmul_fails_when_experts_are_rolled():
     """Control: the reference must tell experts apart (a kernel reading expert e+1's weights is caught)."""
@@ -118,6 +185,9 @@ def test_grouped_matmul_fails_when_experts_are_rolled():
     rolled = [0, *offsets[2:], offsets[-1]]  # every row attributed to the next expert's range
     got = grouped_matmul(x, weight, rolled)
     assert (got - expected).abs().max() > 0.5
+
+
+SHARED_MEMORY_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 
 
 @pytest.fixture(scope="module")
@@ -133,10 +203,12 @@ def compiled_variants():
 
 @pytest.mark.parametrize("arch", [80, 90], ids=["sm_80", "sm_90"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("weights", ["dense", "nf4", "nf4_nested"])
+@pytest.mark.parametrize("weights", ["dense", "nf4", "nf4_nested", "nf4_nested_silu_mul"])
 def test_grouped_matmul_compiles_for_ampere_and_hopper(compiled_variants, arch, dtype, weights):
     r = compiled_variants[f"grouped_matmul/{weights}/{dtype}/sm_{arch}"]
     assert r["cubin_bytes"] > 1000
+    # It must also launch: shared memory within the per-block limit (A100 163 KiB, H100 227 KiB).
+    assert r["shared_bytes"] <= SHARED_MEMORY_LIMIT[arch]
     # bf16 products on tensor cores (mma); fp32 asks for exact IEEE products, which tensor cores do not do.
     assert r["tensor_core_mma"] == (dtype == "bf16")
 

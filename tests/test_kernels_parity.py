@@ -6,9 +6,9 @@ same broken controls, which must fail."""
 import pytest
 import torch
 from oracle import assert_all_close, randomize_lora_b, run_experts_pair
-from test_moe_parity import CASES, routing_case
+from test_moe_parity import BROKEN, CASES, _swap_gate_up, routing_case
 
-from moe_qlora.experts import attach_expert_lora, set_moe_kernels
+from moe_qlora.experts import _frozen_experts, attach_expert_lora, set_moe_kernels
 from moe_qlora.loading import LoadOptions, load_model
 from moe_qlora.tiny import ensure_tiny
 
@@ -41,16 +41,33 @@ def test_grouped_layer_on_triton_kernels_matches_eager(quantized, case):
     assert_all_close(*run(quantized, "triton", case))
 
 
+def test_mixtral_gate_runs_fused_and_gpt_oss_gate_does_not(quantized):
+    """The parity cases above take the fused silu(gate) * up epilogue (Mixtral's default gate); GPT-OSS's
+    clamped, interleaved gate is not fused and runs as the module's own (test below)."""
+    assert _frozen_experts(quantized.model.layers[0].mlp.experts).gate_is_silu_mul
+    gpt_oss = load_model(LoadOptions(str(ensure_tiny("gpt_oss"))))
+    assert not _frozen_experts(gpt_oss.model.layers[0].mlp.experts).gate_is_silu_mul
+
+
 @pytest.mark.usefixtures("small_triton_blocks")
 @pytest.mark.parametrize("kernels", ["torch-grouped", "triton"])
-@pytest.mark.parametrize(
-    "mutate",
-    [lambda idx, w: (idx, torch.ones_like(w)), lambda idx, w: ((idx + 1) % 8, w)],
-    ids=["routing_weights_dropped", "experts_rolled"],
-)
-def test_broken_controls_fail(quantized, kernels, mutate):
+@pytest.mark.parametrize("broken", list(BROKEN))
+def test_broken_controls_fail(quantized, kernels, broken):
+    if broken != "gate_up_swapped":
+        with pytest.raises(AssertionError):
+            assert_all_close(*run(quantized, kernels, "ragged", mutate=BROKEN[broken]))
+        return
+    experts = quantized.model.layers[0].mlp.experts
+    original = experts.gate_up_proj
+    try:
+        experts.gate_up_proj = _swap_gate_up(experts)  # what the fused epilogue reads as gate is up
+        ours, _ = run(quantized, kernels, "ragged")
+        experts.gate_up_proj = original
+        _, ref = run(quantized, kernels, "ragged")
+    finally:
+        experts.gate_up_proj = original
     with pytest.raises(AssertionError):
-        assert_all_close(*run(quantized, kernels, "ragged", mutate=mutate))
+        assert_all_close(ours, ref)
 
 
 @pytest.mark.usefixtures("small_triton_blocks")

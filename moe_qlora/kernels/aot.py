@@ -2,7 +2,8 @@
 
 python -m moe_qlora.kernels.aot [--arch 80 --arch 90] [--json]
 
-Each variant (weights dense / NF4 / NF4 with nested scales, fp32 / bf16 inputs) goes through Triton's
+Each variant (weights dense / NF4 / NF4 with nested scales, with the fused LoRA term and the fused
+silu(gate) * up epilogue, fp32 / bf16 inputs) goes through Triton's
 whole pipeline to a cubin for each architecture, so code the interpreter accepts but the compiler
 rejects is caught on a CPU machine. Run without TRITON_INTERPRET (it replaces the jitted functions).
 """
@@ -22,17 +23,26 @@ def _signature(kernel, types: dict, constexprs: dict) -> dict:
     return {n: ("constexpr" if n in constexprs else types.get(n, INT)) for n in kernel.arg_names}
 
 
+MATMUL_WEIGHTS = {  # name: (NF4, nested scales, fused LoRA term, fused silu(gate) * up)
+    "dense": (False, False, False, False),  # the LoRA A projections x A^T
+    "nf4": (True, False, True, False),  # down projection and input gradients, LoRA fused
+    "nf4_nested": (True, True, True, False),
+    "nf4_nested_silu_mul": (True, True, True, True),  # the gate_up projection with its gating epilogue
+}
+
+
 def matmul_variants():
     """(name, constexprs, pointer/scalar types) of the grouped matmul kernel."""
-    for weights in ("dense", "nf4", "nf4_nested"):
+    for weights, (nf4, nested, lora, glu) in MATMUL_WEIGHTS.items():
         for dtype in ("fp32", "bf16"):
-            constexprs = {"W_NF4": weights != "dense", "NESTED": weights == "nf4_nested", "GATHER": True,
-                          "HAS_BIAS": True, "BLOCKSIZE": 64, "IEEE": dtype == "fp32", "DOT_FP32": False,
-                          "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}  # fmt: skip
-            types = {"x_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "gather_ptr": "*i64", "tiles_ptr": "*i32",
-                     "w_ptr": f"*{dtype}" if weights == "dense" else "*u8", "code_ptr": "*fp32",
-                     "absmax_ptr": "*u8" if weights == "nf4_nested" else "*fp32", "absmax2_ptr": "*fp32",
-                     "code2_ptr": "*fp32", "offset2": "fp32", "bias_ptr": "*fp32", "stride_we": "i64"}  # fmt: skip
+            constexprs = {"W_NF4": nf4, "NESTED": nested, "GATHER": True, "HAS_BIAS": True, "HAS_LORA": lora,
+                          "GLU": glu, "STORE_Y": True, "BLOCKSIZE": 64, "IEEE": dtype == "fp32",
+                          "DOT_FP32": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}  # fmt: skip
+            types = {"x_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "act_ptr": f"*{dtype}", "p_ptr": f"*{dtype}",
+                     "gather_ptr": "*i64", "tiles_ptr": "*i32", "w_ptr": "*u8" if nf4 else f"*{dtype}",
+                     "code_ptr": "*fp32", "absmax_ptr": "*u8" if nested else "*fp32", "absmax2_ptr": "*fp32",
+                     "code2_ptr": "*fp32", "offset2": "fp32", "bias_ptr": "*fp32", "l_ptr": "*fp32",
+                     "lora_scale": "fp32", "stride_we": "i64"}  # fmt: skip
             yield f"grouped_matmul/{weights}/{dtype}", constexprs, types
 
 

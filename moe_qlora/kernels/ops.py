@@ -1,7 +1,8 @@
 """Launchers of the Triton kernels and, beside each, the plain-torch reference that is its oracle.
 
-grouped_matmul:        Y[s] = X[row(s)] @ W_e(s) (+ b_e(s))       MUL_MAT_ID, NF4 or dense experts
-grouped_outer_product: G[e] = sum over rows s of e of a[s] (x) b[s]  OUT_PROD_ID, the LoRA gradients
+grouped_matmul:          Y[s] = X[row(s)] @ W_e(s) (+ b_e(s)) (+ c P[s] @ L_e(s))   MUL_MAT_ID, NF4 or dense
+grouped_matmul_silu_mul: the same on gate_up stacks, also giving silu(gate) * up in the epilogue
+grouped_outer_product:   G[e] = sum over rows s of e of a[s] (x) b[s]    OUT_PROD_ID, the LoRA gradients
 Rows are sorted by expert (routing.RoutedTokens); `offsets` gives each expert's row range.
 """
 
@@ -56,11 +57,22 @@ class GroupedWeight:
         return w.t() if self.transpose else w
 
 
+@dataclass(frozen=True)
+class LowRank:
+    """The LoRA term c * P[s] @ L_e(s) added to a grouped matmul's rows: P (S, R) holds the sorted rows' rank-R
+    factor (x A^T in the forward, c g B in the input gradient), L (E, R, N) the experts' other factor."""
+
+    p: torch.Tensor
+    weight: GroupedWeight
+    scale: float = 1.0
+
+
 # ------------------------------------------------------------------------------------- torch references
 
 
-def grouped_matmul_reference(x, weight: GroupedWeight, offsets: list[int], *, gather=None, bias=None):
-    """Y (S, N) with Y[s] = x[gather[s]] @ W_e + bias[e] for the rows s of each expert e. x: (T or S, K)."""
+def grouped_matmul_reference(x, weight: GroupedWeight, offsets: list[int], *, gather=None, bias=None, lora=None):
+    """Y (S, N) with Y[s] = x[gather[s]] @ W_e + bias[e] + c P[s] @ L_e for the rows s of each expert e.
+    x: (T or S, K); lora: LowRank or None."""
     rows = x if gather is None else x.index_select(0, gather)
     y = x.new_zeros(offsets[-1], weight.n)
     for e in range(len(offsets) - 1):
@@ -69,7 +81,22 @@ def grouped_matmul_reference(x, weight: GroupedWeight, offsets: list[int], *, ga
             y[lo:hi] = rows[lo:hi] @ weight.expert(e, x.dtype)
             if bias is not None:
                 y[lo:hi] += bias[e].to(x.dtype)
+            if lora is not None:
+                y[lo:hi] += lora.scale * (lora.p[lo:hi] @ lora.weight.expert(e, x.dtype))
     return y
+
+
+def silu_mul(h: torch.Tensor) -> torch.Tensor:
+    """transformers' default gating of a gate_up output: silu(gate) * up, gate and up the two halves of h."""
+    gate, up = h.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def grouped_matmul_silu_mul_reference(x, weight, offsets, *, gather=None, bias=None, lora=None, keep_h=True):
+    """(h, silu(gate) * up): h (S, 2I) = grouped_matmul_reference(...) on a gate_up stack, or None if not
+    keep_h; the activation (S, I)."""
+    h = grouped_matmul_reference(x, weight, offsets, gather=gather, bias=bias, lora=lora)
+    return (h if keep_h else None), silu_mul(h)
 
 
 def grouped_outer_product_reference(a, b, offsets: list[int], *, gather=None):
@@ -110,29 +137,48 @@ def _levels(device: str) -> torch.Tensor:
     return torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
 
 
-def grouped_matmul(x, weight: GroupedWeight, offsets: list[int], *, gather=None, bias=None):
-    """Triton MUL_MAT_ID; same contract as grouped_matmul_reference. NF4 tiles are decoded in registers."""
+def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu: bool, keep_y: bool):
+    """Run _grouped_matmul_kernel; returns (Y or None, act or None)."""
     from .triton_kernels import _grouped_matmul_kernel
 
     bm, bn, bk = block_sizes()
-    y = x.new_empty(offsets[-1], weight.n)
+    n = weight.n // 2 if glu else weight.n
+    y = x.new_empty(offsets[-1], weight.n) if keep_y else None
+    act = x.new_empty(offsets[-1], n) if glu else None
     if offsets[-1] == 0:
-        return y
+        return y, act
     tiles = expert_tiles(offsets, bm, x.device)
     q = weight.nf4
     nested = q is not None and q.nested is not None
     absmax, absmax2, code2, offset2 = (q.absmax, *q.nested) if nested else (q.absmax if q else x, x, x, 0.0)
     se, sk, sn = weight.strides()
-    grid = (tiles.shape[0], -(-weight.n // bn))
+    lp, lw, rank, lse, lsr, lsn = (lora.p, lora.weight.data, lora.weight.k, *lora.weight.strides()) if lora else (
+        x, x, 0, 0, 0, 0)  # fmt: skip
+    out, act_out = (y if y is not None else act), (act if act is not None else x)
+    grid = (tiles.shape[0], -(-n // bn))
     _grouped_matmul_kernel[grid](
         x, gather if gather is not None else tiles, tiles, weight.data, _levels(str(x.device)), absmax, absmax2,
-        code2, float(offset2), bias if bias is not None else x, y, weight.k, weight.n,
-        x.stride(0), x.stride(1), se, sk, sn, bias.stride(0) if bias is not None else 0, y.stride(0), y.stride(1),
+        code2, float(offset2), bias if bias is not None else x, lp, lw, float(lora.scale if lora else 0.0), out,
+        act_out, weight.k, n, rank, x.stride(0), x.stride(1), se, sk, sn, bias.stride(0) if bias is not None else 0,
+        lp.stride(0), lp.stride(1), lse, lsr, lsn, out.stride(0), out.stride(1), act_out.stride(0),
+        act_out.stride(1),
         W_NF4=q is not None, NESTED=nested, GATHER=gather is not None, HAS_BIAS=bias is not None,
-        BLOCKSIZE=q.blocksize if q else 64, IEEE=x.dtype == torch.float32, DOT_FP32=_interpreted(),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        HAS_LORA=lora is not None, GLU=glu, STORE_Y=keep_y, BLOCKSIZE=q.blocksize if q else 64,
+        IEEE=x.dtype == torch.float32, DOT_FP32=_interpreted(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
     )  # fmt: skip
-    return y
+    return y, act
+
+
+def grouped_matmul(x, weight: GroupedWeight, offsets: list[int], *, gather=None, bias=None, lora=None):
+    """Triton MUL_MAT_ID; same contract as grouped_matmul_reference. NF4 tiles are decoded in registers and
+    the LoRA term is added in the epilogue."""
+    return _launch_matmul(x, weight, offsets, gather=gather, bias=bias, lora=lora, glu=False, keep_y=True)[0]
+
+
+def grouped_matmul_silu_mul(x, weight, offsets, *, gather=None, bias=None, lora=None, keep_h=True):
+    """Triton gate_up projection with silu(gate) * up fused into its epilogue; same contract as
+    grouped_matmul_silu_mul_reference. Without keep_h (no backward to come) h is never written."""
+    return _launch_matmul(x, weight, offsets, gather=gather, bias=bias, lora=lora, glu=True, keep_y=keep_h)
 
 
 def grouped_outer_product(a, b, offsets: list[int], *, gather=None):

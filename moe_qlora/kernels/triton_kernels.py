@@ -1,7 +1,7 @@
 """Triton kernels of the MoE layer: the expert-dispatched matmul (MUL_MAT_ID) over NF4 or dense expert
 weights, and the per-expert scattered outer product (OUT_PROD_ID) that gives the LoRA weight gradients.
 
-Shape letters: S routed rows sorted by expert, K reduction dim, N output dim, E experts.
+Shape letters: S routed rows sorted by expert, K reduction dim, N output dim, E experts, R LoRA rank.
 A "tile" is (expert, first row, end row) of at most BLOCK_M rows of one expert: the launcher lists only
 the tiles of experts that received rows, so an expert with none costs nothing. Launchers: ops.py.
 """
@@ -38,6 +38,33 @@ def _load_weight_tile(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offse
 
 
 @triton.jit
+def _dot(x, w, IEEE: tl.constexpr, DOT_FP32: tl.constexpr):
+    """x (M, K) in the input dtype times w (K, N) fp32, accumulated in fp32."""
+    if IEEE:  # fp32 inputs: exact fp32 products (tf32 would cost ~1e-3 relative error)
+        return tl.dot(x.to(tl.float32), w, input_precision="ieee")
+    elif DOT_FP32:  # the interpreter's bf16 dot is wrong; bf16 x bf16 products are exact in fp32 anyway
+        return tl.dot(x.to(tl.float32), w.to(x.dtype).to(tl.float32), input_precision="ieee")
+    else:  # bf16/fp16 inputs: tensor-core products of the weight rounded to the input dtype
+        return tl.dot(x, w.to(x.dtype))
+
+
+@triton.jit
+def _low_rank_term(p_ptr, l_ptr, rows, row_ok, e, offs_n, R, N_W, stride_pm, stride_pr, stride_le, stride_lr,
+                   stride_ln, IEEE: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+    """(BLOCK_M, BLOCK_N) fp32 tile of P[rows] @ L_e[:, offs_n]: the LoRA term of a projection, P (S, R)
+    the rows' rank-R factor (x A^T, or c g B in the backward) and L_e (R, N_W) the expert's other factor."""
+    acc = tl.zeros((rows.shape[0], offs_n.shape[0]), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        p = tl.load(p_ptr + rows[:, None].to(tl.int64) * stride_pm + offs_r[None, :] * stride_pr,
+                    mask=row_ok[:, None] & (offs_r[None, :] < R), other=0.0)  # fmt: skip
+        lw = tl.load(l_ptr + e.to(tl.int64) * stride_le + offs_r[:, None] * stride_lr + offs_n[None, :] * stride_ln,
+                     mask=(offs_r[:, None] < R) & (offs_n[None, :] < N_W), other=0.0).to(tl.float32)  # fmt: skip
+        acc += _dot(p, lw, IEEE, DOT_FP32)
+    return acc
+
+
+@triton.jit
 def _grouped_matmul_kernel(
     x_ptr,  # (T, K) rows, read through gather_ptr when GATHER, else (S, K) already sorted
     gather_ptr,  # (S,) int64: the x row of each sorted row (its token)
@@ -48,20 +75,36 @@ def _grouped_matmul_kernel(
     absmax2_ptr,  # nested: fp32 scale per 256 blocks
     code2_ptr,  # nested: (256,) fp32 code of the block scales
     offset2,  # nested: fp32 offset added to decoded block scales
-    bias_ptr,  # (E, N) bias or a dummy when not HAS_BIAS
-    y_ptr,  # (S, N) output, one row per sorted row
-    K, N,
-    stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_be, stride_ym, stride_yn,
+    bias_ptr,  # (E, N_W) bias, when HAS_BIAS
+    p_ptr,  # (S, R) sorted rows: the LoRA factor P of the fused term c * P L_e, when HAS_LORA
+    l_ptr,  # (E, ...) dense L_e[r, n] (R, N_W), when HAS_LORA
+    lora_scale,  # fp32 c
+    y_ptr,  # (S, N_W) output, one row per sorted row (the pre-activation when GLU; written if STORE_Y)
+    act_ptr,  # (S, N) silu(gate) * up when GLU
+    K, N, R,
+    stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_be, stride_pm, stride_pr, stride_le, stride_lr,
+    stride_ln, stride_ym, stride_yn, stride_am, stride_an,
     W_NF4: tl.constexpr, NESTED: tl.constexpr, GATHER: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr, GLU: tl.constexpr, STORE_Y: tl.constexpr,
     BLOCKSIZE: tl.constexpr, IEEE: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Y[s, n] = sum_k X[row(s), k] W_e(s)[k, n] (+ bias[e(s), n]): MUL_MAT_ID.
+    """Y[s, n] = sum_k X[row(s), k] W_e(s)[k, n] + bias[e(s), n] + c sum_r P[s, r] L_e(s)[r, n]: MUL_MAT_ID
+    with the LoRA term fused (HAS_LORA).
 
     W_e[k, n] lives at w + e*stride_we + k*stride_wk + n*stride_wn, so the same kernel computes x W^T on
     stored (E, out, in) weights (forward) and g W through the transposed experts (input gradient) by
     swapping the two strides, and reads LoRA factors (E, r, in) / (E, out, r) the same way.
+
+    GLU: W has N_W = 2N columns, gate in [0, N) and up in [N, 2N) (transformers' gate_up_proj). Each program
+    accumulates a gate tile and the matching up tile, and its epilogue writes act = silu(gate) * up (S, N),
+    plus the (S, 2N) pre-activation the backward needs when STORE_Y. Gate and up are rounded to Y's dtype
+    before the activation, so act equals the unfused silu(h[:, :N]) * h[:, N:] on the stored h.
     """
+    if GLU:
+        N_W = 2 * N
+    else:
+        N_W = N
     tile = tl.program_id(0)
     e = tl.load(tiles_ptr + tile * 3)
     start = tl.load(tiles_ptr + tile * 3 + 1)
@@ -74,22 +117,43 @@ def _grouped_matmul_kernel(
     else:
         src = rows.to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                     mask=row_ok[:, None] & (offs_k[None, :] < K), other=0.0)  # fmt: skip
         w = _load_weight_tile(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_k, offs_n, K,
-                              N, stride_we, stride_wk, stride_wn, W_NF4, NESTED, BLOCKSIZE)  # fmt: skip
-        if IEEE:  # fp32 inputs: exact fp32 products (tf32 would cost ~1e-3 relative error)
-            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
-        elif DOT_FP32:  # the interpreter's bf16 dot is wrong; bf16 x bf16 products are exact in fp32 anyway
-            acc += tl.dot(x.to(tl.float32), w.to(x.dtype).to(tl.float32), input_precision="ieee")
-        else:  # bf16/fp16 inputs: tensor-core products of the decoded weight in the input dtype
-            acc += tl.dot(x, w.to(x.dtype))
+                              N_W, stride_we, stride_wk, stride_wn, W_NF4, NESTED, BLOCKSIZE)  # fmt: skip
+        acc += _dot(x, w, IEEE, DOT_FP32)
+        if GLU:
+            w = _load_weight_tile(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_k,
+                                  offs_n + N, K, N_W, stride_we, stride_wk, stride_wn, W_NF4, NESTED,
+                                  BLOCKSIZE)  # fmt: skip
+            acc_up += _dot(x, w, IEEE, DOT_FP32)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + e * stride_be + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn,
-             acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N))  # fmt: skip
+        acc += tl.load(bias_ptr + e * stride_be + offs_n, mask=offs_n < N_W, other=0.0).to(tl.float32)[None, :]
+        if GLU:
+            acc_up += tl.load(bias_ptr + e * stride_be + N + offs_n, mask=offs_n < N,
+                              other=0.0).to(tl.float32)[None, :]  # fmt: skip
+    if HAS_LORA:
+        acc += lora_scale * _low_rank_term(p_ptr, l_ptr, rows, row_ok, e, offs_n, R, N_W, stride_pm, stride_pr,
+                                           stride_le, stride_lr, stride_ln, IEEE, DOT_FP32, BLOCK_K)  # fmt: skip
+        if GLU:
+            acc_up += lora_scale * _low_rank_term(p_ptr, l_ptr, rows, row_ok, e, offs_n + N, R, N_W, stride_pm,
+                                                  stride_pr, stride_le, stride_lr, stride_ln, IEEE, DOT_FP32,
+                                                  BLOCK_K)  # fmt: skip
+    mask = row_ok[:, None] & (offs_n[None, :] < N)
+    y_rows = y_ptr + rows[:, None].to(tl.int64) * stride_ym
+    if STORE_Y:
+        tl.store(y_rows + offs_n[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        if GLU:
+            tl.store(y_rows + (offs_n[None, :] + N) * stride_yn, acc_up.to(y_ptr.dtype.element_ty), mask=mask)
+    if GLU:
+        gate = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(y_ptr.dtype.element_ty).to(tl.float32)
+        act = gate * tl.sigmoid(gate) * up
+        tl.store(act_ptr + rows[:, None].to(tl.int64) * stride_am + offs_n[None, :] * stride_an,
+                 act.to(act_ptr.dtype.element_ty), mask=mask)  # fmt: skip
 
 
 @triton.jit
@@ -124,9 +188,6 @@ def _grouped_outer_product_kernel(
                     mask=row_ok[:, None] & (offs_m[None, :] < M), other=0.0)  # fmt: skip
         b = tl.load(b_ptr + rows[:, None].to(tl.int64) * stride_bm + offs_n[None, :] * stride_bn,
                     mask=row_ok[:, None] & (offs_n[None, :] < N), other=0.0)  # fmt: skip
-        if IEEE or DOT_FP32:
-            acc += tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(tl.trans(a), b.to(a.dtype))
+        acc += _dot(tl.trans(a), b.to(tl.float32), IEEE, DOT_FP32)
     tl.store(out_ptr + e.to(tl.int64) * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, acc,
              mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))  # fmt: skip
