@@ -16,6 +16,28 @@ from moe_qlora.tiny import build_byte_tokenizer, save_tiny_model, tiny_mixtral_c
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture(scope="session")
+def dev() -> str:
+    """Where the Triton kernels run: the GPU when there is one (compiled), else the CPU (interpreted)."""
+    return "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need CUDA: on a machine without it they are skipped, saying so."""
+    if torch.cuda.is_available():
+        return
+    reason = ("needs a CUDA GPU (none here); on CPU the kernels are checked in Triton's interpreter "
+              "(tests/test_kernels*.py) and compiled ahead of time for sm_80/sm_90")  # fmt: skip
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def small_triton_blocks(monkeypatch):
     """16-wide blocks, so the small test shapes span several tiles in every dimension."""

@@ -59,7 +59,7 @@ def randomize_lora_b(model, seed=1, std=0.05):
 def run_experts_pair(experts, config, x, top_k_index, top_k_weights, mutate=None):
     """Outputs and gradients (x, routing weights, 4 LoRA factors) of ours and of the eager oracle."""
     factors = experts.moe_lora.factors()
-    upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(7))
+    upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(7)).to(x.device)
     x1, w1 = leaves(x, top_k_weights)
     for p in factors:
         p.grad = None

@@ -2,6 +2,7 @@
 (TRITON_INTERPRET=1, set before triton is imported: see conftest), and compiled ahead of time for
 sm_80 and sm_90 so nothing only the interpreter accepts slips in.
 
+With a CUDA GPU (no TRITON_INTERPRET) the same tests run the compiled kernels on it (fixture `dev`).
 Shapes are small (the interpreter runs each program in Python) but cover what breaks grouped kernels:
 ragged groups, experts with no rows, one expert with every row, dims that are not multiples of the blocks.
 """
@@ -44,9 +45,9 @@ def offsets_of(counts):
     return out
 
 
-def nf4_stack(e, rows, cols, *, double_quant=False, seed=0):
+def nf4_stack(e, rows, cols, *, double_quant=False, seed=0, device="cpu"):
     w = torch.randn(e, rows, cols, generator=torch.Generator().manual_seed(seed))
-    return NF4Stack.from_param(quantize_stack(w, double_quant=double_quant))
+    return NF4Stack.from_param(quantize_stack(w.to(device), double_quant=double_quant))
 
 
 @pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES)
@@ -54,15 +55,15 @@ def nf4_stack(e, rows, cols, *, double_quant=False, seed=0):
 @pytest.mark.parametrize("transpose", [True, False], ids=["x_WT", "x_W"])
 @pytest.mark.parametrize("double_quant", [False, True], ids=["absmax", "nested"])
 @pytest.mark.usefixtures("small_triton_blocks")
-def test_grouped_nf4_matmul_matches_reference(dtype, atol, rtol, routing, transpose, double_quant):
+def test_grouped_nf4_matmul_matches_reference(dev, dtype, atol, rtol, routing, transpose, double_quant):
     # Stored (6, 40, 48): K and N of 40/48 are not multiples of the 16-wide blocks the tests use.
     offsets = offsets_of(ROUTINGS[routing])
-    stack = nf4_stack(6, 40, 48, double_quant=double_quant)
+    stack = nf4_stack(6, 40, 48, double_quant=double_quant, device=dev)
     weight = GroupedWeight.quantized(stack, transpose=transpose)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(11, weight.k, generator=g).to(dtype)  # 11 tokens, gathered into sorted rows
-    gather = torch.randint(0, 11, (offsets[-1],), generator=g)
-    bias = torch.randn(6, weight.n, generator=g)
+    x = torch.randn(11, weight.k, generator=g).to(dev, dtype)  # 11 tokens, gathered into sorted rows
+    gather = torch.randint(0, 11, (offsets[-1],), generator=g).to(dev)
+    bias = torch.randn(6, weight.n, generator=g).to(dev)
     expected = grouped_matmul_reference(x, weight, offsets, gather=gather, bias=bias)
     got = grouped_matmul(x, weight, offsets, gather=gather, bias=bias)
     if dtype == torch.float32:
@@ -82,12 +83,12 @@ def test_grouped_nf4_matmul_matches_reference(dtype, atol, rtol, routing, transp
 @pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES)
 @pytest.mark.parametrize("transpose", [True, False])
 @pytest.mark.usefixtures("small_triton_blocks")
-def test_grouped_dense_matmul_matches_reference(dtype, atol, rtol, transpose):
+def test_grouped_dense_matmul_matches_reference(dev, dtype, atol, rtol, transpose):
     # The LoRA projections: (E, r, in) and (E, out, r) factors, rank 4 smaller than a block.
     offsets = offsets_of(ROUTINGS["ragged"])
-    w = torch.randn(6, 4, 37, generator=torch.Generator().manual_seed(2)).to(dtype)
+    w = torch.randn(6, 4, 37, generator=torch.Generator().manual_seed(2)).to(dev, dtype)
     weight = GroupedWeight.dense(w, transpose=transpose)
-    x = torch.randn(offsets[-1], weight.k, generator=torch.Generator().manual_seed(3)).to(dtype)
+    x = torch.randn(offsets[-1], weight.k, generator=torch.Generator().manual_seed(3)).to(dev, dtype)
     torch.testing.assert_close(grouped_matmul(x, weight, offsets).float(),
                                grouped_matmul_reference(x, weight, offsets).float(), atol=atol, rtol=rtol)  # fmt: skip
 
@@ -96,12 +97,12 @@ def test_grouped_dense_matmul_matches_reference(dtype, atol, rtol, transpose):
 @pytest.mark.parametrize("routing", list(ROUTINGS))
 @pytest.mark.parametrize("gathered", [False, True])
 @pytest.mark.usefixtures("small_triton_blocks")
-def test_grouped_outer_product_matches_reference(dtype, atol, rtol, routing, gathered):
+def test_grouped_outer_product_matches_reference(dev, dtype, atol, rtol, routing, gathered):
     offsets = offsets_of(ROUTINGS[routing])
     g = torch.Generator().manual_seed(4)
-    a = torch.randn(13 if gathered else offsets[-1], 5, generator=g).to(dtype)
-    b = torch.randn(offsets[-1], 37, generator=g).to(dtype)
-    gather = torch.randint(0, 13, (offsets[-1],), generator=g) if gathered else None
+    a = torch.randn(13 if gathered else offsets[-1], 5, generator=g).to(dev, dtype)
+    b = torch.randn(offsets[-1], 37, generator=g).to(dev, dtype)
+    gather = torch.randint(0, 13, (offsets[-1],), generator=g).to(dev) if gathered else None
     expected = grouped_outer_product_reference(a, b, offsets, gather=gather)
     got = grouped_outer_product(a, b, offsets, gather=gather)
     # bf16 here accumulates in fp32 from bf16 inputs in both paths: only the summation order differs.
@@ -110,24 +111,24 @@ def test_grouped_outer_product_matches_reference(dtype, atol, rtol, routing, gat
     assert torch.equal(got[empty], torch.zeros_like(got[empty]))
 
 
-def lora_term(offsets, rank, n, *, scale, dtype, seed=6):
+def lora_term(offsets, rank, n, *, scale, dtype, seed=6, device="cpu"):
     """A LowRank term: P (S, rank) sorted rows and L (E, n, rank) stored as a B factor (read transposed)."""
     g = torch.Generator().manual_seed(seed)
-    p = torch.randn(offsets[-1], rank, generator=g).to(dtype)
-    b = torch.randn(len(offsets) - 1, n, rank, generator=g)
+    p = torch.randn(offsets[-1], rank, generator=g).to(device, dtype)
+    b = torch.randn(len(offsets) - 1, n, rank, generator=g).to(device)
     return LowRank(p, GroupedWeight.dense(b, transpose=True), scale)
 
 
 @pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES)
 @pytest.mark.parametrize("rank", [4, 20], ids=["rank_below_block", "rank_over_block"])
 @pytest.mark.usefixtures("small_triton_blocks")
-def test_fused_lora_term_matches_reference(dtype, atol, rtol, rank):
+def test_fused_lora_term_matches_reference(dev, dtype, atol, rtol, rank):
     # y = x W^T + c P B^T, the LoRA term added in the epilogue; rank 20 loops over two 16-wide chunks.
     offsets = offsets_of(ROUTINGS["ragged"])
-    w = torch.randn(6, 37, 40, generator=torch.Generator().manual_seed(7)).to(dtype)
+    w = torch.randn(6, 37, 40, generator=torch.Generator().manual_seed(7)).to(dev, dtype)
     weight = GroupedWeight.dense(w, transpose=True)  # K = 40, N = 37
-    x = torch.randn(offsets[-1], weight.k, generator=torch.Generator().manual_seed(8)).to(dtype)
-    lora = lora_term(offsets, rank, weight.n, scale=0.75, dtype=dtype)
+    x = torch.randn(offsets[-1], weight.k, generator=torch.Generator().manual_seed(8)).to(dev, dtype)
+    lora = lora_term(offsets, rank, weight.n, scale=0.75, dtype=dtype, device=dev)
     expected = grouped_matmul_reference(x, weight, offsets, lora=lora).float()
     got = grouped_matmul(x, weight, offsets, lora=lora).float()
     torch.testing.assert_close(got, expected, atol=atol * 4, rtol=rtol)
@@ -139,17 +140,17 @@ def test_fused_lora_term_matches_reference(dtype, atol, rtol, rank):
 @pytest.mark.parametrize("routing", list(ROUTINGS))
 @pytest.mark.parametrize("double_quant", [False, True], ids=["absmax", "nested"])
 @pytest.mark.usefixtures("small_triton_blocks")
-def test_silu_mul_epilogue_matches_reference(dtype, atol, rtol, routing, double_quant):
+def test_silu_mul_epilogue_matches_reference(dev, dtype, atol, rtol, routing, double_quant):
     # gate_up stored (6, 2*24, 40): I = 24 is not a multiple of the 16-wide blocks, so the last gate tile
     # straddles the gate/up boundary; bias and LoRA are added to both halves before the activation.
     offsets = offsets_of(ROUTINGS[routing])
-    stack = nf4_stack(6, 48, 40, double_quant=double_quant, seed=9)
+    stack = nf4_stack(6, 48, 40, double_quant=double_quant, seed=9, device=dev)
     weight = GroupedWeight.quantized(stack, transpose=True)
     g = torch.Generator().manual_seed(10)
-    x = (0.3 * torch.randn(11, 40, generator=g)).to(dtype)
-    gather = torch.randint(0, 11, (offsets[-1],), generator=g)
-    bias = torch.randn(6, 48, generator=g)
-    lora = lora_term(offsets, 4, 48, scale=0.5, dtype=dtype)
+    x = (0.3 * torch.randn(11, 40, generator=g)).to(dev, dtype)
+    gather = torch.randint(0, 11, (offsets[-1],), generator=g).to(dev)
+    bias = torch.randn(6, 48, generator=g).to(dev)
+    lora = lora_term(offsets, 4, 48, scale=0.5, dtype=dtype, device=dev)
     h_ref, act_ref = grouped_matmul_silu_mul_reference(x, weight, offsets, gather=gather, bias=bias, lora=lora)
     h, act = grouped_matmul_silu_mul(x, weight, offsets, gather=gather, bias=bias, lora=lora)
     _, act_only = grouped_matmul_silu_mul(x, weight, offsets, gather=gather, bias=bias, lora=lora, keep_h=False)
@@ -175,12 +176,12 @@ def test_silu_mul_epilogue_matches_reference(dtype, atol, rtol, routing, double_
 
 
 @pytest.mark.usefixtures("small_triton_blocks")
-def test_grouped_matmul_fails_when_experts_are_rolled():
+def test_grouped_matmul_fails_when_experts_are_rolled(dev):
     """Control: the reference must tell experts apart (a kernel reading expert e+1's weights is caught)."""
     offsets = offsets_of(ROUTINGS["ragged"])
-    stack = nf4_stack(6, 32, 32)
+    stack = nf4_stack(6, 32, 32, device=dev)
     weight = GroupedWeight.quantized(stack, transpose=True)
-    x = torch.randn(offsets[-1], 32, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(offsets[-1], 32, generator=torch.Generator().manual_seed(5)).to(dev)
     expected = grouped_matmul_reference(x, weight, offsets)
     rolled = [0, *offsets[2:], offsets[-1]]  # every row attributed to the next expert's range
     got = grouped_matmul(x, weight, rolled)

@@ -1,7 +1,7 @@
 """The grouped MoE layer (MoELoRAGroupedFunction) against transformers' eager experts, as in
 test_moe_parity: on the kernels' torch references for every routing case (fast), and on the Triton
-kernels in the interpreter for the hardest cases. Same oracle, same tolerance (4e-6 * max|ref|, fp32),
-same broken controls, which must fail."""
+kernels for the hardest cases (in the interpreter on a CPU, compiled on a GPU when there is one).
+Same oracle, same tolerance (4e-6 * max|ref|, fp32), same broken controls, which must fail."""
 
 import pytest
 import torch
@@ -14,8 +14,8 @@ from moe_qlora.tiny import ensure_tiny
 
 
 @pytest.fixture(scope="module")
-def quantized(tiny_mixtral_dir):
-    model = load_model(LoadOptions(str(tiny_mixtral_dir)))
+def quantized(tiny_mixtral_dir, dev):
+    model = load_model(LoadOptions(str(tiny_mixtral_dir), device=dev))
     attach_expert_lora(model, rank=4, alpha=8.0, seed=0)
     randomize_lora_b(model)
     return model
@@ -27,7 +27,8 @@ def run(model, kernels, case, *, layer=0, hidden=64, experts=8, mutate=None):
     module = model.model.layers[layer].mlp.experts
     idx, weights = routing_case(kind, tokens, experts, k)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(5))
-    return run_experts_pair(module, model.config, x, idx, weights, mutate=mutate)
+    dev = module.gate_up_proj.device
+    return run_experts_pair(module, model.config, x.to(dev), idx.to(dev), weights.to(dev), mutate=mutate)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -72,10 +73,10 @@ def test_broken_controls_fail(quantized, kernels, broken):
 
 @pytest.mark.usefixtures("small_triton_blocks")
 @pytest.mark.parametrize("kernels", ["torch-grouped", "triton"])
-def test_gpt_oss_biases_and_transposed_stacks(kernels):
+def test_gpt_oss_biases_and_transposed_stacks(kernels, dev):
     """GPT-OSS: (E, in, out) stacks, biases on both projections (the routing-weight gradient gets <b2, g>),
     interleaved clamped SwiGLU through the module's own gate."""
-    model = load_model(LoadOptions(str(ensure_tiny("gpt_oss"))))
+    model = load_model(LoadOptions(str(ensure_tiny("gpt_oss")), device=dev))
     attach_expert_lora(model, rank=4, alpha=8.0, seed=0)
     randomize_lora_b(model)
     assert_all_close(*run(model, kernels, "ragged"))
