@@ -8,6 +8,8 @@ block's routing stays exactly the model's own, and only the expert computation i
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import bitsandbytes as bnb
 import torch
@@ -15,7 +17,14 @@ from torch import nn
 from transformers.activations import SiLUActivation
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface, _default_apply_gate
 
-from .moe_autograd import FrozenExperts, MoEPlan, grouped_ops, moe_lora_experts, moe_lora_experts_grouped
+from .moe_autograd import (
+    DeferredWeightGrads,
+    FrozenExperts,
+    MoEPlan,
+    grouped_ops,
+    moe_lora_experts,
+    moe_lora_experts_grouped,
+)
 from .nf4 import NF4Stack
 from .routing import route
 
@@ -131,7 +140,9 @@ def moe_qlora_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     lora: ExpertLoRA | None = getattr(self, "moe_lora", None)
     if lora is not None and not lora.active:
         lora = None
-    plan = MoEPlan(frozen, route(top_k_index, frozen.gate_up.num_experts), lora.scale if lora is not None else 0.0)
+    deferred = getattr(self, "moe_deferred_grads", None) if lora is not None else None
+    plan = MoEPlan(frozen, route(top_k_index, frozen.gate_up.num_experts), lora.scale if lora is not None else 0.0,
+                   deferred=deferred, lora_params=lora.factors() if deferred is not None else None)  # fmt: skip
     if lora is not None and self.training:
         lora.routed_rows += plan.routing.counts
     factors = lora.factors() if lora is not None else None
@@ -154,6 +165,22 @@ def set_moe_kernels(model, kernels: str) -> int:
     for _, module in modules:
         module.moe_kernels = kernels
     return len(modules)
+
+
+@contextmanager
+def deferred_lora_gradients(model) -> Iterator[DeferredWeightGrads]:
+    """Within the block, the grouped backward (kernels triton / torch-grouped) pushes the expert LoRA weight
+    gradients to the yielded store instead of computing them; `store.flush()` adds them to .grad, with the
+    same values direct computation gives. The per-expert torch reference computes them at once as before."""
+    store = DeferredWeightGrads()
+    modules = experts_modules(model)
+    for _, module in modules:
+        module.moe_deferred_grads = store
+    try:
+        yield store
+    finally:
+        for _, module in modules:
+            del module.moe_deferred_grads
 
 
 def register_experts_implementation() -> None:

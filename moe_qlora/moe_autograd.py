@@ -58,13 +58,40 @@ class FrozenExperts:
         return None if bias is None else bias[e].to(dtype)
 
 
+class DeferredWeightGrads:
+    """A store for the LoRA weight-gradient GEMMs (OUT_PROD_ID) of the grouped backward: pushed there instead
+    of run, and run by flush(), which adds them to the parameters' .grad. The input gradient, which the rest
+    of the backward waits on, is not delayed; the weight gradients nothing waits on can be scheduled later
+    (e.g. batched at the end of a micro-batch, or overlapped with communication)."""
+
+    def __init__(self):
+        self._pending: list[tuple[tuple[torch.Tensor, ...], Callable[[], list]]] = []
+
+    def push(self, params: tuple[torch.Tensor, ...], compute: Callable[[], list]) -> None:
+        self._pending.append((params, compute))
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def flush(self) -> None:
+        """Run every pending computation, in push order, accumulating into .grad as autograd would."""
+        pending, self._pending = self._pending, []
+        for params, compute in pending:
+            for p, grad in zip(params, compute(), strict=True):
+                grad = grad.to(p.dtype)
+                p.grad = grad if p.grad is None else p.grad.add_(grad)
+
+
 @dataclass(frozen=True)
 class MoEPlan:
-    """Everything non-differentiable one call needs: frozen weights, the routing, the LoRA scale."""
+    """Everything non-differentiable one call needs: frozen weights, the routing, the LoRA scale, and where
+    the grouped backward defers its LoRA weight gradients (None: computed at once)."""
 
     experts: FrozenExperts
     routing: RoutedTokens
     lora_scale: float
+    deferred: DeferredWeightGrads | None = None
+    lora_params: tuple[torch.Tensor, ...] | None = None  # the parameters the deferred gradients belong to
 
 
 def _lora_linear(x, weight_io, bias, lora_a, lora_b, scale):
@@ -264,15 +291,16 @@ class MoELoRAGroupedFunction(torch.autograd.Function):
         g = grad_out.to(x.dtype)
         w = routing_weights.reshape(-1).index_select(0, rt.order).to(x.dtype)[:, None]  # (S, 1)
         act, gate_vjp = _gate_with_vjp(ex.gate, h)
-        grads = [None] * 4
+        # The LoRA weight gradients (OUT_PROD_ID), run now or pushed to plan.deferred; `later` holds their
+        # operands, filled as the backward produces them.
+        later = {}
         # u = J^T g = g W2 + (c g B2) A2: the down projection's input gradient before the routing weight,
         # (S, I), with the LoRA path fused into the transposed-experts matmul.
         lora2 = None
         if has_lora:
             q2 = c * ops.matmul(g, GW.dense(b2, transpose=False), off, gather=token)  # c g B2: (S, r)
             lora2 = LowRank(q2, GW.dense(a2, transpose=False))
-            grads[2] = ops.outer(q2 * w, act, off)  # dA2[e] = sum_s (w c g B2)_s (x) a_s
-            grads[3] = c * ops.outer(g, p2 * w, off, gather=token)  # dB2[e] = c sum_s g_s (x) (w p2)_s
+            later.update(q2w=q2 * w, act=act, g=g, p2w=p2 * w)
         u = ops.matmul(g, GW.quantized(ex.down, transpose=ex.transposed), off, gather=token, lora=lora2)
         dot = (act * u).sum(-1, dtype=torch.float32)
         if ex.down_bias is not None:
@@ -283,14 +311,32 @@ class MoELoRAGroupedFunction(torch.autograd.Function):
         if has_lora:
             dp1 = c * ops.matmul(grad_h, GW.dense(b1, transpose=False), off)  # (S, r)
             lora1 = LowRank(dp1, GW.dense(a1, transpose=False))
-            # dA1[e] = sum_s dp1_s (x) x_s; the gathered operand (x) must come first, so transpose after.
-            grads[0] = ops.outer(x, dp1, off, gather=token).transpose(1, 2)
-            grads[1] = c * ops.outer(grad_h, p1, off)  # dB1[e] = c sum_s dh_s (x) p1_s
+            later.update(x=x, dp1=dp1, grad_h=grad_h, p1=p1)
         grad_rows = ops.matmul(grad_h, GW.quantized(ex.gate_up, transpose=ex.transposed), off, lora=lora1)  # (S, H)
         grad_x = torch.zeros_like(x).index_add_(0, token, grad_rows.to(x.dtype))
         grad_w = torch.zeros_like(dot).index_copy_(0, rt.order, dot).view_as(routing_weights)
-        grads = [None if gr is None else gr.to(p.dtype) for gr, p in zip(grads, (a1, b1, a2, b2), strict=True)]
+        grads = [None] * 4
+        if has_lora:
+
+            def lora_weight_grads():
+                return _lora_weight_grads(ops, later, rt, c)
+
+            if plan.deferred is not None:
+                plan.deferred.push(plan.lora_params, lora_weight_grads)
+            else:
+                grads = [gr.to(p.dtype) for gr, p in zip(lora_weight_grads(), (a1, b1, a2, b2), strict=True)]
         return grad_x, grad_w.to(routing_weights.dtype), *grads, None, None
+
+
+def _lora_weight_grads(ops: GroupedOps, t: dict, rt: RoutedTokens, c: float) -> list[torch.Tensor]:
+    """dA1, dB1, dA2, dB2 (fp32) as per-expert outer products of the rows' operands `t`: OUT_PROD_ID."""
+    off, token = rt.offsets, rt.token
+    # dA1[e] = sum_s dp1_s (x) x_s; the gathered operand (x) must come first, so transpose after.
+    d_a1 = ops.outer(t["x"], t["dp1"], off, gather=token).transpose(1, 2)
+    d_b1 = c * ops.outer(t["grad_h"], t["p1"], off)  # dB1[e] = c sum_s dh_s (x) p1_s
+    d_a2 = ops.outer(t["q2w"], t["act"], off)  # dA2[e] = sum_s (w c g B2)_s (x) a_s
+    d_b2 = c * ops.outer(t["g"], t["p2w"], off, gather=token)  # dB2[e] = c sum_s g_s (x) (w p2)_s
+    return [d_a1, d_b1, d_a2, d_b2]
 
 
 def moe_lora_experts_grouped(x, routing_weights, lora, plan: MoEPlan, ops: GroupedOps) -> torch.Tensor:

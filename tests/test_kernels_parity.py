@@ -8,7 +8,7 @@ import torch
 from oracle import assert_all_close, randomize_lora_b, run_experts_pair
 from test_moe_parity import BROKEN, CASES, _swap_gate_up, routing_case
 
-from moe_qlora.experts import _frozen_experts, attach_expert_lora, set_moe_kernels
+from moe_qlora.experts import _frozen_experts, attach_expert_lora, deferred_lora_gradients, set_moe_kernels
 from moe_qlora.loading import LoadOptions, load_model
 from moe_qlora.tiny import ensure_tiny
 
@@ -80,3 +80,32 @@ def test_gpt_oss_biases_and_transposed_stacks(kernels, dev):
     attach_expert_lora(model, rank=4, alpha=8.0, seed=0)
     randomize_lora_b(model)
     assert_all_close(*run(model, kernels, "ragged"))
+
+
+@pytest.mark.usefixtures("small_triton_blocks")
+@pytest.mark.parametrize("kernels", ["torch-grouped", "triton"])
+def test_deferred_lora_weight_gradients_equal_direct_ones(quantized, kernels):
+    """Pushed to a store in the backward and flushed later, the expert LoRA gradients are bit-identical to
+    those computed at once (same operations on the same operands), in a model with 2 MoE layers."""
+    set_moe_kernels(quantized, kernels)
+    dev = quantized.model.embed_tokens.weight.device
+    ids = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(11)).to(dev)
+    lora_params = {n: p for n, p in quantized.named_parameters() if ".moe_lora." in n}
+    assert len(lora_params) == 8
+
+    def expert_lora_grads(deferred: bool):
+        quantized.zero_grad(set_to_none=True)
+        if not deferred:
+            quantized(ids, labels=ids).loss.backward()
+            return {n: p.grad.clone() for n, p in lora_params.items()}
+        with deferred_lora_gradients(quantized) as store:
+            quantized(ids, labels=ids).loss.backward()
+        assert len(store) == 2 and all(p.grad is None for p in lora_params.values())  # one push per layer
+        store.flush()
+        assert len(store) == 0
+        return {n: p.grad.clone() for n, p in lora_params.items()}
+
+    direct, deferred = expert_lora_grads(False), expert_lora_grads(True)
+    for name in direct:
+        assert torch.equal(direct[name], deferred[name]), name
+    assert all(direct[n].abs().sum() > 0 for n in direct)
