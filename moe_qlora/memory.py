@@ -43,3 +43,31 @@ def peak_rss_mib() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def rss_mib() -> float:
+    """This process's resident memory now (VmRSS), in MiB (NaN where /proc is missing)."""
+    kib = _status_kib("VmRSS")
+    return float("nan") if kib is None else kib / 1024
+
+
+def reset_peak_rss() -> bool:
+    """Restart the peak-RSS watermark (VmHWM) from the current RSS (Linux: clear_refs 5). False if unsupported,
+    in which case peak_rss_mib stays the process's peak so far."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False

@@ -75,21 +75,46 @@ def roofline(tokens, hidden, inter, num_experts, top_k, rank, active):
 
 
 def measure(layer, x, idx, weights, repeats):
-    device = x.device
-    times = []
+    """(best seconds, peak MiB above what was allocated before the step) of forward + backward.
+
+    Peak: CUDA's allocator peak, or on the CPU the resident-set watermark (VmHWM, restarted before each step
+    after freed heap pages are returned), both minus the memory held before the step: the step's
+    activations, saved tensors and transient (e.g. dequantized) weights, not the stored experts."""
+    from moe_qlora.memory import peak_rss_mib, release_freed_memory, reset_peak_rss, rss_mib
+
+    cuda = x.device.type == "cuda"
+    times, peaks = [], []
     for i in range(repeats + 1):
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated() / 2**20
+        else:
+            release_freed_memory()
+            before = rss_mib() if reset_peak_rss() else float("nan")
         t0 = time.perf_counter()
         xi = x.clone().requires_grad_(True)
         layer(xi, idx, weights).float().square().mean().backward()
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else peak_rss_mib()
+        for p in layer.parameters():
+            p.grad = None
         if i:  # the first run warms up (kernel compilation, allocator)
-            times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
-    return min(times), peak
+            times.append(seconds)
+            peaks.append(peak - before)
+    return min(times), max(peaks)
+
+
+def stored_mib(layer) -> float:
+    """Expert weights (NF4 codes and scales, or the dense stacks) plus LoRA factors, in MiB."""
+    from moe_qlora.nf4 import stack_nbytes
+
+    total = 0
+    for p in layer.parameters():
+        total += stack_nbytes(p) if hasattr(p, "quant_state") else p.numel() * p.element_size()
+    return total / 2**20
 
 
 def main():
@@ -133,16 +158,18 @@ def main():
                                     "skipped": f"{type(exc).__name__}: {exc}"[:200]})  # fmt: skip
                     continue
                 results.append({"shape": shape_name, "hidden": hidden, "intermediate": inter, "tokens": tokens,
-                                "contender": name, "seconds": seconds, "peak_mib": peak, "bytes": nbytes,
-                                "flops": flops, "h100_ideal_s": ideal, "x_over_ideal": seconds / ideal})  # fmt: skip
+                                "contender": name, "seconds": seconds, "step_peak_mib": peak,
+                                "stored_mib": stored_mib(layer), "bytes": nbytes, "flops": flops,
+                                "h100_ideal_s": ideal, "x_over_ideal": seconds / ideal})  # fmt: skip
                 del layer, module
-    print(f"{'shape':16s} {'tokens':>6s}  {'contender':32s} {'fwd+bwd':>10s} {'peak MiB':>9s} {'H100 ideal':>11s}")
+    print(f"{'shape':16s} {'tokens':>6s}  {'contender':32s} {'fwd+bwd':>10s} {'stored MiB':>10s} "
+          f"{'step peak MiB':>13s} {'H100 ideal':>11s}")  # fmt: skip
     for r in results:
         if "skipped" in r:
             print(f"{r['shape']:16s} {r['tokens']:6d}  {r['contender']:32s} skipped: {r['skipped']}")
         else:
             print(f"{r['shape']:16s} {r['tokens']:6d}  {r['contender']:32s} {r['seconds'] * 1e3:8.1f}ms "
-                  f"{r['peak_mib']:9.1f} {r['h100_ideal_s'] * 1e6:9.1f}us")  # fmt: skip
+                  f"{r['stored_mib']:10.1f} {r['step_peak_mib']:13.1f} {r['h100_ideal_s'] * 1e6:9.1f}us")  # fmt: skip
     print(json.dumps({"device": device, "dtype": str(dtype), "shrink": shrink, "results": results}))
     if args.json:
         with open(args.json, "w") as f:
