@@ -122,6 +122,13 @@ def block_sizes() -> tuple[int, int, int]:
 
 def expert_tiles(offsets: list[int], block_m: int, device) -> torch.Tensor:
     """(num_tiles, 3) int32: (expert, first row, end row) of each BLOCK_M-row tile of the non-empty experts."""
+    return _expert_tiles(tuple(offsets), block_m, str(device))
+
+
+# A layer's forward and backward launch ~10 grouped kernels over the same routing: build its tile list
+# (a host loop and a host-to-device copy) once. Keyed by the offsets' values, so a cached entry is exact.
+@functools.lru_cache(maxsize=16)
+def _expert_tiles(offsets: tuple[int, ...], block_m: int, device: str) -> torch.Tensor:
     tiles = [(e, lo, offsets[e + 1]) for e in range(len(offsets) - 1) for lo in range(offsets[e], offsets[e + 1],
                                                                                          block_m)]  # fmt: skip
     return torch.tensor(tiles or [(0, 0, 0)], dtype=torch.int32, device=device)
@@ -181,6 +188,11 @@ def grouped_matmul_silu_mul(x, weight, offsets, *, gather=None, bias=None, lora=
     return _launch_matmul(x, weight, offsets, gather=gather, bias=bias, lora=lora, glu=True, keep_y=keep_h)
 
 
+@functools.lru_cache(maxsize=16)
+def _offsets_tensor(offsets: tuple[int, ...], device: str) -> torch.Tensor:
+    return torch.tensor(offsets, dtype=torch.int64, device=device)
+
+
 def grouped_outer_product(a, b, offsets: list[int], *, gather=None):
     """Triton OUT_PROD_ID; same contract as grouped_outer_product_reference."""
     from .triton_kernels import _grouped_outer_product_kernel
@@ -188,7 +200,7 @@ def grouped_outer_product(a, b, offsets: list[int], *, gather=None):
     bm, bn, bs = block_sizes()
     num_experts, m, n = len(offsets) - 1, a.shape[1], b.shape[1]
     out = torch.empty(num_experts, m, n, dtype=torch.float32, device=a.device)
-    offs = torch.tensor(offsets, dtype=torch.int64, device=a.device)
+    offs = _offsets_tensor(tuple(offsets), str(a.device))
     grid = (num_experts, -(-m // bm) * -(-n // bn))
     _grouped_outer_product_kernel[grid](
         a, gather if gather is not None else offs, b, offs, out, m, n, a.stride(0), a.stride(1), b.stride(0),
