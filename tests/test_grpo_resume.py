@@ -3,17 +3,12 @@ in the middle of a checkpoint write. Sampling, LoRA dropout and the clipped mult
 or depend on restored state, so the resumed run must sample the same completions and end tensor-equal."""
 
 import json
-import os
 import random
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
+from crash import assert_same_adapter, cli_command, isolated_env, kill_after_steps, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, SAVE_EVERY = 12, 3
@@ -35,7 +30,7 @@ grpo:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    return {**os.environ, "MOE_QLORA_CACHE": str(tmp_path_factory.mktemp("cache")), "OMP_NUM_THREADS": "2"}
+    return isolated_env(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +41,11 @@ def config(tmp_path_factory):
 
 
 def command(config, out, *extra):
-    return [sys.executable, "-m", "moe_qlora.cli", "grpo", "--config", str(config), "--set", f"output.dir={out}",
-            *extra]  # fmt: skip
+    return cli_command("grpo", config, out, *extra)
 
 
 def run(config, out, env, *extra, failpoint=None):
-    env = {**env, **({"MOE_QLORA_FAILPOINT": failpoint} if failpoint else {})}
-    return subprocess.run(command(config, out, *extra), env=env, capture_output=True, text=True, timeout=600)
+    return run_cli("grpo", config, out, env, *extra, failpoint=failpoint)
 
 
 def history(out: Path):
@@ -65,11 +58,7 @@ def history(out: Path):
 
 
 def assert_same_run(out: Path, reference: Path):
-    a = load_file(str(out / "adapter" / "adapter_model.safetensors"))
-    b = load_file(str(reference / "adapter" / "adapter_model.safetensors"))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    assert_same_adapter(out, reference)
     assert history(out) == history(reference)
 
 
@@ -86,15 +75,7 @@ def reference(config, env, tmp_path_factory):
 
 def test_grpo_sigkill_at_a_random_step_then_resume_is_exact(config, env, reference, tmp_path):
     kill_after = random.Random(1).randint(SAVE_EVERY + 1, STEPS - 2)
-    proc = subprocess.Popen(command(config, tmp_path), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    metrics = tmp_path / "metrics.jsonl"
-    while proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= kill_after:
-            proc.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.002)
-    assert proc.wait() == -signal.SIGKILL, "the run must have been killed, not finished"
-    assert len(metrics.read_text().splitlines()) < STEPS
+    assert kill_after_steps(command(config, tmp_path), env, tmp_path, kill_after) < STEPS
     proc = run(config, tmp_path, env, "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout

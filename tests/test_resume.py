@@ -2,17 +2,12 @@
 never interrupted (same seed). LoRA dropout is on, so the RNG state has to come back exactly too."""
 
 import json
-import os
 import random
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
+from crash import assert_same_adapter, cli_command, isolated_env, kill_after_steps, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, SAVE_EVERY = 24, 4
@@ -27,8 +22,7 @@ train: {{max_steps: {STEPS}, epochs: 10, micro_batch_size: 4, grad_accum: 2, lr:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
-    return {**os.environ, "MOE_QLORA_CACHE": str(cache), "OMP_NUM_THREADS": "2"}
+    return isolated_env(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +33,11 @@ def config(tmp_path_factory):
 
 
 def command(config, out, *extra):
-    return [sys.executable, "-m", "moe_qlora.cli", "train", "--config", str(config), "--set", f"output.dir={out}",
-            *extra]  # fmt: skip
+    return cli_command("train", config, out, *extra)
 
 
 def run(config, out, env, *extra, failpoint=None):
-    env = {**env, **({"MOE_QLORA_FAILPOINT": failpoint} if failpoint else {})}
-    return subprocess.run(command(config, out, *extra), env=env, capture_output=True, text=True, timeout=600)
+    return run_cli("train", config, out, env, *extra, failpoint=failpoint)
 
 
 def losses(out: Path) -> list[tuple[int, float]]:
@@ -53,11 +45,7 @@ def losses(out: Path) -> list[tuple[int, float]]:
 
 
 def assert_same_run(out: Path, reference: Path):
-    a = load_file(str(out / "adapter" / "adapter_model.safetensors"))
-    b = load_file(str(reference / "adapter" / "adapter_model.safetensors"))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    assert_same_adapter(out, reference)
     assert losses(out) == losses(reference)
 
 
@@ -72,16 +60,7 @@ def reference(config, env, tmp_path_factory):
 
 def test_sigkill_at_a_random_step_then_resume_is_exact(config, env, reference, tmp_path):
     kill_after = random.Random(0).randint(SAVE_EVERY + 1, STEPS - 3)  # lines in metrics.jsonl: steps done
-    proc = subprocess.Popen(command(config, tmp_path, "--debug"), env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
-    metrics = tmp_path / "metrics.jsonl"
-    while proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= kill_after:
-            proc.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.002)
-    assert proc.wait() == -signal.SIGKILL, "the run must have been killed, not finished"
-    done = len(metrics.read_text().splitlines())
+    done = kill_after_steps(command(config, tmp_path, "--debug"), env, tmp_path, kill_after)
     assert done < STEPS
     proc = run(config, tmp_path, env, "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,0 +1,50 @@
+"""The CLI as the crash-and-resume tests drive it: real subprocesses, a SIGKILL after a given number of logged
+steps, and the tensor-for-tensor comparison of the adapters two runs end with."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+
+def isolated_env(tmp_path_factory) -> dict:
+    """The environment of the subprocesses: a private model cache, 2 threads."""
+    return {**os.environ, "MOE_QLORA_CACHE": str(tmp_path_factory.mktemp("cache")), "OMP_NUM_THREADS": "2"}
+
+
+def cli_command(subcommand: str, config: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "moe_qlora.cli", subcommand, "--config", str(config), "--set", f"output.dir={out}",
+            *extra]  # fmt: skip
+
+
+def run_cli(subcommand, config, out, env, *extra, failpoint=None) -> subprocess.CompletedProcess:
+    """Run to the end (or to the failpoint, MOE_QLORA_FAILPOINT, e.g. "checkpoint-write@8")."""
+    env = {**env, **({"MOE_QLORA_FAILPOINT": failpoint} if failpoint else {})}
+    return subprocess.run(cli_command(subcommand, config, out, *extra), env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+
+
+def kill_after_steps(command: list[str], env: dict, out: Path, steps: int) -> int:
+    """Start `command`, SIGKILL it once metrics.jsonl has `steps` lines; returns the steps it had logged."""
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = out / "metrics.jsonl"
+    while proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.002)
+    assert proc.wait() == -signal.SIGKILL, "the run must have been killed, not finished"
+    return len(metrics.read_text().splitlines())
+
+
+def assert_same_adapter(out: Path, reference: Path) -> None:
+    a = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(reference / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
