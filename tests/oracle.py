@@ -10,7 +10,8 @@ import copy
 import torch
 from torch.func import functional_call
 
-from moe_qlora.experts import EXPERT_PARAMS
+from moe_qlora.experts import EXPERT_PARAMS, attach_expert_lora
+from moe_qlora.loading import LoadOptions, load_model
 from moe_qlora.nf4 import dequantize_param
 
 # fp32 reordering error scales with the tensor (see test_moe_parity): max|ours - ref| <= REL_TOL * max|ref|.
@@ -54,6 +55,14 @@ def randomize_lora_b(model, seed=1, std=0.05):
         for name, p in model.named_parameters():
             if p.requires_grad and ("lora_B" in name or name.endswith("_b")):
                 p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def quantized_with_lora(path, device="cpu"):
+    """The checkpoint at `path` loaded in 4-bit with rank-4 expert LoRA whose B factors are non-zero."""
+    model = load_model(LoadOptions(str(path), device=device))
+    attach_expert_lora(model, rank=4, alpha=8.0, seed=0)
+    randomize_lora_b(model)
+    return model
 
 
 def run_experts_pair(experts, config, x, top_k_index, top_k_weights, mutate=None):

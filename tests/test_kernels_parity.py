@@ -5,20 +5,17 @@ Same oracle, same tolerance (4e-6 * max|ref|, fp32), same broken controls, which
 
 import pytest
 import torch
-from oracle import assert_all_close, randomize_lora_b, run_experts_pair
+from oracle import assert_all_close, quantized_with_lora, run_experts_pair
 from test_moe_parity import BROKEN, CASES, _swap_gate_up, routing_case
 
-from moe_qlora.experts import _frozen_experts, attach_expert_lora, deferred_lora_gradients, set_moe_kernels
+from moe_qlora.experts import _frozen_experts, deferred_lora_gradients, set_moe_kernels
 from moe_qlora.loading import LoadOptions, load_model
 from moe_qlora.tiny import ensure_tiny
 
 
 @pytest.fixture(scope="module")
 def quantized(tiny_mixtral_dir, dev):
-    model = load_model(LoadOptions(str(tiny_mixtral_dir), device=dev))
-    attach_expert_lora(model, rank=4, alpha=8.0, seed=0)
-    randomize_lora_b(model)
-    return model
+    return quantized_with_lora(tiny_mixtral_dir, dev)
 
 
 def run(model, kernels, case, *, layer=0, hidden=64, experts=8, mutate=None):
@@ -76,9 +73,7 @@ def test_broken_controls_fail(quantized, kernels, broken):
 def test_gpt_oss_biases_and_transposed_stacks(kernels, dev):
     """GPT-OSS: (E, in, out) stacks, biases on both projections (the routing-weight gradient gets <b2, g>),
     interleaved clamped SwiGLU through the module's own gate."""
-    model = load_model(LoadOptions(str(ensure_tiny("gpt_oss")), device=dev))
-    attach_expert_lora(model, rank=4, alpha=8.0, seed=0)
-    randomize_lora_b(model)
+    model = quantized_with_lora(ensure_tiny("gpt_oss"), dev)
     assert_all_close(*run(model, kernels, "ragged"))
 
 

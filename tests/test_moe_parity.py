@@ -18,23 +18,18 @@ from oracle import (
     assert_close_scaled,
     eager_reference_experts,
     leaves,
-    randomize_lora_b,
+    quantized_with_lora,
     run_experts_pair,
 )
 from torch.func import functional_call
 
-from moe_qlora.experts import attach_expert_lora
-from moe_qlora.loading import LoadOptions, load_model
 from moe_qlora.nf4 import NF4Stack, dequantize_stack, quantize_stack
 
 
 @pytest.fixture(scope="module")
 def quantized(tiny_mixtral_dir):
     """The tiny Mixtral loaded in 4-bit with expert LoRA whose B factors are non-zero (so every grad is)."""
-    model = load_model(LoadOptions(str(tiny_mixtral_dir)))
-    attach_expert_lora(model, rank=4, alpha=8.0, seed=0)
-    randomize_lora_b(model)
-    return model
+    return quantized_with_lora(tiny_mixtral_dir)
 
 
 run_pair = run_experts_pair
