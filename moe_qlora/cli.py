@@ -1,7 +1,7 @@
 """Command line: `moe-qlora train`, `moe-qlora grpo`, `moe-qlora plan`, `moe-qlora check-norms`.
 
-A user error (bad config, bad data, missing model, unreadable adapter) prints one sentence and exits 2;
-`--debug` shows the traceback instead.
+A user error (bad config, bad data, missing model, unreadable adapter) prints one sentence and exits 2; an
+aborted run, or an adapter that would not load as trained, exits 1. `--debug` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ def _run(command: str, config: str, overrides: list[str], *, dry_run, resume, re
 
         console.print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), highlight=False)
         return
+    from .export import AdapterVerificationError
     from .trainer import TrainingAborted
 
     if command == "grpo":
@@ -109,7 +110,7 @@ def _run(command: str, config: str, overrides: list[str], *, dry_run, resume, re
         run(cfg, console, allow_mismatch=resume_anyway)
     except _user_errors() as exc:
         _fail(exc, debug)
-    except TrainingAborted as exc:
+    except (TrainingAborted, AdapterVerificationError) as exc:
         _fail(exc, debug, code=1)
 
 

@@ -20,9 +20,8 @@ from safetensors.torch import load_file, save_file
 from .config import LoraSection
 from .experts import ExpertLoRA, experts_modules
 from .fileio import atomic_dir
+from .peft_roundtrip import ADAPTER_CONFIG, ADAPTER_WEIGHTS, clean_base_config, first_few, load_like_peft
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 # Keys of each expert LoRA factor relative to the experts module, in PEFT's nesting.
 PEFT_EXPERT_KEYS = {
     "gate_up_a": "base_layer.lora_A.weight",
@@ -85,12 +84,14 @@ def adapter_config(model, cfg: LoraSection, base_model_name_or_path: str) -> Lor
     peft = model.peft_config["default"] if isinstance(model, PeftModel) else None
     linear_targets = sorted(peft.target_modules or []) if peft else []
     router_targets = sorted(peft.target_parameters or []) if peft else []
+    target_parameters = target_parameter_names(model) + router_targets
     return LoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,
-        lora_dropout=cfg.dropout,
+        # PEFT refuses to load LoRA on parameters (experts, routers) with dropout; it only matters in training
+        lora_dropout=0.0 if target_parameters else cfg.dropout,
         target_modules=linear_targets or None,
-        target_parameters=(target_parameter_names(model) + router_targets) or None,
+        target_parameters=target_parameters or None,
         base_model_name_or_path=base_model_name_or_path,
         task_type="CAUSAL_LM",
     )
@@ -140,8 +141,10 @@ class AdapterMismatchError(ValueError):
 def load_adapter(model, adapter_dir: str | Path, cfg: LoraSection) -> int:
     """Load an exported adapter (this project's or PEFT's, same layout) into `model`'s LoRA; returns tensors set.
 
-    Every tensor this model's LoRA has must be in the file with the same shape, and the scale must match;
-    otherwise the adapter belongs to another base model or LoRA layout and is refused, naming the first key.
+    The file must hold exactly this model's LoRA tensors with their shapes, and the scale must match;
+    otherwise the adapter belongs to another base model or LoRA layout and is refused, naming the keys.
+    After loading, every tensor must be in its module with the file's values (PEFT's own loading can rename
+    keys and drop them silently), else the load is refused too.
     """
     adapter_dir = Path(adapter_dir)
     try:
@@ -155,17 +158,7 @@ def load_adapter(model, adapter_dir: str | Path, cfg: LoraSection) -> int:
             f"this run has lora.rank={cfg.rank}, lora.alpha={cfg.alpha}"
         )
     expected = adapter_state_dict(model)
-    for key, tensor in expected.items():
-        if key not in saved:
-            raise AdapterMismatchError(f"{adapter_dir}: has no {key} (an adapter for another model or targets?)")
-        if saved[key].shape != tensor.shape:
-            raise AdapterMismatchError(
-                f"{adapter_dir}: {key} has shape {tuple(saved[key].shape)}, this model needs {tuple(tensor.shape)} "
-                "(an adapter for another base model)"
-            )
-    extra = sorted(saved.keys() - expected.keys())
-    if extra:
-        raise AdapterMismatchError(f"{adapter_dir}: tensors this model has no LoRA for, e.g. {extra[0]}")
+    check_adapter_keys(adapter_dir, saved, expected)
     prefix, expert_keys = _peft_prefix(model), set()
     for name, module in experts_modules(model):
         lora = getattr(module, "moe_lora", None)
@@ -175,4 +168,77 @@ def load_adapter(model, adapter_dir: str | Path, cfg: LoraSection) -> int:
             expert_keys.update(keys.values())
     if isinstance(model, PeftModel):
         set_peft_model_state_dict(model, {k: v for k, v in saved.items() if k not in expert_keys})
+    loaded = adapter_state_dict(model)
+    not_landed = sorted(k for k, v in saved.items() if not torch.equal(loaded[k], v.float()))
+    if not_landed:
+        raise AdapterMismatchError(
+            f"{adapter_dir}: {len(not_landed)} tensor(s) did not load into their modules: {first_few(not_landed)} "
+            "(PEFT renamed or re-targeted them on load?); refusing to train from a partly loaded adapter"
+        )
     return len(expected)
+
+
+class AdapterVerificationError(RuntimeError):
+    """A written adapter that does not hold the run's LoRA, or that PEFT would not load as trained."""
+
+
+def _base_model(model):
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
+def untracked_trainables(model, expected: dict[str, torch.Tensor]) -> list[str]:
+    """Trainable parameters the export has no key for: names, when the element counts disagree."""
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if sum(p.numel() for p in trainable.values()) == sum(t.numel() for t in expected.values()):
+        return []
+    return sorted(n for n in trainable if ".lora_" not in n and ".moe_lora." not in n) or sorted(trainable)
+
+
+def check_adapter_keys(adapter_dir: Path, saved: dict, expected: dict) -> None:
+    """The file must hold exactly this model's LoRA tensors, shapes included; every mismatch is named."""
+    missing = sorted(expected.keys() - saved.keys())
+    if missing:
+        raise AdapterMismatchError(f"{adapter_dir}: has no {first_few(missing)} ({len(missing)} tensor(s) this model's "
+                                   "LoRA needs; an adapter for another model or targets?)")  # fmt: skip
+    for key, tensor in expected.items():
+        if saved[key].shape != tensor.shape:
+            raise AdapterMismatchError(
+                f"{adapter_dir}: {key} has shape {tuple(saved[key].shape)}, this model needs {tuple(tensor.shape)} "
+                "(an adapter for another base model)"
+            )
+    extra = sorted(saved.keys() - expected.keys())
+    if extra:
+        raise AdapterMismatchError(f"{adapter_dir}: tensors this model has no LoRA for: {first_few(extra)}")
+
+
+def verify_adapter(model, adapter_dir: str | Path) -> int:
+    """Check a written adapter the way its consumer will read it; returns the number of tensors checked.
+
+    1. Every trainable tensor of the run is in the file, with the values the run has (in PEFT's layout).
+    2. `PeftModel.from_pretrained` on the base model (a weightless skeleton of it) puts every tensor of the
+       file into a module with the same values, and creates no LoRA tensor the file lacks.
+    Raises AdapterVerificationError naming the keys and the likely cause; the adapter is left as written.
+    """
+    adapter_dir = Path(adapter_dir)
+    expected = adapter_state_dict(model)
+    saved = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
+    problems = []
+    if untracked := untracked_trainables(model, expected):
+        problems.append(f"trainable parameters with no key in the export: {first_few(untracked)}")
+    if missing := sorted(expected.keys() - saved.keys()):
+        problems.append(f"tensors of the run missing from the file: {first_few(missing)}")
+    if extra := sorted(saved.keys() - expected.keys()):
+        problems.append(f"tensors in the file the run does not have: {first_few(extra)}")
+    if differ := sorted(k for k in expected.keys() & saved.keys() if not torch.equal(expected[k], saved[k])):
+        problems.append(f"tensors whose values differ from the run's: {first_few(differ)}")
+    base = _base_model(model)
+    report = load_like_peft(adapter_dir, clean_base_config(base.config), model_class=type(base))
+    if not report.ok:
+        problems.append("loaded by PEFT's from_pretrained, " + report.describe(base.config.model_type))
+    if problems:
+        raise AdapterVerificationError(
+            f"the adapter written to {adapter_dir} would not load as trained: "
+            + "; ".join(problems)
+            + ". The file is kept as written."
+        )
+    return len(saved)

@@ -2,7 +2,9 @@
 
 Experts get per-expert LoRA (experts.py) in every family; this table names the nn.Linear modules that get
 PEFT LoRA: attention projections, and the dense MLPs that shared experts and dense-first layers use.
-A family not listed gets the generic names that exist in the model.
+A family not listed gets the generic names that exist in the model. Whatever the targets, a module whose
+LoRA the installed PEFT would not load back as trained (a rank-1 adapter is round-tripped through PEFT to
+find out) is left out of `auto` and refused when named.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 from torch import nn
 
 from .config import ConfigError
+from .peft_roundtrip import clean_base_config, first_few, target_modules_failing_round_trip
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +32,7 @@ FAMILY_TARGETS: dict[str, list[str]] = {
     "deepseek_v2": MLA_ATTENTION + DENSE_MLP,  # shared_experts.* and first_k_dense_replace layers
     "deepseek_v3": MLA_ATTENTION + DENSE_MLP,
     "glm4_moe": ATTENTION + DENSE_MLP,
+    "laguna": ATTENTION + DENSE_MLP,  # dense first layer; shared_experts.* only where PEFT loads them back
 }
 GENERIC_TARGETS = ATTENTION + MLA_ATTENTION + DENSE_MLP
 
@@ -69,10 +73,66 @@ def default_targets(model: nn.Module) -> list[str]:
     return [t for t in dict.fromkeys(wanted) if t in present and t not in remapped]
 
 
+def matches_target(module_name: str, target: str) -> bool:
+    """PEFT's rule for a target_modules entry: the module's full name, or a dotted suffix of it."""
+    return module_name == target or module_name.endswith("." + target)
+
+
+def modules_matching(model: nn.Module, target: str) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and matches_target(n, target)]
+
+
+def modules_peft_would_not_load(model: nn.Module, targets: list[str]):
+    """(report, module names) for the targeted modules whose LoRA PEFT would not load back as written."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return target_modules_failing_round_trip(clean_base_config(base.config), targets, model_class=type(base))
+
+
+def narrowest_loadable(target: str, ok: list[str], failing: list[str]) -> list[str]:
+    """Suffixes that match every module in `ok` and none in `failing`, as short as possible.
+
+    'gate_proj' on Laguna: the dense layer's 'mlp.gate_proj' loads, 'mlp.shared_experts.gate_proj' does not,
+    so the target becomes 'mlp.gate_proj'. The full module names always separate them.
+    """
+    depth = max((len(n.split(".")) for n in ok), default=0)
+    for d in range(len(target.split(".")) + 1, depth + 1):
+        suffixes = sorted({".".join(n.split(".")[-d:]) for n in ok})
+        if not any(matches_target(f, s) for f in failing for s in suffixes):
+            return suffixes
+    return sorted(ok)
+
+
+def keep_loadable_targets(model: nn.Module, targets: list[str]) -> list[str]:
+    """`targets` narrowed to the modules whose LoRA the installed PEFT loads back as trained."""
+    if not targets:
+        return targets
+    report, failing = modules_peft_would_not_load(model, targets)
+    if not failing:
+        return targets
+    kept = []
+    for target in targets:
+        matched = modules_matching(model, target)
+        ok, bad = [n for n in matched if n not in failing], [n for n in matched if n in failing]
+        kept += [target] if not bad else narrowest_loadable(target, ok, bad) if ok else []
+    log.warning("not targeting %s: %s", first_few(sorted(failing)), report.describe(model.config.model_type))
+    return list(dict.fromkeys(kept))
+
+
+def refuse_unloadable_targets(model: nn.Module, targets: list[str]) -> None:
+    """An explicit target whose LoRA PEFT would not load back as trained is a config error, with the reason."""
+    report, failing = modules_peft_would_not_load(model, targets)
+    if failing:
+        bad = [t for t in targets if any(matches_target(f, t) for f in failing)]
+        raise ConfigError(
+            f"lora.target_modules {bad} would not load as trained in PEFT ({first_few(sorted(failing))}): "
+            f"{report.describe(model.config.model_type)}. Drop them, or name only the modules that load."
+        )
+
+
 def resolve_targets(model: nn.Module, target_modules: list[str] | str) -> list[str]:
     """`auto` -> the family defaults; an explicit list must name modules that exist and PEFT keeps as they are."""
     if target_modules == "auto":
-        return default_targets(model)
+        return keep_loadable_targets(model, default_targets(model))
     model_type = getattr(model.config, "model_type", "")
     remapped = [t for t in target_modules if t.rsplit(".", 1)[-1] in peft_remapped_names(model_type)]
     if remapped:
@@ -82,9 +142,10 @@ def resolve_targets(model: nn.Module, target_modules: list[str] | str) -> list[s
             "trained. Experts already get per-expert LoRA (lora.experts); drop these names."
         )
     present = linear_names(model)
-    missing = [t for t in target_modules if t.rsplit(".", 1)[-1] not in present]
+    missing = [t for t in target_modules if not modules_matching(model, t)]
     if missing:
         raise ConfigError(
             f"lora.target_modules names no nn.Linear of this model: {missing}; its linears: {sorted(present)}"
         )
+    refuse_unloadable_targets(model, list(target_modules))
     return list(target_modules)

@@ -25,7 +25,6 @@ from .adapters import adapters_disabled
 from .checkpoint import RunProgress, config_hash, fingerprint, save_checkpoint
 from .config import ConfigError, RunConfig
 from .data import IGNORE, Example, collate, epoch_order
-from .export import save_adapter
 from .optim import build_optimizer
 from .rewards import flat_groups, group_advantages, resolve_reward, score
 from .rollout import Rollout, load_offline_groups, load_prompts, offline_rollouts, sample_rollouts
@@ -39,6 +38,7 @@ from .trainer import (
     resume_if_asked,
     router_load,
     seed_everything,
+    write_adapter,
 )
 
 
@@ -326,6 +326,6 @@ def grpo(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool
 
     reward_means = run_grpo_steps(source, training, total=total, done=done, out=out, console=console,
                                   checkpoint=checkpoint)  # fmt: skip
-    adapter_dir = save_adapter(model, out / "adapter", cfg=cfg.lora, base_model_name_or_path=model_path)
-    console.print(f"adapter: {adapter_dir}  metrics: {out / 'metrics.jsonl'}  rollouts: {out / 'rollouts.jsonl'}")
+    adapter_dir = write_adapter(model, out, cfg, model_path, console)
+    console.print(f"metrics: {out / 'metrics.jsonl'}  rollouts: {out / 'rollouts.jsonl'}")
     return GrpoResult(len(reward_means), reward_means, adapter_dir, out / "metrics.jsonl", out / "rollouts.jsonl")

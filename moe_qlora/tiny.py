@@ -78,6 +78,10 @@ TINY_FAMILIES = {
         "n_shared_experts": 1, "first_k_dense_replace": 1, "intermediate_size": 128, "n_group": 2,
         "topk_group": 1, "head_dim": 16, "routed_scaling_factor": 1.5, "norm_topk_prob": True,
     }),
+    "laguna": ("LagunaConfig", {  # shared experts (PEFT renames their adapter keys on load), a dense first layer
+        "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 64, "intermediate_size": 128, "head_dim": 16,
+    }),
 }  # fmt: skip
 
 

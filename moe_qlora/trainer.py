@@ -35,7 +35,7 @@ from .checkpoint import (
 from .config import ConfigError, RunConfig
 from .data import IGNORE, Example, apply_reward_weights, build_examples, collate, epoch_order, micro_batches
 from .experts import set_moe_kernels
-from .export import load_adapter, save_adapter
+from .export import load_adapter, save_adapter, verify_adapter
 from .loading import LoadOptions, check_model_path, load_model, parameter_bytes_by_kind
 from .memory import release_freed_memory
 from .optim import build_optimizer, clip_global_norm, lr_multiplier
@@ -344,6 +344,15 @@ def build_schedule(optimizer, total_updates: int, train_cfg):
     )
 
 
+def write_adapter(model, out: Path, cfg: RunConfig, model_path: str, console: Console) -> Path:
+    """Save the run's adapter, then load it back as PEFT will and check every tensor landed (raises if not;
+    the adapter stays written either way)."""
+    adapter_dir = save_adapter(model, out / "adapter", cfg=cfg.lora, base_model_name_or_path=model_path)
+    n = verify_adapter(model, adapter_dir)
+    console.print(f"adapter: {adapter_dir} ({n} tensors, each verified to load in PEFT as trained)")
+    return adapter_dir
+
+
 def train(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool = False) -> TrainResult:
     """Run SFT as configured: returns the per-step losses (of this invocation) and where the outputs went."""
     console = console or Console()
@@ -368,6 +377,6 @@ def train(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: boo
     losses = run_steps(cfg, examples, tokenizer.pad_token_id, training, total=total, done=done, metrics=metrics,
                        console=console, checkpoint=checkpoint)  # fmt: skip
     metrics.close()
-    adapter_dir = save_adapter(model, out / "adapter", cfg=cfg.lora, base_model_name_or_path=model_path)
-    console.print(f"adapter: {adapter_dir}  metrics: {metrics.path}")
+    adapter_dir = write_adapter(model, out, cfg, model_path, console)
+    console.print(f"metrics: {metrics.path}")
     return TrainResult(steps=len(losses), losses=losses, adapter_dir=adapter_dir, metrics_path=metrics.path)

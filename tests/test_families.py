@@ -104,6 +104,8 @@ def test_sparse_block_with_router_and_shared_experts_matches(family):
     assert_close_scaled("block output", out.detach(), ref.detach())
     assert_close_scaled("grad x", x1.grad, x2.grad)
     for n, a, b in zip(router, r1, r2, strict=True):
+        if a.grad is None and b.grad is None:  # used only to select experts (Laguna's score-correction bias)
+            continue
         assert_close_scaled(f"grad {n}", a.grad, b.grad)
 
 
