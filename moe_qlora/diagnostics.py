@@ -20,7 +20,8 @@ from safetensors import SafetensorError, safe_open
 
 OUTLIER_FACTOR = 10.0
 MIN_GROUP_FOR_OUTLIERS = 4
-PARAM_ORDER = ("gate_up_proj", "down_proj")  # PEFT nests wrappers in this order: gate_up_proj innermost
+# PEFT nests wrappers in this order: the first projection (gate_up_proj, or up_proj when not gated) innermost
+PARAM_ORDER = ("gate_up_proj", "up_proj", "down_proj")
 
 
 class AdapterReadError(ValueError):

@@ -29,7 +29,8 @@ from .nf4 import NF4Stack
 from .routing import route
 
 EXPERTS_IMPLEMENTATION = "moe_qlora"
-EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+# Expert stacks: the first projection (gate_up_proj when gated, up_proj when not) and down_proj.
+EXPERT_PARAMS = ("gate_up_proj", "up_proj", "down_proj")
 
 
 class UnsupportedExpertsError(ValueError):
@@ -39,17 +40,19 @@ class UnsupportedExpertsError(ValueError):
 class ExpertLoRA(nn.Module):
     """LoRA factors for every expert of one layer (fp32 master weights).
 
-    gate_up_a: (E, r, H)  gate_up_b: (E, 2I, r)  down_a: (E, r, I)  down_b: (E, H, r)
+    gate_up_a: (E, r, H)  gate_up_b: (E, 2I, r), or (E, I, r) for non-gated experts (up_proj)
+    down_a: (E, r, I)  down_b: (E, H, r)
     Expert e's update is scale * B_e A_e with scale = alpha / r; B starts at zero so training starts at the base model.
     """
 
     def __init__(
-        self, *, num_experts: int, hidden: int, intermediate: int, rank: int, alpha: float, device=None, generator=None
-    ):
+        self, *, num_experts: int, hidden: int, intermediate: int, rank: int, alpha: float, gated: bool = True,
+        device=None, generator=None,
+    ):  # fmt: skip
         super().__init__()
         shapes = {
             "gate_up_a": (num_experts, rank, hidden),
-            "gate_up_b": (num_experts, 2 * intermediate, rank),
+            "gate_up_b": (num_experts, (2 if gated else 1) * intermediate, rank),
             "down_a": (num_experts, rank, intermediate),
             "down_b": (num_experts, hidden, rank),
         }
@@ -77,9 +80,15 @@ class ExpertLoRA(nn.Module):
         return f"experts={self.gate_up_a.shape[0]}, rank={self.rank}, alpha={self.alpha}"
 
 
+def stack_names(module: nn.Module) -> tuple[str, str]:
+    """The experts module's two stacks: ('gate_up_proj', 'down_proj'), or ('up_proj', 'down_proj') when the
+    experts are not gated (up -> activation -> down, e.g. Nemotron-H's squared ReLU)."""
+    return ("gate_up_proj" if getattr(module, "has_gate", True) else "up_proj", "down_proj")
+
+
 def is_experts_module(module: nn.Module) -> bool:
-    """True for a transformers experts class (fused 3D gate_up_proj / down_proj)."""
-    return hasattr(module, "has_gate") and all(hasattr(module, n) for n in EXPERT_PARAMS)
+    """True for a class on transformers' experts interface (its decorator sets has_gate) with its 3D stacks."""
+    return hasattr(module, "has_gate") and all(hasattr(module, n) for n in stack_names(module))
 
 
 def check_supported_layout(module: nn.Module, name: str = "experts") -> None:
@@ -87,11 +96,10 @@ def check_supported_layout(module: nn.Module, name: str = "experts") -> None:
 
     Supported: gate_up_proj / down_proj stacks, stored (E, out, in) or transposed (E, in, out), with or
     without biases, and any gating the module defines in `_apply_gate` (it is called as is, and
-    differentiated by autograd), e.g. GPT-OSS's interleaved, clamped SwiGLU.
+    differentiated by autograd), e.g. GPT-OSS's interleaved, clamped SwiGLU; or non-gated up_proj / down_proj
+    stacks with the module's own activation `act_fn` between them.
     """
     problems = []
-    if not getattr(module, "has_gate", False):
-        problems.append("experts without a gate_up projection (has_gate=False: up_proj and an activation)")
     if getattr(module, "has_post_expert_norm", False):
         problems.append("a norm after each expert (has_post_expert_norm=True)")
     if problems:
@@ -102,26 +110,27 @@ def check_supported_layout(module: nn.Module, name: str = "experts") -> None:
 
 
 def expert_dims(module: nn.Module) -> tuple[int, int, int]:
-    """(experts, hidden, intermediate) of an experts module, from its gate_up stack (quantized or not)."""
-    stack = module.gate_up_proj
+    """(experts, hidden, intermediate) of an experts module, from its first stack (quantized or not)."""
+    stack = getattr(module, stack_names(module)[0])
     e, d1, d2 = stack.quant_state.shape if isinstance(stack, bnb.nn.Params4bit) else stack.shape
-    hidden, two_i = (d1, d2) if getattr(module, "is_transposed", False) else (d2, d1)
-    return e, hidden, two_i // 2
+    hidden, width = (d1, d2) if getattr(module, "is_transposed", False) else (d2, d1)
+    return e, hidden, width // 2 if module.has_gate else width
 
 
 def _frozen_experts(module: nn.Module) -> FrozenExperts:
-    for n in EXPERT_PARAMS:
+    first, down = stack_names(module)
+    for n in (first, down):
         if not isinstance(getattr(module, n), bnb.nn.Params4bit):
             raise UnsupportedExpertsError(
                 f"{type(module).__name__}.{n} is not NF4-quantized; load the model with moe_qlora.loading.load_model"
             )
     has_bias = getattr(module, "has_bias", False)
     return FrozenExperts(
-        gate_up=NF4Stack.from_param(module.gate_up_proj),
+        gate_up=NF4Stack.from_param(getattr(module, first)),
         down=NF4Stack.from_param(module.down_proj),
-        gate=module._apply_gate,
+        gate=module._apply_gate if module.has_gate else module.act_fn,
         transposed=getattr(module, "is_transposed", False),
-        gate_up_bias=module.gate_up_proj_bias if has_bias else None,
+        gate_up_bias=getattr(module, f"{first}_bias") if has_bias else None,
         down_bias=module.down_proj_bias if has_bias else None,
         gate_is_silu_mul=_gates_with_silu_mul(module),
     )
@@ -131,7 +140,8 @@ def _gates_with_silu_mul(module: nn.Module) -> bool:
     """True when the module gates with transformers' default silu(gate) * up over the two halves of gate_up
     (Mixtral, Qwen-MoE, DeepSeek, OLMoE, ...), which the kernels fuse; any other gate runs as the module's own."""
     own_gate = getattr(type(module), "_apply_gate", None)
-    return own_gate is _default_apply_gate and isinstance(getattr(module, "act_fn", None), SiLUActivation | nn.SiLU)
+    silu = isinstance(getattr(module, "act_fn", None), SiLUActivation | nn.SiLU)
+    return module.has_gate and own_gate is _default_apply_gate and silu
 
 
 def moe_qlora_experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -213,7 +223,8 @@ def attach_expert_lora(model: nn.Module, *, rank: int, alpha: float, seed: int) 
     for name, module in experts_modules(model):
         check_supported_layout(module, name)
         e, hidden, inter = expert_dims(module)
-        lora = ExpertLoRA(num_experts=e, hidden=hidden, intermediate=inter, rank=rank, alpha=alpha, generator=generator)
-        module.moe_lora = lora.to(module.gate_up_proj.device)
+        lora = ExpertLoRA(num_experts=e, hidden=hidden, intermediate=inter, rank=rank, alpha=alpha,
+                          gated=module.has_gate, generator=generator)  # fmt: skip
+        module.moe_lora = lora.to(module.down_proj.device)
         names.append(name)
     return names

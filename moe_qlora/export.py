@@ -4,7 +4,8 @@ PEFT wraps a 3D expert parameter (E, out, in) in a ParamWrapper holding
   lora_A: Linear(in, r*E), weight (r*E, in), rows expert-major: row e*r + j is A_e[j];
   lora_B: Linear(r*E, out), weight (out, r*E), columns rank-major: column j*E + e is B_e[:, j]
 (ParamWrapper.get_delta_weight reshapes A to (E, r, in) and B to (out, r, E)). One wrapper is nested per
-targeted parameter, in the module's parameter order: gate_up_proj is the inner one, reached as `base_layer`.
+targeted parameter, in the module's parameter order: gate_up_proj (up_proj for non-gated experts) is the
+inner one, reached as `base_layer`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from peft import LoraConfig, PeftModel, get_peft_model_state_dict, set_peft_mode
 from safetensors.torch import load_file, save_file
 
 from .config import LoraSection
-from .experts import ExpertLoRA, experts_modules
+from .experts import ExpertLoRA, experts_modules, stack_names
 from .fileio import atomic_dir
 from .peft_roundtrip import ADAPTER_CONFIG, ADAPTER_WEIGHTS, clean_base_config, first_few, load_like_peft
 
@@ -76,7 +77,7 @@ def target_parameter_names(model) -> list[str]:
     for name, module in experts_modules(model):
         if getattr(module, "moe_lora", None) is not None:
             inner = re.sub(r"^.*\.layers\.\d+\.", "", name)
-            names.update({f"{inner}.gate_up_proj", f"{inner}.down_proj"})
+            names.update(f"{inner}.{stack}" for stack in stack_names(module))
     return sorted(names)
 
 

@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLA_ATTENTION = ["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]  # DeepSeek MLA
 DENSE_MLP = ["gate_proj", "up_proj", "down_proj"]  # shared experts and dense layers
+GATED_DELTANET = ["in_proj_qkvz", "in_proj_qkv", "in_proj_z", "out_proj"]  # linear attention (not its a/b gates)
+MAMBA = ["in_proj"]  # Mamba-2 mixers (PEFT refuses their out_proj)
 
 # Names PEFT would move onto the experts (see peft_remapped_names) are dropped from these at run time.
 FAMILY_TARGETS: dict[str, list[str]] = {
@@ -33,6 +35,9 @@ FAMILY_TARGETS: dict[str, list[str]] = {
     "deepseek_v3": MLA_ATTENTION + DENSE_MLP,
     "glm4_moe": ATTENTION + DENSE_MLP,
     "laguna": ATTENTION + DENSE_MLP,  # dense first layer; shared_experts.* only where PEFT loads them back
+    "qwen3_next": ATTENTION + GATED_DELTANET + DENSE_MLP,
+    "qwen3_5_moe_text": ATTENTION + GATED_DELTANET + DENSE_MLP,
+    "nemotron_h": ATTENTION + MAMBA + ["up_proj", "down_proj"],  # its shared expert is not gated
 }
 GENERIC_TARGETS = ATTENTION + MLA_ATTENTION + DENSE_MLP
 
@@ -120,7 +125,10 @@ def keep_loadable_targets(model: nn.Module, targets: list[str]) -> list[str]:
 
 def refuse_unloadable_targets(model: nn.Module, targets: list[str]) -> None:
     """An explicit target whose LoRA PEFT would not load back as trained is a config error, with the reason."""
-    report, failing = modules_peft_would_not_load(model, targets)
+    try:
+        report, failing = modules_peft_would_not_load(model, targets)
+    except ValueError as exc:  # PEFT refuses the target outright (e.g. a Mamba mixer's out_proj)
+        raise ConfigError(f"lora.target_modules {targets}: {exc}") from None
     if failing:
         bad = [t for t in targets if any(matches_target(f, t) for f in failing)]
         raise ConfigError(

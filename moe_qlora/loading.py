@@ -314,18 +314,42 @@ def keep_linears_in_compute_dtype(model) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
+def looks_like_experts(name: str, module) -> bool:
+    """An experts container by its name (class `...Experts`, attribute `experts` / `shared_experts`)."""
+    return type(module).__name__.lower().endswith("experts") or name.rsplit(".", 1)[-1] in ("experts", "shared_experts")
+
+
+def unquantized_expert_stacks(model) -> list[str]:
+    """Expert stacks left in high precision, each with why.
+
+    Experts are found by what they are: modules on transformers' experts interface (their stacks must be NF4
+    now), and modules that hold 3D expert-like stacks but are not on that interface (a layout moe-qlora does
+    not compute). Other 3D weights (the short convolutions of Mamba / linear-attention layers) are not experts.
+    """
+    found = []
+    for name, module in model.named_modules():
+        stacks = {n: p for n, p in module.named_parameters(recurse=False) if p.dim() == 3 and p.is_floating_point()}
+        stacks = {n: p for n, p in stacks.items() if not isinstance(p, bnb.nn.Params4bit)}
+        if not stacks:
+            continue
+        if is_experts_module(module):
+            why = "an experts stack the quantizer did not convert"
+        elif looks_like_experts(name, module):
+            why = f"{type(module).__name__} is not on transformers' experts interface (unknown expert layout)"
+        else:
+            continue
+        found += [f"{name}.{n} {tuple(p.shape)} {p.dtype}: {why}" for n, p in stacks.items()]
+    return found
+
+
 def assert_experts_quantized(model) -> None:
-    """Strict check: no expert stack (any floating-point 3D parameter) was left in high precision."""
-    leftovers = [
-        f"{name} {tuple(p.shape)} {p.dtype}"
-        for name, p in model.named_parameters()
-        if p.dim() == 3 and p.is_floating_point() and not isinstance(p, bnb.nn.Params4bit)
-    ]
+    """Strict check: every expert stack is NF4; names what was found unquantized and why."""
+    leftovers = unquantized_expert_stacks(model)
     if leftovers:
         raise ModelLoadError(
-            "expert stacks left in high precision (unknown expert layout?): "
-            + "; ".join(leftovers[:8])
-            + (f" and {len(leftovers) - 8} more" if len(leftovers) > 8 else "")
+            "expert stacks left in high precision: "
+            + "; ".join(leftovers[:4])
+            + (f" and {len(leftovers) - 4} more" if len(leftovers) > 4 else "")
         )
 
 

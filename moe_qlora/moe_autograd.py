@@ -30,9 +30,10 @@ from .routing import RoutedTokens
 class FrozenExperts:
     """The frozen half of an experts layer: what the autograd function never differentiates.
 
-    gate_up: NF4 (E, 2I, H) or (E, H, 2I) if transposed.  down: NF4 (E, H, I) or (E, I, H).
-    gate_up_bias: (E, 2I) or None.  down_bias: (E, H) or None.
-    gate: (n, 2I) -> (n, I), the model's own gating of the gate_up output (any differentiable function).
+    gate_up: NF4 (E, 2I, H) or (E, H, 2I) if transposed; (E, I, H) / (E, H, I) for non-gated experts (up_proj).
+    down: NF4 (E, H, I) or (E, I, H).  gate_up_bias: (E, 2I) (or (E, I)) or None.  down_bias: (E, H) or None.
+    gate: (n, 2I) -> (n, I), the model's own gating of the gate_up output (any differentiable function);
+    for non-gated experts (n, I) -> (n, I), the module's activation.
     gate_is_silu_mul: gate is transformers' default silu(h[:, :I]) * h[:, I:], which the Triton gate_up
     kernel can apply in its epilogue.
     """
@@ -48,6 +49,11 @@ class FrozenExperts:
     @property
     def intermediate(self) -> int:
         return self.down.shape[1] if self.transposed else self.down.shape[2]
+
+    @property
+    def up_width(self) -> int:
+        """Columns of the first projection: 2I when gated (gate_up), I when not (up)."""
+        return self.gate_up.shape[2] if self.transposed else self.gate_up.shape[1]
 
     def weight(self, stack: NF4Stack, e: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert e of a stack as (in, out), the right operand of x @ W: one expert dequantized at a time."""
@@ -149,7 +155,7 @@ class MoELoRAFunction(torch.autograd.Function):
         ex, rt, dtype, scale = plan.experts, plan.routing, x.dtype, plan.lora_scale
         lora = _cast_lora((gate_up_a, gate_up_b, down_a, down_b), dtype)
         rank = 0 if lora[0] is None else lora[0].shape[1]
-        h = x.new_empty(rt.num_rows, 2 * ex.intermediate)
+        h = x.new_empty(rt.num_rows, ex.up_width)
         p_gate_up, p_down = x.new_empty(rt.num_rows, rank), x.new_empty(rt.num_rows, rank)
         w_sorted = routing_weights.reshape(-1).index_select(0, rt.order).to(dtype)  # (S,)
         out = torch.zeros_like(x)

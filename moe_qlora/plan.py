@@ -72,7 +72,8 @@ def lora_params(model: nn.Module, cfg: RunConfig) -> int:
     if cfg.lora.experts:
         for _, module in ((n, m) for n, m in model.named_modules() if is_experts_module(m)):
             e, hidden, inter = expert_dims(module)
-            total += e * r * ((hidden + 2 * inter) + (inter + hidden))  # gate_up: A (r,H) B (2I,r); down: A, B
+            up = (2 if module.has_gate else 1) * inter
+            total += e * r * ((hidden + up) + (inter + hidden))  # gate_up: A (r,H) B (2I,r); down: A, B
     targets = set(resolve_targets(model, cfg.lora.target_modules))
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets:

@@ -82,6 +82,27 @@ TINY_FAMILIES = {
         "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
         "shared_expert_intermediate_size": 64, "intermediate_size": 128, "head_dim": 16,
     }),
+    # Hybrids: linear attention (gated DeltaNet, its 3D short-convolution weight) beside full attention.
+    "qwen3_next": ("Qwen3NextConfig", {
+        "num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 64, "intermediate_size": 128, "head_dim": 16, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        "mlp_only_layers": [0],
+    }),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", {
+        "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 64, "head_dim": 16, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+        "layer_types": ["linear_attention", "full_attention"],
+    }),
+    # Mamba-2 mixers, attention and non-gated experts (up -> squared ReLU -> down) with a shared expert.
+    "nemotron_h": ("NemotronHConfig", {
+        "layers_block_type": ["mamba", "moe", "attention", "moe"], "n_routed_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64, "moe_shared_expert_intermediate_size": 64, "intermediate_size": 128,
+        "head_dim": 16, "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2,
+        "chunk_size": 16, "use_mamba_kernels": False,
+    }),
 }  # fmt: skip
 
 

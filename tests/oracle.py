@@ -10,13 +10,12 @@ import copy
 import torch
 from torch.func import functional_call
 
-from moe_qlora.experts import EXPERT_PARAMS, attach_expert_lora
+from moe_qlora.experts import attach_expert_lora, stack_names
 from moe_qlora.loading import LoadOptions, load_model
 from moe_qlora.nf4 import dequantize_param
 
 # fp32 reordering error scales with the tensor (see test_moe_parity): max|ours - ref| <= REL_TOL * max|ref|.
 REL_TOL = 4e-6
-BIASES = ("gate_up_proj_bias", "down_proj_bias")
 
 
 def lora_delta(b, a, transposed):
@@ -30,14 +29,15 @@ def eager_reference_experts(experts, config):
     cfg = copy.deepcopy(config)
     cfg._experts_implementation = "eager"
     eager = type(experts)(cfg)
-    base = {n: dequantize_param(getattr(experts, n)) for n in EXPERT_PARAMS}
-    biases = {n: getattr(experts, n).detach() for n in BIASES if getattr(experts, "has_bias", False)}
+    first, down = stack_names(experts)
+    base = {n: dequantize_param(getattr(experts, n)) for n in (first, down)}
+    biases = {f"{n}_bias": getattr(experts, f"{n}_bias").detach() for n in (first, down) if experts.has_bias}
     scale, transposed = experts.moe_lora.scale, getattr(experts, "is_transposed", False)
 
     def weights(a1, b1, a2, b2):
         return {
-            "gate_up_proj": base["gate_up_proj"] + scale * lora_delta(b1, a1, transposed),
-            "down_proj": base["down_proj"] + scale * lora_delta(b2, a2, transposed),
+            first: base[first] + scale * lora_delta(b1, a1, transposed),
+            down: base[down] + scale * lora_delta(b2, a2, transposed),
             **biases,
         }
 

@@ -58,3 +58,26 @@ def test_missing_model_path_is_refused(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ModelLoadError, match="no .safetensors weights"):
         load_model(LoadOptions(str(tmp_path)))
+
+
+def test_strict_check_names_experts_off_the_interface_and_ignores_convolutions():
+    """Experts are found by what they are: a 3D short-convolution weight (hybrid layers) is not one; a module
+    holding expert stacks off transformers' experts interface is named, with why."""
+    import pytest
+    from torch import nn
+
+    from moe_qlora.loading import ModelLoadError, assert_experts_quantized
+
+    class DbrxLikeExperts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1 = nn.Parameter(torch.zeros(4, 8, 16))
+
+    model = nn.Module()
+    model.conv1d = nn.Conv1d(16, 16, 4, groups=16)  # weight (16, 1, 4)
+    assert_experts_quantized(model)
+    model.experts = DbrxLikeExperts()
+    with pytest.raises(
+        ModelLoadError, match=r"experts\.w1 \(4, 8, 16\).*DbrxLikeExperts is not on transformers' experts"
+    ):
+        assert_experts_quantized(model)
