@@ -274,6 +274,12 @@ def load_model(opts: LoadOptions):
         keep_linears_in_compute_dtype(model)
     if opts.strict:
         assert_experts_quantized(model)
+    if declared_experts(model.config) > 1 and not experts_modules(model):
+        raise ModelLoadError(
+            f"no experts module on transformers' experts interface (an expert layout moe-qlora does not know), though "
+            f"the config of {type(model).__name__} declares {declared_experts(model.config)} experts: refusing rather "
+            "than training it as a dense model with its experts untouched"
+        )
     if experts_modules(model):
         apply_moe_qlora_experts(model)
     return model
@@ -314,6 +320,21 @@ def keep_linears_in_compute_dtype(model) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
+EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def declared_experts(config) -> int:
+    """The number of routed experts a config declares (0 for a dense model)."""
+    for key in EXPERT_COUNT_FIELDS:
+        try:
+            value = getattr(config, key, None)
+        except Exception:  # a per-layer attribute of a heterogeneous config
+            continue
+        if isinstance(value, int) and value > 1:
+            return value
+    return getattr(getattr(config, "ffn_config", None), "moe_num_experts", 0) or 0
+
+
 def looks_like_experts(name: str, module) -> bool:
     """An experts container by its name (class `...Experts`, attribute `experts` / `shared_experts`)."""
     return type(module).__name__.lower().endswith("experts") or name.rsplit(".", 1)[-1] in ("experts", "shared_experts")
@@ -333,12 +354,12 @@ def unquantized_expert_stacks(model) -> list[str]:
         if not stacks:
             continue
         if is_experts_module(module):
-            why = "an experts stack the quantizer did not convert"
+            why = "the quantizer did not convert"
         elif looks_like_experts(name, module):
-            why = f"{type(module).__name__} is not on transformers' experts interface (unknown expert layout)"
+            why = f"{type(module).__name__} is not on transformers' experts interface (an unknown expert layout)"
         else:
             continue
-        found += [f"{name}.{n} {tuple(p.shape)} {p.dtype}: {why}" for n, p in stacks.items()]
+        found += [f"{why}: {name}.{n} {tuple(p.shape)} {p.dtype}" for n, p in stacks.items()]
     return found
 
 
@@ -347,7 +368,7 @@ def assert_experts_quantized(model) -> None:
     leftovers = unquantized_expert_stacks(model)
     if leftovers:
         raise ModelLoadError(
-            "expert stacks left in high precision: "
+            "expert stacks moe-qlora cannot keep in NF4: "
             + "; ".join(leftovers[:4])
             + (f" and {len(leftovers) - 4} more" if len(leftovers) > 4 else "")
         )

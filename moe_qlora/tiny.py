@@ -185,3 +185,56 @@ def resolve_model_path(name_or_path: str) -> str:
             raise KeyError(f"unknown builtin model {name_or_path!r}; known: {', '.join(BUILTIN_MODELS)}")
         return str(BUILTIN_MODELS[name_or_path]())
     return name_or_path
+
+
+# The sizes every MoE family's config is shrunk to for the family sweep (tests/test_family_sweep.py): set where
+# the config has the field. Hybrid features stay on: layer-type lists are rebuilt for the smaller depth.
+SWEEP_SIZES = {
+    "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
+    "moe_shared_expert_intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8, "num_local_experts": 8, "n_routed_experts": 8,
+    "moe_num_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 512, "initializer_range": 0.15,
+    "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+    "qk_head_dim": 24, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16, "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2,
+    "chunk_size": 16, "use_mamba_kernels": False, "mamba_d_state": 16, "n_group": 1, "topk_group": 1,
+    "first_k_dense_replace": 1, "sliding_window": 32, "index_head_dim": 16, "index_n_heads": 2, "index_topk": 8,
+}  # fmt: skip
+# Per-family fields the generic shrink cannot derive (layer patterns given by period, nested sub-configs).
+SWEEP_EXTRA = {
+    "jamba": {"num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+              "expert_layer_offset": 1},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 0},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention"], "mamba_n_heads": 8, "mamba_d_head": 16,
+                         "mamba_n_groups": 2, "mamba_chunk_size": 16},
+    "zaya": {"num_experts_per_tok": 1},
+    # hybrids whose full-attention layer comes every 4th, and families with dense first layers
+    **{t: {"num_hidden_layers": 4} for t in ("qwen4_exp_text", "beam")},
+    "bailing_hybrid": {"layer_types": ["linear_attention", "full_attention"]},
+    "kimi_linear": {"layer_types": ["linear_attention", "full_attention"]},
+    "flint": {"mlp_only_layers": [0]},
+    "dbrx": {"d_model": 64, "n_heads": 4, "n_layers": 2, "max_seq_len": 512,
+             "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0},
+             "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 8, "moe_top_k": 2}},
+}  # fmt: skip
+LAYER_LISTS = ("layer_types", "mlp_layer_types")
+
+
+def tiny_config_any(model_type: str, vocab_size: int):
+    """A tiny config of any model type: the hand-made one of TINY_FAMILIES, else the defaults shrunk to
+    SWEEP_SIZES (plus SWEEP_EXTRA). Raises what the config class raises when it cannot be shrunk."""
+    if model_type in TINY_FAMILIES:
+        return tiny_config(model_type, vocab_size)
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    defaults = cls()
+    fields = {k: v for k, v in SWEEP_SIZES.items() if hasattr(defaults, k)}
+    settable = [k for k in LAYER_LISTS if not isinstance(getattr(cls, k, None), property)]
+    fields.update({k: None for k in settable if isinstance(getattr(defaults, k, None), list)})
+    specials = {k: TINY_COMMON[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    if "kv_lora_rank" in fields:  # multi-head latent attention: one latent KV per head
+        fields["num_key_value_heads"] = fields["num_attention_heads"]
+        if "head_dim" in fields:  # MLA configs use head_dim for the rotary part
+            fields["head_dim"] = fields["qk_rope_head_dim"]
+    return cls(vocab_size=vocab_size, **{**fields, **specials, **SWEEP_EXTRA.get(model_type, {})})

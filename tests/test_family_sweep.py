@@ -1,0 +1,49 @@
+"""Every MoE model type of the installed transformers through the whole tool (see family_sweep.py): each one
+is supported (trains, its export loads whole in PEFT, its experts match the family's eager experts) or
+refused/skipped with a one-sentence reason; none fails with a traceback. The README's family table is this
+test's output and must match it: regenerate with `MOE_QLORA_UPDATE_README=1 python -m pytest
+tests/test_family_sweep.py`."""
+
+import functools
+import os
+from pathlib import Path
+
+import family_sweep
+import transformers
+from family_sweep import TABLE_END, TABLE_START, render_table, sweep
+from oracle import run_experts_pair
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+# The families this tool is named for, and the hybrids that were once refused for the wrong reason.
+MUST_BE_SUPPORTED = {
+    "mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "deepseek_v2", "deepseek_v3", "olmoe",
+    "gpt_oss", "glm4_moe", "nemotron_h", "jamba", "granitemoehybrid", "lfm2_moe", "kimi_linear", "bailing_hybrid",
+    "laguna",
+}  # fmt: skip
+
+
+def test_every_moe_family_is_supported_or_refused_with_a_reason(tmp_path):
+    rows = sweep(tmp_path)
+    assert len(rows) >= 40, [r.model_type for r in rows]
+    errors = [f"{r.model_type}: {r.detail}" for r in rows if r.status == "error"]
+    assert not errors, errors
+    supported = {r.model_type for r in rows if r.status == "supported"}
+    assert MUST_BE_SUPPORTED <= supported, MUST_BE_SUPPORTED - supported
+    table = render_table(rows, transformers.__version__)
+    readme = README.read_text()
+    start, end = readme.index(TABLE_START), readme.index(TABLE_END) + len(TABLE_END)
+    if os.environ.get("MOE_QLORA_UPDATE_README") == "1":
+        README.write_text(readme[:start] + table + readme[end:])
+        readme, end = README.read_text(), start + len(table)
+    assert readme[start:end] == table, (
+        "the README's family table differs from this sweep (another transformers?): regenerate it with "
+        "MOE_QLORA_UPDATE_README=1 python -m pytest tests/test_family_sweep.py\n" + table
+    )
+
+
+def test_the_sweeps_parity_check_fails_on_rolled_experts(tmp_path, monkeypatch):
+    """Broken control: with the experts rolled on our side the sweep must report an error, not support."""
+    rolled = functools.partial(run_experts_pair, mutate=lambda idx, w: ((idx + 1) % 8, w))
+    monkeypatch.setattr(family_sweep, "run_experts_pair", rolled)
+    (row,) = sweep(tmp_path, ["mixtral"])
+    assert row.status == "error" and "AssertionError" in row.detail, row
