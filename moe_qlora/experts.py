@@ -8,6 +8,7 @@ block's routing stays exactly the model's own, and only the expert computation i
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -139,7 +140,7 @@ def _frozen_experts(module: nn.Module) -> FrozenExperts:
 def _gates_with_silu_mul(module: nn.Module) -> bool:
     """True when the module gates with transformers' default silu(gate) * up over the two halves of gate_up
     (Mixtral, Qwen-MoE, DeepSeek, OLMoE, ...), which the kernels fuse; any other gate runs as the module's own."""
-    own_gate = getattr(type(module), "_apply_gate", None)
+    own_gate = getattr(getattr(module, "_apply_gate", None), "__func__", None)
     silu = isinstance(getattr(module, "act_fn", None), SiLUActivation | nn.SiLU)
     return module.has_gate and own_gate is _default_apply_gate and silu
 
@@ -160,6 +161,46 @@ def moe_qlora_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     if kernels == "torch":
         return moe_lora_experts(hidden_states, top_k_weights, factors, plan)
     return moe_lora_experts_grouped(hidden_states, top_k_weights, factors, plan, grouped_ops(kernels))
+
+
+# Experts classes off transformers' interface whose stacks and math the MoE layer computes exactly once they
+# carry the interface's attributes. Llama-4: gate_up_proj (E, H, 2I) and down_proj (E, I, H) (transposed),
+# up * silu(gate); its block feeds the experts every token for every expert, scaled by the routing score
+# (sigmoid, 0 for the experts a token did not pick): routed_in (E*T, H), row e*T + t = s_te x_t.
+DENSE_INPUT_EXPERTS = ("Llama4TextExperts",)
+
+
+def adopt_dense_input_experts(model: nn.Module) -> int:
+    """Give every dense-input experts module (Llama-4) the experts-interface attributes and our forward, so
+    it is quantized and computed like the others; returns how many. Instance-level: no class is patched."""
+    adopted = 0
+    for module in model.modules():
+        if type(module).__name__ in DENSE_INPUT_EXPERTS and not hasattr(module, "has_gate"):
+            module.has_gate, module.has_bias, module.is_transposed, module.is_concatenated = True, False, True, True
+            module.has_post_expert_norm, module.moe_adopted = False, True
+            module._apply_gate = types.MethodType(_default_apply_gate, module)
+            module.forward = types.MethodType(dense_input_experts_forward, module)
+            adopted += 1
+    return adopted
+
+
+def dense_input_experts_forward(self, routed_in, top_k_index=None, top_k_weights=None):
+    """routed_in (E*T, H), each expert's rows scaled by its score -> (E*T, H), through our MoE layer.
+
+    Only the rows of picked experts are computed: a zero row gives E_e(0) = 0, and every gradient through it
+    is 0 too (silu(0) = 0 and the up projection of 0 is 0, so the Jacobian at 0 vanishes), so skipping it is
+    exact. Each picked (expert, token) row is one routed row with weight 1: its score is already in the input.
+    Called with (hidden, top_k_index, top_k_weights) it is the ordinary experts interface.
+    """
+    if top_k_index is not None:
+        return moe_qlora_experts_forward(self, routed_in, top_k_index, top_k_weights)
+    tokens = routed_in.shape[0] // self.num_experts
+    picked = routed_in.ne(0).any(-1).nonzero().squeeze(1)  # (S,) rows e*T + t with a non-zero input
+    expert = (picked // tokens).unsqueeze(1)  # (S, 1)
+    out = moe_qlora_experts_forward(
+        self, routed_in[picked], expert, torch.ones(expert.shape, dtype=routed_in.dtype, device=routed_in.device)
+    )
+    return routed_in.new_zeros(routed_in.shape).index_copy(0, picked, out)
 
 
 # torch: the per-expert reference (CPU); triton: grouped Triton kernels (CUDA, or TRITON_INTERPRET=1);

@@ -32,25 +32,54 @@ PEFT_EXPERT_KEYS = {
 }
 
 
-def expert_lora_to_peft(lora: ExpertLoRA) -> dict[str, torch.Tensor]:
-    """Our (E, r, in) / (E, out, r) factors as PEFT's flat lora_A / lora_B weights."""
+def _flat_a(a: torch.Tensor) -> torch.Tensor:
+    e, r, d = a.shape  # (E, r, in) -> (r*E, in), row e*r + j is A_e[j]
+    return a.reshape(e * r, d)
+
+
+def _flat_b(b: torch.Tensor) -> torch.Tensor:
+    e, d, r = b.shape  # (E, out, r) -> (out, r*E), column j*E + e is B_e[:, j]
+    return b.permute(1, 2, 0).reshape(d, r * e)
+
+
+def _projections():
+    """(our factor prefix, PEFT's lora_A key, PEFT's lora_B key) per expert stack."""
+    return [(p, PEFT_EXPERT_KEYS[f"{p}_a"], PEFT_EXPERT_KEYS[f"{p}_b"]) for p in ("gate_up", "down")]
+
+
+def peft_reads_transposed(module) -> bool:
+    """True when the stack is stored (E, in, out) but PEFT will read it as (E, out, in): PEFT asks the module
+    for `is_transposed`, which the consumer's fresh Llama-4 experts do not have (we set it when adopting)."""
+    return bool(getattr(module, "is_transposed", False) and getattr(module, "moe_adopted", False))
+
+
+def expert_lora_to_peft(lora: ExpertLoRA, *, swap: bool = False) -> dict[str, torch.Tensor]:
+    """Our (E, r, in) / (E, out, r) factors as PEFT's flat lora_A / lora_B weights.
+
+    swap: PEFT reads the stack transposed (peft_reads_transposed), so its delta is ours transposed,
+    (B A)^T = A^T B^T: its A is our B^T and its B is our A^T.
+    """
     out = {}
-    for name, key in PEFT_EXPERT_KEYS.items():
-        t = getattr(lora, name).detach()
-        e, d0, d1 = t.shape
-        out[key] = t.reshape(e * d0, d1) if name.endswith("_a") else t.permute(1, 2, 0).reshape(d0, d1 * e)
+    for proj, key_a, key_b in _projections():
+        a, b = getattr(lora, f"{proj}_a").detach(), getattr(lora, f"{proj}_b").detach()
+        if swap:
+            a, b = b.transpose(1, 2), a.transpose(1, 2)
+        out[key_a], out[key_b] = _flat_a(a), _flat_b(b)
     return {k: v.contiguous().float() for k, v in out.items()}
 
 
-def peft_to_expert_lora(tensors: dict[str, torch.Tensor], lora: ExpertLoRA) -> None:
-    """Load PEFT-layout expert factors (keys as in PEFT_EXPERT_KEYS) into `lora`, in place."""
-    for name, key in PEFT_EXPERT_KEYS.items():
-        param = getattr(lora, name)
-        e, d0, d1 = param.shape
-        t = tensors[key]
-        value = t.reshape(e, d0, d1) if name.endswith("_a") else t.reshape(d0, d1, e).permute(2, 0, 1)
+def peft_to_expert_lora(tensors: dict[str, torch.Tensor], lora: ExpertLoRA, *, swap: bool = False) -> None:
+    """Load PEFT-layout expert factors (keys as in PEFT_EXPERT_KEYS) into `lora`, in place (inverse of the above)."""
+    for proj, key_a, key_b in _projections():
+        e = getattr(lora, f"{proj}_a").shape[0]
+        flat_a, flat_b = tensors[key_a], tensors[key_b]
+        a = flat_a.reshape(e, -1, flat_a.shape[1])
+        b = flat_b.reshape(flat_b.shape[0], -1, e).permute(2, 0, 1)
+        if swap:
+            a, b = b.transpose(1, 2), a.transpose(1, 2)
         with torch.no_grad():
-            param.copy_(value)
+            getattr(lora, f"{proj}_a").copy_(a)
+            getattr(lora, f"{proj}_b").copy_(b)
 
 
 def _peft_prefix(model) -> str:
@@ -67,7 +96,8 @@ def adapter_state_dict(model) -> dict[str, torch.Tensor]:
     for name, module in experts_modules(model):
         lora = getattr(module, "moe_lora", None)
         if lora is not None:
-            state.update({f"{prefix}{name}.{k}": v for k, v in expert_lora_to_peft(lora).items()})
+            factors = expert_lora_to_peft(lora, swap=peft_reads_transposed(module))
+            state.update({f"{prefix}{name}.{k}": v for k, v in factors.items()})
     return state
 
 
@@ -165,7 +195,7 @@ def load_adapter(model, adapter_dir: str | Path, cfg: LoraSection) -> int:
         lora = getattr(module, "moe_lora", None)
         if lora is not None:
             keys = {k: f"{prefix}{name}.{k}" for k in PEFT_EXPERT_KEYS.values()}
-            peft_to_expert_lora({k: saved[full] for k, full in keys.items()}, lora)
+            peft_to_expert_lora({k: saved[full] for k, full in keys.items()}, lora, swap=peft_reads_transposed(module))
             expert_keys.update(keys.values())
     if isinstance(model, PeftModel):
         set_peft_model_state_dict(model, {k: v for k, v in saved.items() if k not in expert_keys})

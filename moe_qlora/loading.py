@@ -27,7 +27,13 @@ from transformers.quantizers.base import get_keys_to_not_convert
 from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
-from .experts import EXPERT_PARAMS, apply_moe_qlora_experts, experts_modules, is_experts_module
+from .experts import (
+    EXPERT_PARAMS,
+    adopt_dense_input_experts,
+    apply_moe_qlora_experts,
+    experts_modules,
+    is_experts_module,
+)
 from .memory import release_freed_memory
 from .nf4 import BLOCKSIZE, quantize_stack, stack_nbytes
 
@@ -106,6 +112,7 @@ class MoEQLoRAQuantizer(Bnb4BitHfQuantizer):
     """Bitsandbytes 4-bit quantizer that also quantizes fused 3D expert stacks to NF4."""
 
     def _process_model_before_weight_loading(self, model, device_map, **kwargs):
+        adopt_dense_input_experts(model)  # before loading, so their stacks are quantized as experts
         skips = set(self.quantization_config.llm_int8_skip_modules or [])
         on_cpu = all(str(d).startswith("cpu") for d in (device_map or {"": "cpu"}).values())
         skips.update(linears_not_quantized(model, on_cpu=on_cpu))

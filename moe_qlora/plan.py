@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.quantizers.quantizers_utils import should_convert_module
 
 from .config import RunConfig
-from .experts import EXPERT_PARAMS, expert_dims, is_experts_module
+from .experts import EXPERT_PARAMS, adopt_dense_input_experts, expert_dims, is_experts_module
 from .families import resolve_targets
 from .loading import linears_not_quantized
 from .nf4 import BLOCKSIZE, NESTED_BLOCKSIZE
@@ -47,7 +47,9 @@ class Plan:
 def meta_model(name_or_path: str, trust_remote_code: bool = False) -> nn.Module:
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    adopt_dense_input_experts(model)
+    return model
 
 
 def weight_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> dict[str, int]:

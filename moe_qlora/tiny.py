@@ -96,6 +96,12 @@ TINY_FAMILIES = {
         "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
         "layer_types": ["linear_attention", "full_attention"],
     }),
+    # Experts off the interface, stored (E, in, out), fed every token scaled by its sigmoid score; top-1 routing
+    # and a shared expert; MoE on every layer, chunked attention and no-RoPE layers as in Llama-4.
+    "llama4_text": ("Llama4TextConfig", {
+        "num_hidden_layers": 2, "num_local_experts": 8, "num_experts_per_tok": 1, "intermediate_size": 64,
+        "intermediate_size_mlp": 128, "head_dim": 16, "interleave_moe_layer_step": 1, "attention_chunk_size": 32,
+    }),
     # Mamba-2 mixers, attention and non-gated experts (up -> squared ReLU -> down) with a shared expert.
     "nemotron_h": ("NemotronHConfig", {
         "layers_block_type": ["mamba", "moe", "attention", "moe"], "n_routed_experts": 8, "num_experts_per_tok": 2,

@@ -10,7 +10,7 @@ import copy
 import torch
 from torch.func import functional_call
 
-from moe_qlora.experts import attach_expert_lora, stack_names
+from moe_qlora.experts import DENSE_INPUT_EXPERTS, attach_expert_lora, stack_names
 from moe_qlora.loading import LoadOptions, load_model
 from moe_qlora.nf4 import dequantize_param
 
@@ -44,6 +44,21 @@ def eager_reference_experts(experts, config):
     return eager, weights
 
 
+def call_experts(module, x, top_k_index, top_k_weights, params=None):
+    """An experts module on (T, H) tokens routed (T, K), called as its block calls it; dense-input experts
+    (Llama-4) get every token for every expert, scaled by its routing weight (0 where not picked), and their
+    per-expert outputs are summed. `params`: run with these weights instead of the module's (functional_call)."""
+    dense = type(module).__name__ in DENSE_INPUT_EXPERTS
+    if dense:
+        e, t = module.num_experts, x.shape[0]
+        scores = x.new_zeros(t, e).scatter(1, top_k_index, top_k_weights)  # (T, E), differentiable in the weights
+        args = ((x.unsqueeze(0) * scores.t().unsqueeze(-1)).reshape(e * t, -1),)
+    else:
+        args = (x, top_k_index, top_k_weights)
+    out = module(*args) if params is None else functional_call(module, params, args)
+    return out.view(e, t, -1).sum(0) if dense else out
+
+
 def leaves(*tensors):
     return [t.detach().clone().requires_grad_(True) for t in tensors]
 
@@ -73,13 +88,13 @@ def run_experts_pair(experts, config, x, top_k_index, top_k_weights, mutate=None
     for p in factors:
         p.grad = None
     ours_idx, ours_w = (top_k_index, w1) if mutate is None else mutate(top_k_index, w1)
-    out = experts(x1, ours_idx, ours_w)
+    out = call_experts(experts, x1, ours_idx, ours_w)
     out.backward(upstream)
     ours = [out.detach(), x1.grad, w1.grad] + [p.grad.clone() for p in factors]
 
     eager, weights = eager_reference_experts(experts, config)
     x2, w2, *f2 = leaves(x, top_k_weights, *factors)
-    ref_out = functional_call(eager, weights(*f2), (x2, top_k_index, w2))
+    ref_out = call_experts(eager, x2, top_k_index, w2, weights(*f2))
     ref_out.backward(upstream)
     ref = [ref_out.detach(), x2.grad, w2.grad] + [f.grad for f in f2]
     return ours, ref
