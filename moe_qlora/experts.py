@@ -170,6 +170,28 @@ def moe_qlora_experts_forward(self, hidden_states, top_k_index, top_k_weights):
 DENSE_INPUT_EXPERTS = ("Llama4TextExperts",)
 
 
+# Expert layouts off the interface that moe-qlora refuses, with the reason a user needs.
+UNSUPPORTED_LAYOUTS = {
+    "LongcatFlashExperts": "LongCat-Flash's zero-computation experts (the router may pick identity experts that "
+    "have no weights: its gate_up stack has more experts than its down stack)",
+    "JetMoeParallelExperts": "JetMoE's attention experts (a mixture of attention heads, JetMoeMoA) and its "
+    "parallel-experts MLP, which are not on transformers' experts interface",
+    "DbrxExperts": "DBRX's experts, stored as 2D (experts * ffn, hidden) matrices w1 / v1 / w2 in DbrxExpertGLU "
+    "rather than 3D stacks on transformers' experts interface",
+    "DogeCDMoE": "Doge's cross-domain MoE, whose experts are embedding tables (down_embed / up_embed)",
+    "InklingSharedExperts": "Inkling's fused shared-expert stacks (separate 3D gate_proj / up_proj / down_proj, "
+    "every token through each, weighted by router gammas), not supported yet",
+}
+
+
+def unsupported_layout(model: nn.Module) -> str | None:
+    """The reason of the first expert layout in `model` that moe-qlora knows it cannot compute, if any."""
+    for module in model.modules():
+        if (reason := UNSUPPORTED_LAYOUTS.get(type(module).__name__)) is not None:
+            return reason
+    return None
+
+
 def adopt_dense_input_experts(model: nn.Module) -> int:
     """Give every dense-input experts module (Llama-4) the experts-interface attributes and our forward, so
     it is quantized and computed like the others; returns how many. Instance-level: no class is patched."""

@@ -33,6 +33,7 @@ from .experts import (
     apply_moe_qlora_experts,
     experts_modules,
     is_experts_module,
+    unsupported_layout,
 )
 from .memory import release_freed_memory
 from .nf4 import BLOCKSIZE, quantize_stack, stack_nbytes
@@ -279,6 +280,8 @@ def load_model(opts: LoadOptions):
     release_freed_memory()
     if opts.compute_dtype != torch.bfloat16:
         keep_linears_in_compute_dtype(model)
+    if (reason := unsupported_layout(model)) is not None:
+        raise ModelLoadError(f"{type(model).__name__}: not supported: {reason}")
     if opts.strict:
         assert_experts_quantized(model)
     if declared_experts(model.config) > 1 and not experts_modules(model):

@@ -224,6 +224,8 @@ SWEEP_EXTRA = {
              "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 8, "moe_top_k": 2}},
 }  # fmt: skip
 LAYER_LISTS = ("layer_types", "mlp_layer_types")
+SWEEP_VISION = {"depth": 2, "num_heads": 4, "out_hidden_size": 64, "num_hidden_layers": 2, "vision_output_dim": 64,
+                "projector_input_dim": 64, "projector_output_dim": 64}  # fmt: skip
 
 
 def tiny_config_any(model_type: str, vocab_size: int):
@@ -236,6 +238,13 @@ def tiny_config_any(model_type: str, vocab_size: int):
     cls = CONFIG_MAPPING[model_type]
     defaults = cls()
     fields = {k: v for k, v in SWEEP_SIZES.items() if hasattr(defaults, k)}
+    for key, sub in (getattr(cls, "sub_configs", None) or {}).items():  # a multimodal wrapper: shrink its parts
+        sub_type = getattr(sub, "model_type", None)
+        if key == "text_config" and sub_type in CONFIG_MAPPING:
+            fields[key] = tiny_config_any(sub_type, vocab_size).to_dict()
+        elif sub_type is not None:
+            sub_defaults = sub()
+            fields[key] = {k: v for k, v in {**SWEEP_SIZES, **SWEEP_VISION}.items() if hasattr(sub_defaults, k)}
     settable = [k for k in LAYER_LISTS if not isinstance(getattr(cls, k, None), property)]
     fields.update({k: None for k in settable if isinstance(getattr(defaults, k, None), list)})
     specials = {k: TINY_COMMON[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id")}
