@@ -19,7 +19,7 @@ from pathlib import Path
 
 import bitsandbytes as bnb
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
+from transformers import AutoConfig, BitsAndBytesConfig
 from transformers.core_model_loading import ConversionOps
 from transformers.integrations.bitsandbytes import Bnb4bitQuantize
 from transformers.quantizers.auto import register_quantization_config, register_quantizer
@@ -36,6 +36,7 @@ from .experts import (
     unsupported_layout,
 )
 from .memory import release_freed_memory
+from .model_classes import text_generation_class
 from .nf4 import BLOCKSIZE, quantize_stack, stack_nbytes
 
 log = logging.getLogger(__name__)
@@ -101,10 +102,22 @@ def cpu_unsafe_linears(model) -> list[str]:
     return names
 
 
+def linears_outside_the_text_model(model) -> list[str]:
+    """Linears of a multimodal model outside its language model (vision tower, projector): they stay frozen in
+    the compute dtype, since only text is trained."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    prefix = next((n for n, m in model.named_modules() if m is decoder), "")
+    if decoder is None or not prefix or prefix == getattr(model, "base_model_prefix", None):
+        return []
+    return [n for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and not n.startswith(prefix + ".") and n != "lm_head"]  # fmt: skip
+
+
 def linears_not_quantized(model, *, on_cpu: bool) -> set[str]:
-    """Patterns of linears that stay in the compute dtype: the output head, routers and gates, and on the
-    CPU the linears bitsandbytes cannot run in 4-bit. The quantizer and `plan` both use this rule."""
-    skips = set(get_keys_to_not_convert(model)) | set(ROUTER_PATTERNS)
+    """Patterns of linears that stay in the compute dtype: the output head, routers and gates, a multimodal
+    model's vision parts, and on the CPU the linears bitsandbytes cannot run in 4-bit. The quantizer and
+    `plan` both use this rule."""
+    skips = set(get_keys_to_not_convert(model)) | set(ROUTER_PATTERNS) | set(linears_outside_the_text_model(model))
     return skips | set(cpu_unsafe_linears(model)) if on_cpu else skips
 
 
@@ -302,11 +315,11 @@ def causal_lm_class(config, folder: Path, trust_remote_code: bool):
         from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
         return get_class_from_dynamic_module(remote, str(folder))
-    try:
-        return AutoModelForCausalLM._model_mapping[type(config)]
-    except KeyError:
+    model_class = text_generation_class(config)
+    if model_class is None:
         hint = " (its code ships with the checkpoint: set model.trust_remote_code: true)" if remote else ""
-        raise ModelLoadError(f"{folder}: {type(config).__name__} is not a causal LM transformers knows{hint}") from None
+        raise ModelLoadError(f"{folder}: {type(config).__name__} is not a causal LM transformers knows{hint}")
+    return model_class
 
 
 def cast_unquantized(model, dtype: torch.dtype) -> None:

@@ -19,7 +19,8 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModelForCausalLM
+
+from .model_classes import text_model_from_config
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -41,12 +42,12 @@ def _stub(t: torch.Tensor) -> torch.Tensor:
 
 
 def skeleton(config, *, model_class=None, trust_remote_code: bool = False) -> nn.Module:
-    """`model_class` (default: what AutoModelForCausalLM picks) for `config`, with zero-storage weights."""
+    """`model_class` (default: what the consumer's auto class picks) for `config`, with zero-storage weights."""
     with torch.device("meta"):
         if model_class is not None:
             model = model_class._from_config(config)
         else:
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            model = text_model_from_config(config, trust_remote_code=trust_remote_code)
     for module in model.modules():
         for name, p in module._parameters.items():
             if p is not None:

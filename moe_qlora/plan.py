@@ -12,13 +12,14 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 from transformers.quantizers.quantizers_utils import should_convert_module
 
 from .config import RunConfig
 from .experts import EXPERT_PARAMS, adopt_dense_input_experts, expert_dims, is_experts_module
 from .families import resolve_targets
 from .loading import linears_not_quantized
+from .model_classes import text_model_from_config
 from .nf4 import BLOCKSIZE, NESTED_BLOCKSIZE
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -47,7 +48,7 @@ class Plan:
 def meta_model(name_or_path: str, trust_remote_code: bool = False) -> nn.Module:
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        model = text_model_from_config(config, trust_remote_code=trust_remote_code)
     adopt_dense_input_experts(model)
     return model
 

@@ -16,7 +16,9 @@ from pathlib import Path
 import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
+
+from .model_classes import text_model_from_config
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
@@ -146,7 +148,7 @@ def save_tiny_model(path: str | Path, config, *, seed: int = 0, tokenizer=None) 
     path = Path(path)
     with torch.random.fork_rng():  # the caller's RNG (a training run's dropout) must not depend on the cache
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = text_model_from_config(config, dtype=torch.float32)
         with torch.no_grad():  # a trained model's routing bias is not zero: make it matter in the tests too
             for name, buf in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
@@ -219,6 +221,8 @@ SWEEP_EXTRA = {
     "bailing_hybrid": {"layer_types": ["linear_attention", "full_attention"]},
     "kimi_linear": {"layer_types": ["linear_attention", "full_attention"]},
     "flint": {"mlp_only_layers": [0]},
+    "step3p5": {"mlp_layer_types": ["dense", "sparse"]},
+    "glm4v_moe_text": {"head_dim": 128},  # its M-RoPE sections (8, 12, 12) need a rotary dimension of 64
     "dbrx": {"d_model": 64, "n_heads": 4, "n_layers": 2, "max_seq_len": 512,
              "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0},
              "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 8, "moe_top_k": 2}},

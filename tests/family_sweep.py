@@ -17,14 +17,18 @@ from pathlib import Path
 import torch
 import transformers
 from oracle import assert_all_close, ragged_routing, run_experts_pair
-from transformers import CONFIG_MAPPING, AutoModelForCausalLM
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+)
 
 from moe_qlora.adapters import attach_adapters
 from moe_qlora.config import ConfigError, LoraSection
 from moe_qlora.experts import UnsupportedExpertsError, experts_modules
 from moe_qlora.export import save_adapter, verify_adapter
 from moe_qlora.loading import LoadOptions, ModelLoadError, declared_experts, load_model
+from moe_qlora.model_classes import text_model_from_config
 from moe_qlora.tiny import build_byte_tokenizer, save_tiny_model, tiny_config_any
 
 REFUSALS = (ModelLoadError, UnsupportedExpertsError, ConfigError)
@@ -37,13 +41,15 @@ def _defines_experts_class(model_type: str) -> bool:
 
 
 def moe_model_types() -> list[str]:
-    """Causal-LM model types that are MoE: an expert count in the default config, or an experts class."""
+    """Causal-LM and image-text-to-text model types that are MoE: an expert count in the default config (or its
+    text config), or an experts class in the modeling file."""
     found = []
-    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+    for model_type in sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)):
         if model_type not in CONFIG_MAPPING:
             continue
         try:
-            moe = declared_experts(CONFIG_MAPPING[model_type]()) > 1
+            config = CONFIG_MAPPING[model_type]()
+            moe = declared_experts(config) > 1 or declared_experts(getattr(config, "text_config", None)) > 1
         except Exception:
             moe = False
         if moe or _defines_experts_class(model_type):
@@ -63,7 +69,7 @@ MAX_TINY_PARAMETERS = 20_000_000
 
 def parameters_on_meta(config) -> int:
     with torch.device("meta"):
-        return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        return sum(p.numel() for p in text_model_from_config(config).parameters())
 
 
 def _one_line(exc: BaseException, limit: int = 200) -> str:
@@ -122,7 +128,8 @@ def check_first_experts(model) -> None:
     idx, weights = ragged_routing(13, e, 2)
     hidden = experts.moe_lora.gate_up_a.shape[-1]
     x = torch.randn(13, hidden, generator=torch.Generator().manual_seed(5))
-    assert_all_close(*run_experts_pair(experts, model.config, x, idx, weights))
+    config = getattr(experts, "config", None) or model.config.get_text_config()  # a multimodal model's text config
+    assert_all_close(*run_experts_pair(experts, config, x, idx, weights))
 
 
 def sweep(workdir: Path, model_types: list[str] | None = None) -> list[SweepRow]:
@@ -138,7 +145,8 @@ TABLE_END = "<!-- family-table:end -->"
 def render_table(rows: list[SweepRow], transformers_version: str) -> str:
     lines = [
         TABLE_START,
-        f"Every MoE causal-LM model type of transformers {transformers_version}, from a tiny config:",
+        f"Every MoE causal-LM and image-text-to-text model type of transformers {transformers_version}, from a "
+        "tiny config:",
         "",
         "| model type | status | what the sweep found |",
         "|---|---|---|",

@@ -81,3 +81,34 @@ def test_strict_check_names_experts_off_the_interface_and_ignores_convolutions()
         ModelLoadError, match=r"DbrxLikeExperts is not on transformers' experts interface.*experts\.w1 \(4, 8, 16\)"
     ):
         assert_experts_quantized(model)
+
+
+def test_a_multimodal_moe_trains_its_text_model_with_the_vision_tower_frozen_unquantized(tmp_path):
+    """Qwen3-VL-MoE has no causal-LM class: it loads through its image-text-to-text class, the language
+    model's experts in NF4 and linears in 4-bit, the vision tower's linears kept in the compute dtype."""
+    import bitsandbytes as bnb
+
+    from moe_qlora.experts import experts_modules
+    from moe_qlora.tiny import build_byte_tokenizer, save_tiny_model, tiny_config_any
+
+    tok = build_byte_tokenizer()
+    path = save_tiny_model(tmp_path / "vl", tiny_config_any("qwen3_vl_moe", len(tok)), tokenizer=tok)
+    from moe_qlora.adapters import attach_adapters
+    from moe_qlora.config import LoraSection
+
+    model = load_model(LoadOptions(str(path)))
+    assert type(model).__name__ == "Qwen3VLMoeForConditionalGeneration"
+    assert experts_modules(model) and all(n.startswith("model.language_model.") for n, _ in experts_modules(model))
+    vision = [
+        (n, m) for n, m in model.named_modules() if n.startswith("model.visual.") and isinstance(m, torch.nn.Linear)
+    ]
+    text = [
+        n
+        for n, m in model.named_modules()
+        if n.startswith("model.language_model.") and isinstance(m, bnb.nn.Linear4bit)
+    ]
+    assert vision and text
+    assert not any(isinstance(m, bnb.nn.Linear4bit) for _, m in vision)
+    assert all(m.weight.dtype == torch.float32 for _, m in vision)
+    trainable = [n for n, p in attach_adapters(model, LoraSection(), seed=0).named_parameters() if p.requires_grad]
+    assert trainable and not [n for n in trainable if ".visual." in n]
