@@ -112,6 +112,9 @@ def check_supported_layout(module: nn.Module, name: str = "experts") -> None:
 
 def expert_dims(module: nn.Module) -> tuple[int, int, int]:
     """(experts, hidden, intermediate) of an experts module, from its first stack (quantized or not)."""
+    if "gate_proj" in module._parameters and getattr(module, "moe_split_gate_up", False):  # not fused yet
+        e, inter, hidden = module.gate_proj.shape
+        return e, hidden, inter
     stack = getattr(module, stack_names(module)[0])
     e, d1, d2 = stack.quant_state.shape if isinstance(stack, bnb.nn.Params4bit) else stack.shape
     hidden, width = (d1, d2) if getattr(module, "is_transposed", False) else (d2, d1)
@@ -179,8 +182,6 @@ UNSUPPORTED_LAYOUTS = {
     "DbrxExperts": "DBRX's experts, stored as 2D (experts * ffn, hidden) matrices w1 / v1 / w2 in DbrxExpertGLU "
     "rather than 3D stacks on transformers' experts interface",
     "DogeCDMoE": "Doge's cross-domain MoE, whose experts are embedding tables (down_embed / up_embed)",
-    "InklingSharedExperts": "Inkling's fused shared-expert stacks (separate 3D gate_proj / up_proj / down_proj, "
-    "every token through each, weighted by router gammas), not supported yet",
 }
 
 
@@ -192,16 +193,72 @@ def unsupported_layout(model: nn.Module) -> str | None:
     return None
 
 
+# Shared experts stored as 3D stacks with separate gate_proj / up_proj (S, I, H) and down_proj (S, H, I),
+# every token through each, weighted by a router gamma (Inkling): quantized while loading as three stacks,
+# then gate and up fused into one gate_up_proj stack (S, 2I, H), so they run, and get LoRA, like routed experts.
+SPLIT_GATE_UP_EXPERTS = ("InklingSharedExperts",)
+SPLIT_STACKS = ("gate_proj", "up_proj", "down_proj")
+
+
+def quantized_stack_names(module: nn.Module) -> tuple[str, ...]:
+    """The 3D stacks of `module` the quantizer turns into NF4 (none for a module that holds no experts)."""
+    if getattr(module, "moe_split_gate_up", False):
+        return SPLIT_STACKS
+    return stack_names(module) if is_experts_module(module) else ()
+
+
+def _adopt(module: nn.Module, *, transposed: bool, forward) -> None:
+    module.has_gate, module.has_bias, module.is_transposed, module.is_concatenated = True, False, transposed, True
+    module.has_post_expert_norm, module.moe_adopted = False, True
+    module._apply_gate = types.MethodType(_default_apply_gate, module)
+    module.forward = types.MethodType(forward, module)
+
+
+def adopt_split_gate_up_experts(model: nn.Module) -> int:
+    """Mark fused shared-expert stacks (Inkling) for quantization and give them our forward; `fuse_gate_up`
+    makes their gate_up_proj after loading. Returns how many. Instance-level: no class is patched."""
+    adopted = 0
+    for module in model.modules():
+        if type(module).__name__ in SPLIT_GATE_UP_EXPERTS and not hasattr(module, "moe_split_gate_up"):
+            module.moe_split_gate_up, module.num_experts = True, module.n_shared_experts
+            adopted += 1
+    return adopted
+
+
+def fuse_gate_up(model: nn.Module, quantize) -> int:
+    """Replace the NF4 gate_proj and up_proj stacks of split modules by one NF4 gate_up_proj [gate; up] per
+    expert. Lossless: NF4 blocks never straddle experts, each block's largest value decodes to +-absmax exactly,
+    so re-quantizing the decoded values gives the same codes and scales. `quantize`: (S, 2I, H) -> Params4bit."""
+    from .nf4 import dequantize_param
+
+    fused = 0
+    for module in model.modules():
+        if getattr(module, "moe_split_gate_up", False) and "gate_proj" in module._parameters:
+            gate, up = (dequantize_param(module._parameters.pop(n), torch.float32) for n in ("gate_proj", "up_proj"))
+            module.gate_up_proj = quantize(torch.cat([gate, up], dim=1))
+            _adopt(module, transposed=False, forward=split_gate_up_experts_forward)
+            fused += 1
+    return fused
+
+
+def split_gate_up_experts_forward(self, hidden_states, gammas):
+    """(…, H) tokens through each of the S shared experts, weighted by (…, S) gammas: the MoE layer with
+    every token routed to experts 0..S-1 (gamma scales the activation in Inkling's own forward, the same
+    thing as scaling the output, since down_proj is linear)."""
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, shape[-1])
+    experts = torch.arange(self.num_experts, device=x.device).expand(x.shape[0], self.num_experts)
+    out = moe_qlora_experts_forward(self, x, experts, gammas.reshape(-1, self.num_experts).to(x.dtype))
+    return out.view(shape)
+
+
 def adopt_dense_input_experts(model: nn.Module) -> int:
     """Give every dense-input experts module (Llama-4) the experts-interface attributes and our forward, so
     it is quantized and computed like the others; returns how many. Instance-level: no class is patched."""
     adopted = 0
     for module in model.modules():
         if type(module).__name__ in DENSE_INPUT_EXPERTS and not hasattr(module, "has_gate"):
-            module.has_gate, module.has_bias, module.is_transposed, module.is_concatenated = True, False, True, True
-            module.has_post_expert_norm, module.moe_adopted = False, True
-            module._apply_gate = types.MethodType(_default_apply_gate, module)
-            module.forward = types.MethodType(dense_input_experts_forward, module)
+            _adopt(module, transposed=True, forward=dense_input_experts_forward)
             adopted += 1
     return adopted
 

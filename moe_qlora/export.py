@@ -19,7 +19,7 @@ from peft import LoraConfig, PeftModel, get_peft_model_state_dict, set_peft_mode
 from safetensors.torch import load_file, save_file
 
 from .config import LoraSection
-from .experts import ExpertLoRA, experts_modules, stack_names
+from .experts import SPLIT_STACKS, ExpertLoRA, experts_modules, stack_names
 from .fileio import atomic_dir
 from .peft_roundtrip import ADAPTER_CONFIG, ADAPTER_WEIGHTS, clean_base_config, first_few, load_like_peft
 
@@ -82,6 +82,72 @@ def peft_to_expert_lora(tensors: dict[str, torch.Tensor], lora: ExpertLoRA, *, s
             getattr(lora, f"{proj}_b").copy_(b)
 
 
+# Fused shared-expert modules (experts.SPLIT_GATE_UP_EXPERTS) hold gate_proj, up_proj, down_proj for their
+# consumers: three PEFT wrappers, gate_proj innermost. Our fused gate_up LoRA is gate: (A, B[:I]), up: (A, B[I:]).
+SPLIT_PEFT_KEYS = {
+    "gate": ("base_layer.base_layer.lora_A.weight", "base_layer.base_layer.lora_B.weight"),
+    "up": ("base_layer.lora_A.weight", "base_layer.lora_B.weight"),
+    "down": ("lora_A.weight", "lora_B.weight"),
+}
+
+
+def split_lora_to_peft(lora: ExpertLoRA) -> dict[str, torch.Tensor]:
+    """Our fused gate_up factors as PEFT's separate gate_proj / up_proj LoRA (the same A for both)."""
+    a1, b1, a2, b2 = (t.detach() for t in lora.factors())
+    half = b1.shape[1] // 2
+    pairs = {"gate": (a1, b1[:, :half]), "up": (a1, b1[:, half:]), "down": (a2, b2)}
+    out = {}
+    for proj, (a, b) in pairs.items():
+        key_a, key_b = SPLIT_PEFT_KEYS[proj]
+        out[key_a], out[key_b] = _flat_a(a), _flat_b(b)
+    return {k: v.float().clone() for k, v in out.items()}  # gate and up share A: separate copies for safetensors
+
+
+def peft_to_split_lora(tensors: dict[str, torch.Tensor], lora: ExpertLoRA, where: str = "") -> None:
+    """Inverse of split_lora_to_peft; gate_proj and up_proj must share their A (else the fused LoRA cannot
+    hold them, and the adapter is refused)."""
+    e = lora.gate_up_a.shape[0]
+
+    def factors(proj):
+        key_a, key_b = SPLIT_PEFT_KEYS[proj]
+        flat_a, flat_b = tensors[key_a], tensors[key_b]
+        return flat_a.reshape(e, -1, flat_a.shape[1]), flat_b.reshape(flat_b.shape[0], -1, e).permute(2, 0, 1)
+
+    (a_gate, b_gate), (a_up, b_up), (a_down, b_down) = factors("gate"), factors("up"), factors("down")
+    if not torch.equal(a_gate, a_up):
+        raise AdapterMismatchError(f"{where}: gate_proj and up_proj have different LoRA A factors; moe-qlora's fused "
+                                   "gate_up LoRA shares one A, so it cannot hold this adapter")  # fmt: skip
+    with torch.no_grad():
+        values = (a_gate, torch.cat([b_gate, b_up], dim=1), a_down, b_down)
+        for param, value in zip(lora.factors(), values, strict=True):
+            param.copy_(value)
+
+
+def module_lora_to_peft(module, lora: ExpertLoRA) -> dict[str, torch.Tensor]:
+    """The experts module's LoRA under PEFT's keys relative to the module, in the consumer's layout."""
+    if getattr(module, "moe_split_gate_up", False):
+        return split_lora_to_peft(lora)
+    return expert_lora_to_peft(lora, swap=peft_reads_transposed(module))
+
+
+def peft_to_module_lora(module, tensors: dict[str, torch.Tensor], lora: ExpertLoRA, where: str = "") -> None:
+    if getattr(module, "moe_split_gate_up", False):
+        peft_to_split_lora(tensors, lora, where)
+    else:
+        peft_to_expert_lora(tensors, lora, swap=peft_reads_transposed(module))
+
+
+def peft_keys_of(module) -> list[str]:
+    if getattr(module, "moe_split_gate_up", False):
+        return [k for pair in SPLIT_PEFT_KEYS.values() for k in pair]
+    return list(PEFT_EXPERT_KEYS.values())
+
+
+def consumer_stack_names(module) -> tuple[str, ...]:
+    """The module's expert stacks as its consumers (PEFT, a merge) see them."""
+    return SPLIT_STACKS if getattr(module, "moe_split_gate_up", False) else stack_names(module)
+
+
 def _peft_prefix(model) -> str:
     return "" if isinstance(model, PeftModel) else "base_model.model."
 
@@ -96,7 +162,7 @@ def adapter_state_dict(model) -> dict[str, torch.Tensor]:
     for name, module in experts_modules(model):
         lora = getattr(module, "moe_lora", None)
         if lora is not None:
-            factors = expert_lora_to_peft(lora, swap=peft_reads_transposed(module))
+            factors = module_lora_to_peft(module, lora)
             state.update({f"{prefix}{name}.{k}": v for k, v in factors.items()})
     return state
 
@@ -107,7 +173,7 @@ def target_parameter_names(model) -> list[str]:
     for name, module in experts_modules(model):
         if getattr(module, "moe_lora", None) is not None:
             inner = re.sub(r"^.*\.layers\.\d+\.", "", name)
-            names.update(f"{inner}.{stack}" for stack in stack_names(module))
+            names.update(f"{inner}.{stack}" for stack in consumer_stack_names(module))
     return sorted(names)
 
 
@@ -162,6 +228,10 @@ def dequantized_base_state_dict(model, dtype: torch.dtype = torch.float32) -> di
             continue
         key = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
         state[key] = dequantize_param(p, dtype) if isinstance(p, bnb.nn.Params4bit) else p.detach().to(dtype)
+    for name, module in experts_modules(model):  # fused shared-expert stacks back to the checkpoint's gate / up
+        if getattr(module, "moe_split_gate_up", False):
+            key = name.removeprefix("base_model.model.")
+            state[f"{key}.gate_proj"], state[f"{key}.up_proj"] = state.pop(f"{key}.gate_up_proj").chunk(2, dim=1)
     return state
 
 
@@ -194,8 +264,8 @@ def load_adapter(model, adapter_dir: str | Path, cfg: LoraSection) -> int:
     for name, module in experts_modules(model):
         lora = getattr(module, "moe_lora", None)
         if lora is not None:
-            keys = {k: f"{prefix}{name}.{k}" for k in PEFT_EXPERT_KEYS.values()}
-            peft_to_expert_lora({k: saved[full] for k, full in keys.items()}, lora, swap=peft_reads_transposed(module))
+            keys = {k: f"{prefix}{name}.{k}" for k in peft_keys_of(module)}
+            peft_to_module_lora(module, {k: saved[full] for k, full in keys.items()}, lora, f"{adapter_dir}: {name}")
             expert_keys.update(keys.values())
     if isinstance(model, PeftModel):
         set_peft_model_state_dict(model, {k: v for k, v in saved.items() if k not in expert_keys})
@@ -217,12 +287,14 @@ def _base_model(model):
     return model.get_base_model() if isinstance(model, PeftModel) else model
 
 
-def untracked_trainables(model, expected: dict[str, torch.Tensor]) -> list[str]:
-    """Trainable parameters the export has no key for: names, when the element counts disagree."""
-    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    if sum(p.numel() for p in trainable.values()) == sum(t.numel() for t in expected.values()):
-        return []
-    return sorted(n for n in trainable if ".lora_" not in n and ".moe_lora." not in n) or sorted(trainable)
+def untracked_trainables(model) -> list[str]:
+    """Trainable parameters the export has no key for: anything but PEFT's LoRA (exported by PEFT's own state
+    dict) and the expert LoRA of experts modules (exported by module_lora_to_peft)."""
+    exported = {
+        id(p) for _, m in experts_modules(model) if (lora := getattr(m, "moe_lora", None)) for p in lora.factors()
+    }
+    return sorted(n for n, p in model.named_parameters()
+                  if p.requires_grad and ".lora_" not in n and id(p) not in exported)  # fmt: skip
 
 
 def check_adapter_keys(adapter_dir: Path, saved: dict, expected: dict) -> None:
@@ -254,7 +326,7 @@ def verify_adapter(model, adapter_dir: str | Path) -> int:
     expected = adapter_state_dict(model)
     saved = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
     problems = []
-    if untracked := untracked_trainables(model, expected):
+    if untracked := untracked_trainables(model):
         problems.append(f"trainable parameters with no key in the export: {first_few(untracked)}")
     if missing := sorted(expected.keys() - saved.keys()):
         problems.append(f"tensors of the run missing from the file: {first_few(missing)}")

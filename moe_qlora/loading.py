@@ -30,9 +30,12 @@ from transformers.quantizers.quantizers_utils import get_module_from_name
 from .experts import (
     EXPERT_PARAMS,
     adopt_dense_input_experts,
+    adopt_split_gate_up_experts,
     apply_moe_qlora_experts,
     experts_modules,
+    fuse_gate_up,
     is_experts_module,
+    quantized_stack_names,
     unsupported_layout,
 )
 from .memory import release_freed_memory
@@ -77,7 +80,7 @@ class _QuantizeOnLoad(ConversionOps):
         for name, value in input_dict.items():
             value = value[0] if isinstance(value, list) else value
             module, param_name = get_module_from_name(model, name)
-            if is_experts_module(module) and param_name in EXPERT_PARAMS:
+            if param_name in quantized_stack_names(module):
                 double_quant = self.quantizer.quantization_config.expert_double_quant
                 result[name] = quantize_stack(value, double_quant=double_quant)
                 module._is_hf_initialized = True
@@ -127,6 +130,7 @@ class MoEQLoRAQuantizer(Bnb4BitHfQuantizer):
 
     def _process_model_before_weight_loading(self, model, device_map, **kwargs):
         adopt_dense_input_experts(model)  # before loading, so their stacks are quantized as experts
+        adopt_split_gate_up_experts(model)
         skips = set(self.quantization_config.llm_int8_skip_modules or [])
         on_cpu = all(str(d).startswith("cpu") for d in (device_map or {"": "cpu"}).values())
         skips.update(linears_not_quantized(model, on_cpu=on_cpu))
@@ -135,7 +139,7 @@ class MoEQLoRAQuantizer(Bnb4BitHfQuantizer):
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
         module, name = get_module_from_name(model, param_name)
-        if is_experts_module(module) and name in EXPERT_PARAMS:
+        if name in quantized_stack_names(module):
             return True
         return super().param_needs_quantization(model, param_name, **kwargs)
 
@@ -289,6 +293,7 @@ def load_model(opts: LoadOptions):
             trust_remote_code=opts.trust_remote_code,
         )
     model.name_or_path = str(folder)
+    fuse_gate_up(model, lambda stack: quantize_stack(stack, double_quant=opts.expert_double_quant))
     cast_unquantized(model, opts.compute_dtype)
     release_freed_memory()
     if opts.compute_dtype != torch.bfloat16:

@@ -16,8 +16,14 @@ from transformers import AutoConfig
 from transformers.quantizers.quantizers_utils import should_convert_module
 
 from .config import RunConfig
-from .experts import EXPERT_PARAMS, adopt_dense_input_experts, expert_dims, is_experts_module
-from .families import resolve_targets
+from .experts import (
+    adopt_dense_input_experts,
+    adopt_split_gate_up_experts,
+    expert_dims,
+    is_experts_module,
+    quantized_stack_names,
+)
+from .families import matches_target, resolve_targets
 from .loading import linears_not_quantized
 from .model_classes import text_model_from_config
 from .nf4 import BLOCKSIZE, NESTED_BLOCKSIZE
@@ -50,6 +56,7 @@ def meta_model(name_or_path: str, trust_remote_code: bool = False) -> nn.Module:
     with torch.device("meta"):
         model = text_model_from_config(config, trust_remote_code=trust_remote_code)
     adopt_dense_input_experts(model)
+    adopt_split_gate_up_experts(model)
     return model
 
 
@@ -60,7 +67,7 @@ def weight_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> dict[str, 
     kinds = {"experts_nf4": 0, "linear_4bit": 0, "other": 0}
     for name, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
-            if is_experts_module(module) and pname in EXPERT_PARAMS:
+            if pname in quantized_stack_names(module):
                 kinds["experts_nf4"] += four_bit_bytes(p.numel(), double_quant=cfg.model.expert_double_quant)
             elif isinstance(module, nn.Linear) and pname == "weight" and should_convert_module(name, sorted(skip)):
                 kinds["linear_4bit"] += four_bit_bytes(p.numel(), double_quant=cfg.model.linear_double_quant)
@@ -73,13 +80,13 @@ def lora_params(model: nn.Module, cfg: RunConfig) -> int:
     """Number of LoRA parameters: per-expert factors, PEFT factors on targeted linears, router factors."""
     r, total = cfg.lora.rank, 0
     if cfg.lora.experts:
-        for _, module in ((n, m) for n, m in model.named_modules() if is_experts_module(m)):
+        for module in (m for m in model.modules() if quantized_stack_names(m)):  # split stacks too (unfused)
             e, hidden, inter = expert_dims(module)
-            up = (2 if module.has_gate else 1) * inter
+            up = (2 if getattr(module, "has_gate", True) else 1) * inter
             total += e * r * ((hidden + up) + (inter + hidden))  # gate_up: A (r,H) B (2I,r); down: A, B
     targets = set(resolve_targets(model, cfg.lora.target_modules))
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets:
+        if isinstance(module, nn.Linear) and any(matches_target(name, t) for t in targets):
             total += r * (module.in_features + module.out_features)
     if cfg.lora.router:
         for name, module in model.named_modules():

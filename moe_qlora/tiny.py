@@ -104,6 +104,14 @@ TINY_FAMILIES = {
         "num_hidden_layers": 2, "num_local_experts": 8, "num_experts_per_tok": 1, "intermediate_size": 64,
         "intermediate_size_mlp": 128, "head_dim": 16, "interleave_moe_layer_step": 1, "attention_chunk_size": 32,
     }),
+    # Shared experts as fused 3D stacks (separate gate / up / down), every token through each, weighted by
+    # router gammas; hybrid sliding-window layers.
+    "inkling_text": ("InklingTextConfig", {
+        "num_hidden_layers": 2, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 2,
+        "moe_intermediate_size": 64, "intermediate_size": 128, "head_dim": 16, "sliding_window_size": 32,
+        "mlp_layer_types": ["sparse", "sparse"],
+        "logits_mup_width_multiplier": 1.0,  # muP's 1/24 at full width leaves a tiny model's logits near 0
+    }),
     # Mamba-2 mixers, attention and non-gated experts (up -> squared ReLU -> down) with a shared expert.
     "nemotron_h": ("NemotronHConfig", {
         "layers_block_type": ["mamba", "moe", "attention", "moe"], "n_routed_experts": 8, "num_experts_per_tok": 2,
