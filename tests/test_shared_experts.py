@@ -11,7 +11,7 @@ from torch.func import functional_call
 
 from moe_qlora.adapters import attach_adapters
 from moe_qlora.config import LoraSection
-from moe_qlora.experts import experts_modules
+from moe_qlora.experts import experts_modules, set_moe_kernels
 from moe_qlora.loading import LoadOptions, load_model
 from moe_qlora.nf4 import dequantize_param, quantize_stack
 from moe_qlora.tiny import ensure_tiny
@@ -55,10 +55,17 @@ def inputs():
     return torch.randn(2, 7, 64, generator=g), torch.rand(2, 7, 2, generator=g)
 
 
-def test_shared_experts_match_transformers_own(inkling):
+@pytest.mark.parametrize("kernels", ["torch", "torch-grouped", "triton"])
+def test_shared_experts_match_transformers_own(inkling, kernels, small_triton_blocks):
+    """On the per-expert reference, the grouped formulation, and the Triton kernels (interpreted on a CPU)."""
     _, model, shared = inkling
     assert type(shared).__name__ == "InklingSharedExperts" and shared.moe_lora.gate_up_b.shape == (2, 128, 4)
-    for name, a, b in zip(NAMES, *eager_pair(shared, model.config, *inputs()), strict=True):
+    set_moe_kernels(model, kernels)
+    try:
+        pairs = eager_pair(shared, model.config, *inputs())
+    finally:
+        set_moe_kernels(model, "torch")
+    for name, a, b in zip(NAMES, *pairs, strict=True):
         assert_close_scaled(name, a, b)
 
 
