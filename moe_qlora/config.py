@@ -25,11 +25,13 @@ class Section(BaseModel):
 
 class ModelSection(Section):
     name_or_path: str = Field(description="hub id, local HF checkpoint folder, or builtin:tiny-mixtral")
-    compute_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="dtype of activations and dequantized experts; bfloat16 halves activation memory"
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="dtype of activations, dequantized experts, embeddings, head and norms; auto: bfloat16 on "
+        "CUDA, float32 on the CPU",
     )
-    expert_double_quant: bool = Field(False, description="quantize the experts' block scales too (~3% smaller)")
-    linear_double_quant: bool = Field(False, description="double quantization for the 4-bit attention linears")
+    expert_double_quant: bool = Field(True, description="quantize the experts' block scales too (~8% smaller, QLoRA)")
+    linear_double_quant: bool = Field(True, description="double quantization for the 4-bit linears (as in QLoRA)")
     trust_remote_code: bool = Field(False, description="run model code shipped with the checkpoint")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: the GPU when there is one, else the CPU")
     strict_quantization: bool = Field(True, description="fail if any expert stack stays in high precision")
@@ -310,3 +312,11 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     if overrides:
         raw = deep_merge(raw, parse_overrides(overrides))
     return validate_config(raw, source=str(path), text=text)
+
+
+def resolve_compute_dtype(choice: str, device: str) -> str:
+    """model.compute_dtype for a device: auto is bfloat16 on CUDA (tensor cores, half the activations) and
+    float32 on the CPU (where bf16 matmuls are slow without AMX)."""
+    if choice != "auto":
+        return choice
+    return "bfloat16" if device.startswith("cuda") else "float32"

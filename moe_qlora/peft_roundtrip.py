@@ -42,12 +42,16 @@ def _stub(t: torch.Tensor) -> torch.Tensor:
 
 
 def skeleton(config, *, model_class=None, trust_remote_code: bool = False) -> nn.Module:
-    """`model_class` (default: what the consumer's auto class picks) for `config`, with zero-storage weights."""
+    """`model_class` (default: what the consumer's auto class picks) for `config`, with zero-storage weights.
+
+    Built in float32 whatever the checkpoint's dtype: on a bf16 base PEFT's low_cpu_mem_usage load rounds adapter
+    tensors through bf16 (257.0 comes back as 256.0), which its default load does not, and which says nothing
+    about whether a tensor landed."""
     with torch.device("meta"):
         if model_class is not None:
-            model = model_class._from_config(config)
+            model = model_class._from_config(config, dtype=torch.float32)
         else:
-            model = text_model_from_config(config, trust_remote_code=trust_remote_code)
+            model = text_model_from_config(config, trust_remote_code=trust_remote_code, dtype=torch.float32)
     for module in model.modules():
         for name, p in module._parameters.items():
             if p is not None:

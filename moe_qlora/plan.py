@@ -15,7 +15,7 @@ from torch import nn
 from transformers import AutoConfig
 from transformers.quantizers.quantizers_utils import should_convert_module
 
-from .config import RunConfig
+from .config import RunConfig, resolve_compute_dtype
 from .experts import (
     adopt_dense_input_experts,
     adopt_split_gate_up_experts,
@@ -62,7 +62,7 @@ def meta_model(name_or_path: str, trust_remote_code: bool = False) -> nn.Module:
 
 def weight_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> dict[str, int]:
     """Bytes of the loaded weights by kind, classified as the quantizer does (see loading.py)."""
-    compute = DTYPE_BYTES[cfg.model.compute_dtype]
+    compute = DTYPE_BYTES[resolve_compute_dtype(cfg.model.compute_dtype, device)]
     skip = linears_not_quantized(model, on_cpu=device == "cpu")
     kinds = {"experts_nf4": 0, "linear_4bit": 0, "other": 0}
     for name, module in model.named_modules():
@@ -98,7 +98,7 @@ def lora_params(model: nn.Module, cfg: RunConfig) -> int:
     return total
 
 
-def activation_bytes(model: nn.Module, cfg: RunConfig) -> int:
+def activation_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> int:
     """An estimate of activation memory for one micro-batch (N = batch * seq tokens, d = compute bytes).
 
     Checkpointed layers keep their input (N H d); the others, and the one being recomputed, keep a layer's
@@ -108,7 +108,7 @@ def activation_bytes(model: nn.Module, cfg: RunConfig) -> int:
     """
     c, t, lora = model.config, cfg.train, cfg.lora
     tokens = t.micro_batch_size * cfg.data.max_seq_len
-    d, hidden = DTYPE_BYTES[cfg.model.compute_dtype], c.hidden_size
+    d, hidden = DTYPE_BYTES[resolve_compute_dtype(cfg.model.compute_dtype, device)], c.hidden_size
     layers = c.num_hidden_layers
     moe = [m for m in model.modules() if is_experts_module(m)]
     k = getattr(c, "num_experts_per_tok", 0) or 0
@@ -125,7 +125,7 @@ def plan_run(cfg: RunConfig, *, name_or_path: str, device: str = "cuda") -> Plan
     plan.bytes.update(weight_bytes(model, cfg, device=device))
     n_lora = lora_params(model, cfg)
     plan.bytes.update(lora=n_lora * LORA_BYTES, gradients=n_lora * LORA_BYTES, optimizer=2 * n_lora * LORA_BYTES)
-    plan.bytes["activations_estimate"] = activation_bytes(model, cfg)
+    plan.bytes["activations_estimate"] = activation_bytes(model, cfg, device=device)
     if not any(is_experts_module(m) for m in model.modules()):
         plan.notes.append("no MoE experts in this model: it would train as plain QLoRA")
     plan.notes.append(f"targets: experts={cfg.lora.experts}, linears={resolve_targets(model, cfg.lora.target_modules)}")

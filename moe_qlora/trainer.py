@@ -32,7 +32,7 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from .config import ConfigError, RunConfig
+from .config import ConfigError, RunConfig, resolve_compute_dtype
 from .data import IGNORE, Example, apply_reward_weights, build_examples, collate, epoch_order, micro_batches
 from .experts import set_moe_kernels
 from .export import load_adapter, save_adapter, verify_adapter
@@ -221,7 +221,7 @@ def load_policy(cfg: RunConfig, model_path: str, console: Console):
     opts = LoadOptions(
         device=device,
         name_or_path=model_path,
-        compute_dtype=DTYPES[cfg.model.compute_dtype],
+        compute_dtype=DTYPES[resolve_compute_dtype(cfg.model.compute_dtype, device)],
         expert_double_quant=cfg.model.expert_double_quant,
         linear_double_quant=cfg.model.linear_double_quant,
         trust_remote_code=cfg.model.trust_remote_code,

@@ -234,3 +234,15 @@ def test_an_adapter_peft_refuses_fails_the_verification(mixtral_adapter, tmp_pat
     (broken / "adapter_config.json").write_text(json.dumps({**config, "lora_dropout": 0.1}))
     with pytest.raises(AdapterVerificationError, match="PEFT refuses to load it.*dropout"):
         verify_adapter(model, broken)
+
+
+def test_the_round_trip_probe_is_exact_on_a_bf16_checkpoint():
+    """On a bf16 base, PEFT's low_cpu_mem_usage load rounds adapter tensors through bf16 (the probe's 257th
+    tensor, 257.0, came back as 256.0, and Qwen3-30B-A3B lost its attention targets from layer 32 on): the
+    skeleton is built in float32, so every tensor lands exactly."""
+    from moe_qlora.peft_roundtrip import target_modules_failing_round_trip
+
+    config = tiny_config("mixtral", 263, num_hidden_layers=40)
+    config.dtype = torch.bfloat16
+    report, failing = target_modules_failing_round_trip(config, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    assert report.ok and not failing, report.describe()

@@ -48,7 +48,7 @@ def test_plan_on_shipped_configs_from_the_cli(name, params_b):
     plan = json.loads(result.stdout)
     assert round(plan["params"] / 1e9, 2) == params_b
     b = plan["bytes"]
-    # The experts are most of the weights (DeepSeek-V2-Lite: 78%, its vocabulary is large); NF4 stores
-    # them in 0.5625 bytes per weight.
+    # The experts are most of the weights (DeepSeek-V2-Lite: 78%, its vocabulary is large); NF4 with double
+    # quantization (the default) stores them in 0.5 + 1/64 + 4/(64*256) = 0.516 bytes per weight.
     assert b["experts_nf4"] > 0.7 * (b["experts_nf4"] + b["linear_4bit"] + b["other"])
-    assert 0.55 * plan["params"] < b["experts_nf4"] + b["linear_4bit"] + b["other"] < 0.75 * plan["params"]
+    assert 0.5 * plan["params"] < b["experts_nf4"] + b["linear_4bit"] + b["other"] < 0.75 * plan["params"]
