@@ -100,6 +100,12 @@ class TrainSection(Section):
     schedule: Literal["constant", "linear", "cosine"] = "cosine"
     warmup_steps: int = Field(0, ge=0)
     gradient_checkpointing: bool = Field(True, description="recompute activations in backward: less memory")
+    loss_chunk_tokens: int = Field(
+        1024,
+        ge=0,
+        description="tokens per chunk through the output head for the loss (never the whole "
+        "(tokens, vocab) logits); 0: full logits",
+    )
     checkpoint_interval: int = Field(1, ge=1, description="checkpoint every Nth decoder layer")
     seed: int = 0
     log_every: int = Field(1, ge=1)

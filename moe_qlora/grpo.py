@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -25,6 +24,7 @@ from .adapters import adapters_disabled
 from .checkpoint import RunProgress, config_hash, fingerprint, save_checkpoint
 from .config import ConfigError, RunConfig
 from .data import IGNORE, Example, collate, epoch_order
+from .losses import token_logprobs as chunked_token_logprobs
 from .optim import build_optimizer
 from .rewards import flat_groups, group_advantages, resolve_reward, score
 from .rollout import Rollout, load_offline_groups, load_prompts, offline_rollouts, sample_rollouts
@@ -54,20 +54,14 @@ class GrpoResult:
 # ---------------------------------------------------------------------------------------------- the loss
 
 
-def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float, *, chunk: int = 0):
     """log p(token) of every completion token at the sampling temperature, and the mask of those tokens.
 
     batch: input_ids, labels (IGNORE outside completions), attention_mask, (B, L). Returns (B, L-1) each;
     position t scores labels[t + 1] from the logits at t.
     """
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-    targets = batch["labels"][:, 1:]
-    mask = targets != IGNORE
-    logits = out.logits[:, :-1].float() / temperature
-    logp = -F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), targets.clamp(min=0).reshape(-1), reduction="none"
-    ).view(targets.shape)
-    return logp * mask, mask
+    logp, mask, _ = chunked_token_logprobs(model, batch, scale=1.0 / temperature, chunk=chunk)
+    return logp, mask
 
 
 def token_weights(mask: torch.Tensor, normalization: str, *, total_tokens: int, total_sequences: int) -> torch.Tensor:
@@ -124,15 +118,15 @@ def micro_batch_indices(active: list[int], size: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def frozen_logprobs(model, batches, temperature: float, *, reference: bool) -> list[torch.Tensor]:
+def frozen_logprobs(model, batches, temperature: float, *, reference: bool, chunk: int = 0) -> list[torch.Tensor]:
     """Per micro-batch log-probs of the sampling policy (adapters on) or the reference (adapters off)."""
     was_training = model.training
     model.eval()
     try:
         if reference:
             with adapters_disabled(model):
-                return [token_logprobs(model, b, temperature)[0] for b in batches]
-        return [token_logprobs(model, b, temperature)[0] for b in batches]
+                return [token_logprobs(model, b, temperature, chunk=chunk)[0] for b in batches]
+        return [token_logprobs(model, b, temperature, chunk=chunk)[0] for b in batches]
     finally:
         model.train(was_training)
 
@@ -148,13 +142,15 @@ def policy_update(model, optimizer, schedule, examples: list[Example], cfg: RunC
     groups = micro_batch_indices(active, cfg.train.micro_batch_size)
     batches = [{k: v.to(device) for k, v in collate([examples[i] for i in idx], pad_id).items()} for idx in groups]
     total_tokens = sum(sum(t != IGNORE for t in e.labels[1:]) for e in examples)
-    old = frozen_logprobs(model, batches, g.temperature, reference=False) if g.passes > 1 else [None] * len(batches)
-    ref = frozen_logprobs(model, batches, g.temperature, reference=True) if g.kl_coef else [None] * len(batches)
+    chunk = cfg.train.loss_chunk_tokens
+    old = frozen_logprobs(model, batches, g.temperature, reference=False, chunk=chunk) if g.passes > 1 else None
+    ref = frozen_logprobs(model, batches, g.temperature, reference=True, chunk=chunk) if g.kl_coef else None
+    old, ref = old or [None] * len(batches), ref or [None] * len(batches)
     record = {"sequences_trained": len(active), "passes": 0, "skipped": False, "loss": 0.0, "grad_norm": 0.0}
     for _ in range(g.passes):
         sums: dict[str, float] = {}
         for batch, old_lp, ref_lp in zip(batches, old, ref, strict=True):
-            logp, mask = token_logprobs(model, batch, g.temperature)
+            logp, mask = token_logprobs(model, batch, g.temperature, chunk=chunk)
             weights = token_weights(mask, g.loss_normalization, total_tokens=total_tokens,
                                     total_sequences=len(examples))  # fmt: skip
             loss, stats = grpo_token_loss(logp, old_lp, ref_lp, batch["weights"], weights, clip_eps=g.clip_eps,

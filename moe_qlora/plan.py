@@ -103,8 +103,8 @@ def activation_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> int:
 
     Checkpointed layers keep their input (N H d); the others, and the one being recomputed, keep a layer's
     activations: ~12 N H d for attention, norms and residuals, N K (2I + 2r) d for the MoE rows (h and the
-    LoRA projections) and 2 N E fp32 for the router; the loss keeps ~3 N V fp32 (logits, softmax, grad).
-    SDPA's memory-efficient kernels are assumed (no N x N attention matrix).
+    LoRA projections) and 2 N E fp32 for the router. SDPA's memory-efficient kernels are assumed (no N x N
+    attention matrix). The loss is its own row (loss_bytes).
     """
     c, t, lora = model.config, cfg.train, cfg.lora
     tokens = t.micro_batch_size * cfg.data.max_seq_len
@@ -116,7 +116,16 @@ def activation_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> int:
     per_layer = 12 * tokens * hidden * d + tokens * k * (2 * inter + 2 * lora.rank) * d + 2 * tokens * experts * 4
     checkpointed = math.ceil(layers / t.checkpoint_interval) if t.gradient_checkpointing else 0
     kept_full = layers - checkpointed + (1 if checkpointed else 0)
-    return checkpointed * tokens * hidden * d + kept_full * per_layer + 3 * tokens * c.vocab_size * 4
+    return checkpointed * tokens * hidden * d + kept_full * per_layer
+
+
+def loss_bytes(model: nn.Module, cfg: RunConfig) -> int:
+    """Logits the loss holds at once: ~3 x (tokens, vocab) fp32 (logits, softmax, gradient) for the tokens
+    of one micro-batch, or of one chunk with train.loss_chunk_tokens (losses.py)."""
+    tokens = cfg.train.micro_batch_size * cfg.data.max_seq_len
+    chunk = cfg.train.loss_chunk_tokens
+    vocab = model.config.get_text_config().vocab_size
+    return 3 * (min(tokens, chunk) if chunk else tokens) * vocab * 4
 
 
 def plan_run(cfg: RunConfig, *, name_or_path: str, device: str = "cuda") -> Plan:
@@ -126,6 +135,7 @@ def plan_run(cfg: RunConfig, *, name_or_path: str, device: str = "cuda") -> Plan
     n_lora = lora_params(model, cfg)
     plan.bytes.update(lora=n_lora * LORA_BYTES, gradients=n_lora * LORA_BYTES, optimizer=2 * n_lora * LORA_BYTES)
     plan.bytes["activations_estimate"] = activation_bytes(model, cfg, device=device)
+    plan.bytes["loss_logits"] = loss_bytes(model, cfg)
     if not any(is_experts_module(m) for m in model.modules()):
         plan.notes.append("no MoE experts in this model: it would train as plain QLoRA")
     plan.notes.append(f"targets: experts={cfg.lora.experts}, linears={resolve_targets(model, cfg.lora.target_modules)}")

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from transformers import AutoTokenizer
@@ -37,6 +36,7 @@ from .data import IGNORE, Example, apply_reward_weights, build_examples, collate
 from .experts import set_moe_kernels
 from .export import load_adapter, save_adapter, verify_adapter
 from .loading import LoadOptions, check_model_path, load_model, parameter_bytes_by_kind
+from .losses import token_logprobs
 from .memory import release_freed_memory
 from .optim import build_optimizer, clip_global_norm, lr_multiplier
 from .tiny import resolve_model_path
@@ -68,18 +68,16 @@ class TrainResult:
     metrics_path: Path
 
 
-def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int, float | None]:
+def token_loss_sum(
+    model, batch: dict[str, torch.Tensor], *, loss_chunk: int = 0
+) -> tuple[torch.Tensor, int, float | None]:
     """Sum of next-token cross-entropies over target positions, their count, and the model's MoE auxiliary
-    (load-balancing) loss where the family defines one (logged, not trained on). logits: (B, L, V)."""
+    (load-balancing) loss where the family defines one (logged, not trained on). loss_chunk > 0: through the
+    output head that many tokens at a time (losses.py), never the whole (B, L, V) logits."""
     extra = {"output_router_logits": True} if hasattr(model.config, "router_aux_loss_coef") else {}
-    out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False, **extra)
+    logp, mask, out = token_logprobs(model, batch, chunk=loss_chunk, **extra)
     targets = batch["labels"][:, 1:]
-    token_losses = F.cross_entropy(
-        out.logits[:, :-1].reshape(-1, out.logits.shape[-1]).float(),
-        targets.reshape(-1),
-        ignore_index=IGNORE,
-        reduction="none",
-    ).view(targets.shape)
+    token_losses = -logp
     # Each sample's token losses times its weight (1 for SFT): sample i's gradient is w_i (p - onehot), so
     # w = 0 contributes exactly nothing. The caller divides by the unweighted target count of the step, so
     # doubling every weight doubles the gradient.
@@ -112,13 +110,15 @@ def count_steps(num_examples: int, cfg: RunConfig) -> int:
     return min(total, t.max_steps) if t.max_steps else total
 
 
-def accumulate_gradients(model, batches: list[dict[str, torch.Tensor]]) -> tuple[float, int, float | None]:
+def accumulate_gradients(
+    model, batches: list[dict[str, torch.Tensor]], *, loss_chunk: int = 0
+) -> tuple[float, int, float | None]:
     """Backward over micro-batches, each scaled by 1/N with N the target tokens of all of them together,
     so the gradient is that of the mean token loss over the whole step. Returns (mean loss, N, mean aux loss)."""
     n_targets = sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in batches)
     total, aux = 0.0, []
     for batch in batches:
-        loss_sum, _, aux_loss = token_loss_sum(model, batch)
+        loss_sum, _, aux_loss = token_loss_sum(model, batch, loss_chunk=loss_chunk)
         (loss_sum / n_targets).backward()
         total += float(loss_sum.detach())
         if aux_loss is not None:
@@ -143,7 +143,7 @@ def train_step(model, optimizer, group, pad_id: int, train_cfg) -> dict:
     """One optimizer step over the micro-batches in `group`; returns its metrics."""
     device = next(model.parameters()).device
     batches = [{k: v.to(device) for k, v in collate(mb, pad_id).items()} for mb in group]
-    loss, n_targets, aux_loss = accumulate_gradients(model, batches)
+    loss, n_targets, aux_loss = accumulate_gradients(model, batches, loss_chunk=train_cfg.loss_chunk_tokens)
     grad_norm, skipped = apply_update(optimizer, loss, train_cfg)
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
     return {"loss": loss, "grad_norm": grad_norm, "target_tokens": n_targets, "tokens": tokens, "skipped": skipped,

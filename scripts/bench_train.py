@@ -63,22 +63,30 @@ def ensure_checkpoint(preset: str) -> Path:
     return path
 
 
-def setup_moe_qlora(path, dtype):
+def setup_moe_qlora(path, dtype, double_quant):
     from moe_qlora.adapters import attach_adapters, configure_checkpointing
     from moe_qlora.config import LoraSection
     from moe_qlora.loading import LoadOptions, load_model
 
-    model = load_model(LoadOptions(str(path), compute_dtype=dtype))
+    opts = LoadOptions(
+        str(path), compute_dtype=dtype, expert_double_quant=double_quant, linear_double_quant=double_quant
+    )
+    model = load_model(opts)
     model = attach_adapters(model, LoraSection(rank=8, alpha=16, experts=True, target_modules=[]), seed=0)
     configure_checkpointing(model, enabled=True, interval=1)
     return model
 
 
-def setup_peft(path, dtype):
+def setup_peft(path, dtype, double_quant):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_use_double_quant=double_quant,
+    )
     model = AutoModelForCausalLM.from_pretrained(str(path), quantization_config=quant, dtype=dtype,
                                                  experts_implementation="grouped_mm")  # fmt: skip
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=[],
@@ -99,7 +107,7 @@ def bytes_by_kind(model):
     return kinds
 
 
-def worker(name: str, preset: str, seq: int, steps: int) -> dict:
+def worker(name: str, preset: str, seq: int, steps: int, double_quant: bool, loss_chunk: int) -> dict:
     """Runs in the subprocess: load, then time `steps` training steps after one warm-up step."""
     from moe_qlora.memory import peak_rss_mib, release_freed_memory
     from moe_qlora.trainer import token_loss_sum
@@ -108,7 +116,8 @@ def worker(name: str, preset: str, seq: int, steps: int) -> dict:
     path = ensure_checkpoint(preset)
     t0 = time.perf_counter()
     dtype = torch.bfloat16 if name in ("moe-qlora-bf16", "transformers+bnb+peft") else torch.float32
-    model = setup_peft(path, dtype) if name == "transformers+bnb+peft" else setup_moe_qlora(path, dtype)
+    setup = setup_peft if name == "transformers+bnb+peft" else setup_moe_qlora
+    model = setup(path, dtype, double_quant)
     load_s = time.perf_counter() - t0
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -119,7 +128,7 @@ def worker(name: str, preset: str, seq: int, steps: int) -> dict:
     times, losses = [], []
     for i in range(steps + 1):
         t = time.perf_counter()
-        loss, n, _ = token_loss_sum(model, batch)
+        loss, n, _ = token_loss_sum(model, batch, loss_chunk=loss_chunk)  # the same loss code for every contender
         (loss / n).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -138,8 +147,21 @@ def worker(name: str, preset: str, seq: int, steps: int) -> dict:
 
 def run_contender(name, args) -> dict:
     env = {**os.environ, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, __file__, "--worker", name, "--preset", args.preset, "--seq", str(args.seq),
-           "--steps", str(args.steps)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        name,
+        "--preset",
+        args.preset,
+        "--seq",
+        str(args.seq),
+        "--steps",
+        str(args.steps),
+        "--loss-chunk",
+        str(args.loss_chunk),
+    ]
+    cmd += ["--single-quant"] if args.single_quant else []
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         return {"contender": name, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
@@ -183,18 +205,25 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--only", nargs="*", choices=CONTENDERS, default=CONTENDERS)
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument(
+        "--single-quant", action="store_true", help="no double quantization (the default is on, as in QLoRA)"
+    )
+    ap.add_argument("--loss-chunk", type=int, default=1024, help="train.loss_chunk_tokens (0: full logits)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         import logging
 
         logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-        print(json.dumps(worker(args.worker, args.preset, args.seq, args.steps)))
+        print(
+            json.dumps(worker(args.worker, args.preset, args.seq, args.steps, not args.single_quant, args.loss_chunk))
+        )
         return
     ensure_checkpoint(args.preset)
     results = [run_contender(name, args) for name in args.only]
     print_table(results, args)
     payload = {"preset": args.preset, "config": PRESETS[args.preset], "seq": args.seq, "threads": os.cpu_count(),
+               "double_quant": not args.single_quant, "loss_chunk": args.loss_chunk,
                "torch": torch.__version__, "results": results}  # fmt: skip
     print(json.dumps(payload))
     if args.json:

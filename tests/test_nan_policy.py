@@ -31,9 +31,9 @@ def poison(monkeypatch, nan_steps):
     """Make the loss NaN on the given optimizer steps (1-based), as a diverging run would."""
     real, calls = trainer.token_loss_sum, {"n": 0}
 
-    def poisoned(model, batch):
+    def poisoned(model, batch, **kwargs):
         calls["n"] += 1
-        loss, n, aux = real(model, batch)
+        loss, n, aux = real(model, batch, **kwargs)
         return (loss * math.nan if calls["n"] in nan_steps else loss), n, aux
 
     monkeypatch.setattr(trainer, "token_loss_sum", poisoned)
