@@ -125,6 +125,8 @@ def keep_loadable_targets(model: nn.Module, targets: list[str]) -> list[str]:
 
 def refuse_unloadable_targets(model: nn.Module, targets: list[str]) -> None:
     """An explicit target whose LoRA PEFT would not load back as trained is a config error, with the reason."""
+    if not targets:  # experts only: nothing for PEFT to load
+        return
     try:
         report, failing = modules_peft_would_not_load(model, targets)
     except ValueError as exc:  # PEFT refuses the target outright (e.g. a Mamba mixer's out_proj)

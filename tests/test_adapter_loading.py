@@ -246,3 +246,11 @@ def test_the_round_trip_probe_is_exact_on_a_bf16_checkpoint():
     config.dtype = torch.bfloat16
     report, failing = target_modules_failing_round_trip(config, ["q_proj", "k_proj", "v_proj", "o_proj"])
     assert report.ok and not failing, report.describe()
+
+
+def test_experts_only_needs_no_peft_targets(tiny_mixtral_dir, tmp_path):
+    """target_modules: [] (LoRA on the experts alone) resolves, trains and verifies; PEFT is asked nothing."""
+    lora = LoraSection(rank=4, alpha=8.0, target_modules=[])
+    model = with_random_lora(attach_adapters(load_model(LoadOptions(str(tiny_mixtral_dir))), lora, seed=0))
+    adapter = save_adapter(model, tmp_path / "adapter", cfg=lora, base_model_name_or_path=str(tiny_mixtral_dir))
+    assert verify_adapter(model, adapter) == 8  # 2 layers x 4 expert factors
