@@ -42,6 +42,14 @@ def _flat_b(b: torch.Tensor) -> torch.Tensor:
     return b.permute(1, 2, 0).reshape(d, r * e)
 
 
+def _unflat_a(flat: torch.Tensor, experts: int) -> torch.Tensor:
+    return flat.reshape(experts, -1, flat.shape[1])  # inverse of _flat_a
+
+
+def _unflat_b(flat: torch.Tensor, experts: int) -> torch.Tensor:
+    return flat.reshape(flat.shape[0], -1, experts).permute(2, 0, 1)  # inverse of _flat_b
+
+
 def _projections():
     """(our factor prefix, PEFT's lora_A key, PEFT's lora_B key) per expert stack."""
     return [(p, PEFT_EXPERT_KEYS[f"{p}_a"], PEFT_EXPERT_KEYS[f"{p}_b"]) for p in ("gate_up", "down")]
@@ -72,9 +80,7 @@ def peft_to_expert_lora(tensors: dict[str, torch.Tensor], lora: ExpertLoRA, *, s
     """Load PEFT-layout expert factors (keys as in PEFT_EXPERT_KEYS) into `lora`, in place (inverse of the above)."""
     for proj, key_a, key_b in _projections():
         e = getattr(lora, f"{proj}_a").shape[0]
-        flat_a, flat_b = tensors[key_a], tensors[key_b]
-        a = flat_a.reshape(e, -1, flat_a.shape[1])
-        b = flat_b.reshape(flat_b.shape[0], -1, e).permute(2, 0, 1)
+        a, b = _unflat_a(tensors[key_a], e), _unflat_b(tensors[key_b], e)
         if swap:
             a, b = b.transpose(1, 2), a.transpose(1, 2)
         with torch.no_grad():
@@ -110,8 +116,7 @@ def peft_to_split_lora(tensors: dict[str, torch.Tensor], lora: ExpertLoRA, where
 
     def factors(proj):
         key_a, key_b = SPLIT_PEFT_KEYS[proj]
-        flat_a, flat_b = tensors[key_a], tensors[key_b]
-        return flat_a.reshape(e, -1, flat_a.shape[1]), flat_b.reshape(flat_b.shape[0], -1, e).permute(2, 0, 1)
+        return _unflat_a(tensors[key_a], e), _unflat_b(tensors[key_b], e)
 
     (a_gate, b_gate), (a_up, b_up), (a_down, b_down) = factors("gate"), factors("up"), factors("down")
     if not torch.equal(a_gate, a_up):

@@ -143,9 +143,9 @@ def policy_update(model, optimizer, schedule, examples: list[Example], cfg: RunC
     batches = [{k: v.to(device) for k, v in collate([examples[i] for i in idx], pad_id).items()} for idx in groups]
     total_tokens = sum(sum(t != IGNORE for t in e.labels[1:]) for e in examples)
     chunk = cfg.train.loss_chunk_tokens
-    old = frozen_logprobs(model, batches, g.temperature, reference=False, chunk=chunk) if g.passes > 1 else None
-    ref = frozen_logprobs(model, batches, g.temperature, reference=True, chunk=chunk) if g.kl_coef else None
-    old, ref = old or [None] * len(batches), ref or [None] * len(batches)
+    none = [None] * len(batches)
+    old = frozen_logprobs(model, batches, g.temperature, reference=False, chunk=chunk) if g.passes > 1 else none
+    ref = frozen_logprobs(model, batches, g.temperature, reference=True, chunk=chunk) if g.kl_coef else none
     record = {"sequences_trained": len(active), "passes": 0, "skipped": False, "loss": 0.0, "grad_norm": 0.0}
     for _ in range(g.passes):
         sums: dict[str, float] = {}

@@ -302,13 +302,14 @@ def load_model(opts: LoadOptions):
         raise ModelLoadError(f"{type(model).__name__}: not supported: {reason}")
     if opts.strict:
         assert_experts_quantized(model)
-    if declared_experts(model.config) > 1 and not experts_modules(model):
+    found, declared = experts_modules(model), declared_experts(model.config)
+    if declared > 1 and not found:
         raise ModelLoadError(
             f"no experts module on transformers' experts interface (an expert layout moe-qlora does not know), though "
-            f"the config of {type(model).__name__} declares {declared_experts(model.config)} experts: refusing rather "
-            "than training it as a dense model with its experts untouched"
+            f"the config of {type(model).__name__} declares {declared} experts: refusing rather than training it as "
+            "a dense model with its experts untouched"
         )
-    if experts_modules(model):
+    if found:
         apply_moe_qlora_experts(model)
     return model
 

@@ -76,7 +76,7 @@ def weight_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> dict[str, 
     return kinds
 
 
-def lora_params(model: nn.Module, cfg: RunConfig) -> int:
+def lora_params(model: nn.Module, cfg: RunConfig, targets: list[str]) -> int:
     """Number of LoRA parameters: per-expert factors, PEFT factors on targeted linears, router factors."""
     r, total = cfg.lora.rank, 0
     if cfg.lora.experts:
@@ -84,7 +84,6 @@ def lora_params(model: nn.Module, cfg: RunConfig) -> int:
             e, hidden, inter = expert_dims(module)
             up = (2 if getattr(module, "has_gate", True) else 1) * inter
             total += e * r * ((hidden + up) + (inter + hidden))  # gate_up: A (r,H) B (2I,r); down: A, B
-    targets = set(resolve_targets(model, cfg.lora.target_modules))
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and any(matches_target(name, t) for t in targets):
             total += r * (module.in_features + module.out_features)
@@ -132,13 +131,14 @@ def plan_run(cfg: RunConfig, *, name_or_path: str, device: str = "cuda") -> Plan
     model = meta_model(name_or_path, cfg.model.trust_remote_code)
     plan = Plan(model_type=model.config.model_type, params=sum(p.numel() for p in model.parameters()))
     plan.bytes.update(weight_bytes(model, cfg, device=device))
-    n_lora = lora_params(model, cfg)
+    targets = resolve_targets(model, cfg.lora.target_modules)  # round-trips a probe adapter through PEFT: once
+    n_lora = lora_params(model, cfg, targets)
     plan.bytes.update(lora=n_lora * LORA_BYTES, gradients=n_lora * LORA_BYTES, optimizer=2 * n_lora * LORA_BYTES)
     plan.bytes["activations_estimate"] = activation_bytes(model, cfg, device=device)
     plan.bytes["loss_logits"] = loss_bytes(model, cfg)
     if not any(is_experts_module(m) for m in model.modules()):
         plan.notes.append("no MoE experts in this model: it would train as plain QLoRA")
-    plan.notes.append(f"targets: experts={cfg.lora.experts}, linears={resolve_targets(model, cfg.lora.target_modules)}")
+    plan.notes.append(f"targets: experts={cfg.lora.experts}, linears={targets}")
     return plan
 
 
