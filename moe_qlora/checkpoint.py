@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .fileio import atomic_dir
+from .optim import restore_state
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +96,14 @@ def _trainable(model) -> dict[str, torch.nn.Parameter]:
 
 def _optimizer_tensors(model, optimizer) -> dict[str, torch.Tensor]:
     names = {id(p): n for n, p in _trainable(model).items()}
-    out = {}
+    out, seen = {}, set()
     for p, state in optimizer.state.items():
         for key, value in state.items():
-            out[f"{names[id(p)]}::{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
+            t = torch.as_tensor(value).detach().cpu().contiguous()
+            if t.data_ptr() in seen:  # bitsandbytes shares its quantization maps between tensors
+                t = t.clone()
+            seen.add(t.data_ptr())
+            out[f"{names[id(p)]}::{key}"] = t
     return out
 
 
@@ -206,9 +211,7 @@ def load_checkpoint(
             p.copy_(saved[name])
     moments = load_file(str(checkpoint / "optimizer.safetensors"))
     for name, p in params.items():
-        keys = {k.split("::", 1)[1]: v for k, v in moments.items() if k.startswith(f"{name}::")}
-        if keys:
-            optimizer.state[p] = {k: v.to(p.device) if k != "step" else v for k, v in keys.items()}
+        restore_state(optimizer, p, {k.split("::", 1)[1]: v for k, v in moments.items() if k.startswith(f"{name}::")})
     scheduler.load_state_dict({**scheduler.state_dict(), **state["scheduler"]})
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
         group["lr"] = lr

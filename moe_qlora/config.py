@@ -95,6 +95,17 @@ class TrainSection(Section):
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)
+    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = Field(
+        "adamw",
+        description="adamw: torch's, fp32 moments (8 bytes a LoRA parameter); adamw_8bit: bitsandbytes' "
+        "block-wise 8-bit moments (2 bytes); paged_adamw_8bit: the same in CUDA unified memory, paged out "
+        "under pressure (plain adamw_8bit on the CPU)",
+    )
+    optimizer_in_backward: bool = Field(
+        False,
+        description="update each LoRA tensor as soon as its gradient is complete, so the whole model's "
+        "gradients never exist at once (needs grad_accum 1 and max_grad_norm 0)",
+    )
     gclip: float = Field(0.0, ge=0, description="clamp each gradient element to [-gclip, gclip]; 0 disables")
     max_grad_norm: float = Field(0.0, ge=0, description="global-norm clipping before gclip; 0 disables")
     schedule: Literal["constant", "linear", "cosine"] = "cosine"
@@ -181,6 +192,17 @@ class RunConfig(Section):
             raise ValueError(f"train.warmup_steps ({t.warmup_steps}) covers all of train.max_steps ({t.max_steps})")
         if t.max_steps and t.save_every > t.max_steps:
             raise ValueError(f"train.save_every ({t.save_every}) is beyond train.max_steps ({t.max_steps})")
+        if t.optimizer_in_backward and t.grad_accum > 1:
+            raise ValueError(
+                f"train.optimizer_in_backward updates each tensor as its gradient completes, so it cannot "
+                f"accumulate train.grad_accum ({t.grad_accum}) micro-batches first: set one of them off"
+            )
+        if t.optimizer_in_backward and t.max_grad_norm > 0:
+            raise ValueError(
+                "train.optimizer_in_backward cannot clip by the global norm (train.max_grad_norm "
+                f"{t.max_grad_norm}): the norm is known only after every tensor was updated; use train.gclip "
+                "(element-wise) instead"
+            )
         return self
 
 

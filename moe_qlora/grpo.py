@@ -301,6 +301,11 @@ def grpo(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool
     console = console or Console()
     if cfg.grpo is None:
         raise ConfigError("moe-qlora grpo needs a `grpo:` section in the config (reward functions, group size...)")
+    if cfg.train.optimizer_in_backward:
+        raise ConfigError(
+            "train.optimizer_in_backward is for `train` only: a GRPO step sums the gradients of all its rollout "
+            "micro-batches (and of several passes) before it can update"
+        )
     out = Path(cfg.output.dir)
     out.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.train.seed)

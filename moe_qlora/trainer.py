@@ -38,7 +38,7 @@ from .export import load_adapter, save_adapter, verify_adapter
 from .loading import LoadOptions, check_model_path, load_model, parameter_bytes_by_kind
 from .losses import token_logprobs
 from .memory import release_freed_memory
-from .optim import build_optimizer, clip_global_norm, lr_multiplier
+from .optim import StepInBackward, build_optimizer, clip_global_norm, lr_multiplier
 from .tiny import resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -139,12 +139,35 @@ def apply_update(optimizer, loss: float, train_cfg) -> tuple[float, bool]:
     return grad_norm, skipped
 
 
-def train_step(model, optimizer, group, pad_id: int, train_cfg) -> dict:
-    """One optimizer step over the micro-batches in `group`; returns its metrics."""
+def backward_with_updates(model, stepper: StepInBackward, batch: dict[str, torch.Tensor], *, loss_chunk: int = 0):
+    """train.optimizer_in_backward: one micro-batch's backward, each LoRA tensor updated inside it. A
+    non-finite loss is seen before the backward, so nothing is updated. Returns (mean loss, N, aux loss,
+    pre-clip gradient norm, skipped)."""
+    n_targets = int((batch["labels"][:, 1:] != IGNORE).sum())
+    stepper.begin()
+    loss_sum, _, aux_loss = token_loss_sum(model, batch, loss_chunk=loss_chunk)
+    loss = float(loss_sum.detach()) / n_targets
+    if math.isfinite(loss):
+        (loss_sum / n_targets).backward()
+    del loss_sum
+    grad_norm, skipped = stepper.finish(math.isfinite(loss))
+    release_freed_memory()
+    return loss, n_targets, aux_loss, grad_norm, skipped
+
+
+def train_step(model, optimizer, group, pad_id: int, train_cfg, stepper: StepInBackward | None = None) -> dict:
+    """One optimizer step over the micro-batches in `group` (inside the backward with `stepper`); returns
+    its metrics."""
     device = next(model.parameters()).device
     batches = [{k: v.to(device) for k, v in collate(mb, pad_id).items()} for mb in group]
-    loss, n_targets, aux_loss = accumulate_gradients(model, batches, loss_chunk=train_cfg.loss_chunk_tokens)
-    grad_norm, skipped = apply_update(optimizer, loss, train_cfg)
+    if stepper is not None:
+        (batch,) = batches  # grad_accum is 1 (config.py refuses more)
+        loss, n_targets, aux_loss, grad_norm, skipped = backward_with_updates(
+            model, stepper, batch, loss_chunk=train_cfg.loss_chunk_tokens
+        )
+    else:
+        loss, n_targets, aux_loss = accumulate_gradients(model, batches, loss_chunk=train_cfg.loss_chunk_tokens)
+        grad_norm, skipped = apply_update(optimizer, loss, train_cfg)
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
     return {"loss": loss, "grad_norm": grad_norm, "target_tokens": n_targets, "tokens": tokens, "skipped": skipped,
             "aux_loss": aux_loss}  # fmt: skip
@@ -298,7 +321,8 @@ def resume_if_asked(cfg: RunConfig, out: Path, console: Console, *, allow_mismat
 
 
 def run_steps(cfg: RunConfig, examples, pad_id: int, training: dict, *, total: int, done: RunProgress,
-              metrics: MetricsLog, console: Console, checkpoint) -> list[float]:  # fmt: skip
+              metrics: MetricsLog, console: Console, checkpoint, stepper: StepInBackward | None = None
+              ) -> list[float]:  # fmt: skip
     """The optimizer steps after `done`, with a progress bar, metrics and periodic checkpoints."""
     model, optimizer, schedule = training["model"], training["optimizer"], training["scheduler"]
     losses, start = [], time.perf_counter()
@@ -313,7 +337,7 @@ def run_steps(cfg: RunConfig, examples, pad_id: int, training: dict, *, total: i
                 continue
             t0 = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
-            record = train_step(model, optimizer, group, pad_id, cfg.train)
+            record = train_step(model, optimizer, group, pad_id, cfg.train, stepper)
             dt = time.perf_counter() - t0
             record.update(step=step + 1, epoch=epoch, lr=lr, step_time_s=dt, tokens_per_s=record["tokens"] / dt,
                           elapsed_s=time.perf_counter() - start, router_load=router_load(model))  # fmt: skip
@@ -368,6 +392,9 @@ def train(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: boo
                 "dataset_fingerprint": dataset_fingerprint(examples)}  # fmt: skip
     training = {"model": model, "optimizer": optimizer, "scheduler": schedule}
     done = resume_if_asked(cfg, out, console, allow_mismatch=allow_mismatch, identity=identity, **training)
+    stepper = None
+    if cfg.train.optimizer_in_backward:
+        stepper = StepInBackward(optimizer, undo=cfg.train.nan_policy == "skip")
     metrics = MetricsLog(out / "metrics.jsonl")
     model.train()
 
@@ -375,7 +402,7 @@ def train(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: boo
         save_checkpoint(out, progress=progress, identity=identity, keep=cfg.train.keep_checkpoints, **training)
 
     losses = run_steps(cfg, examples, tokenizer.pad_token_id, training, total=total, done=done, metrics=metrics,
-                       console=console, checkpoint=checkpoint)  # fmt: skip
+                       console=console, checkpoint=checkpoint, stepper=stepper)  # fmt: skip
     metrics.close()
     adapter_dir = write_adapter(model, out, cfg, model_path, console)
     console.print(f"metrics: {metrics.path}")

@@ -67,7 +67,9 @@ sections = {
     "data": st.dictionaries(st.sampled_from(["train_files", "max_seq_len", "format", "overlength", "formt"]),
                             st.one_of(scalars, st.lists(st.text(max_size=8), max_size=2))),
     "train": st.dictionaries(st.sampled_from(["lr", "epochs", "max_steps", "warmup_steps", "gclip", "save_every",
-                                              "nan_policy", "betas", "schedule", "lrr"]), scalars),
+                                              "nan_policy", "betas", "schedule", "lrr", "optimizer",
+                                              "optimizer_in_backward", "grad_accum", "max_grad_norm"]),
+                             st.one_of(scalars, st.sampled_from(["adamw", "adamw_8bit", "paged_adamw_8bit"]))),
 }  # fmt: skip
 
 
