@@ -7,7 +7,9 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 from crash import assert_same_adapter, cli_command, isolated_env, kill_after_steps, run_cli
+from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, SAVE_EVERY = 24, 4
@@ -116,3 +118,22 @@ def test_a_failed_save_stops_the_run_and_leaves_the_previous_checkpoint(config, 
     from moe_qlora.checkpoint import verify
 
     assert verify(checkpoints / "step-00000004") is None
+
+
+def test_8bit_adamw_stepped_in_the_backward_resumes_exactly(env, tmp_path_factory):
+    """bitsandbytes' 8-bit moments (uint8 codes, scales, maps, an int step) go through the safetensors
+    checkpoint and come back in place: the resumed adapter equals an uninterrupted run's, bit for bit."""
+    steps = 12
+    path = tmp_path_factory.mktemp("cfg8") / "resume8.yaml"
+    text = CONFIG.replace(f"max_steps: {STEPS}", f"max_steps: {steps}").replace("grad_accum: 2", "grad_accum: 1")
+    text = text.replace(f"save_every: {SAVE_EVERY}, ", "")
+    path.write_text(text.replace("seed: 3}", "seed: 3, save_every: 3, optimizer: adamw_8bit, optimizer_in_backward: true}"))
+    reference = tmp_path_factory.mktemp("reference8")
+    assert run(path, reference, env).returncode == 0
+    out = tmp_path_factory.mktemp("killed8")
+    assert kill_after_steps(command(path, out, "--debug"), env, out, 7) < steps
+    moments = load_file(str(sorted((out / "checkpoints").iterdir())[-1] / "optimizer.safetensors"))
+    assert any(v.dtype == torch.uint8 for v in moments.values())  # the state really is 8-bit
+    proc = run(path, out, env, "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_run(out, reference)
