@@ -127,7 +127,8 @@ def test_8bit_adamw_stepped_in_the_backward_resumes_exactly(env, tmp_path_factor
     path = tmp_path_factory.mktemp("cfg8") / "resume8.yaml"
     text = CONFIG.replace(f"max_steps: {STEPS}", f"max_steps: {steps}").replace("grad_accum: 2", "grad_accum: 1")
     text = text.replace(f"save_every: {SAVE_EVERY}, ", "")
-    path.write_text(text.replace("seed: 3}", "seed: 3, save_every: 3, optimizer: adamw_8bit, optimizer_in_backward: true}"))
+    eight_bit = "seed: 3, save_every: 3, optimizer: adamw_8bit, optimizer_in_backward: true}"
+    path.write_text(text.replace("seed: 3}", eight_bit))
     reference = tmp_path_factory.mktemp("reference8")
     assert run(path, reference, env).returncode == 0
     out = tmp_path_factory.mktemp("killed8")
