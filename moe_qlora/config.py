@@ -7,6 +7,7 @@ line in the YAML, what was expected and, for an unknown key, the nearest valid o
 from __future__ import annotations
 
 import difflib
+import os
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -112,7 +113,7 @@ class TrainSection(Section):
     warmup_steps: int = Field(0, ge=0)
     gradient_checkpointing: bool = Field(True, description="recompute activations in backward: less memory")
     loss_chunk_tokens: int = Field(
-        1024,
+        256,
         ge=0,
         description="tokens per chunk through the output head for the loss (never the whole "
         "(tokens, vocab) logits); 0: full logits",
@@ -337,9 +338,48 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         raise ConfigError(f"{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    raw = resolve_paths(raw, path.resolve().parent)
     if overrides:
-        raw = deep_merge(raw, parse_overrides(overrides))
+        raw = deep_merge(raw, resolve_paths(parse_overrides(overrides), Path.cwd()))
     return validate_config(raw, source=str(path), text=text)
+
+
+# Keys that name files or folders: relative ones are relative to the config file (as in torchtune and
+# axolotl), or to the current directory for --set values.
+PATH_KEYS = (("data", "train_files"), ("data", "eval_files"), ("output", "dir"), ("lora", "init_from"),
+             ("grpo", "offline_file"))  # fmt: skip
+
+
+def resolve_paths(raw, base: Path):
+    """`raw` with the relative paths at PATH_KEYS (and reward functions given as `file.py:function`) made
+    absolute against `base`. Anything not shaped as expected is left for validation to report."""
+    if not isinstance(raw, dict):
+        return raw
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for section, key in PATH_KEYS:
+        holder = out.get(section)
+        if isinstance(holder, dict) and key in holder:
+            value = holder[key]
+            holder[key] = [_absolute(v, base) for v in value] if isinstance(value, list) else _absolute(value, base)
+    grpo = out.get("grpo")
+    if isinstance(grpo, dict) and isinstance(grpo.get("rewards"), list):
+        grpo["rewards"] = [_absolute_reward_file(r, base) for r in grpo["rewards"]]
+    return out
+
+
+def _absolute(value, base: Path):
+    if not isinstance(value, str) or not value:
+        return value
+    path = Path(value).expanduser()
+    return os.path.normpath(path if path.is_absolute() else base / path)
+
+
+def _absolute_reward_file(spec, base: Path):
+    if isinstance(spec, dict) and isinstance(spec.get("function"), str):
+        file, sep, fn = spec["function"].rpartition(":")
+        if sep and file.endswith(".py"):
+            return {**spec, "function": f"{_absolute(file, base)}:{fn}"}
+    return spec
 
 
 def resolve_compute_dtype(choice: str, device: str) -> str:

@@ -2,8 +2,8 @@
 
 For every module (and every expert of an expert stack): ||A||, ||B|| and ||scale * B A|| (Frobenius).
 The last is computed without forming B A: ||B A||_F^2 = trace((A A^T)(B^T B)), r x r matrices only.
-Flags: NaN/Inf, B all zero (never trained), and updates over OUTLIER_FACTOR times the median of the
-same module across layers and experts.
+Flags: NaN/Inf, B all zero (never trained), A all zero (B A = 0 whatever B is), and updates over
+OUTLIER_FACTOR times the median of the same module across layers and experts.
 """
 
 from __future__ import annotations
@@ -130,6 +130,8 @@ def _factor_issues(a: torch.Tensor, b: torch.Tensor) -> list[str]:
             issues.append(f"{bad} NaN/Inf values in lora_{name}")
     if torch.isfinite(b).all() and not bool(b.any()):
         issues.append("lora_B is all zero (never trained)")
+    if torch.isfinite(a).all() and not bool(a.any()):
+        issues.append("lora_A is all zero (the update B A is zero: this adapter does nothing here)")
     return issues
 
 

@@ -4,8 +4,9 @@ gradient.
 
 Forward, per chunk c of N tokens: z = (h_c W^T + b) * s (fp32), logp_t = z_t[y_t] - logsumexp(z_t).
 Backward, the chunk's logits recomputed: d logp_t / d z_t = onehot(y_t) - softmax(z_t), so
-d h_c = ((onehot - p) * g_c * s) W. Only h, W and the targets are kept. The head is frozen (never a LoRA
-target here), so no weight gradient is formed.
+d h_c = ((onehot - p) * g_c * s) W. Only h, W and the targets are kept; within a chunk one fp32 (c, V)
+buffer holds logits, then softmax, then gradient, plus logsumexp's temporary: ~8 bytes x c x V at peak.
+The head is frozen (never a LoRA target here), so no weight gradient is formed.
 
 Models that change logits after the head (soft-capping, a logits scale) would be computed wrongly: the first
 call on a model compares the chunked path with the model's own logits on a short slice and falls back to
@@ -49,14 +50,21 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk):
             z = _chunk_logits(hidden[start : start + ctx.chunk], weight, bias, ctx.scale)
             g = grad_out[start : start + ctx.chunk, None]
-            dz = -torch.softmax(z, dim=1).mul_(g)
-            dz.scatter_add_(1, targets[start : start + ctx.chunk, None], g)  # + onehot * g
-            grad_hidden[start : start + ctx.chunk] = (dz * ctx.scale).to(weight.dtype) @ weight
+            # In place, so one (chunk, V) fp32 buffer serves as logits, softmax and gradient:
+            # dz = (onehot - softmax(z)) * g * s.
+            dz = z.sub_(torch.logsumexp(z, dim=1, keepdim=True)).exp_().mul_(-g)
+            dz.scatter_add_(1, targets[start : start + ctx.chunk, None], g)
+            if ctx.scale != 1.0:
+                dz.mul_(ctx.scale)
+            grad_hidden[start : start + ctx.chunk] = dz.to(weight.dtype) @ weight
         return grad_hidden, None, None, None, None, None
 
 
 def _chunk_logits(h, weight, bias, scale):
-    return F.linear(h, weight, bias).float() * scale
+    """(c, V) fp32 logits of one chunk, a fresh buffer the caller may overwrite."""
+    z = F.linear(h, weight, bias)
+    z = z.float() if z.dtype != torch.float32 else z
+    return z.mul_(scale) if scale != 1.0 else z
 
 
 @contextmanager

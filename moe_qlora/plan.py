@@ -2,7 +2,8 @@
 
 The model is built on the meta device (no weights, no memory) and every parameter is classified with the
 rules the loader applies: NF4 expert stacks, bitsandbytes 4-bit linears, what stays in the compute dtype,
-then LoRA (fp32), its gradients and AdamW's two moments. Activation memory is an estimate (see below).
+then LoRA (fp32), its gradients (all, or one layer's when stepped in the backward) and the optimizer state
+(fp32 or 8-bit moments). Activation memory is an estimate (see below).
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ from .model_classes import text_model_from_config
 from .nf4 import BLOCKSIZE, NESTED_BLOCKSIZE
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-LORA_BYTES = 4  # LoRA master weights, their gradients and AdamW moments are fp32
+LORA_BYTES = 4  # LoRA master weights and their gradients are fp32
+# What the process holds before any model: the CUDA context and cuBLAS workspaces on a GPU; on the CPU the
+# libraries themselves (torch, transformers, peft, bitsandbytes: 475 MiB measured after importing them).
+RUNTIME_BYTES = {"cuda": 600 * 2**20, "cpu": 480 * 2**20}
 
 
 def four_bit_bytes(numel: int, *, double_quant: bool) -> int:
@@ -76,25 +80,35 @@ def weight_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> dict[str, 
     return kinds
 
 
-def lora_params(model: nn.Module, cfg: RunConfig, targets: list[str]) -> int:
-    """Number of LoRA parameters: per-expert factors, PEFT factors on targeted linears, router factors."""
-    r, total = cfg.lora.rank, 0
+def lora_tensor_sizes(model: nn.Module, cfg: RunConfig, targets: list[str]) -> list[int]:
+    """Element counts of every LoRA tensor: per-expert factor stacks, PEFT factors on targeted linears,
+    router factors."""
+    r, sizes = cfg.lora.rank, []
     if cfg.lora.experts:
         for module in (m for m in model.modules() if quantized_stack_names(m)):  # split stacks too (unfused)
             e, hidden, inter = expert_dims(module)
             up = (2 if getattr(module, "has_gate", True) else 1) * inter
-            total += e * r * ((hidden + up) + (inter + hidden))  # gate_up: A (r,H) B (2I,r); down: A, B
+            sizes += [e * r * hidden, e * up * r, e * r * inter, e * hidden * r]  # gate_up A, B; down A, B
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and any(matches_target(name, t) for t in targets):
-            total += r * (module.in_features + module.out_features)
+            sizes += [r * module.in_features, module.out_features * r]
     if cfg.lora.router:
         for name, module in model.named_modules():
             if is_experts_module(module):
                 block = model.get_submodule(name.rsplit(".", 1)[0])
                 router = getattr(block, "gate", None) or getattr(block, "router", None)
                 if router is not None and getattr(router, "weight", None) is not None:
-                    total += r * sum(router.weight.shape)
-    return total
+                    sizes += [r * router.weight.shape[1], router.weight.shape[0] * r]
+    return sizes
+
+
+def optimizer_state_bytes(numel: int, optimizer: str) -> int:
+    """One tensor's optimizer state. torch AdamW: two fp32 moments. bitsandbytes 8-bit: two uint8 code
+    tensors and an fp32 scale per 256-element block for each; tensors under 4,096 elements (its
+    min_8bit_size) keep two fp32 moments. bitsandbytes' two 256-entry code maps are shared by all tensors."""
+    if optimizer == "adamw" or numel < 4096:
+        return 8 * numel
+    return 2 * numel + 2 * 4 * math.ceil(numel / 256)
 
 
 def activation_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> int:
@@ -119,26 +133,49 @@ def activation_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> int:
 
 
 def loss_bytes(model: nn.Module, cfg: RunConfig) -> int:
-    """Logits the loss holds at once: ~3 x (tokens, vocab) fp32 (logits, softmax, gradient) for the tokens
-    of one micro-batch, or of one chunk with train.loss_chunk_tokens (losses.py)."""
+    """Logits the loss holds at once. Chunked (train.loss_chunk_tokens, losses.py): one fp32 (chunk, vocab)
+    buffer reused for logits, softmax and gradient, plus logsumexp's temporary: 2 x 4 bytes. Full logits:
+    ~3 x (tokens, vocab) fp32 for the micro-batch (logits, log-softmax, gradient)."""
     tokens = cfg.train.micro_batch_size * cfg.data.max_seq_len
     chunk = cfg.train.loss_chunk_tokens
     vocab = model.config.get_text_config().vocab_size
-    return 3 * (min(tokens, chunk) if chunk else tokens) * vocab * 4
+    return 2 * 4 * min(tokens, chunk) * vocab if chunk else 3 * 4 * tokens * vocab
 
 
-def plan_run(cfg: RunConfig, *, name_or_path: str, device: str = "cuda") -> Plan:
-    model = meta_model(name_or_path, cfg.model.trust_remote_code)
+def gradient_bytes(n_lora: int, model: nn.Module, cfg: RunConfig) -> int:
+    """LoRA gradients alive at once: all of them, or with train.optimizer_in_backward about one decoder
+    layer's (a layer's backward forms its LoRA gradients together; each is freed once its tensor is stepped)."""
+    if cfg.train.optimizer_in_backward:
+        return math.ceil(n_lora / model.config.num_hidden_layers) * LORA_BYTES
+    return n_lora * LORA_BYTES
+
+
+def plan_run(cfg: RunConfig, *, name_or_path: str, device: str = "cuda", model: nn.Module | None = None) -> Plan:
+    """Bytes by kind of the run `cfg` on `device`. `model`: meta_model(name_or_path), when already built
+    (planning many configurations of one model)."""
+    model = model if model is not None else meta_model(name_or_path, cfg.model.trust_remote_code)
     plan = Plan(model_type=model.config.model_type, params=sum(p.numel() for p in model.parameters()))
     plan.bytes.update(weight_bytes(model, cfg, device=device))
     targets = resolve_targets(model, cfg.lora.target_modules)  # round-trips a probe adapter through PEFT: once
-    n_lora = lora_params(model, cfg, targets)
-    plan.bytes.update(lora=n_lora * LORA_BYTES, gradients=n_lora * LORA_BYTES, optimizer=2 * n_lora * LORA_BYTES)
+    sizes = lora_tensor_sizes(model, cfg, targets)
+    n_lora = sum(sizes)
+    plan.bytes.update(
+        lora=n_lora * LORA_BYTES,
+        gradients=gradient_bytes(n_lora, model, cfg),
+        optimizer=sum(optimizer_state_bytes(n, cfg.train.optimizer) for n in sizes),
+    )
     plan.bytes["activations_estimate"] = activation_bytes(model, cfg, device=device)
     plan.bytes["loss_logits"] = loss_bytes(model, cfg)
+    plan.bytes["runtime"] = RUNTIME_BYTES["cuda" if device == "cuda" else "cpu"]
     if not any(is_experts_module(m) for m in model.modules()):
         plan.notes.append("no MoE experts in this model: it would train as plain QLoRA")
     plan.notes.append(f"targets: experts={cfg.lora.experts}, linears={targets}")
+    t = cfg.train
+    plan.notes.append(f"optimizer: {t.optimizer}" + (", stepped in the backward" if t.optimizer_in_backward else "")
+                      + (f"; loss through the head {t.loss_chunk_tokens} tokens at a time" if t.loss_chunk_tokens
+                         else "; full logits"))  # fmt: skip
+    if t.optimizer == "paged_adamw_8bit" and device == "cuda":
+        plan.notes.append("paged_adamw_8bit: its state can page out to host memory under pressure (not counted)")
     return plan
 
 

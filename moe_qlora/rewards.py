@@ -8,10 +8,12 @@ is the weighted sum of the configured functions; advantages are taken within eac
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -82,20 +84,33 @@ def resolve_reward(spec: RewardFunctionSpec, index: int) -> RewardFunction:
     key = f"grpo.rewards.{index}.function"
     if spec.function in BUILTINS:
         return RewardFunction(spec.function, BUILTINS[spec.function], spec.weight, dict(spec.args))
-    module_name, sep, attr = spec.function.partition(":")
+    module_name, sep, attr = spec.function.rpartition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(
-            f"{key}: {spec.function!r} is neither a built-in ({', '.join(BUILTINS)}) nor `module:function`"
+            f"{key}: {spec.function!r} is neither a built-in ({', '.join(BUILTINS)}) nor `module:function` "
+            "or `path/to/file.py:function`"
         )
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
+        module = _module_from_file(module_name) if module_name.endswith(".py") else importlib.import_module(
+            module_name)  # fmt: skip
+        fn = getattr(module, attr)
+    except (ImportError, AttributeError, OSError) as exc:
         raise ConfigError(f"{key}: cannot load {spec.function!r}: {exc}") from None
     if not callable(fn):
         raise ConfigError(f"{key}: {spec.function!r} is not callable")
     if spec.args:
         raise ConfigError(f"{key}: args are for built-ins; a user function gets (prompts, completions, **columns)")
     return RewardFunction(spec.function, fn, spec.weight, {})
+
+
+def _module_from_file(path: str):
+    """A reward module given as a file (relative paths were resolved against the config file)."""
+    if not Path(path).is_file():
+        raise OSError(f"no such file: {path}")
+    spec = importlib.util.spec_from_file_location(f"moe_qlora_reward_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def score(functions: Sequence[RewardFunction], prompts: list[str], completions: list[str],

@@ -1,7 +1,7 @@
 """Peak memory and time of the loss step alone (output head + cross-entropy, forward and backward): the full
 (tokens, vocab) logits against moe-qlora's chunked path (moe_qlora/losses.py), each in its own process.
 
-    python scripts/bench_loss.py [--seq 4096 --vocab 151936 --hidden 2048 --chunk 1024 --dtype bfloat16]
+    python scripts/bench_loss.py [--seq 4096 --vocab 151936 --hidden 2048 --chunk 256 --dtype bfloat16]
 
 Defaults are Qwen3-30B-A3B's head (vocab 151,936, hidden 2048) at seq 4096, the issue's setting. Peak is the
 process's VmHWM minus its RSS once the inputs exist: what the loss step adds. Prints a table and JSON.
@@ -57,7 +57,7 @@ def main():
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--chunk", type=int, default=256)  # train.loss_chunk_tokens
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--worker", choices=["full", "chunked"], help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -67,6 +67,7 @@ def test_healthy_adapter_exits_0_and_json_is_parseable(tmp_path):
     [
         ("nan", lambda t: t[f"{PREFIX}.1.self_attn.q_proj.lora_A.weight"].__setitem__((0, 3), math.nan), "NaN/Inf"),
         ("zero_b", lambda t: t[f"{PREFIX}.0.mlp.experts.lora_B.weight"].view(H, R, E)[:, :, 1].zero_(), "all zero"),
+        ("zero_a", lambda t: t[f"{PREFIX}.0.mlp.experts.lora_A.weight"][2 * R : 3 * R].zero_(), "lora_A is all zero"),
         ("outlier", lambda t: t[f"{PREFIX}.1.mlp.experts.lora_B.weight"].view(H, R, E)[:, :, 3].mul_(100), "median"),
     ],
 )
@@ -78,6 +79,8 @@ def test_problems_exit_1_and_name_the_expert(tmp_path, name, mutate, problem):
     assert len(problems) == 1 and problem in problems[0]
     if name == "zero_b":
         assert problems[0].startswith("model.layers.0.mlp.experts.down_proj expert 1")
+    if name == "zero_a":
+        assert problems[0].startswith("model.layers.0.mlp.experts.down_proj expert 2")
 
 
 def test_unreadable_or_non_adapter_files_exit_2(tmp_path):

@@ -63,3 +63,45 @@ def test_contradictory_options_are_refused(tmp_path):
     path = write(tmp_path, BASE + "train:\n  max_steps: 10\n  warmup_steps: 10\n")
     with pytest.raises(ConfigError, match=r"warmup_steps \(10\) covers all of train.max_steps \(10\)"):
         load_config(path)
+
+
+def test_relative_paths_resolve_against_the_config_file_and_set_against_the_cwd(tmp_path, monkeypatch):
+    """As in torchtune and axolotl: a config's paths mean the same from any directory; --set values are
+    typed at the shell, so they are relative to it."""
+    folder = tmp_path / "project" / "configs"
+    folder.mkdir(parents=True)
+    path = folder / "run.yaml"
+    path.write_text(
+        "model: {name_or_path: 'builtin:tiny-mixtral'}\n"
+        "lora: {init_from: ../runs/old/adapter}\n"
+        "data: {train_files: [../data/a.jsonl, /abs/b.jsonl]}\n"
+        "output: {dir: ../runs/new}\n"
+        "grpo: {offline_file: scored.jsonl, rewards: [{function: rewards.py:score}, {function: exact_match}]}\n"
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(path)
+    project = str(tmp_path / "project")
+    assert cfg.data.train_files == [f"{project}/data/a.jsonl", "/abs/b.jsonl"]
+    assert cfg.output.dir == f"{project}/runs/new"
+    assert cfg.lora.init_from == f"{project}/runs/old/adapter"
+    assert cfg.grpo.offline_file == f"{folder}/scored.jsonl"
+    assert [r.function for r in cfg.grpo.rewards] == [f"{folder}/rewards.py:score", "exact_match"]
+    cfg = load_config(path, ["data.train_files=[mine.jsonl]", "output.dir=out"])
+    assert cfg.data.train_files == [f"{elsewhere}/mine.jsonl"] and cfg.output.dir == f"{elsewhere}/out"
+
+
+def test_a_missing_data_file_is_named_by_the_absolute_path_tried(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from moe_qlora.cli import app
+
+    (tmp_path / "cfg").mkdir()
+    path = tmp_path / "cfg" / "run.yaml"
+    path.write_text("model: {name_or_path: 'builtin:tiny-mixtral'}\ndata: {train_files: [good.jsonl]}\n"
+                    f"output: {{dir: {tmp_path / 'out'}}}\n")  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["train", "--config", "cfg/run.yaml"])
+    assert result.exit_code == 2
+    assert str(tmp_path / "cfg" / "good.jsonl") in " ".join(result.output.split())

@@ -87,7 +87,7 @@ def train_losses(tmp_path, kernels, steps=6):
     """Loss per step of the demo config on CUDA in fp32 with the given model.kernels."""
     cfg = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
     cfg["model"].update(device="cuda", kernels=kernels)
-    cfg["data"]["train_files"] = [str(ROOT / f) for f in cfg["data"]["train_files"]]
+    cfg["data"]["train_files"] = [str((ROOT / "configs" / f).resolve()) for f in cfg["data"]["train_files"]]
     cfg["train"].update(max_steps=steps, warmup_steps=2)
     cfg["output"]["dir"] = str(tmp_path / kernels)
     path = tmp_path / f"{kernels}.yaml"

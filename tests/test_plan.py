@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from moe_qlora.adapters import attach_adapters
@@ -35,7 +36,7 @@ def test_plan_equals_the_bytes_of_the_loaded_model(tmp_path, family, double_quan
     measured = parameter_bytes_by_kind(model)
     planned = plan_run(cfg, name_or_path=str(path), device="cpu").bytes
     assert {k: planned[k] for k in measured} == measured
-    assert planned["optimizer"] == 2 * planned["lora"] and planned["activations_estimate"] > 0
+    assert planned["optimizer"] == 2 * planned["lora"] and planned["activations_estimate"] > 0  # fp32 AdamW
 
 
 @pytest.mark.parametrize(
@@ -52,3 +53,35 @@ def test_plan_on_shipped_configs_from_the_cli(name, params_b):
     # quantization (the default) stores them in 0.5 + 1/64 + 4/(64*256) = 0.516 bytes per weight.
     assert b["experts_nf4"] > 0.7 * (b["experts_nf4"] + b["linear_4bit"] + b["other"])
     assert 0.5 * plan["params"] < b["experts_nf4"] + b["linear_4bit"] + b["other"] < 0.75 * plan["params"]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_8bit"])
+def test_planned_optimizer_state_equals_the_state_after_a_step(tmp_path, optimizer):
+    """The optimizer row is exact: bitsandbytes' uint8 codes and per-256 scales for tensors of 4,096
+    elements or more, fp32 moments below (the tiny Mixtral has both), torch's fp32 moments for adamw. Step
+    counters and bitsandbytes' two shared code maps are left out of both sides."""
+    from moe_qlora.optim import build_optimizer
+
+    tok = build_byte_tokenizer()
+    path = save_tiny_model(tmp_path / "mixtral", tiny_config("mixtral", len(tok)), tokenizer=tok)
+    cfg = validate_config({"model": {"name_or_path": str(path)}, "lora": {"rank": 4, "target_modules": ["q_proj"]},
+                           "data": {"train_files": ["unused.jsonl"]}, "train": {"optimizer": optimizer}})  # fmt: skip
+    model = attach_adapters(load_model(LoadOptions(str(path))), cfg.lora, seed=0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = build_optimizer(params, cfg.train)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    held = sum(v.nbytes for s in opt.state.values() for k, v in s.items()
+               if torch.is_tensor(v) and k not in ("step", "qmap1", "qmap2"))  # fmt: skip
+    sizes = [p.numel() for p in params]
+    assert min(sizes) < 4096 <= max(sizes)
+    assert plan_run(cfg, name_or_path=str(path), device="cpu").bytes["optimizer"] == held
+
+
+def test_optimizer_in_backward_plans_one_layers_gradients():
+    common = ["plan", "--model", str(ROOT / "configs/models/qwen3-30b-a3b"), "--json", "--set", "lora.rank=16"]
+    ordinary = json.loads(CliRunner().invoke(app, common).stdout)["bytes"]
+    inside = json.loads(CliRunner().invoke(app, [*common, "--set", "train.optimizer_in_backward=true"]).stdout)["bytes"]
+    assert ordinary["gradients"] == ordinary["lora"]
+    assert inside["gradients"] == -(-ordinary["lora"] // 48)  # 48 layers: one layer's LoRA gradients at a time

@@ -1,0 +1,168 @@
+"""The planner proved by measurement: peak memory of real training steps beside `moe-qlora plan`'s figure.
+
+    python scripts/bench_memory.py                      # Qwen3-30B-A3B layers, 2 of them, seq 2048, r16
+    python scripts/bench_memory.py --layers 4 --seqs 2048 4096 --json out.json
+
+The model has Qwen3-30B-A3B's real layer sizes (hidden 2048, 128 experts of 768, top-8, vocab 151,936, untied
+head) but only `--layers` decoder layers, random bf16 weights generated once into the moe-qlora cache. Each
+configuration trains two steps through `moe_qlora.trainer.train` (batch 1, LoRA r16 on the experts and
+q/k/v/o, gradient checkpointing) in its own subprocess on the CPU. The peak resident memory (VmHWM) is reset
+once the model is loaded, so what is measured is the training peak with the weights resident, which is what
+the planner models; the planner's figure is `plan_run` for the same config on the CPU (fp32 compute).
+Prints a table and JSON: {"results": [{"seq", "measured_peak_mib", "planned_mib", ...}, ...]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# (label, train overrides): the defaults, then what each memory knob changes.
+CONFIGURATIONS = {
+    "adamw, full logits": {"optimizer": "adamw", "loss_chunk_tokens": 0},
+    "adamw, chunked loss": {"optimizer": "adamw"},
+    "adamw_8bit, chunked loss": {"optimizer": "adamw_8bit"},
+    "adamw_8bit in backward, chunked loss": {"optimizer": "adamw_8bit", "optimizer_in_backward": True},
+}
+
+
+def ensure_model(layers: int) -> Path:
+    """Qwen3-30B-A3B's config cut to `layers` layers, random bf16 weights (seed 0), saved once."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from moe_qlora.tiny import build_byte_tokenizer, cache_dir
+
+    path = cache_dir() / f"bench-memory-qwen3-30b-a3b-{layers}l"
+    if (path / "config.json").exists():
+        return path
+    config = AutoConfig.from_pretrained(ROOT / "configs" / "models" / "qwen3-30b-a3b")
+    config.num_hidden_layers = layers
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=path.name + "."))
+    model.save_pretrained(tmp)
+    build_byte_tokenizer().save_pretrained(tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def run_config(model: Path, seq: int, train: dict, out: Path) -> dict:
+    """The RunConfig dict of one measured configuration."""
+    data = out / "data.jsonl"
+    data.write_text(json.dumps({"text": "".join(chr(97 + i % 26) for i in range(seq + 64))}) + "\n")
+    return {
+        "model": {"name_or_path": str(model), "compute_dtype": "auto"},
+        "lora": {"rank": 16, "alpha": 32, "experts": True, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+        "data": {"train_files": [str(data)], "format": "text", "max_seq_len": seq},
+        "train": {"micro_batch_size": 1, "epochs": 2, "max_steps": 2, "lr": 1e-4, "warmup_steps": 0,
+                  "gradient_checkpointing": True, **train},
+        "output": {"dir": str(out / "run")},
+    }  # fmt: skip
+
+
+def reset_peak_rss() -> None:
+    """VmHWM back to the current RSS (Linux: write 5 to clear_refs)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def worker(model: str, seq: int, label: str) -> dict:
+    """Runs in the subprocess: two training steps, the peak measured from the first one on."""
+    from rich.console import Console
+
+    from moe_qlora import trainer
+    from moe_qlora.config import validate_config
+    from moe_qlora.memory import peak_rss_mib, release_freed_memory
+
+    out = Path(tempfile.mkdtemp(prefix="bench-memory-"))
+    cfg = validate_config(run_config(Path(model), seq, CONFIGURATIONS[label], out))
+    real_step, peaks, loaded = trainer.train_step, [], {}
+
+    def measured_step(*args, **kwargs):
+        if not peaks:
+            release_freed_memory()
+            reset_peak_rss()
+            loaded["rss"] = peak_rss_mib()
+        t0 = time.perf_counter()
+        record = real_step(*args, **kwargs)
+        peaks.append((peak_rss_mib(), time.perf_counter() - t0))
+        return record
+
+    trainer.train_step = measured_step
+    trainer.train(cfg, Console(quiet=True))
+    return {"measured_peak_mib": round(max(p for p, _ in peaks), 1), "rss_after_load_mib": round(loaded["rss"], 1),
+            "step_s": round(peaks[-1][1], 1)}  # fmt: skip
+
+
+def planned(model: Path, seq: int, label: str) -> tuple[int, dict]:
+    from moe_qlora.config import validate_config
+    from moe_qlora.plan import plan_run
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = validate_config(run_config(model, seq, CONFIGURATIONS[label], Path(tmp)))
+        plan = plan_run(cfg, name_or_path=str(model), device="cpu")
+    return plan.total, {k: round(v / 2**20, 1) for k, v in plan.bytes.items()}
+
+
+def measure(model: Path, seq: int, label: str) -> dict:
+    cmd = [sys.executable, __file__, "--worker", str(model), "--seqs", str(seq), "--label", label]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    if proc.returncode != 0:
+        raise SystemExit(f"{label} at seq {seq} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--seqs", type=int, nargs="+", default=[2048])
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGURATIONS), choices=list(CONFIGURATIONS))
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--label", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.seqs[0], args.label)))
+        return
+    model = ensure_model(args.layers)
+    results = []
+    for seq in args.seqs:
+        for label in args.configs:
+            total, rows = planned(model, seq, label)
+            row = {"config": label, "layers": args.layers, "seq": seq, **measure(model, seq, label),
+                   "planned_mib": round(total / 2**20, 1), "plan_rows_mib": rows}  # fmt: skip
+            row["ratio"] = round(row["measured_peak_mib"] / row["planned_mib"], 3)
+            results.append(row)
+            print(f"{label:<38} seq {seq:>5}: measured {row['measured_peak_mib']:>9,.0f} MiB, planned "
+                  f"{row['planned_mib']:>9,.0f} MiB, ratio {row['ratio']:.3f}, step {row['step_s']} s",
+                  flush=True)  # fmt: skip
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Peak memory of a training step: Qwen3-30B-A3B layers x{args.layers}, r16, batch 1, CPU fp32")
+    for col in ("configuration", "seq", "measured MiB", "planned MiB", "measured / planned"):
+        table.add_column(col, justify="left" if col == "configuration" else "right")
+    for r in results:
+        table.add_row(r["config"], str(r["seq"]), f"{r['measured_peak_mib']:,.0f}", f"{r['planned_mib']:,.0f}",
+                      f"{r['ratio']:.3f}")  # fmt: skip
+    Console().print(table)
+    payload = {"model": "qwen3-30b-a3b layers", "device": "cpu", "threads": torch.get_num_threads(),
+               "results": results}  # fmt: skip
+    print(json.dumps(payload))
+    if args.json:
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
