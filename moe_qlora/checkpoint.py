@@ -70,10 +70,15 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+# train keys that change when and where a run saves or logs, never what it computes.
+BOOKKEEPING = {"resume", "save_every", "save_every_minutes", "keep_checkpoints", "log_every"}
+
+
 def config_hash(resolved: dict) -> str:
-    """sha256 of the resolved config, without what may change between a run and its resume (output)."""
+    """sha256 of the resolved config, without what may change between a run and its resume (output and
+    bookkeeping)."""
     relevant = {k: v for k, v in resolved.items() if k != "output"}
-    relevant["train"] = {k: v for k, v in relevant.get("train", {}).items() if k != "resume"}
+    relevant["train"] = {k: v for k, v in relevant.get("train", {}).items() if k not in BOOKKEEPING}
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()
 
 

@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
-console = Console()
+console = Console(soft_wrap=not sys.stdout.isatty())  # log files get whole lines, never wrapped paths
 err_console = Console(stderr=True)
 
 TRAIN_EPILOG = """Examples:
@@ -72,24 +72,38 @@ def train(
     config: str = typer.Option(..., "--config", "-c", help="YAML run configuration"),
     set_: list[str] = typer.Option([], "--set", help="override a key, e.g. --set train.lr=2e-4 (repeatable)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved configuration and exit"),
-    resume: bool = typer.Option(False, "--resume", help="continue from the newest valid checkpoint in output.dir"),
+    resume: bool = typer.Option(
+        False, "--resume", help="continue from the newest valid checkpoint in output.dir (--resume PATH: from that one)"
+    ),
+    resume_from: str = typer.Option(None, "--resume-from", hidden=True),
     resume_anyway: bool = typer.Option(
         False, "--resume-anyway", help="resume even if the config or the dataset changed since the checkpoint"
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="output.dir holds another run: move it aside to <dir>.old-<time> and start over"
     ),
     debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
 ):
     """Fine-tune a MoE model with QLoRA (experts frozen in NF4, per-expert LoRA)."""
-    _run("train", config, set_, dry_run=dry_run, resume=resume, resume_anyway=resume_anyway, debug=debug)
+    _run("train", config, set_, dry_run=dry_run, resume=resume, resume_from=resume_from, resume_anyway=resume_anyway,
+         overwrite=overwrite, debug=debug)  # fmt: skip
 
 
-def _run(command: str, config: str, overrides: list[str], *, dry_run, resume, resume_anyway, debug) -> None:
+def _run(command: str, config: str, overrides: list[str], *, dry_run, resume, resume_from, resume_anyway, overwrite,
+         debug) -> None:  # fmt: skip
     """Load and validate the config, then print it (--dry-run) or run `train` or `grpo` on it, turning
-    user errors into one sentence and exit code 2, and an aborted run into exit code 1."""
+    user errors into one sentence and exit code 2, an aborted run into exit code 1, and a run stopped by
+    SIGINT / SIGTERM into 130 / 143 with the command that resumes it."""
     _quiet_libraries()
     from .config import ConfigError, load_config
 
+    resumes = []
+    if resume_from:
+        resumes = [f"train.resume={os.path.abspath(resume_from)}"]
+    elif resume or resume_anyway:
+        resumes = ["train.resume=auto"]
     try:
-        cfg = load_config(config, [*overrides, *(["train.resume=auto"] if resume or resume_anyway else [])])
+        cfg = load_config(config, [*overrides, *resumes])
         if command == "grpo" and cfg.grpo is None:
             raise ConfigError(f"{config}: no `grpo:` section; moe-qlora grpo needs at least grpo.rewards")
     except _user_errors() as exc:
@@ -100,6 +114,7 @@ def _run(command: str, config: str, overrides: list[str], *, dry_run, resume, re
         console.print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), highlight=False)
         return
     from .export import AdapterVerificationError
+    from .runs import RunInterrupted
     from .trainer import TrainingAborted
 
     if command == "grpo":
@@ -107,11 +122,20 @@ def _run(command: str, config: str, overrides: list[str], *, dry_run, resume, re
     else:
         from .trainer import train as run
     try:
-        run(cfg, console, allow_mismatch=resume_anyway)
+        run(cfg, console, allow_mismatch=resume_anyway, overwrite=overwrite)
     except _user_errors() as exc:
         _fail(exc, debug)
     except (TrainingAborted, AdapterVerificationError) as exc:
         _fail(exc, debug, code=1)
+    except RunInterrupted as exc:
+        again = " ".join(["moe-qlora", command, "--config", config, *(f"--set {o}" for o in overrides), "--resume"])
+        saved = f"checkpoint written; resume with: {again}" if exc.step else "no step was done yet; nothing to save"
+        err_console.print(f"interrupted at step {exc.step}; {saved}", highlight=False, soft_wrap=True)
+        raise typer.Exit(exc.exit_code) from None
+    except KeyboardInterrupt:
+        err_console.print("stopped at once (second signal): nothing written since the last checkpoint",
+                          highlight=False)  # fmt: skip
+        raise typer.Exit(130) from None
 
 
 GRPO_EPILOG = """Examples:
@@ -129,14 +153,21 @@ def grpo(
     config: str = typer.Option(..., "--config", "-c", help="YAML run configuration with a grpo: section"),
     set_: list[str] = typer.Option([], "--set", help="override a key, e.g. --set grpo.group_size=8 (repeatable)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved configuration and exit"),
-    resume: bool = typer.Option(False, "--resume", help="continue from the newest valid checkpoint in output.dir"),
+    resume: bool = typer.Option(
+        False, "--resume", help="continue from the newest valid checkpoint in output.dir (--resume PATH: from that one)"
+    ),
+    resume_from: str = typer.Option(None, "--resume-from", hidden=True),
     resume_anyway: bool = typer.Option(
         False, "--resume-anyway", help="resume even if the config or the prompts changed since the checkpoint"
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="output.dir holds another run: move it aside to <dir>.old-<time> and start over"
     ),
     debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
 ):
     """Online GRPO on the 4-bit model: sample groups, score them with reward functions, train on advantages."""
-    _run("grpo", config, set_, dry_run=dry_run, resume=resume, resume_anyway=resume_anyway, debug=debug)
+    _run("grpo", config, set_, dry_run=dry_run, resume=resume, resume_from=resume_from, resume_anyway=resume_anyway,
+         overwrite=overwrite, debug=debug)  # fmt: skip
 
 
 PLAN_EPILOG = """Examples:
@@ -204,8 +235,37 @@ def check_norms_cmd(
     raise typer.Exit(0 if report.healthy else 1)
 
 
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        console.print(f"moe-qlora {__version__}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="print the version"),
+):
+    """QLoRA fine-tuning of Mixture-of-Experts LLMs with every expert frozen in NF4."""
+
+
+def with_resume_path(argv: list[str]) -> list[str]:
+    """`--resume PATH` (a value that is not an option) becomes `--resume-from PATH`; `--resume` alone stays
+    the flag: newest valid checkpoint."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--resume" and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+            out += ["--resume-from", argv[i + 1]]
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def main() -> None:
-    app()
+    app(args=with_resume_path(sys.argv[1:]), prog_name="moe-qlora")
 
 
 if __name__ == "__main__":

@@ -126,9 +126,17 @@ class TrainSection(Section):
     )
     max_consecutive_skips: int = Field(3, ge=1, description="skipped steps in a row before the run stops anyway")
     spike_factor: float = Field(3.0, ge=0, description="log a loss_spike event above this times the loss EMA; 0: off")
-    save_every: int = Field(0, ge=0, description="checkpoint every N optimizer steps (0: only at the end)")
+    save_every: int = Field(0, ge=0, description="checkpoint every N optimizer steps (0: by time and at the end)")
+    save_every_minutes: float = Field(
+        30.0, ge=0, description="also checkpoint when this many minutes passed since the last one (0: off)"
+    )
     keep_checkpoints: int = Field(2, ge=1, description="how many checkpoints to keep (newest first)")
-    resume: Literal["never", "auto"] = Field("never", description="auto: continue from the newest valid checkpoint")
+    resume: str = Field(
+        "never",
+        description="never; auto: continue from the newest valid checkpoint in output.dir; or the path of a "
+        "checkpoint folder (checkpoints/step-NNNNNNNN) to continue from",
+        min_length=1,
+    )
 
 
 class RewardFunctionSpec(Section):
@@ -347,7 +355,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
 # Keys that name files or folders: relative ones are relative to the config file (as in torchtune and
 # axolotl), or to the current directory for --set values.
 PATH_KEYS = (("data", "train_files"), ("data", "eval_files"), ("output", "dir"), ("lora", "init_from"),
-             ("grpo", "offline_file"))  # fmt: skip
+             ("grpo", "offline_file"), ("train", "resume"))  # fmt: skip
+NOT_PATHS = {("train", "resume"): ("never", "auto")}
 
 
 def resolve_paths(raw, base: Path):
@@ -358,7 +367,7 @@ def resolve_paths(raw, base: Path):
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
     for section, key in PATH_KEYS:
         holder = out.get(section)
-        if isinstance(holder, dict) and key in holder:
+        if isinstance(holder, dict) and key in holder and holder[key] not in NOT_PATHS.get((section, key), ()):
             value = holder[key]
             holder[key] = [_absolute(v, base) for v in value] if isinstance(value, list) else _absolute(value, base)
     grpo = out.get("grpo")

@@ -16,6 +16,12 @@ def _fsync_tree(path: Path) -> None:
                 os.fsync(f.fileno())
 
 
+def current_umask() -> int:
+    mask = os.umask(0o022)  # reading it means setting it; put it straight back
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def atomic_dir(target: str | Path):
     """Yield a temporary folder beside `target`; on success it replaces `target` by rename.
@@ -25,6 +31,7 @@ def atomic_dir(target: str | Path):
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
+    os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it 0700; the final folder gets what mkdir would
     try:
         yield tmp
         _fsync_tree(tmp)

@@ -28,6 +28,7 @@ from .losses import token_logprobs as chunked_token_logprobs
 from .optim import build_optimizer
 from .rewards import flat_groups, group_advantages, resolve_reward, score
 from .rollout import Rollout, load_offline_groups, load_prompts, offline_rollouts, sample_rollouts
+from .runs import CheckpointPolicy, RunSummary, StopSignals, claim_output_dir, plain_progress_line
 from .trainer import (
     MetricsLog,
     after_step,
@@ -38,6 +39,7 @@ from .trainer import (
     resume_if_asked,
     router_load,
     seed_everything,
+    stop_if_asked,
     write_adapter,
 )
 
@@ -195,7 +197,8 @@ def rollout_metrics(rollouts, rewards, per_fn, advantages, group_sizes) -> dict:
     lengths = [len(r.completion_ids) for r in rollouts]
     record = {"reward_mean": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),
               "advantage": _spread(advantages.tolist()), "completion_tokens": _spread(lengths),
-              "flat_groups": flat_groups(group_sizes, advantages), "groups": len(group_sizes)}  # fmt: skip
+              "completion_tokens_total": sum(lengths), "flat_groups": flat_groups(group_sizes, advantages),
+              "groups": len(group_sizes)}  # fmt: skip
     for name, values in per_fn.items():
         record[f"reward/{name}"] = {"mean": statistics.fmean(values), "std": statistics.pstdev(values)}
     return record
@@ -265,38 +268,51 @@ def grpo_step(source: RolloutSource, batch: list, training: dict, pad_id: int, r
 
 
 def run_grpo_steps(source: RolloutSource, training: dict, *, total: int, done: RunProgress, out: Path,
-                   console: Console, checkpoint) -> list[float]:  # fmt: skip
-    """The rollout batches after `done`, with a progress bar, metrics, rollouts and periodic checkpoints."""
+                   console: Console, checkpoint, stop: StopSignals) -> tuple[list[float], int]:  # fmt: skip
+    """The rollout batches after `done`, with a progress bar (plain lines when stdout is not a terminal),
+    metrics, rollouts, checkpoints by steps and minutes, and a checkpoint then RunInterrupted on a signal.
+    Returns the mean rewards of this invocation and the completion tokens it trained on."""
     cfg = source.cfg
     metrics, rollout_log = MetricsLog(out / "metrics.jsonl"), MetricsLog(out / "rollouts.jsonl")
-    reward_means = []
+    reward_means, tokens, start, first = [], 0, time.perf_counter(), done.step
+    policy = CheckpointPolicy(cfg.train.save_every, cfg.train.save_every_minutes)
     columns = [TextColumn("[bold]grpo"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeRemainingColumn()]  # fmt: skip
-    with Progress(*columns, console=console) as bar:
-        task = bar.add_task("grpo", total=total, info="", completed=done.step)
-        for step, (epoch, batch) in enumerate(batch_prompts(source.items, cfg)):
-            if step >= total:
-                break
-            if step < done.step:  # done before the checkpoint: the order depends on (seed, epoch) only
-                continue
-            record = grpo_step(source, batch, training, source.tokenizer.pad_token_id, rollout_log, step + 1)
-            record["epoch"] = epoch
-            try:
-                done = after_step(record, record.pop("sources"), done, cfg, spikes=False)
-            finally:  # an aborting step is logged too
-                metrics.write(record)
-            reward_means.append(record["reward_mean"])
-            bar.update(task, advance=1, info=f"reward {record['reward_mean']:.3f}  kl {record.get('kl', 0):.4f}  "
-                       f"gen {record['generation_s']:.1f}s  train {record['training_s']:.1f}s")  # fmt: skip
-            if cfg.train.save_every and done.step % cfg.train.save_every == 0 and done.step < total:
-                checkpoint(done)
-    checkpoint(done)
-    metrics.close()
-    rollout_log.close()
-    return reward_means
+    try:
+        with Progress(*columns, console=console, disable=not console.is_terminal) as bar:
+            task = bar.add_task("grpo", total=total, info="", completed=done.step)
+            for step, (epoch, batch) in enumerate(batch_prompts(source.items, cfg)):
+                if step >= total:
+                    break
+                if step < done.step:  # done before the checkpoint: the order depends on (seed, epoch) only
+                    continue
+                stop_if_asked(stop, done, checkpoint)
+                record = grpo_step(source, batch, training, source.tokenizer.pad_token_id, rollout_log, step + 1)
+                record["epoch"] = epoch
+                try:
+                    done = after_step(record, record.pop("sources"), done, cfg, spikes=False)
+                finally:  # an aborting step is logged too
+                    metrics.write(record)
+                reward_means.append(record["reward_mean"])
+                tokens += record["completion_tokens_total"]
+                info = {"reward": f"{record['reward_mean']:.3f}", "kl": f"{record.get('kl', 0):.4f}",
+                        "gen": f"{record['generation_s']:.1f}s", "train": f"{record['training_s']:.1f}s"}  # fmt: skip
+                bar.update(task, advance=1, info="  ".join(f"{k} {v}" for k, v in info.items()))
+                if not console.is_terminal and ((step + 1) % cfg.train.log_every == 0 or step + 1 == total):
+                    console.print(plain_progress_line("grpo", step + 1, total, info, time.perf_counter() - start,
+                                                      first), highlight=False)  # fmt: skip
+                if done.step < total and policy.due(done.step):
+                    checkpoint(done)
+                    policy.saved()
+        checkpoint(done)
+    finally:
+        metrics.close()
+        rollout_log.close()
+    return reward_means, tokens
 
 
-def grpo(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool = False) -> GrpoResult:
+def grpo(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool = False,
+         overwrite: bool = False) -> GrpoResult:  # fmt: skip
     """Run GRPO as configured (online sampling, or offline scored completions)."""
     console = console or Console()
     if cfg.grpo is None:
@@ -307,26 +323,31 @@ def grpo(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool
             "micro-batches (and of several passes) before it can update"
         )
     out = Path(cfg.output.dir)
-    out.mkdir(parents=True, exist_ok=True)
-    seed_everything(cfg.train.seed)
-    model_path, tokenizer = load_tokenizer(cfg)
-    source = RolloutSource(cfg, tokenizer, console)
-    model, params = load_policy(cfg, model_path, console)
-    seed_everything(cfg.train.seed)  # what loading consumed must not matter
-    optimizer = build_optimizer(params, cfg.train)
-    total = count_grpo_steps(len(source.items), cfg)
-    training = {"model": model, "optimizer": optimizer,
-                "scheduler": build_schedule(optimizer, total * cfg.grpo.passes, cfg.train)}  # fmt: skip
-    identity = {"config_hash": config_hash(cfg.model_dump(mode="json")), "dataset_fingerprint": source.identity}
-    done = resume_if_asked(cfg, out, console, allow_mismatch=allow_mismatch, identity=identity,
-                           logs=("metrics.jsonl", "rollouts.jsonl"), **training)  # fmt: skip
-    model.train()
+    claim_output_dir(out, resuming=cfg.train.resume != "never", overwrite=overwrite, console=console)
+    started = time.perf_counter()
+    with StopSignals(console) as stop:
+        seed_everything(cfg.train.seed)
+        model_path, tokenizer = load_tokenizer(cfg)
+        source = RolloutSource(cfg, tokenizer, console)
+        model, params = load_policy(cfg, model_path, console)
+        seed_everything(cfg.train.seed)  # what loading consumed must not matter
+        optimizer = build_optimizer(params, cfg.train)
+        total = count_grpo_steps(len(source.items), cfg)
+        training = {"model": model, "optimizer": optimizer,
+                    "scheduler": build_schedule(optimizer, total * cfg.grpo.passes, cfg.train)}  # fmt: skip
+        identity = {"config_hash": config_hash(cfg.model_dump(mode="json")), "dataset_fingerprint": source.identity}
+        done = resume_if_asked(cfg, out, console, allow_mismatch=allow_mismatch, identity=identity,
+                               logs=("metrics.jsonl", "rollouts.jsonl"), **training)  # fmt: skip
+        model.train()
 
-    def checkpoint(progress: RunProgress) -> None:
-        save_checkpoint(out, progress=progress, identity=identity, keep=cfg.train.keep_checkpoints, **training)
+        def checkpoint(progress: RunProgress) -> None:
+            save_checkpoint(out, progress=progress, identity=identity, keep=cfg.train.keep_checkpoints, **training)
 
-    reward_means = run_grpo_steps(source, training, total=total, done=done, out=out, console=console,
-                                  checkpoint=checkpoint)  # fmt: skip
-    adapter_dir = write_adapter(model, out, cfg, model_path, console)
-    console.print(f"metrics: {out / 'metrics.jsonl'}  rollouts: {out / 'rollouts.jsonl'}")
+        reward_means, tokens = run_grpo_steps(source, training, total=total, done=done, out=out, console=console,
+                                              checkpoint=checkpoint, stop=stop)  # fmt: skip
+        adapter_dir = write_adapter(model, out, cfg, model_path, console)
+    RunSummary("grpo", len(reward_means), time.perf_counter() - started, tokens,
+               reward_means[-1] if reward_means else None, max(reward_means) if reward_means else None,
+               adapter_dir, out / "metrics.jsonl").print(console)  # fmt: skip
+    console.print(f"rollouts: {out / 'rollouts.jsonl'}", highlight=False)
     return GrpoResult(len(reward_means), reward_means, adapter_dir, out / "metrics.jsonl", out / "rollouts.jsonl")

@@ -24,12 +24,15 @@ from transformers import AutoTokenizer
 
 from .adapters import attach_adapters, configure_checkpointing, expert_loras, trainable_parameters
 from .checkpoint import (
+    CheckpointError,
     RunProgress,
+    checkpoint_dirs,
     config_hash,
     dataset_fingerprint,
     latest_valid_checkpoint,
     load_checkpoint,
     save_checkpoint,
+    verify,
 )
 from .config import ConfigError, RunConfig, resolve_compute_dtype
 from .data import IGNORE, Example, apply_reward_weights, build_examples, collate, epoch_order, micro_batches
@@ -39,6 +42,14 @@ from .loading import LoadOptions, check_model_path, load_model, parameter_bytes_
 from .losses import token_logprobs
 from .memory import release_freed_memory
 from .optim import StepInBackward, build_optimizer, clip_global_norm, lr_multiplier
+from .runs import (
+    CheckpointPolicy,
+    RunInterrupted,
+    RunSummary,
+    StopSignals,
+    claim_output_dir,
+    plain_progress_line,
+)
 from .tiny import resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -305,13 +316,25 @@ def truncate_metrics(path: Path, last_step: int) -> None:
 
 def resume_if_asked(cfg: RunConfig, out: Path, console: Console, *, allow_mismatch: bool,
                     logs: tuple[str, ...] = ("metrics.jsonl",), **training) -> RunProgress:  # fmt: skip
-    """Restore the newest valid checkpoint when `train.resume: auto`; a fresh RunProgress otherwise.
-    Records of `logs` after the checkpoint's step are dropped: those steps will be done again."""
-    if cfg.train.resume != "auto":
+    """Restore the checkpoint `train.resume` names (auto: the newest valid one in output.dir); a fresh
+    RunProgress for `never`. Records of `logs` after the checkpoint's step are dropped, since those steps
+    will be done again (all of them when there is no checkpoint yet). Checkpoints newer than a named one
+    are from a continuation being abandoned: they are renamed aside, so pruning and a later --resume never
+    mix the two."""
+    if cfg.train.resume == "never":
         return RunProgress()
-    checkpoint = latest_valid_checkpoint(out)
+    if cfg.train.resume == "auto":
+        checkpoint = latest_valid_checkpoint(out)
+    else:
+        checkpoint = Path(cfg.train.resume)
+        problem = verify(checkpoint) if checkpoint.is_dir() else "no such checkpoint folder"
+        if problem is not None:
+            raise CheckpointError(f"--resume {checkpoint}: {problem}")
+        set_aside_newer_checkpoints(out, checkpoint, console)
     if checkpoint is None:
         console.print("resume: no valid checkpoint yet, starting from step 0")
+        for name in logs:
+            truncate_metrics(out / name, 0)
         return RunProgress()
     done = load_checkpoint(checkpoint, allow_mismatch=allow_mismatch, **training)
     for name in logs:
@@ -320,21 +343,34 @@ def resume_if_asked(cfg: RunConfig, out: Path, console: Console, *, allow_mismat
     return done
 
 
+def set_aside_newer_checkpoints(out: Path, checkpoint: Path, console: Console) -> None:
+    newer = [d for d in checkpoint_dirs(out) if d.name > checkpoint.name]
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    for d in newer:
+        d.rename(d.with_name(f"{d.name}.superseded-{stamp}"))
+    if newer:
+        console.print(f"resume: {len(newer)} newer checkpoint(s) renamed *.superseded-{stamp} (kept, not used)")
+
+
 def run_steps(cfg: RunConfig, examples, pad_id: int, training: dict, *, total: int, done: RunProgress,
-              metrics: MetricsLog, console: Console, checkpoint, stepper: StepInBackward | None = None
-              ) -> list[float]:  # fmt: skip
-    """The optimizer steps after `done`, with a progress bar, metrics and periodic checkpoints."""
+              metrics: MetricsLog, console: Console, checkpoint, stop: StopSignals,
+              stepper: StepInBackward | None = None) -> tuple[list[float], int]:  # fmt: skip
+    """The optimizer steps after `done`, with a progress bar (plain lines when stdout is not a terminal),
+    metrics, checkpoints by steps and minutes, and a checkpoint then RunInterrupted on SIGINT/SIGTERM.
+    Returns the losses of this invocation and the tokens it trained on."""
     model, optimizer, schedule = training["model"], training["optimizer"], training["scheduler"]
-    losses, start = [], time.perf_counter()
+    losses, tokens, start, first = [], 0, time.perf_counter(), done.step
+    policy = CheckpointPolicy(cfg.train.save_every, cfg.train.save_every_minutes)
     columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeRemainingColumn()]  # fmt: skip
-    with Progress(*columns, console=console, transient=False) as bar:
+    with Progress(*columns, console=console, transient=False, disable=not console.is_terminal) as bar:
         task = bar.add_task("train", total=total, info="", completed=done.step)
         for step, (epoch, group) in enumerate(optimizer_steps(examples, cfg)):
             if step >= total:
                 break
             if step < done.step:  # done before the checkpoint: the order depends on (seed, epoch) only
                 continue
+            stop_if_asked(stop, done, checkpoint)
             t0 = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
             record = train_step(model, optimizer, group, pad_id, cfg.train, stepper)
@@ -349,13 +385,26 @@ def run_steps(cfg: RunConfig, examples, pad_id: int, training: dict, *, total: i
             if not record["skipped"]:
                 schedule.step()  # a skipped step is not taken: the schedule does not move either
             losses.append(record["loss"])
-            bar.update(
-                task, advance=1, info=f"loss {record['loss']:.4f}  lr {lr:.2e}  {record['tokens_per_s']:.0f} tok/s"
-            )
-            if cfg.train.save_every and done.step % cfg.train.save_every == 0 and done.step < total:
+            tokens += record["tokens"]
+            info = {"loss": f"{record['loss']:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{record['tokens_per_s']:.0f}"}
+            bar.update(task, advance=1, info="  ".join(f"{k} {v}" for k, v in info.items()))
+            if not console.is_terminal and ((step + 1) % cfg.train.log_every == 0 or step + 1 == total):
+                console.print(plain_progress_line("train", step + 1, total, info, time.perf_counter() - start, first),
+                              highlight=False)  # fmt: skip
+            if done.step < total and policy.due(done.step):
                 checkpoint(done)
+                policy.saved()
     checkpoint(done)
-    return losses
+    return losses, tokens
+
+
+def stop_if_asked(stop: StopSignals, done: RunProgress, checkpoint) -> None:
+    """After a SIGINT/SIGTERM: checkpoint the steps done (if any) and raise RunInterrupted."""
+    if stop.requested is None:
+        return
+    if done.step:
+        checkpoint(done)
+    raise RunInterrupted(done.step, stop.requested)
 
 
 def build_schedule(optimizer, total_updates: int, train_cfg):
@@ -377,33 +426,42 @@ def write_adapter(model, out: Path, cfg: RunConfig, model_path: str, console: Co
     return adapter_dir
 
 
-def train(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool = False) -> TrainResult:
-    """Run SFT as configured: returns the per-step losses (of this invocation) and where the outputs went."""
+def train(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool = False,
+          overwrite: bool = False) -> TrainResult:  # fmt: skip
+    """Run SFT as configured: returns the per-step losses (of this invocation) and where the outputs went.
+    Raises RunInterrupted after checkpointing when SIGINT or SIGTERM arrives."""
     console = console or Console()
     out = Path(cfg.output.dir)
-    out.mkdir(parents=True, exist_ok=True)
-    seed_everything(cfg.train.seed)  # LoRA initialisation (PEFT draws from the global RNG)
-    model_path, tokenizer, examples, model, params = prepare(cfg, console)
-    seed_everything(cfg.train.seed)  # and again: what loading consumed (e.g. a cold cache) must not matter
-    optimizer = build_optimizer(params, cfg.train)
-    total = count_steps(len(examples), cfg)
-    schedule = build_schedule(optimizer, total, cfg.train)
-    identity = {"config_hash": config_hash(cfg.model_dump(mode="json")),
-                "dataset_fingerprint": dataset_fingerprint(examples)}  # fmt: skip
-    training = {"model": model, "optimizer": optimizer, "scheduler": schedule}
-    done = resume_if_asked(cfg, out, console, allow_mismatch=allow_mismatch, identity=identity, **training)
-    stepper = None
-    if cfg.train.optimizer_in_backward:
-        stepper = StepInBackward(optimizer, undo=cfg.train.nan_policy == "skip")
-    metrics = MetricsLog(out / "metrics.jsonl")
-    model.train()
+    claim_output_dir(out, resuming=cfg.train.resume != "never", overwrite=overwrite, console=console)
+    started = time.perf_counter()
+    with StopSignals(console) as stop:
+        seed_everything(cfg.train.seed)  # LoRA initialisation (PEFT draws from the global RNG)
+        model_path, tokenizer, examples, model, params = prepare(cfg, console)
+        seed_everything(cfg.train.seed)  # and again: what loading consumed (e.g. a cold cache) must not matter
+        optimizer = build_optimizer(params, cfg.train)
+        total = count_steps(len(examples), cfg)
+        schedule = build_schedule(optimizer, total, cfg.train)
+        identity = {"config_hash": config_hash(cfg.model_dump(mode="json")),
+                    "dataset_fingerprint": dataset_fingerprint(examples)}  # fmt: skip
+        training = {"model": model, "optimizer": optimizer, "scheduler": schedule}
+        done = resume_if_asked(cfg, out, console, allow_mismatch=allow_mismatch, identity=identity, **training)
+        stepper = None
+        if cfg.train.optimizer_in_backward:
+            stepper = StepInBackward(optimizer, undo=cfg.train.nan_policy == "skip")
+        metrics = MetricsLog(out / "metrics.jsonl")
+        model.train()
 
-    def checkpoint(progress: RunProgress) -> None:
-        save_checkpoint(out, progress=progress, identity=identity, keep=cfg.train.keep_checkpoints, **training)
+        def checkpoint(progress: RunProgress) -> None:
+            save_checkpoint(out, progress=progress, identity=identity, keep=cfg.train.keep_checkpoints, **training)
 
-    losses = run_steps(cfg, examples, tokenizer.pad_token_id, training, total=total, done=done, metrics=metrics,
-                       console=console, checkpoint=checkpoint, stepper=stepper)  # fmt: skip
-    metrics.close()
-    adapter_dir = write_adapter(model, out, cfg, model_path, console)
-    console.print(f"metrics: {metrics.path}")
+        try:
+            losses, tokens = run_steps(cfg, examples, tokenizer.pad_token_id, training, total=total, done=done,
+                                       metrics=metrics, console=console, checkpoint=checkpoint, stop=stop,
+                                       stepper=stepper)  # fmt: skip
+        finally:
+            metrics.close()
+        adapter_dir = write_adapter(model, out, cfg, model_path, console)
+    finite = [x for x in losses if math.isfinite(x)]
+    RunSummary("train", len(losses), time.perf_counter() - started, tokens, finite[-1] if finite else None,
+               min(finite) if finite else None, adapter_dir, metrics.path).print(console)  # fmt: skip
     return TrainResult(steps=len(losses), losses=losses, adapter_dir=adapter_dir, metrics_path=metrics.path)

@@ -3,15 +3,19 @@ never interrupted (same seed). LoRA dropout is on, so the RNG state has to come 
 
 import json
 import random
+import re
 import signal
 from pathlib import Path
 
 import pytest
 import torch
-from crash import assert_same_adapter, cli_command, isolated_env, kill_after_steps, run_cli
+from crash import assert_same_adapter, cli_command, isolated_env, kill_after_steps, run_cli, signal_after_steps
 from safetensors.torch import load_file
 
+from moe_qlora.fileio import current_umask
+
 ROOT = Path(__file__).resolve().parent.parent
+STEP_NAME = re.compile(r"^step-\d{8}$")
 STEPS, SAVE_EVERY = 24, 4
 CONFIG = f"""# moe-qlora train --config this.yaml
 model: {{name_or_path: "builtin:tiny-mixtral"}}
@@ -138,3 +142,82 @@ def test_8bit_adamw_stepped_in_the_backward_resumes_exactly(env, tmp_path_factor
     proc = run(path, out, env, "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_run(out, reference)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_checkpoints_exits_130_or_143_and_resume_is_exact(config, env, reference, tmp_path, sig):
+    """Ctrl-C or a scheduler's SIGTERM with no periodic checkpointing at all: the run finishes its step,
+    writes a checkpoint, says how to resume and exits 128 + signal; the resumed run equals an uninterrupted
+    one and metrics.jsonl holds each step once."""
+    off = ["--set", "train.save_every=0", "--set", "train.save_every_minutes=0"]
+    proc = signal_after_steps(command(config, tmp_path, *off), env, tmp_path, 6, sig)
+    assert proc.returncode == 128 + sig, proc.stderr[-3000:]
+    message = " ".join(proc.stderr.split())
+    step = int(message.split("interrupted at step ")[1].split(";")[0])
+    assert 6 <= step < STEPS
+    assert f"resume with: moe-qlora train --config {config} --set output.dir={tmp_path}" in message
+    assert message.rstrip().endswith("--resume")
+    assert [d.name for d in (tmp_path / "checkpoints").iterdir()] == [f"step-{step:08d}"]
+    proc = run(config, tmp_path, env, "--resume", *off)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'checkpoints' / f'step-{step:08d}'}" in " ".join(proc.stdout.split())
+    assert_same_run(tmp_path, reference)
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_partial_checkpoint(config, env, tmp_path):
+    off = ["--set", "train.save_every=0", "--set", "train.save_every_minutes=0"]
+    proc = signal_after_steps(command(config, tmp_path, *off), env, tmp_path, 3, signal.SIGINT, repeat=2)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "stopped at once" in proc.stderr and "Traceback" not in proc.stderr
+    root = tmp_path / "checkpoints"
+    leftovers = [d.name for d in root.iterdir()] if root.exists() else []
+    assert all(STEP_NAME.match(n) for n in leftovers), leftovers  # finished checkpoints only, never a temp folder
+
+
+def test_resume_from_a_named_checkpoint_sets_newer_ones_aside(config, env, reference, tmp_path):
+    """--resume PATH goes back to that checkpoint; the newer ones (another continuation) are renamed, not
+    deleted and never pruned or picked by a later --resume; the run ends equal to an uninterrupted one."""
+    proc = run(config, tmp_path, env, "--set", "train.keep_checkpoints=10")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    early = tmp_path / "checkpoints" / f"step-{SAVE_EVERY:08d}"
+    proc = run(config, tmp_path, env, "--resume", str(early), "--set", "train.keep_checkpoints=10")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {early} at step {SAVE_EVERY}" in " ".join(proc.stdout.split())
+    names = sorted(d.name for d in (tmp_path / "checkpoints").iterdir())
+    assert sum(".superseded-" in n for n in names) == STEPS // SAVE_EVERY - 1  # steps 8..24 of the first pass
+    assert_same_run(tmp_path, reference)
+    proc = run(config, tmp_path, env, "--resume", str(tmp_path / "checkpoints" / "step-99999999"))
+    assert proc.returncode == 2 and "no such checkpoint folder" in proc.stderr
+
+
+def test_an_output_dir_holding_another_run_is_refused_then_moved_aside_with_overwrite(config, env, tmp_path):
+    short = ["--set", "train.max_steps=2", "--set", "train.save_every=1", "--set", "train.warmup_steps=0"]
+    assert run(config, tmp_path, env, *short).returncode == 0
+    first = (tmp_path / "metrics.jsonl").read_text()
+    proc = run(config, tmp_path, env, *short)
+    assert proc.returncode == 2
+    message = " ".join(proc.stderr.split())
+    assert "already holds a run (metrics.jsonl, adapter/, 2 checkpoints)" in message
+    assert "--resume" in message and "--overwrite" in message
+    assert (tmp_path / "metrics.jsonl").read_text() == first  # nothing touched
+    proc = run(config, tmp_path, env, *short, "--overwrite")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    aside = [p for p in tmp_path.parent.iterdir() if p.name.startswith(tmp_path.name + ".old-")]
+    assert len(aside) == 1 and (aside[0] / "metrics.jsonl").read_text() == first
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2  # the new run's steps, once
+
+
+def test_a_run_without_a_terminal_prints_plain_progress_lines_and_a_summary(config, env, tmp_path):
+    proc = run(config, tmp_path, env, "--set", "train.max_steps=4", "--set", "train.warmup_steps=0",
+               "--set", "train.log_every=2")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("train step ")]
+    assert [line.split()[2] for line in lines] == ["2/4", "4/4"]
+    assert all(" loss " in line and " lr " in line and " tok/s " in line for line in lines)
+    assert " ETA " in lines[0]
+    out = " ".join(proc.stdout.split())
+    assert "done: 4 steps in" in out and "best" in out
+    assert f"moe-qlora check-norms {tmp_path / 'adapter'}" in out
+    # Folders get what the umask gives (the subprocess inherits this one), not mkdtemp's 0700.
+    assert (tmp_path / "adapter").stat().st_mode & 0o777 == 0o777 & ~current_umask()
+    assert current_umask() & 0o070 == 0o070 or (tmp_path / "adapter").stat().st_mode & 0o070

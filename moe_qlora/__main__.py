@@ -1,0 +1,5 @@
+"""`python -m moe_qlora ...`: the same as the `moe-qlora` command."""
+
+from .cli import main
+
+main()
