@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from crash import assert_same_adapter, cli_command, isolated_env, kill_after_steps, run_cli
+from crash import assert_same_adapter, cli_command, isolated_env, kill_after_steps, run_cli, signal_after_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, SAVE_EVERY = 12, 3
@@ -89,4 +89,17 @@ def test_grpo_sigkill_while_writing_a_checkpoint_then_resume_is_exact(config, en
     proc = run(config, tmp_path, env, "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "at step 3" in proc.stdout
+    assert_same_run(tmp_path, reference)
+
+
+def test_grpo_sigterm_checkpoints_exits_143_and_resume_is_exact(config, env, reference, tmp_path):
+    """A preemptible GPU's SIGTERM during GRPO with no periodic checkpoint: the step in flight finishes, a
+    checkpoint is written, exit 143; the resumed run samples the same completions and ends tensor-equal."""
+    off = ["--set", "train.save_every=0", "--set", "train.save_every_minutes=0"]
+    proc = signal_after_steps(command(config, tmp_path, *off), env, tmp_path, 4, signal.SIGTERM)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert "resume with: moe-qlora grpo --config" in " ".join(proc.stderr.split())
+    assert len(list((tmp_path / "checkpoints").iterdir())) == 1
+    proc = run(config, tmp_path, env, "--resume", *off)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_run(tmp_path, reference)
