@@ -1,4 +1,4 @@
-"""Command line: `moe-qlora train`, `moe-qlora grpo`, `moe-qlora plan`, `moe-qlora check-norms`.
+"""Command line: `moe-qlora train`, `grpo`, `plan`, `check-norms`, `export`.
 
 A user error (bad config, bad data, missing model, unreadable adapter) prints one sentence and exits 2; an
 aborted run, or an adapter that would not load as trained, exits 1. `--debug` shows the traceback instead.
@@ -233,6 +233,39 @@ def check_norms_cmd(
     else:
         render_table(report, console)
     raise typer.Exit(0 if report.healthy else 1)
+
+
+EXPORT_EPILOG = """Examples:
+
+  moe-qlora export runs/demo/adapter --format gguf --out runs/demo/adapter.gguf
+
+  moe-qlora export runs/demo/adapter --format per-expert --out runs/demo/adapter-per-expert
+"""
+
+
+@app.command(epilog=EXPORT_EPILOG)
+def export(
+    adapter: str = typer.Argument(..., help="the adapter folder a run wrote (PEFT format)"),
+    fmt: str = typer.Option(..., "--format", "-f", help="per-expert (vLLM, SGLang) | gguf (llama.cpp)"),
+    out: str = typer.Option(..., "--out", "-o", help="folder (per-expert) or .gguf file to write"),
+    debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
+):
+    """The adapter in the layout another runtime reads: per-expert PEFT keys, or a llama.cpp LoRA GGUF."""
+    _quiet_libraries()
+    from .formats import write_gguf, write_per_expert
+
+    writers = {"per-expert": write_per_expert, "gguf": write_gguf}
+    try:
+        if fmt not in writers:
+            from .config import ConfigError
+
+            raise ConfigError(
+                f"--format {fmt!r}: expected one of {', '.join(writers)} (the run's adapter is already PEFT)"
+            )
+        path = writers[fmt](adapter, out)
+    except _user_errors() as exc:
+        _fail(exc, debug)
+    console.print(f"{fmt}: {path}", highlight=False)
 
 
 def _version(value: bool) -> None:

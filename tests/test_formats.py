@@ -1,0 +1,229 @@
+"""Export for other runtimes: per-expert PEFT keys (vLLM / SGLang layout) and a llama.cpp LoRA GGUF.
+
+Oracle: PEFT itself. The run's fused adapter is merged by PEFT into the fp32 base (merge_and_unload), and
+merged minus base is each expert's and each projection's delta as PEFT applies it. The per-expert export is
+loaded by PEFT into a model built with the legacy per-expert modules (zero weights, so merging gives the
+delta), and the GGUF is read back with gguf.GGUFReader and multiplied out in numpy. Tolerance 1e-6: the same
+fp32 products in another order."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from peft import PeftModel
+from rich.console import Console
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from moe_qlora import formats, trainer
+from moe_qlora.config import validate_config
+from moe_qlora.tiny import resolve_model_path
+
+ROOT = Path(__file__).resolve().parent.parent
+TOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A tiny Mixtral adapter (experts + q/k/v/o) after 3 steps at a high LR: every factor non-zero."""
+    out = tmp_path_factory.mktemp("run")
+    cfg = validate_config({
+        "model": {"name_or_path": "builtin:tiny-mixtral"},
+        "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+        "data": {"train_files": [str(ROOT / "data" / "demo_sft.jsonl")], "max_seq_len": 48},
+        "train": {"max_steps": 3, "lr": 2e-2, "warmup_steps": 0},
+        "output": {"dir": str(out)},
+    })  # fmt: skip
+    trainer.train(cfg, Console(quiet=True))
+    return out / "adapter"
+
+
+@pytest.fixture(scope="module")
+def peft_deltas(run):
+    """{parameter name: merged - base} with PEFT merging the fused adapter into the fp32 base."""
+    base_path = resolve_model_path(json.loads((run / "adapter_config.json").read_text())["base_model_name_or_path"])
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    merged = PeftModel.from_pretrained(base, str(run)).merge_and_unload().state_dict()
+    deltas = {k: merged[k] - before[k] for k in before if not torch.equal(merged[k], before[k])}
+    return deltas, base.config
+
+
+class Expert(nn.Module):
+    def __init__(self, hidden, inter):
+        super().__init__()
+        self.w1, self.w3, self.w2 = nn.Linear(hidden, inter, bias=False), nn.Linear(hidden, inter, bias=False), \
+            nn.Linear(inter, hidden, bias=False)  # fmt: skip
+
+
+class LegacyModel(nn.Module):
+    def prepare_inputs_for_generation(self, *args, **kwargs):  # PEFT's causal-LM wrapper asks for it
+        return {}
+
+
+def legacy_mixtral(config) -> nn.Module:
+    """The hub checkpoints' per-expert module layout (block_sparse_moe.experts.M.w1/w3/w2), zero weights."""
+    head = config.head_dim or config.hidden_size // config.num_attention_heads
+    model = LegacyModel()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList()
+    for _ in range(config.num_hidden_layers):
+        layer = nn.Module()
+        layer.self_attn = nn.Module()
+        for name, (i, o) in {"q_proj": (config.hidden_size, config.num_attention_heads * head),
+                             "k_proj": (config.hidden_size, config.num_key_value_heads * head),
+                             "v_proj": (config.hidden_size, config.num_key_value_heads * head),
+                             "o_proj": (config.num_attention_heads * head, config.hidden_size)}.items():  # fmt: skip
+            setattr(layer.self_attn, name, nn.Linear(i, o, bias=False))
+        layer.block_sparse_moe = nn.Module()
+        layer.block_sparse_moe.experts = nn.ModuleList(
+            Expert(config.hidden_size, config.intermediate_size) for _ in range(config.num_local_experts)
+        )
+        model.model.layers.append(layer)
+    for p in model.parameters():
+        nn.init.zeros_(p)
+    return model
+
+
+def per_expert_deltas(export_dir: Path, config) -> dict[str, torch.Tensor]:
+    model = legacy_mixtral(config)
+    merged = PeftModel.from_pretrained(model, str(export_dir)).merge_and_unload()
+    return {k: v for k, v in merged.state_dict().items()}
+
+
+def assert_per_expert_matches(got: dict, deltas: dict, config, *, expect_equal: bool = True):
+    inter, ok = config.intermediate_size, True
+    for n in range(config.num_hidden_layers):
+        gate_up, down = (
+            deltas[f"model.layers.{n}.mlp.experts.gate_up_proj"],
+            deltas[f"model.layers.{n}.mlp.experts.down_proj"],
+        )
+        for e in range(config.num_local_experts):
+            pre = f"model.layers.{n}.block_sparse_moe.experts.{e}"
+            pairs = [
+                (got[f"{pre}.w1.weight"], gate_up[e, :inter]),
+                (got[f"{pre}.w3.weight"], gate_up[e, inter:]),
+                (got[f"{pre}.w2.weight"], down[e]),
+            ]
+            for mine, theirs in pairs:
+                ok &= bool((mine - theirs).abs().max() <= TOL)
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            name = f"model.layers.{n}.self_attn.{proj}.weight"
+            ok &= bool((got[name] - deltas[name]).abs().max() <= TOL)
+    assert ok == expect_equal
+
+
+def test_per_expert_export_loads_in_peft_with_the_same_deltas(run, peft_deltas, tmp_path):
+    deltas, config = peft_deltas
+    assert {f"model.layers.0.mlp.experts.{p}" for p in ("gate_up_proj", "down_proj")} <= set(deltas)
+    out = formats.write_per_expert(run, tmp_path / "per-expert")
+    saved = json.loads((out / "adapter_config.json").read_text())
+    assert sorted(saved["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj", "w1", "w2", "w3"]
+    assert saved["target_parameters"] is None
+    assert_per_expert_matches(per_expert_deltas(out, config), deltas, config)
+
+
+def test_per_expert_control_gate_and_up_swapped_fails(run, peft_deltas, tmp_path, monkeypatch):
+    deltas, config = peft_deltas
+    swapped = formats.FamilyNames("llama", "block_sparse_moe.experts", "w3", "w1", "w2", permute_qk=True)
+    monkeypatch.setitem(formats.FAMILIES, "mixtral", swapped)
+    out = formats.write_per_expert(run, tmp_path / "swapped")
+    assert_per_expert_matches(per_expert_deltas(out, config), deltas, config, expect_equal=False)
+
+
+def read_gguf(path: Path):
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    fields = {k: f for k, f in reader.fields.items()}
+    tensors = {t.name: np.asarray(t.data).reshape([int(d) for d in reversed(t.shape)]) for t in reader.tensors}
+    return reader, fields, tensors
+
+
+def field_value(field):
+    value = field.parts[field.data[0]]
+    return bytes(value).decode() if value.dtype == np.uint8 else value.item()
+
+
+def gguf_deltas(tensors: dict, config, *, scale: float) -> dict:
+    """Per llama.cpp tensor, scale * B A (3D for experts), in llama.cpp's row order."""
+    out = {}
+    for name in tensors:
+        if name.endswith(".lora_a"):
+            base = name.removesuffix(".lora_a")
+            out[base] = scale * (tensors[base + ".lora_b"] @ tensors[name])
+    return out
+
+
+@pytest.mark.parametrize("permute", [True, False])
+def test_gguf_reads_back_with_llama_cpp_names_shapes_alpha_and_deltas(run, peft_deltas, tmp_path, monkeypatch, permute):
+    """permute=False is the broken control: without llama.cpp's RoPE row order the q/k deltas differ."""
+    deltas, config = peft_deltas
+    if not permute:
+        monkeypatch.setattr(formats, "permute_rows_for_rope", lambda b, n_head: b)
+    path = formats.write_gguf(run, tmp_path / "adapter.gguf")
+    _, fields, tensors = read_gguf(path)
+    assert field_value(fields["general.type"]) == "adapter" and field_value(fields["adapter.type"]) == "lora"
+    assert field_value(fields["general.architecture"]) == "llama"
+    assert field_value(fields["adapter.lora.alpha"]) == 8.0
+    e, inter, h, r = config.num_local_experts, config.intermediate_size, config.hidden_size, 4
+    assert tensors["blk.0.ffn_gate_exps.weight.lora_a"].shape == (e, r, h)
+    assert tensors["blk.0.ffn_up_exps.weight.lora_b"].shape == (e, inter, r)
+    assert tensors["blk.1.ffn_down_exps.weight.lora_b"].shape == (e, h, r)
+    got = gguf_deltas(tensors, config, scale=8.0 / r)
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    ok = True
+    for n in range(config.num_hidden_layers):
+        gate_up = deltas[f"model.layers.{n}.mlp.experts.gate_up_proj"].numpy()
+        ok &= np.abs(got[f"blk.{n}.ffn_gate_exps.weight"] - gate_up[:, :inter]).max() <= TOL
+        ok &= np.abs(got[f"blk.{n}.ffn_up_exps.weight"] - gate_up[:, inter:]).max() <= TOL
+        ok &= (
+            np.abs(
+                got[f"blk.{n}.ffn_down_exps.weight"] - deltas[f"model.layers.{n}.mlp.experts.down_proj"].numpy()
+            ).max()
+            <= TOL
+        )
+        for proj, name in formats.GGUF_ATTENTION.items():
+            d = deltas[f"model.layers.{n}.self_attn.{proj}.weight"]
+            if name in heads:  # llama.cpp's converter permutes the base's q/k rows: ours must match it
+                d = torch.from_numpy(np.ascontiguousarray(reference_permute(d.numpy(), heads[name])))
+            ok &= np.abs(got[f"blk.{n}.{name}.weight"] - d.numpy()).max() <= TOL
+    assert bool(ok) == permute
+
+
+def reference_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute, written out for the oracle."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_unknown_or_interleaved_families_are_refused_by_name(tmp_path, monkeypatch):
+    monkeypatch.setattr(formats, "base_model_type", lambda config, where: "gpt_oss")
+    (tmp_path / "a").mkdir()
+    from safetensors.torch import save_file
+
+    save_file({"x.lora_A.weight": torch.zeros(1, 1), "x.lora_B.weight": torch.zeros(1, 1)},
+              str(tmp_path / "a" / "adapter_model.safetensors"))  # fmt: skip
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "x", "r": 1}))
+    with pytest.raises(formats.ExportError, match="GPT-OSS interleaves"):
+        formats.write_gguf(tmp_path / "a", tmp_path / "a.gguf")
+    monkeypatch.setattr(formats, "base_model_type", lambda config, where: "jamba")
+    with pytest.raises(formats.ExportError, match="jamba: no per-expert"):
+        formats.write_per_expert(tmp_path / "a", tmp_path / "b")
+    assert not (tmp_path / "a.gguf").exists() and not (tmp_path / "b").exists()
+
+
+def test_export_from_the_cli(run, tmp_path):
+    from typer.testing import CliRunner
+
+    from moe_qlora.cli import app
+
+    result = CliRunner().invoke(app, ["export", str(run), "--format", "gguf", "--out", str(tmp_path / "a.gguf")])
+    assert result.exit_code == 0, result.output
+    _, fields, _ = read_gguf(tmp_path / "a.gguf")
+    assert field_value(fields["general.type"]) == "adapter"
+    result = CliRunner().invoke(app, ["export", str(run), "--format", "onnx", "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2 and "per-expert, gguf" in result.output
+    result = CliRunner().invoke(app, ["export", str(tmp_path / "missing"), "--format", "gguf", "--out", "x.gguf"])
+    assert result.exit_code == 2 and "no such adapter" in result.output
