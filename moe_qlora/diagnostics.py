@@ -56,8 +56,11 @@ class NormReport:
 
 
 def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | None, Path]:
-    """Tensors of an adapter file (or folder) and its adapter_config.json when present beside it."""
+    """Tensors of an adapter file (or folder) and its adapter_config.json when present beside it; a llama.cpp
+    LoRA .gguf is read too (read_gguf_adapter)."""
     path = Path(path)
+    if path.suffix == ".gguf":
+        return read_gguf_adapter(path)
     weights = path / "adapter_model.safetensors" if path.is_dir() else path
     if not weights.is_file():
         raise AdapterReadError(f"{path}: no such adapter file")
@@ -74,6 +77,38 @@ def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | None
         except json.JSONDecodeError as exc:
             raise AdapterReadError(f"{config_path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     return tensors, config, weights
+
+
+def read_gguf_adapter(path: Path) -> tuple[dict[str, torch.Tensor], dict, Path]:
+    """A llama.cpp LoRA GGUF as PEFT-style tensors: `<tensor>.lora_a/.lora_b` become `<tensor>.lora_A/B.weight`;
+    3D expert tensors (E, r, in) / (E, out, r) are flattened as PEFT stacks experts (rows e*r + j of A,
+    columns j*E + e of B), so every expert gets its own row. The scale is adapter.lora.alpha / r."""
+    import gguf
+    import numpy as np
+
+    if not path.is_file():
+        raise AdapterReadError(f"{path}: no such adapter file")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as exc:
+        raise AdapterReadError(f"{path}: not a readable GGUF file ({exc})") from None
+    fields = reader.fields
+    kind = fields.get("general.type")
+    if kind is None or bytes(kind.parts[kind.data[0]]).decode() != "adapter":
+        raise AdapterReadError(f"{path}: a GGUF, but not an adapter (general.type is not 'adapter')")
+    alpha_field = fields.get("adapter.lora.alpha")
+    tensors, rank = {}, None
+    for t in reader.tensors:
+        x = torch.from_numpy(np.array(t.data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)]))
+        base, _, ab = t.name.rpartition(".lora_")
+        if ab == "a":
+            rank = x.shape[-2]
+            x = x.reshape(-1, x.shape[-1])  # (E, r, in) -> (E*r, in)
+        elif x.dim() == 3:
+            x = x.permute(1, 2, 0).reshape(x.shape[1], -1)  # (E, out, r) -> (out, r*E)
+        tensors[f"{base}.lora_{ab.upper()}.weight"] = x
+    config = {"r": rank, "lora_alpha": float(alpha_field.parts[alpha_field.data[0]][0])} if alpha_field else None
+    return tensors, config, path
 
 
 def pair_factors(tensors: dict[str, torch.Tensor], source: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

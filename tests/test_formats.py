@@ -227,3 +227,24 @@ def test_export_from_the_cli(run, tmp_path):
     assert result.exit_code == 2 and "per-expert, gguf" in result.output
     result = CliRunner().invoke(app, ["export", str(tmp_path / "missing"), "--format", "gguf", "--out", "x.gguf"])
     assert result.exit_code == 2 and "no such adapter" in result.output
+
+
+def test_check_norms_reads_the_gguf_and_the_per_expert_export_with_the_same_norms(run, tmp_path):
+    """Every expert's ||scale B A|| read from the GGUF and from the per-expert export equals the one read
+    from the run's PEFT adapter (same scale, every expert a row)."""
+    from moe_qlora.diagnostics import check_norms
+
+    def deltas(report, key):
+        return sorted(round(r.norm_delta, 5) for r in report.rows if key(r.module))
+
+    peft = check_norms(run)
+    gguf_report = check_norms(formats.write_gguf(run, tmp_path / "a.gguf"))
+    per_expert = check_norms(formats.write_per_expert(run, tmp_path / "pe"))
+    assert gguf_report.scale == peft.scale == per_expert.scale == 2.0
+    experts = deltas(peft, lambda m: ".experts" in m)
+    # gate and up share A: their deltas split gate_up's rows, so compare the down projections exactly
+    down_peft = deltas(peft, lambda m: m.endswith("experts.down_proj"))
+    assert len(down_peft) == 16 and len(experts) == 32
+    assert deltas(gguf_report, lambda m: "ffn_down_exps" in m) == down_peft
+    assert deltas(per_expert, lambda m: m.endswith(".w2")) == down_peft
+    assert len([r for r in gguf_report.rows if "ffn_gate_exps" in r.module]) == 16
