@@ -1,4 +1,4 @@
-"""Command line: `moe-qlora train`, `grpo`, `plan`, `check-norms`, `export`.
+"""Command line: `moe-qlora train`, `grpo`, `plan`, `check-norms`, `export`, `generate`.
 
 A user error (bad config, bad data, missing model, unreadable adapter) prints one sentence and exits 2; an
 aborted run, or an adapter that would not load as trained, exits 1. `--debug` shows the traceback instead.
@@ -266,6 +266,43 @@ def export(
     except _user_errors() as exc:
         _fail(exc, debug)
     console.print(f"{fmt}: {path}", highlight=False)
+
+
+GENERATE_EPILOG = """Examples:
+
+  moe-qlora generate --adapter runs/demo/adapter "Add: 3+5"
+
+  moe-qlora generate --adapter runs/demo/adapter --no-adapter "Add: 3+5"     # the base model, to compare
+
+  moe-qlora generate --adapter runs/chat/adapter --chat --temperature 0.7 "Hello"
+"""
+
+
+@app.command("generate", epilog=GENERATE_EPILOG)
+def generate_cmd(
+    prompt: str = typer.Argument(..., help="the prompt (with --chat: the user message)"),
+    adapter: str = typer.Option(..., "--adapter", "-a", help="the adapter folder a run wrote"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0: greedy"),
+    top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0),
+    top_k: int = typer.Option(0, "--top-k", min=0, help="0: off"),
+    seed: int = typer.Option(0, "--seed"),
+    chat: bool = typer.Option(False, "--chat", help="wrap the prompt in the tokenizer's chat template"),
+    no_adapter: bool = typer.Option(False, "--no-adapter", help="generate with the base model (adapters off)"),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
+    debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
+):
+    """Generate with the 4-bit model and a run's adapter (as trained), streaming the tokens."""
+    _quiet_libraries()
+    from .generate import Sampling, generate, load_for_generation
+
+    try:
+        model, tokenizer = load_for_generation(adapter, err_console, device=device)
+    except _user_errors() as exc:
+        _fail(exc, debug)
+    sampling = Sampling(max_new_tokens, temperature, top_p, top_k, seed)
+    generate(model, tokenizer, prompt, sampling, chat=chat, adapter=not no_adapter)
+    console.print()
 
 
 def _version(value: bool) -> None:
