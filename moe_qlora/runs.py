@@ -141,6 +141,8 @@ class RunSummary:
         console.print(
             "next:\n"
             f"  moe-qlora check-norms {self.adapter}      # are the LoRA factors healthy?\n"
-            f'  load it with PEFT: PeftModel.from_pretrained(base_model, "{self.adapter}") (see the README)',
+            f'  moe-qlora generate --adapter {self.adapter} "your prompt"      # try it (--no-adapter: the base)\n'
+            f"  moe-qlora export {self.adapter} --format gguf --out {self.adapter}.gguf      # llama.cpp\n"
+            f'  or with PEFT: PeftModel.from_pretrained(base_model, "{self.adapter}") (see the README)',
             highlight=False,
         )
