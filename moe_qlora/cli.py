@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 import warnings
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -89,13 +90,34 @@ def train(
          overwrite=overwrite, debug=debug)  # fmt: skip
 
 
+def check_paths_before_loading(cfg) -> None:
+    """What would otherwise fail after seconds of imports or minutes of loading: a hub id neither cached nor
+    reachable, data files that are not there, an output.dir that is a file or cannot be written. Raises
+    ConfigError naming the model or the absolute path."""
+    from .config import ConfigError
+    from .hub import check_hub_model
+
+    name = cfg.model.name_or_path
+    local = os.path.isabs(name) or name.startswith((".", "~")) or os.path.exists(name)
+    if not local and not name.startswith("builtin:"):
+        check_hub_model(name, ConfigError)
+    for f in cfg.data.train_files:
+        if not Path(f).exists():
+            raise ConfigError(f"data.train_files: {f}: no such file (relative paths are relative to the config)")
+    out = Path(cfg.output.dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output.dir: {out} is a file, not a folder")
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"output.dir: {out} cannot be written ({existing} is not writable by this user)")
+
+
 def _run(command: str, config: str, overrides: list[str], *, dry_run, resume, resume_from, resume_anyway, overwrite,
          debug) -> None:  # fmt: skip
     """Load and validate the config, then print it (--dry-run) or run `train` or `grpo` on it, turning
     user errors into one sentence and exit code 2, an aborted run into exit code 1, and a run stopped by
     SIGINT / SIGTERM into 130 / 143 with the command that resumes it."""
-    _quiet_libraries()
-    from .config import ConfigError, load_config
+    from .config import ConfigError, load_config  # light: config errors come back before torch is imported
 
     resumes = []
     if resume_from:
@@ -106,8 +128,10 @@ def _run(command: str, config: str, overrides: list[str], *, dry_run, resume, re
         cfg = load_config(config, [*overrides, *resumes])
         if command == "grpo" and cfg.grpo is None:
             raise ConfigError(f"{config}: no `grpo:` section; moe-qlora grpo needs at least grpo.rewards")
-    except _user_errors() as exc:
+        check_paths_before_loading(cfg)
+    except ConfigError as exc:  # (its subclasses too) before the heavy imports _user_errors makes
         _fail(exc, debug)
+    _quiet_libraries()
     if dry_run:
         import yaml
 

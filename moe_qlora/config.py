@@ -258,6 +258,27 @@ def _yaml_line(text: str | None, path: tuple) -> int | None:
     return line
 
 
+# What users of TRL, PEFT, axolotl and torchtune type for our keys.
+KEY_ALIASES = {
+    "learning_rate": "lr", "learning_rat": "lr", "lr_scheduler_type": "schedule", "lr_scheduler": "schedule",
+    "num_epochs": "epochs", "num_train_epochs": "epochs", "batch_size": "micro_batch_size",
+    "per_device_train_batch_size": "micro_batch_size", "gradient_accumulation_steps": "grad_accum",
+    "max_grad_norm_": "max_grad_norm", "warmup": "warmup_steps", "r": "rank", "lora_r": "rank",
+    "lora_alpha": "alpha", "lora_dropout": "dropout", "max_length": "max_seq_len", "sequence_len": "max_seq_len",
+    "max_seq_length": "max_seq_len", "output_dir": "dir", "optim": "optimizer", "save_steps": "save_every",
+    "logging_steps": "log_every", "model_name_or_path": "name_or_path", "base_model": "name_or_path",
+}  # fmt: skip
+
+
+def nearest_key(key: str, valid: list[str]) -> str | None:
+    """The valid key a user most likely meant: a known alias, else the closest spelling."""
+    alias = KEY_ALIASES.get(key.lower())
+    if alias in valid:
+        return alias
+    near = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    return near[0] if near else None
+
+
 def _describe(err: dict, source: str, text: str | None) -> str:
     path = tuple(err["loc"])
     key = ".".join(str(p) for p in path)
@@ -266,9 +287,10 @@ def _describe(err: dict, source: str, text: str | None) -> str:
     if err["type"] == "extra_forbidden":
         section = _section_at(path)
         valid = list(section.model_fields) if section else []
-        near = difflib.get_close_matches(str(path[-1]), valid, n=1)
-        hint = f"; did you mean {'.'.join([*map(str, path[:-1]), near[0]])!r}?" if near else ""
-        return f"{where}: unknown key {key!r}{hint} (valid here: {', '.join(valid)})"
+        near = nearest_key(str(path[-1]), valid)
+        if near:
+            return f"{where}: unknown key {key!r}; did you mean {'.'.join([*map(str, path[:-1]), near])!r}?"
+        return f"{where}: unknown key {key!r} (valid here: {', '.join(valid)})"
     if err["type"] == "missing":
         return f"{where}: missing required key {key!r}"
     got = err.get("input")

@@ -38,6 +38,7 @@ from .experts import (
     quantized_stack_names,
     unsupported_layout,
 )
+from .hub import check_hub_model
 from .memory import release_freed_memory
 from .model_classes import text_generation_class
 from .nf4 import BLOCKSIZE, quantize_stack, stack_nbytes
@@ -164,6 +165,7 @@ def check_model_path(name_or_path: str) -> None:
     """A local-looking path must exist and hold a config (weights: checkpoint_files); else it is a hub id."""
     looks_local = os.path.isabs(name_or_path) or name_or_path.startswith((".", "~")) or os.path.exists(name_or_path)
     if not looks_local:
+        check_hub_model(name_or_path, ModelLoadError)
         return
     path = os.path.expanduser(name_or_path)
     if not os.path.isdir(path):

@@ -6,6 +6,7 @@ nothing is downloaded. A generated model is cached by a hash of its recipe.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import hashlib
 import json
@@ -18,6 +19,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from .config import ConfigError
 from .model_classes import text_model_from_config
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -198,7 +200,9 @@ def resolve_model_path(name_or_path: str) -> str:
     """Turn `builtin:<name>` into the path of the generated model; pass anything else through."""
     if name_or_path.startswith("builtin:"):
         if name_or_path not in BUILTIN_MODELS:
-            raise KeyError(f"unknown builtin model {name_or_path!r}; known: {', '.join(BUILTIN_MODELS)}")
+            near = difflib.get_close_matches(name_or_path, list(BUILTIN_MODELS), n=1)
+            hint = f"did you mean {near[0]!r}?" if near else f"known: {', '.join(BUILTIN_MODELS)}"
+            raise ConfigError(f"model.name_or_path: unknown builtin model {name_or_path!r}; {hint}")
         return str(BUILTIN_MODELS[name_or_path]())
     return name_or_path
 
