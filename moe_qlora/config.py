@@ -73,6 +73,16 @@ class DataSection(Section):
     max_dropped_share: float = Field(
         0.5, ge=0.0, le=1.0, description="stop if more than this share of rows is dropped (overlength, no target)"
     )
+    eval_files: list[str] = Field(default_factory=list, description="held-out rows for the eval loss")
+    eval_fraction: float = Field(
+        0.0, ge=0.0, lt=1.0, description="or hold out this share of the training rows (a seeded split, no overlap)"
+    )
+
+    @model_validator(mode="after")
+    def _one_eval_source(self):
+        if self.eval_files and self.eval_fraction:
+            raise ValueError("set data.eval_files or data.eval_fraction, not both")
+        return self
 
 
 class RewardSection(Section):
@@ -126,6 +136,8 @@ class TrainSection(Section):
     )
     max_consecutive_skips: int = Field(3, ge=1, description="skipped steps in a row before the run stops anyway")
     spike_factor: float = Field(3.0, ge=0, description="log a loss_spike event above this times the loss EMA; 0: off")
+    eval_every: int = Field(0, ge=0, description="eval loss every N optimizer steps (0: only at the end)")
+    keep_best: bool = Field(False, description="also keep the adapter with the lowest eval loss, in adapter-best/")
     save_every: int = Field(0, ge=0, description="checkpoint every N optimizer steps (0: by time and at the end)")
     save_every_minutes: float = Field(
         30.0, ge=0, description="also checkpoint when this many minutes passed since the last one (0: off)"

@@ -255,6 +255,19 @@ def build_examples(cfg: DataSection, tokenizer, *, rewards: bool = False) -> tup
     return examples, stats
 
 
+def eval_split(examples: list[Example], fraction: float, *, seed: int) -> tuple[list[Example], list[Example]]:
+    """(train, eval): a seeded share of the examples held out, at least one, never in both; each keeps the
+    file order."""
+    if not fraction:
+        return examples, []
+    n_eval = max(1, round(fraction * len(examples)))
+    if n_eval >= len(examples):
+        raise DataError(f"data.eval_fraction {fraction} of {len(examples)} examples leaves none to train on")
+    g = torch.Generator().manual_seed(seed * 1_000_003 + 999_983)
+    held = set(torch.randperm(len(examples), generator=g)[:n_eval].tolist())
+    return [e for i, e in enumerate(examples) if i not in held], [e for i, e in enumerate(examples) if i in held]
+
+
 def epoch_order(num_examples: int, *, seed: int, epoch: int) -> list[int]:
     """The shuffled order of one epoch: a function of (seed, epoch) only, so a run is reproducible."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)

@@ -35,7 +35,16 @@ from .checkpoint import (
     verify,
 )
 from .config import ConfigError, RunConfig, resolve_compute_dtype
-from .data import IGNORE, Example, apply_reward_weights, build_examples, collate, epoch_order, micro_batches
+from .data import (
+    IGNORE,
+    Example,
+    apply_reward_weights,
+    build_examples,
+    collate,
+    epoch_order,
+    eval_split,
+    micro_batches,
+)
 from .experts import set_moe_kernels
 from .export import load_adapter, save_adapter, verify_adapter
 from .loading import LoadOptions, check_model_path, load_model, parameter_bytes_by_kind
@@ -249,6 +258,47 @@ def prepare(cfg: RunConfig, console: Console):
     return model_path, tokenizer, examples, model, params
 
 
+def held_out_examples(cfg: RunConfig, tokenizer, examples: list[Example], console: Console
+                      ) -> tuple[list[Example], list[Example]]:  # fmt: skip
+    """(train, eval) examples: data.eval_files tokenized like the training rows, or a seeded
+    data.eval_fraction of them held out (never trained on)."""
+    if cfg.data.eval_files:
+        held, _ = build_examples(cfg.data.model_copy(update={"train_files": cfg.data.eval_files}), tokenizer)
+    else:
+        examples, held = eval_split(examples, cfg.data.eval_fraction, seed=cfg.train.seed)
+    if held:
+        targets = sum(sum(t != IGNORE for t in e.labels[1:]) for e in held)
+        console.print(f"eval: {len(held)} examples held out, {targets} target tokens")
+    return examples, held
+
+
+@torch.no_grad()
+def eval_loss(model, examples: list[Example], pad_id: int, train_cfg) -> float:
+    """Mean token loss over `examples` (unweighted, the training masking and chunked loss), in eval mode
+    (no dropout, so the run's RNG is untouched) and without gradients."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        for start in range(0, len(examples), train_cfg.micro_batch_size):
+            batch = collate(examples[start : start + train_cfg.micro_batch_size], pad_id)
+            batch = {k: v.to(device) for k, v in batch.items() if k != "weights"}
+            loss_sum, n, _ = token_loss_sum(model, batch, loss_chunk=train_cfg.loss_chunk_tokens)
+            total, count = total + float(loss_sum), count + n
+    finally:
+        model.train(was_training)
+    return total / max(count, 1)
+
+
+def best_eval_so_far(metrics_path: Path) -> float:
+    """The lowest eval loss logged (after a resume: up to the checkpoint), inf if none."""
+    if not metrics_path.exists():
+        return math.inf
+    values = [r["eval_loss"] for r in map(json.loads, metrics_path.read_text().splitlines()) if "eval_loss" in r]
+    return min(values, default=math.inf)
+
+
 def load_policy(cfg: RunConfig, model_path: str, console: Console):
     """The quantized model with its adapters (new, or from lora.init_from) and checkpointing; (model, params)."""
     device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -354,7 +404,7 @@ def set_aside_newer_checkpoints(out: Path, checkpoint: Path, console: Console) -
 
 def run_steps(cfg: RunConfig, examples, pad_id: int, training: dict, *, total: int, done: RunProgress,
               metrics: MetricsLog, console: Console, checkpoint, stop: StopSignals,
-              stepper: StepInBackward | None = None) -> tuple[list[float], int]:  # fmt: skip
+              stepper: StepInBackward | None = None, evaluate=None) -> tuple[list[float], int]:  # fmt: skip
     """The optimizer steps after `done`, with a progress bar (plain lines when stdout is not a terminal),
     metrics, checkpoints by steps and minutes, and a checkpoint then RunInterrupted on SIGINT/SIGTERM.
     Returns the losses of this invocation and the tokens it trained on."""
@@ -377,16 +427,22 @@ def run_steps(cfg: RunConfig, examples, pad_id: int, training: dict, *, total: i
             dt = time.perf_counter() - t0
             record.update(step=step + 1, epoch=epoch, lr=lr, step_time_s=dt, tokens_per_s=record["tokens"] / dt,
                           elapsed_s=time.perf_counter() - start, router_load=router_load(model))  # fmt: skip
+            if evaluate is not None and (step + 1 == total or (cfg.train.eval_every and
+                                                               (step + 1) % cfg.train.eval_every == 0)):  # fmt: skip
+                record.update(evaluate())
             try:
                 done = after_step(record, [e.source for mb in group for e in mb], done, cfg)
             finally:  # an aborting step is logged too, with its raw loss
-                if record["skipped"] or (step + 1) % cfg.train.log_every == 0 or step + 1 == total:
+                logged = record["skipped"] or "eval_loss" in record or (step + 1) % cfg.train.log_every == 0
+                if logged or step + 1 == total:
                     metrics.write(record)
             if not record["skipped"]:
                 schedule.step()  # a skipped step is not taken: the schedule does not move either
             losses.append(record["loss"])
             tokens += record["tokens"]
             info = {"loss": f"{record['loss']:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{record['tokens_per_s']:.0f}"}
+            if "eval_loss" in record:
+                info["eval"] = f"{record['eval_loss']:.4f}"
             bar.update(task, advance=1, info="  ".join(f"{k} {v}" for k, v in info.items()))
             if not console.is_terminal and ((step + 1) % cfg.train.log_every == 0 or step + 1 == total):
                 console.print(plain_progress_line("train", step + 1, total, info, time.perf_counter() - start, first),
@@ -437,6 +493,7 @@ def train(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: boo
     with StopSignals(console) as stop:
         seed_everything(cfg.train.seed)  # LoRA initialisation (PEFT draws from the global RNG)
         model_path, tokenizer, examples, model, params = prepare(cfg, console)
+        examples, held_out = held_out_examples(cfg, tokenizer, examples, console)
         seed_everything(cfg.train.seed)  # and again: what loading consumed (e.g. a cold cache) must not matter
         optimizer = build_optimizer(params, cfg.train)
         total = count_steps(len(examples), cfg)
@@ -454,10 +511,21 @@ def train(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: boo
         def checkpoint(progress: RunProgress) -> None:
             save_checkpoint(out, progress=progress, identity=identity, keep=cfg.train.keep_checkpoints, **training)
 
+        best = {"loss": best_eval_so_far(metrics.path)}
+
+        def evaluate() -> dict:
+            loss = eval_loss(model, held_out, tokenizer.pad_token_id, cfg.train)
+            fields = {"eval_loss": loss}
+            if cfg.train.keep_best and loss < best["loss"]:
+                best["loss"] = loss
+                fields["eval_best"] = True
+                save_adapter(model, out / "adapter-best", cfg=cfg.lora, base_model_name_or_path=model_path)
+            return fields
+
         try:
             losses, tokens = run_steps(cfg, examples, tokenizer.pad_token_id, training, total=total, done=done,
                                        metrics=metrics, console=console, checkpoint=checkpoint, stop=stop,
-                                       stepper=stepper)  # fmt: skip
+                                       stepper=stepper, evaluate=evaluate if held_out else None)  # fmt: skip
         finally:
             metrics.close()
         adapter_dir = write_adapter(model, out, cfg, model_path, console)
