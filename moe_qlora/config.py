@@ -195,6 +195,11 @@ class GrpoSection(Section):
 
 class OutputSection(Section):
     dir: str = Field("runs/latest", description="metrics.jsonl and adapter/ go here")
+    export_formats: list[Literal["per-expert", "gguf"]] = Field(
+        default_factory=list,
+        description="also write the adapter in these layouts at the end: per-expert (adapter-per-expert/, for "
+        "vLLM / SGLang), gguf (adapter.gguf, for llama.cpp); the same as `moe-qlora export`",
+    )
 
 
 class RunConfig(Section):

@@ -479,6 +479,12 @@ def write_adapter(model, out: Path, cfg: RunConfig, model_path: str, console: Co
     adapter_dir = save_adapter(model, out / "adapter", cfg=cfg.lora, base_model_name_or_path=model_path)
     n = verify_adapter(model, adapter_dir)
     console.print(f"adapter: {adapter_dir} ({n} tensors, each verified to load in PEFT as trained)")
+    for fmt in cfg.output.export_formats:
+        from .formats import write_gguf, write_per_expert
+
+        path = write_per_expert(adapter_dir, out / "adapter-per-expert") if fmt == "per-expert" else write_gguf(
+            adapter_dir, out / "adapter.gguf")  # fmt: skip
+        console.print(f"{fmt}: {path}")
     return adapter_dir
 
 

@@ -34,10 +34,18 @@ def run(tmp_path_factory):
         "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
         "data": {"train_files": [str(ROOT / "data" / "demo_sft.jsonl")], "max_seq_len": 48},
         "train": {"max_steps": 3, "lr": 2e-2, "warmup_steps": 0},
-        "output": {"dir": str(out)},
+        "output": {"dir": str(out), "export_formats": ["per-expert", "gguf"]},
     })  # fmt: skip
     trainer.train(cfg, Console(quiet=True))
     return out / "adapter"
+
+
+def test_a_run_writes_the_export_formats_it_asks_for(run, tmp_path):
+    """output.export_formats: the same files `moe-qlora export` writes, at the end of training."""
+    assert (run.parent / "adapter.gguf").read_bytes() == formats.write_gguf(run, tmp_path / "a.gguf").read_bytes()
+    ours = run.parent / "adapter-per-expert" / "adapter_model.safetensors"
+    again = formats.write_per_expert(run, tmp_path / "pe") / "adapter_model.safetensors"
+    assert ours.read_bytes() == again.read_bytes()
 
 
 @pytest.fixture(scope="module")
