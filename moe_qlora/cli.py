@@ -242,11 +242,13 @@ def plan(
 @app.command("check-norms")
 def check_norms_cmd(
     adapter: str = typer.Argument(..., help="adapter_model.safetensors, or the folder holding it"),
-    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON (every row) instead of a table"),
+    per_expert: bool = typer.Option(False, "--per-expert", help="one row per expert instead of per module"),
     debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
 ):
-    """Norms of every LoRA factor (per expert for experts); exit 0 healthy, 1 problems, 2 unreadable."""
-    from .diagnostics import AdapterReadError, check_norms, render_table, report_json
+    """Norms of every LoRA factor, summarised per module and layer over experts (--per-expert: every one);
+    exit 0 healthy, 1 problems, 2 unreadable."""
+    from .diagnostics import AdapterReadError, check_norms, render_summary, render_table, report_json
 
     try:
         report = check_norms(adapter)
@@ -255,7 +257,7 @@ def check_norms_cmd(
     if as_json:
         sys.stdout.write(report_json(report) + "\n")
     else:
-        render_table(report, console)
+        (render_table if per_expert else render_summary)(report, console)
     raise typer.Exit(0 if report.healthy else 1)
 
 

@@ -223,7 +223,65 @@ def report_json(report: NormReport) -> str:
     )  # fmt: skip
 
 
+@dataclass
+class ModuleSummary:
+    """One module (an expert stack: all its experts) of one layer: min / median / max of each norm."""
+
+    module: str
+    experts: int
+    norm_a: tuple[float, float, float]
+    norm_b: tuple[float, float, float]
+    norm_delta: tuple[float, float, float]
+    problems: list[str]
+
+
+def _spread(values: list[float]) -> tuple[float, float, float]:
+    ordered = sorted(values)
+    return ordered[0], ordered[len(ordered) // 2], ordered[-1]
+
+
+def summarize(report: NormReport) -> list[ModuleSummary]:
+    """One entry per module (per layer), in the report's order; the experts with problems named by number."""
+    groups: dict[str, list[NormRow]] = {}
+    for r in report.rows:
+        groups.setdefault(r.module, []).append(r)
+    out = []
+    for module, rows in groups.items():
+        problems = [f"{'' if r.expert is None else f'expert {r.expert}: '}{issue}" for r in rows for issue in r.issues]
+        out.append(ModuleSummary(module, len(rows) if rows[0].expert is not None else 0,
+                                 _spread([r.norm_a for r in rows]), _spread([r.norm_b for r in rows]),
+                                 _spread([r.norm_delta for r in rows]), problems))  # fmt: skip
+    return out
+
+
+def render_summary(report: NormReport, console) -> None:
+    """The default view at MoE scale: one row per module and layer (not 12,288 rows for Qwen3-30B-A3B)."""
+    from rich.table import Table
+
+    def fmt(spread):
+        lo, mid, hi = spread
+        return f"{mid:.4g}" if lo == hi else f"{lo:.3g} / {mid:.3g} / {hi:.3g}"
+
+    table = Table(title=f"LoRA norms: {report.adapter} (min / median / max over experts)")
+    for col in ("module", "experts", "||A||", "||B||", "||scale*BA||", "problems"):
+        table.add_column(col, justify="left" if col in ("module", "problems") else "right", overflow="fold")
+    for m in summarize(report):
+        shown = "; ".join(m.problems[:3]) + (f"; and {len(m.problems) - 3} more" if len(m.problems) > 3 else "")
+        table.add_row(m.module, str(m.experts or ""), fmt(m.norm_a), fmt(m.norm_b), fmt(m.norm_delta),
+                      f"[red]{shown}" if m.problems else "[green]ok")  # fmt: skip
+    console.print(table)
+    _render_verdict(report, console)
+
+
+def _render_verdict(report: NormReport, console) -> None:
+    if not report.scale_known:
+        console.print("[yellow]no adapter_config.json beside the file: scale taken as 1 and experts not split")
+    verdict = "[green]healthy" if report.healthy else f"[red]{len(report.problems)} problem(s)"
+    console.print(f"{len(report.rows)} rows, scale {report.scale:g}: {verdict}")
+
+
 def render_table(report: NormReport, console) -> None:
+    """Every row: one per expert of every expert stack (--per-expert)."""
     from rich.table import Table
 
     table = Table(title=f"LoRA norms: {report.adapter}", show_lines=False)
@@ -235,7 +293,4 @@ def render_table(report: NormReport, console) -> None:
             f"{r.norm_delta:.4g}", "[red]" + "; ".join(r.issues) if r.issues else "[green]ok",
         )  # fmt: skip
     console.print(table)
-    if not report.scale_known:
-        console.print("[yellow]no adapter_config.json beside the file: scale taken as 1 and experts not split")
-    verdict = "[green]healthy" if report.healthy else f"[red]{len(report.problems)} problem(s)"
-    console.print(f"{len(report.rows)} rows, scale {report.scale:g}: {verdict}")
+    _render_verdict(report, console)

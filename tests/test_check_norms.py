@@ -91,3 +91,23 @@ def test_unreadable_or_non_adapter_files_exit_2(tmp_path):
     result = run(tmp_path / "model.safetensors")
     assert result.exit_code == 2 and "not a LoRA adapter" in result.output
     assert run(tmp_path / "missing.safetensors").exit_code == 2
+
+
+def test_the_default_view_is_one_row_per_module_and_layer_naming_the_bad_expert(tmp_path):
+    """At MoE scale the per-expert table is unreadable: the default summarises each expert stack of each layer
+    (min / median / max over its experts) and names the experts with problems; --per-expert shows all."""
+    from moe_qlora.diagnostics import summarize
+
+    adapter = make_adapter(tmp_path, mutate=lambda t: t[f"{PREFIX}.1.mlp.experts.lora_B.weight"].view(H, R, E)[:, :, 3]
+                           .zero_())  # fmt: skip
+    report = check_norms(adapter)
+    summary = {m.module: m for m in summarize(report)}
+    assert len(summary) == 6  # 2 layers x (gate_up, down, q_proj)
+    down = summary["model.layers.1.mlp.experts.down_proj"]
+    assert down.experts == E and down.problems == ["expert 3: lora_B is all zero (never trained)"]
+    rows = [r for r in report.rows if r.module == down.module]
+    assert down.norm_b == (0.0, sorted(r.norm_b for r in rows)[E // 2], max(r.norm_b for r in rows))
+    short, full = run(adapter), run(adapter, "--per-expert")
+    assert short.exit_code == full.exit_code == 1
+    assert short.output.count("expert 3") == 1 and "min / median / max" in short.output
+    assert len(full.output.splitlines()) > len(short.output.splitlines())
