@@ -36,8 +36,18 @@ class ModelSection(Section):
     trust_remote_code: bool = Field(False, description="run model code shipped with the checkpoint")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: the GPU when there is one, else the CPU")
     strict_quantization: bool = Field(True, description="fail if any expert stack stays in high precision")
-    kernels: Literal["auto", "triton", "torch"] = Field(
-        "auto", description="MoE layer: Triton grouped kernels (CUDA) or the torch reference; auto: Triton on CUDA"
+    kernels: Literal["auto", "triton", "grouped_mm", "torch"] = Field(
+        "auto",
+        description="MoE layer: triton (NF4 decoded inside the matmul, CUDA), grouped_mm (each NF4 stack decoded to "
+        "a buffer, then torch._grouped_mm; any device) or the per-expert torch reference; auto: on CUDA triton "
+        "below model.fused_below_rows rows per expert and grouped_mm above, the torch reference on the CPU",
+    )
+    fused_below_rows: int = Field(
+        64, ge=0, description="kernels: auto picks the fused NF4 kernel below this many rows per expert (cost model)"
+    )
+    dequant_buffer_mb: float | None = Field(
+        4096, gt=0, description="grouped_mm: decode at most this much of an expert stack at once (chunks of experts "
+        "above it; one host sync per chunked projection); null: no limit",
     )
 
 

@@ -161,6 +161,9 @@ def moe_qlora_experts_forward(self, hidden_states, top_k_index, top_k_weights):
         lora.routed_rows += plan.routing.counts
     factors = lora.factors() if lora is not None else None
     kernels = getattr(self, "moe_kernels", "torch")
+    if kernels == "auto":
+        kernels = auto_kernels(hidden_states.shape[0] * top_k_index.shape[1], frozen.gate_up.num_experts,
+                               getattr(self, "moe_fused_below_rows", FUSED_BELOW_ROWS))  # fmt: skip
     if kernels == "torch":
         return moe_lora_experts(hidden_states, top_k_weights, factors, plan)
     return moe_lora_experts_grouped(hidden_states, top_k_weights, factors, plan, grouped_ops(kernels))
@@ -282,18 +285,39 @@ def dense_input_experts_forward(self, routed_in, top_k_index=None, top_k_weights
     return routed_in.new_zeros(routed_in.shape).index_copy(0, picked, out)
 
 
-# torch: the per-expert reference (CPU); triton: grouped Triton kernels (CUDA, or TRITON_INTERPRET=1);
+# torch: the per-expert reference (CPU); triton: grouped Triton kernels decoding NF4 in registers (CUDA, or
+# TRITON_INTERPRET=1); grouped_mm: each NF4 stack decoded to a buffer, then torch._grouped_mm (any device);
+# auto: per call, triton below `fused_below_rows` rows per expert and grouped_mm above (CUDA);
 # torch-grouped: the grouped formulation on the kernels' torch references (a CPU check of that path).
-KERNELS = ("torch", "triton", "torch-grouped")
+KERNELS = ("torch", "triton", "grouped_mm", "auto", "torch-grouped")
+
+# Rows per expert below which the fused NF4 kernel beats decoding the stack and running grouped GEMMs. Cost
+# model (H100): decoding costs ~4 extra bytes of HBM traffic per weight (read 0.5, write 2, read 2 again vs
+# 0.5), 1.2e-12 s at 3.35 TB/s; the fused kernel's slower MMA loop (~10% of bf16 peak vs ~60% for CUTLASS)
+# costs 2m flops x 8.4e-15 s per weight at m rows. Break-even near m = 70; 64 until measured on a GPU.
+FUSED_BELOW_ROWS = 64
 
 
-def set_moe_kernels(model, kernels: str) -> int:
-    """Run every experts module of `model` with `kernels`; returns how many modules were set."""
+def auto_kernels(num_rows: int, num_experts: int, fused_below_rows: int) -> str:
+    """The backend of one call under `kernels: auto`, from the mean rows per expert (S / E: known from the
+    shapes, so choosing needs no host sync)."""
+    return "triton" if num_rows < fused_below_rows * num_experts else "grouped_mm"
+
+
+def set_moe_kernels(model, kernels: str, *, fused_below_rows: int = FUSED_BELOW_ROWS,
+                    dequant_buffer_mb: float | None = None) -> int:  # fmt: skip
+    """Run every experts module of `model` with `kernels`; returns how many modules were set.
+    dequant_buffer_mb bounds grouped_mm's decoded stack (decoded a chunk of experts at a time above it)."""
     if kernels not in KERNELS:
         raise ValueError(f"unknown MoE kernels {kernels!r}; expected one of {KERNELS}")
+    if kernels in ("grouped_mm", "auto"):
+        from .kernels.grouped_mm import set_dequant_buffer_budget
+
+        set_dequant_buffer_budget(dequant_buffer_mb)
     modules = experts_modules(model)
     for _, module in modules:
         module.moe_kernels = kernels
+        module.moe_fused_below_rows = fused_below_rows
     return len(modules)
 
 

@@ -247,12 +247,15 @@ def moe_lora_experts(
 
 @dataclass(frozen=True)
 class GroupedOps:
-    """grouped_matmul, grouped_matmul_silu_mul and grouped_outer_product with kernels.ops' contracts:
-    the Triton kernels or their torch references."""
+    """grouped_matmul, grouped_matmul_silu_mul and grouped_outer_product with kernels.ops' contracts: the
+    Triton kernels, the dequantize + torch._grouped_mm backend, or the per-expert torch references.
+    host_offsets: the ops take the offsets as a host list (the references loop over experts in Python);
+    otherwise as the (E+1,) device tensor, so the layer never waits on the host."""
 
     matmul: Callable
     matmul_silu_mul: Callable
     outer: Callable
+    host_offsets: bool = False
 
 
 def grouped_ops(kind: str) -> GroupedOps:
@@ -260,9 +263,18 @@ def grouped_ops(kind: str) -> GroupedOps:
 
     if kind == "triton":
         return GroupedOps(ops.grouped_matmul, ops.grouped_matmul_silu_mul, ops.grouped_outer_product)
+    if kind == "grouped_mm":
+        from .kernels import grouped_mm as gmm
+
+        return GroupedOps(gmm.grouped_matmul, gmm.grouped_matmul_silu_mul, gmm.grouped_outer_product)
     return GroupedOps(
-        ops.grouped_matmul_reference, ops.grouped_matmul_silu_mul_reference, ops.grouped_outer_product_reference
+        ops.grouped_matmul_reference, ops.grouped_matmul_silu_mul_reference, ops.grouped_outer_product_reference,
+        host_offsets=True,
     )
+
+
+def _offsets_for(ops: GroupedOps, rt: RoutedTokens):
+    return rt.offsets if ops.host_offsets else rt.offsets_device
 
 
 class MoELoRAGroupedFunction(torch.autograd.Function):
@@ -277,7 +289,7 @@ class MoELoRAGroupedFunction(torch.autograd.Function):
         from .kernels.ops import LowRank
 
         ex, rt, c = plan.experts, plan.routing, plan.lora_scale
-        off, token, has_lora = rt.offsets, rt.token, gate_up_a is not None
+        off, token, has_lora = _offsets_for(ops, rt), rt.token, gate_up_a is not None
         # Stored (E, out, in): x W^T reads W transposed; GPT-OSS stores (E, in, out) and reads it as is.
         w1 = GW.quantized(ex.gate_up, transpose=not ex.transposed)
         p1 = p2 = lora1 = lora2 = None
@@ -296,8 +308,7 @@ class MoELoRAGroupedFunction(torch.autograd.Function):
             lora2 = LowRank(p2, GW.dense(down_b, transpose=True), c)
         w2 = GW.quantized(ex.down, transpose=not ex.transposed)
         y = ops.matmul(a, w2, off, bias=ex.down_bias, lora=lora2)  # (S, H)
-        w_sorted = routing_weights.reshape(-1).index_select(0, rt.order).to(x.dtype)
-        out = torch.zeros_like(x).index_add_(0, token, y * w_sorted[:, None])
+        out = rt.combine(y, routing_weights)  # sum over each token's K rows: a gather, no atomics
         ctx.plan, ctx.ops = plan, ops
         ctx.save_for_backward(x, routing_weights, h, p1, p2, gate_up_a, gate_up_b, down_a, down_b)
         return out
@@ -310,7 +321,7 @@ class MoELoRAGroupedFunction(torch.autograd.Function):
         x, routing_weights, h, p1, p2, a1, b1, a2, b2 = ctx.saved_tensors
         plan, ops = ctx.plan, ctx.ops
         ex, rt, c = plan.experts, plan.routing, plan.lora_scale
-        off, token, has_lora = rt.offsets, rt.token, a1 is not None
+        off, token, has_lora = _offsets_for(ops, rt), rt.token, a1 is not None
         g = grad_out.to(x.dtype)
         w = routing_weights.reshape(-1).index_select(0, rt.order).to(x.dtype)[:, None]  # (S, 1)
         act, gate_vjp = _gate_with_vjp(ex.gate, h, silu_mul=ex.gate_is_silu_mul)
@@ -327,8 +338,7 @@ class MoELoRAGroupedFunction(torch.autograd.Function):
         u = ops.matmul(g, GW.quantized(ex.down, transpose=ex.transposed), off, gather=token, lora=lora2)
         dot = (act * u).sum(-1, dtype=torch.float32)
         if ex.down_bias is not None:
-            experts_of_rows = torch.repeat_interleave(torch.arange(len(off) - 1, device=x.device), rt.counts)
-            dot += (g.index_select(0, token).float() * ex.down_bias.float()[experts_of_rows]).sum(-1)
+            dot += (g.index_select(0, token).float() * ex.down_bias.float().index_select(0, rt.expert)).sum(-1)
         grad_h = gate_vjp(u * w)
         lora1 = None
         if has_lora:
@@ -336,8 +346,8 @@ class MoELoRAGroupedFunction(torch.autograd.Function):
             lora1 = LowRank(dp1, GW.dense(a1, transpose=False))
             later.update(x=x, dp1=dp1, grad_h=grad_h, p1=p1)
         grad_rows = ops.matmul(grad_h, GW.quantized(ex.gate_up, transpose=ex.transposed), off, lora=lora1)  # (S, H)
-        grad_x = torch.zeros_like(x).index_add_(0, token, grad_rows.to(x.dtype))
-        grad_w = torch.zeros_like(dot).index_copy_(0, rt.order, dot).view_as(routing_weights)
+        grad_x = rt.combine(grad_rows.to(x.dtype))  # a token's K rows each send a gradient back to it
+        grad_w = dot.index_select(0, rt.inverse).view_as(routing_weights)  # sorted rows back to (T, K)
         grads = [None] * 4
         if has_lora:
 
@@ -353,7 +363,7 @@ class MoELoRAGroupedFunction(torch.autograd.Function):
 
 def _lora_weight_grads(ops: GroupedOps, t: dict, rt: RoutedTokens, c: float) -> list[torch.Tensor]:
     """dA1, dB1, dA2, dB2 (fp32) as per-expert outer products of the rows' operands `t`: OUT_PROD_ID."""
-    off, token = rt.offsets, rt.token
+    off, token = _offsets_for(ops, rt), rt.token
     # dA1[e] = sum_s dp1_s (x) x_s; the gathered operand (x) must come first, so transpose after.
     d_a1 = ops.outer(t["x"], t["dp1"], off, gather=token).transpose(1, 2)
     d_b1 = c * ops.outer(t["grad_h"], t["p1"], off)  # dB1[e] = c sum_s dh_s (x) p1_s

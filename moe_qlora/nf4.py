@@ -53,7 +53,7 @@ class NF4Stack:
     @classmethod
     def from_param(cls, param: bnb.nn.Params4bit) -> NF4Stack:
         qs = param.quant_state
-        nested = (qs.state2.absmax, qs.state2.code, float(qs.offset)) if qs.nested else None
+        nested = (qs.state2.absmax, qs.state2.code, nested_offset(qs)) if qs.nested else None
         return cls(param.data.view(-1), qs.absmax, nested, tuple(qs.shape), qs.blocksize)
 
     @property
@@ -66,8 +66,12 @@ class NF4Stack:
 
     def expert_absmax(self, e: int) -> torch.Tensor:
         """Block scales of expert e as float32: (N/B,). Undoes the nested quantization if any."""
+        return self.experts_absmax(e, e + 1)
+
+    def experts_absmax(self, first: int, end: int) -> torch.Tensor:
+        """Block scales of experts first..end-1 as float32: ((end - first) N/B,), nested quantization undone."""
         per_expert = self.expert_numel // self.blocksize
-        lo, hi = e * per_expert, (e + 1) * per_expert
+        lo, hi = first * per_expert, end * per_expert
         if self.nested is None:
             return self.absmax[lo:hi].float()
         absmax2, code2, offset = self.nested
@@ -77,8 +81,12 @@ class NF4Stack:
 
     def expert_codes(self, e: int) -> torch.Tensor:
         """Packed codes of expert e: (N/2,) uint8."""
+        return self.experts_codes(e, e + 1)
+
+    def experts_codes(self, first: int, end: int) -> torch.Tensor:
+        """Packed codes of experts first..end-1: ((end - first) N/2,) uint8."""
         half = self.expert_numel // 2
-        return self.packed[e * half : (e + 1) * half]
+        return self.packed[first * half : end * half]
 
 
 def check_quantizable(shape: tuple[int, ...]) -> None:
@@ -135,7 +143,15 @@ def _stack_state(absmax: torch.Tensor, shape: tuple[int, ...], double_quant: boo
         return bnbF.QuantState(absmax=absmax, **common)
     offset = absmax.mean()
     nested_codes, nested_state = bnbF.quantize_blockwise(absmax - offset, blocksize=NESTED_BLOCKSIZE)
-    return bnbF.QuantState(absmax=nested_codes, offset=offset, state2=nested_state, **common)
+    state = bnbF.QuantState(absmax=nested_codes, offset=offset, state2=nested_state, **common)
+    state.offset_float = float(offset)  # read once here, so the layer never syncs for it
+    return state
+
+
+def nested_offset(state: bnbF.QuantState) -> float:
+    """The nested-scales offset as a Python float: the copy made at quantization, else read (one sync)."""
+    cached = getattr(state, "offset_float", None)
+    return cached if cached is not None else float(state.offset)
 
 
 def dequantize_expert_reference(stack: NF4Stack, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -166,6 +182,20 @@ def dequantize_expert(stack: NF4Stack, e: int, dtype: torch.dtype = torch.float3
         dtype=dtype,
     )
     return bnbF.dequantize_4bit(stack.expert_codes(e), state).view(stack.shape[1], stack.shape[2])
+
+
+def dequantize_experts(stack: NF4Stack, first: int, end: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Experts first..end-1 decoded in one bitsandbytes call: (end - first, O, I) in `dtype`. No host sync:
+    the nested offset is a float read when the stack was built."""
+    state = bnbF.QuantState(
+        absmax=stack.experts_absmax(first, end),
+        shape=torch.Size([(end - first) * stack.expert_numel]),
+        code=_nf4_code(str(stack.packed.device)),
+        blocksize=stack.blocksize,
+        quant_type="nf4",
+        dtype=dtype,
+    )
+    return bnbF.dequantize_4bit(stack.experts_codes(first, end), state).view(end - first, *stack.shape[1:])
 
 
 def dequantize_stack(stack: NF4Stack, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -313,8 +313,10 @@ def load_policy(cfg: RunConfig, model_path: str, console: Console):
     )
     model = attach_adapters(load_model(opts), cfg.lora, seed=cfg.train.seed)
     kernels = resolve_kernels(cfg.model.kernels, device)
-    if set_moe_kernels(model, kernels):
-        console.print(f"MoE kernels: {kernels}" + (" (model.kernels: auto)" if cfg.model.kernels == "auto" else ""))
+    if set_moe_kernels(model, kernels, fused_below_rows=cfg.model.fused_below_rows,
+                       dequant_buffer_mb=cfg.model.dequant_buffer_mb):  # fmt: skip
+        console.print(f"MoE kernels: {describe_kernels(kernels, cfg.model.fused_below_rows)}"
+                      + (" (model.kernels: auto)" if cfg.model.kernels == "auto" else ""))  # fmt: skip
     if cfg.lora.init_from:
         n = load_adapter(model, cfg.lora.init_from, cfg.lora)
         console.print(f"LoRA initialised from {cfg.lora.init_from} ({n} tensors)")
@@ -334,17 +336,24 @@ def load_policy(cfg: RunConfig, model_path: str, console: Console):
 
 
 def resolve_kernels(choice: str, device: str) -> str:
-    """model.kernels to what runs: auto is Triton on CUDA when triton is installed, else the torch reference."""
+    """model.kernels to what runs: auto is the per-call choice between Triton and grouped_mm on CUDA (grouped_mm
+    alone without triton), the torch reference on the CPU; grouped_mm runs anywhere."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if choice == "torch" or (choice == "auto" and device != "cuda"):
-        return "torch"
+    if choice in ("torch", "grouped_mm") or (choice == "auto" and device != "cuda"):
+        return "torch" if choice == "auto" else choice
     if importlib.util.find_spec("triton") is None:
         if choice == "auto":
-            return "torch"
+            return "grouped_mm"
         raise ConfigError("model.kernels: triton, but triton is not installed (pip install -e '.[gpu]')")
     if device != "cuda" and not interpreted:
         raise ConfigError("model.kernels: triton needs a CUDA device (or TRITON_INTERPRET=1, as the tests use)")
-    return "triton"
+    return choice
+
+
+def describe_kernels(kernels: str, fused_below_rows: int) -> str:
+    if kernels == "auto":
+        return f"auto per layer call: triton below {fused_below_rows} rows per expert, grouped_mm at or above"
+    return kernels
 
 
 def seed_everything(seed: int) -> None:

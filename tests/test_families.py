@@ -54,7 +54,7 @@ def test_experts_match_the_familys_eager_experts(family):
     assert_all_close(*run_experts_pair(experts, model.config, x, idx, weights))
 
 
-@pytest.mark.parametrize("kernels", ["torch-grouped", "triton"])
+@pytest.mark.parametrize("kernels", ["torch-grouped", "grouped_mm", "triton"])
 def test_grouped_layer_matches_the_familys_eager_experts(family, kernels, small_triton_blocks):
     """The GPU formulation (whole-batch grouped ops; Triton in the interpreter on a CPU) on every family's
     layout: transposed (GPT-OSS), biases, non-gated (Nemotron-H), hybrids."""

@@ -28,9 +28,12 @@ def run(model, kernels, case, *, layer=0, hidden=64, experts=8, mutate=None):
     return run_experts_pair(module, model.config, x.to(dev), idx.to(dev), weights.to(dev), mutate=mutate)
 
 
+@pytest.mark.parametrize("kernels", ["torch-grouped", "grouped_mm"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_grouped_layer_on_torch_references_matches_eager(quantized, case):
-    assert_all_close(*run(quantized, "torch-grouped", case))
+def test_grouped_layer_on_torch_backends_matches_eager(quantized, case, kernels):
+    """torch-grouped: the kernels' per-expert references; grouped_mm: each NF4 stack decoded whole, then
+    torch._grouped_mm (which runs on the CPU too)."""
+    assert_all_close(*run(quantized, kernels, case))
 
 
 @pytest.mark.usefixtures("small_triton_blocks")
@@ -48,7 +51,7 @@ def test_mixtral_gate_runs_fused_and_gpt_oss_gate_does_not(quantized):
 
 
 @pytest.mark.usefixtures("small_triton_blocks")
-@pytest.mark.parametrize("kernels", ["torch-grouped", "triton"])
+@pytest.mark.parametrize("kernels", ["torch-grouped", "grouped_mm", "triton"])
 @pytest.mark.parametrize("broken", list(BROKEN))
 def test_broken_controls_fail(quantized, kernels, broken):
     if broken != "gate_up_swapped":
@@ -69,7 +72,7 @@ def test_broken_controls_fail(quantized, kernels, broken):
 
 
 @pytest.mark.usefixtures("small_triton_blocks")
-@pytest.mark.parametrize("kernels", ["torch-grouped", "triton"])
+@pytest.mark.parametrize("kernels", ["torch-grouped", "grouped_mm", "triton"])
 def test_gpt_oss_biases_and_transposed_stacks(kernels, dev):
     """GPT-OSS: (E, in, out) stacks, biases on both projections (the routing-weight gradient gets <b2, g>),
     interleaved clamped SwiGLU through the module's own gate."""
@@ -78,7 +81,7 @@ def test_gpt_oss_biases_and_transposed_stacks(kernels, dev):
 
 
 @pytest.mark.usefixtures("small_triton_blocks")
-@pytest.mark.parametrize("kernels", ["torch-grouped", "triton"])
+@pytest.mark.parametrize("kernels", ["torch-grouped", "grouped_mm", "triton"])
 def test_deferred_lora_weight_gradients_equal_direct_ones(quantized, kernels):
     """Pushed to a store in the backward and flushed later, the expert LoRA gradients are bit-identical to
     those computed at once (same operations on the same operands), in a model with 2 MoE layers."""
@@ -107,7 +110,7 @@ def test_deferred_lora_weight_gradients_equal_direct_ones(quantized, kernels):
 
 
 @pytest.mark.usefixtures("small_triton_blocks")
-@pytest.mark.parametrize("kernels", ["torch-grouped", "triton"])
+@pytest.mark.parametrize("kernels", ["torch-grouped", "grouped_mm", "triton"])
 def test_bf16_layer_stays_close_to_the_fp32_reference(quantized, kernels, dev):
     """bf16 activations through the whole grouped layer (output and all 6 gradients) against the fp32
     per-expert reference, max|bf16 - fp32| <= bound * max|fp32|.
@@ -141,3 +144,28 @@ def test_bf16_layer_stays_close_to_the_fp32_reference(quantized, kernels, dev):
     assert worst_error(outputs_and_grads(kernels, torch.bfloat16, weights), ref) <= bound
     # Control: the same comparison catches dropped routing weights in bf16.
     assert worst_error(outputs_and_grads(kernels, torch.bfloat16, torch.ones_like(weights)), ref) > bound
+
+
+@pytest.mark.parametrize("case", ["ragged", "empty_experts"])
+def test_grouped_mm_decoding_chunks_of_experts_matches_eager(quantized, case):
+    """Above model.dequant_buffer_mb the stack is decoded a chunk of experts at a time (here 3 of 8 experts,
+    chunks 0-2, 3-5, 6-7, some empty): the same oracle and tolerance as the unchunked layer."""
+    from moe_qlora.kernels import grouped_mm
+
+    module = quantized.model.layers[0].mlp.experts
+    per_expert = module.gate_up_proj.quant_state.shape[1:].numel() * 4  # fp32 bytes of one decoded expert
+    try:
+        set_moe_kernels(quantized, "grouped_mm", dequant_buffer_mb=3.5 * per_expert / 2**20)
+        assert grouped_mm._expert_chunks(grouped_mm.GroupedWeight.quantized(
+            _frozen_experts(module).gate_up, transpose=True), torch.float32) == 3  # fmt: skip
+        kind, tokens, k = CASES[case]
+        idx, weights = routing_case(kind, tokens, 8, k)
+        x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(5)).to(module.gate_up_proj.device)
+        dev = x.device
+        assert_all_close(*run_experts_pair(module, quantized.config, x, idx.to(dev), weights.to(dev)))
+        broken, ref = run_experts_pair(module, quantized.config, x, idx.to(dev), weights.to(dev),
+                                       mutate=BROKEN["experts_rolled"])  # fmt: skip
+    finally:
+        set_moe_kernels(quantized, "grouped_mm", dequant_buffer_mb=None)
+    with pytest.raises(AssertionError):  # control: the chunked layer with rolled experts fails the same check
+        assert_all_close(broken, ref)

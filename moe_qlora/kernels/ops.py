@@ -120,18 +120,39 @@ def block_sizes() -> tuple[int, int, int]:
     return tuple(int(v) for v in override.split(",")) if override else (BLOCK_M, BLOCK_N, BLOCK_K)
 
 
-def expert_tiles(offsets: list[int], block_m: int, device) -> torch.Tensor:
-    """(num_tiles, 3) int32: (expert, first row, end row) of each BLOCK_M-row tile of the non-empty experts."""
-    return _expert_tiles(tuple(offsets), block_m, str(device))
+def expert_tiles(offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
+    """(num_tiles, 3) int32 (expert, first row, end row) of each BLOCK_M-row tile, built on the device.
+
+    The grid size must not depend on the data (no host sync), so it is the upper bound
+    ceil(S / BLOCK_M) + E (each expert wastes at most one partial tile); tile i belongs to the expert whose
+    cumulative tile count first exceeds i, and tiles past the last one are (0, 0, 0), which the kernel
+    skips at once. offsets: (E+1,) int64 device tensor."""
+    counts = offsets[1:] - offsets[:-1]
+    tiles_per_expert = (counts + block_m - 1) // block_m
+    tile_ends = torch.cumsum(tiles_per_expert, 0)
+    num_experts = counts.shape[0]
+    tile = torch.arange(-(-num_rows // block_m) + num_experts, device=offsets.device)
+    expert = torch.searchsorted(tile_ends, tile, right=True)
+    valid = expert < num_experts
+    expert = expert.clamp(max=num_experts - 1)
+    first = offsets[expert] + (tile - (tile_ends[expert] - tiles_per_expert[expert])) * block_m
+    end = offsets[expert + 1]
+    zero = torch.zeros_like(first)
+    return torch.stack([torch.where(valid, expert, zero), torch.where(valid, first, zero),
+                        torch.where(valid, end, zero)], dim=1).to(torch.int32)  # fmt: skip
 
 
-# A layer's forward and backward launch ~10 grouped kernels over the same routing: build its tile list
-# (a host loop and a host-to-device copy) once. Keyed by the offsets' values, so a cached entry is exact.
-@functools.lru_cache(maxsize=16)
-def _expert_tiles(offsets: tuple[int, ...], block_m: int, device: str) -> torch.Tensor:
-    tiles = [(e, lo, offsets[e + 1]) for e in range(len(offsets) - 1) for lo in range(offsets[e], offsets[e + 1],
-                                                                                         block_m)]  # fmt: skip
-    return torch.tensor(tiles or [(0, 0, 0)], dtype=torch.int32, device=device)
+def device_offsets(offsets, device) -> torch.Tensor:
+    """(E+1,) int64 offsets on `device`: a device tensor as is, a host list (the tests' form) copied once."""
+    if isinstance(offsets, torch.Tensor):
+        return offsets
+    return _offsets_tensor(tuple(offsets), str(device))
+
+
+def _num_rows(offsets, x, gather) -> int:
+    if not isinstance(offsets, torch.Tensor):
+        return offsets[-1]
+    return gather.shape[0] if gather is not None else x.shape[0]
 
 
 def _interpreted() -> bool:
@@ -150,11 +171,12 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
 
     bm, bn, bk = block_sizes()
     n = weight.n // 2 if glu else weight.n
-    y = x.new_empty(offsets[-1], weight.n) if keep_y else None
-    act = x.new_empty(offsets[-1], n) if glu else None
-    if offsets[-1] == 0:
+    num_rows = _num_rows(offsets, x, gather)
+    y = x.new_empty(num_rows, weight.n) if keep_y else None
+    act = x.new_empty(num_rows, n) if glu else None
+    if num_rows == 0:
         return y, act
-    tiles = expert_tiles(offsets, bm, x.device)
+    tiles = expert_tiles(device_offsets(offsets, x.device), num_rows, bm)
     q = weight.nf4
     nested = q is not None and q.nested is not None
     absmax, absmax2, code2, offset2 = (q.absmax, *q.nested) if nested else (q.absmax if q else x, x, x, 0.0)
@@ -200,7 +222,7 @@ def grouped_outer_product(a, b, offsets: list[int], *, gather=None):
     bm, bn, bs = block_sizes()
     num_experts, m, n = len(offsets) - 1, a.shape[1], b.shape[1]
     out = torch.empty(num_experts, m, n, dtype=torch.float32, device=a.device)
-    offs = _offsets_tensor(tuple(offsets), str(a.device))
+    offs = device_offsets(offsets, a.device)
     grid = (num_experts, -(-m // bm) * -(-n // bn))
     _grouped_outer_product_kernel[grid](
         a, gather if gather is not None else offs, b, offs, out, m, n, a.stride(0), a.stride(1), b.stride(0),

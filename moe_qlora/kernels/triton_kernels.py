@@ -2,8 +2,9 @@
 weights, and the per-expert scattered outer product (OUT_PROD_ID) that gives the LoRA weight gradients.
 
 Shape letters: S routed rows sorted by expert, K reduction dim, N output dim, E experts, R LoRA rank.
-A "tile" is (expert, first row, end row) of at most BLOCK_M rows of one expert: the launcher lists only
-the tiles of experts that received rows, so an expert with none costs nothing. Launchers: ops.py.
+A "tile" is (expert, first row, end row) of at most BLOCK_M rows of one expert, listed on the device over an
+upper-bound grid: spare tiles are empty and return at once, so an expert with no rows costs nothing and the
+launch needs no host sync. Launchers: ops.py.
 """
 
 import triton
@@ -109,6 +110,8 @@ def _grouped_matmul_kernel(
     e = tl.load(tiles_ptr + tile * 3)
     start = tl.load(tiles_ptr + tile * 3 + 1)
     end = tl.load(tiles_ptr + tile * 3 + 2)
+    if start >= end:  # a spare tile of the upper-bound grid (ops.expert_tiles)
+        return
     rows = start + tl.arange(0, BLOCK_M)
     row_ok = rows < end
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
