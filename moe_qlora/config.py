@@ -46,7 +46,9 @@ class ModelSection(Section):
         64, ge=0, description="kernels: auto picks the fused NF4 kernel below this many rows per expert (cost model)"
     )
     dequant_buffer_mb: float | None = Field(
-        4096, gt=0, description="grouped_mm: decode at most this much of an expert stack at once (chunks of experts "
+        4096,
+        gt=0,
+        description="grouped_mm: decode at most this much of an expert stack at once (chunks of experts "
         "above it; one host sync per chunked projection); null: no limit",
     )
 

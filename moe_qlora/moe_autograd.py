@@ -268,7 +268,9 @@ def grouped_ops(kind: str) -> GroupedOps:
 
         return GroupedOps(gmm.grouped_matmul, gmm.grouped_matmul_silu_mul, gmm.grouped_outer_product)
     return GroupedOps(
-        ops.grouped_matmul_reference, ops.grouped_matmul_silu_mul_reference, ops.grouped_outer_product_reference,
+        ops.grouped_matmul_reference,
+        ops.grouped_matmul_silu_mul_reference,
+        ops.grouped_outer_product_reference,
         host_offsets=True,
     )
 

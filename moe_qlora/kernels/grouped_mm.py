@@ -137,4 +137,3 @@ def grouped_outer_product(a, b, offsets: torch.Tensor, *, gather=None):
     contract. bf16 operands accumulate in fp32 inside the GEMM and round once at its output."""
     rows = a if gather is None else a.index_select(0, gather)
     return gmm_outer(rows, b.to(rows.dtype), _ends(offsets)).float()
-
