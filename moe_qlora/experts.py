@@ -22,7 +22,6 @@ from .moe_autograd import (
     DeferredWeightGrads,
     FrozenExperts,
     MoEPlan,
-    grouped_ops,
     moe_lora_experts,
     moe_lora_experts_grouped,
 )
@@ -136,8 +135,15 @@ def _frozen_experts(module: nn.Module) -> FrozenExperts:
         transposed=getattr(module, "is_transposed", False),
         gate_up_bias=getattr(module, f"{first}_bias") if has_bias else None,
         down_bias=module.down_proj_bias if has_bias else None,
-        gate_is_silu_mul=_gates_with_silu_mul(module),
+        gate_is_silu_mul=_cached_gates_with_silu_mul(module),
     )
+
+
+def _cached_gates_with_silu_mul(module: nn.Module) -> bool:
+    """_gates_with_silu_mul, read from the flag set_moe_kernels stores (method identity is not something
+    torch.compile can trace), computed here for a module never set."""
+    flag = getattr(module, "moe_gate_is_silu_mul", None)
+    return _gates_with_silu_mul(module) if flag is None else flag
 
 
 def _gates_with_silu_mul(module: nn.Module) -> bool:
@@ -166,7 +172,7 @@ def moe_qlora_experts_forward(self, hidden_states, top_k_index, top_k_weights):
                                getattr(self, "moe_fused_below_rows", FUSED_BELOW_ROWS))  # fmt: skip
     if kernels == "torch":
         return moe_lora_experts(hidden_states, top_k_weights, factors, plan)
-    return moe_lora_experts_grouped(hidden_states, top_k_weights, factors, plan, grouped_ops(kernels))
+    return moe_lora_experts_grouped(hidden_states, top_k_weights, factors, plan, kernels)
 
 
 # Experts classes off transformers' interface whose stacks and math the MoE layer computes exactly once they
@@ -318,6 +324,7 @@ def set_moe_kernels(model, kernels: str, *, fused_below_rows: int = FUSED_BELOW_
     for _, module in modules:
         module.moe_kernels = kernels
         module.moe_fused_below_rows = fused_below_rows
+        module.moe_gate_is_silu_mul = _gates_with_silu_mul(module)
     return len(modules)
 
 

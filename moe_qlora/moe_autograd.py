@@ -279,88 +279,103 @@ def _offsets_for(ops: GroupedOps, rt: RoutedTokens):
     return rt.offsets if ops.host_offsets else rt.offsets_device
 
 
+def grouped_forward(x, routing_weights, lora, plan: MoEPlan, ops: GroupedOps, *, keep_h: bool):
+    """The grouped layer's forward: h = MUL_MAT_ID(x, W1) (+ LoRA), a = gate(h), y = MUL_MAT_ID(a, W2)
+    (+ LoRA), out = sum_k w y. lora: (A1, B1, A2, B2) or four None. Returns (out (T, H), h (S, 2I) or None
+    when not keep_h and the gate is fused, p1 and p2 (S, r) or None): what the backward needs."""
+    from .kernels.ops import GroupedWeight as GW
+    from .kernels.ops import LowRank
+
+    gate_up_a, gate_up_b, down_a, down_b = lora
+    ex, rt, c = plan.experts, plan.routing, plan.lora_scale
+    off, token, has_lora = _offsets_for(ops, rt), rt.token, gate_up_a is not None
+    # Stored (E, out, in): x W^T reads W transposed; GPT-OSS stores (E, in, out) and reads it as is.
+    w1 = GW.quantized(ex.gate_up, transpose=not ex.transposed)
+    p1 = p2 = lora1 = lora2 = None
+    if has_lora:  # x A1^T: (S, r); the up-projection c p1 B1^T is fused into the gate_up matmul
+        p1 = ops.matmul(x, GW.dense(gate_up_a, transpose=True), off, gather=token)
+        lora1 = LowRank(p1, GW.dense(gate_up_b, transpose=True), c)
+    if ex.gate_is_silu_mul:  # silu(gate) * up in the matmul's epilogue; h (S, 2I) kept for the backward
+        h, a = ops.matmul_silu_mul(x, w1, off, gather=token, bias=ex.gate_up_bias, lora=lora1, keep_h=keep_h)
+    else:
+        h = ops.matmul(x, w1, off, gather=token, bias=ex.gate_up_bias, lora=lora1)  # (S, 2I)
+        a = ex.gate(h)
+    if has_lora:
+        p2 = ops.matmul(a, GW.dense(down_a, transpose=True), off)
+        lora2 = LowRank(p2, GW.dense(down_b, transpose=True), c)
+    w2 = GW.quantized(ex.down, transpose=not ex.transposed)
+    y = ops.matmul(a, w2, off, bias=ex.down_bias, lora=lora2)  # (S, H)
+    out = rt.combine(y, routing_weights)  # sum over each token's K rows: a gather, no atomics
+    return out, h, p1, p2
+
+
+def grouped_backward(grad_out, x, routing_weights, h, p1, p2, lora, plan: MoEPlan, ops: GroupedOps):
+    """Gradients of grouped_forward: (grad x, grad routing weights, dA1, dB1, dA2, dB2), the last four None
+    without LoRA or when deferred to plan.deferred. The input gradient goes through the same grouped matmul
+    over the transposed NF4 experts, the LoRA gradients by OUT_PROD_ID, and the routing-weight gradient is
+    <a, J^T g> + <b2, g> (exact, no division by w; see MoELoRAFunction)."""
+    from .kernels.ops import GroupedWeight as GW
+    from .kernels.ops import LowRank
+
+    a1, b1, a2, b2 = lora
+    ex, rt, c = plan.experts, plan.routing, plan.lora_scale
+    off, token, has_lora = _offsets_for(ops, rt), rt.token, a1 is not None
+    g = grad_out.to(x.dtype)
+    w = routing_weights.reshape(-1).index_select(0, rt.order).to(x.dtype)[:, None]  # (S, 1)
+    act, gate_vjp = _gate_with_vjp(ex.gate, h, silu_mul=ex.gate_is_silu_mul)
+    # The LoRA weight gradients (OUT_PROD_ID), run now or pushed to plan.deferred; `later` holds their
+    # operands, filled as the backward produces them.
+    later = {}
+    # u = J^T g = g W2 + (c g B2) A2: the down projection's input gradient before the routing weight,
+    # (S, I), with the LoRA path fused into the transposed-experts matmul.
+    lora2 = None
+    if has_lora:
+        q2 = c * ops.matmul(g, GW.dense(b2, transpose=False), off, gather=token)  # c g B2: (S, r)
+        lora2 = LowRank(q2, GW.dense(a2, transpose=False))
+        later.update(q2w=q2 * w, act=act, g=g, p2w=p2 * w)
+    u = ops.matmul(g, GW.quantized(ex.down, transpose=ex.transposed), off, gather=token, lora=lora2)
+    dot = (act * u).sum(-1, dtype=torch.float32)
+    if ex.down_bias is not None:
+        dot += (g.index_select(0, token).float() * ex.down_bias.float().index_select(0, rt.expert)).sum(-1)
+    grad_h = gate_vjp(u * w)
+    lora1 = None
+    if has_lora:
+        dp1 = c * ops.matmul(grad_h, GW.dense(b1, transpose=False), off)  # (S, r)
+        lora1 = LowRank(dp1, GW.dense(a1, transpose=False))
+        later.update(x=x, dp1=dp1, grad_h=grad_h, p1=p1)
+    grad_rows = ops.matmul(grad_h, GW.quantized(ex.gate_up, transpose=ex.transposed), off, lora=lora1)  # (S, H)
+    grad_x = rt.combine(grad_rows.to(x.dtype))  # a token's K rows each send a gradient back to it
+    grad_w = dot.index_select(0, rt.inverse).view_as(routing_weights)  # sorted rows back to (T, K)
+    grads = [None] * 4
+    if has_lora:
+
+        def lora_weight_grads():
+            return _lora_weight_grads(ops, later, rt, c)
+
+        if plan.deferred is not None:
+            plan.deferred.push(plan.lora_params, lora_weight_grads)
+        else:
+            grads = [gr.to(p.dtype) for gr, p in zip(lora_weight_grads(), lora, strict=True)]
+    return grad_x, grad_w.to(routing_weights.dtype), *grads
+
+
 class MoELoRAGroupedFunction(torch.autograd.Function):
-    """MoELoRAFunction's math over all rows at once: h = MUL_MAT_ID(x, W1) (+ LoRA), a = gate(h),
-    y = MUL_MAT_ID(a, W2) (+ LoRA), out = sum_k w y. Backward: the input gradient through the same
-    grouped matmul over the transposed NF4 experts, the LoRA gradients by OUT_PROD_ID, and the
-    routing-weight gradient <a, J^T g> + <b2, g> (exact, no division by w; see MoELoRAFunction)."""
+    """MoELoRAFunction's math over all rows at once (grouped_forward / grouped_backward), for any gate; the
+    registered op below (torch.compile-able) runs the same two functions for transformers' default gate."""
 
     @staticmethod
     def forward(ctx, x, routing_weights, gate_up_a, gate_up_b, down_a, down_b, plan: MoEPlan, ops: GroupedOps):
-        from .kernels.ops import GroupedWeight as GW
-        from .kernels.ops import LowRank
-
-        ex, rt, c = plan.experts, plan.routing, plan.lora_scale
-        off, token, has_lora = _offsets_for(ops, rt), rt.token, gate_up_a is not None
-        # Stored (E, out, in): x W^T reads W transposed; GPT-OSS stores (E, in, out) and reads it as is.
-        w1 = GW.quantized(ex.gate_up, transpose=not ex.transposed)
-        p1 = p2 = lora1 = lora2 = None
-        if has_lora:  # x A1^T: (S, r); the up-projection c p1 B1^T is fused into the gate_up matmul
-            p1 = ops.matmul(x, GW.dense(gate_up_a, transpose=True), off, gather=token)
-            lora1 = LowRank(p1, GW.dense(gate_up_b, transpose=True), c)
-        backward_to_come = any(ctx.needs_input_grad[:6])
-        if ex.gate_is_silu_mul:  # silu(gate) * up in the matmul's epilogue; h (S, 2I) kept for the backward
-            h, a = ops.matmul_silu_mul(x, w1, off, gather=token, bias=ex.gate_up_bias, lora=lora1,
-                                       keep_h=backward_to_come)  # fmt: skip
-        else:
-            h = ops.matmul(x, w1, off, gather=token, bias=ex.gate_up_bias, lora=lora1)  # (S, 2I)
-            a = ex.gate(h)
-        if has_lora:
-            p2 = ops.matmul(a, GW.dense(down_a, transpose=True), off)
-            lora2 = LowRank(p2, GW.dense(down_b, transpose=True), c)
-        w2 = GW.quantized(ex.down, transpose=not ex.transposed)
-        y = ops.matmul(a, w2, off, bias=ex.down_bias, lora=lora2)  # (S, H)
-        out = rt.combine(y, routing_weights)  # sum over each token's K rows: a gather, no atomics
+        lora = (gate_up_a, gate_up_b, down_a, down_b)
+        out, h, p1, p2 = grouped_forward(x, routing_weights, lora, plan, ops, keep_h=any(ctx.needs_input_grad[:6]))
         ctx.plan, ctx.ops = plan, ops
-        ctx.save_for_backward(x, routing_weights, h, p1, p2, gate_up_a, gate_up_b, down_a, down_b)
+        ctx.save_for_backward(x, routing_weights, h, p1, p2, *lora)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        from .kernels.ops import GroupedWeight as GW
-        from .kernels.ops import LowRank
-
-        x, routing_weights, h, p1, p2, a1, b1, a2, b2 = ctx.saved_tensors
-        plan, ops = ctx.plan, ctx.ops
-        ex, rt, c = plan.experts, plan.routing, plan.lora_scale
-        off, token, has_lora = _offsets_for(ops, rt), rt.token, a1 is not None
-        g = grad_out.to(x.dtype)
-        w = routing_weights.reshape(-1).index_select(0, rt.order).to(x.dtype)[:, None]  # (S, 1)
-        act, gate_vjp = _gate_with_vjp(ex.gate, h, silu_mul=ex.gate_is_silu_mul)
-        # The LoRA weight gradients (OUT_PROD_ID), run now or pushed to plan.deferred; `later` holds their
-        # operands, filled as the backward produces them.
-        later = {}
-        # u = J^T g = g W2 + (c g B2) A2: the down projection's input gradient before the routing weight,
-        # (S, I), with the LoRA path fused into the transposed-experts matmul.
-        lora2 = None
-        if has_lora:
-            q2 = c * ops.matmul(g, GW.dense(b2, transpose=False), off, gather=token)  # c g B2: (S, r)
-            lora2 = LowRank(q2, GW.dense(a2, transpose=False))
-            later.update(q2w=q2 * w, act=act, g=g, p2w=p2 * w)
-        u = ops.matmul(g, GW.quantized(ex.down, transpose=ex.transposed), off, gather=token, lora=lora2)
-        dot = (act * u).sum(-1, dtype=torch.float32)
-        if ex.down_bias is not None:
-            dot += (g.index_select(0, token).float() * ex.down_bias.float().index_select(0, rt.expert)).sum(-1)
-        grad_h = gate_vjp(u * w)
-        lora1 = None
-        if has_lora:
-            dp1 = c * ops.matmul(grad_h, GW.dense(b1, transpose=False), off)  # (S, r)
-            lora1 = LowRank(dp1, GW.dense(a1, transpose=False))
-            later.update(x=x, dp1=dp1, grad_h=grad_h, p1=p1)
-        grad_rows = ops.matmul(grad_h, GW.quantized(ex.gate_up, transpose=ex.transposed), off, lora=lora1)  # (S, H)
-        grad_x = rt.combine(grad_rows.to(x.dtype))  # a token's K rows each send a gradient back to it
-        grad_w = dot.index_select(0, rt.inverse).view_as(routing_weights)  # sorted rows back to (T, K)
-        grads = [None] * 4
-        if has_lora:
-
-            def lora_weight_grads():
-                return _lora_weight_grads(ops, later, rt, c)
-
-            if plan.deferred is not None:
-                plan.deferred.push(plan.lora_params, lora_weight_grads)
-            else:
-                grads = [gr.to(p.dtype) for gr, p in zip(lora_weight_grads(), (a1, b1, a2, b2), strict=True)]
-        return grad_x, grad_w.to(routing_weights.dtype), *grads, None, None
+        x, routing_weights, h, p1, p2, *lora = ctx.saved_tensors
+        grads = grouped_backward(grad_out, x, routing_weights, h, p1, p2, tuple(lora), ctx.plan, ctx.ops)
+        return *grads, None, None
 
 
 def _lora_weight_grads(ops: GroupedOps, t: dict, rt: RoutedTokens, c: float) -> list[torch.Tensor]:
@@ -374,7 +389,163 @@ def _lora_weight_grads(ops: GroupedOps, t: dict, rt: RoutedTokens, c: float) -> 
     return [d_a1, d_b1, d_a2, d_b2]
 
 
-def moe_lora_experts_grouped(x, routing_weights, lora, plan: MoEPlan, ops: GroupedOps) -> torch.Tensor:
-    """moe_lora_experts through grouped operations (`ops`: Triton kernels or their torch references)."""
+def moe_lora_experts_grouped(x, routing_weights, lora, plan: MoEPlan, kernels: str) -> torch.Tensor:
+    """moe_lora_experts through grouped operations (`kernels`: triton, grouped_mm or torch-grouped).
+
+    transformers' default gate (silu(gate) * up) goes through the registered op moe_qlora::grouped_experts,
+    which torch.compile traces as one node; other gates, and deferred LoRA gradients, through the Function."""
     lora = lora if lora is not None else (None, None, None, None)
-    return MoELoRAGroupedFunction.apply(x, routing_weights, *lora, plan, ops)
+    if plan.experts.gate_is_silu_mul and plan.deferred is None:
+        return _call_grouped_experts_op(x, routing_weights, lora, plan, kernels)
+    return MoELoRAGroupedFunction.apply(x, routing_weights, *lora, plan, grouped_ops(kernels))
+
+
+# ------------------------------------------------------------------------------------------------------
+# torch.library registration: the grouped layer (default gate) as one op with a fake implementation and a
+# registered backward, so torch.compile(fullgraph=True) traces a whole MoE block (router, routing metadata,
+# this op) without a graph break. Its arguments are plain tensors and scalars: the routing metadata, each NF4
+# stack's bytes and scales (nested scales as codes + per-256 scales + a float offset), optional biases and
+# LoRA factors. Non-tensor state (the gate, the backend) is rebuilt from them inside.
+
+_ROUTING_FIELDS = ("order", "token", "expert", "inverse", "counts", "offsets_device")
+
+
+def _stack_tensors(stack: NF4Stack) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                                              float]:  # fmt: skip
+    absmax2, code2, offset = stack.nested if stack.nested is not None else (None, None, 0.0)
+    return stack.packed, stack.absmax, absmax2, code2, offset
+
+
+def _stack_from(packed, absmax, absmax2, code2, offset, shape, blocksize) -> NF4Stack:
+    nested = (absmax2, code2, offset) if absmax2 is not None else None
+    return NF4Stack(packed, absmax, nested, tuple(shape), blocksize)
+
+
+def _op_plan(routing, gate_up, down, biases, transposed, lora_scale, blocksize) -> MoEPlan:
+    """The MoEPlan an op call describes (default gate, no deferred gradients)."""
+    from .kernels.ops import silu_mul
+
+    order, token, expert, inverse, counts, offsets, top_k = routing
+    frozen = FrozenExperts(
+        gate_up=_stack_from(*gate_up, blocksize), down=_stack_from(*down, blocksize), gate=silu_mul,
+        transposed=transposed, gate_up_bias=biases[0], down_bias=biases[1], gate_is_silu_mul=True,
+    )  # fmt: skip
+    rt = RoutedTokens(order=order, token=token, expert=expert, inverse=inverse, counts=counts,
+                      offsets_device=offsets, top_k=top_k)  # fmt: skip
+    return MoEPlan(frozen, rt, lora_scale)
+
+
+def _none_if_empty(t: torch.Tensor) -> torch.Tensor | None:
+    return None if t.numel() == 0 and t.dim() == 1 else t
+
+
+@torch.library.custom_op("moe_qlora::grouped_experts", mutates_args=())
+def grouped_experts_op(
+    x: torch.Tensor, routing_weights: torch.Tensor,
+    order: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, inverse: torch.Tensor, counts: torch.Tensor,
+    offsets: torch.Tensor,
+    w1_packed: torch.Tensor, w1_absmax: torch.Tensor, w1_absmax2: torch.Tensor | None, w1_code2: torch.Tensor | None,
+    w1_offset: float, w1_shape: list[int],
+    w2_packed: torch.Tensor, w2_absmax: torch.Tensor, w2_absmax2: torch.Tensor | None, w2_code2: torch.Tensor | None,
+    w2_offset: float, w2_shape: list[int],
+    b1: torch.Tensor | None, b2: torch.Tensor | None,
+    gate_up_a: torch.Tensor | None, gate_up_b: torch.Tensor | None, down_a: torch.Tensor | None,
+    down_b: torch.Tensor | None,
+    transposed: bool, lora_scale: float, blocksize: int, kernels: str, keep_h: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(out (T, H), h (S, 2I) or (0, 2I), p1 (S, r), p2 (S, r)); r = 0 without LoRA."""
+    plan = _op_plan((order, token, expert, inverse, counts, offsets, routing_weights.shape[1]),
+                    (w1_packed, w1_absmax, w1_absmax2, w1_code2, w1_offset, w1_shape),
+                    (w2_packed, w2_absmax, w2_absmax2, w2_code2, w2_offset, w2_shape), (b1, b2), transposed,
+                    lora_scale, blocksize)  # fmt: skip
+    lora = (gate_up_a, gate_up_b, down_a, down_b)
+    out, h, p1, p2 = grouped_forward(x, routing_weights, lora, plan, grouped_ops(kernels), keep_h=keep_h)
+    width = plan.experts.up_width
+    h = h if h is not None else x.new_empty(0, width)
+    no_rank = x.new_empty(order.shape[0], 0)
+    return out, h, p1 if p1 is not None else no_rank, p2 if p2 is not None else no_rank.clone()
+
+
+@grouped_experts_op.register_fake
+def _grouped_experts_fake(x, routing_weights, order, token, expert, inverse, counts, offsets, w1_packed, w1_absmax,
+                          w1_absmax2, w1_code2, w1_offset, w1_shape, w2_packed, w2_absmax, w2_absmax2, w2_code2,
+                          w2_offset, w2_shape, b1, b2, gate_up_a, gate_up_b, down_a, down_b, transposed, lora_scale,
+                          blocksize, kernels, keep_h):  # fmt: skip
+    rows, width = order.shape[0], (w1_shape[2] if transposed else w1_shape[1])
+    rank = gate_up_a.shape[1] if gate_up_a is not None else 0
+    return (x.new_empty(x.shape), x.new_empty(rows if keep_h else 0, width), x.new_empty(rows, rank),
+            x.new_empty(rows, rank))  # fmt: skip
+
+
+@torch.library.custom_op("moe_qlora::grouped_experts_backward", mutates_args=())
+def grouped_experts_backward_op(
+    grad_out: torch.Tensor, x: torch.Tensor, routing_weights: torch.Tensor, h: torch.Tensor, p1: torch.Tensor,
+    p2: torch.Tensor,
+    order: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, inverse: torch.Tensor, counts: torch.Tensor,
+    offsets: torch.Tensor,
+    w1_packed: torch.Tensor, w1_absmax: torch.Tensor, w1_absmax2: torch.Tensor | None, w1_code2: torch.Tensor | None,
+    w1_offset: float, w1_shape: list[int],
+    w2_packed: torch.Tensor, w2_absmax: torch.Tensor, w2_absmax2: torch.Tensor | None, w2_code2: torch.Tensor | None,
+    w2_offset: float, w2_shape: list[int],
+    b1: torch.Tensor | None, b2: torch.Tensor | None,
+    gate_up_a: torch.Tensor | None, gate_up_b: torch.Tensor | None, down_a: torch.Tensor | None,
+    down_b: torch.Tensor | None,
+    transposed: bool, lora_scale: float, blocksize: int, kernels: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(grad x, grad routing weights, dA1, dB1, dA2, dB2); the last four (0,) without LoRA."""
+    plan = _op_plan((order, token, expert, inverse, counts, offsets, routing_weights.shape[1]),
+                    (w1_packed, w1_absmax, w1_absmax2, w1_code2, w1_offset, w1_shape),
+                    (w2_packed, w2_absmax, w2_absmax2, w2_code2, w2_offset, w2_shape), (b1, b2), transposed,
+                    lora_scale, blocksize)  # fmt: skip
+    lora = (gate_up_a, gate_up_b, down_a, down_b)
+    has_lora = gate_up_a is not None
+    grads = grouped_backward(grad_out, x, routing_weights, h, p1 if has_lora else None, p2 if has_lora else None,
+                             lora, plan, grouped_ops(kernels))  # fmt: skip
+    return tuple(g if g is not None else x.new_empty(0) for g in grads)
+
+
+@grouped_experts_backward_op.register_fake
+def _grouped_experts_backward_fake(grad_out, x, routing_weights, h, p1, p2, *rest):
+    lora = rest[20:24]
+    return (x.new_empty(x.shape), routing_weights.new_empty(routing_weights.shape),
+            *(p.new_empty(p.shape) if p is not None else x.new_empty(0) for p in lora))  # fmt: skip
+
+
+# Positions in grouped_experts_op's arguments: the differentiable inputs get gradients, the rest None.
+_OP_NUM_ARGS = 31
+_OP_LORA = slice(22, 26)
+_OP_STATIC = slice(26, 30)  # transposed, lora_scale, blocksize, kernels (keep_h is the last)
+
+
+def _setup_context(ctx, inputs, output):
+    _, h, p1, p2 = output
+    ctx.static = inputs[_OP_STATIC]
+    ctx.scalars = {i: v for i, v in enumerate(inputs[:_OP_NUM_ARGS]) if not isinstance(v, torch.Tensor | None)}
+    tensors = [v for v in inputs[:26] if isinstance(v, torch.Tensor | None)]
+    ctx.save_for_backward(*tensors, h, p1, p2)
+
+
+def _grouped_experts_backward(ctx, grad_out, _grad_h, _grad_p1, _grad_p2):
+    *tensors, h, p1, p2 = ctx.saved_tensors
+    args, tensor_iter = [], iter(tensors)
+    for i in range(26):  # the op's arguments up to the LoRA factors, scalars put back in place
+        args.append(ctx.scalars[i] if i in ctx.scalars else next(tensor_iter))
+    x, routing_weights, rest = args[0], args[1], args[2:]
+    grads = grouped_experts_backward_op(grad_out, x, routing_weights, h, p1, p2, *rest, *ctx.static)
+    lora_grads = [g if p is not None else None for g, p in zip(grads[2:], args[_OP_LORA], strict=True)]
+    return (grads[0], grads[1], *([None] * 20), *lora_grads, *([None] * 5))
+
+
+grouped_experts_op.register_autograd(_grouped_experts_backward, setup_context=_setup_context)
+
+
+def _call_grouped_experts_op(x, routing_weights, lora, plan: MoEPlan, kernels: str) -> torch.Tensor:
+    ex, rt = plan.experts, plan.routing
+    keep_h = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, routing_weights, *lora))
+    out, _, _, _ = grouped_experts_op(
+        x, routing_weights, *(getattr(rt, f) for f in _ROUTING_FIELDS),
+        *_stack_tensors(ex.gate_up), list(ex.gate_up.shape), *_stack_tensors(ex.down), list(ex.down.shape),
+        ex.gate_up_bias, ex.down_bias, *lora, ex.transposed, float(plan.lora_scale), ex.gate_up.blocksize, kernels,
+        keep_h,
+    )  # fmt: skip
+    return out

@@ -72,9 +72,9 @@ def randomize_lora_b(model, seed=1, std=0.05):
                 p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
-def quantized_with_lora(path, device="cpu"):
+def quantized_with_lora(path, device="cpu", **load_options):
     """The checkpoint at `path` loaded in 4-bit with rank-4 expert LoRA whose B factors are non-zero."""
-    model = load_model(LoadOptions(str(path), device=device))
+    model = load_model(LoadOptions(str(path), device=device, **load_options))
     attach_expert_lora(model, rank=4, alpha=8.0, seed=0)
     randomize_lora_b(model)
     return model
