@@ -46,10 +46,11 @@ class ModelSection(Section):
         64, ge=0, description="kernels: auto picks the fused NF4 kernel below this many rows per expert (cost model)"
     )
     dequant_buffer_mb: float | None = Field(
-        4096,
+        256,
         gt=0,
         description="grouped_mm: decode at most this much of an expert stack at once (chunks of experts "
-        "above it; one host sync per chunked projection); null: no limit",
+        "above it; one host sync per chunked projection; Qwen3-30B-A3B's gate_up stack is 768 MiB in bf16); "
+        "null: no limit",
     )
 
 

@@ -150,6 +150,29 @@ def gradient_bytes(n_lora: int, model: nn.Module, cfg: RunConfig) -> int:
     return n_lora * LORA_BYTES
 
 
+def dequant_buffer_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> int:
+    """grouped_mm's decoded expert stack, alive during one projection: the largest stack in the compute dtype,
+    or model.dequant_buffer_mb when smaller (decoded a chunk of experts at a time). Counted when the run uses
+    grouped_mm: kernels: grouped_mm, or auto on CUDA at or above model.fused_below_rows rows per expert."""
+    moe = [m for m in model.modules() if is_experts_module(m)]
+    if not moe:
+        return 0
+    m = cfg.model
+    experts, hidden, inter = expert_dims(moe[0])
+    k = getattr(model.config, "num_experts_per_tok", 0) or 1
+    rows_per_expert = cfg.train.micro_batch_size * cfg.data.max_seq_len * k / experts
+    grouped = m.kernels == "grouped_mm" or (m.kernels == "auto" and device == "cuda"
+                                            and rows_per_expert >= m.fused_below_rows)  # fmt: skip
+    if not grouped:
+        return 0
+    d = DTYPE_BYTES[resolve_compute_dtype(m.compute_dtype, device)]
+    gated = 2 if getattr(moe[0], "has_gate", True) else 1
+    stack = experts * gated * inter * hidden * d
+    per_expert = stack // experts
+    budget = int(m.dequant_buffer_mb * 2**20) if m.dequant_buffer_mb else stack
+    return min(stack, max(per_expert, budget // per_expert * per_expert))
+
+
 def plan_run(cfg: RunConfig, *, name_or_path: str, device: str = "cuda", model: nn.Module | None = None) -> Plan:
     """Bytes by kind of the run `cfg` on `device`. `model`: meta_model(name_or_path), when already built
     (planning many configurations of one model)."""
@@ -167,6 +190,8 @@ def plan_run(cfg: RunConfig, *, name_or_path: str, device: str = "cuda", model: 
     plan.bytes["activations_estimate"] = activation_bytes(model, cfg, device=device)
     plan.bytes["loss_logits"] = loss_bytes(model, cfg)
     plan.bytes["runtime"] = RUNTIME_BYTES["cuda" if device == "cuda" else "cpu"]
+    if buffer := dequant_buffer_bytes(model, cfg, device=device):
+        plan.bytes["dequant_buffer"] = buffer
     if not any(is_experts_module(m) for m in model.modules()):
         plan.notes.append("no MoE experts in this model: it would train as plain QLoRA")
     plan.notes.append(f"targets: experts={cfg.lora.experts}, linears={targets}")

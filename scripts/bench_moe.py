@@ -4,7 +4,9 @@ python scripts/bench_moe.py                 # CPU: shapes shrunk 8x (about 2 min
 python scripts/bench_moe.py --full          # GPU: Mixtral-8x7B and Qwen3-30B-A3B layer shapes, 512..16k tokens
 
 Contenders, side by side in one run, on the same random weights and routing:
-  moe-qlora triton      NF4 experts, grouped Triton kernels (CUDA only)
+  moe-qlora triton      NF4 experts, grouped Triton kernels decoding NF4 in registers (CUDA only)
+  moe-qlora grouped_mm  NF4 experts, each stack decoded to a buffer, then torch._grouped_mm (LoRA unmerged)
+  moe-qlora auto        per call: triton below model.fused_below_rows rows per expert, grouped_mm above (CUDA)
   moe-qlora torch       NF4 experts, the per-expert torch reference
   transformers+PEFT     bf16/fp32 experts (what bitsandbytes leaves), PEFT target_parameters LoRA on them,
                         transformers' grouped_mm and eager experts
@@ -148,8 +150,10 @@ def main():
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     shrink = 1 if args.full else 8
     token_counts = args.tokens or [512, 2048, 8192, 16384]
-    contenders = [("moe-qlora triton", "triton"), ("moe-qlora torch", "torch"),
-                  ("transformers grouped_mm + PEFT", "grouped_mm"), ("transformers eager + PEFT", "eager")]  # fmt: skip
+    contenders = [("moe-qlora triton", "ours", "triton"), ("moe-qlora grouped_mm", "ours", "grouped_mm"),
+                  ("moe-qlora auto", "ours", "auto"), ("moe-qlora torch", "ours", "torch"),
+                  ("transformers grouped_mm + PEFT", "peft", "grouped_mm"),
+                  ("transformers eager + PEFT", "peft", "eager")]  # fmt: skip
     results, rooflines = [], {}
     for shape_name, (hidden, inter, num_experts, top_k) in SHAPES.items():
         hidden, inter = hidden // shrink, inter // shrink
@@ -164,14 +168,13 @@ def main():
             rooflines[shape_name, tokens] = {"bytes": nbytes, "flops": flops, "h100_ideal_s": ideal,
                                              "bound": "memory" if nbytes / H100_BYTES_PER_S > flops / H100_FLOPS
                                              else "compute"}  # fmt: skip
-            for name, kind in contenders:
-                if kind == "triton" and not cuda:
+            for name, owner, kind in contenders:
+                if kind in ("triton", "auto") and owner == "ours" and not cuda:
                     results.append({"shape": shape_name, "tokens": tokens, "contender": name,
                                     "skipped": "needs CUDA"})  # fmt: skip
                     continue
                 module, cfg = experts_module(hidden, inter, num_experts, top_k, dtype)
-                layer = ours(module, cfg, kind, args.rank) if kind in ("triton", "torch") else peft(
-                    module, cfg, kind, args.rank)  # fmt: skip
+                layer = (ours if owner == "ours" else peft)(module, cfg, kind, args.rank)
                 layer = layer.to(device)
                 try:
                     seconds, peak = measure(layer, x, idx, weights, args.repeats)

@@ -5,7 +5,8 @@ sequence lengths, with the memory knobs that matter, against common GPU sizes.
     python scripts/will_it_fit.py --seqs 2048 4096 --json fit.json
 
 Settings: batch 1, LoRA rank 16 on every expert and the attention projections (the automatic targets),
-gradient checkpointing, bf16 compute, NF4 with double quantization, chunked loss (all defaults). A GPU
+gradient checkpointing, bf16 compute, NF4 with double quantization, chunked loss, kernels: auto (all
+defaults; auto holds grouped_mm's decode buffer, at most model.dequant_buffer_mb, where it picks it). A GPU
 "fits" when the plan is at most its memory less 0.5 GiB of headroom (allocator fragmentation; the CUDA
 context is already a row of the plan).
 """
@@ -21,10 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 MODELS = ["qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v2-lite"]
+# Columns: train settings, and model settings beside the defaults. kernels: triton decodes NF4 inside the
+# matmul, so it has no grouped_mm decode buffer (model.dequant_buffer_mb) to hold.
 OPTIMIZERS = {
-    "adamw": {"optimizer": "adamw"},
-    "adamw_8bit": {"optimizer": "adamw_8bit"},
-    "adamw_8bit, in backward": {"optimizer": "adamw_8bit", "optimizer_in_backward": True},
+    "adamw": ({"optimizer": "adamw"}, {}),
+    "adamw_8bit": ({"optimizer": "adamw_8bit"}, {}),
+    "adamw_8bit, kernels: triton": ({"optimizer": "adamw_8bit"}, {"kernels": "triton"}),
+    "adamw_8bit, in backward": ({"optimizer": "adamw_8bit", "optimizer_in_backward": True}, {}),
 }
 GPUS_GIB = {"16 GB": 16, "24 GB": 24, "40 GB": 40, "48 GB": 48, "80 GB": 80}
 HEADROOM_GIB = 0.5
@@ -40,9 +44,9 @@ def plans(seqs: list[int]) -> list[dict]:
         model = meta_model(path)
         for seq in seqs:
             row = {"model": name, "seq": seq}
-            for label, train in OPTIMIZERS.items():
+            for label, (train, model_keys) in OPTIMIZERS.items():
                 cfg = validate_config({
-                    "model": {"name_or_path": path},
+                    "model": {"name_or_path": path, **model_keys},
                     "lora": {"rank": 16, "alpha": 32},  # the automatic targets: attention projections
                     "data": {"train_files": ["(not read by plan)"], "max_seq_len": seq},
                     "train": {"micro_batch_size": 1, **train},

@@ -85,3 +85,30 @@ def test_optimizer_in_backward_plans_one_layers_gradients():
     inside = json.loads(CliRunner().invoke(app, [*common, "--set", "train.optimizer_in_backward=true"]).stdout)["bytes"]
     assert ordinary["gradients"] == ordinary["lora"]
     assert inside["gradients"] == -(-ordinary["lora"] // 48)  # 48 layers: one layer's LoRA gradients at a time
+
+
+@pytest.mark.parametrize(
+    "settings,expected_mib",
+    [
+        # Qwen3-30B-A3B gate_up: 128 experts x 1536 x 2048 bf16 = 768 MiB; 256 MiB budget -> 42 experts (252 MiB)
+        ([], 128 * 1536 * 2048 * 2 * 42 // 128 / 2**20),
+        (["model.dequant_buffer_mb=null"], 768.0),  # no budget: the whole largest stack
+        (["model.kernels=triton"], None),  # the fused kernel decodes in registers: no buffer
+        (["data.max_seq_len=512"], None),  # auto: 512 x 8 / 128 = 32 rows per expert < 64 -> triton
+    ],
+)
+def test_grouped_mm_decode_buffer_is_planned(settings, expected_mib):
+    args = [
+        "plan",
+        "--model",
+        str(ROOT / "configs/models/qwen3-30b-a3b"),
+        "--json",
+        "--set",
+        "data.max_seq_len=2048",
+        "--set",
+        "train.micro_batch_size=1",
+    ]
+    for s in settings:
+        args += ["--set", s]
+    planned = json.loads(CliRunner().invoke(app, args).stdout)["bytes"]
+    assert planned.get("dequant_buffer", 0) / 2**20 == (expected_mib or 0)
