@@ -96,3 +96,106 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# ------------------------------------------------------------------------------------------------------
+# Compiling as the JIT does: the launchers' real arguments at real layer shapes, specialized by Triton's own
+# binder (ints equal to 1 become constants, ints and pointers divisible by 16 carry the hint). Used by
+# scripts/kernel_report.py; compile_all above keeps its fixed, shape-free variants as a quick smoke test.
+
+
+class Launch:
+    """One kernel launch as ops.py makes it: the kernel, its grid and its arguments."""
+
+    def __init__(self, name, kernel, grid, args, kwargs):
+        self.name, self.kernel, self.grid, self.args, self.kwargs = name, kernel, grid, args, kwargs
+
+    @property
+    def constexprs(self) -> dict:
+        return {k: v for k, v in self.kwargs.items() if k.isupper()}
+
+
+def capture_launches(*, hidden: int, inter: int, experts: int, top_k: int, tokens: int, rank: int,
+                     dtype=None) -> list[Launch]:  # fmt: skip
+    """The six launches of one MoE layer's forward and backward (bf16, NF4 with nested scales, LoRA), recorded
+    from the real launchers on CPU tensors of the real shapes (weights are zeros: only shapes, strides and
+    alignment matter here). Uniform routing: tokens * top_k rows, spread evenly over the experts."""
+    import torch
+
+    from ..nf4 import NF4Stack
+    from . import ops, triton_kernels
+
+    dtype = dtype or torch.bfloat16
+    rows = tokens * top_k
+
+    def nf4(out, inp):
+        numel = experts * out * inp
+        blocks = numel // 64
+        nested = (torch.zeros(-(-blocks // 256)), torch.zeros(256), 0.0)
+        return NF4Stack(torch.zeros(numel // 2, dtype=torch.uint8), torch.zeros(blocks, dtype=torch.uint8), nested,
+                        (experts, out, inp))  # fmt: skip
+
+    w1, w2 = nf4(2 * inter, hidden), nf4(hidden, inter)
+    a1, b1 = torch.zeros(experts, rank, hidden), torch.zeros(experts, 2 * inter, rank)
+    a2, b2 = torch.zeros(experts, rank, inter), torch.zeros(experts, hidden, rank)
+    x, g = torch.zeros(tokens, hidden, dtype=dtype), torch.zeros(tokens, hidden, dtype=dtype)
+    token = torch.arange(rows) % tokens
+    counts = torch.full((experts,), rows // experts)
+    counts[: rows % experts] += 1
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    p = torch.zeros(rows, rank, dtype=dtype)
+    act, grad_h = torch.zeros(rows, inter, dtype=dtype), torch.zeros(rows, 2 * inter, dtype=dtype)
+    GW, LowRank = ops.GroupedWeight, ops.LowRank
+
+    recorded: list[Launch] = []
+    real = {n: getattr(triton_kernels, n) for n in ("_grouped_matmul_kernel", "_grouped_outer_product_kernel")}
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: recorded.append(Launch("", self.kernel, grid, args, kwargs))
+
+    launches = [
+        ("lora_a_dense", lambda: ops.grouped_matmul(x, GW.dense(a1, transpose=True), offsets, gather=token)),
+        ("gate_up_nf4_nested_silu_mul", lambda: ops.grouped_matmul_silu_mul(
+            x, GW.quantized(w1, transpose=True), offsets, gather=token,
+            lora=LowRank(p, GW.dense(b1, transpose=True), 2.0))),
+        ("down_nf4_nested", lambda: ops.grouped_matmul(act, GW.quantized(w2, transpose=True), offsets,
+                                                       lora=LowRank(p, GW.dense(b2, transpose=True), 2.0))),
+        ("down_input_grad_nf4_nested", lambda: ops.grouped_matmul(
+            g, GW.quantized(w2, transpose=False), offsets, gather=token, lora=LowRank(p, GW.dense(a2, transpose=False)))),
+        ("gate_up_input_grad_nf4_nested", lambda: ops.grouped_matmul(
+            grad_h, GW.quantized(w1, transpose=False), offsets, lora=LowRank(p, GW.dense(a1, transpose=False)))),
+        ("outer_product", lambda: ops.grouped_outer_product(x, p, offsets, gather=token)),
+    ]  # fmt: skip
+    try:
+        for n, kernel in real.items():
+            setattr(triton_kernels, n, Recorder(kernel))
+        for name, launch in launches:
+            launch()
+            recorded[-1].name = name
+    finally:
+        for n, kernel in real.items():
+            setattr(triton_kernels, n, kernel)
+    return recorded
+
+
+def compile_as_jit(launch: Launch, arch: int):
+    """Compile `launch` for sm_`arch` through the JIT's own binder and argument packing (JITFunction.run
+    without the driver): the same specialization, signature, constants and attributes the GPU would get."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    kernel = launch.kernel
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, launch.kwargs, bound_args, specialization,
+                                                              options)  # fmt: skip
+    src = ASTSource(kernel, signature, constexprs, attrs)
+    return triton.compile(src, target=target, options=options.__dict__)

@@ -1,0 +1,171 @@
+"""Every Triton kernel variant compiled exactly as the JIT specializes it at real layer shapes, read from its
+SASS: registers, spills, shared memory, warps and stages, MMA instructions per K-step, non-MMA instructions
+per decoded weight element, and the widest global load of packed NF4 bytes. No GPU needed.
+
+    python scripts/kernel_report.py [--arch 80 --arch 90] [--shape qwen3-30b-a3b] [--json]
+
+The arguments come from the real launchers (kernels/ops.py) called at Qwen3-30B-A3B and Mixtral-8x7B layer
+shapes with the kernel replaced by a recorder; they then go through Triton's own binder and argument packing
+(the code path of JITFunction.run, minus the driver), so every int equal to 1 becomes a constant and every
+int or pointer divisible by 16 carries the divisibility hint, exactly as on the GPU. The inner loop is the
+SASS between the loop's label and its backward branch; its instructions are counted with nvdisasm's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from moe_qlora.kernels.aot import capture_launches, compile_as_jit  # noqa: E402
+
+SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}  # hidden, inter, E, top-k
+TOKENS, RANK = 2048, 16
+# bf16 dense tensor-core peak and HBM bandwidth per arch (A100 SXM, H100 SXM), for the implied ceilings.
+PEAK = {80: (312e12, 2.04e12), 90: (990e12, 3.35e12)}
+
+
+def nvidia_tool(name: str) -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def sass_of(cubin: bytes) -> tuple[list[str], dict[str, int]]:
+    """The instructions of a cubin's SASS (nvdisasm) and each branch label's instruction index."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([nvidia_tool("nvdisasm"), "-c", f.name], check=True, capture_output=True,
+                              text=True).stdout  # fmt: skip
+    instructions, labels = [], {}
+    for line in text.splitlines():
+        if m := re.match(r"^\s*(\.L_x_\d+):", line):
+            labels[m.group(1)] = len(instructions)
+        elif re.search(r"/\*[0-9a-f]{4,}\*/", line):
+            instructions.append(line)
+    return instructions, labels
+
+
+def _opcode(line: str) -> str:
+    body = re.sub(r"/\*[0-9a-f]+\*/", "", line).strip().rstrip(";").strip()
+    body = re.sub(r"^@!?U?P\w+\s+", "", body)
+    return body.split()[0] if body else ""
+
+
+def innermost_loop(sass: tuple[list[str], dict[str, int]]) -> list[str]:
+    """The hottest loop's instructions: among the backward branches (a branch to an earlier label), the body
+    holding the most MMAs, or for MMA-free kernels the longest."""
+    instructions, labels = sass
+    best: list[str] = []
+    for i, line in enumerate(instructions):
+        m = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", line)
+        if m is None or labels.get(m.group(1), i + 1) > i:
+            continue
+        body = instructions[labels[m.group(1)] : i + 1]
+        key = (sum(_is_mma(_opcode(b)) for b in body), len(body))
+        if not best or key > (sum(_is_mma(_opcode(b)) for b in best), len(best)):
+            best = body
+    return best
+
+
+def _is_mma(op: str) -> bool:
+    return op.startswith(("HMMA", "HGMMA", "WGMMA", "IMMA"))
+
+
+def _widest_byte_load(loop: list[str]) -> int:
+    """Width in bytes of the loop's packed-byte loads: 1 when it reads bytes one at a time (LDG .U8, which
+    only packed codes and nested scale codes use here), else its widest LDG (.64 = 8, .128 = 16), which a
+    vectorized packed read would be."""
+    widths = []
+    for line in loop:
+        op = _opcode(line)
+        if op.startswith("LDG"):
+            if ".U8" in op or ".S8" in op:
+                return 1
+            widths.append(16 if ".128" in op else 8 if ".64" in op else 2 if ".U16" in op or ".S16" in op else 4)
+    return max(widths, default=0)
+
+
+def report(archs: list[int], shapes: list[str]) -> list[dict]:
+    rows = []
+    for shape in shapes:
+        hidden, inter, experts, top_k = SHAPES[shape]
+        for launch in capture_launches(hidden=hidden, inter=inter, experts=experts, top_k=top_k, tokens=TOKENS,
+                                       rank=RANK):  # fmt: skip
+            for arch in archs:
+                compiled = compile_as_jit(launch, arch)
+                meta = compiled.metadata
+                loop = innermost_loop(sass_of(compiled.asm["cubin"]))
+                mma = sum(_is_mma(_opcode(x)) for x in loop)
+                non_mma = len(loop) - mma
+                c = launch.constexprs
+                nf4 = bool(c.get("W_NF4"))
+                # Weight elements decoded per K-step: a BLOCK_K x BLOCK_N tile (two with the fused gate/up).
+                decoded = c["BLOCK_K"] * c["BLOCK_N"] * (2 if c.get("GLU") else 1) if nf4 else 0
+                flops_step = 2 * c["BLOCK_M"] * c["BLOCK_K"] * c["BLOCK_N"] * (2 if c.get("GLU") else 1) if (
+                    "BLOCK_K" in c) else 0  # fmt: skip
+                # SASS runs per thread: a thread decodes decoded / (32 x warps) of the tile's elements per step.
+                per_thread = decoded / (32 * meta.num_warps) if decoded else 0
+                rows.append({
+                    "name": f"{shape}/{launch.name}", "arch": str(arch), "regs": meta_regs(compiled),
+                    "spills": spills(compiled), "smem_bytes": meta.shared, "warps": meta.num_warps,
+                    "stages": meta.num_stages, "mma_per_kstep": mma, "loop_instructions": len(loop),
+                    "instr_per_weight_element": round(non_mma / per_thread, 1) if decoded else None,
+                    "widest_packed_load_bytes": _widest_byte_load(loop) if nf4 else None,
+                    "flops_per_kstep": flops_step,
+                })  # fmt: skip
+    return rows
+
+
+def meta_regs(compiled) -> int:
+    return int(getattr(compiled.metadata, "num_regs", 0) or _ptxas_figure(compiled, "registers"))
+
+
+def spills(compiled) -> int:
+    return _ptxas_figure(compiled, "spill")
+
+
+def _ptxas_figure(compiled, what: str) -> int:
+    """Registers or spill bytes from cuobjdump's resource usage of the cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        text = subprocess.run([nvidia_tool("cuobjdump"), "-res-usage", f.name], check=True, capture_output=True,
+                              text=True).stdout  # fmt: skip
+    if what == "registers":
+        m = re.search(r"REG:(\d+)", text)
+        return int(m.group(1)) if m else -1
+    m = re.search(r"STACK:(\d+)", text)
+    local = re.search(r"LOCAL:(\d+)", text)
+    return int(m.group(1) if m else 0) + int(local.group(1) if local else 0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, action="append")
+    ap.add_argument("--shape", action="append", choices=list(SHAPES))
+    ap.add_argument("--json", action="store_true", help="print only the JSON list")
+    args = ap.parse_args()
+    rows = report(args.arch or [80, 90], args.shape or list(SHAPES))
+    if args.json:
+        print(json.dumps(rows))
+        return
+    head = f"{'variant':<52}{'arch':>5}{'regs':>6}{'spill':>6}{'smem':>8}{'w/s':>6}{'mma/k':>7}{'instr/elt':>10}{'ld B':>6}"
+    print(head)
+    for r in rows:
+        per = "-" if r["instr_per_weight_element"] is None else f"{r['instr_per_weight_element']:.1f}"
+        ld = "-" if r["widest_packed_load_bytes"] is None else str(r["widest_packed_load_bytes"])
+        print(f"{r['name']:<52}{r['arch']:>5}{r['regs']:>6}{r['spills']:>6}{r['smem_bytes']:>8}"
+              f"{str(r['warps']) + '/' + str(r['stages']):>6}{r['mma_per_kstep']:>7}{per:>10}{ld:>6}")  # fmt: skip
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
