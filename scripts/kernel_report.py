@@ -157,7 +157,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows))
         return
-    head = f"{'variant':<52}{'arch':>5}{'regs':>6}{'spill':>6}{'smem':>8}{'w/s':>6}{'mma/k':>7}{'instr/elt':>10}{'ld B':>6}"
+    head = f"{'variant':<52}{'arch':>5}{'regs':>6}{'spill':>6}{'smem':>8}{'w/s':>6}{'mma/k':>7}"
+    head += f"{'instr/elt':>10}{'ld B':>6}"
     print(head)
     for r in rows:
         per = "-" if r["instr_per_weight_element"] is None else f"{r['instr_per_weight_element']:.1f}"

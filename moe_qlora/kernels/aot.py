@@ -165,7 +165,8 @@ def capture_launches(*, hidden: int, inter: int, experts: int, top_k: int, token
         ("down_nf4_nested", lambda: ops.grouped_matmul(act, GW.quantized(w2, transpose=True), offsets,
                                                        lora=LowRank(p, GW.dense(b2, transpose=True), 2.0))),
         ("down_input_grad_nf4_nested", lambda: ops.grouped_matmul(
-            g, GW.quantized(w2, transpose=False), offsets, gather=token, lora=LowRank(p, GW.dense(a2, transpose=False)))),
+            g, GW.quantized(w2, transpose=False), offsets, gather=token,
+            lora=LowRank(p, GW.dense(a2, transpose=False)))),
         ("gate_up_input_grad_nf4_nested", lambda: ops.grouped_matmul(
             grad_h, GW.quantized(w1, transpose=False), offsets, lora=LowRank(p, GW.dense(a1, transpose=False)))),
         ("outer_product", lambda: ops.grouped_outer_product(x, p, offsets, gather=token)),
