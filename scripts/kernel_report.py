@@ -27,8 +27,6 @@ from moe_qlora.kernels.aot import capture_launches, compile_as_jit  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}  # hidden, inter, E, top-k
 TOKENS, RANK = 2048, 16
-# bf16 dense tensor-core peak and HBM bandwidth per arch (A100 SXM, H100 SXM), for the implied ceilings.
-PEAK = {80: (312e12, 2.04e12), 90: (990e12, 3.35e12)}
 
 
 def nvidia_tool(name: str) -> str:
