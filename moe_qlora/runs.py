@@ -63,8 +63,9 @@ def claim_output_dir(out: Path, *, resuming: bool, overwrite: bool, console) -> 
 
 class StopSignals:
     """Within the block, the first SIGINT or SIGTERM is recorded in `requested` (the loop checkpoints and
-    stops after its step); a second one raises KeyboardInterrupt at once. Handlers are restored on exit.
-    Outside the main thread (where Python cannot install handlers) this does nothing."""
+        stops after its step); a second one raises KeyboardInterrupt at once. Handlers are restored on exit (after a
+    requested stop, further signals are ignored while the process exits).
+        Outside the main thread (where Python cannot install handlers) this does nothing."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -81,7 +82,9 @@ class StopSignals:
 
     def __exit__(self, *exc):
         for s, handler in self._previous.items():
-            signal.signal(s, handler)
+            # After a requested stop the process is on its way out with its checkpoint written: a second signal
+            # landing now (it raced the checkpoint) is ignored rather than killing the exit mid-message.
+            signal.signal(s, signal.SIG_IGN if self.requested is not None else handler)
         return False
 
     def _handle(self, signum, frame):

@@ -50,17 +50,17 @@ def assert_same_adapter(out: Path, reference: Path) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
-def signal_after_steps(command: list[str], env: dict, out: Path, steps: int, sig: int, *, repeat: int = 1
-                       ) -> subprocess.CompletedProcess:  # fmt: skip
-    """Start `command`, send `sig` (`repeat` times, 50 ms apart) once metrics.jsonl has `steps` lines, and
-    let it finish on its own; returns the finished process with its output."""
+def signal_after_steps(command: list[str], env: dict, out: Path, steps: int, sig: int, *, repeat: int = 1,
+                       gap: float = 0.05) -> subprocess.CompletedProcess:  # fmt: skip
+    """Start `command`, send `sig` (`repeat` times, `gap` seconds apart) once metrics.jsonl has `steps` lines,
+    and let it finish on its own; returns the finished process with its output."""
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = out / "metrics.jsonl"
     while proc.poll() is None:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
             for _ in range(repeat):
                 proc.send_signal(sig)
-                time.sleep(0.05)
+                time.sleep(gap)
             break
         time.sleep(0.002)
     stdout, stderr = proc.communicate(timeout=600)
