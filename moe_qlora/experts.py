@@ -172,7 +172,8 @@ def moe_qlora_experts_forward(self, hidden_states, top_k_index, top_k_weights):
                                getattr(self, "moe_fused_below_rows", FUSED_BELOW_ROWS))  # fmt: skip
     if kernels == "torch":
         return moe_lora_experts(hidden_states, top_k_weights, factors, plan)
-    return moe_lora_experts_grouped(hidden_states, top_k_weights, factors, plan, kernels)
+    return moe_lora_experts_grouped(hidden_states, top_k_weights, factors, plan, kernels,
+                                    getattr(self, "moe_dequant_budget", None))  # fmt: skip
 
 
 # Experts classes off transformers' interface whose stacks and math the MoE layer computes exactly once they
@@ -316,14 +317,13 @@ def set_moe_kernels(model, kernels: str, *, fused_below_rows: int = FUSED_BELOW_
     dequant_buffer_mb bounds grouped_mm's decoded stack (decoded a chunk of experts at a time above it)."""
     if kernels not in KERNELS:
         raise ValueError(f"unknown MoE kernels {kernels!r}; expected one of {KERNELS}")
-    if kernels in ("grouped_mm", "auto"):
-        from .kernels.grouped_mm import set_dequant_buffer_budget
+    from .kernels.grouped_mm import dequant_budget_bytes
 
-        set_dequant_buffer_budget(dequant_buffer_mb)
     modules = experts_modules(model)
     for _, module in modules:
         module.moe_kernels = kernels
         module.moe_fused_below_rows = fused_below_rows
+        module.moe_dequant_budget = dequant_budget_bytes(dequant_buffer_mb)
         module.moe_gate_is_silu_mul = _gates_with_silu_mul(module)
     return len(modules)
 

@@ -17,6 +17,7 @@ I expert intermediate, r LoRA rank, c = alpha / r. W is stored (E, out, in), or 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -256,17 +257,22 @@ class GroupedOps:
     matmul_silu_mul: Callable
     outer: Callable
     host_offsets: bool = False
+    fused_gather: bool = False  # the matmuls read rows through `gather` at no extra cost (_rows_of_tokens)
 
 
-def grouped_ops(kind: str) -> GroupedOps:
+def grouped_ops(kind: str, dequant_budget: int | None = None) -> GroupedOps:
+    """The ops of backend `kind`; dequant_budget: grouped_mm's decoded-stack limit in bytes (None: none)."""
     from .kernels import ops
 
     if kind == "triton":
-        return GroupedOps(ops.grouped_matmul, ops.grouped_matmul_silu_mul, ops.grouped_outer_product)
+        return GroupedOps(ops.grouped_matmul, ops.grouped_matmul_silu_mul, ops.grouped_outer_product,
+                          fused_gather=True)  # fmt: skip
     if kind == "grouped_mm":
         from .kernels import grouped_mm as gmm
 
-        return GroupedOps(gmm.grouped_matmul, gmm.grouped_matmul_silu_mul, gmm.grouped_outer_product)
+        return GroupedOps(functools.partial(gmm.grouped_matmul, budget=dequant_budget),
+                          functools.partial(gmm.grouped_matmul_silu_mul, budget=dequant_budget),
+                          gmm.grouped_outer_product)  # fmt: skip
     return GroupedOps(
         ops.grouped_matmul_reference,
         ops.grouped_matmul_silu_mul_reference,
@@ -279,6 +285,13 @@ def _offsets_for(ops: GroupedOps, rt: RoutedTokens):
     return rt.offsets if ops.host_offsets else rt.offsets_device
 
 
+def _rows_of_tokens(ops: GroupedOps, t: torch.Tensor, token: torch.Tensor):
+    """(rows, gather) to pass to the ops for a (T, ·) per-token operand read by several grouped matmuls: the
+    Triton kernels gather inside the matmul (t, token); the others get the (S, ·) rows gathered once here
+    instead of once per matmul (rows, None)."""
+    return (t, token) if ops.fused_gather else (t.index_select(0, token), None)
+
+
 def grouped_forward(x, routing_weights, lora, plan: MoEPlan, ops: GroupedOps, *, keep_h: bool):
     """The grouped layer's forward: h = MUL_MAT_ID(x, W1) (+ LoRA), a = gate(h), y = MUL_MAT_ID(a, W2)
     (+ LoRA), out = sum_k w y. lora: (A1, B1, A2, B2) or four None. Returns (out (T, H), h (S, 2I) or None
@@ -289,16 +302,17 @@ def grouped_forward(x, routing_weights, lora, plan: MoEPlan, ops: GroupedOps, *,
     gate_up_a, gate_up_b, down_a, down_b = lora
     ex, rt, c = plan.experts, plan.routing, plan.lora_scale
     off, token, has_lora = _offsets_for(ops, rt), rt.token, gate_up_a is not None
+    xs, gather = _rows_of_tokens(ops, x, token)
     # Stored (E, out, in): x W^T reads W transposed; GPT-OSS stores (E, in, out) and reads it as is.
     w1 = GW.quantized(ex.gate_up, transpose=not ex.transposed)
     p1 = p2 = lora1 = lora2 = None
     if has_lora:  # x A1^T: (S, r); the up-projection c p1 B1^T is fused into the gate_up matmul
-        p1 = ops.matmul(x, GW.dense(gate_up_a, transpose=True), off, gather=token)
+        p1 = ops.matmul(xs, GW.dense(gate_up_a, transpose=True), off, gather=gather)
         lora1 = LowRank(p1, GW.dense(gate_up_b, transpose=True), c)
     if ex.gate_is_silu_mul:  # silu(gate) * up in the matmul's epilogue; h (S, 2I) kept for the backward
-        h, a = ops.matmul_silu_mul(x, w1, off, gather=token, bias=ex.gate_up_bias, lora=lora1, keep_h=keep_h)
+        h, a = ops.matmul_silu_mul(xs, w1, off, gather=gather, bias=ex.gate_up_bias, lora=lora1, keep_h=keep_h)
     else:
-        h = ops.matmul(x, w1, off, gather=token, bias=ex.gate_up_bias, lora=lora1)  # (S, 2I)
+        h = ops.matmul(xs, w1, off, gather=gather, bias=ex.gate_up_bias, lora=lora1)  # (S, 2I)
         a = ex.gate(h)
     if has_lora:
         p2 = ops.matmul(a, GW.dense(down_a, transpose=True), off)
@@ -321,6 +335,7 @@ def grouped_backward(grad_out, x, routing_weights, h, p1, p2, lora, plan: MoEPla
     ex, rt, c = plan.experts, plan.routing, plan.lora_scale
     off, token, has_lora = _offsets_for(ops, rt), rt.token, a1 is not None
     g = grad_out.to(x.dtype)
+    gs, gather = _rows_of_tokens(ops, g, token)
     w = routing_weights.reshape(-1).index_select(0, rt.order).to(x.dtype)[:, None]  # (S, 1)
     act, gate_vjp = _gate_with_vjp(ex.gate, h, silu_mul=ex.gate_is_silu_mul)
     # The LoRA weight gradients (OUT_PROD_ID), run now or pushed to plan.deferred; `later` holds their
@@ -330,13 +345,14 @@ def grouped_backward(grad_out, x, routing_weights, h, p1, p2, lora, plan: MoEPla
     # (S, I), with the LoRA path fused into the transposed-experts matmul.
     lora2 = None
     if has_lora:
-        q2 = c * ops.matmul(g, GW.dense(b2, transpose=False), off, gather=token)  # c g B2: (S, r)
+        q2 = c * ops.matmul(gs, GW.dense(b2, transpose=False), off, gather=gather)  # c g B2: (S, r)
         lora2 = LowRank(q2, GW.dense(a2, transpose=False))
         later.update(q2w=q2 * w, act=act, g=g, p2w=p2 * w)
-    u = ops.matmul(g, GW.quantized(ex.down, transpose=ex.transposed), off, gather=token, lora=lora2)
+    u = ops.matmul(gs, GW.quantized(ex.down, transpose=ex.transposed), off, gather=gather, lora=lora2)
     dot = (act * u).sum(-1, dtype=torch.float32)
     if ex.down_bias is not None:
-        dot += (g.index_select(0, token).float() * ex.down_bias.float().index_select(0, rt.expert)).sum(-1)
+        g_rows = gs if gather is None else g.index_select(0, token)
+        dot += (g_rows.float() * ex.down_bias.float().index_select(0, rt.expert)).sum(-1)
     grad_h = gate_vjp(u * w)
     lora1 = None
     if has_lora:
@@ -389,163 +405,131 @@ def _lora_weight_grads(ops: GroupedOps, t: dict, rt: RoutedTokens, c: float) -> 
     return [d_a1, d_b1, d_a2, d_b2]
 
 
-def moe_lora_experts_grouped(x, routing_weights, lora, plan: MoEPlan, kernels: str) -> torch.Tensor:
-    """moe_lora_experts through grouped operations (`kernels`: triton, grouped_mm or torch-grouped).
+def moe_lora_experts_grouped(x, routing_weights, lora, plan: MoEPlan, kernels: str,
+                             dequant_budget: int | None = None) -> torch.Tensor:  # fmt: skip
+    """moe_lora_experts through grouped operations (`kernels`: triton, grouped_mm or torch-grouped;
+    dequant_budget: grouped_mm's decoded-stack limit in bytes, None for none).
 
     transformers' default gate (silu(gate) * up) goes through the registered op moe_qlora::grouped_experts,
     which torch.compile traces as one node; other gates, and deferred LoRA gradients, through the Function."""
     lora = lora if lora is not None else (None, None, None, None)
     if plan.experts.gate_is_silu_mul and plan.deferred is None:
-        return _call_grouped_experts_op(x, routing_weights, lora, plan, kernels)
-    return MoELoRAGroupedFunction.apply(x, routing_weights, *lora, plan, grouped_ops(kernels))
+        keep_h = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, routing_weights, *lora))
+        out, _, _, _ = grouped_experts_op(*op_inputs(x, routing_weights, lora, plan, kernels, dequant_budget, keep_h))
+        return out
+    return MoELoRAGroupedFunction.apply(x, routing_weights, *lora, plan, grouped_ops(kernels, dequant_budget))
 
 
 # ------------------------------------------------------------------------------------------------------
 # torch.library registration: the grouped layer (default gate) as one op with a fake implementation and a
 # registered backward, so torch.compile(fullgraph=True) traces a whole MoE block (router, routing metadata,
-# this op) without a graph break. Its arguments are plain tensors and scalars: the routing metadata, each NF4
-# stack's bytes and scales (nested scales as codes + per-256 scales + a float offset), optional biases and
-# LoRA factors. Non-tensor state (the gate, the backend) is rebuilt from them inside.
+# this op) without a graph break. Its arguments are plain tensors and scalars, the MoEPlan flattened by
+# op_inputs: the routing metadata, each NF4 stack's bytes and scales (nested: codes + per-256 scales +
+# a float offset), optional biases; the LoRA factors; and the backend. The plan is rebuilt from them inside.
 
 _ROUTING_FIELDS = ("order", "token", "expert", "inverse", "counts", "offsets_device")
 
 
-def _stack_tensors(stack: NF4Stack) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None,
-                                              float]:  # fmt: skip
-    absmax2, code2, offset = stack.nested if stack.nested is not None else (None, None, 0.0)
-    return stack.packed, stack.absmax, absmax2, code2, offset
+def _stack_tensors(stack: NF4Stack) -> list[torch.Tensor | None]:
+    absmax2, code2, _ = stack.nested if stack.nested is not None else (None, None, 0.0)
+    return [stack.packed, stack.absmax, absmax2, code2]
 
 
-def _stack_from(packed, absmax, absmax2, code2, offset, shape, blocksize) -> NF4Stack:
-    nested = (absmax2, code2, offset) if absmax2 is not None else None
-    return NF4Stack(packed, absmax, nested, tuple(shape), blocksize)
+def op_inputs(x, routing_weights, lora, plan: MoEPlan, kernels: str, dequant_budget: int | None, keep_h: bool):
+    """grouped_experts_op's arguments for one call: (x, routing_weights, lora (4, None-able), frozen tensors
+    (routing 6, gate_up 4, down 4, biases 2), floats (2 nested offsets, LoRA scale), ints (both stack
+    shapes, blocksize, transposed, the decode budget or 0), kernels, keep_h)."""
+    ex, rt = plan.experts, plan.routing
+    frozen = [*(getattr(rt, f) for f in _ROUTING_FIELDS), *_stack_tensors(ex.gate_up), *_stack_tensors(ex.down),
+              ex.gate_up_bias, ex.down_bias]  # fmt: skip
+    offsets = [s.nested[2] if s.nested is not None else 0.0 for s in (ex.gate_up, ex.down)]
+    ints = [*ex.gate_up.shape, *ex.down.shape, ex.gate_up.blocksize, int(ex.transposed), dequant_budget or 0]
+    return x, routing_weights, list(lora), frozen, [*offsets, float(plan.lora_scale)], ints, kernels, keep_h
 
 
-def _op_plan(routing, gate_up, down, biases, transposed, lora_scale, blocksize) -> MoEPlan:
-    """The MoEPlan an op call describes (default gate, no deferred gradients)."""
+def _plan_from(frozen, floats, ints, top_k: int) -> MoEPlan:
+    """The MoEPlan op_inputs flattened (default gate, no deferred gradients)."""
     from .kernels.ops import silu_mul
 
-    order, token, expert, inverse, counts, offsets, top_k = routing
-    frozen = FrozenExperts(
-        gate_up=_stack_from(*gate_up, blocksize), down=_stack_from(*down, blocksize), gate=silu_mul,
-        transposed=transposed, gate_up_bias=biases[0], down_bias=biases[1], gate_is_silu_mul=True,
+    order, token, expert, inverse, counts, offsets = frozen[:6]
+    blocksize, transposed = ints[6], bool(ints[7])
+
+    def stack(tensors, offset, shape):
+        packed, absmax, absmax2, code2 = tensors
+        return NF4Stack(packed, absmax, (absmax2, code2, offset) if absmax2 is not None else None, tuple(shape),
+                        blocksize)  # fmt: skip
+
+    frozen_experts = FrozenExperts(
+        gate_up=stack(frozen[6:10], floats[0], ints[0:3]), down=stack(frozen[10:14], floats[1], ints[3:6]),
+        gate=silu_mul, transposed=transposed, gate_up_bias=frozen[14], down_bias=frozen[15], gate_is_silu_mul=True,
     )  # fmt: skip
     rt = RoutedTokens(order=order, token=token, expert=expert, inverse=inverse, counts=counts,
                       offsets_device=offsets, top_k=top_k)  # fmt: skip
-    return MoEPlan(frozen, rt, lora_scale)
+    return MoEPlan(frozen_experts, rt, floats[2])
 
 
-def _none_if_empty(t: torch.Tensor) -> torch.Tensor | None:
-    return None if t.numel() == 0 and t.dim() == 1 else t
+def _ops_from(kernels: str, ints) -> GroupedOps:
+    return grouped_ops(kernels, ints[8] or None)
 
 
 @torch.library.custom_op("moe_qlora::grouped_experts", mutates_args=())
 def grouped_experts_op(
-    x: torch.Tensor, routing_weights: torch.Tensor,
-    order: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, inverse: torch.Tensor, counts: torch.Tensor,
-    offsets: torch.Tensor,
-    w1_packed: torch.Tensor, w1_absmax: torch.Tensor, w1_absmax2: torch.Tensor | None, w1_code2: torch.Tensor | None,
-    w1_offset: float, w1_shape: list[int],
-    w2_packed: torch.Tensor, w2_absmax: torch.Tensor, w2_absmax2: torch.Tensor | None, w2_code2: torch.Tensor | None,
-    w2_offset: float, w2_shape: list[int],
-    b1: torch.Tensor | None, b2: torch.Tensor | None,
-    gate_up_a: torch.Tensor | None, gate_up_b: torch.Tensor | None, down_a: torch.Tensor | None,
-    down_b: torch.Tensor | None,
-    transposed: bool, lora_scale: float, blocksize: int, kernels: str, keep_h: bool,
+    x: torch.Tensor, routing_weights: torch.Tensor, lora: list[torch.Tensor | None], frozen: list[torch.Tensor | None],
+    floats: list[float], ints: list[int], kernels: str, keep_h: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(out (T, H), h (S, 2I) or (0, 2I), p1 (S, r), p2 (S, r)); r = 0 without LoRA."""
-    plan = _op_plan((order, token, expert, inverse, counts, offsets, routing_weights.shape[1]),
-                    (w1_packed, w1_absmax, w1_absmax2, w1_code2, w1_offset, w1_shape),
-                    (w2_packed, w2_absmax, w2_absmax2, w2_code2, w2_offset, w2_shape), (b1, b2), transposed,
-                    lora_scale, blocksize)  # fmt: skip
-    lora = (gate_up_a, gate_up_b, down_a, down_b)
-    out, h, p1, p2 = grouped_forward(x, routing_weights, lora, plan, grouped_ops(kernels), keep_h=keep_h)
-    width = plan.experts.up_width
-    h = h if h is not None else x.new_empty(0, width)
-    no_rank = x.new_empty(order.shape[0], 0)
+    plan = _plan_from(frozen, floats, ints, routing_weights.shape[1])
+    out, h, p1, p2 = grouped_forward(x, routing_weights, tuple(lora), plan, _ops_from(kernels, ints), keep_h=keep_h)
+    h = h if h is not None else x.new_empty(0, plan.experts.up_width)
+    no_rank = x.new_empty(routing_weights.numel(), 0)
     return out, h, p1 if p1 is not None else no_rank, p2 if p2 is not None else no_rank.clone()
 
 
 @grouped_experts_op.register_fake
-def _grouped_experts_fake(x, routing_weights, order, token, expert, inverse, counts, offsets, w1_packed, w1_absmax,
-                          w1_absmax2, w1_code2, w1_offset, w1_shape, w2_packed, w2_absmax, w2_absmax2, w2_code2,
-                          w2_offset, w2_shape, b1, b2, gate_up_a, gate_up_b, down_a, down_b, transposed, lora_scale,
-                          blocksize, kernels, keep_h):  # fmt: skip
-    rows, width = order.shape[0], (w1_shape[2] if transposed else w1_shape[1])
-    rank = gate_up_a.shape[1] if gate_up_a is not None else 0
+def _grouped_experts_fake(x, routing_weights, lora, frozen, floats, ints, kernels, keep_h):
+    rows, transposed = routing_weights.numel(), bool(ints[7])
+    width = ints[2] if transposed else ints[1]
+    rank = lora[0].shape[1] if lora[0] is not None else 0
     return (x.new_empty(x.shape), x.new_empty(rows if keep_h else 0, width), x.new_empty(rows, rank),
             x.new_empty(rows, rank))  # fmt: skip
 
 
 @torch.library.custom_op("moe_qlora::grouped_experts_backward", mutates_args=())
 def grouped_experts_backward_op(
-    grad_out: torch.Tensor, x: torch.Tensor, routing_weights: torch.Tensor, h: torch.Tensor, p1: torch.Tensor,
-    p2: torch.Tensor,
-    order: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, inverse: torch.Tensor, counts: torch.Tensor,
-    offsets: torch.Tensor,
-    w1_packed: torch.Tensor, w1_absmax: torch.Tensor, w1_absmax2: torch.Tensor | None, w1_code2: torch.Tensor | None,
-    w1_offset: float, w1_shape: list[int],
-    w2_packed: torch.Tensor, w2_absmax: torch.Tensor, w2_absmax2: torch.Tensor | None, w2_code2: torch.Tensor | None,
-    w2_offset: float, w2_shape: list[int],
-    b1: torch.Tensor | None, b2: torch.Tensor | None,
-    gate_up_a: torch.Tensor | None, gate_up_b: torch.Tensor | None, down_a: torch.Tensor | None,
-    down_b: torch.Tensor | None,
-    transposed: bool, lora_scale: float, blocksize: int, kernels: str,
+    grad_out: torch.Tensor, x: torch.Tensor, routing_weights: torch.Tensor, saved: list[torch.Tensor],
+    lora: list[torch.Tensor | None], frozen: list[torch.Tensor | None], floats: list[float], ints: list[int],
+    kernels: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(grad x, grad routing weights, dA1, dB1, dA2, dB2); the last four (0,) without LoRA."""
-    plan = _op_plan((order, token, expert, inverse, counts, offsets, routing_weights.shape[1]),
-                    (w1_packed, w1_absmax, w1_absmax2, w1_code2, w1_offset, w1_shape),
-                    (w2_packed, w2_absmax, w2_absmax2, w2_code2, w2_offset, w2_shape), (b1, b2), transposed,
-                    lora_scale, blocksize)  # fmt: skip
-    lora = (gate_up_a, gate_up_b, down_a, down_b)
-    has_lora = gate_up_a is not None
+    """(grad x, grad routing weights, dA1, dB1, dA2, dB2) from the forward's saved (h, p1, p2); the last four
+    (0,) without LoRA."""
+    plan = _plan_from(frozen, floats, ints, routing_weights.shape[1])
+    h, p1, p2 = saved
+    has_lora = lora[0] is not None
     grads = grouped_backward(grad_out, x, routing_weights, h, p1 if has_lora else None, p2 if has_lora else None,
-                             lora, plan, grouped_ops(kernels))  # fmt: skip
+                             tuple(lora), plan, _ops_from(kernels, ints))  # fmt: skip
     return tuple(g if g is not None else x.new_empty(0) for g in grads)
 
 
 @grouped_experts_backward_op.register_fake
-def _grouped_experts_backward_fake(grad_out, x, routing_weights, h, p1, p2, *rest):
-    lora = rest[20:24]
+def _grouped_experts_backward_fake(grad_out, x, routing_weights, saved, lora, frozen, floats, ints, kernels):
     return (x.new_empty(x.shape), routing_weights.new_empty(routing_weights.shape),
             *(p.new_empty(p.shape) if p is not None else x.new_empty(0) for p in lora))  # fmt: skip
 
 
-# Positions in grouped_experts_op's arguments: the differentiable inputs get gradients, the rest None.
-_OP_NUM_ARGS = 31
-_OP_LORA = slice(22, 26)
-_OP_STATIC = slice(26, 30)  # transposed, lora_scale, blocksize, kernels (keep_h is the last)
-
-
 def _setup_context(ctx, inputs, output):
+    x, routing_weights, lora, frozen, floats, ints, kernels, _ = inputs
     _, h, p1, p2 = output
-    ctx.static = inputs[_OP_STATIC]
-    ctx.scalars = {i: v for i, v in enumerate(inputs[:_OP_NUM_ARGS]) if not isinstance(v, torch.Tensor | None)}
-    tensors = [v for v in inputs[:26] if isinstance(v, torch.Tensor | None)]
-    ctx.save_for_backward(*tensors, h, p1, p2)
+    ctx.floats, ctx.ints, ctx.kernels, ctx.num_frozen = floats, ints, kernels, len(frozen)
+    ctx.save_for_backward(x, routing_weights, h, p1, p2, *lora, *frozen)
 
 
 def _grouped_experts_backward(ctx, grad_out, _grad_h, _grad_p1, _grad_p2):
-    *tensors, h, p1, p2 = ctx.saved_tensors
-    args, tensor_iter = [], iter(tensors)
-    for i in range(26):  # the op's arguments up to the LoRA factors, scalars put back in place
-        args.append(ctx.scalars[i] if i in ctx.scalars else next(tensor_iter))
-    x, routing_weights, rest = args[0], args[1], args[2:]
-    grads = grouped_experts_backward_op(grad_out, x, routing_weights, h, p1, p2, *rest, *ctx.static)
-    lora_grads = [g if p is not None else None for g, p in zip(grads[2:], args[_OP_LORA], strict=True)]
-    return (grads[0], grads[1], *([None] * 20), *lora_grads, *([None] * 5))
+    x, routing_weights, h, p1, p2, *rest = ctx.saved_tensors
+    lora, frozen = rest[:4], rest[4:]
+    grads = grouped_experts_backward_op(grad_out, x, routing_weights, [h, p1, p2], lora, frozen, ctx.floats,
+                                        ctx.ints, ctx.kernels)  # fmt: skip
+    lora_grads = [g if p is not None else None for g, p in zip(grads[2:], lora, strict=True)]
+    return grads[0], grads[1], lora_grads, None, None, None, None, None
 
 
 grouped_experts_op.register_autograd(_grouped_experts_backward, setup_context=_setup_context)
-
-
-def _call_grouped_experts_op(x, routing_weights, lora, plan: MoEPlan, kernels: str) -> torch.Tensor:
-    ex, rt = plan.experts, plan.routing
-    keep_h = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, routing_weights, *lora))
-    out, _, _, _ = grouped_experts_op(
-        x, routing_weights, *(getattr(rt, f) for f in _ROUTING_FIELDS),
-        *_stack_tensors(ex.gate_up), list(ex.gate_up.shape), *_stack_tensors(ex.down), list(ex.down.shape),
-        ex.gate_up_bias, ex.down_bias, *lora, ex.transposed, float(plan.lora_scale), ex.gate_up.blocksize, kernels,
-        keep_h,
-    )  # fmt: skip
-    return out

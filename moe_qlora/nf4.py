@@ -171,22 +171,14 @@ def _nf4_code(device: str) -> torch.Tensor:
 
 def dequantize_expert(stack: NF4Stack, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Dequantize expert e with bitsandbytes' native kernel (CPU or CUDA): (O, I) in `dtype`."""
-    # Decoded as a flat vector, then viewed: bitsandbytes 0.50's CPU kernel mis-decodes 2D shapes whose
-    # last dimension is not a multiple of the blocksize (e.g. (64, 32)); flat shapes are always right.
-    state = bnbF.QuantState(
-        absmax=stack.expert_absmax(e),
-        shape=torch.Size([stack.expert_numel]),
-        code=_nf4_code(str(stack.packed.device)),
-        blocksize=stack.blocksize,
-        quant_type="nf4",
-        dtype=dtype,
-    )
-    return bnbF.dequantize_4bit(stack.expert_codes(e), state).view(stack.shape[1], stack.shape[2])
+    return dequantize_experts(stack, e, e + 1, dtype)[0]
 
 
 def dequantize_experts(stack: NF4Stack, first: int, end: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Experts first..end-1 decoded in one bitsandbytes call: (end - first, O, I) in `dtype`. No host sync:
     the nested offset is a float read when the stack was built."""
+    # Decoded as a flat vector, then viewed: bitsandbytes 0.50's CPU kernel mis-decodes 2D shapes whose
+    # last dimension is not a multiple of the blocksize (e.g. (64, 32)); flat shapes are always right.
     state = bnbF.QuantState(
         absmax=stack.experts_absmax(first, end),
         shape=torch.Size([(end - first) * stack.expert_numel]),
@@ -200,7 +192,7 @@ def dequantize_experts(stack: NF4Stack, first: int, end: int, dtype: torch.dtype
 
 def dequantize_stack(stack: NF4Stack, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """All experts at once, (E, O, I): for tests and for building a dequantized reference model."""
-    return torch.stack([dequantize_expert(stack, e, dtype) for e in range(stack.num_experts)])
+    return dequantize_experts(stack, 0, stack.num_experts, dtype)
 
 
 def stack_nbytes(param: bnb.nn.Params4bit) -> int:

@@ -25,6 +25,7 @@ from .experts import (
     quantized_stack_names,
 )
 from .families import matches_target, resolve_targets
+from .kernels.grouped_mm import dequant_budget_bytes, experts_per_chunk
 from .loading import linears_not_quantized
 from .model_classes import text_model_from_config
 from .nf4 import BLOCKSIZE, NESTED_BLOCKSIZE
@@ -167,10 +168,8 @@ def dequant_buffer_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> in
         return 0
     d = DTYPE_BYTES[resolve_compute_dtype(m.compute_dtype, device)]
     gated = 2 if getattr(moe[0], "has_gate", True) else 1
-    stack = experts * gated * inter * hidden * d
-    per_expert = stack // experts
-    budget = int(m.dequant_buffer_mb * 2**20) if m.dequant_buffer_mb else stack
-    return min(stack, max(per_expert, budget // per_expert * per_expert))
+    expert_bytes = gated * inter * hidden * d
+    return experts_per_chunk(experts, expert_bytes, dequant_budget_bytes(m.dequant_buffer_mb)) * expert_bytes
 
 
 def plan_run(cfg: RunConfig, *, name_or_path: str, device: str = "cuda", model: nn.Module | None = None) -> Plan:

@@ -339,8 +339,10 @@ def resolve_kernels(choice: str, device: str) -> str:
     """model.kernels to what runs: auto is the per-call choice between Triton and grouped_mm on CUDA (grouped_mm
     alone without triton), the torch reference on the CPU; grouped_mm runs anywhere."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if choice in ("torch", "grouped_mm") or (choice == "auto" and device != "cuda"):
-        return "torch" if choice == "auto" else choice
+    if choice in ("torch", "grouped_mm"):
+        return choice
+    if choice == "auto" and device != "cuda":
+        return "torch"
     if importlib.util.find_spec("triton") is None:
         if choice == "auto":
             return "grouped_mm"

@@ -5,8 +5,8 @@ JSON (--json PATH also writes it).
 
     python scripts/gpu_checks.py [--tokens 2048] [--json out.json]
 
-Layer: Qwen3-30B-A3B's expert shapes (hidden 2048, 128 experts of 768, top-8), NF4 with nested scales, bf16,
-LoRA r16, forward + backward, for kernels triton, grouped_mm and auto.
+Layer: Qwen3-30B-A3B's expert shapes (hidden 2048, 128 experts of 768, top-8), NF4, bf16 activations, LoRA r16,
+forward + backward, for kernels triton, grouped_mm and auto.
 """
 
 from __future__ import annotations
@@ -19,35 +19,25 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
 HIDDEN, INTER, EXPERTS, TOP_K, RANK = 2048, 768, 128, 8, 16
 
 
 def qwen3_layer(kernels: str):
-    from transformers import Qwen3MoeConfig
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+    """bench_moe's experts layer at Qwen3-30B-A3B's shapes (Mixtral's experts class: the same math), with
+    non-zero LoRA B so every gradient is exercised, run as a default config would (dequant buffer budget)."""
+    from bench_moe import experts_module, ours
 
-    from moe_qlora.experts import attach_expert_lora, register_experts_implementation, set_moe_kernels
-    from moe_qlora.nf4 import quantize_stack
+    from moe_qlora.config import ModelSection
+    from moe_qlora.experts import set_moe_kernels
 
-    cfg = Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=EXPERTS,
-                         num_experts_per_tok=TOP_K)  # fmt: skip
-    torch.manual_seed(0)
-    module = Qwen3MoeExperts(cfg)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.normal_(0, 0.02)
-    for name in ("gate_up_proj", "down_proj"):
-        setattr(module, name, quantize_stack(getattr(module, name).detach().float(), double_quant=True))
-    register_experts_implementation()
-    cfg._experts_implementation = "moe_qlora"
-    attach_expert_lora(module, rank=RANK, alpha=2 * RANK, seed=0)
+    module = ours(*experts_module(HIDDEN, INTER, EXPERTS, TOP_K, torch.float32), kernels, RANK)
     with torch.no_grad():
         module.moe_lora.gate_up_b.normal_(0, 0.01)
         module.moe_lora.down_b.normal_(0, 0.01)
     module = module.cuda()
-    set_moe_kernels(module, kernels)
+    set_moe_kernels(module, kernels, dequant_buffer_mb=ModelSection.model_fields["dequant_buffer_mb"].default)
     return module
 
 

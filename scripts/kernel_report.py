@@ -61,15 +61,15 @@ def innermost_loop(sass: tuple[list[str], dict[str, int]]) -> list[str]:
     """The hottest loop's instructions: among the backward branches (a branch to an earlier label), the body
     holding the most MMAs, or for MMA-free kernels the longest."""
     instructions, labels = sass
-    best: list[str] = []
+    best, best_key = [], (-1, -1)
     for i, line in enumerate(instructions):
         m = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", line)
         if m is None or labels.get(m.group(1), i + 1) > i:
             continue
         body = instructions[labels[m.group(1)] : i + 1]
         key = (sum(_is_mma(_opcode(b)) for b in body), len(body))
-        if not best or key > (sum(_is_mma(_opcode(b)) for b in best), len(best)):
-            best = body
+        if key > best_key:
+            best, best_key = body, key
     return best
 
 
@@ -100,49 +100,39 @@ def report(archs: list[int], shapes: list[str]) -> list[dict]:
             for arch in archs:
                 compiled = compile_as_jit(launch, arch)
                 meta = compiled.metadata
+                regs, spilled = resource_usage(compiled)
                 loop = innermost_loop(sass_of(compiled.asm["cubin"]))
                 mma = sum(_is_mma(_opcode(x)) for x in loop)
                 non_mma = len(loop) - mma
                 c = launch.constexprs
                 nf4 = bool(c.get("W_NF4"))
-                # Weight elements decoded per K-step: a BLOCK_K x BLOCK_N tile (two with the fused gate/up).
+                # Weight elements decoded per K-step: a BLOCK_K x BLOCK_N tile (two with the fused gate/up). SASS
+                # runs per thread, and a thread decodes 1 / (32 x warps) of them.
                 decoded = c["BLOCK_K"] * c["BLOCK_N"] * (2 if c.get("GLU") else 1) if nf4 else 0
-                flops_step = 2 * c["BLOCK_M"] * c["BLOCK_K"] * c["BLOCK_N"] * (2 if c.get("GLU") else 1) if (
-                    "BLOCK_K" in c) else 0  # fmt: skip
-                # SASS runs per thread: a thread decodes decoded / (32 x warps) of the tile's elements per step.
-                per_thread = decoded / (32 * meta.num_warps) if decoded else 0
+                per_thread = decoded / (32 * meta.num_warps)
                 rows.append({
-                    "name": f"{shape}/{launch.name}", "arch": str(arch), "regs": meta_regs(compiled),
-                    "spills": spills(compiled), "smem_bytes": meta.shared, "warps": meta.num_warps,
+                    "name": f"{shape}/{launch.name}", "arch": str(arch), "regs": regs,
+                    "spills": spilled, "smem_bytes": meta.shared, "warps": meta.num_warps,
                     "stages": meta.num_stages, "mma_per_kstep": mma, "loop_instructions": len(loop),
                     "instr_per_weight_element": round(non_mma / per_thread, 1) if decoded else None,
                     "widest_packed_load_bytes": _widest_byte_load(loop) if nf4 else None,
-                    "flops_per_kstep": flops_step,
                 })  # fmt: skip
     return rows
 
 
-def meta_regs(compiled) -> int:
-    return int(getattr(compiled.metadata, "num_regs", 0) or _ptxas_figure(compiled, "registers"))
-
-
-def spills(compiled) -> int:
-    return _ptxas_figure(compiled, "spill")
-
-
-def _ptxas_figure(compiled, what: str) -> int:
-    """Registers or spill bytes from cuobjdump's resource usage of the cubin."""
+def resource_usage(compiled) -> tuple[int, int]:
+    """(registers, spilled bytes: stack + local) from cuobjdump's resource usage of the cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
         text = subprocess.run([nvidia_tool("cuobjdump"), "-res-usage", f.name], check=True, capture_output=True,
                               text=True).stdout  # fmt: skip
-    if what == "registers":
-        m = re.search(r"REG:(\d+)", text)
-        return int(m.group(1)) if m else -1
-    m = re.search(r"STACK:(\d+)", text)
-    local = re.search(r"LOCAL:(\d+)", text)
-    return int(m.group(1) if m else 0) + int(local.group(1) if local else 0)
+
+    def figure(name):
+        m = re.search(rf"{name}:(\d+)", text)
+        return int(m.group(1)) if m else 0
+
+    return figure("REG"), figure("STACK") + figure("LOCAL")
 
 
 def main() -> None:

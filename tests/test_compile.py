@@ -21,14 +21,11 @@ def quantized(tiny_mixtral_dir):
 def _op_args(module, x, idx, weights):
     """The op's arguments for one experts module, as moe_lora_experts_grouped builds them."""
     from moe_qlora.experts import _frozen_experts
-    from moe_qlora.moe_autograd import _ROUTING_FIELDS, _stack_tensors
+    from moe_qlora.moe_autograd import MoEPlan, op_inputs
     from moe_qlora.routing import route
 
-    ex, rt = _frozen_experts(module), route(idx, 8)
-    lora = module.moe_lora.factors()
-    return (x, weights, *(getattr(rt, f) for f in _ROUTING_FIELDS), *_stack_tensors(ex.gate_up),
-            list(ex.gate_up.shape), *_stack_tensors(ex.down), list(ex.down.shape), None, None, *lora, False,
-            module.moe_lora.scale, 64, "grouped_mm", True)  # fmt: skip
+    plan = MoEPlan(_frozen_experts(module), route(idx, 8), module.moe_lora.scale)
+    return op_inputs(x, weights, module.moe_lora.factors(), plan, "grouped_mm", None, True)
 
 
 def test_the_registered_op_passes_opcheck(quantized):

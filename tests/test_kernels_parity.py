@@ -156,8 +156,7 @@ def test_grouped_mm_decoding_chunks_of_experts_matches_eager(quantized, case):
     per_expert = module.gate_up_proj.quant_state.shape[1:].numel() * 4  # fp32 bytes of one decoded expert
     try:
         set_moe_kernels(quantized, "grouped_mm", dequant_buffer_mb=3.5 * per_expert / 2**20)
-        assert grouped_mm._expert_chunks(grouped_mm.GroupedWeight.quantized(
-            _frozen_experts(module).gate_up, transpose=True), torch.float32) == 3  # fmt: skip
+        assert grouped_mm.experts_per_chunk(8, per_expert, module.moe_dequant_budget) == 3
         kind, tokens, k = CASES[case]
         idx, weights = routing_case(kind, tokens, 8, k)
         x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(5)).to(module.gate_up_proj.device)

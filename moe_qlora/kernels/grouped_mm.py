@@ -1,11 +1,11 @@
 """The dequantize + grouped GEMM backend (`model.kernels: grouped_mm`): the same three primitives as ops.py
 (grouped_matmul, grouped_matmul_silu_mul, grouped_outer_product) on torch._grouped_mm.
 
-Each NF4 projection is decoded whole (all experts, or a chunk of experts above `model.dequant_buffer_mb`)
-into a compute-dtype buffer, then one grouped GEMM runs every expert's rows: CUTLASS on sm_90, a loop on the
-CPU. Offsets stay on the device, so nothing here waits on the host except the chunked mode (one sync per
-projection call, to slice rows; used only when a layer's decoded stack exceeds the budget). LoRA is never
-merged into the buffer: its thin products are grouped GEMMs of their own.
+Each NF4 projection is decoded whole (all experts, or a chunk of experts above `model.dequant_buffer_mb`,
+the `budget` argument) into a compute-dtype tensor, then one grouped GEMM runs every expert's rows: CUTLASS
+on sm_90, a loop on the CPU. Offsets stay on the device, so nothing here waits on the host except the
+chunked mode (one sync per projection call, to slice rows; used only when a layer's decoded stack exceeds
+the budget). LoRA is never merged into the decoded weights: its thin products are grouped GEMMs of their own.
 
 torch._grouped_mm's contract: mat_a (S, K) x mat_b (E, K, N) with offs (E,) int32 cumulative row ends
 -> (S, N); or mat_a (M, S) x mat_b (S, N) -> (E, M, N), the sum over each group's rows (ragged K: OUT_PROD_ID).
@@ -22,13 +22,6 @@ from ..nf4 import dequantize_experts
 from .ops import GroupedWeight, LowRank, silu_mul
 
 ALIGN_BYTES = 16
-# Decoded-stack budget (model.dequant_buffer_mb): above it a projection is decoded and multiplied a chunk of
-# experts at a time. Set by experts.set_moe_kernels; 0 or None means no limit.
-_BUFFER_BUDGET = {"bytes": None}
-
-
-def set_dequant_buffer_budget(megabytes: float | None) -> None:
-    _BUFFER_BUDGET["bytes"] = None if not megabytes else int(megabytes * 2**20)
 
 
 def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
@@ -86,18 +79,25 @@ def _dense_experts(weight: GroupedWeight, lo: int, hi: int, dtype: torch.dtype) 
     return stored.transpose(1, 2) if weight.transpose else stored
 
 
-def _expert_chunks(weight: GroupedWeight, dtype: torch.dtype) -> int:
-    """Experts per chunk under the buffer budget (all of them when under it, or when not NF4)."""
-    budget, num_experts = _BUFFER_BUDGET["bytes"], weight.shape[0]
-    if weight.nf4 is None or not budget:
+def dequant_budget_bytes(megabytes: float | None) -> int | None:
+    """model.dequant_buffer_mb in bytes; None (no limit) for null or 0."""
+    return int(megabytes * 2**20) if megabytes else None
+
+
+def experts_per_chunk(num_experts: int, expert_bytes: int, budget: int | None) -> int:
+    """Experts decoded at once under a `budget` of bytes (model.dequant_buffer_mb): all of them without one,
+    else as many as fit, at least one."""
+    if not budget:
         return num_experts
-    per_expert = weight.shape[1] * weight.shape[2] * torch.finfo(dtype).bits // 8
-    return max(1, min(num_experts, budget // per_expert))
+    return max(1, min(num_experts, budget // expert_bytes))
 
 
-def _project(rows: torch.Tensor, weight: GroupedWeight, offsets: torch.Tensor) -> torch.Tensor:
-    """rows (S, K) sorted by expert -> (S, N) through each row's expert weight, chunked under the budget."""
-    chunk, num_experts = _expert_chunks(weight, rows.dtype), weight.shape[0]
+def _project(rows: torch.Tensor, weight: GroupedWeight, offsets: torch.Tensor, budget: int | None) -> torch.Tensor:
+    """rows (S, K) sorted by expert -> (S, N) through each row's expert weight; an NF4 stack is decoded a chunk
+    of experts at a time when it exceeds `budget` bytes in the rows' dtype."""
+    num_experts = weight.shape[0]
+    expert_bytes = weight.shape[1] * weight.shape[2] * rows.element_size()
+    chunk = experts_per_chunk(num_experts, expert_bytes, budget if weight.nf4 is not None else None)
     if chunk >= num_experts:
         return gmm_rows(rows, _dense_experts(weight, 0, num_experts, rows.dtype), _ends(offsets))
     host = offsets.tolist()  # the chunked mode's one sync: each chunk owns a data-dependent row range
@@ -112,11 +112,11 @@ def _project(rows: torch.Tensor, weight: GroupedWeight, offsets: torch.Tensor) -
 
 
 def grouped_matmul(x, weight: GroupedWeight, offsets: torch.Tensor, *, gather=None, bias=None,
-                   lora: LowRank | None = None):  # fmt: skip
+                   lora: LowRank | None = None, budget: int | None = None):  # fmt: skip
     """Y (S, N) = x[gather] @ W_e + bias[e] + c P @ L_e per expert e's rows; ops.grouped_matmul_reference's
-    contract with `offsets` an (E+1,) device tensor."""
+    contract with `offsets` an (E+1,) device tensor. budget: decoded-stack limit in bytes (None: none)."""
     rows = x if gather is None else x.index_select(0, gather)
-    y = _project(rows, weight, offsets)
+    y = _project(rows, weight, offsets, budget)
     if bias is not None:
         y += bias.to(y.dtype).index_select(0, _expert_of_rows(offsets, y.shape[0]))
     if lora is not None:
@@ -126,9 +126,9 @@ def grouped_matmul(x, weight: GroupedWeight, offsets: torch.Tensor, *, gather=No
     return y
 
 
-def grouped_matmul_silu_mul(x, weight, offsets, *, gather=None, bias=None, lora=None, keep_h=True):
+def grouped_matmul_silu_mul(x, weight, offsets, *, gather=None, bias=None, lora=None, keep_h=True, budget=None):
     """(h or None, silu(gate) * up) on a gate_up stack; grouped_matmul_silu_mul_reference's contract."""
-    h = grouped_matmul(x, weight, offsets, gather=gather, bias=bias, lora=lora)
+    h = grouped_matmul(x, weight, offsets, gather=gather, bias=bias, lora=lora, budget=budget)
     return (h if keep_h else None), silu_mul(h)
 
 
