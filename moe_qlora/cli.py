@@ -1,4 +1,4 @@
-"""Command line: `moe-qlora train`, `grpo`, `plan`, `check-norms`, `export`, `generate`.
+"""Command line: `moe-qlora train`, `grpo`, `plan`, `check-norms`, `export`, `merge`, `generate`.
 
 A user error (bad config, bad data, missing model, unreadable adapter) prints one sentence and exits 2; an
 aborted run, or an adapter that would not load as trained, exits 1. `--debug` shows the traceback instead.
@@ -292,6 +292,58 @@ def export(
     except _user_errors() as exc:
         _fail(exc, debug)
     console.print(f"{fmt}: {path}", highlight=False)
+
+
+MERGE_EPILOG = """Examples:
+
+  moe-qlora merge runs/demo/adapter --out runs/demo/merged
+
+  moe-qlora merge runs/demo/adapter --out merged --dtype float32 --max-shard-size 2GB
+"""
+
+
+def parse_size(text: str) -> int:
+    """'5GB' / '500MB' / '2GiB' / bytes -> bytes."""
+    units = {"gib": 2**30, "mib": 2**20, "kib": 2**10, "gb": 10**9, "mb": 10**6, "kb": 10**3, "b": 1}
+    low = text.strip().lower()
+    for unit, factor in units.items():
+        if low.endswith(unit) and low[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(low[: -len(unit)]) * factor)
+    if low.isdigit():
+        return int(low)
+    from .config import ConfigError
+
+    raise ConfigError(f"--max-shard-size {text!r}: expected a size such as 5GB, 500MB or 2GiB")
+
+
+def human_bytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+@app.command(epilog=MERGE_EPILOG)
+def merge(
+    adapter: str = typer.Argument(..., help="the adapter folder a run wrote (PEFT format)"),
+    out: str = typer.Option(..., "--out", "-o", help="folder to write the merged checkpoint to"),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 | float16 | float32"),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="largest safetensors shard"),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda (where the 4-bit model is decoded)"),
+    debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
+):
+    """A full Hugging Face checkpoint: every 4-bit weight dequantized plus its LoRA update (never into 4-bit)."""
+    _quiet_libraries()
+    from .merge import MergeError, merge_adapter
+
+    try:
+        report = merge_adapter(adapter, out, dtype=dtype, max_shard_bytes=parse_size(max_shard_size),
+                               device=device, console=err_console)  # fmt: skip
+    except (*_user_errors(), MergeError) as exc:
+        _fail(exc, debug)
+    experts = sum(len(v) for v in report.delta_norms.values() if len(v) > 1)
+    console.print(
+        f"merged {len(report.delta_norms)} adapted weights ({experts} expert deltas) into {report.tensors} tensors: "
+        f"{report.out} ({report.shards} shard{'s' * (report.shards > 1)}, {human_bytes(report.bytes)}, {dtype})",
+        highlight=False,
+    )
 
 
 GENERATE_EPILOG = """Examples:

@@ -20,8 +20,9 @@ from safetensors import SafetensorError, safe_open
 
 OUTLIER_FACTOR = 10.0
 MIN_GROUP_FOR_OUTLIERS = 4
-# PEFT nests wrappers in this order: the first projection (gate_up_proj, or up_proj when not gated) innermost
-PARAM_ORDER = ("gate_up_proj", "up_proj", "down_proj")
+# PEFT nests wrappers in parameter order, the first projection innermost: gate_up_proj; up_proj when not gated;
+# gate_proj then up_proj for split stacks (Inkling's shared experts)
+PARAM_ORDER = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class AdapterReadError(ValueError):

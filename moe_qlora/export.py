@@ -23,6 +23,7 @@ from .experts import SPLIT_STACKS, ExpertLoRA, experts_modules, stack_names
 from .fileio import atomic_dir
 from .peft_roundtrip import ADAPTER_CONFIG, ADAPTER_WEIGHTS, clean_base_config, first_few, load_like_peft
 
+TRAINED_ON = "moe_qlora.json"
 # Keys of each expert LoRA factor relative to the experts module, in PEFT's nesting.
 PEFT_EXPERT_KEYS = {
     "gate_up_a": "base_layer.lora_A.weight",
@@ -199,12 +200,28 @@ def adapter_config(model, cfg: LoraSection, base_model_name_or_path: str) -> Lor
     )
 
 
+def base_quantization(model) -> dict[str, bool]:
+    """How the base was quantized when the adapter was trained: the weights it learned against (double
+    quantization changes each decoded weight by up to ~1e-3 of its block's absmax)."""
+    import bitsandbytes as bnb
+
+    expert_stacks = {id(getattr(m, n)) for _, m in experts_modules(model) for n in stack_names(m)}
+    nested = {"expert_double_quant": None, "linear_double_quant": None}
+    for p in model.parameters():
+        if isinstance(p, bnb.nn.Params4bit) and p.quant_state is not None:
+            key = "expert_double_quant" if id(p) in expert_stacks else "linear_double_quant"
+            nested[key] = bool(nested[key]) or bool(p.quant_state.nested)
+    return {k: bool(v) for k, v in nested.items() if v is not None}
+
+
 def save_adapter(model, out_dir: str | Path, *, cfg: LoraSection, base_model_name_or_path: str) -> Path:
-    """Write adapter_model.safetensors + adapter_config.json atomically into `out_dir`."""
+    """Write adapter_model.safetensors + adapter_config.json atomically into `out_dir`, and beside them
+    moe_qlora.json: the base's quantization, so that generate and merge rebuild the weights it was trained on."""
     state = adapter_state_dict(model)
     config = adapter_config(model, cfg, base_model_name_or_path)
     with atomic_dir(out_dir) as tmp:
         save_file(state, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (tmp / TRAINED_ON).write_text(json.dumps({"base_quantization": base_quantization(model)}, indent=2))
         config_dict = config.to_dict()
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(_jsonable(config_dict), indent=2, sort_keys=True))
     return Path(out_dir)

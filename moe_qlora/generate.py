@@ -42,7 +42,8 @@ def run_config_for(adapter_dir: Path, *, device: str, kernels: str) -> RunConfig
     parameters = config.get("target_parameters") or []
     targets = config.get("target_modules") or []
     return validate_config({
-        "model": {"name_or_path": config["base_model_name_or_path"], "device": device, "kernels": kernels},
+        "model": {"name_or_path": config["base_model_name_or_path"], "device": device, "kernels": kernels,
+                  **trained_quantization(adapter_dir)},
         "lora": {"rank": config["r"], "alpha": config["lora_alpha"], "dropout": 0.0,
                  "experts": any(not p.endswith("weight") for p in parameters),
                  "router": any(p.endswith("weight") for p in parameters),
@@ -51,6 +52,20 @@ def run_config_for(adapter_dir: Path, *, device: str, kernels: str) -> RunConfig
         "data": {"train_files": ["(not read by generate)"]},
         "train": {"gradient_checkpointing": False},
     }, source=str(config_path))  # fmt: skip
+
+
+def trained_quantization(adapter_dir: Path) -> dict[str, bool]:
+    """model.*_double_quant as the adapter was trained (moe_qlora.json); {} (the defaults) for adapters from
+    elsewhere, which do not say."""
+    from .export import TRAINED_ON
+
+    path = adapter_dir / TRAINED_ON
+    if not path.exists():
+        return {}
+    try:
+        return dict(json.loads(path.read_text())["base_quantization"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise AdapterReadError(f"{path}: not readable ({exc})") from None
 
 
 def load_for_generation(adapter_dir: str | Path, console: Console, *, device: str = "auto", kernels: str = "auto"):

@@ -111,3 +111,34 @@ def test_the_default_view_is_one_row_per_module_and_layer_naming_the_bad_expert(
     assert short.exit_code == full.exit_code == 1
     assert short.output.count("expert 3") == 1 and "min / median / max" in short.output
     assert len(full.output.splitlines()) > len(short.output.splitlines())
+
+
+def test_reads_an_adapter_made_by_peft_itself(tiny_mixtral_dir, tmp_path):
+    """PEFT's own get_peft_model + save_pretrained (fused target_parameters and a linear): one row per expert,
+    each norm equal to PEFT's own get_delta_weight for that expert."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_mixtral_dir), dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
+    model = get_peft_model(base, config)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    model.save_pretrained(tmp_path / "peft-adapter")
+    report = check_norms(tmp_path / "peft-adapter")
+    experts = model.base_model.model.model.layers[1].mlp.experts  # the down_proj wrapper, gate_up_proj inside
+    expected = {
+        "model.layers.1.mlp.experts.down_proj": experts.get_delta_weight("default"),
+        "model.layers.1.mlp.experts.gate_up_proj": experts.base_layer.get_delta_weight("default"),
+    }
+    for module, delta in expected.items():
+        rows = [r for r in report.rows if r.module == module]
+        assert [r.expert for r in rows] == list(range(8))
+        got = torch.tensor([r.norm_delta for r in rows])
+        torch.testing.assert_close(got, delta.detach().flatten(1).norm(dim=1).double().float(), rtol=1e-5, atol=0)
+    q = [r for r in report.rows if r.module == "model.layers.0.self_attn.q_proj"]
+    assert len(q) == 1 and q[0].expert is None and report.healthy
