@@ -175,6 +175,9 @@ class RewardFunctionSpec(Section):
     args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of a built-in")
 
 
+DAPO_CLIP_HIGH = 0.28
+
+
 class GrpoSection(Section):
     """`moe-qlora grpo`: sample a group of completions per prompt, score them, train on the advantages."""
 
@@ -187,17 +190,42 @@ class GrpoSection(Section):
     stop: list[str] = Field(default_factory=list, description="stop strings: a completion ends after one")
     passes: int = Field(1, ge=1, description="optimizer steps per rollout batch; >1 uses the clipped ratio")
     clip_eps: float = Field(0.2, gt=0, lt=1, description="ratio clipped to [1 - clip_eps, 1 + clip_eps_high]")
-    clip_eps_high: float | None = Field(None, gt=0, description="upper clip (DAPO's clip-higher); default clip_eps")
+    clip_eps_high: float | None = Field(
+        None, gt=0, description="upper clip (DAPO's clip-higher); default 0.28 with loss_type dapo, else clip_eps"
+    )
     kl_coef: float = Field(0.0, ge=0, description="beta of the KL penalty to the base model (adapters off); 0: off")
     scale_rewards: bool = Field(True, description="divide by the group's std (GRPO); false: mean-centred only")
     std_eps: float = Field(1e-4, gt=0, description="(r - mean) / (std + std_eps)")
-    loss_normalization: Literal["token", "sequence"] = Field(
-        "token", description="token: sum over all completion tokens / their count; sequence: mean per completion"
+    loss_type: Literal["dapo", "grpo", "dr_grpo", "bnpo"] = Field(
+        "dapo",
+        description="how token losses add up, as in TRL: dapo: / completion tokens of the whole batch; grpo: mean "
+        "per completion, then over completions; dr_grpo: / (completions * max_new_tokens), no length bias; "
+        "bnpo: / completion tokens of each micro-batch",
+    )
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token", description="token: one ratio per token (GRPO); sequence: the completion's mean log-ratio (GSPO)"
+    )
+    mask_truncated_completions: bool = Field(
+        False, description="completions cut by max_new_tokens (no EOS or stop string) are left out of the loss"
     )
     rewards: list[RewardFunctionSpec] = Field(default_factory=list, description="reward functions (online mode)")
     offline_file: str | None = Field(
         None, description="JSONL of {prompt, completions, rewards}: train on these instead of sampling"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        if isinstance(data, dict) and "loss_normalization" in data:
+            raise ValueError("grpo.loss_normalization is now grpo.loss_type (token: dapo, sequence: grpo)")
+        return data
+
+    @model_validator(mode="after")
+    def _dapo_clip_higher(self):
+        """DAPO's clip-higher (eps_high 0.28) is the default upper clip of loss_type dapo, as in its paper."""
+        if self.clip_eps_high is None and self.loss_type == "dapo":
+            self.clip_eps_high = DAPO_CLIP_HIGH
+        return self
 
     @model_validator(mode="after")
     def _rewards_or_offline(self):

@@ -66,27 +66,50 @@ def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float, *,
     return logp, mask
 
 
-def token_weights(mask: torch.Tensor, normalization: str, *, total_tokens: int, total_sequences: int) -> torch.Tensor:
-    """Each token's share of the batch loss. mask: (B, T). token: 1 / (completion tokens of the whole
-    batch); sequence: 1 / (tokens of its completion * completions of the whole batch). Totals are over
-    the whole rollout batch, so splitting it into micro-batches does not change the gradient."""
+def token_weights(mask: torch.Tensor, loss_type: str, *, total_tokens: int, total_sequences: int,
+                  max_new_tokens: int = 0, micro_batches: int = 1) -> torch.Tensor:  # fmt: skip
+    """Each completion token's share of the rollout batch's loss, as TRL's loss types define it. mask: (B, T).
+
+    dapo: 1 / (completion tokens of the whole batch); grpo: 1 / (tokens of its completion * completions of
+    the batch); dr_grpo: 1 / (completions * max_new_tokens), a constant, so long completions are not
+    discounted; bnpo: 1 / (completion tokens of this micro-batch * micro-batches), which depends on how the
+    batch is split, as in TRL. Totals are over the whole rollout batch: except for bnpo, splitting it into
+    micro-batches does not change the gradient."""
     mask = mask.float()
-    if normalization == "token":
+    if loss_type == "dapo":
         return mask / total_tokens
-    return mask / (mask.sum(dim=1, keepdim=True).clamp(min=1) * total_sequences)
+    if loss_type == "grpo":
+        return mask / (mask.sum(dim=1, keepdim=True).clamp(min=1) * total_sequences)
+    if loss_type == "dr_grpo":
+        return mask / (total_sequences * max_new_tokens)
+    if loss_type == "bnpo":
+        return mask / (mask.sum().clamp(min=1) * micro_batches)
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def log_ratios(logp, old, weights, level: str) -> torch.Tensor:
+    """log(pi / pi_old) per token (B, T); at the sequence level (GSPO) each completion's tokens share its mean
+    log-ratio over its own tokens, so the ratio is the length-normalised sequence likelihood ratio."""
+    log_ratio = logp - old
+    if level == "token":
+        return log_ratio
+    mask = (weights != 0).to(logp)
+    per_sequence = (log_ratio * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
+    return per_sequence.expand_as(logp)
 
 
 def grpo_token_loss(logp, old_logp, ref_logp, advantages, weights, *, clip_eps: float, clip_eps_high: float,
-                    kl_coef: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+                    kl_coef: float, level: str = "token") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
     """The clipped GRPO objective of a micro-batch as a loss to minimise, and its statistics (summed over
     tokens with the same weights: add them up over micro-batches).
 
     logp: (B, T) current policy, with grad. old_logp, ref_logp: (B, T) or None. advantages: (B,).
-    weights: (B, T) from `token_weights` (0 off the completions).
+    weights: (B, T) from `token_weights` (0 off the completions). level: importance sampling per token or
+    per sequence (GSPO).
     """
     a = advantages.to(logp)[:, None]
     old = logp.detach() if old_logp is None else old_logp
-    ratio = torch.exp(logp - old)
+    ratio = torch.exp(log_ratios(logp, old, weights, level))
     unclipped = ratio * a
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high) * a
     per_token = -torch.minimum(unclipped, clipped)
@@ -105,14 +128,21 @@ def grpo_token_loss(logp, old_logp, ref_logp, advantages, weights, *, clip_eps: 
 # ------------------------------------------------------------------------------------------ one step
 
 
-def rollout_examples(rollouts: list[Rollout], advantages: torch.Tensor) -> list[Example]:
-    """prompt + completion as a training sequence, labels only on the completion, weight = advantage."""
-    return [
-        Example(
-            r.prompt.ids + r.completion_ids, [IGNORE] * len(r.prompt.ids) + r.completion_ids, r.prompt.source, float(a)
-        )  # fmt: skip
-        for r, a in zip(rollouts, advantages.tolist(), strict=True)
-    ]
+def rollout_examples(rollouts: list[Rollout], advantages: torch.Tensor, *, mask_truncated: bool = False
+                     ) -> list[Example]:  # fmt: skip
+    """prompt + completion as a training sequence, labels only on the completion, weight = advantage. With
+    `mask_truncated`, a completion cut by max_new_tokens keeps no labels: it adds nothing to the loss nor to
+    the token counts (TRL's mask_truncated_completions)."""
+    examples = []
+    for r, a in zip(rollouts, advantages.tolist(), strict=True):
+        masked = mask_truncated and r.truncated
+        labels = [IGNORE] * len(r.prompt.ids) + ([IGNORE] * len(r.completion_ids) if masked else r.completion_ids)
+        examples.append(Example(r.prompt.ids + r.completion_ids, labels, r.prompt.source, 0.0 if masked else float(a)))
+    return examples
+
+
+def has_targets(example: Example) -> bool:
+    return any(t != IGNORE for t in example.labels)
 
 
 def micro_batch_indices(active: list[int], size: int) -> list[list[int]]:
@@ -136,11 +166,14 @@ def frozen_logprobs(model, batches, temperature: float, *, reference: bool, chun
 def policy_update(model, optimizer, schedule, examples: list[Example], cfg: RunConfig, pad_id: int) -> dict:
     """`grpo.passes` optimizer steps on one rollout batch; returns the step's training metrics.
 
-    Sequences with advantage 0 are not run when there is no KL term: their loss and gradient are exactly
-    zero, and the normalisation still counts them, so leaving them out changes nothing.
+    Sequences with advantage 0 are not run when there is no KL term (and the loss type does not normalise per
+    micro-batch): their loss and gradient are exactly zero, and the normalisation still counts them, so
+    leaving them out changes nothing.
     """
     g, device = cfg.grpo, next(model.parameters()).device
-    active = [i for i, e in enumerate(examples) if e.weight != 0 or g.kl_coef]
+    # bnpo normalises per micro-batch, so every sequence keeps its place in the split, as in TRL.
+    keep_all = g.kl_coef or g.loss_type == "bnpo"
+    active = [i for i, e in enumerate(examples) if (e.weight != 0 or keep_all) and has_targets(e)]
     groups = micro_batch_indices(active, cfg.train.micro_batch_size)
     batches = [{k: v.to(device) for k, v in collate([examples[i] for i in idx], pad_id).items()} for idx in groups]
     total_tokens = sum(sum(t != IGNORE for t in e.labels[1:]) for e in examples)
@@ -153,10 +186,11 @@ def policy_update(model, optimizer, schedule, examples: list[Example], cfg: RunC
         sums: dict[str, float] = {}
         for batch, old_lp, ref_lp in zip(batches, old, ref, strict=True):
             logp, mask = token_logprobs(model, batch, g.temperature, chunk=chunk)
-            weights = token_weights(mask, g.loss_normalization, total_tokens=total_tokens,
-                                    total_sequences=len(examples))  # fmt: skip
+            weights = token_weights(mask, g.loss_type, total_tokens=max(total_tokens, 1), total_sequences=len(examples),
+                                    max_new_tokens=g.max_new_tokens, micro_batches=len(batches))  # fmt: skip
             loss, stats = grpo_token_loss(logp, old_lp, ref_lp, batch["weights"], weights, clip_eps=g.clip_eps,
-                                          clip_eps_high=g.clip_eps_high or g.clip_eps, kl_coef=g.kl_coef)  # fmt: skip
+                                          clip_eps_high=g.clip_eps_high or g.clip_eps, kl_coef=g.kl_coef,
+                                          level=g.importance_sampling_level)  # fmt: skip
             loss.backward()
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
@@ -195,10 +229,16 @@ def _spread(values: list[float]) -> dict[str, float]:
 def rollout_metrics(rollouts, rewards, per_fn, advantages, group_sizes) -> dict:
     """Reward (total and per function), advantage and completion-length statistics of a batch."""
     lengths = [len(r.completion_ids) for r in rollouts]
-    record = {"reward_mean": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),
-              "advantage": _spread(advantages.tolist()), "completion_tokens": _spread(lengths),
-              "completion_tokens_total": sum(lengths), "flat_groups": flat_groups(group_sizes, advantages),
-              "groups": len(group_sizes)}  # fmt: skip
+    record = {
+        "reward_mean": statistics.fmean(rewards),
+        "reward_std": statistics.pstdev(rewards),
+        "advantage": _spread(advantages.tolist()),
+        "completion_tokens": _spread(lengths),
+        "completion_tokens_total": sum(lengths),
+        "flat_groups": flat_groups(group_sizes, advantages),
+        "groups": len(group_sizes),
+        "truncated_fraction": sum(r.truncated for r in rollouts) / len(rollouts),
+    }
     for name, values in per_fn.items():
         record[f"reward/{name}"] = {"mean": statistics.fmean(values), "std": statistics.pstdev(values)}
     return record
@@ -244,7 +284,8 @@ class RolloutSource:
 def write_rollouts(log: MetricsLog, step: int, rollouts, rewards, per_fn, advantages) -> None:
     for i, (r, reward, adv) in enumerate(zip(rollouts, rewards, advantages.tolist(), strict=True)):
         log.write({"step": step, "source": r.prompt.source, "group": r.group, "prompt": r.prompt.text,
-                   "completion": r.text, "completion_tokens": len(r.completion_ids), "reward": reward,
+                   "completion": r.text, "completion_tokens": len(r.completion_ids), "truncated": r.truncated,
+                   "reward": reward,
                    "rewards": {k: v[i] for k, v in per_fn.items()}, "advantage": adv})  # fmt: skip
 
 
@@ -259,8 +300,8 @@ def grpo_step(source: RolloutSource, batch: list, training: dict, pad_id: int, r
     advantages = group_advantages(torch.tensor(rewards), group_sizes, scale=cfg.grpo.scale_rewards,
                                   eps=cfg.grpo.std_eps)  # fmt: skip
     write_rollouts(rollout_log, step, rollouts, rewards, per_fn, advantages)
-    record = policy_update(model, training["optimizer"], training["scheduler"], rollout_examples(rollouts, advantages),
-                           cfg, pad_id)  # fmt: skip
+    examples = rollout_examples(rollouts, advantages, mask_truncated=cfg.grpo.mask_truncated_completions)
+    record = policy_update(model, training["optimizer"], training["scheduler"], examples, cfg, pad_id)
     record.update(rollout_metrics(rollouts, rewards, per_fn, advantages, group_sizes), step=step, lr=lr,
                   generation_s=t_gen, training_s=time.perf_counter() - t0 - t_gen, router_load=router_load(model),
                   sources=sorted({r.prompt.source for r in rollouts}))  # fmt: skip

@@ -35,6 +35,7 @@ class Rollout:
     group: int
     completion_ids: list[int]
     text: str
+    truncated: bool = False  # cut by max_new_tokens: no EOS, no stop string
 
 
 def _prompt_ids(row: dict, tokenizer, source: str) -> tuple[list[int], str]:
@@ -120,6 +121,13 @@ def completion_end(ids: list[int], tokenizer, eos_id: int, stop: list[str]) -> i
     return end
 
 
+def is_truncated(completion: list[int], tokenizer, *, max_new_tokens: int, stop: list[str]) -> bool:
+    """True when generation stopped at max_new_tokens, not at EOS or a stop string."""
+    if len(completion) < max_new_tokens or tokenizer.eos_token_id in completion:
+        return False
+    return not (stop and any(s in tokenizer.decode(completion) for s in stop))
+
+
 @torch.inference_mode()
 def sample_rollouts(model, tokenizer, prompts: list[PromptRow], cfg: GrpoSection) -> list[Rollout]:
     """G completions of each prompt from the current policy (adapters on, eval mode, KV cache).
@@ -141,7 +149,8 @@ def sample_rollouts(model, tokenizer, prompts: list[PromptRow], cfg: GrpoSection
         end = completion_end(gen, tokenizer, tokenizer.eos_token_id, cfg.stop)
         completion = gen[:end]
         text = tokenizer.decode(completion, skip_special_tokens=True)
-        rollouts.append(Rollout(prompts[i // cfg.group_size], i // cfg.group_size, completion, text))
+        truncated = is_truncated(completion, tokenizer, max_new_tokens=cfg.max_new_tokens, stop=cfg.stop)
+        rollouts.append(Rollout(prompts[i // cfg.group_size], i // cfg.group_size, completion, text, truncated))
     return rollouts
 
 
