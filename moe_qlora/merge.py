@@ -78,13 +78,32 @@ def linear_deltas(model) -> dict[str, torch.Tensor]:
     return deltas
 
 
-def expert_delta(module, stack: str) -> torch.Tensor:
-    """scale * B_e A_e for every expert of one stack, in the stack's storage layout: (E, out, in), or
-    (E, in, out) for transposed experts (GPT-OSS)."""
+def expert_delta(module, stack: str, e: int) -> torch.Tensor:
+    """scale * B_e A_e of expert e of one stack, fp32 in the stack's storage layout: (out, in), or (in, out)
+    for transposed experts (GPT-OSS)."""
     lora = module.moe_lora
     a, b = (lora.gate_up_a, lora.gate_up_b) if stack != "down_proj" else (lora.down_a, lora.down_b)
-    delta = torch.einsum("eor,eri->eoi", b.detach().float(), a.detach().float()) * lora.scale
-    return (delta.transpose(1, 2) if getattr(module, "is_transposed", False) else delta).cpu()
+    delta = (b[e].detach().float() @ a[e].detach().float()) * lora.scale
+    return (delta.T if getattr(module, "is_transposed", False) else delta).cpu()
+
+
+def merged_stack(module, key: str, stack: str, dtype: torch.dtype, report: MergeReport) -> torch.Tensor:
+    """W_e + scale * B_e A_e for every expert of a stack, (E, d1, d2) in `dtype`, built one expert at a time
+    (an fp32 copy of a whole stack is several times the 4-bit model); records each expert's ||delta||."""
+    import bitsandbytes as bnb
+
+    from .nf4 import NF4Stack, dequantize_expert
+
+    param = getattr(module, stack)
+    nf4 = NF4Stack.from_param(param) if isinstance(param, bnb.nn.Params4bit) else None
+    out = torch.empty(nf4.shape if nf4 is not None else param.shape, dtype=dtype)
+    for e in range(out.shape[0]):
+        weight = dequantize_expert(nf4, e) if nf4 is not None else param[e].detach().float()
+        delta = expert_delta(module, stack, e)
+        out[e] = weight.cpu() + delta
+        for part, part_delta in split_fused_gate_up(module, key, delta.unsqueeze(0), dim=1):
+            report.delta_norms.setdefault(part, []).extend(frobenius_norms(part_delta))
+    return out
 
 
 def merged_tensors(model, dtype: torch.dtype, report: MergeReport) -> Iterator[tuple[str, torch.Tensor]]:
@@ -94,25 +113,25 @@ def merged_tensors(model, dtype: torch.dtype, report: MergeReport) -> Iterator[t
     from .nf4 import dequantize_param
 
     deltas = linear_deltas(model)
-    stacks = {}
-    for name, module in experts_modules(model):
-        if getattr(module, "moe_lora", None) is not None:
-            for stack in stack_names(module):
-                stacks[f"{plain_key(name)}.{stack}"] = (module, stack)
+    stacks = {f"{plain_key(name)}.{stack}": (module, stack) for name, module in experts_modules(model)
+              if getattr(module, "moe_lora", None) is not None for stack in stack_names(module)}  # fmt: skip
+    split_modules = {f"{plain_key(name)}.gate_up_proj": module for name, module in experts_modules(model)
+                     if getattr(module, "moe_split_gate_up", False)}  # fmt: skip
     for name, p in model.named_parameters():
         if ".lora_" in name or ".moe_lora." in name:
             continue
         key = plain_key(name)
-        weight = dequantize_param(p) if isinstance(p, bnb.nn.Params4bit) else p.detach().float()
-        weight = weight.cpu()
-        delta = deltas.pop(key, None)
         if key in stacks:
-            delta = expert_delta(*stacks.pop(key))
-        if delta is not None and weight.is_floating_point():
-            weight = weight + delta  # never in place: `weight` may be the model's own parameter
-            for part, part_delta in split_fused_gate_up(model, key, delta):
-                report.delta_norms[part] = frobenius_norms(part_delta)
-        yield from split_fused_gate_up(model, key, weight.to(dtype) if weight.is_floating_point() else weight)
+            module, stack = stacks.pop(key)
+            weight = merged_stack(module, key, stack, dtype, report)
+        else:
+            weight = dequantize_param(p) if isinstance(p, bnb.nn.Params4bit) else p.detach().float()
+            weight = weight.cpu()
+            if (delta := deltas.pop(key, None)) is not None:
+                weight = weight + delta  # never in place: `weight` may be the model's own parameter
+                report.delta_norms[key] = frobenius_norms(delta)
+            weight = weight.to(dtype) if weight.is_floating_point() else weight
+        yield from split_fused_gate_up(split_modules.get(key), key, weight, dim=1)
     yield from persistent_buffers(model)
     left = sorted(deltas) + sorted(stacks)
     if left:
@@ -126,15 +145,16 @@ def frobenius_norms(delta: torch.Tensor) -> list[float]:
     return [float(torch.linalg.vector_norm(e, dtype=torch.float64)) for e in experts]
 
 
-def split_fused_gate_up(model, key: str, weight: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """Shared-expert stacks moe-qlora fused at load (gate_proj + up_proj) go back to the checkpoint's two."""
-    for name, module in experts_modules(model):
-        if getattr(module, "moe_split_gate_up", False) and key == f"{plain_key(name)}.gate_up_proj":
-            gate, up = weight.chunk(2, dim=1)
-            yield f"{plain_key(name)}.gate_proj", gate.contiguous()
-            yield f"{plain_key(name)}.up_proj", up.contiguous()
-            return
-    yield key, weight
+def split_fused_gate_up(module, key: str, weight: torch.Tensor, *, dim: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """A shared-expert stack moe-qlora fused at load ([gate; up] along `dim`) back to the checkpoint's
+    gate_proj and up_proj; anything else as it is."""
+    if module is None or not getattr(module, "moe_split_gate_up", False) or not key.endswith(".gate_up_proj"):
+        yield key, weight
+        return
+    prefix = key.removesuffix(".gate_up_proj")
+    gate, up = weight.chunk(2, dim=dim)
+    yield f"{prefix}.gate_proj", gate.contiguous()
+    yield f"{prefix}.up_proj", up.contiguous()
 
 
 def persistent_buffers(model) -> Iterator[tuple[str, torch.Tensor]]:

@@ -121,15 +121,14 @@ def test_every_expert_delta_is_reported(adapted, merged):
 
 def drop_one_expert(monkeypatch):
     """Broken control: the down_proj delta of the last expert of the second experts module is left out."""
-    real = merge_module.expert_delta
-    calls = []
+    real, modules = merge_module.expert_delta, []
 
-    def dropping(module, stack):
-        delta = real(module, stack)
-        calls.append(stack)
-        if stack == "down_proj" and calls.count("down_proj") == 2:
-            delta[-1] = 0
-        return delta
+    def dropping(module, stack, e):
+        delta = real(module, stack, e)
+        if stack == "down_proj" and module not in modules:
+            modules.append(module)
+        last = e == module.moe_lora.down_a.shape[0] - 1
+        return torch.zeros_like(delta) if stack == "down_proj" and modules.index(module) == 1 and last else delta
 
     monkeypatch.setattr(merge_module, "expert_delta", dropping)
 
