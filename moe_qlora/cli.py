@@ -101,8 +101,10 @@ def check_paths_before_loading(cfg) -> None:
     local = os.path.isabs(name) or name.startswith((".", "~")) or os.path.exists(name)
     if not local and not name.startswith("builtin:"):
         check_hub_model(name, ConfigError)
-    for f in cfg.data.train_files:
-        if not Path(f).exists():
+    from .datasources import entry_path, looks_local
+
+    for f in map(entry_path, [*cfg.data.train_files, *cfg.data.eval_files]):
+        if looks_local(f) and not Path(f).exists():
             raise ConfigError(f"data.train_files: {f}: no such file (relative paths are relative to the config)")
     out = Path(cfg.output.dir)
     if out.exists() and not out.is_dir():

@@ -72,8 +72,25 @@ class LoraSection(Section):
         return self
 
 
+class DataSource(Section):
+    """A dataset by name or folder, with the split and column mapping to read it with."""
+
+    path: str = Field(description="a data file, a folder (save_to_disk, or of data files), or a hub dataset id")
+    name: str | None = Field(None, description="the dataset's configuration (subset), if it has several")
+    split: str = Field("train", description="which split to read")
+    revision: str | None = Field(None, description="hub datasets: a branch, tag or commit")
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="our field -> the dataset's column, e.g. {prompt: question, completion: answer}",
+    )
+
+
 class DataSection(Section):
-    train_files: list[str] = Field(min_length=1, description="JSONL, JSON or parquet files")
+    train_files: list[str | DataSource] = Field(
+        min_length=1,
+        description="JSONL, JSON or parquet files, save_to_disk folders, or hub dataset ids (or "
+        "mappings {path, name, split, revision, columns})",
+    )
     format: Literal["auto", "prompt_completion", "messages", "text"] = Field(
         "auto", description="row format; auto decides per row from its keys"
     )
@@ -86,7 +103,10 @@ class DataSection(Section):
     max_dropped_share: float = Field(
         0.5, ge=0.0, le=1.0, description="stop if more than this share of rows is dropped (overlength, no target)"
     )
-    eval_files: list[str] = Field(default_factory=list, description="held-out rows for the eval loss")
+    packing: bool = Field(
+        False, description="pack rows into max_seq_len sequences (no padding; attention never crosses rows)"
+    )
+    eval_files: list[str | DataSource] = Field(default_factory=list, description="held-out rows for the eval loss")
     eval_fraction: float = Field(
         0.0, ge=0.0, lt=1.0, description="or hold out this share of the training rows (a seeded split, no overlap)"
     )
@@ -448,18 +468,28 @@ def resolve_paths(raw, base: Path):
     for section, key in PATH_KEYS:
         holder = out.get(section)
         if isinstance(holder, dict) and key in holder and holder[key] not in NOT_PATHS.get((section, key), ()):
-            value = holder[key]
-            holder[key] = [_absolute(v, base) for v in value] if isinstance(value, list) else _absolute(value, base)
+            value, hub_ids = holder[key], section == "data"
+            holder[key] = ([_absolute(v, base, hub_ids=hub_ids) for v in value] if isinstance(value, list)
+                           else _absolute(value, base, hub_ids=hub_ids))  # fmt: skip
     grpo = out.get("grpo")
     if isinstance(grpo, dict) and isinstance(grpo.get("rewards"), list):
         grpo["rewards"] = [_absolute_reward_file(r, base) for r in grpo["rewards"]]
     return out
 
 
-def _absolute(value, base: Path):
+def _absolute(value, base: Path, *, hub_ids: bool = False):
+    """A relative path made absolute against `base`. With `hub_ids` (data entries), a value that is no path
+    there and not named like a data file is a hub dataset id, left as it is; a mapping's `path` likewise."""
+    if isinstance(value, dict) and hub_ids:
+        return {**value, "path": _absolute(value.get("path"), base, hub_ids=True)}
     if not isinstance(value, str) or not value:
         return value
     path = Path(value).expanduser()
+    if hub_ids and not path.is_absolute() and not value.startswith((".", "~")):
+        from .datasources import looks_local
+
+        if not (base / path).exists() and not looks_local(value):
+            return value
     return os.path.normpath(path if path.is_absolute() else base / path)
 
 

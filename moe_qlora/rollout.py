@@ -13,6 +13,7 @@ from transformers import GenerationConfig
 
 from .config import DataSection, GrpoSection
 from .data import DataError, _check_messages, _ids, load_rows
+from .datasources import entry_path
 
 PROMPT_KEYS = ("prompt", "messages")
 
@@ -80,7 +81,7 @@ def load_prompts(cfg: DataSection, tokenizer, max_new_tokens: int) -> tuple[list
         columns = {k: v for k, v in row.items() if k not in PROMPT_KEYS}
         prompts.append(PromptRow(source, ids, text, columns))
     if not prompts:
-        raise DataError(f"no usable prompts in {', '.join(cfg.train_files)}")
+        raise DataError(f"no usable prompts in {', '.join(map(entry_path, cfg.train_files))}")
     return prompts, dropped
 
 
