@@ -83,8 +83,9 @@ def config_hash(resolved: dict) -> str:
 
 
 def dataset_fingerprint(examples) -> str:
-    """sha256 of the tokenized training data (source, ids, labels, weight) in order."""
-    return fingerprint([e.source, e.input_ids, e.labels, e.weight] for e in examples)
+    """sha256 of the tokenized training data (source, ids, labels, weight; packed rows' token weights) in order."""
+    return fingerprint([e.source, e.input_ids, e.labels, e.weight, *([e.token_weights] if e.token_weights else [])]
+                       for e in examples)  # fmt: skip
 
 
 def fingerprint(records) -> str:

@@ -1,4 +1,4 @@
-"""SFT data: rows from JSONL/JSON/parquet (through `datasets`) to masked token sequences and batches.
+"""SFT data: rows (datasources.py: files, folders, hub datasets) to masked token sequences and batches.
 
 Row formats: {"prompt", "completion"} (or "response"), {"messages": [...]} through the tokenizer's chat
 template, and {"text"}. Labels are -100 where no loss is taken (the prompt, unless train_on_prompt).
@@ -6,6 +6,7 @@ template, and {"text"}. Labels are -100 where no loss is taken (the prompt, unle
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import logging
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .config import DataSection, RewardSection
+from .datasources import entry_path, load_rows
 
 log = logging.getLogger(__name__)
 IGNORE = -100
@@ -36,6 +38,9 @@ class Example:
     labels: list[int]
     source: str
     weight: float = 1.0  # rwsft: the sample's loss weight, carried with it through shuffling and batching
+    # Packed rows (data.packing): positions restarting at 0 per row, and each token's row weight.
+    position_ids: list[int] | None = None
+    token_weights: list[float] | None = None
 
 
 @dataclass
@@ -48,15 +53,6 @@ class DataStats:
     formats: dict[str, int] = field(default_factory=dict)
 
 
-def _reader_for(path: Path) -> str:
-    suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".json"):
-        return "json"
-    if suffix == ".parquet":
-        return "parquet"
-    raise DataError(f"{path}: unsupported file type {suffix!r} (expected .jsonl, .json or .parquet)")
-
-
 def _first_bad_json_line(path: Path) -> str | None:
     with path.open(encoding="utf-8", errors="replace") as f:
         for n, line in enumerate(f, 1):
@@ -67,25 +63,6 @@ def _first_bad_json_line(path: Path) -> str | None:
                 except json.JSONDecodeError as exc:
                     return f"{path}:{n}: not valid JSON ({exc.msg})"
     return None
-
-
-def load_rows(files: list[str]) -> list[tuple[str, dict]]:
-    """All rows of all files, each with its 'file:row' (1-based) source, in file order."""
-    from datasets import load_dataset
-
-    rows = []
-    for name in files:
-        path = Path(name)
-        if not path.is_file():
-            raise DataError(f"{name}: data file not found")
-        reader = _reader_for(path)
-        try:
-            ds = load_dataset(reader, data_files=str(path), split="train")
-        except Exception as exc:  # datasets wraps parse errors in several types; find the line ourselves
-            bad = _first_bad_json_line(path) if path.suffix.lower() == ".jsonl" else None
-            raise DataError(bad or f"{name}: cannot be read as {reader}: {exc}") from None
-        rows.extend((f"{name}:{i + 1}", dict(row)) for i, row in enumerate(ds))
-    return rows
 
 
 def detect_format(row: dict, requested: str, source: str) -> str:
@@ -249,7 +226,7 @@ def build_examples(cfg: DataSection, tokenizer, *, rewards: bool = False) -> tup
         )
     if not examples:
         raise DataError(
-            f"no trainable rows in {', '.join(cfg.train_files)} ({stats.rows} read, "
+            f"no trainable rows in {', '.join(map(entry_path, cfg.train_files))} ({stats.rows} read, "
             f"{stats.dropped_overlength} over max_seq_len, {stats.dropped_no_target} with no target left)"
         )
     return examples, stats
@@ -275,7 +252,8 @@ def epoch_order(num_examples: int, *, seed: int, epoch: int) -> list[int]:
 
 
 def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded batch: input_ids, labels (-100 on padding), attention_mask (B, L); weights (B,)."""
+    """Right-padded batch: input_ids, labels (-100 on padding), attention_mask (B, L); weights (B,). Packed
+    examples add position_ids (padding continues as a row of its own) and token_weights (B, L)."""
     length = max(len(e.input_ids) for e in examples)
     ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), length), IGNORE, dtype=torch.long)
@@ -286,7 +264,51 @@ def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
         labels[i, :n] = torch.tensor(e.labels)
         mask[i, :n] = 1
     weights = torch.tensor([e.weight for e in examples], dtype=torch.float32)
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask, "weights": weights}
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": mask, "weights": weights}
+    if any(e.position_ids is not None for e in examples):
+        batch["position_ids"] = torch.arange(length).repeat(len(examples), 1)
+        batch["token_weights"] = torch.zeros((len(examples), length), dtype=torch.float32)
+        for i, e in enumerate(examples):
+            n = len(e.input_ids)
+            batch["position_ids"][i, :n] = torch.tensor(e.position_ids)
+            batch["token_weights"][i, :n] = torch.tensor(e.token_weights)
+    return batch
+
+
+def pack_examples(examples: list[Example], max_len: int) -> list[Example]:
+    """Rows packed into sequences of at most `max_len` tokens by best-fit decreasing (longest rows first,
+    each into the fullest sequence it fits; ties by file order, so packing is deterministic).
+
+    Each row keeps its positions (restarting at 0, so transformers masks attention block-diagonally from
+    position_ids), its label masking and its weight on every one of its tokens. The first token of each row
+    gets no label: it would be predicted from the previous row's last token, which a row alone never does.
+    """
+    order = sorted(range(len(examples)), key=lambda i: (-len(examples[i].input_ids), i))
+    bins: list[list[int]] = []
+    by_room: list[tuple[int, int]] = []  # (room left, bin), sorted: the best fit is the first with room >= n
+    for i in order:
+        n = len(examples[i].input_ids)
+        at = bisect.bisect_left(by_room, (n, -1))
+        if at < len(by_room):
+            room, b = by_room.pop(at)
+            bins[b].append(i)
+        else:
+            room, b = max_len, len(bins)
+            bins.append([i])
+        bisect.insort(by_room, (room - n, b))
+    return [_packed(sorted(members), examples) for members in sorted(bins, key=min)]
+
+
+def _packed(members: list[int], examples: list[Example]) -> Example:
+    ids, labels, positions, weights = [], [], [], []
+    for i in members:
+        e = examples[i]
+        ids += e.input_ids
+        labels += [IGNORE] + e.labels[1:]
+        positions += list(range(len(e.input_ids)))
+        weights += [e.weight] * len(e.input_ids)
+    source = "+".join(examples[i].source for i in members)
+    return Example(ids, labels, source, 1.0, position_ids=positions, token_weights=weights)
 
 
 def micro_batches(examples: list[Example], order: list[int], size: int) -> Iterator[list[Example]]:

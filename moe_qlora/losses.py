@@ -117,6 +117,10 @@ def token_logprobs(model, batch, *, scale: float = 1.0, chunk: int = 0, **model_
     targets = batch["labels"][:, 1:]
     mask = targets != IGNORE
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask"), "use_cache": False}
+    if batch.get("position_ids") is not None:
+        # Packed rows: no 2D mask, so transformers builds the block-diagonal causal mask from the positions
+        # (sdpa / eager) or runs variable-length flash attention.
+        inputs.update(attention_mask=None, position_ids=batch["position_ids"])
     if chunk and _chunking_allowed(model, batch):
         head = model.get_output_embeddings()
         with _head_as_identity(model):

@@ -2,6 +2,7 @@
 
     python scripts/bench_train.py                       # issue preset: Mixtral arch, seq 512
     python scripts/bench_train.py --preset qwen3 --seq 1024 --json out.json
+    python scripts/bench_train.py --preset qwen3 --seq 1024 --packing   # tokens/s padded vs packed rows
 
 Each contender runs in its own subprocess (so its peak RSS is its own) on the same generated checkpoint,
 the same tokens and the same loss code: a step is forward + backward + AdamW, batch 1, expert LoRA r8,
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -145,6 +147,79 @@ def worker(name: str, preset: str, seq: int, steps: int, double_quant: bool, los
     }  # fmt: skip
 
 
+def spread_rows(seq: int, count: int, vocab: int):
+    """`count` rows with an instruction-tuning length spread: log-normal, median seq/5, from 16 to seq tokens;
+    the first quarter of each row is prompt (no loss)."""
+    from moe_qlora.data import IGNORE, Example
+
+    g = torch.Generator().manual_seed(0)
+    lengths = (torch.randn(count, generator=g) * 0.8 + math.log(seq / 5)).exp().clamp(16, seq).long().tolist()
+    rows = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(10, vocab, (n,), generator=g).tolist()
+        rows.append(Example(ids, [IGNORE] * (n // 4) + ids[n // 4 :], f"row:{i}"))
+    return rows
+
+
+def packing_worker(mode: str, preset: str, seq: int, rows_count: int, batch_rows: int, loss_chunk: int) -> dict:
+    """One epoch over the same rows: padded micro-batches of `batch_rows` rows, or rows packed into `seq`-token
+    sequences (one per micro-batch); an optimizer step per micro-batch. Tokens/s counts real tokens only."""
+    from moe_qlora.data import collate, pack_examples
+    from moe_qlora.memory import peak_rss_mib, release_freed_memory
+    from moe_qlora.trainer import token_loss_sum
+
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1)))
+    model = setup_moe_qlora(ensure_checkpoint(preset), torch.float32, True)
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    rows = spread_rows(seq, rows_count, PRESETS[preset]["vocab"])
+    if mode == "packed":
+        batches = [collate([p], pad_id=0) for p in pack_examples(rows, seq)]
+    else:
+        batches = [collate(rows[i : i + batch_rows], pad_id=0) for i in range(0, len(rows), batch_rows)]
+    real = sum(len(r.input_ids) for r in rows)
+    t = time.perf_counter()
+    for batch in batches:
+        loss, n, _ = token_loss_sum(model, batch, loss_chunk=loss_chunk)
+        (loss / n).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        release_freed_memory()
+    seconds = time.perf_counter() - t
+    computed = sum(b["input_ids"].numel() for b in batches)
+    return {"mode": mode, "rows": len(rows), "micro_batches": len(batches), "real_tokens": real,
+            "computed_tokens": computed, "padding_share": round(1 - real / computed, 3),
+            "seconds": round(seconds, 1), "tokens_per_s": round(real / seconds, 1),
+            "peak_rss_mib": round(peak_rss_mib(), 1)}  # fmt: skip
+
+
+def run_packing(args) -> list[dict]:
+    results = []
+    for mode in ("padded", "packed"):
+        cmd = [sys.executable, __file__, "--packing-worker", mode, "--preset", args.preset, "--seq", str(args.seq),
+               "--rows", str(args.rows), "--batch-rows", str(args.batch_rows),
+               "--loss-chunk", str(args.loss_chunk)]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0
+                       else {"mode": mode, "error": proc.stderr.strip().splitlines()[-1]})  # fmt: skip
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{args.preset}: {args.rows} rows, log-normal lengths 16..{args.seq} (median "
+                        f"{args.seq // 5}); padded: {args.batch_rows} rows a micro-batch; packed: {args.seq}-token "
+                        "sequences")  # fmt: skip
+    for col in ("mode", "micro-batches", "padding", "s / epoch", "tokens/s", "peak RSS MiB"):
+        table.add_column(col, justify="right")
+    for r in results:
+        if "error" in r:
+            table.add_row(r["mode"], "error: " + r["error"][:80], "", "", "", "")
+            continue
+        table.add_row(r["mode"], str(r["micro_batches"]), f"{r['padding_share']:.0%}", f"{r['seconds']:.1f}",
+                      f"{r['tokens_per_s']:.0f}", f"{r['peak_rss_mib']:.0f}")  # fmt: skip
+    Console(width=150).print(table)
+    return results
+
+
 def run_contender(name, args) -> dict:
     env = {**os.environ, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [
@@ -209,8 +284,28 @@ def main():
         "--single-quant", action="store_true", help="no double quantization (the default is on, as in QLoRA)"
     )
     ap.add_argument("--loss-chunk", type=int, default=1024, help="train.loss_chunk_tokens (0: full logits)")
+    ap.add_argument("--packing", action="store_true", help="tokens/s of padded against packed rows (moe-qlora)")
+    ap.add_argument("--rows", type=int, default=48, help="--packing: rows in the dataset")
+    ap.add_argument("--batch-rows", type=int, default=4, help="--packing: rows per padded micro-batch")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--packing-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.packing_worker:
+        import logging
+
+        logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+        print(json.dumps(packing_worker(args.packing_worker, args.preset, args.seq, args.rows, args.batch_rows,
+                                        args.loss_chunk)))  # fmt: skip
+        return
+    if args.packing:
+        ensure_checkpoint(args.preset)
+        results = run_packing(args)
+        payload = {"preset": args.preset, "seq": args.seq, "rows": args.rows, "batch_rows": args.batch_rows,
+                   "packing": results}  # fmt: skip
+        print(json.dumps(payload))
+        if args.json:
+            Path(args.json).write_text(json.dumps(payload, indent=2))
+        return
     if args.worker:
         import logging
 
