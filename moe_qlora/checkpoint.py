@@ -71,7 +71,17 @@ def sha256_file(path: Path) -> str:
 
 
 # train keys that change when and where a run saves or logs, never what it computes.
-BOOKKEEPING = {"resume", "save_every", "save_every_minutes", "keep_checkpoints", "log_every", "eval_every", "keep_best"}
+BOOKKEEPING = {
+    "resume",
+    "save_every",
+    "save_every_minutes",
+    "keep_checkpoints",
+    "log_every",
+    "eval_every",
+    "keep_best",
+    "dist_timeout_s",
+    "parallel",
+}
 
 
 def config_hash(resolved: dict) -> str:

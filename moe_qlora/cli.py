@@ -1,4 +1,4 @@
-"""Command line: `moe-qlora train`, `grpo`, `plan`, `check-norms`, `export`, `merge`, `generate`.
+"""Command line: `moe-qlora train`, `grpo`, `plan`, `check-norms`, `plot`, `export`, `merge`, `generate`.
 
 A user error (bad config, bad data, missing model, unreadable adapter) prints one sentence and exits 2; an
 aborted run, or an adapter that would not load as trained, exits 1. `--debug` shows the traceback instead.
@@ -49,6 +49,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from .config import ConfigError
     from .data import DataError
     from .diagnostics import AdapterReadError
+    from .distributed import RankFailed
     from .experts import UnsupportedExpertsError
     from .export import AdapterMismatchError
     from .loading import ModelLoadError
@@ -57,7 +58,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
     return (
         AdapterMismatchError, CheckpointError, ConfigError, DataError, AdapterReadError, ModelLoadError,
-        UnsupportedExpertsError, QuantizationLayoutError, RewardError, FileNotFoundError,
+        UnsupportedExpertsError, QuantizationLayoutError, RewardError, FileNotFoundError, RankFailed,
     )  # fmt: skip
 
 
@@ -106,6 +107,10 @@ def check_paths_before_loading(cfg) -> None:
     for f in map(entry_path, [*cfg.data.train_files, *cfg.data.eval_files]):
         if looks_local(f) and not Path(f).exists():
             raise ConfigError(f"data.train_files: {f}: no such file (relative paths are relative to the config)")
+    from .reporting import missing_reporters
+
+    if missing := missing_reporters(cfg.output.report_to):
+        raise ConfigError(missing[0])
     out = Path(cfg.output.dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output.dir: {out} is a file, not a folder")
@@ -130,6 +135,11 @@ def _run(command: str, config: str, overrides: list[str], *, dry_run, resume, re
         cfg = load_config(config, [*overrides, *resumes])
         if command == "grpo" and cfg.grpo is None:
             raise ConfigError(f"{config}: no `grpo:` section; moe-qlora grpo needs at least grpo.rewards")
+        if command == "grpo" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError("moe-qlora grpo runs in one process for now; launch it without torchrun")
+        if cfg.train.parallel == "fsdp" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError("train.parallel: fsdp (sharded 4-bit experts) is not implemented yet; use ddp, with "
+                              "the whole 4-bit model on each GPU")  # fmt: skip
         check_paths_before_loading(cfg)
     except ConfigError as exc:  # (its subclasses too) before the heavy imports _user_errors makes
         _fail(exc, debug)
@@ -141,7 +151,7 @@ def _run(command: str, config: str, overrides: list[str], *, dry_run, resume, re
         return
     from .export import AdapterVerificationError
     from .runs import RunInterrupted
-    from .trainer import TrainingAborted
+    from .session import TrainingAborted
 
     if command == "grpo":
         from .grpo import grpo as run
@@ -246,21 +256,59 @@ def check_norms_cmd(
     adapter: str = typer.Argument(..., help="adapter_model.safetensors, or the folder holding it"),
     as_json: bool = typer.Option(False, "--json", help="print JSON (every row) instead of a table"),
     per_expert: bool = typer.Option(False, "--per-expert", help="one row per expert instead of per module"),
+    run: str = typer.Option(
+        None,
+        "--run",
+        help="the run's output.dir: cross-check experts with its router load "
+        "(default: the adapter's parent folder, when it holds a run)",
+    ),  # fmt: skip
     debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
 ):
     """Norms of every LoRA factor, summarised per module and layer over experts (--per-expert: every one);
-    exit 0 healthy, 1 problems, 2 unreadable."""
-    from .diagnostics import AdapterReadError, check_norms, render_summary, render_table, report_json
+    with a run's router load, experts never routed or routed but never trained are named. Exit 0 healthy,
+    1 problems, 2 unreadable."""
+    from .diagnostics import (
+        ROUTER_LAYERS,
+        AdapterReadError,
+        check_norms,
+        cross_check_router,
+        render_summary,
+        render_table,
+        report_json,
+    )
 
     try:
         report = check_norms(adapter)
+        parent = Path(adapter).resolve().parent if Path(adapter).is_dir() else Path(adapter).resolve().parent.parent
+        run = run or (str(parent) if (parent / ROUTER_LAYERS).is_file() else None)
+        steps = cross_check_router(report, run) if run else None
     except AdapterReadError as exc:
         _fail(exc, debug)
+    if steps is not None and not as_json:
+        console.print(f"router load: {steps} logged steps of {run}", highlight=False)
     if as_json:
         sys.stdout.write(report_json(report) + "\n")
     else:
         (render_table if per_expert else render_summary)(report, console)
     raise typer.Exit(0 if report.healthy else 1)
+
+
+@app.command("plot")
+def plot_cmd(
+    run: str = typer.Argument(..., help="a run's output.dir (or its metrics.jsonl)"),
+    out: str = typer.Option(None, "--out", "-o", help="folder for the PNGs (default: RUN/plots)"),
+    debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
+):
+    """PNGs of a run's metrics: loss and eval loss, lr, grad norm, router load per layer; reward, KL and
+    completion length for GRPO."""
+    from .plots import PlotError, plot_run
+
+    try:
+        written = plot_run(run, out)
+    except PlotError as exc:
+        _fail(exc, debug)
+    for path in written:
+        console.print(str(path), highlight=False)
 
 
 EXPORT_EPILOG = """Examples:

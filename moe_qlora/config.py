@@ -164,6 +164,14 @@ class TrainSection(Section):
     checkpoint_interval: int = Field(1, ge=1, description="checkpoint every Nth decoder layer")
     seed: int = 0
     log_every: int = Field(1, ge=1)
+    parallel: Literal["auto", "ddp", "fsdp"] = Field(
+        "auto",
+        description="under torchrun: ddp (the whole 4-bit model on every rank, LoRA gradients summed); "
+        "auto: ddp; fsdp: sharded experts (not implemented yet)",
+    )
+    dist_timeout_s: int = Field(
+        600, ge=10, description="data parallel: a rank waiting longer than this for the others stops the run"
+    )
     nan_policy: Literal["abort", "skip"] = Field(
         "abort", description="a non-finite loss or gradient: stop, or skip the step (no weight or moment changes)"
     )
@@ -261,6 +269,12 @@ class OutputSection(Section):
         description="also write the adapter in these layouts at the end: per-expert (adapter-per-expert/, for "
         "vLLM / SGLang), gguf (adapter.gguf, for llama.cpp); the same as `moe-qlora export`",
     )
+    report_to: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(
+        default_factory=lambda: ["jsonl"],
+        description="where metrics go besides metrics.jsonl (always written): tensorboard (event files in "
+        "tensorboard/), wandb (Weights & Biases; WANDB_MODE=offline keeps it on disk)",
+    )
+    wandb_project: str = Field("moe-qlora", description="the W&B project of the run (named after output.dir)")
 
 
 class RunConfig(Section):

@@ -295,3 +295,51 @@ def render_table(report: NormReport, console) -> None:
         )  # fmt: skip
     console.print(table)
     _render_verdict(report, console)
+
+
+# ------------------------------------------------------------------------------ router load of the run
+
+ROUTER_LAYERS = "router_layers.json"  # written by train / grpo: the experts modules in router_load's order
+
+
+def routed_shares(run_dir: Path) -> tuple[dict[str, list[float]], int]:
+    """({experts module: each expert's share of routed rows summed over the logged steps}, steps) from a run's
+    metrics.jsonl and router_layers.json."""
+    layers_file, metrics = run_dir / ROUTER_LAYERS, run_dir / "metrics.jsonl"
+    for f in (layers_file, metrics):
+        if not f.is_file():
+            raise AdapterReadError(f"{f}: not there; --run takes the output.dir of a train or grpo run")
+    names = [n.removeprefix("base_model.model.") for n in json.loads(layers_file.read_text())]
+    totals: dict[str, list[float]] = {}
+    steps = 0
+    for line in metrics.read_text().splitlines():
+        load = json.loads(line).get("router_load") if line.strip() else None
+        if not load:
+            continue
+        steps += 1
+        for name, shares in zip(names, load, strict=True):
+            totals[name] = [a + b for a, b in zip(totals.get(name, [0.0] * len(shares)), shares, strict=True)]
+    return totals, steps
+
+
+def cross_check_router(report: NormReport, run_dir: str | Path) -> int:
+    """Flag experts whose LoRA and router load disagree; returns the logged steps read.
+
+    Never routed a token: its LoRA cannot have learned (B stays 0), which is a dead expert of the router,
+    not a bug of the adapter; non-zero factors then mean another run's adapter. Routed but B still zero:
+    its gradient never arrived, which is a bug."""
+    totals, steps = routed_shares(Path(run_dir))
+    for row in report.rows:
+        shares = totals.get(row.module.rsplit(".", 1)[0]) if row.expert is not None else None
+        if shares is None or row.expert >= len(shares):
+            continue
+        untrained = any("lora_B is all zero" in issue for issue in row.issues)
+        if shares[row.expert] == 0 and untrained:
+            row.issues.append(f"never routed a token in the {steps} logged steps: the router never chose it")
+        elif shares[row.expert] == 0:
+            row.issues.append(f"never routed a token in the {steps} logged steps, yet its LoRA is not zero "
+                              "(an adapter from another run?)")  # fmt: skip
+        elif untrained:
+            row.issues.append(f"routed {shares[row.expert] / steps:.2%} of rows on average, yet lora_B is all "
+                              "zero: its gradient never reached it")  # fmt: skip
+    return steps

@@ -22,6 +22,23 @@ def current_umask() -> int:
     return mask
 
 
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """`text` into `path` through a temporary file beside it and a rename."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~current_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
 @contextmanager
 def atomic_dir(target: str | Path):
     """Yield a temporary folder beside `target`; on success it replaces `target` by rename.

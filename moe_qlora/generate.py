@@ -70,7 +70,7 @@ def trained_quantization(adapter_dir: Path) -> dict[str, bool]:
 
 def load_for_generation(adapter_dir: str | Path, console: Console, *, device: str = "auto", kernels: str = "auto"):
     """(model with the adapter loaded, tokenizer)."""
-    from .trainer import load_policy, load_tokenizer
+    from .session import load_policy, load_tokenizer
 
     adapter_dir = Path(adapter_dir)
     cfg = run_config_for(adapter_dir, device=device, kernels=kernels)

@@ -26,11 +26,11 @@ from .config import ConfigError, RunConfig
 from .data import IGNORE, Example, collate, epoch_order
 from .losses import token_logprobs as chunked_token_logprobs
 from .optim import build_optimizer
+from .reporting import MetricsLog, Reporters
 from .rewards import flat_groups, group_advantages, resolve_reward, score
 from .rollout import Rollout, load_offline_groups, load_prompts, offline_rollouts, sample_rollouts
 from .runs import CheckpointPolicy, RunSummary, StopSignals, claim_output_dir, plain_progress_line
-from .trainer import (
-    MetricsLog,
+from .session import (
     after_step,
     apply_update,
     build_schedule,
@@ -41,6 +41,7 @@ from .trainer import (
     seed_everything,
     stop_if_asked,
     write_adapter,
+    write_router_layers,
 )
 
 
@@ -314,7 +315,8 @@ def run_grpo_steps(source: RolloutSource, training: dict, *, total: int, done: R
     metrics, rollouts, checkpoints by steps and minutes, and a checkpoint then RunInterrupted on a signal.
     Returns the mean rewards of this invocation and the completion tokens it trained on."""
     cfg = source.cfg
-    metrics, rollout_log = MetricsLog(out / "metrics.jsonl"), MetricsLog(out / "rollouts.jsonl")
+    metrics = Reporters(out, cfg.output.report_to, project=cfg.output.wandb_project, config=cfg.model_dump(mode="json"))
+    rollout_log = MetricsLog(out / "rollouts.jsonl")
     reward_means, tokens, start, first = [], 0, time.perf_counter(), done.step
     policy = CheckpointPolicy(cfg.train.save_every, cfg.train.save_every_minutes)
     columns = [TextColumn("[bold]grpo"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
@@ -371,6 +373,7 @@ def grpo(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool
         model_path, tokenizer = load_tokenizer(cfg)
         source = RolloutSource(cfg, tokenizer, console)
         model, params = load_policy(cfg, model_path, console)
+        write_router_layers(out, model)
         seed_everything(cfg.train.seed)  # what loading consumed must not matter
         optimizer = build_optimizer(params, cfg.train)
         total = count_grpo_steps(len(source.items), cfg)

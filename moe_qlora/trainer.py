@@ -6,35 +6,24 @@ number of target tokens in the whole step, so the step's gradient equals that of
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import math
-import os
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from transformers import AutoTokenizer
 
-from .adapters import attach_adapters, configure_checkpointing, expert_loras, trainable_parameters
 from .checkpoint import (
-    CheckpointError,
     RunProgress,
-    checkpoint_dirs,
     config_hash,
     dataset_fingerprint,
-    latest_valid_checkpoint,
-    load_checkpoint,
     save_checkpoint,
-    verify,
 )
-from .config import ConfigError, RunConfig, resolve_compute_dtype
+from .config import ConfigError, RunConfig
 from .data import (
     IGNORE,
     Example,
@@ -46,39 +35,35 @@ from .data import (
     micro_batches,
     pack_examples,
 )
-from .experts import set_moe_kernels
-from .export import load_adapter, save_adapter, verify_adapter
-from .loading import LoadOptions, check_model_path, load_model, parameter_bytes_by_kind
+from .distributed import SINGLE, Ranks, join, leave, raise_together, sum_gradients, sum_scalars
+from .export import save_adapter
 from .losses import token_logprobs
 from .memory import release_freed_memory
-from .optim import StepInBackward, build_optimizer, clip_global_norm, lr_multiplier
+from .optim import StepInBackward, build_optimizer
+from .reporting import NoReporters, Reporters
 from .runs import (
     CheckpointPolicy,
-    RunInterrupted,
     RunSummary,
     StopSignals,
     claim_output_dir,
     plain_progress_line,
 )
+from .session import (
+    after_step,
+    apply_update,
+    build_schedule,
+    load_policy,
+    load_tokenizer,
+    resume_if_asked,
+    router_load,
+    seed_everything,
+    stop_if_asked,
+    write_adapter,
+    write_router_layers,
+)
 from .tiny import resolve_model_path
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-class MetricsLog:
-    """Append-only JSONL of metrics, one object a line, flushed at once (a crash keeps what was logged)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._file = path.open("a", encoding="utf-8")
-
-    def write(self, record: dict) -> None:
-        self._file.write(json.dumps(record, allow_nan=True) + "\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
 
 
 @dataclass
@@ -113,14 +98,17 @@ def token_loss_sum(
     return loss, int((targets != IGNORE).sum()), None if aux is None else float(aux.detach())
 
 
-def optimizer_steps(examples: list[Example], cfg: RunConfig):
-    """Yield (epoch, [micro-batches]) per optimizer step, each epoch in its own seeded order."""
+def optimizer_steps(examples: list[Example], cfg: RunConfig, ranks: Ranks = SINGLE):
+    """Yield (epoch, [micro-batches]) per optimizer step, each epoch in its own seeded order. With several
+    ranks a global micro-batch holds micro_batch_size x ranks examples and this rank takes its slice, so the
+    global batch is the same whatever the world size (a slice may be short, or empty, at an epoch's end)."""
     t = cfg.train
+    size = t.micro_batch_size
     for epoch in range(t.epochs):
         order = epoch_order(len(examples), seed=t.seed, epoch=epoch)
         group = []
-        for mb in micro_batches(examples, order, t.micro_batch_size):
-            group.append(mb)
+        for mb in micro_batches(examples, order, size * ranks.world):
+            group.append(mb[ranks.rank * size : (ranks.rank + 1) * size])
             if len(group) == t.grad_accum:
                 yield epoch, group
                 group = []
@@ -128,19 +116,21 @@ def optimizer_steps(examples: list[Example], cfg: RunConfig):
             yield epoch, group
 
 
-def count_steps(num_examples: int, cfg: RunConfig) -> int:
+def count_steps(num_examples: int, cfg: RunConfig, world: int = 1) -> int:
     t = cfg.train
-    per_epoch = math.ceil(math.ceil(num_examples / t.micro_batch_size) / t.grad_accum)
+    per_epoch = math.ceil(math.ceil(num_examples / (t.micro_batch_size * world)) / t.grad_accum)
     total = per_epoch * t.epochs
     return min(total, t.max_steps) if t.max_steps else total
 
 
 def accumulate_gradients(
-    model, batches: list[dict[str, torch.Tensor]], *, loss_chunk: int = 0
+    model, batches: list[dict[str, torch.Tensor]], *, loss_chunk: int = 0, ranks: Ranks = SINGLE
 ) -> tuple[float, int, float | None]:
-    """Backward over micro-batches, each scaled by 1/N with N the target tokens of all of them together,
-    so the gradient is that of the mean token loss over the whole step. Returns (mean loss, N, mean aux loss)."""
-    n_targets = sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in batches)
+    """Backward over micro-batches, each scaled by 1/N with N the target tokens of all of them together (on
+    every rank), so the gradient is that of the mean token loss over the whole step; with several ranks the
+    gradients are then summed across them. Returns (mean loss, N, mean aux loss)."""
+    local = sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in batches)
+    n_targets = int(sum_scalars(ranks, local)[0])
     total, aux = 0.0, []
     for batch in batches:
         loss_sum, _, aux_loss = token_loss_sum(model, batch, loss_chunk=loss_chunk)
@@ -148,20 +138,10 @@ def accumulate_gradients(
         total += float(loss_sum.detach())
         if aux_loss is not None:
             aux.append(aux_loss)
+    if ranks.enabled:
+        (total,) = sum_scalars(ranks, total)
+        sum_gradients(ranks, [p for p in model.parameters() if p.requires_grad])
     return total / n_targets, n_targets, (sum(aux) / len(aux) if aux else None)
-
-
-def apply_update(optimizer, loss: float, train_cfg) -> tuple[float, bool]:
-    """Clip and take the optimizer step on the accumulated gradients unless the loss or the gradient is not
-    finite; returns (pre-clip gradient norm, skipped). Gradients are cleared either way."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    grad_norm = clip_global_norm(params, train_cfg.max_grad_norm)  # measured before any clipping
-    skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
-    if not skipped:  # checked before the step: a non-finite one reaches no weight and no AdamW moment
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    release_freed_memory()
-    return grad_norm, skipped
 
 
 def backward_with_updates(model, stepper: StepInBackward, batch: dict[str, torch.Tensor], *, loss_chunk: int = 0):
@@ -180,68 +160,24 @@ def backward_with_updates(model, stepper: StepInBackward, batch: dict[str, torch
     return loss, n_targets, aux_loss, grad_norm, skipped
 
 
-def train_step(model, optimizer, group, pad_id: int, train_cfg, stepper: StepInBackward | None = None) -> dict:
+def train_step(model, optimizer, group, pad_id: int, train_cfg, stepper: StepInBackward | None = None,
+               ranks: Ranks = SINGLE) -> dict:  # fmt: skip
     """One optimizer step over the micro-batches in `group` (inside the backward with `stepper`); returns
     its metrics."""
     device = next(model.parameters()).device
-    batches = [{k: v.to(device) for k, v in collate(mb, pad_id).items()} for mb in group]
+    batches = [{k: v.to(device) for k, v in collate(mb, pad_id).items()} for mb in group if mb]
     if stepper is not None:
         (batch,) = batches  # grad_accum is 1 (config.py refuses more)
         loss, n_targets, aux_loss, grad_norm, skipped = backward_with_updates(
             model, stepper, batch, loss_chunk=train_cfg.loss_chunk_tokens
         )
     else:
-        loss, n_targets, aux_loss = accumulate_gradients(model, batches, loss_chunk=train_cfg.loss_chunk_tokens)
+        loss, n_targets, aux_loss = accumulate_gradients(model, batches, loss_chunk=train_cfg.loss_chunk_tokens,
+                                                         ranks=ranks)  # fmt: skip
         grad_norm, skipped = apply_update(optimizer, loss, train_cfg)
-    tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+    tokens = int(sum_scalars(ranks, sum(int(b["attention_mask"].sum()) for b in batches))[0])
     return {"loss": loss, "grad_norm": grad_norm, "target_tokens": n_targets, "tokens": tokens, "skipped": skipped,
             "aux_loss": aux_loss}  # fmt: skip
-
-
-class TrainingAborted(RuntimeError):
-    """The run stopped on purpose (non-finite loss); the message says where and on which samples."""
-
-
-def after_step(record: dict, sources: list[str], done: RunProgress, cfg, *, spikes: bool = True) -> RunProgress:
-    """Apply the NaN policy and (if `spikes`) loss-spike detection to a finished step; returns the new progress.
-    sources: 'file:row' of the step's samples, named when the step is not finite."""
-    t = cfg.train
-    if record["skipped"]:
-        samples = ", ".join(sources)
-        where = f"step {record['step']}: loss {record['loss']}, grad norm {record['grad_norm']}, samples {samples}"
-        consecutive = done.consecutive_skips + 1
-        if t.nan_policy == "abort":
-            raise TrainingAborted(f"non-finite loss or gradient at {where} (nan_policy: abort)")
-        if consecutive >= t.max_consecutive_skips:
-            raise TrainingAborted(f"{consecutive} non-finite steps in a row, the last at {where}")
-        return RunProgress(step=record["step"], epoch=record["epoch"], skipped_steps=done.skipped_steps + 1,
-                           consecutive_skips=consecutive, loss_ema=done.loss_ema)  # fmt: skip
-    ema = done.loss_ema
-    if spikes and t.spike_factor and ema is not None and record["step"] > 10 and record["loss"] > t.spike_factor * ema:
-        record["event"] = "loss_spike"
-    ema = record["loss"] if ema is None else 0.9 * ema + 0.1 * record["loss"]
-    return RunProgress(step=record["step"], epoch=record["epoch"], skipped_steps=done.skipped_steps, loss_ema=ema)
-
-
-def router_load(model) -> list[list[float]]:
-    """Share of routed rows per expert, per MoE layer, since the last call (then reset)."""
-    loads = []
-    for _, lora in expert_loras(model):
-        counts = lora.routed_rows.double()
-        shares = (counts / counts.sum().clamp(min=1)).tolist()  # one device sync per layer, not per expert
-        loads.append([round(s, 4) for s in shares])
-        lora.routed_rows.zero_()
-    return loads
-
-
-def load_tokenizer(cfg: RunConfig):
-    """(resolved model path, tokenizer with a pad token)."""
-    model_path = resolve_model_path(cfg.model.name_or_path)
-    check_model_path(model_path)
-    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model_path, tokenizer
 
 
 def prepare(cfg: RunConfig, console: Console):
@@ -357,123 +293,10 @@ def best_eval_so_far(metrics_path: Path) -> float:
     return min(values, default=math.inf)
 
 
-def load_policy(cfg: RunConfig, model_path: str, console: Console):
-    """The quantized model with its adapters (new, or from lora.init_from) and checkpointing; (model, params)."""
-    device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    opts = LoadOptions(
-        device=device,
-        name_or_path=model_path,
-        compute_dtype=DTYPES[resolve_compute_dtype(cfg.model.compute_dtype, device)],
-        expert_double_quant=cfg.model.expert_double_quant,
-        linear_double_quant=cfg.model.linear_double_quant,
-        trust_remote_code=cfg.model.trust_remote_code,
-        strict=cfg.model.strict_quantization,
-    )
-    model = attach_adapters(load_model(opts), cfg.lora, seed=cfg.train.seed)
-    kernels = resolve_kernels(cfg.model.kernels, device)
-    if set_moe_kernels(model, kernels, fused_below_rows=cfg.model.fused_below_rows,
-                       dequant_buffer_mb=cfg.model.dequant_buffer_mb):  # fmt: skip
-        console.print(f"MoE kernels: {describe_kernels(kernels, cfg.model.fused_below_rows)}"
-                      + (" (model.kernels: auto)" if cfg.model.kernels == "auto" else ""))  # fmt: skip
-    if cfg.lora.init_from:
-        n = load_adapter(model, cfg.lora.init_from, cfg.lora)
-        console.print(f"LoRA initialised from {cfg.lora.init_from} ({n} tensors)")
-    n_ckpt = configure_checkpointing(
-        model, enabled=cfg.train.gradient_checkpointing, interval=cfg.train.checkpoint_interval
-    )
-    params = trainable_parameters(model)
-    if not params:
-        raise ValueError("no trainable parameters: lora.target_modules matched nothing and the model has no experts")
-    sizes = parameter_bytes_by_kind(model)
-    console.print(
-        f"model on {device}: "
-        + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sizes.items())
-        + f"; {sum(p.numel() for p in params):,} trainable parameters; {n_ckpt} layers checkpointed"
-    )
-    return model, params
-
-
-def resolve_kernels(choice: str, device: str) -> str:
-    """model.kernels to what runs: auto is the per-call choice between Triton and grouped_mm on CUDA (grouped_mm
-    alone without triton), the torch reference on the CPU; grouped_mm runs anywhere."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if choice in ("torch", "grouped_mm"):
-        return choice
-    if choice == "auto" and device != "cuda":
-        return "torch"
-    if importlib.util.find_spec("triton") is None:
-        if choice == "auto":
-            return "grouped_mm"
-        raise ConfigError("model.kernels: triton, but triton is not installed (pip install -e '.[gpu]')")
-    if device != "cuda" and not interpreted:
-        raise ConfigError("model.kernels: triton needs a CUDA device (or TRITON_INTERPRET=1, as the tests use)")
-    return choice
-
-
-def describe_kernels(kernels: str, fused_below_rows: int) -> str:
-    if kernels == "auto":
-        return f"auto per layer call: triton below {fused_below_rows} rows per expert, grouped_mm at or above"
-    return kernels
-
-
-def seed_everything(seed: int) -> None:
-    """torch (CPU and CUDA), python and numpy RNGs from one seed: dropout and anything else random."""
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed)
-
-
-def truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop records of steps after `last_step` (done after the checkpoint a run resumes from), atomically."""
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= last_step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
-
-
-def resume_if_asked(cfg: RunConfig, out: Path, console: Console, *, allow_mismatch: bool,
-                    logs: tuple[str, ...] = ("metrics.jsonl",), **training) -> RunProgress:  # fmt: skip
-    """Restore the checkpoint `train.resume` names (auto: the newest valid one in output.dir); a fresh
-    RunProgress for `never`. Records of `logs` after the checkpoint's step are dropped, since those steps
-    will be done again (all of them when there is no checkpoint yet). Checkpoints newer than a named one
-    are from a continuation being abandoned: they are renamed aside, so pruning and a later --resume never
-    mix the two."""
-    if cfg.train.resume == "never":
-        return RunProgress()
-    if cfg.train.resume == "auto":
-        checkpoint = latest_valid_checkpoint(out)
-    else:
-        checkpoint = Path(cfg.train.resume)
-        problem = verify(checkpoint) if checkpoint.is_dir() else "no such checkpoint folder"
-        if problem is not None:
-            raise CheckpointError(f"--resume {checkpoint}: {problem}")
-        set_aside_newer_checkpoints(out, checkpoint, console)
-    if checkpoint is None:
-        console.print("resume: no valid checkpoint yet, starting from step 0")
-        for name in logs:
-            truncate_metrics(out / name, 0)
-        return RunProgress()
-    done = load_checkpoint(checkpoint, allow_mismatch=allow_mismatch, **training)
-    for name in logs:
-        truncate_metrics(out / name, done.step)
-    console.print(f"resumed from {checkpoint} at step {done.step}")
-    return done
-
-
-def set_aside_newer_checkpoints(out: Path, checkpoint: Path, console: Console) -> None:
-    newer = [d for d in checkpoint_dirs(out) if d.name > checkpoint.name]
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    for d in newer:
-        d.rename(d.with_name(f"{d.name}.superseded-{stamp}"))
-    if newer:
-        console.print(f"resume: {len(newer)} newer checkpoint(s) renamed *.superseded-{stamp} (kept, not used)")
-
-
 def run_steps(cfg: RunConfig, examples, pad_id: int, training: dict, *, total: int, done: RunProgress,
-              metrics: MetricsLog, console: Console, checkpoint, stop: StopSignals,
-              stepper: StepInBackward | None = None, evaluate=None) -> tuple[list[float], int]:  # fmt: skip
+              metrics: Reporters, console: Console, checkpoint, stop: StopSignals,
+              stepper: StepInBackward | None = None, evaluate=None, ranks: Ranks = SINGLE,
+              ) -> tuple[list[float], int]:  # fmt: skip
     """The optimizer steps after `done`, with a progress bar (plain lines when stdout is not a terminal),
     metrics, checkpoints by steps and minutes, and a checkpoint then RunInterrupted on SIGINT/SIGTERM.
     Returns the losses of this invocation and the tokens it trained on."""
@@ -484,15 +307,15 @@ def run_steps(cfg: RunConfig, examples, pad_id: int, training: dict, *, total: i
                TimeRemainingColumn()]  # fmt: skip
     with Progress(*columns, console=console, transient=False, disable=not console.is_terminal) as bar:
         task = bar.add_task("train", total=total, info="", completed=done.step)
-        for step, (epoch, group) in enumerate(optimizer_steps(examples, cfg)):
+        for step, (epoch, group) in enumerate(optimizer_steps(examples, cfg, ranks)):
             if step >= total:
                 break
             if step < done.step:  # done before the checkpoint: the order depends on (seed, epoch) only
                 continue
-            stop_if_asked(stop, done, checkpoint)
+            stop_if_asked(stop, done, checkpoint, ranks)
             t0 = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
-            record = train_step(model, optimizer, group, pad_id, cfg.train, stepper)
+            record = train_step(model, optimizer, group, pad_id, cfg.train, stepper, ranks)
             dt = time.perf_counter() - t0
             record.update(step=step + 1, epoch=epoch, lr=lr, step_time_s=dt, tokens_per_s=record["tokens"] / dt,
                           elapsed_s=time.perf_counter() - start, router_load=router_load(model))  # fmt: skip
@@ -523,70 +346,73 @@ def run_steps(cfg: RunConfig, examples, pad_id: int, training: dict, *, total: i
     return losses, tokens
 
 
-def stop_if_asked(stop: StopSignals, done: RunProgress, checkpoint) -> None:
-    """After a SIGINT/SIGTERM: checkpoint the steps done (if any) and raise RunInterrupted."""
-    if stop.requested is None:
-        return
-    if done.step:
-        checkpoint(done)
-    raise RunInterrupted(done.step, stop.requested)
-
-
-def build_schedule(optimizer, total_updates: int, train_cfg):
-    """Warmup then constant, linear or cosine decay over `total_updates` optimizer steps."""
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: lr_multiplier(
-            s, total_steps=total_updates, warmup_steps=train_cfg.warmup_steps, schedule=train_cfg.schedule
-        ),  # fmt: skip
-    )
-
-
-def write_adapter(model, out: Path, cfg: RunConfig, model_path: str, console: Console) -> Path:
-    """Save the run's adapter, then load it back as PEFT will and check every tensor landed (raises if not;
-    the adapter stays written either way)."""
-    adapter_dir = save_adapter(model, out / "adapter", cfg=cfg.lora, base_model_name_or_path=model_path)
-    n = verify_adapter(model, adapter_dir)
-    console.print(f"adapter: {adapter_dir} ({n} tensors, each verified to load in PEFT as trained)")
-    for fmt in cfg.output.export_formats:
-        from .formats import write_gguf, write_per_expert
-
-        path = write_per_expert(adapter_dir, out / "adapter-per-expert") if fmt == "per-expert" else write_gguf(
-            adapter_dir, out / "adapter.gguf")  # fmt: skip
-        console.print(f"{fmt}: {path}")
-    return adapter_dir
-
-
 def train(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool = False,
           overwrite: bool = False) -> TrainResult:  # fmt: skip
     """Run SFT as configured: returns the per-step losses (of this invocation) and where the outputs went.
-    Raises RunInterrupted after checkpointing when SIGINT or SIGTERM arrives."""
-    console = console or Console()
+    Raises RunInterrupted after checkpointing when SIGINT or SIGTERM arrives. Under torchrun (WORLD_SIZE > 1)
+    each process is a data-parallel rank (distributed.py); rank 0 alone writes."""
+    # A builtin model is generated before the process group exists: once it does, transformers'
+    # save_pretrained writes nothing on ranks other than 0, and a rank would cache a model without weights.
+    resolve_model_path(cfg.model.name_or_path)
+    ranks = join(cfg.train.dist_timeout_s)
+    console = (console or Console()) if ranks.main else Console(quiet=True)
     out = Path(cfg.output.dir)
-    claim_output_dir(out, resuming=cfg.train.resume != "never", overwrite=overwrite, console=console)
+    try:
+        return _train(cfg, console, out, ranks, allow_mismatch=allow_mismatch, overwrite=overwrite)
+    finally:
+        leave(ranks)
+
+
+def _train(cfg: RunConfig, console: Console, out: Path, ranks: Ranks, *, allow_mismatch: bool,
+           overwrite: bool) -> TrainResult:  # fmt: skip
+    if ranks.enabled and cfg.train.optimizer_in_backward:
+        raise ConfigError("train.optimizer_in_backward steps inside each rank's backward, before the gradients "
+                          "of the ranks are summed: set it false for a data-parallel run")  # fmt: skip
+    failure = None
+    if ranks.main:
+        try:
+            claim_output_dir(out, resuming=cfg.train.resume != "never", overwrite=overwrite, console=console)
+        except Exception as exc:  # every rank stops with it, instead of waiting for rank 0
+            failure = exc
+    raise_together(ranks, failure)
     started = time.perf_counter()
     with StopSignals(console) as stop:
         seed_everything(cfg.train.seed)  # LoRA initialisation (PEFT draws from the global RNG)
-        model_path, tokenizer, examples, model, params = prepare(cfg, console)
+        failure = None
+        try:
+            model_path, tokenizer, examples, model, params = prepare(cfg, console)
+        except Exception as exc:  # a rank that cannot load its data or model stops every rank, at once
+            failure = exc
+        raise_together(ranks, failure)
+        if ranks.main:
+            write_router_layers(out, model)
         examples, held_out = held_out_examples(cfg, tokenizer, examples, console)
         if cfg.data.packing:
             examples, held_out = packed(model, examples, held_out, cfg.data.max_seq_len, console)
         seed_everything(cfg.train.seed)  # and again: what loading consumed (e.g. a cold cache) must not matter
         optimizer = build_optimizer(params, cfg.train)
-        total = count_steps(len(examples), cfg)
+        total = count_steps(len(examples), cfg, ranks.world)
         schedule = build_schedule(optimizer, total, cfg.train)
         identity = {"config_hash": config_hash(cfg.model_dump(mode="json")),
                     "dataset_fingerprint": dataset_fingerprint(examples)}  # fmt: skip
         training = {"model": model, "optimizer": optimizer, "scheduler": schedule}
-        done = resume_if_asked(cfg, out, console, allow_mismatch=allow_mismatch, identity=identity, **training)
+        done = resume_if_asked(cfg, out, console, allow_mismatch=allow_mismatch, identity=identity,
+                               writer=ranks.main, **training)  # fmt: skip
+        if ranks.enabled:
+            batch = ranks.world * cfg.train.micro_batch_size * cfg.train.grad_accum
+            console.print(f"data parallel: {ranks.world} ranks x micro_batch_size {cfg.train.micro_batch_size}, "
+                          f"global batch {batch}")  # fmt: skip
         stepper = None
         if cfg.train.optimizer_in_backward:
             stepper = StepInBackward(optimizer, undo=cfg.train.nan_policy == "skip")
-        metrics = MetricsLog(out / "metrics.jsonl")
+        metrics = (Reporters(out, cfg.output.report_to, project=cfg.output.wandb_project,
+                             config=cfg.model_dump(mode="json")) if ranks.main else NoReporters(out))  # fmt: skip
         model.train()
 
         def checkpoint(progress: RunProgress) -> None:
-            save_checkpoint(out, progress=progress, identity=identity, keep=cfg.train.keep_checkpoints, **training)
+            if ranks.main:
+                save_checkpoint(out, progress=progress, identity=identity, keep=cfg.train.keep_checkpoints,
+                                **training)  # fmt: skip
 
         best = {"loss": best_eval_so_far(metrics.path)}
 
@@ -596,16 +422,18 @@ def train(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: boo
             if cfg.train.keep_best and loss < best["loss"]:
                 best["loss"] = loss
                 fields["eval_best"] = True
-                save_adapter(model, out / "adapter-best", cfg=cfg.lora, base_model_name_or_path=model_path)
+                if ranks.main:
+                    save_adapter(model, out / "adapter-best", cfg=cfg.lora, base_model_name_or_path=model_path)
             return fields
 
         try:
             losses, tokens = run_steps(cfg, examples, tokenizer.pad_token_id, training, total=total, done=done,
                                        metrics=metrics, console=console, checkpoint=checkpoint, stop=stop,
-                                       stepper=stepper, evaluate=evaluate if held_out else None)  # fmt: skip
+                                       stepper=stepper, evaluate=evaluate if held_out else None,
+                                       ranks=ranks)  # fmt: skip
         finally:
             metrics.close()
-        adapter_dir = write_adapter(model, out, cfg, model_path, console)
+        adapter_dir = write_adapter(model, out, cfg, model_path, console) if ranks.main else out / "adapter"
     finite = [x for x in losses if math.isfinite(x)]
     RunSummary("train", len(losses), time.perf_counter() - started, tokens, finite[-1] if finite else None,
                min(finite) if finite else None, adapter_dir, metrics.path).print(console)  # fmt: skip

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from moe_qlora.cli import app
-from moe_qlora.diagnostics import check_norms
+from moe_qlora.diagnostics import check_norms, cross_check_router
 
 E, R, H, INTER = 4, 2, 16, 8
 PREFIX = "base_model.model.model.layers"
@@ -142,3 +142,57 @@ def test_reads_an_adapter_made_by_peft_itself(tiny_mixtral_dir, tmp_path):
         torch.testing.assert_close(got, delta.detach().flatten(1).norm(dim=1).double().float(), rtol=1e-5, atol=0)
     q = [r for r in report.rows if r.module == "model.layers.0.self_attn.q_proj"]
     assert len(q) == 1 and q[0].expert is None and report.healthy
+
+
+def write_run(run_dir, loads):
+    """A run folder as train writes it: router_layers.json and metrics.jsonl with one router_load per step."""
+    run_dir.mkdir(exist_ok=True)
+    (run_dir / "router_layers.json").write_text(json.dumps([f"base_model.model.model.layers.{i}.mlp.experts"
+                                                            for i in range(len(loads[0]))]))  # fmt: skip
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s + 1, "loss": 1.0, "router_load": load})
+                                                   + "\n" for s, load in enumerate(loads)))  # fmt: skip
+
+
+def test_router_load_cross_check_names_dead_and_unreached_experts(tmp_path):
+    """Layer 0 expert 1: never routed and B zero (a dead expert); layer 1 expert 2: routed 30% of rows yet B
+    zero (its gradient never arrived); layer 1 expert 0: never routed yet trained (another run's adapter)."""
+
+    def zero_b(layer, expert):
+        def mutate(t):
+            key = f"{PREFIX}.{layer}.mlp.experts.lora_B.weight"  # down_proj; columns j*E + e
+            t[key].view(H, R, E)[:, :, expert] = 0
+            t[f"{PREFIX}.{layer}.mlp.experts.base_layer.lora_B.weight"].view(2 * INTER, R, E)[:, :, expert] = 0
+
+        return mutate
+
+    def both(t):
+        zero_b(0, 1)(t)
+        zero_b(1, 2)(t)
+
+    run = tmp_path / "run"
+    (run / "adapter").mkdir(parents=True)
+    adapter = make_adapter(run / "adapter", mutate=both)
+    step = [[0.4, 0.0, 0.3, 0.3], [0.0, 0.4, 0.3, 0.3]]
+    write_run(run, [step, step])
+    report = check_norms(adapter)
+    steps = cross_check_router(report, run)
+    assert steps == 2
+    problems = report.problems
+    assert ("model.layers.0.mlp.experts.down_proj expert 1: never routed a token in the 2 logged steps: the router "
+            "never chose it") in problems  # fmt: skip
+    assert ("model.layers.1.mlp.experts.down_proj expert 2: routed 30.00% of rows on average, yet lora_B is all "
+            "zero: its gradient never reached it") in problems  # fmt: skip
+    assert any(p.startswith("model.layers.1.mlp.experts.gate_up_proj expert 0: never routed a token") and
+               "yet its LoRA is not zero" in p for p in problems)  # fmt: skip
+    # The CLI finds the run beside the adapter by itself and says so.
+    result = run_cli(adapter)
+    assert result.exit_code == 1 and f"router load: 2 logged steps of {run}" in result.output
+    # Broken control: a router load naming every expert as routed hides the dead expert.
+    write_run(run, [[[0.25] * 4, [0.25] * 4]])
+    report = check_norms(adapter)
+    cross_check_router(report, run)
+    assert not any("never routed" in p for p in report.problems)
+
+
+def run_cli(*args):
+    return CliRunner().invoke(app, ["check-norms", *map(str, args)])

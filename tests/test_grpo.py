@@ -171,7 +171,7 @@ def test_offline_scored_completions_train_towards_the_better_ones(tmp_path):
 
 def _right_minus_wrong(cfg) -> float:
     from moe_qlora.rollout import load_offline_groups, offline_rollouts
-    from moe_qlora.trainer import load_policy
+    from moe_qlora.session import load_policy
 
     model, _ = load_policy(cfg, _tiny(), Console(quiet=True))
     model.eval()

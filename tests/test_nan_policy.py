@@ -60,7 +60,7 @@ def test_a_skipped_step_changes_no_weight_and_no_moment(tmp_path, monkeypatch):
 
 def test_abort_names_the_step_and_its_samples_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
     poison(monkeypatch, {2})
-    with pytest.raises(trainer.TrainingAborted, match=r"step 2: loss nan.*samples .*demo_sft.jsonl:\d+"):
+    with pytest.raises(session.TrainingAborted, match=r"step 2: loss nan.*samples .*demo_sft.jsonl:\d+"):
         trainer.train(config(tmp_path, max_steps=4), Console(quiet=True))
     assert (tmp_path / "checkpoints" / "step-00000001" / "manifest.json").exists()
     assert not (tmp_path / "checkpoints" / "step-00000002").exists()
@@ -69,7 +69,7 @@ def test_abort_names_the_step_and_its_samples_and_keeps_the_last_good_checkpoint
 
 def test_k_skips_in_a_row_stop_the_run(tmp_path, monkeypatch):
     poison(monkeypatch, {2, 3, 4})
-    with pytest.raises(trainer.TrainingAborted, match="3 non-finite steps in a row, the last at step 4"):
+    with pytest.raises(session.TrainingAborted, match="3 non-finite steps in a row, the last at step 4"):
         trainer.train(config(tmp_path, max_steps=6, nan_policy="skip", max_consecutive_skips=3), Console(quiet=True))
 
 
