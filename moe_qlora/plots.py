@@ -95,8 +95,11 @@ def heatmap(path: Path, load: list[list[float]]) -> None:
 def save(fig, path: Path) -> None:
     import matplotlib.pyplot as plt
 
+    from .fileio import current_umask
+
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
     os.close(fd)
+    os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes it 0600
     try:
         fig.savefig(tmp, dpi=110, bbox_inches="tight")
         os.replace(tmp, path)
