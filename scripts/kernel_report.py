@@ -1,6 +1,7 @@
 """Every Triton kernel variant compiled exactly as the JIT specializes it at real layer shapes, read from its
 SASS: registers, spills, shared memory, warps and stages, MMA instructions per K-step, non-MMA instructions
-per decoded weight element, and the widest global load of packed NF4 bytes. No GPU needed.
+per decoded weight element, the widest global load of packed NF4 bytes, and the ceilings instruction issue
+alone implies (% of tensor-core peak, % of HBM bandwidth). No GPU needed.
 
     python scripts/kernel_report.py [--arch 80 --arch 90] [--shape qwen3-30b-a3b] [--json]
 
@@ -26,6 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moe_qlora.kernels.aot import capture_launches, compile_as_jit  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}  # hidden, inter, E, top-k
+# Per GPU: SMs, boost clock, dense bf16 tensor-core peak, HBM bandwidth (H100 SXM for sm_90, A100-80GB SXM for
+# sm_80). Each SM issues at most 4 warp instructions a clock (one per scheduler).
+GPUS = {
+    90: dict(sms=132, ghz=1.83, tflops=989.4, hbm_tbs=3.35),
+    80: dict(sms=108, ghz=1.41, tflops=312.0, hbm_tbs=2.04),
+}
 TOKENS, RANK = 2048, 16
 
 
@@ -110,14 +117,42 @@ def report(archs: list[int], shapes: list[str]) -> list[dict]:
                 # runs per thread, and a thread decodes 1 / (32 x warps) of them.
                 decoded = c["BLOCK_K"] * c["BLOCK_N"] * (2 if c.get("GLU") else 1) if nf4 else 0
                 per_thread = decoded / (32 * meta.num_warps)
-                rows.append({
+                row = {
                     "name": f"{shape}/{launch.name}", "arch": str(arch), "regs": regs,
                     "spills": spilled, "smem_bytes": meta.shared, "warps": meta.num_warps,
                     "stages": meta.num_stages, "mma_per_kstep": mma, "loop_instructions": len(loop),
                     "instr_per_weight_element": round(non_mma / per_thread, 1) if decoded else None,
                     "widest_packed_load_bytes": _widest_byte_load(loop) if nf4 else None,
-                })  # fmt: skip
+                }  # fmt: skip
+                rows.append(row | implied_ceilings(c, len(loop), meta.num_warps, arch))
     return rows
+
+
+def implied_ceilings(c: dict, loop_instructions: int, warps: int, arch: int) -> dict:
+    """Upper bounds from instruction issue alone, the kernel's inner loop running on every SM: the share of
+    the tensor-core peak its MMAs could use, and of HBM bandwidth its weight reads could use.
+
+    One K-step of a CTA issues loop_instructions x warps warp-instructions, at most 4 a clock per SM; in that
+    time it does 2 x BLOCK_M x BLOCK_N x BLOCK_K FLOP (twice with the fused gate/up) and reads its weight
+    tile: BLOCK_K x BLOCK_N / 2 NF4 bytes plus one 1-byte (nested) or 4-byte scale per 64, or 2 bytes per
+    element dense. Latency, occupancy and memory stalls only lower these: a ceiling, not a prediction."""
+    gpu = GPUS[arch]
+    block_k = c.get("BLOCK_K", c.get("BLOCK_S"))
+    tiles = 2 if c.get("GLU") else 1
+    flop = 2 * c["BLOCK_M"] * c["BLOCK_N"] * block_k * tiles
+    elements = block_k * c["BLOCK_N"] * tiles
+    if c.get("W_NF4"):
+        weight_bytes = elements / 2 + elements / 64 * (1 if c.get("NESTED") else 4)
+    else:
+        weight_bytes = elements * 2
+    issue_clocks = loop_instructions * warps / 4
+    mma_clocks = flop / (gpu["tflops"] * 1e12 / (gpu["sms"] * gpu["ghz"] * 1e9))
+    hbm_per_clock = gpu["hbm_tbs"] * 1e12 / (gpu["ghz"] * 1e9)
+    clocks = max(issue_clocks, mma_clocks)
+    return {
+        "tensor_core_ceiling_pct": round(100 * mma_clocks / clocks, 1),
+        "hbm_ceiling_pct": round(min(100.0, 100 * weight_bytes * gpu["sms"] / clocks / hbm_per_clock), 1),
+    }
 
 
 def resource_usage(compiled) -> tuple[int, int]:
@@ -146,13 +181,14 @@ def main() -> None:
         print(json.dumps(rows))
         return
     head = f"{'variant':<52}{'arch':>5}{'regs':>6}{'spill':>6}{'smem':>8}{'w/s':>6}{'mma/k':>7}"
-    head += f"{'instr/elt':>10}{'ld B':>6}"
+    head += f"{'instr/elt':>10}{'ld B':>6}{'TC %':>7}{'HBM %':>7}"
     print(head)
     for r in rows:
         per = "-" if r["instr_per_weight_element"] is None else f"{r['instr_per_weight_element']:.1f}"
         ld = "-" if r["widest_packed_load_bytes"] is None else str(r["widest_packed_load_bytes"])
         print(f"{r['name']:<52}{r['arch']:>5}{r['regs']:>6}{r['spills']:>6}{r['smem_bytes']:>8}"
-              f"{str(r['warps']) + '/' + str(r['stages']):>6}{r['mma_per_kstep']:>7}{per:>10}{ld:>6}")  # fmt: skip
+              f"{str(r['warps']) + '/' + str(r['stages']):>6}{r['mma_per_kstep']:>7}{per:>10}{ld:>6}"
+              f"{r['tensor_core_ceiling_pct']:>7.1f}{r['hbm_ceiling_pct']:>7.1f}")  # fmt: skip
     print(json.dumps(rows))
 
 

@@ -56,6 +56,14 @@ def grpo_rows(rng):
     return rows
 
 
+def grpo_parity_rows(rng):
+    """The GRPO demo's task: is the number odd (1) or even (0)? One token to learn per prompt, from the number's
+    last digit: a tiny random model samples it by chance often enough to learn it in a minute of RL."""
+    rows = [{"prompt": f"Odd? {d}", "answer": str(d % 2)} for d in range(10)]
+    rng.shuffle(rows)
+    return rows
+
+
 def grpo_offline_rows(rng):
     """Offline GRPO: each prompt with completions generated elsewhere and their rewards."""
     rows = []
@@ -76,6 +84,7 @@ def main():
         ("demo_rwsft.jsonl", rwsft_rows(rng)),
         ("demo_grpo.jsonl", grpo_rows(random.Random(1))),
         ("demo_grpo_offline.jsonl", grpo_offline_rows(random.Random(2))),
+        ("demo_grpo_parity.jsonl", grpo_parity_rows(random.Random(1))),
     )
     for name, rows in sets:
         (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -79,7 +79,8 @@ from moe_qlora.trainer import accumulate_gradients
 
 ranks = join(60)
 tok = build_byte_tokenizer()
-model = attach_adapters(load_model(LoadOptions(str(ensure_tiny("mixtral")))), LoraSection(rank=4, target_modules=["q_proj"]), seed=0)
+lora = LoraSection(rank=4, target_modules=["q_proj"])
+model = attach_adapters(load_model(LoadOptions(str(ensure_tiny("mixtral")))), lora, seed=0)
 g = torch.Generator().manual_seed(0)
 with torch.no_grad():
     for n, p in model.named_parameters():

@@ -39,7 +39,8 @@ def policy(tiny_mixtral_dir):
 
 
 def test_demo_reward_rises_from_the_cli(tmp_path):
-    """The README's GRPO demo as a user runs it: the last steps' mean reward is far above the first ones'."""
+    """The README's GRPO demo as a user runs it: the reward it trains on, exact_match, goes from ~0 to well over
+    what any constant reply scores (0.5: half the numbers are odd), so the answer depends on the prompt."""
     env = {**os.environ, "MOE_QLORA_CACHE": str(tmp_path / "cache")}
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "moe_qlora.cli", "grpo", "--config", "configs/grpo-demo.yaml", "--set",
@@ -47,21 +48,24 @@ def test_demo_reward_rises_from_the_cli(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rewards = [r["reward_mean"] for r in records]
-    assert [r["step"] for r in records] == list(range(1, 33))
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert first < 0.2 and last > first + 0.5, (first, last)
+    exact = [r["reward/exact_match"]["mean"] for r in records]
+    assert [r["step"] for r in records] == list(range(1, 61))
+    first, last = sum(exact[:5]) / 5, sum(exact[-5:]) / 5
+    assert first < 0.2 and last > 0.65, (first, last)  # measured: 0.00 -> 0.82
+    assert [r["reward_mean"] for r in records] == exact  # the format reward has weight 0: logged, not trained on
     step = records[0]
-    assert {"reward_std", "reward/regex", "reward/exact_match", "advantage", "kl", "clip_fraction", "completion_tokens",
-            "flat_groups", "generation_s", "training_s", "grad_norm", "lr", "router_load"} <= set(step)  # fmt: skip
+    assert {"reward_std", "reward/regex", "reward/exact_match", "advantage", "completion_tokens", "flat_groups",
+            "generation_s", "training_s", "grad_norm", "lr", "router_load"} <= set(step)  # fmt: skip
+    assert all("clip_fraction" in r for r in records if r["sequences_trained"])  # (none while every group is flat)
     rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
-    assert len(rollouts) == 32 * 4 * 8  # steps x prompts x group size
+    assert len(rollouts) == 60 * 10 * 16  # steps x prompts x group size
     assert {"step", "prompt", "completion", "reward", "rewards", "advantage", "completion_tokens"} <= set(rollouts[0])
-    # The logged advantages are the group-normalised logged rewards (group = 8 consecutive rollouts of a step).
-    group = torch.tensor([r["reward"] for r in rollouts[:8]], dtype=torch.float64)
-    expected = (group - group.mean()) / (group.std() + 1e-4) if group.std() > 0 else torch.zeros(8)
-    torch.testing.assert_close(torch.tensor([r["advantage"] for r in rollouts[:8]], dtype=torch.float64), expected,
-                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    # The logged advantages are the group-normalised logged rewards (a group: 16 consecutive rollouts of a step).
+    for start in range(0, 10 * 16, 16):
+        group = torch.tensor([r["reward"] for r in rollouts[start : start + 16]], dtype=torch.float64)
+        expected = (group - group.mean()) / (group.std() + 1e-4) if group.std() > 0 else torch.zeros_like(group)
+        torch.testing.assert_close(torch.tensor([r["advantage"] for r in rollouts[start : start + 16]],
+                                                dtype=torch.float64), expected, rtol=1e-5, atol=1e-6)  # fmt: skip
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
 
 

@@ -10,7 +10,7 @@ import torch
 from rich.console import Console
 from safetensors.torch import load_file
 
-from moe_qlora import trainer
+from moe_qlora import session, trainer
 from moe_qlora.config import validate_config
 
 ROOT = Path(__file__).resolve().parent.parent
