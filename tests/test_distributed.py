@@ -156,3 +156,57 @@ def test_grpo_and_fsdp_say_what_is_not_there_yet(tmp_path):
         proc = subprocess.run([sys.executable, "-m", "moe_qlora", *args], env=env, capture_output=True, text=True,
                               timeout=120)  # fmt: skip
         assert proc.returncode == 2 and message in " ".join(proc.stderr.split())
+
+
+def rank_pids(launcher_pid: int) -> dict[int, int]:
+    """{LOCAL_RANK: pid} of the workers torchrun started (read from /proc: Linux)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat[1]) == launcher_pid:  # field 4 of /proc/PID/stat: the parent
+            ranks = [v.split(b"=", 1)[1] for v in environ if v.startswith(b"LOCAL_RANK=")]
+            if ranks:
+                found[int(ranks[0])] = int(entry.name)
+    return found
+
+
+def test_sigkill_of_one_rank_then_resume_gives_the_uninterrupted_result(tmp_path):
+    """Two ranks, a checkpoint every 2 steps; rank 1 is SIGKILLed after rank 0 logged 5 steps. torchrun stops
+    the other rank; relaunched with --resume, the run ends with the uninterrupted run's adapter, tensor for
+    tensor, and metrics.jsonl holds each step once."""
+    import signal
+    import time
+
+    args = ["train", "--config", str(DEMO), "--set", "train.max_steps=8", "--set", "train.warmup_steps=2",
+            "--set", "train.micro_batch_size=2", "--set", "train.save_every=2",
+            "--set", "train.dist_timeout_s=60"]  # fmt: skip
+    env = env_for(tmp_path)
+    reference = torchrun([*args, "--set", f"output.dir={tmp_path / 'reference'}"], env)
+    assert reference.returncode == 0, reference.stderr[-2000:]
+
+    out = tmp_path / "crashed"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "moe_qlora", *args,
+           "--set", f"output.dir={out}"]  # fmt: skip
+    launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics, killed = out / "metrics.jsonl", False
+    while launcher.poll() is None and not killed:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+            os.kill(rank_pids(launcher.pid)[1], signal.SIGKILL)
+            killed = True
+        time.sleep(0.002)
+    assert killed and launcher.wait(timeout=120) != 0
+
+    resumed = torchrun([*args, "--set", f"output.dir={out}", "--set", "train.resume=auto"], env)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout
+    assert [r["step"] for r in records(out)] == list(range(1, 9))
+    a = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "reference" / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
