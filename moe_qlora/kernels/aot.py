@@ -3,9 +3,11 @@
 python -m moe_qlora.kernels.aot [--arch 80 --arch 90] [--json]
 
 Each variant (weights dense / NF4 / NF4 with nested scales, with the fused LoRA term and the fused
-silu(gate) * up epilogue, fp32 / bf16 inputs) goes through Triton's
-whole pipeline to a cubin for each architecture, so code the interpreter accepts but the compiler
-rejects is caught on a CPU machine. Run without TRITON_INTERPRET (it replaces the jitted functions).
+silu(gate) * up epilogue, fp32 / bf16 inputs) is one of a layer's real launches at Qwen3-30B-A3B's shapes,
+bound and specialized by Triton's own binder as the JIT does on a GPU (strides of 1 become constants, sizes
+divisible by 16 carry the hint), then taken through the whole pipeline to a cubin for each architecture: code
+the interpreter accepts but the compiler rejects is caught on a CPU machine, and the shared memory checked is
+the kernel's that runs. Run without TRITON_INTERPRET (it replaces the jitted functions).
 """
 
 from __future__ import annotations
@@ -16,65 +18,37 @@ import os
 import sys
 import warnings
 
-INT = "i32"
-
-
-def _signature(kernel, types: dict, constexprs: dict) -> dict:
-    return {n: ("constexpr" if n in constexprs else types.get(n, INT)) for n in kernel.arg_names}
-
-
-MATMUL_WEIGHTS = {  # name: (NF4, nested scales, fused LoRA term, fused silu(gate) * up)
-    "dense": (False, False, False, False),  # the LoRA A projections x A^T
-    "nf4": (True, False, True, False),  # down projection and input gradients, LoRA fused
-    "nf4_nested": (True, True, True, False),
-    "nf4_nested_silu_mul": (True, True, True, True),  # the gate_up projection with its gating epilogue
+# The variants compiled, each as one of a layer's real launches (capture_launches) at Qwen3-30B-A3B's shapes:
+# name: (launch, nested scales). The NF4 kernels with and without nested (double-quantized) scales, the dense
+# LoRA A projection, the fused silu(gate) * up epilogue, and the outer product of the LoRA gradients.
+VARIANTS = {
+    "grouped_matmul/dense": ("lora_a_dense", True),
+    "grouped_matmul/nf4": ("down_nf4_nested", False),
+    "grouped_matmul/nf4_nested": ("down_nf4_nested", True),
+    "grouped_matmul/nf4_nested_silu_mul": ("gate_up_nf4_nested_silu_mul", True),
+    "grouped_outer_product": ("outer_product", True),
 }
-
-
-def matmul_variants():
-    """(name, constexprs, pointer/scalar types) of the grouped matmul kernel."""
-    for weights, (nf4, nested, lora, glu) in MATMUL_WEIGHTS.items():
-        for dtype in ("fp32", "bf16"):
-            constexprs = {"W_NF4": nf4, "NESTED": nested, "GATHER": True, "HAS_BIAS": True, "HAS_LORA": lora,
-                          "GLU": glu, "STORE_Y": True, "BLOCKSIZE": 64, "IEEE": dtype == "fp32",
-                          "DOT_FP32": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}  # fmt: skip
-            types = {"x_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "act_ptr": f"*{dtype}", "p_ptr": f"*{dtype}",
-                     "gather_ptr": "*i64", "tiles_ptr": "*i32", "w_ptr": "*u8" if nf4 else f"*{dtype}",
-                     "code_ptr": "*fp32", "absmax_ptr": "*u8" if nested else "*fp32", "absmax2_ptr": "*fp32",
-                     "code2_ptr": "*fp32", "offset2": "fp32", "bias_ptr": "*fp32", "l_ptr": "*fp32",
-                     "lora_scale": "fp32", "stride_we": "i64"}  # fmt: skip
-            yield f"grouped_matmul/{weights}/{dtype}", constexprs, types
-
-
-def outer_product_variants():
-    for dtype in ("fp32", "bf16"):
-        constexprs = {"GATHER": True, "IEEE": dtype == "fp32", "DOT_FP32": False, "BLOCK_M": 64, "BLOCK_N": 64,
-                      "BLOCK_S": 32}  # fmt: skip
-        types = {"a_ptr": f"*{dtype}", "gather_ptr": "*i64", "b_ptr": f"*{dtype}", "offsets_ptr": "*i64",
-                 "out_ptr": "*fp32"}  # fmt: skip
-        yield f"grouped_outer_product/{dtype}", constexprs, types
+SHAPE = dict(hidden=2048, inter=768, experts=128, top_k=8, tokens=2048, rank=16)  # Qwen3-30B-A3B
 
 
 def compile_all(archs: list[int]) -> list[dict]:
+    """Every variant in fp32 and bf16 activations for each arch, specialized exactly as the JIT would."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("unset TRITON_INTERPRET: the interpreter replaces the kernels that would be compiled")
     warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from .triton_kernels import _grouped_matmul_kernel, _grouped_outer_product_kernel
+    import torch
 
     results = []
-    for kernel, variants in ((_grouped_matmul_kernel, matmul_variants()),
-                             (_grouped_outer_product_kernel, outer_product_variants())):  # fmt: skip
-        for name, constexprs, types in variants:
-            src = ASTSource(fn=kernel, signature=_signature(kernel, types, constexprs), constexprs=constexprs)
+    for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        launches = {nested: {launch.name: launch for launch in capture_launches(**SHAPE, dtype=dtype, nested=nested)}
+                    for nested in (True, False)}  # fmt: skip
+        for name, (launch_name, nested) in VARIANTS.items():
             for arch in archs:
-                compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32))
-                ptx = compiled.asm["ptx"]
-                results.append({"variant": f"{name}/sm_{arch}", "cubin_bytes": len(compiled.asm["cubin"]),
-                                "tensor_core_mma": "mma" in ptx, "shared_bytes": compiled.metadata.shared,
+                compiled = compile_as_jit(launches[nested][launch_name], arch)
+                results.append({"variant": f"{name}/{dtype_name}/sm_{arch}",
+                                "cubin_bytes": len(compiled.asm["cubin"]),
+                                "tensor_core_mma": "mma" in compiled.asm["ptx"],
+                                "shared_bytes": compiled.metadata.shared,
                                 "warps": compiled.metadata.num_warps})  # fmt: skip
     return results
 
@@ -94,14 +68,10 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
 # ------------------------------------------------------------------------------------------------------
 # Compiling as the JIT does: the launchers' real arguments at real layer shapes, specialized by Triton's own
 # binder (ints equal to 1 become constants, ints and pointers divisible by 16 carry the hint). Used by
-# scripts/kernel_report.py; compile_all above keeps its fixed, shape-free variants as a quick smoke test.
+# compile_all above and by scripts/kernel_report.py.
 
 
 class Launch:
@@ -116,10 +86,11 @@ class Launch:
 
 
 def capture_launches(*, hidden: int, inter: int, experts: int, top_k: int, tokens: int, rank: int,
-                     dtype=None) -> list[Launch]:  # fmt: skip
-    """The six launches of one MoE layer's forward and backward (bf16, NF4 with nested scales, LoRA), recorded
-    from the real launchers on CPU tensors of the real shapes (weights are zeros: only shapes, strides and
-    alignment matter here). Uniform routing: tokens * top_k rows, spread evenly over the experts."""
+                     dtype=None, nested: bool = True) -> list[Launch]:  # fmt: skip
+    """The six launches of one MoE layer's forward and backward (bf16 unless `dtype`, NF4 with nested scales
+    unless not `nested`, LoRA), recorded from the real launchers on CPU tensors of the real shapes (weights
+    are zeros: only shapes, strides and alignment matter here). Uniform routing: tokens * top_k rows, spread
+    evenly over the experts."""
     import torch
 
     from ..nf4 import NF4Stack
@@ -131,9 +102,11 @@ def capture_launches(*, hidden: int, inter: int, experts: int, top_k: int, token
     def nf4(out, inp):
         numel = experts * out * inp
         blocks = numel // 64
-        nested = (torch.zeros(-(-blocks // 256)), torch.zeros(256), 0.0)
-        return NF4Stack(torch.zeros(numel // 2, dtype=torch.uint8), torch.zeros(blocks, dtype=torch.uint8), nested,
-                        (experts, out, inp))  # fmt: skip
+        packed = torch.zeros(numel // 2, dtype=torch.uint8)
+        if not nested:  # one fp32 scale per 64-element block
+            return NF4Stack(packed, torch.zeros(blocks), None, (experts, out, inp))
+        second = (torch.zeros(-(-blocks // 256)), torch.zeros(256), 0.0)  # uint8 scale codes, then their scales
+        return NF4Stack(packed, torch.zeros(blocks, dtype=torch.uint8), second, (experts, out, inp))
 
     w1, w2 = nf4(2 * inter, hidden), nf4(hidden, inter)
     a1, b1 = torch.zeros(experts, rank, hidden), torch.zeros(experts, 2 * inter, rank)
@@ -200,3 +173,7 @@ def compile_as_jit(launch: Launch, arch: int):
                                                               options)  # fmt: skip
     src = ASTSource(kernel, signature, constexprs, attrs)
     return triton.compile(src, target=target, options=options.__dict__)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
