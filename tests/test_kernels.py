@@ -180,6 +180,56 @@ def test_silu_mul_epilogue_matches_reference(dev, dtype, atol, rtol, routing, do
     assert ((swapped - act_ref.float()).abs() > bound).any()
 
 
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES)
+@pytest.mark.parametrize("double_quant", [False, True], ids=["absmax", "nested"])
+@pytest.mark.parametrize("glu", [False, True], ids=["down", "gate_up"])
+def test_packed_nf4_path_matches_reference(dev, dtype, atol, rtol, double_quant, glu, monkeypatch):
+    """The forward's NF4 path at the default 64 x 64 x 32 blocks: codes read as byte pairs along the stored
+    `in` dim, one block scale per column and K-step (K_PACKED). K = 192 spans three quant blocks and six
+    K-steps; N = 80 (gate_up: 2 x 40) is not a multiple of 64. Checked to be the path taken, against the
+    reference; the broken control (the two nibbles of a byte swapped) is off by O(1)."""
+    from moe_qlora.kernels import triton_kernels
+
+    monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
+    offsets = offsets_of(ROUTINGS["ragged"])
+    stack = nf4_stack(6, 80, 192, double_quant=double_quant, seed=11, device=dev)
+    weight = GroupedWeight.quantized(stack, transpose=True)
+    g = torch.Generator().manual_seed(12)
+    x = (0.3 * torch.randn(11, 192, generator=g)).to(dev, dtype)
+    gather = torch.randint(0, 11, (offsets[-1],), generator=g).to(dev)
+    seen = []
+    real = triton_kernels._grouped_matmul_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(kwargs["K_PACKED"])
+                return real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(triton_kernels, "_grouped_matmul_kernel", Spy())
+    if glu:
+        expected, _ = grouped_matmul_silu_mul_reference(x, weight, offsets, gather=gather)
+        got, _ = grouped_matmul_silu_mul(x, weight, offsets, gather=gather)
+    else:
+        expected = grouped_matmul_reference(x, weight, offsets, gather=gather)
+        got = grouped_matmul(x, weight, offsets, gather=gather)
+    assert seen == [True]
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
+    else:
+        bound = rounding_bound(x, stack, offsets, expected, transpose=True, rel=2**-7, gather=gather)
+        assert ((got.float() - expected.float()).abs() <= bound).all()
+    # Broken control: the high and low nibble of each byte swapped (k and k + 1 exchanged).
+    swapped = NF4Stack(((stack.packed >> 4) | (stack.packed << 4)).to(torch.uint8), stack.absmax, stack.nested,
+                       stack.shape, stack.blocksize)  # fmt: skip
+    broken_weight = GroupedWeight.quantized(swapped, transpose=True)
+    broken = (grouped_matmul_silu_mul(x, broken_weight, offsets, gather=gather)[0] if glu
+              else grouped_matmul(x, broken_weight, offsets, gather=gather))  # fmt: skip
+    assert (broken.float() - expected.float()).abs().max() > 0.1
+
+
 @pytest.mark.usefixtures("small_triton_blocks")
 def test_grouped_matmul_fails_when_experts_are_rolled(dev):
     """Control: the reference must tell experts apart (a kernel reading expert e+1's weights is caught)."""

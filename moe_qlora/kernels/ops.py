@@ -185,6 +185,10 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
         x, x, 0, 0, 0, 0)  # fmt: skip
     out, act_out = (y if y is not None else act), (act if act is not None else x)
     grid = (tiles.shape[0], -(-n // bn))
+    # NF4 read along its contiguous dim, each column starting on a quant block, K-steps within one block, and
+    # half a K-step still a tensor-core dot (>= 16): the packed-byte path of the kernel.
+    k_packed = q is not None and sk == 1 and sn % q.blocksize == 0 and se % q.blocksize == 0 and \
+        q.blocksize % bk == 0 and bk >= 32  # fmt: skip
     _grouped_matmul_kernel[grid](
         x, gather if gather is not None else tiles, tiles, weight.data, _levels(str(x.device)), absmax, absmax2,
         code2, float(offset2), bias if bias is not None else x, lp, lw, float(lora.scale if lora else 0.0), out,
@@ -192,7 +196,7 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
         lp.stride(0), lp.stride(1), lse, lsr, lsn, out.stride(0), out.stride(1), act_out.stride(0),
         act_out.stride(1),
         W_NF4=q is not None, NESTED=nested, GATHER=gather is not None, HAS_BIAS=bias is not None,
-        HAS_LORA=lora is not None, GLU=glu, STORE_Y=keep_y, BLOCKSIZE=q.blocksize if q else 64,
+        HAS_LORA=lora is not None, GLU=glu, STORE_Y=keep_y, K_PACKED=k_packed, BLOCKSIZE=q.blocksize if q else 64,
         IEEE=x.dtype == torch.float32, DOT_FP32=_interpreted(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
     )  # fmt: skip
     return y, act

@@ -39,6 +39,33 @@ def _load_weight_tile(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offse
 
 
 @triton.jit
+def _load_nf4_pairs(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, k0, offs_n, K, N, stride_we,
+                    stride_wn, NESTED: tl.constexpr, BLOCKSIZE: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """The K-contiguous NF4 tile as two (BLOCK_K / 2, BLOCK_N) fp32 halves: rows j are k = k0 + 2j (high
+    nibbles) and k0 + 2j + 1 (low nibbles) of the same bytes.
+
+    Stored (E, out, in) weights read along `in` (the forward) have their BLOCK_K codes of a column in
+    BLOCK_K / 2 consecutive bytes, loaded as such (not one byte per element); and since a column starts on a
+    quant block (stride_wn % BLOCKSIZE == 0) and BLOCKSIZE % BLOCK_K == 0, the whole K-step of a column shares
+    one block scale, loaded once per column instead of once per element.
+    """
+    offs_j = tl.arange(0, BLOCK_K // 2)
+    col = e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn  # (1, BN) flat index of k = 0
+    mask = (k0 + 2 * offs_j[:, None] < K) & (offs_n[None, :] < N)
+    byte = tl.load(w_ptr + (col >> 1) + (k0 // 2 + offs_j[:, None]), mask=mask, other=0).to(tl.int32)
+    hi = tl.load(code_ptr + (byte >> 4))
+    lo = tl.load(code_ptr + (byte & 0xF))
+    block = (col + k0) // BLOCKSIZE  # (1, BN)
+    col_ok = offs_n[None, :] < N
+    if NESTED:
+        q = tl.load(absmax_ptr + block, mask=col_ok, other=0).to(tl.int32)
+        scale = tl.load(code2_ptr + q) * tl.load(absmax2_ptr + block // 256, mask=col_ok, other=0.0) + offset2
+    else:
+        scale = tl.load(absmax_ptr + block, mask=col_ok, other=0.0)
+    return hi * scale, lo * scale
+
+
+@triton.jit
 def _dot(x, w, IEEE: tl.constexpr, DOT_FP32: tl.constexpr):
     """x (M, K) in the input dtype times w (K, N) fp32, accumulated in fp32."""
     if IEEE:  # fp32 inputs: exact fp32 products (tf32 would cost ~1e-3 relative error)
@@ -86,7 +113,7 @@ def _grouped_matmul_kernel(
     stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_be, stride_pm, stride_pr, stride_le, stride_lr,
     stride_ln, stride_ym, stride_yn, stride_am, stride_an,
     W_NF4: tl.constexpr, NESTED: tl.constexpr, GATHER: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_LORA: tl.constexpr, GLU: tl.constexpr, STORE_Y: tl.constexpr,
+    HAS_LORA: tl.constexpr, GLU: tl.constexpr, STORE_Y: tl.constexpr, K_PACKED: tl.constexpr,
     BLOCKSIZE: tl.constexpr, IEEE: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -122,17 +149,33 @@ def _grouped_matmul_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                    mask=row_ok[:, None] & (offs_k[None, :] < K), other=0.0)  # fmt: skip
-        w = _load_weight_tile(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_k, offs_n, K,
-                              N_W, stride_we, stride_wk, stride_wn, W_NF4, NESTED, BLOCKSIZE)  # fmt: skip
-        acc += _dot(x, w, IEEE, DOT_FP32)
-        if GLU:
-            w = _load_weight_tile(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_k,
-                                  offs_n + N, K, N_W, stride_we, stride_wk, stride_wn, W_NF4, NESTED,
-                                  BLOCKSIZE)  # fmt: skip
-            acc_up += _dot(x, w, IEEE, DOT_FP32)
+        if K_PACKED:  # NF4 read along its contiguous dim: byte pairs, one scale per column (see _load_nf4_pairs)
+            offs_even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+            x_rows = x_ptr + src[:, None] * stride_xm
+            x_even = tl.load(x_rows + offs_even[None, :] * stride_xk, mask=row_ok[:, None] & (offs_even[None, :] < K),
+                             other=0.0)  # fmt: skip
+            x_odd = tl.load(x_rows + (offs_even[None, :] + 1) * stride_xk,
+                            mask=row_ok[:, None] & (offs_even[None, :] + 1 < K), other=0.0)  # fmt: skip
+            w_hi, w_lo = _load_nf4_pairs(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, k0, offs_n,
+                                         K, N_W, stride_we, stride_wn, NESTED, BLOCKSIZE, BLOCK_K)  # fmt: skip
+            acc += _dot(x_even, w_hi, IEEE, DOT_FP32) + _dot(x_odd, w_lo, IEEE, DOT_FP32)
+            if GLU:
+                w_hi, w_lo = _load_nf4_pairs(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, k0,
+                                             offs_n + N, K, N_W, stride_we, stride_wn, NESTED, BLOCKSIZE,
+                                             BLOCK_K)  # fmt: skip
+                acc_up += _dot(x_even, w_hi, IEEE, DOT_FP32) + _dot(x_odd, w_lo, IEEE, DOT_FP32)
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                        mask=row_ok[:, None] & (offs_k[None, :] < K), other=0.0)  # fmt: skip
+            w = _load_weight_tile(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_k, offs_n,
+                                  K, N_W, stride_we, stride_wk, stride_wn, W_NF4, NESTED, BLOCKSIZE)  # fmt: skip
+            acc += _dot(x, w, IEEE, DOT_FP32)
+            if GLU:
+                w = _load_weight_tile(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_k,
+                                      offs_n + N, K, N_W, stride_we, stride_wk, stride_wn, W_NF4, NESTED,
+                                      BLOCKSIZE)  # fmt: skip
+                acc_up += _dot(x, w, IEEE, DOT_FP32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e * stride_be + offs_n, mask=offs_n < N_W, other=0.0).to(tl.float32)[None, :]
         if GLU:
