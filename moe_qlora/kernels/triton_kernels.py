@@ -47,14 +47,16 @@ def _load_nf4_pairs(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2
     Stored (E, out, in) weights read along `in` (the forward) have their BLOCK_K codes of a column in
     BLOCK_K / 2 consecutive bytes, loaded as such (not one byte per element); and since a column starts on a
     quant block (stride_wn % BLOCKSIZE == 0) and BLOCKSIZE % BLOCK_K == 0, the whole K-step of a column shares
-    one block scale, loaded once per column instead of once per element.
+    one block scale, loaded once per column instead of once per element. The 16 NF4 levels are held in
+    registers, one copy per column, and looked up with tl.gather, not gathered from global memory per element.
     """
     offs_j = tl.arange(0, BLOCK_K // 2)
     col = e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn  # (1, BN) flat index of k = 0
     mask = (k0 + 2 * offs_j[:, None] < K) & (offs_n[None, :] < N)
     byte = tl.load(w_ptr + (col >> 1) + (k0 // 2 + offs_j[:, None]), mask=mask, other=0).to(tl.int32)
-    hi = tl.load(code_ptr + (byte >> 4))
-    lo = tl.load(code_ptr + (byte & 0xF))
+    code = tl.load(code_ptr + tl.arange(0, 16)[:, None] + 0 * offs_n[None, :])  # (16, BN), L1-resident
+    hi = tl.gather(code, byte >> 4, axis=0)
+    lo = tl.gather(code, byte & 0xF, axis=0)
     block = (col + k0) // BLOCKSIZE  # (1, BN)
     col_ok = offs_n[None, :] < N
     if NESTED:
