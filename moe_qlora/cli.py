@@ -104,9 +104,10 @@ def check_paths_before_loading(cfg) -> None:
         check_hub_model(name, ConfigError)
     from .datasources import entry_path, looks_local
 
-    for f in map(entry_path, [*cfg.data.train_files, *cfg.data.eval_files]):
-        if looks_local(f) and not Path(f).exists():
-            raise ConfigError(f"data.train_files: {f}: no such file (relative paths are relative to the config)")
+    for key in ("train_files", "eval_files"):
+        for f in map(entry_path, getattr(cfg.data, key)):
+            if looks_local(f) and not Path(f).exists():
+                raise ConfigError(f"data.{key}: {f}: no such file (relative paths are relative to the config)")
     from .reporting import missing_reporters
 
     if missing := missing_reporters(cfg.output.report_to):

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from .config import LoraSection
 from .experts import SPLIT_STACKS, ExpertLoRA, experts_modules, stack_names
 from .fileio import atomic_dir
-from .peft_roundtrip import ADAPTER_CONFIG, ADAPTER_WEIGHTS, clean_base_config, first_few, load_like_peft
+from .peft_roundtrip import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, clean_base_config, first_few, load_like_peft
 
 TRAINED_ON = "moe_qlora.json"
 # Keys of each expert LoRA factor relative to the experts module, in PEFT's nesting.
@@ -237,6 +237,11 @@ def _jsonable(obj):
     return obj
 
 
+def plain_key(name: str) -> str:
+    """A parameter name of the adapted model as the plain transformers model names it."""
+    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+
+
 def dequantized_base_state_dict(model, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """The base model's weights as the training model sees them (4-bit ones dequantized), under the
     names of the plain transformers model: what a merge, or an exact reference model, starts from."""
@@ -248,11 +253,11 @@ def dequantized_base_state_dict(model, dtype: torch.dtype = torch.float32) -> di
     for name, p in model.named_parameters():
         if "lora" in name:
             continue
-        key = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        key = plain_key(name)
         state[key] = dequantize_param(p, dtype) if isinstance(p, bnb.nn.Params4bit) else p.detach().to(dtype)
     for name, module in experts_modules(model):  # fused shared-expert stacks back to the checkpoint's gate / up
         if getattr(module, "moe_split_gate_up", False):
-            key = name.removeprefix("base_model.model.")
+            key = name.removeprefix(PEFT_PREFIX)
             state[f"{key}.gate_proj"], state[f"{key}.up_proj"] = state.pop(f"{key}.gate_up_proj").chunk(2, dim=1)
     return state
 

@@ -26,10 +26,10 @@ from safetensors.torch import save_file
 
 from .diagnostics import check_norms
 from .experts import experts_modules, stack_names
+from .export import plain_key
 from .fileio import atomic_dir
 from .generate import load_for_generation
 
-PEFT_PREFIX = "base_model.model."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Tokenizer and generation files copied from the base beside the merged weights.
 COPIED = ("*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken", "*.py")
@@ -51,11 +51,6 @@ class MergeReport:
     bytes: int = 0
     # {checkpoint key of the model: ||delta|| per expert (3D stacks) or one value (linears)}
     delta_norms: dict[str, list[float]] = field(default_factory=dict)
-
-
-def plain_key(name: str) -> str:
-    """A parameter name of the adapted model as the plain transformers model names it."""
-    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
 
 
 def linear_deltas(model) -> dict[str, torch.Tensor]:

@@ -82,16 +82,23 @@ def write_router_layers(out: Path, model) -> None:
 
 
 def router_load(model) -> list[list[float]]:
-    """Share of routed rows per expert, per MoE layer, since the last call (then reset)."""
-    loads = []
-    for _, lora in expert_loras(model):
-        counts = lora.routed_rows.double()
-        if torch.distributed.is_initialized():  # every rank routes its own rows: the run's load is their sum
-            torch.distributed.all_reduce(counts)
-        shares = (counts / counts.sum().clamp(min=1)).tolist()  # one device sync per layer, not per expert
-        loads.append([round(s, 4) for s in shares])
+    """Share of routed rows per expert, per MoE layer, since the last call (then reset). All layers go through
+    one collective (data parallel: each rank routes its own rows, the run's load is their sum) and one sync."""
+    loras = [lora for _, lora in expert_loras(model)]
+    if not loras:
+        return []
+    sizes = [lora.routed_rows.numel() for lora in loras]
+    counts = torch.cat([lora.routed_rows for lora in loras]).double()
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(counts)
+    for lora in loras:
         lora.routed_rows.zero_()
-    return loads
+    shares = torch.cat([part / part.sum().clamp(min=1) for part in counts.split(sizes)]).tolist()
+    out, start = [], 0
+    for n in sizes:
+        out.append([round(s, 4) for s in shares[start : start + n]])
+        start += n
+    return out
 
 
 def load_tokenizer(cfg: RunConfig):

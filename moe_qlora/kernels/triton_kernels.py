@@ -39,7 +39,7 @@ def _load_weight_tile(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offse
 
 
 @triton.jit
-def _load_nf4_pairs(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, k0, offs_n, K, N, stride_we,
+def _load_nf4_pairs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, k0, offs_n, K, N, stride_we,
                     stride_wn, NESTED: tl.constexpr, BLOCKSIZE: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """The K-contiguous NF4 tile as two (BLOCK_K / 2, BLOCK_N) fp32 halves: rows j are k = k0 + 2j (high
     nibbles) and k0 + 2j + 1 (low nibbles) of the same bytes.
@@ -47,14 +47,14 @@ def _load_nf4_pairs(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2
     Stored (E, out, in) weights read along `in` (the forward) have their BLOCK_K codes of a column in
     BLOCK_K / 2 consecutive bytes, loaded as such (not one byte per element); and since a column starts on a
     quant block (stride_wn % BLOCKSIZE == 0) and BLOCKSIZE % BLOCK_K == 0, the whole K-step of a column shares
-    one block scale, loaded once per column instead of once per element. The 16 NF4 levels are held in
-    registers, one copy per column, and looked up with tl.gather, not gathered from global memory per element.
+    one block scale, loaded once per column instead of once per element. `code` (16, BLOCK_N): the 16 NF4
+    levels per column, loaded once per program and held in registers, looked up with tl.gather rather than
+    gathered from global memory per element.
     """
     offs_j = tl.arange(0, BLOCK_K // 2)
     col = e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn  # (1, BN) flat index of k = 0
     mask = (k0 + 2 * offs_j[:, None] < K) & (offs_n[None, :] < N)
     byte = tl.load(w_ptr + (col >> 1) + (k0 // 2 + offs_j[:, None]), mask=mask, other=0).to(tl.int32)
-    code = tl.load(code_ptr + tl.arange(0, 16)[:, None] + 0 * offs_n[None, :])  # (16, BN), L1-resident
     hi = tl.gather(code, byte >> 4, axis=0)
     lo = tl.gather(code, byte & 0xF, axis=0)
     block = (col + k0) // BLOCKSIZE  # (1, BN)
@@ -150,6 +150,8 @@ def _grouped_matmul_kernel(
         src = rows.to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if K_PACKED:  # loop-invariant: the NF4 table, once per program
+        code = tl.load(code_ptr + tl.arange(0, 16)[:, None] + 0 * offs_n[None, :])
     for k0 in range(0, K, BLOCK_K):
         if K_PACKED:  # NF4 read along its contiguous dim: byte pairs, one scale per column (see _load_nf4_pairs)
             offs_even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
@@ -158,11 +160,11 @@ def _grouped_matmul_kernel(
                              other=0.0)  # fmt: skip
             x_odd = tl.load(x_rows + (offs_even[None, :] + 1) * stride_xk,
                             mask=row_ok[:, None] & (offs_even[None, :] + 1 < K), other=0.0)  # fmt: skip
-            w_hi, w_lo = _load_nf4_pairs(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, k0, offs_n,
+            w_hi, w_lo = _load_nf4_pairs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, k0, offs_n,
                                          K, N_W, stride_we, stride_wn, NESTED, BLOCKSIZE, BLOCK_K)  # fmt: skip
             acc += _dot(x_even, w_hi, IEEE, DOT_FP32) + _dot(x_odd, w_lo, IEEE, DOT_FP32)
             if GLU:
-                w_hi, w_lo = _load_nf4_pairs(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, k0,
+                w_hi, w_lo = _load_nf4_pairs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, k0,
                                              offs_n + N, K, N_W, stride_we, stride_wn, NESTED, BLOCKSIZE,
                                              BLOCK_K)  # fmt: skip
                 acc_up += _dot(x_even, w_hi, IEEE, DOT_FP32) + _dot(x_odd, w_lo, IEEE, DOT_FP32)
