@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from .distributed import full_tensor, shard_like
 from .fileio import atomic_dir
 from .optim import restore_state
 
@@ -47,6 +48,7 @@ class RunProgress:
     skipped_steps: int = 0
     consecutive_skips: int = 0
     loss_ema: float | None = None
+    world: int = 0  # ranks of the run that wrote the checkpoint resumed from (0: not from a checkpoint, or unknown)
 
 
 def failpoint(name: str, step: int) -> None:
@@ -110,12 +112,19 @@ def _trainable(model) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
+def checkpoint_tensors(model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """The trainable tensors and the optimizer state, whole and on the CPU. Sharded (FSDP) tensors are gathered:
+    a collective, so every rank calls it; the checkpoint then does not depend on the world size."""
+    return {"trainable": {n: full_tensor(p.detach()).cpu().contiguous() for n, p in _trainable(model).items()},
+            "optimizer": _optimizer_tensors(model, optimizer)}  # fmt: skip
+
+
 def _optimizer_tensors(model, optimizer) -> dict[str, torch.Tensor]:
     names = {id(p): n for n, p in _trainable(model).items()}
     out, seen = {}, set()
     for p, state in optimizer.state.items():
         for key, value in state.items():
-            t = torch.as_tensor(value).detach().cpu().contiguous()
+            t = torch.as_tensor(full_tensor(value) if torch.is_tensor(value) else value).detach().cpu().contiguous()
             if t.data_ptr() in seen:  # bitsandbytes shares its quantization maps between tensors
                 t = t.clone()
             seen.add(t.data_ptr())
@@ -145,15 +154,15 @@ def _versions() -> dict[str, str]:
 
 
 def save_checkpoint(run_dir: Path, *, model, optimizer, scheduler, progress: RunProgress, identity: dict,
-                    keep: int) -> Path:  # fmt: skip
-    """Write a complete checkpoint atomically; keep the newest `keep`. `identity`: config hash, dataset fp."""
+                    keep: int, tensors: dict | None = None) -> Path:  # fmt: skip
+    """Write a complete checkpoint atomically; keep the newest `keep`. `identity`: config hash, dataset fp.
+    `tensors`: checkpoint_tensors(model, optimizer), when already gathered (sharded runs)."""
     target = Path(run_dir) / "checkpoints" / f"step-{progress.step:08d}"
     scheduler_state = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
+    tensors = tensors or checkpoint_tensors(model, optimizer)
     with atomic_dir(target) as tmp:
-        save_file(
-            {n: p.detach().cpu().contiguous() for n, p in _trainable(model).items()}, tmp / "trainable.safetensors"
-        )
-        save_file(_optimizer_tensors(model, optimizer), tmp / "optimizer.safetensors")
+        save_file(tensors["trainable"], tmp / "trainable.safetensors")
+        save_file(tensors["optimizer"], tmp / "optimizer.safetensors")
         save_file(_rng_tensors(), tmp / "rng.safetensors")
         failpoint("checkpoint-write", progress.step)
         _, _, pos, has_gauss, cached = np.random.get_state()
@@ -224,10 +233,11 @@ def load_checkpoint(
         raise CheckpointError(f"{checkpoint}: trainable tensors differ from this model's (another adapter layout?)")
     with torch.no_grad():
         for name, p in params.items():
-            p.copy_(saved[name])
+            p.copy_(shard_like(p, saved[name]))  # a sharded run takes its shard of the whole tensor
     moments = load_file(str(checkpoint / "optimizer.safetensors"))
     for name, p in params.items():
-        restore_state(optimizer, p, {k.split("::", 1)[1]: v for k, v in moments.items() if k.startswith(f"{name}::")})
+        own = {k.split("::", 1)[1]: v for k, v in moments.items() if k.startswith(f"{name}::")}
+        restore_state(optimizer, p, {k: shard_like(p, v) if v.shape == p.shape else v for k, v in own.items()})
     scheduler.load_state_dict({**scheduler.state_dict(), **state["scheduler"]})
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
         group["lr"] = lr
@@ -239,4 +249,4 @@ def load_checkpoint(
     random.setstate((version, tuple(internal), gauss))
     pos, has_gauss, cached = state["numpy_rng"]
     np.random.set_state(("MT19937", rng["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))
-    return RunProgress(**state["progress"])
+    return RunProgress(**{**state["progress"], "world": state.get("world", 0)})

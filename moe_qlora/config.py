@@ -521,3 +521,10 @@ def resolve_compute_dtype(choice: str, device: str) -> str:
     if choice != "auto":
         return choice
     return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def check_shardable(cfg: RunConfig) -> None:
+    """Refuse what a sharded (train.parallel: fsdp) run cannot do."""
+    if cfg.train.optimizer != "adamw":
+        raise ConfigError(f"train.optimizer: {cfg.train.optimizer} keeps bitsandbytes state FSDP cannot shard; "
+                          "use adamw with train.parallel: fsdp (its moments are sharded too)")  # fmt: skip

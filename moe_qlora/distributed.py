@@ -11,7 +11,9 @@ takes the same clipping and NaN decisions. Rank 0 alone writes logs, checkpoints
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -23,6 +25,7 @@ class Ranks:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    sharded: bool = False  # FSDP2: parameters, gradients and optimizer state sharded; FSDP reduces the gradients
 
     @property
     def main(self) -> bool:
@@ -76,8 +79,9 @@ def sum_scalars(ranks: Ranks, *values: float) -> list[float]:
 
 def sum_gradients(ranks: Ranks, params: list[torch.Tensor]) -> None:
     """p.grad <- sum over ranks of p.grad, for every trainable tensor (a rank with no rows this step
-    contributes zeros), through one flat buffer and one all_reduce."""
-    if not ranks.enabled:
+    contributes zeros), through one flat buffer and one all_reduce. Under FSDP the backward has already
+    reduce-scattered them (summed: the divide factor is 1)."""
+    if not ranks.enabled or ranks.sharded:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1).float() for g in grads])
@@ -114,3 +118,89 @@ def raise_together(ranks: Ranks, error: BaseException | None) -> None:
 
 class RankFailed(RuntimeError):
     """Another rank of the run failed; this one stops with its message."""
+
+
+# --- FSDP2: sharded 4-bit experts -------------------------------------------------------------------------------
+
+
+def shard_model(model, ranks: Ranks) -> Ranks:
+    """Shard `model` over the ranks with FSDP2 (torch.distributed.fsdp.fully_shard): one FSDP group per decoder
+    layer (the classes in the model's _no_split_modules) and the root for the rest.
+
+    Sharded on dim 0: the NF4 expert stacks (by expert; made plain parameters first, experts.make_stacks_shardable),
+    every frozen weight in the compute dtype, the LoRA tensors, so their gradients and AdamW moments. A layer's
+    parameters are all-gathered for its forward and again for its backward (reshard_after_forward). Left whole
+    on every rank: the other bitsandbytes 4-bit linears (attention, shared experts, dense MLPs), whose scales
+    live in a quant_state FSDP cannot shard. Gradients are reduce-scattered as sums (divide factor 1): the loss
+    is already normalised by the global target count. Returns `ranks` marked sharded.
+    """
+    import bitsandbytes as bnb
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from .experts import make_stacks_shardable
+
+    make_stacks_shardable(model)
+    # The root returns the model's output, a view when the loss reads the head's input as logits (losses.py);
+    # nothing writes to it in place, which is what the warning is about.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    mesh = init_device_mesh(device_of(ranks).type, (ranks.world,))
+    whole = {p for p in model.parameters() if isinstance(p, bnb.nn.Params4bit)}
+    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules): cannot shard "
+                         "it layer by layer; use train.parallel: ddp")  # fmt: skip
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True, ignored_params=whole)
+    fully_shard(model, mesh=mesh, ignored_params=whole)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+    return replace(ranks, sharded=True)
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded (DTensor) tensor; the tensor itself otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole of a sharded tensor, gathered (a collective: every rank calls it); the tensor otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def shard_like(param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """`whole` (the full tensor, present on every rank) laid out as `param` is: this rank's shard of it as a
+    DTensor with param's placements when param is sharded (no communication), `whole` on param's device else."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(param, DTensor):
+        return whole.to(param.device)
+    return distribute_tensor(whole.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+
+
+@contextmanager
+def whole_trainable(model, ranks: Ranks):
+    """Within the block every trainable parameter of a sharded model is whole (gathered on every rank), so the
+    adapter can be written and verified as from one process; the shards are put back after. Only LoRA is
+    gathered, never the 4-bit weights."""
+    if not ranks.sharded:
+        yield model
+        return
+    swapped = []
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.requires_grad:
+                module._parameters[name] = torch.nn.Parameter(full_tensor(p.detach()), requires_grad=True)
+                swapped.append((module, name, p))
+    try:
+        yield model
+    finally:
+        for module, name, p in swapped:
+            module._parameters[name] = p

@@ -88,7 +88,9 @@ def stack_names(module: nn.Module) -> tuple[str, str]:
 
 def is_experts_module(module: nn.Module) -> bool:
     """True for a class on transformers' experts interface (its decorator sets has_gate) with its 3D stacks."""
-    return hasattr(module, "has_gate") and all(hasattr(module, n) for n in stack_names(module))
+    if not hasattr(module, "has_gate"):
+        return False
+    return hasattr(module, "moe_shardable_shapes") or all(hasattr(module, n) for n in stack_names(module))
 
 
 def check_supported_layout(module: nn.Module, name: str = "experts") -> None:
@@ -122,21 +124,56 @@ def expert_dims(module: nn.Module) -> tuple[int, int, int]:
 
 def _frozen_experts(module: nn.Module) -> FrozenExperts:
     first, down = stack_names(module)
-    for n in (first, down):
-        if not isinstance(getattr(module, n), bnb.nn.Params4bit):
-            raise UnsupportedExpertsError(
-                f"{type(module).__name__}.{n} is not NF4-quantized; load the model with moe_qlora.loading.load_model"
-            )
     has_bias = getattr(module, "has_bias", False)
     return FrozenExperts(
-        gate_up=NF4Stack.from_param(getattr(module, first)),
-        down=NF4Stack.from_param(module.down_proj),
+        gate_up=_nf4_stack(module, first),
+        down=_nf4_stack(module, down),
         gate=module._apply_gate if module.has_gate else module.act_fn,
         transposed=getattr(module, "is_transposed", False),
         gate_up_bias=getattr(module, f"{first}_bias") if has_bias else None,
         down_bias=module.down_proj_bias if has_bias else None,
         gate_is_silu_mul=_cached_gates_with_silu_mul(module),
     )
+
+
+def _nf4_stack(module: nn.Module, name: str) -> NF4Stack:
+    """The NF4 stack `name` of an experts module: its bitsandbytes Params4bit, or, once made shardable, the
+    plain parameters `{name}_nf4` and `{name}_absmax` (whatever FSDP has gathered into them for this call)."""
+    shapes = getattr(module, "moe_shardable_shapes", None)
+    if shapes is not None:
+        packed, absmax = getattr(module, f"{name}_nf4"), getattr(module, f"{name}_absmax")
+        return NF4Stack(packed.view(-1), absmax.view(-1), None, shapes[name])
+    param = getattr(module, name)
+    if not isinstance(param, bnb.nn.Params4bit):
+        raise UnsupportedExpertsError(
+            f"{type(module).__name__}.{name} is not NF4-quantized; load the model with moe_qlora.loading.load_model"
+        )
+    return NF4Stack.from_param(param)
+
+
+def make_stacks_shardable(model: nn.Module) -> int:
+    """Replace every NF4 expert stack (a Params4bit, whose block scales live in its quant_state where FSDP cannot
+    see them) by two frozen parameters with the experts on dim 0, so FSDP2 shards them by expert:
+    `{name}_nf4` (E, O*I/2) uint8 codes and `{name}_absmax` (E, O*I/64) fp32 scales, nested scales decoded
+    (the same fp32 values the kernels decode on the fly, so results do not change). Returns how many stacks."""
+    converted = 0
+    for module in model.modules():
+        if not is_experts_module(module) or getattr(module, "moe_shardable_shapes", None) is not None:
+            continue
+        shapes, nested = {}, False
+        for name in stack_names(module):
+            stack = NF4Stack.from_param(getattr(module, name))
+            nested |= stack.nested is not None
+            e = stack.num_experts
+            packed = stack.experts_codes(0, e).reshape(e, -1).clone()
+            absmax = stack.experts_absmax(0, e).reshape(e, -1).float().clone()
+            del module._parameters[name]
+            module.register_parameter(f"{name}_nf4", nn.Parameter(packed, requires_grad=False))
+            module.register_parameter(f"{name}_absmax", nn.Parameter(absmax, requires_grad=False))
+            shapes[name] = stack.shape
+            converted += 1
+        module.moe_shardable_shapes, module.moe_nested_scales = shapes, nested
+    return converted
 
 
 def _cached_gates_with_silu_mul(module: nn.Module) -> bool:

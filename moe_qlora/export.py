@@ -205,8 +205,13 @@ def base_quantization(model) -> dict[str, bool]:
     quantization changes each decoded weight by up to ~1e-3 of its block's absmax)."""
     import bitsandbytes as bnb
 
-    expert_stacks = {id(getattr(m, n)) for _, m in experts_modules(model) for n in stack_names(m)}
     nested = {"expert_double_quant": None, "linear_double_quant": None}
+    expert_stacks = set()
+    for _, m in experts_modules(model):
+        if (was_nested := getattr(m, "moe_nested_scales", None)) is not None:  # made shardable: scales decoded
+            nested["expert_double_quant"] = bool(nested["expert_double_quant"]) or was_nested
+        else:
+            expert_stacks |= {id(getattr(m, n)) for n in stack_names(m)}
     for p in model.parameters():
         if isinstance(p, bnb.nn.Params4bit) and p.quant_state is not None:
             key = "expert_double_quant" if id(p) in expert_stacks else "linear_double_quant"

@@ -75,7 +75,7 @@ def load_for_generation(adapter_dir: str | Path, console: Console, *, device: st
     adapter_dir = Path(adapter_dir)
     cfg = run_config_for(adapter_dir, device=device, kernels=kernels)
     model_path, tokenizer = load_tokenizer(cfg)
-    model, _ = load_policy(cfg, model_path, console)
+    model, _, _ = load_policy(cfg, model_path, console)
     model.eval()
     return model, tokenizer
 

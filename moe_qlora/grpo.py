@@ -372,7 +372,7 @@ def grpo(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool
         seed_everything(cfg.train.seed)
         model_path, tokenizer = load_tokenizer(cfg)
         source = RolloutSource(cfg, tokenizer, console)
-        model, params = load_policy(cfg, model_path, console)
+        model, params, _ = load_policy(cfg, model_path, console)
         write_router_layers(out, model)
         seed_everything(cfg.train.seed)  # what loading consumed must not matter
         optimizer = build_optimizer(params, cfg.train)

@@ -27,6 +27,7 @@ from transformers.quantizers.base import get_keys_to_not_convert
 from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
+from .distributed import local_shard
 from .experts import (
     EXPERT_PARAMS,
     adopt_dense_input_experts,
@@ -406,14 +407,19 @@ def assert_experts_quantized(model) -> None:
 
 
 def parameter_bytes_by_kind(model) -> dict[str, int]:
-    """Bytes of the model's weights, by kind: NF4 experts, other 4-bit weights, LoRA, the rest."""
+    """Bytes of the model's weights this process holds, by kind: NF4 experts, other 4-bit weights, LoRA, the
+    rest (of a sharded model: this rank's shards, the experts' codes and scales as parameters of their own)."""
     kinds = {"experts_nf4": 0, "linear_4bit": 0, "lora": 0, "other": 0}
+    shardable = tuple(f"{n}_{part}" for n in EXPERT_PARAMS for part in ("nf4", "absmax"))
     for name, p in model.named_parameters():
+        local = local_shard(p)
         if isinstance(p, bnb.nn.Params4bit):
             kind = "experts_nf4" if name.rsplit(".", 1)[-1] in EXPERT_PARAMS else "linear_4bit"
             kinds[kind] += stack_nbytes(p)
+        elif name.rsplit(".", 1)[-1] in shardable:
+            kinds["experts_nf4"] += local.numel() * local.element_size()
         elif p.requires_grad or "lora" in name:
-            kinds["lora"] += p.numel() * p.element_size()
+            kinds["lora"] += local.numel() * local.element_size()
         else:
-            kinds["other"] += p.numel() * p.element_size()
+            kinds["other"] += local.numel() * local.element_size()
     return kinds

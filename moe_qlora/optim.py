@@ -14,6 +14,8 @@ import math
 import bitsandbytes as bnb
 import torch
 
+from .distributed import local_shard
+
 
 class ElementwiseClip:
     """Mixin for an optimizer class: step() first clamps every gradient element to [-gclip, gclip]
@@ -60,10 +62,14 @@ def clip_global_norm(params, max_norm: float) -> float:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(local_shard(g).float()) for g in grads]))
+    if any(local_shard(g) is not g for g in grads):  # FSDP shards: the norm is sqrt of the sum of squares over ranks
+        squares = norm.square().double()
+        torch.distributed.all_reduce(squares)
+        norm = squares.sqrt()
     if max_norm > 0 and norm > max_norm:
         for g in grads:
-            g.mul_(max_norm / (norm + 1e-6))
+            local_shard(g).mul_((max_norm / (norm + 1e-6)).to(g.dtype))
     return float(norm)
 
 

@@ -21,8 +21,8 @@ from transformers import AutoTokenizer
 
 from .adapters import attach_adapters, configure_checkpointing, expert_loras, trainable_parameters
 from .checkpoint import CheckpointError, RunProgress, checkpoint_dirs, latest_valid_checkpoint, load_checkpoint, verify
-from .config import ConfigError, RunConfig, resolve_compute_dtype
-from .distributed import SINGLE, Ranks, any_rank
+from .config import ConfigError, RunConfig, check_shardable, resolve_compute_dtype
+from .distributed import SINGLE, Ranks, any_rank, device_of, shard_model
 from .experts import set_moe_kernels
 from .export import load_adapter, save_adapter, verify_adapter
 from .loading import LoadOptions, check_model_path, load_model, parameter_bytes_by_kind
@@ -111,11 +111,38 @@ def load_tokenizer(cfg: RunConfig):
     return model_path, tokenizer
 
 
-def load_policy(cfg: RunConfig, model_path: str, console: Console):
-    """The quantized model with its adapters (new, or from lora.init_from) and checkpointing; (model, params)."""
+def sharding_chosen(cfg: RunConfig, ranks: Ranks, model_path: str, console: Console) -> bool:
+    """train.parallel under several ranks: fsdp as asked, ddp as asked, and auto = ddp when `plan` says the run
+    fits one device (always on the CPU), fsdp otherwise."""
+    if not ranks.enabled or cfg.train.parallel == "ddp":
+        return False
+    if cfg.train.parallel == "fsdp":
+        return _check_shardable(cfg)
+    device = device_of(ranks)
+    if device.type != "cuda":
+        return False
+    from .plan import plan_run
+
+    need = plan_run(cfg, name_or_path=model_path, device="cuda").total
+    have = torch.cuda.get_device_properties(device).total_memory
+    console.print(f"train.parallel auto: the run needs {need / 2**30:.1f} GiB on one GPU of {have / 2**30:.1f} GiB "
+                  f"(moe-qlora plan) -> {'fsdp' if need > have else 'ddp'}")  # fmt: skip
+    return need > have and _check_shardable(cfg)
+
+
+def _check_shardable(cfg: RunConfig) -> bool:
+    check_shardable(cfg)
+    return True
+
+
+def load_policy(cfg: RunConfig, model_path: str, console: Console, ranks: Ranks = SINGLE):
+    """The quantized model with its adapters (new, or from lora.init_from) and checkpointing, sharded with FSDP2
+    when the run is (sharding_chosen); (model, params, ranks). A sharded run on CUDA loads on the host and
+    moves each rank's shards to its GPU, so no GPU ever holds the whole model."""
     device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    sharded = sharding_chosen(cfg, ranks, model_path, console)
     opts = LoadOptions(
-        device=device,
+        device="cpu" if sharded else device,
         name_or_path=model_path,
         compute_dtype=DTYPES[resolve_compute_dtype(cfg.model.compute_dtype, device)],
         expert_double_quant=cfg.model.expert_double_quant,
@@ -135,6 +162,11 @@ def load_policy(cfg: RunConfig, model_path: str, console: Console):
     n_ckpt = configure_checkpointing(
         model, enabled=cfg.train.gradient_checkpointing, interval=cfg.train.checkpoint_interval
     )
+    if sharded:
+        ranks = shard_model(model, ranks)
+        move_unsharded_to(model, device_of(ranks))
+        console.print(f"fsdp: experts, frozen weights, LoRA and optimizer state sharded over {ranks.world} ranks; "
+                      "the other 4-bit linears whole on each")  # fmt: skip
     params = trainable_parameters(model)
     if not params:
         raise ValueError("no trainable parameters: lora.target_modules matched nothing and the model has no experts")
@@ -144,7 +176,22 @@ def load_policy(cfg: RunConfig, model_path: str, console: Console):
         + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sizes.items())
         + f"; {sum(p.numel() for p in params):,} trainable parameters; {n_ckpt} layers checkpointed"
     )
-    return model, params
+    return model, params, ranks
+
+
+def move_unsharded_to(model, device: torch.device) -> None:
+    """After fully_shard (which moves the shards it manages to the mesh's device): the bitsandbytes 4-bit linears
+    it leaves whole, and the buffers, to `device` too. Nothing to do on the CPU."""
+    if device.type == "cpu":
+        return
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.to(device)
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
 
 
 def resolve_kernels(choice: str, device: str) -> str:

@@ -6,11 +6,12 @@ number of target tokens in the whole step, so the step's gradient equals that of
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from .checkpoint import (
     RunProgress,
+    checkpoint_tensors,
     config_hash,
     dataset_fingerprint,
     save_checkpoint,
@@ -35,7 +37,17 @@ from .data import (
     micro_batches,
     pack_examples,
 )
-from .distributed import SINGLE, Ranks, join, leave, raise_together, sum_gradients, sum_scalars
+from .distributed import (
+    SINGLE,
+    Ranks,
+    any_rank,
+    join,
+    leave,
+    raise_together,
+    sum_gradients,
+    sum_scalars,
+    whole_trainable,
+)
 from .export import save_adapter
 from .losses import token_logprobs
 from .memory import release_freed_memory
@@ -58,6 +70,7 @@ from .session import (
     router_load,
     seed_everything,
     stop_if_asked,
+    truncate_metrics,
     write_adapter,
     write_router_layers,
 )
@@ -114,6 +127,49 @@ def optimizer_steps(examples: list[Example], cfg: RunConfig, ranks: Ranks = SING
                 group = []
         if group:
             yield epoch, group
+
+
+def step_end_positions(num_examples: int, cfg: RunConfig, world: int) -> list[int]:
+    """Where each optimizer step of a run over `world` ranks ends in the data: the examples consumed since the
+    run's start (epoch after epoch), as optimizer_steps lays them out."""
+    t = cfg.train
+    per_step = t.micro_batch_size * world * t.grad_accum
+    return [epoch * num_examples + min(num_examples, start + per_step)
+            for epoch in range(t.epochs) for start in range(0, num_examples, per_step)]  # fmt: skip
+
+
+def continue_at_world_size(done: RunProgress, ranks: Ranks, num_examples: int, cfg: RunConfig, total: int,
+                           console: Console) -> tuple[RunProgress, int]:  # fmt: skip
+    """A checkpoint written by another number of ranks: the global batch (micro_batch_size x ranks x grad_accum)
+    has changed, so step k no longer names the same data. The run goes on from the same global position in the
+    data order, as if it had been launched at this world size: returns the step of the new layout to go on
+    after (the first not wholly done; the examples between its start and the position are trained on again, and
+    said so) and the run's total steps (ending where the checkpoint's run would have: train.max_steps counted
+    in that run's steps). (done, total) unchanged otherwise."""
+    if done.world in (0, ranks.world) or done.step == 0:
+        return done, total
+    old_ends, ends = (step_end_positions(num_examples, cfg, w) for w in (done.world, ranks.world))
+    position, end = old_ends[done.step - 1], old_ends[count_steps(num_examples, cfg, done.world) - 1]
+    step, total = bisect.bisect_right(ends, position), bisect.bisect_left(ends, end) + 1
+    again = position - (ends[step - 1] if step else 0)
+    old_batch, new_batch = (cfg.train.micro_batch_size * w * cfg.train.grad_accum for w in (done.world, ranks.world))
+    console.print(f"[yellow]warning:[/] the checkpoint was written by {done.world} rank(s), this run has "
+                  f"{ranks.world}: the global batch changes from {old_batch} to {new_batch} examples. The data order "
+                  f"continues from the same global position (example {position:,} of the run): step {done.step} of "
+                  f"the checkpoint's run is step {step} here, of {total}" + (f", and {again} example(s) before the "
+                  "position are trained on again" if again else "") + "; the LR schedule goes on from the same "
+                  "point. The result will not be bit-identical to an uninterrupted run.")  # fmt: skip
+    return replace(done, step=step, epoch=min(position // num_examples, cfg.train.epochs - 1)), total
+
+
+def schedule_at(optimizer, total: int, step: int, train_cfg):
+    """The LR schedule over `total` steps, as it stands after `step` of them."""
+    schedule = build_schedule(optimizer, total, train_cfg)
+    schedule.last_epoch = step
+    for group, base, factor in zip(optimizer.param_groups, schedule.base_lrs, schedule.lr_lambdas, strict=True):
+        group["lr"] = base * factor(step)
+    schedule._last_lr = [group["lr"] for group in optimizer.param_groups]
+    return schedule
 
 
 def count_steps(num_examples: int, cfg: RunConfig, world: int = 1) -> int:
@@ -180,8 +236,9 @@ def train_step(model, optimizer, group, pad_id: int, train_cfg, stepper: StepInB
             "aux_loss": aux_loss}  # fmt: skip
 
 
-def prepare(cfg: RunConfig, console: Console):
-    """Tokenizer, data, and the quantized model with adapters for an SFT run."""
+def prepare(cfg: RunConfig, console: Console, ranks: Ranks = SINGLE):
+    """Tokenizer, data, and the quantized model with adapters for an SFT run (sharded when the run is: the
+    returned ranks say so)."""
     model_path, tokenizer = load_tokenizer(cfg)
     rwsft = cfg.train.objective == "rwsft"
     examples, stats = build_examples(cfg.data, tokenizer, rewards=rwsft)
@@ -195,8 +252,8 @@ def prepare(cfg: RunConfig, console: Console):
         f"truncated {stats.truncated}, dropped {stats.dropped_overlength} over max_seq_len and "
         f"{stats.dropped_no_target} with no target left; formats {stats.formats}"
     )
-    model, params = load_policy(cfg, model_path, console)
-    return model_path, tokenizer, examples, model, params
+    model, params, ranks = load_policy(cfg, model_path, console, ranks)
+    return model_path, tokenizer, examples, model, params, ranks
 
 
 def held_out_examples(cfg: RunConfig, tokenizer, examples: list[Example], console: Console
@@ -339,7 +396,7 @@ def run_steps(cfg: RunConfig, examples, pad_id: int, training: dict, *, total: i
             if not console.is_terminal and ((step + 1) % cfg.train.log_every == 0 or step + 1 == total):
                 console.print(plain_progress_line("train", step + 1, total, info, time.perf_counter() - start, first),
                               highlight=False)  # fmt: skip
-            if done.step < total and policy.due(done.step):
+            if done.step < total and any_rank(ranks, policy.due(done.step)):  # by minutes: clocks may disagree
                 checkpoint(done)
                 policy.saved()
     checkpoint(done)
@@ -380,7 +437,7 @@ def _train(cfg: RunConfig, console: Console, out: Path, ranks: Ranks, *, allow_m
         seed_everything(cfg.train.seed)  # LoRA initialisation (PEFT draws from the global RNG)
         failure = None
         try:
-            model_path, tokenizer, examples, model, params = prepare(cfg, console)
+            model_path, tokenizer, examples, model, params, ranks = prepare(cfg, console, ranks)
         except Exception as exc:  # a rank that cannot load its data or model stops every rank, at once
             failure = exc
         raise_together(ranks, failure)
@@ -394,14 +451,20 @@ def _train(cfg: RunConfig, console: Console, out: Path, ranks: Ranks, *, allow_m
         total = count_steps(len(examples), cfg, ranks.world)
         schedule = build_schedule(optimizer, total, cfg.train)
         identity = {"config_hash": config_hash(cfg.model_dump(mode="json")),
-                    "dataset_fingerprint": dataset_fingerprint(examples)}  # fmt: skip
+                    "dataset_fingerprint": dataset_fingerprint(examples), "world": ranks.world}  # fmt: skip
         training = {"model": model, "optimizer": optimizer, "scheduler": schedule}
         done = resume_if_asked(cfg, out, console, allow_mismatch=allow_mismatch, identity=identity,
                                writer=ranks.main, **training)  # fmt: skip
+        resumed_at = done.step
+        done, total = continue_at_world_size(done, ranks, len(examples), cfg, total, console)
+        if done.step != resumed_at:
+            training["scheduler"] = schedule_at(optimizer, total, done.step, cfg.train)
+            if ranks.main and done.step < resumed_at:  # more ranks: fewer, larger steps; their records start again
+                truncate_metrics(out / "metrics.jsonl", done.step)
         if ranks.enabled:
             batch = ranks.world * cfg.train.micro_batch_size * cfg.train.grad_accum
-            console.print(f"data parallel: {ranks.world} ranks x micro_batch_size {cfg.train.micro_batch_size}, "
-                          f"global batch {batch}")  # fmt: skip
+            console.print(f"data parallel ({'fsdp' if ranks.sharded else 'ddp'}): {ranks.world} ranks x "
+                          f"micro_batch_size {cfg.train.micro_batch_size}, global batch {batch}")  # fmt: skip
         stepper = None
         if cfg.train.optimizer_in_backward:
             stepper = StepInBackward(optimizer, undo=cfg.train.nan_policy == "skip")
@@ -410,9 +473,10 @@ def _train(cfg: RunConfig, console: Console, out: Path, ranks: Ranks, *, allow_m
         model.train()
 
         def checkpoint(progress: RunProgress) -> None:
+            tensors = checkpoint_tensors(model, optimizer) if ranks.sharded else None  # gathered by every rank
             if ranks.main:
                 save_checkpoint(out, progress=progress, identity=identity, keep=cfg.train.keep_checkpoints,
-                                **training)  # fmt: skip
+                                tensors=tensors, **training)  # fmt: skip
 
         best = {"loss": best_eval_so_far(metrics.path)}
 
@@ -422,8 +486,9 @@ def _train(cfg: RunConfig, console: Console, out: Path, ranks: Ranks, *, allow_m
             if cfg.train.keep_best and loss < best["loss"]:
                 best["loss"] = loss
                 fields["eval_best"] = True
-                if ranks.main:
-                    save_adapter(model, out / "adapter-best", cfg=cfg.lora, base_model_name_or_path=model_path)
+                with whole_trainable(model, ranks):
+                    if ranks.main:
+                        save_adapter(model, out / "adapter-best", cfg=cfg.lora, base_model_name_or_path=model_path)
             return fields
 
         try:
@@ -433,7 +498,8 @@ def _train(cfg: RunConfig, console: Console, out: Path, ranks: Ranks, *, allow_m
                                        ranks=ranks)  # fmt: skip
         finally:
             metrics.close()
-        adapter_dir = write_adapter(model, out, cfg, model_path, console) if ranks.main else out / "adapter"
+        with whole_trainable(model, ranks):
+            adapter_dir = write_adapter(model, out, cfg, model_path, console) if ranks.main else out / "adapter"
     finite = [x for x in losses if math.isfinite(x)]
     RunSummary("train", len(losses), time.perf_counter() - started, tokens, finite[-1] if finite else None,
                min(finite) if finite else None, adapter_dir, metrics.path).print(console)  # fmt: skip

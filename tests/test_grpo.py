@@ -177,7 +177,7 @@ def _right_minus_wrong(cfg) -> float:
     from moe_qlora.rollout import load_offline_groups, offline_rollouts
     from moe_qlora.session import load_policy
 
-    model, _ = load_policy(cfg, _tiny(), Console(quiet=True))
+    model, _, _ = load_policy(cfg, _tiny(), Console(quiet=True))
     model.eval()
     groups = load_offline_groups(cfg.grpo.offline_file, cfg.data, TOK)
     rollouts = offline_rollouts(groups, TOK, 32)
