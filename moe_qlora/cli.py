@@ -125,7 +125,11 @@ def _run(command: str, config: str, overrides: list[str], *, dry_run, resume, re
     """Load and validate the config, then print it (--dry-run) or run `train` or `grpo` on it, turning
     user errors into one sentence and exit code 2, an aborted run into exit code 1, and a run stopped by
     SIGINT / SIGTERM into 130 / 143 with the command that resumes it."""
-    from .config import ConfigError, load_config  # light: config errors come back before torch is imported
+    from .config import (  # light: config errors come back before torch is imported
+        ConfigError,
+        check_shardable,
+        load_config,
+    )
 
     resumes = []
     if resume_from:
@@ -139,8 +143,7 @@ def _run(command: str, config: str, overrides: list[str], *, dry_run, resume, re
         if command == "grpo" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ConfigError("moe-qlora grpo runs in one process for now; launch it without torchrun")
         if cfg.train.parallel == "fsdp" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ConfigError("train.parallel: fsdp (sharded 4-bit experts) is not implemented yet; use ddp, with "
-                              "the whole 4-bit model on each GPU")  # fmt: skip
+            check_shardable(cfg)
         check_paths_before_loading(cfg)
     except ConfigError as exc:  # (its subclasses too) before the heavy imports _user_errors makes
         _fail(exc, debug)
@@ -212,6 +215,8 @@ PLAN_EPILOG = """Examples:
   moe-qlora plan --model configs/models/qwen3-30b-a3b --set data.max_seq_len=4096 --set lora.rank=16
 
   moe-qlora plan --config cfg.yaml --device cpu
+
+  moe-qlora plan --model configs/models/deepseek-v2 --gpus 8 --parallel fsdp   # per GPU, and traffic per step
 """
 
 
@@ -223,16 +228,24 @@ def plan(
     ),
     set_: list[str] = typer.Option([], "--set", help="override a key, e.g. --set data.max_seq_len=4096"),
     device: str = typer.Option("cuda", "--device", help="cuda or cpu (on cpu some linears stay unquantized)"),
+    gpus: int = typer.Option(1, "--gpus", min=1, help="GPUs the run is spread over; the table shows one GPU's bytes"),
+    parallel: str | None = typer.Option(
+        None, "--parallel", help="auto, ddp or fsdp (default: train.parallel); auto: ddp if the run fits one GPU"
+    ),
+    gpu_gb: float = typer.Option(80.0, "--gpu-gb", min=0.0, help="memory of one GPU in GiB (2^30 bytes)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
     debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
 ):
-    """Memory a run needs, by kind, from the model's config.json alone (no weights are read)."""
+    """Memory a run needs, by kind, from the model's config.json alone (no weights are read); with --gpus, one
+    GPU's share under ddp or fsdp and the bytes each GPU sends per optimizer step."""
     _quiet_libraries()
     from .config import ConfigError, deep_merge, load_config, parse_overrides, validate_config
-    from .plan import plan_run, render_plan
+    from .plan import PARALLEL_MODES, plan_run, render_plan
     from .tiny import resolve_model_path
 
     try:
+        if parallel is not None and parallel not in PARALLEL_MODES:
+            raise ConfigError(f"--parallel {parallel}: give one of {', '.join(PARALLEL_MODES)}")
         if config:
             cfg = load_config(config, set_)
         elif model:
@@ -240,14 +253,18 @@ def plan(
             cfg = validate_config(deep_merge(raw, parse_overrides(set_)))
         else:
             raise ConfigError("give --config or --model")
-        result = plan_run(cfg, name_or_path=resolve_model_path(model or cfg.model.name_or_path), device=device)
+        result = plan_run(cfg, name_or_path=resolve_model_path(model or cfg.model.name_or_path), device=device,
+                          gpus=gpus, parallel=parallel, gpu_gib=gpu_gb)  # fmt: skip
     except (*_user_errors(), OSError) as exc:
         _fail(exc, debug)
     if as_json:
         import json
 
         sys.stdout.write(json.dumps({"model_type": result.model_type, "params": result.params, "bytes": result.bytes,
-                                     "total": result.total, "notes": result.notes}) + "\n")  # fmt: skip
+                                     "total": result.total, "notes": result.notes, "gpus": result.gpus,
+                                     "parallel": result.parallel, "per_gpu_total": result.total, "fits": result.fits,
+                                     "communication_bytes_per_step": result.communication_bytes_per_step})
+                         + "\n")  # fmt: skip
     else:
         render_plan(result, console)
 

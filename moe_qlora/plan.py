@@ -4,11 +4,17 @@ The model is built on the meta device (no weights, no memory) and every paramete
 rules the loader applies: NF4 expert stacks, bitsandbytes 4-bit linears, what stays in the compute dtype,
 then LoRA (fp32), its gradients (all, or one layer's when stepped in the backward) and the optimizer state
 (fp32 or 8-bit moments). Activation memory is an estimate (see below).
+
+Several GPUs (`gpus`, `parallel`): under ddp every GPU holds all of that; under fsdp (FSDP2, as
+distributed.shard_model wraps the model) the experts, the compute-dtype weights, LoRA, its gradients and the
+optimizer state are split by dim 0 across the GPUs, the 4-bit linears stay whole on each, and the unsharded
+parameters of the layers being computed are added. Communication per optimizer step is counted for both.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +41,11 @@ LORA_BYTES = 4  # LoRA master weights and their gradients are fp32
 # What the process holds before any model: the CUDA context and cuBLAS workspaces on a GPU; on the CPU the
 # libraries themselves (torch, transformers, peft, bitsandbytes: 475 MiB measured after importing them).
 RUNTIME_BYTES = {"cuda": 600 * 2**20, "cpu": 480 * 2**20}
+DEFAULT_GPU_GIB = 80.0
+# Bandwidth one GPU's collectives get, bytes/s each direction: NVLink 4 on an H100 SXM (900 GB/s both ways),
+# and a PCIe 4.0 x16 slot (32 GB/s raw, ~25 GB/s achieved).
+LINKS = {"NVLink 4": 450e9, "PCIe 4 x16": 25e9}
+PARALLEL_MODES = ("auto", "ddp", "fsdp")
 
 
 def four_bit_bytes(numel: int, *, double_quant: bool) -> int:
@@ -46,14 +57,26 @@ def four_bit_bytes(numel: int, *, double_quant: bool) -> int:
 
 @dataclass
 class Plan:
+    """Bytes one GPU holds, by kind, for a run on `gpus` GPUs in mode `parallel` (ddp or fsdp; one GPU is ddp's
+    single rank), and the bytes each GPU sends per optimizer step."""
+
     model_type: str
     params: int
     bytes: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    gpus: int = 1
+    parallel: str = "ddp"
+    gpu_bytes: int = int(DEFAULT_GPU_GIB * 2**30)
+    communication_bytes_per_step: int = 0
 
     @property
     def total(self) -> int:
         return sum(self.bytes.values())
+
+    @property
+    def fits(self) -> bool:
+        """The per-GPU total within one GPU's memory (gpu_bytes)."""
+        return self.total <= self.gpu_bytes
 
 
 def meta_model(name_or_path: str, trust_remote_code: bool = False) -> nn.Module:
@@ -65,42 +88,61 @@ def meta_model(name_or_path: str, trust_remote_code: bool = False) -> nn.Module:
     return model
 
 
-def weight_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> dict[str, int]:
-    """Bytes of the loaded weights by kind, classified as the quantizer does (see loading.py)."""
-    compute = DTYPE_BYTES[resolve_compute_dtype(cfg.model.compute_dtype, device)]
-    skip = linears_not_quantized(model, on_cpu=device == "cpu")
-    kinds = {"experts_nf4": 0, "linear_4bit": 0, "other": 0}
+def classified_weights(model: nn.Module, *, device: str) -> Iterator[tuple[str, str, nn.Parameter]]:
+    """(parameter name, kind, parameter) of every weight, classified as the quantizer does (see loading.py):
+    experts_nf4 (expert stacks), linear_4bit (bitsandbytes linears) or other (kept in the compute dtype)."""
+    skip = sorted(linears_not_quantized(model, on_cpu=device == "cpu"))
     for name, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
             if pname in quantized_stack_names(module):
-                kinds["experts_nf4"] += four_bit_bytes(p.numel(), double_quant=cfg.model.expert_double_quant)
-            elif isinstance(module, nn.Linear) and pname == "weight" and should_convert_module(name, sorted(skip)):
-                kinds["linear_4bit"] += four_bit_bytes(p.numel(), double_quant=cfg.model.linear_double_quant)
+                kind = "experts_nf4"
+            elif isinstance(module, nn.Linear) and pname == "weight" and should_convert_module(name, skip):
+                kind = "linear_4bit"
             else:
-                kinds["other"] += p.numel() * compute
+                kind = "other"
+            yield f"{name}.{pname}" if name else pname, kind, p
+
+
+def weight_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> dict[str, int]:
+    """Bytes of the loaded weights by kind (classified_weights)."""
+    compute = DTYPE_BYTES[resolve_compute_dtype(cfg.model.compute_dtype, device)]
+    double_quant = {"experts_nf4": cfg.model.expert_double_quant, "linear_4bit": cfg.model.linear_double_quant}
+    kinds = {"experts_nf4": 0, "linear_4bit": 0, "other": 0}
+    for _, kind, p in classified_weights(model, device=device):
+        n = p.numel()
+        kinds[kind] += n * compute if kind == "other" else four_bit_bytes(n, double_quant=double_quant[kind])
     return kinds
 
 
-def lora_tensor_sizes(model: nn.Module, cfg: RunConfig, targets: list[str]) -> list[int]:
-    """Element counts of every LoRA tensor: per-expert factor stacks, PEFT factors on targeted linears,
-    router factors."""
-    r, sizes = cfg.lora.rank, []
+def lora_tensor_shapes(model: nn.Module, cfg: RunConfig, targets: list[str]) -> list[tuple[str, tuple[int, ...]]]:
+    """(module name, shape) of every LoRA tensor: per-expert factor stacks (experts on dim 0, see
+    experts.ExpertLoRA), PEFT's lora_A (r, in) and lora_B (out, r) on targeted linears and on routers."""
+    r, shapes = cfg.lora.rank, []
     if cfg.lora.experts:
-        for module in (m for m in model.modules() if quantized_stack_names(m)):  # split stacks too (unfused)
-            e, hidden, inter = expert_dims(module)
-            up = (2 if getattr(module, "has_gate", True) else 1) * inter
-            sizes += [e * r * hidden, e * up * r, e * r * inter, e * hidden * r]  # gate_up A, B; down A, B
+        for name, module in model.named_modules():
+            if quantized_stack_names(module):  # split stacks too (unfused)
+                e, hidden, inter = expert_dims(module)
+                up = (2 if getattr(module, "has_gate", True) else 1) * inter
+                shapes += [(name, s) for s in [(e, r, hidden), (e, up, r), (e, r, inter), (e, hidden, r)]]
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and any(matches_target(name, t) for t in targets):
-            sizes += [r * module.in_features, module.out_features * r]
+            shapes += [(name, (r, module.in_features)), (name, (module.out_features, r))]
     if cfg.lora.router:
         for name, module in model.named_modules():
             if is_experts_module(module):
-                block = model.get_submodule(name.rsplit(".", 1)[0])
-                router = getattr(block, "gate", None) or getattr(block, "router", None)
+                block_name = name.rsplit(".", 1)[0]
+                block = model.get_submodule(block_name)
+                attr = "gate" if getattr(block, "gate", None) is not None else "router"
+                router = getattr(block, attr, None)
                 if router is not None and getattr(router, "weight", None) is not None:
-                    sizes += [r * router.weight.shape[1], router.weight.shape[0] * r]
-    return sizes
+                    out_features, in_features = router.weight.shape[:2]
+                    shapes += [(f"{block_name}.{attr}", (r, in_features)), (f"{block_name}.{attr}", (out_features, r))]
+    return shapes
+
+
+def lora_tensor_sizes(model: nn.Module, cfg: RunConfig, targets: list[str]) -> list[int]:
+    """Element counts of every LoRA tensor (lora_tensor_shapes)."""
+    return [math.prod(shape) for _, shape in lora_tensor_shapes(model, cfg, targets)]
 
 
 def optimizer_state_bytes(numel: int, optimizer: str) -> int:
@@ -172,13 +214,40 @@ def dequant_buffer_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> in
     return experts_per_chunk(experts, expert_bytes, dequant_budget_bytes(m.dequant_buffer_mb)) * expert_bytes
 
 
-def plan_run(cfg: RunConfig, *, name_or_path: str, device: str = "cuda", model: nn.Module | None = None) -> Plan:
-    """Bytes by kind of the run `cfg` on `device`. `model`: meta_model(name_or_path), when already built
-    (planning many configurations of one model)."""
+def plan_run(
+    cfg: RunConfig,
+    *,
+    name_or_path: str,
+    device: str = "cuda",
+    model: nn.Module | None = None,
+    gpus: int = 1,
+    parallel: str | None = None,
+    gpu_gib: float = DEFAULT_GPU_GIB,
+) -> Plan:
+    """Bytes by kind one GPU holds for the run `cfg` on `gpus` devices of `gpu_gib` GiB each, and what each
+    sends per optimizer step. `parallel`: auto, ddp or fsdp (default: cfg.train.parallel). `model`:
+    meta_model(name_or_path), when already built (planning many configurations of one model)."""
     model = model if model is not None else meta_model(name_or_path, cfg.model.trust_remote_code)
+    targets = resolve_targets(model, cfg.lora.target_modules)  # round-trips a probe adapter through PEFT: once
+    plan = one_device_plan(cfg, model, targets, device=device)
+    plan.gpus, plan.gpu_bytes = gpus, int(gpu_gib * 2**30)
+    requested = parallel or cfg.train.parallel
+    if requested not in PARALLEL_MODES:
+        raise ValueError(f"parallel: {requested!r} is not one of {', '.join(PARALLEL_MODES)}")
+    plan.parallel, why = choose_parallel(requested, plan, gpus=gpus, gpu_gib=gpu_gib)
+    if plan.parallel == "fsdp":
+        shard_plan(plan, sharded_tensors(model, cfg, targets, device=device), cfg, model)
+    else:
+        plan.communication_bytes_per_step = ddp_communication_bytes(plan.bytes["lora"], gpus)
+    if gpus > 1 or plan.parallel == "fsdp":  # one GPU without sharding: the notes as they always were
+        add_parallel_notes(plan, why, cfg, gpu_gib=gpu_gib)
+    return plan
+
+
+def one_device_plan(cfg: RunConfig, model: nn.Module, targets: list[str], *, device: str) -> Plan:
+    """Bytes by kind of the run `cfg` in one process on `device`: what ddp puts on every GPU."""
     plan = Plan(model_type=model.config.model_type, params=sum(p.numel() for p in model.parameters()))
     plan.bytes.update(weight_bytes(model, cfg, device=device))
-    targets = resolve_targets(model, cfg.lora.target_modules)  # round-trips a probe adapter through PEFT: once
     sizes = lora_tensor_sizes(model, cfg, targets)
     n_lora = sum(sizes)
     plan.bytes.update(
@@ -203,10 +272,161 @@ def plan_run(cfg: RunConfig, *, name_or_path: str, device: str = "cuda", model: 
     return plan
 
 
+def choose_parallel(requested: str, plan: Plan, *, gpus: int, gpu_gib: float) -> tuple[str, str]:
+    """(ddp or fsdp, why). auto, as the trainer decides it (session.sharding_chosen): ddp when the one-device
+    plan fits one GPU of `gpu_gib` GiB, fsdp when it does not; on one GPU there is nothing to shard it over."""
+    if requested != "auto":
+        return requested, f"parallel: {requested}"
+    if gpus == 1:
+        return "ddp", "parallel auto: one GPU, one process"
+    need = plan.total / 2**30
+    if plan.fits:
+        return "ddp", f"parallel auto -> ddp: the whole run ({need:,.2f} GiB) fits one {gpu_gib:g} GiB GPU"
+    return "fsdp", f"parallel auto -> fsdp: the whole run ({need:,.2f} GiB) does not fit one {gpu_gib:g} GiB GPU"
+
+
+def ddp_communication_bytes(lora_bytes: int, gpus: int) -> int:
+    """Bytes one rank sends per optimizer step under ddp: one ring all-reduce of the fp32 LoRA gradients
+    (distributed.sum_gradients), 2 (N-1)/N of the buffer (a reduce-scatter and an all-gather)."""
+    return 2 * (gpus - 1) * lora_bytes // gpus
+
+
+@dataclass(frozen=True)
+class ShardedTensor:
+    """A tensor FSDP2 shards on dim 0: `rows` rows of `row_numel` elements of `elem_bytes` bytes each, in the
+    FSDP group `group` (a decoder layer's module name; "" for the root)."""
+
+    group: str
+    kind: str
+    rows: int
+    row_numel: int
+    elem_bytes: int
+
+    def shard_numel(self, gpus: int) -> int:
+        """Elements one rank holds: FSDP2 pads dim 0 to a multiple of the ranks, so each has ceil(rows / N)."""
+        return -(-self.rows // gpus) * self.row_numel
+
+    def shard_bytes(self, gpus: int) -> int:
+        return self.shard_numel(gpus) * self.elem_bytes
+
+
+def decoder_layer_names(model: nn.Module) -> list[str]:
+    """Module names of the decoder layers, one FSDP group each: the modules of the classes the model names in
+    _no_split_modules, as distributed.shard_model wraps them."""
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    return [name for name, m in model.named_modules() if type(m).__name__ in classes]
+
+
+def fsdp_group(name: str, layers: list[str]) -> str:
+    """The FSDP group that manages parameter or module `name`: the innermost decoder layer holding it, else the
+    root ("")."""
+    holding = [layer for layer in layers if name == layer or name.startswith(layer + ".")]
+    return max(holding, key=len, default="")
+
+
+def rows_and_row_numel(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(dim 0, elements per dim-0 row) of a shape; a scalar is one row of one."""
+    return (shape[0], math.prod(shape[1:])) if len(shape) else (1, 1)
+
+
+def sharded_tensors(model: nn.Module, cfg: RunConfig, targets: list[str], *, device: str) -> list[ShardedTensor]:
+    """Every tensor FSDP shards (distributed.shard_model). Each NF4 expert stack becomes two, experts on dim 0
+    (experts.make_stacks_shardable): uint8 codes, half a byte a weight, and fp32 block scales, one per 64
+    weights (nested scales decoded): 4.5 bits a weight whatever model.expert_double_quant says. Then the weights
+    kept in the compute dtype and the fp32 LoRA tensors. The 4-bit linears are not here: they stay whole."""
+    compute = DTYPE_BYTES[resolve_compute_dtype(cfg.model.compute_dtype, device)]
+    layers = decoder_layer_names(model)
+    tensors = []
+    for name, kind, p in classified_weights(model, device=device):
+        group = fsdp_group(name, layers)
+        if kind == "experts_nf4":
+            experts, per_expert = rows_and_row_numel(tuple(p.shape))
+            tensors.append(ShardedTensor(group, kind, experts, per_expert // 2, 1))
+            tensors.append(ShardedTensor(group, kind, experts, per_expert // BLOCKSIZE, 4))
+        elif kind == "other":
+            tensors.append(ShardedTensor(group, kind, *rows_and_row_numel(tuple(p.shape)), compute))
+    for module_name, shape in lora_tensor_shapes(model, cfg, targets):
+        tensors.append(ShardedTensor(fsdp_group(module_name, layers), "lora", *rows_and_row_numel(shape), LORA_BYTES))
+    return tensors
+
+
+def unsharded_group_bytes(tensors: list[ShardedTensor], gpus: int) -> dict[str, int]:
+    """Bytes of each FSDP group's parameters when all-gathered: N padded shards of each of its tensors."""
+    groups: dict[str, int] = {}
+    for t in tensors:
+        groups[t.group] = groups.get(t.group, 0) + gpus * t.shard_bytes(gpus)
+    return groups
+
+
+def fsdp_communication_bytes(tensors: list[ShardedTensor], gpus: int, grad_accum: int) -> int:
+    """Bytes one rank sends per optimizer step under fsdp, ring collectives moving (N-1)/N of each whole buffer.
+    Every micro-batch: each decoder layer's parameters are all-gathered twice (for its forward, and again for
+    its backward: reshard_after_forward), the root's once (FSDP2 keeps the root unsharded from its forward to
+    the end of the backward), and the fp32 LoRA gradients are reduce-scattered once."""
+    per_micro_batch = 0
+    for group, whole in unsharded_group_bytes(tensors, gpus).items():
+        gathers = 2 if group else 1
+        per_micro_batch += gathers * (gpus - 1) * whole // gpus
+    lora_whole = sum(gpus * t.shard_bytes(gpus) for t in tensors if t.kind == "lora")
+    per_micro_batch += (gpus - 1) * lora_whole // gpus
+    return grad_accum * per_micro_batch
+
+
+def shard_plan(plan: Plan, tensors: list[ShardedTensor], cfg: RunConfig, model: nn.Module) -> None:
+    """Turn the one-device `plan` into one rank's bytes under fsdp over plan.gpus ranks. Sharded: experts,
+    compute-dtype weights, LoRA, its gradients and optimizer state (one rank's shard of each tensor). Whole:
+    the 4-bit linears, activations, loss, runtime, the decode buffer. Added: all_gather_buffers, the unsharded
+    parameters of the largest decoder layer twice (the one computing and the next, prefetched), and
+    root_unsharded, the root's (embeddings, final norm, head), held from the forward to the end of the backward."""
+    n = plan.gpus
+    shard = {kind: sum(t.shard_bytes(n) for t in tensors if t.kind == kind) for kind in ("experts_nf4", "other")}
+    lora = [t for t in tensors if t.kind == "lora"]
+    lora_numel = sum(t.shard_numel(n) for t in lora)
+    groups = unsharded_group_bytes(tensors, n)
+    layers = [whole for group, whole in groups.items() if group]
+    plan.bytes.update(
+        experts_nf4=shard["experts_nf4"],
+        other=shard["other"],
+        lora=lora_numel * LORA_BYTES,
+        gradients=gradient_bytes(lora_numel, model, cfg),
+        optimizer=sum(optimizer_state_bytes(t.shard_numel(n), cfg.train.optimizer) for t in lora),
+        all_gather_buffers=2 * max(layers, default=0),
+        root_unsharded=groups.get("", 0),
+    )
+    plan.communication_bytes_per_step = fsdp_communication_bytes(tensors, n, cfg.train.grad_accum)
+
+
+def add_parallel_notes(plan: Plan, why: str, cfg: RunConfig, *, gpu_gib: float) -> None:
+    """What the mode holds on each GPU, whether it fits, and what its communication costs per step."""
+    n, gb = plan.gpus, plan.communication_bytes_per_step / 1e9
+    gpus = f"{n} GPU" + ("s" if n > 1 else "")
+    plan.notes.append(why)
+    if plan.parallel == "ddp":
+        plan.notes.append(f"ddp over {gpus}: each holds all of the above; the fp32 LoRA gradients are all-reduced "
+                          "once a step")  # fmt: skip
+    else:
+        plan.notes.append(f"fsdp over {gpus}, one FSDP group a decoder layer: experts (4.5 bits a weight: fp32 "
+                          "scales, not double-quantized), compute-dtype weights, LoRA, gradients and optimizer state "
+                          "sharded; the 4-bit linears whole on each GPU")  # fmt: skip
+        plan.notes.append("all_gather_buffers: two decoder layers unsharded (one prefetched); root_unsharded: "
+                          "embeddings, final norm and head, whole from the forward to the backward's end")  # fmt: skip
+        if cfg.train.optimizer != "adamw":
+            plan.notes.append(f"train refuses train.optimizer: {cfg.train.optimizer} under fsdp (bitsandbytes state "
+                              "is not sharded): use adamw")  # fmt: skip
+    verdict = "fits" if plan.fits else "does not fit"
+    plan.notes.append(f"per GPU {plan.total / 2**30:,.2f} GiB: {verdict} in {gpu_gib:g} GiB")
+    seconds = ", ".join(f"{plan.communication_bytes_per_step / rate:,.3f} s at {link} ({rate / 1e9:g} GB/s)"
+                        for link, rate in LINKS.items())  # fmt: skip
+    plan.notes.append(f"communication per optimizer step: {gb:,.2f} GB sent by each GPU; {seconds}")
+
+
 def render_plan(plan: Plan, console) -> None:
     from rich.table import Table
 
-    table = Table(title=f"{plan.model_type}: {plan.params / 1e9:.2f}B parameters")
+    title = f"{plan.model_type}: {plan.params / 1e9:.2f}B parameters"
+    if plan.gpus > 1 or plan.parallel == "fsdp":
+        title += f", per GPU ({plan.parallel} over {plan.gpus} GPU{'s' if plan.gpus > 1 else ''})"
+    table = Table(title=title)
     table.add_column("kind")
     table.add_column("MiB", justify="right")
     table.add_column("GiB", justify="right")
