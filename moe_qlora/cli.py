@@ -140,10 +140,8 @@ def _run(command: str, config: str, overrides: list[str], *, dry_run, resume, re
         cfg = load_config(config, [*overrides, *resumes])
         if command == "grpo" and cfg.grpo is None:
             raise ConfigError(f"{config}: no `grpo:` section; moe-qlora grpo needs at least grpo.rewards")
-        if command == "grpo" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ConfigError("moe-qlora grpo runs in one process for now; launch it without torchrun")
         if cfg.train.parallel == "fsdp" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            check_shardable(cfg)
+            check_shardable(cfg, generates=command == "grpo")
         check_paths_before_loading(cfg)
     except ConfigError as exc:  # (its subclasses too) before the heavy imports _user_errors makes
         _fail(exc, debug)

@@ -523,8 +523,12 @@ def resolve_compute_dtype(choice: str, device: str) -> str:
     return "bfloat16" if device.startswith("cuda") else "float32"
 
 
-def check_shardable(cfg: RunConfig) -> None:
-    """Refuse what a sharded (train.parallel: fsdp) run cannot do."""
+def check_shardable(cfg: RunConfig, *, generates: bool = False) -> None:
+    """Refuse what a sharded (train.parallel: fsdp) run cannot do: grpo (`generates`), 8-bit optimizers."""
+    if generates:
+        raise ConfigError("train.parallel: fsdp is for `train`: grpo samples on each rank, and each rank's "
+                          "completions end after a different number of forwards, each of which FSDP would "
+                          "make every rank join; use ddp (the whole 4-bit model on each GPU)")  # fmt: skip
     if cfg.train.optimizer != "adamw":
         raise ConfigError(f"train.optimizer: {cfg.train.optimizer} keeps bitsandbytes state FSDP cannot shard; "
                           "use adamw with train.parallel: fsdp (its moments are sharded too)")  # fmt: skip

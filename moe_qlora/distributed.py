@@ -204,3 +204,20 @@ def whole_trainable(model, ranks: Ranks):
     finally:
         for module, name, p in swapped:
             module._parameters[name] = p
+
+
+def gather_objects(ranks: Ranks, local: list) -> list:
+    """Every rank's list, concatenated in rank order, on every rank (picklable items: rollouts, rewards)."""
+    if not ranks.enabled:
+        return local
+    parts: list = [None] * ranks.world
+    dist.all_gather_object(parts, local)
+    return [item for part in parts for item in part]
+
+
+def rank_slice(items: list, ranks: Ranks) -> tuple[int, list]:
+    """This rank's contiguous share of `items` (ceil(n / world) each, the last ranks maybe fewer or none) and
+    the index of its first item, so that concatenating the shares in rank order gives `items` back."""
+    share = -(-len(items) // ranks.world)
+    start = min(ranks.rank * share, len(items))
+    return start, items[start : start + share]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -24,9 +24,21 @@ from .adapters import adapters_disabled
 from .checkpoint import RunProgress, config_hash, fingerprint, save_checkpoint
 from .config import ConfigError, RunConfig
 from .data import IGNORE, Example, collate, epoch_order
+from .distributed import (
+    SINGLE,
+    Ranks,
+    any_rank,
+    gather_objects,
+    join,
+    leave,
+    raise_together,
+    rank_slice,
+    sum_gradients,
+    sum_scalars,
+)
 from .losses import token_logprobs as chunked_token_logprobs
 from .optim import build_optimizer
-from .reporting import MetricsLog, Reporters
+from .reporting import MetricsLog, NoReporters, Reporters
 from .rewards import flat_groups, group_advantages, resolve_reward, score
 from .rollout import Rollout, load_offline_groups, load_prompts, offline_rollouts, sample_rollouts
 from .runs import CheckpointPolicy, RunSummary, StopSignals, claim_output_dir, plain_progress_line
@@ -43,6 +55,7 @@ from .session import (
     write_adapter,
     write_router_layers,
 )
+from .tiny import resolve_model_path
 
 
 @dataclass
@@ -164,12 +177,15 @@ def frozen_logprobs(model, batches, temperature: float, *, reference: bool, chun
         model.train(was_training)
 
 
-def policy_update(model, optimizer, schedule, examples: list[Example], cfg: RunConfig, pad_id: int) -> dict:
+def policy_update(model, optimizer, schedule, examples: list[Example], cfg: RunConfig, pad_id: int,
+                  ranks: Ranks = SINGLE) -> dict:  # fmt: skip
     """`grpo.passes` optimizer steps on one rollout batch; returns the step's training metrics.
 
     Sequences with advantage 0 are not run when there is no KL term (and the loss type does not normalise per
     micro-batch): their loss and gradient are exactly zero, and the normalisation still counts them, so
-    leaving them out changes nothing.
+    leaving them out changes nothing. Data parallel: `examples` are this rank's; the loss normalisers (tokens,
+    sequences, micro-batches) are those of the whole batch, and the gradients and statistics are summed over
+    ranks before each update, so every rank takes the one-process step.
     """
     g, device = cfg.grpo, next(model.parameters()).device
     # bnpo normalises per micro-batch, so every sequence keeps its place in the split, as in TRL.
@@ -177,26 +193,32 @@ def policy_update(model, optimizer, schedule, examples: list[Example], cfg: RunC
     active = [i for i, e in enumerate(examples) if (e.weight != 0 or keep_all) and has_targets(e)]
     groups = micro_batch_indices(active, cfg.train.micro_batch_size)
     batches = [{k: v.to(device) for k, v in collate([examples[i] for i in idx], pad_id).items()} for idx in groups]
-    total_tokens = sum(sum(t != IGNORE for t in e.labels[1:]) for e in examples)
+    local_tokens = sum(sum(t != IGNORE for t in e.labels[1:]) for e in examples)
+    total_tokens, total_sequences, total_batches = map(int, sum_scalars(ranks, local_tokens, len(examples),
+                                                                        len(batches)))  # fmt: skip
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     chunk = cfg.train.loss_chunk_tokens
     none = [None] * len(batches)
     old = frozen_logprobs(model, batches, g.temperature, reference=False, chunk=chunk) if g.passes > 1 else none
     ref = frozen_logprobs(model, batches, g.temperature, reference=True, chunk=chunk) if g.kl_coef else none
-    record = {"sequences_trained": len(active), "passes": 0, "skipped": False, "loss": 0.0, "grad_norm": 0.0}
+    record = {"sequences_trained": int(sum_scalars(ranks, len(active))[0]), "passes": 0, "skipped": False,
+              "loss": 0.0, "grad_norm": 0.0}  # fmt: skip
     for _ in range(g.passes):
-        sums: dict[str, float] = {}
+        sums = dict.fromkeys(("loss", "clip_fraction", *(("kl",) if g.kl_coef else ())), 0.0)
         for batch, old_lp, ref_lp in zip(batches, old, ref, strict=True):
             logp, mask = token_logprobs(model, batch, g.temperature, chunk=chunk)
-            weights = token_weights(mask, g.loss_type, total_tokens=max(total_tokens, 1), total_sequences=len(examples),
-                                    max_new_tokens=g.max_new_tokens, micro_batches=len(batches))  # fmt: skip
+            weights = token_weights(mask, g.loss_type, total_tokens=max(total_tokens, 1),
+                                    total_sequences=total_sequences, max_new_tokens=g.max_new_tokens,
+                                    micro_batches=total_batches)  # fmt: skip
             loss, stats = grpo_token_loss(logp, old_lp, ref_lp, batch["weights"], weights, clip_eps=g.clip_eps,
                                           clip_eps_high=g.clip_eps_high or g.clip_eps, kl_coef=g.kl_coef,
                                           level=g.importance_sampling_level)  # fmt: skip
             loss.backward()
             for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-        loss_value = sums.get("loss", 0.0)
-        grad_norm, skipped = apply_update(optimizer, loss_value, cfg.train)
+                sums[k] += float(v)
+        sums = dict(zip(sums, sum_scalars(ranks, *sums.values()), strict=True))
+        sum_gradients(ranks, params)
+        grad_norm, skipped = apply_update(optimizer, sums["loss"], cfg.train)
         record.update({k: v for k, v in sums.items()}, grad_norm=grad_norm, skipped=skipped)
         if skipped:
             break
@@ -281,6 +303,18 @@ class RolloutSource:
         rewards, per_fn = score(self.functions, prompts, completions, columns_of(rollouts))
         return rollouts, rewards, per_fn, [self.cfg.grpo.group_size] * len(batch)
 
+    def collect_share(self, model, batch: list, ranks: Ranks, step: int):
+        """collect() on this rank's whole prompts of the batch (a group is never split across ranks), numbered
+        as in the whole batch. Data parallel sampling draws from a generator seeded by (seed, step, rank): the
+        ranks sample independently, and a resumed run samples what the uninterrupted one did."""
+        first, mine = rank_slice(batch, ranks)
+        if not ranks.enabled:
+            return self.collect(model, mine)
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            torch.manual_seed(hash((self.cfg.train.seed, step, ranks.rank)) % 2**63)
+            rollouts, rewards, per_fn, sizes = self.collect(model, mine) if mine else ([], [], {}, [])
+        return [replace(r, group=r.group + first) for r in rollouts], rewards, per_fn, sizes
+
 
 def write_rollouts(log: MetricsLog, step: int, rollouts, rewards, per_fn, advantages) -> None:
     for i, (r, reward, adv) in enumerate(zip(rollouts, rewards, advantages.tolist(), strict=True)):
@@ -290,19 +324,36 @@ def write_rollouts(log: MetricsLog, step: int, rollouts, rewards, per_fn, advant
                    "rewards": {k: v[i] for k, v in per_fn.items()}, "advantage": adv})  # fmt: skip
 
 
-def grpo_step(source: RolloutSource, batch: list, training: dict, pad_id: int, rollout_log: MetricsLog,
-              step: int) -> dict:  # fmt: skip
-    """Collect and score one batch of rollouts, update the policy on their advantages; the step's metrics."""
+def whole_batch(shares: list[tuple]) -> tuple:
+    """The ranks' (rollouts, rewards, rewards per function, group sizes, advantages), in rank order, as one."""
+    rollouts = [r for share in shares for r in share[0]]
+    rewards = [x for share in shares for x in share[1]]
+    names = sorted({k for share in shares for k in share[2]})
+    per_fn = {k: [x for share in shares if share[0] for x in share[2][k]] for k in names}
+    sizes = [n for share in shares for n in share[3]]
+    return rollouts, rewards, per_fn, sizes, torch.tensor([a for share in shares for a in share[4]])
+
+
+def grpo_step(source: RolloutSource, batch: list, training: dict, pad_id: int, rollout_log: MetricsLog | None,
+              step: int, ranks: Ranks = SINGLE) -> dict:  # fmt: skip
+    """Collect and score one batch of rollouts, update the policy on their advantages; the step's metrics.
+    Data parallel: each rank collects and trains on its share of the prompts, with its groups' advantages;
+    the scored rollouts are then gathered, so the metrics (and rank 0's rollouts.jsonl) are the whole batch's."""
     cfg, model = source.cfg, training["model"]
     t0 = time.perf_counter()
     lr = training["optimizer"].param_groups[0]["lr"]
-    rollouts, rewards, per_fn, group_sizes = source.collect(model, batch)
+    rollouts, rewards, per_fn, group_sizes = source.collect_share(model, batch, ranks, step)
     t_gen = time.perf_counter() - t0
-    advantages = group_advantages(torch.tensor(rewards), group_sizes, scale=cfg.grpo.scale_rewards,
-                                  eps=cfg.grpo.std_eps)  # fmt: skip
-    write_rollouts(rollout_log, step, rollouts, rewards, per_fn, advantages)
+    advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_sizes,
+                                  scale=cfg.grpo.scale_rewards, eps=cfg.grpo.std_eps)  # fmt: skip
     examples = rollout_examples(rollouts, advantages, mask_truncated=cfg.grpo.mask_truncated_completions)
-    record = policy_update(model, training["optimizer"], training["scheduler"], examples, cfg, pad_id)
+    record = policy_update(model, training["optimizer"], training["scheduler"], examples, cfg, pad_id, ranks)
+    if ranks.enabled:
+        rollouts, rewards, per_fn, group_sizes, advantages = whole_batch(
+            gather_objects(ranks, [(rollouts, rewards, per_fn, group_sizes, advantages.tolist())])
+        )
+    if rollout_log is not None:
+        write_rollouts(rollout_log, step, rollouts, rewards, per_fn, advantages)
     record.update(rollout_metrics(rollouts, rewards, per_fn, advantages, group_sizes), step=step, lr=lr,
                   generation_s=t_gen, training_s=time.perf_counter() - t0 - t_gen, router_load=router_load(model),
                   sources=sorted({r.prompt.source for r in rollouts}))  # fmt: skip
@@ -310,13 +361,15 @@ def grpo_step(source: RolloutSource, batch: list, training: dict, pad_id: int, r
 
 
 def run_grpo_steps(source: RolloutSource, training: dict, *, total: int, done: RunProgress, out: Path,
-                   console: Console, checkpoint, stop: StopSignals) -> tuple[list[float], int]:  # fmt: skip
+                   console: Console, checkpoint, stop: StopSignals, ranks: Ranks = SINGLE,
+                   ) -> tuple[list[float], int]:  # fmt: skip
     """The rollout batches after `done`, with a progress bar (plain lines when stdout is not a terminal),
     metrics, rollouts, checkpoints by steps and minutes, and a checkpoint then RunInterrupted on a signal.
-    Returns the mean rewards of this invocation and the completion tokens it trained on."""
+    Returns the mean rewards of this invocation and the completion tokens it trained on. Rank 0 alone writes."""
     cfg = source.cfg
-    metrics = Reporters(out, cfg.output.report_to, project=cfg.output.wandb_project, config=cfg.model_dump(mode="json"))
-    rollout_log = MetricsLog(out / "rollouts.jsonl")
+    metrics = (Reporters(out, cfg.output.report_to, project=cfg.output.wandb_project,
+                         config=cfg.model_dump(mode="json")) if ranks.main else NoReporters(out))  # fmt: skip
+    rollout_log = MetricsLog(out / "rollouts.jsonl") if ranks.main else None
     reward_means, tokens, start, first = [], 0, time.perf_counter(), done.step
     policy = CheckpointPolicy(cfg.train.save_every, cfg.train.save_every_minutes)
     columns = [TextColumn("[bold]grpo"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
@@ -329,8 +382,9 @@ def run_grpo_steps(source: RolloutSource, training: dict, *, total: int, done: R
                     break
                 if step < done.step:  # done before the checkpoint: the order depends on (seed, epoch) only
                     continue
-                stop_if_asked(stop, done, checkpoint)
-                record = grpo_step(source, batch, training, source.tokenizer.pad_token_id, rollout_log, step + 1)
+                stop_if_asked(stop, done, checkpoint, ranks)
+                record = grpo_step(source, batch, training, source.tokenizer.pad_token_id, rollout_log, step + 1,
+                                   ranks)  # fmt: skip
                 record["epoch"] = epoch
                 try:
                     done = after_step(record, record.pop("sources"), done, cfg, spikes=False)
@@ -344,20 +398,21 @@ def run_grpo_steps(source: RolloutSource, training: dict, *, total: int, done: R
                 if not console.is_terminal and ((step + 1) % cfg.train.log_every == 0 or step + 1 == total):
                     console.print(plain_progress_line("grpo", step + 1, total, info, time.perf_counter() - start,
                                                       first), highlight=False)  # fmt: skip
-                if done.step < total and policy.due(done.step):
+                if done.step < total and any_rank(ranks, policy.due(done.step)):
                     checkpoint(done)
                     policy.saved()
         checkpoint(done)
     finally:
         metrics.close()
-        rollout_log.close()
+        if rollout_log is not None:
+            rollout_log.close()
     return reward_means, tokens
 
 
 def grpo(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool = False,
          overwrite: bool = False) -> GrpoResult:  # fmt: skip
-    """Run GRPO as configured (online sampling, or offline scored completions)."""
-    console = console or Console()
+    """Run GRPO as configured (online sampling, or offline scored completions). Under torchrun each process is
+    a data-parallel rank: the prompts of a step are split across the ranks by whole groups; rank 0 writes."""
     if cfg.grpo is None:
         raise ConfigError("moe-qlora grpo needs a `grpo:` section in the config (reward functions, group size...)")
     if cfg.train.optimizer_in_backward:
@@ -365,15 +420,37 @@ def grpo(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool
             "train.optimizer_in_backward is for `train` only: a GRPO step sums the gradients of all its rollout "
             "micro-batches (and of several passes) before it can update"
         )
+    resolve_model_path(cfg.model.name_or_path)  # a builtin model is generated before the process group exists
+    ranks = join(cfg.train.dist_timeout_s)
+    console = (console or Console()) if ranks.main else Console(quiet=True)
+    try:
+        return _grpo(cfg, console, ranks, allow_mismatch=allow_mismatch, overwrite=overwrite)
+    finally:
+        leave(ranks)
+
+
+def _grpo(cfg: RunConfig, console: Console, ranks: Ranks, *, allow_mismatch: bool, overwrite: bool) -> GrpoResult:
     out = Path(cfg.output.dir)
-    claim_output_dir(out, resuming=cfg.train.resume != "never", overwrite=overwrite, console=console)
+    failure = None
+    if ranks.main:
+        try:
+            claim_output_dir(out, resuming=cfg.train.resume != "never", overwrite=overwrite, console=console)
+        except Exception as exc:  # every rank stops with it, instead of waiting for rank 0
+            failure = exc
+    raise_together(ranks, failure)
     started = time.perf_counter()
     with StopSignals(console) as stop:
         seed_everything(cfg.train.seed)
-        model_path, tokenizer = load_tokenizer(cfg)
-        source = RolloutSource(cfg, tokenizer, console)
-        model, params, _ = load_policy(cfg, model_path, console)
-        write_router_layers(out, model)
+        failure = None
+        try:
+            model_path, tokenizer = load_tokenizer(cfg)
+            source = RolloutSource(cfg, tokenizer, console)
+            model, params, ranks = load_policy(cfg, model_path, console, ranks, generates=True)
+        except Exception as exc:  # a rank that cannot load its prompts or model stops every rank, at once
+            failure = exc
+        raise_together(ranks, failure)
+        if ranks.main:
+            write_router_layers(out, model)
         seed_everything(cfg.train.seed)  # what loading consumed must not matter
         optimizer = build_optimizer(params, cfg.train)
         total = count_grpo_steps(len(source.items), cfg)
@@ -381,15 +458,20 @@ def grpo(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool
                     "scheduler": build_schedule(optimizer, total * cfg.grpo.passes, cfg.train)}  # fmt: skip
         identity = {"config_hash": config_hash(cfg.model_dump(mode="json")), "dataset_fingerprint": source.identity}
         done = resume_if_asked(cfg, out, console, allow_mismatch=allow_mismatch, identity=identity,
-                               logs=("metrics.jsonl", "rollouts.jsonl"), **training)  # fmt: skip
+                               logs=("metrics.jsonl", "rollouts.jsonl"), writer=ranks.main, **training)  # fmt: skip
+        if ranks.enabled:
+            console.print(f"data parallel (ddp): {ranks.world} ranks share each step's {cfg.grpo.prompts_per_step} "
+                          "prompts by whole groups")  # fmt: skip
         model.train()
 
         def checkpoint(progress: RunProgress) -> None:
-            save_checkpoint(out, progress=progress, identity=identity, keep=cfg.train.keep_checkpoints, **training)
+            if ranks.main:
+                save_checkpoint(out, progress=progress, identity=identity, keep=cfg.train.keep_checkpoints,
+                                **training)  # fmt: skip
 
         reward_means, tokens = run_grpo_steps(source, training, total=total, done=done, out=out, console=console,
-                                              checkpoint=checkpoint, stop=stop)  # fmt: skip
-        adapter_dir = write_adapter(model, out, cfg, model_path, console)
+                                              checkpoint=checkpoint, stop=stop, ranks=ranks)  # fmt: skip
+        adapter_dir = write_adapter(model, out, cfg, model_path, console) if ranks.main else out / "adapter"
     RunSummary("grpo", len(reward_means), time.perf_counter() - started, tokens,
                reward_means[-1] if reward_means else None, max(reward_means) if reward_means else None,
                adapter_dir, out / "metrics.jsonl").print(console)  # fmt: skip

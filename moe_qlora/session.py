@@ -111,10 +111,15 @@ def load_tokenizer(cfg: RunConfig):
     return model_path, tokenizer
 
 
-def sharding_chosen(cfg: RunConfig, ranks: Ranks, model_path: str, console: Console) -> bool:
+def sharding_chosen(cfg: RunConfig, ranks: Ranks, model_path: str, console: Console, *, generates: bool = False
+                    ) -> bool:  # fmt: skip
     """train.parallel under several ranks: fsdp as asked, ddp as asked, and auto = ddp when `plan` says the run
-    fits one device (always on the CPU), fsdp otherwise."""
+    fits one device (always on the CPU), fsdp otherwise. A run that `generates` (grpo) is never sharded."""
     if not ranks.enabled or cfg.train.parallel == "ddp":
+        return False
+    if generates:  # auto: ddp
+        if cfg.train.parallel == "fsdp":
+            check_shardable(cfg, generates=True)
         return False
     if cfg.train.parallel == "fsdp":
         return _check_shardable(cfg)
@@ -135,12 +140,13 @@ def _check_shardable(cfg: RunConfig) -> bool:
     return True
 
 
-def load_policy(cfg: RunConfig, model_path: str, console: Console, ranks: Ranks = SINGLE):
+def load_policy(cfg: RunConfig, model_path: str, console: Console, ranks: Ranks = SINGLE, *,
+                generates: bool = False):  # fmt: skip
     """The quantized model with its adapters (new, or from lora.init_from) and checkpointing, sharded with FSDP2
     when the run is (sharding_chosen); (model, params, ranks). A sharded run on CUDA loads on the host and
     moves each rank's shards to its GPU, so no GPU ever holds the whole model."""
     device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    sharded = sharding_chosen(cfg, ranks, model_path, console)
+    sharded = sharding_chosen(cfg, ranks, model_path, console, generates=generates)
     opts = LoadOptions(
         device="cpu" if sharded else device,
         name_or_path=model_path,

@@ -219,10 +219,11 @@ def test_a_rank_that_fails_to_load_stops_every_rank_with_its_message(tmp_path):
     assert not (tmp_path / "out" / "adapter").exists()
 
 
-def test_grpo_and_fsdp_with_an_8bit_optimizer_say_what_is_not_there(tmp_path):
+def test_fsdp_for_grpo_or_with_an_8bit_optimizer_is_refused_before_loading(tmp_path):
     env = env_for(tmp_path, WORLD_SIZE="2")
-    for args, message in ((["grpo", "--config", str(ROOT / "configs" / "grpo-demo.yaml")],
-                           "moe-qlora grpo runs in one process for now"),
+    for args, message in ((["grpo", "--config", str(ROOT / "configs" / "grpo-demo.yaml"), "--set",
+                            "train.parallel=fsdp"],
+                           "train.parallel: fsdp is for `train`: grpo samples on each rank"),
                           (["train", "--config", str(DEMO), "--set", "train.parallel=fsdp", "--set",
                             "train.optimizer=adamw_8bit"],
                            "train.optimizer: adamw_8bit keeps bitsandbytes state FSDP cannot shard")):  # fmt: skip
@@ -283,3 +284,66 @@ def test_sigkill_of_one_rank_then_resume_gives_the_uninterrupted_result(tmp_path
     a = load_file(str(out / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "reference" / "adapter" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def grpo_config(tmp_path, name: str, **grpo) -> Path:
+    """Offline GRPO (scored completions in a file, so no sampling noise): 3 prompts a step over 2 ranks is 2 and
+    1 whole groups; 2 passes (the clipped ratio) and a KL term, so every statistic and normaliser is summed."""
+    import yaml
+
+    cfg = {
+        "model": {"name_or_path": "builtin:tiny-mixtral"},
+        "lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]},
+        "data": {"train_files": [str(ROOT / "data" / "demo_grpo.jsonl")], "max_seq_len": 32},
+        "train": {"epochs": 1, "max_steps": 4, "micro_batch_size": 2, "lr": 5e-3, "seed": 0},
+        "grpo": {"prompts_per_step": 3, "passes": 2, "kl_coef": 0.02, **grpo},
+        "output": {"dir": str(tmp_path / name)},
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_grpo_over_two_ranks_splits_prompts_by_whole_groups_and_reproduces_one_process(tmp_path):
+    offline = {"offline_file": str(ROOT / "data" / "demo_grpo_offline.jsonl")}
+    env = env_for(tmp_path)
+    one = subprocess.run([sys.executable, "-m", "moe_qlora", "grpo", "--config",
+                          str(grpo_config(tmp_path, "one", **offline))], env=env, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = torchrun(["grpo", "--config", str(grpo_config(tmp_path, "two", **offline))], env)
+    assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
+    assert "data parallel (ddp): 2 ranks share each step's 3 prompts by whole groups" in two.stdout
+    a, b = records(tmp_path / "one"), records(tmp_path / "two")
+    assert [r["step"] for r in b] == [1, 2, 3, 4] and [r["passes"] for r in b] == [2] * 4
+    for x, y in zip(a, b, strict=True):
+        # Rewards 1, 0, 0, 0 in every group: advantages 1.5, -0.5 x 3; a group split 2 + 2 would give 0.7 and 0.
+        assert x["advantage"] == y["advantage"] and x["reward_mean"] == y["reward_mean"]
+        assert x["sequences_trained"] == y["sequences_trained"] == 12
+        for key in ("loss", "kl", "clip_fraction"):
+            assert abs(x[key] - y[key]) <= 1e-6 * max(1.0, abs(x[key])), (key, x[key], y[key])
+        assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-5 * x["grad_norm"]
+    roll_a, roll_b = ([json.loads(line) for line in (tmp_path / r / "rollouts.jsonl").read_text().splitlines()]
+                      for r in ("one", "two"))  # fmt: skip
+    strip = ("step", "group", "source", "completion", "advantage", "reward")
+    assert [{k: r[k] for k in strip} for r in roll_a] == [{k: r[k] for k in strip} for r in roll_b]
+    fa, fb = (load_file(str(tmp_path / r / "adapter" / "adapter_model.safetensors")) for r in ("one", "two"))
+    assert fa.keys() == fb.keys() and max(float((fa[k] - fb[k]).abs().max()) for k in fa) <= 5e-5
+
+
+def test_online_grpo_over_two_ranks_samples_every_prompt_of_a_step_once_per_completion(tmp_path):
+    """Sampling: each rank samples G completions of its own prompts (seeded by step and rank); rank 0's
+    rollouts.jsonl holds the whole batch, every prompt of the step with exactly G completions."""
+    cfg = grpo_config(tmp_path, "online", group_size=4, max_new_tokens=4,
+                      rewards=[{"function": "length", "args": {"target": 2}, "weight": 1.0}])  # fmt: skip
+    proc = torchrun(["grpo", "--config", str(cfg), "--set", "train.max_steps=2"], env_for(tmp_path))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "online" / "rollouts.jsonl").read_text().splitlines()]
+    for step in (1, 2):
+        mine = [r for r in rows if r["step"] == step]
+        by_group = {}
+        for r in mine:
+            by_group.setdefault(r["group"], set()).add(r["source"])
+        assert len(mine) == 3 * 4 and sorted(by_group) == [0, 1, 2]
+        assert all(len(sources) == 1 for sources in by_group.values())  # a group is one prompt
+        assert len({next(iter(s)) for s in by_group.values()}) == 3  # three different prompts
