@@ -347,3 +347,43 @@ def test_online_grpo_over_two_ranks_samples_every_prompt_of_a_step_once_per_comp
         assert len(mine) == 3 * 4 and sorted(by_group) == [0, 1, 2]
         assert all(len(sources) == 1 for sources in by_group.values())  # a group is one prompt
         assert len({next(iter(s)) for s in by_group.values()}) == 3  # three different prompts
+
+
+def launch_two_nodes(args: list[str], env: dict, timeout: int = 600) -> list[subprocess.CompletedProcess]:
+    """Two 'nodes' of one process each on this machine, met through torchrun's c10d rendezvous, as on a cluster
+    (each node runs the same command with its own --node-rank)."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+                               str(node), "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                               endpoint, "--rdzv-id", "moe-qlora-test", "-m", "moe_qlora", *args], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for node in (0, 1)]  # fmt: skip
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return results
+
+
+@pytest.mark.parametrize("launcher", ["accelerate", "two nodes"])
+def test_accelerate_launch_and_two_nodes_run_the_same_data_parallel_steps(runs, tmp_path, launcher):
+    """The CLI reads the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) whoever sets
+    it: accelerate launch, and torchrun across two nodes (LOCAL_RANK 0 on both), give the 2-rank run's steps."""
+    _, two, _ = runs
+    args = ["train", "--config", str(DEMO), *STEPS, "--set", "train.micro_batch_size=2", "--set",
+            f"output.dir={tmp_path / 'run'}"]  # fmt: skip
+    env = env_for(tmp_path)
+    if launcher == "accelerate":
+        accelerate = Path(sys.executable).with_name("accelerate")
+        procs = [subprocess.run([str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+                                 "1", "--main_process_port", str(free_port()), "-m", "moe_qlora", *args], env=env,
+                                capture_output=True, text=True, timeout=600)]  # fmt: skip
+    else:
+        procs = launch_two_nodes(args, env)
+    for proc in procs:
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    said = [p.stdout.count("data parallel (ddp): 2 ranks x micro_batch_size 2, global batch 8") for p in procs]
+    assert sum(said) == 1  # rank 0 alone speaks (on either node: the c10d rendezvous assigns the ranks)
+    a, b = records(two), records(tmp_path / "run")
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6] and [r["tokens"] for r in a] == [r["tokens"] for r in b]
+    assert max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b, strict=True)) <= 1e-6
