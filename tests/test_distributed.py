@@ -84,6 +84,21 @@ def test_fsdp_over_two_ranks_reproduces_one_process(runs, fsdp_run):
     assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in mine.items()}
 
 
+def test_an_fsdp_checkpoint_resumes_exactly_at_the_same_world_size(fsdp_run, tmp_path):
+    """Checkpoint step 3 of the 2-rank FSDP run (whole tensors, gathered), resumed by 2 FSDP ranks, each taking
+    its shards of LoRA and of the AdamW moments: the end is the uninterrupted run's adapter, bit for bit."""
+    run, _ = fsdp_run
+    resumed = Path(shutil.copytree(run, tmp_path / "resumed"))
+    proc = torchrun(["train", "--config", str(DEMO), *STEPS, "--set", "train.micro_batch_size=2", "--set",
+                     "train.parallel=fsdp", "--set", "train.save_every=3", "--set", f"output.dir={resumed}",
+                     "--resume-from", str(resumed / "checkpoints" / "step-00000003")], env_for(tmp_path))  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "resumed from" in proc.stdout and "warning" not in proc.stdout
+    assert [r["step"] for r in records(resumed)] == [1, 2, 3, 4, 5, 6]
+    a, b = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in (run, resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_checkpoint_of_two_fsdp_ranks_resumes_in_one_process_from_the_same_global_position(fsdp_run, tmp_path):
     """Written by 2 ranks x micro-batch 2 (global batch 8), resumed by one process x micro-batch 2 (global 4):
     checkpoint step 3 ended at example 24, which is step 6 of the new layout. The steps after it must see the
