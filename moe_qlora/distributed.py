@@ -127,20 +127,23 @@ def shard_model(model, ranks: Ranks) -> Ranks:
     """Shard `model` over the ranks with FSDP2 (torch.distributed.fsdp.fully_shard): one FSDP group per decoder
     layer (the classes in the model's _no_split_modules) and the root for the rest.
 
-    Sharded on dim 0: the NF4 expert stacks (by expert; made plain parameters first, experts.make_stacks_shardable),
-    every frozen weight in the compute dtype, the LoRA tensors, so their gradients and AdamW moments. A layer's
-    parameters are all-gathered for its forward and again for its backward (reshard_after_forward). Left whole
-    on every rank: the other bitsandbytes 4-bit linears (attention, shared experts, dense MLPs), whose scales
-    live in a quant_state FSDP cannot shard. Gradients are reduce-scattered as sums (divide factor 1): the loss
-    is already normalised by the global target count. Returns `ranks` marked sharded.
+    Sharded on dim 0: the NF4 expert stacks (by expert) and the other 4-bit linears (by output row), each made
+    plain frozen parameters of codes and fp32 scales first (a Params4bit keeps its scales in a quant_state FSDP
+    cannot see); every frozen weight in the compute dtype; the LoRA tensors, so their gradients and AdamW
+    moments. A layer's parameters are all-gathered for its forward and again for its backward
+    (reshard_after_forward). Left whole on every rank: a 4-bit linear whose rows do not hold whole NF4 blocks
+    (in_features not a multiple of 64). Gradients are reduce-scattered as sums (divide factor 1): the loss is
+    already normalised by the global target count. Returns `ranks` marked sharded.
     """
     import bitsandbytes as bnb
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     from .experts import make_stacks_shardable
+    from .nf4 import make_linears_shardable
 
     make_stacks_shardable(model)
+    make_linears_shardable(model)
     # The root returns the model's output, a view when the loss reads the head's input as logits (losses.py);
     # nothing writes to it in place, which is what the warning is about.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")

@@ -418,6 +418,8 @@ def parameter_bytes_by_kind(model) -> dict[str, int]:
             kinds[kind] += stack_nbytes(p)
         elif name.rsplit(".", 1)[-1] in shardable:
             kinds["experts_nf4"] += local.numel() * local.element_size()
+        elif name.rsplit(".", 1)[-1] in ("weight_nf4", "weight_absmax"):  # a ShardableLinear4bit
+            kinds["linear_4bit"] += local.numel() * local.element_size()
         elif p.requires_grad or "lora" in name:
             kinds["lora"] += local.numel() * local.element_size()
         else:

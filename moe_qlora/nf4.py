@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import bitsandbytes as bnb
 import bitsandbytes.functional as bnbF
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 BLOCKSIZE = 64
 # bitsandbytes' nested (double) quantization groups 256 block scales under one fp32 scale.
@@ -206,12 +208,78 @@ def stack_nbytes(param: bnb.nn.Params4bit) -> int:
 
 def dequantize_param(param: bnb.nn.Params4bit, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Any bitsandbytes 4-bit parameter back to its full shape (decoded flat: see dequantize_expert)."""
-    data, state = param.data, param.quant_state
-    if getattr(state, "packing_format_for_cpu", False):
-        # bitsandbytes repacked this weight for its bf16 CPU inference kernel: back to the standard layout.
-        data, state = bnbF._convert_weight_packed_for_cpu_inverse(data.clone(), copy.deepcopy(state))
+    data, state = standard_layout(param)  # bitsandbytes may have repacked it for its bf16 CPU inference kernel
     state = copy.copy(state)
     shape = state.shape
     state.shape = torch.Size([shape.numel()])
     state.dtype = dtype
     return bnbF.dequantize_4bit(data, state).view(shape)
+
+
+class _NF4LinearFunction(torch.autograd.Function):
+    """y = x W^T (+ b) with W decoded from NF4 codes for the forward and again for the backward, never saved
+    (as bitsandbytes' own 4-bit matmul does): W is frozen, so only x gets a gradient."""
+
+    @staticmethod
+    def forward(ctx, x, codes, absmax, bias, shape):
+        stack = NF4Stack(codes.view(-1), absmax.view(-1), None, (1, *shape))
+        ctx.save_for_backward(codes, absmax)
+        ctx.shape = shape
+        return F.linear(x, dequantize_experts(stack, 0, 1, x.dtype)[0], bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        codes, absmax = ctx.saved_tensors
+        stack = NF4Stack(codes.view(-1), absmax.view(-1), None, (1, *ctx.shape))
+        grad_x = grad_out @ dequantize_experts(stack, 0, 1, grad_out.dtype)[0]
+        return grad_x, None, None, None, None
+
+
+class ShardableLinear4bit(nn.Module):
+    """A bitsandbytes 4-bit linear whose codes and block scales are plain frozen parameters laid out by output
+    row, `weight_nf4` (O, I/2) uint8 and `weight_absmax` (O, I/64) fp32 (nested scales decoded: the same values),
+    so that FSDP2 shards it by rows like any weight. Computes what the Linear4bit computed: x W^T + b."""
+
+    def __init__(self, linear: bnb.nn.Linear4bit):
+        super().__init__()
+        data, state = standard_layout(linear.weight)
+        out_features, in_features = state.shape
+        nested = (state.state2.absmax, state.state2.code, nested_offset(state)) if state.nested else None
+        stack = NF4Stack(data.reshape(-1), state.absmax, nested, (1, out_features, in_features), state.blocksize)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight_nf4 = nn.Parameter(data.reshape(out_features, in_features // 2).clone(), requires_grad=False)
+        self.weight_absmax = nn.Parameter(stack.experts_absmax(0, 1).view(out_features, -1).clone(),
+                                          requires_grad=False)  # fmt: skip
+        self.bias = linear.bias
+        self.compute_dtype = linear.compute_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = self.compute_dtype or x.dtype
+        bias = None if self.bias is None else self.bias.to(dtype)
+        out = _NF4LinearFunction.apply(x.to(dtype), self.weight_nf4, self.weight_absmax, bias,
+                                       (self.out_features, self.in_features))  # fmt: skip
+        return out.to(x.dtype)
+
+
+def shardable_by_rows(linear: nn.Module) -> bool:
+    """A 4-bit linear whose rows hold whole NF4 blocks (in_features a multiple of 64): its codes and scales can
+    be split by output row."""
+    return isinstance(linear, bnb.nn.Linear4bit) and linear.in_features % BLOCKSIZE == 0
+
+
+def make_linears_shardable(model: nn.Module) -> int:
+    """Replace every bitsandbytes 4-bit linear that shardable_by_rows by a ShardableLinear4bit (FSDP2 cannot
+    shard a Params4bit: its scales live in a quant_state beside it). Returns how many."""
+    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if shardable_by_rows(child)]  # fmt: skip
+    for parent, name, child in swaps:
+        setattr(parent, name, ShardableLinear4bit(child))
+    return len(swaps)
+
+
+def standard_layout(param: bnb.nn.Params4bit):
+    """(codes, quant_state) of a 4-bit parameter in bitsandbytes' standard packing (undoing its CPU repacking)."""
+    data, state = param.data, param.quant_state
+    if getattr(state, "packing_format_for_cpu", False):
+        data, state = bnbF._convert_weight_packed_for_cpu_inverse(data.clone(), copy.deepcopy(state))
+    return data, state

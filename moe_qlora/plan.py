@@ -7,7 +7,7 @@ then LoRA (fp32), its gradients (all, or one layer's when stepped in the backwar
 
 Several GPUs (`gpus`, `parallel`): under ddp every GPU holds all of that; under fsdp (FSDP2, as
 distributed.shard_model wraps the model) the experts, the compute-dtype weights, LoRA, its gradients and the
-optimizer state are split by dim 0 across the GPUs, the 4-bit linears stay whole on each, and the unsharded
+optimizer state are split by dim 0 across the GPUs, the 4-bit linears by output row, and the unsharded
 parameters of the layers being computed are added. Communication per optimizer step is counted for both.
 """
 
@@ -236,7 +236,7 @@ def plan_run(
         raise ValueError(f"parallel: {requested!r} is not one of {', '.join(PARALLEL_MODES)}")
     plan.parallel, why = choose_parallel(requested, plan, gpus=gpus, gpu_gib=gpu_gib)
     if plan.parallel == "fsdp":
-        shard_plan(plan, sharded_tensors(model, cfg, targets, device=device), cfg, model)
+        shard_plan(plan, sharded_tensors(model, cfg, targets, device=device), cfg, model, device=device)
     else:
         plan.communication_bytes_per_step = ddp_communication_bytes(plan.bytes["lora"], gpus)
     if gpus > 1 or plan.parallel == "fsdp":  # one GPU without sharding: the notes as they always were
@@ -332,8 +332,9 @@ def rows_and_row_numel(shape: tuple[int, ...]) -> tuple[int, int]:
 def sharded_tensors(model: nn.Module, cfg: RunConfig, targets: list[str], *, device: str) -> list[ShardedTensor]:
     """Every tensor FSDP shards (distributed.shard_model). Each NF4 expert stack becomes two, experts on dim 0
     (experts.make_stacks_shardable): uint8 codes, half a byte a weight, and fp32 block scales, one per 64
-    weights (nested scales decoded): 4.5 bits a weight whatever model.expert_double_quant says. Then the weights
-    kept in the compute dtype and the fp32 LoRA tensors. The 4-bit linears are not here: they stay whole."""
+    weights (nested scales decoded): 4.5 bits a weight whatever model.expert_double_quant says. So does each
+    4-bit linear whose rows hold whole NF4 blocks, output rows on dim 0 (nf4.make_linears_shardable); the others
+    are not here: they stay whole. Then the weights kept in the compute dtype and the fp32 LoRA tensors."""
     compute = DTYPE_BYTES[resolve_compute_dtype(cfg.model.compute_dtype, device)]
     layers = decoder_layer_names(model)
     tensors = []
@@ -343,6 +344,9 @@ def sharded_tensors(model: nn.Module, cfg: RunConfig, targets: list[str], *, dev
             experts, per_expert = rows_and_row_numel(tuple(p.shape))
             tensors.append(ShardedTensor(group, kind, experts, per_expert // 2, 1))
             tensors.append(ShardedTensor(group, kind, experts, per_expert // BLOCKSIZE, 4))
+        elif kind == "linear_4bit" and p.shape[1] % BLOCKSIZE == 0:
+            tensors.append(ShardedTensor(group, kind, p.shape[0], p.shape[1] // 2, 1))
+            tensors.append(ShardedTensor(group, kind, p.shape[0], p.shape[1] // BLOCKSIZE, 4))
         elif kind == "other":
             tensors.append(ShardedTensor(group, kind, *rows_and_row_numel(tuple(p.shape)), compute))
     for module_name, shape in lora_tensor_shapes(model, cfg, targets):
@@ -372,20 +376,26 @@ def fsdp_communication_bytes(tensors: list[ShardedTensor], gpus: int, grad_accum
     return grad_accum * per_micro_batch
 
 
-def shard_plan(plan: Plan, tensors: list[ShardedTensor], cfg: RunConfig, model: nn.Module) -> None:
+def shard_plan(plan: Plan, tensors: list[ShardedTensor], cfg: RunConfig, model: nn.Module, *, device: str) -> None:
     """Turn the one-device `plan` into one rank's bytes under fsdp over plan.gpus ranks. Sharded: experts,
-    compute-dtype weights, LoRA, its gradients and optimizer state (one rank's shard of each tensor). Whole:
-    the 4-bit linears, activations, loss, runtime, the decode buffer. Added: all_gather_buffers, the unsharded
+    4-bit linears (by row), compute-dtype weights, LoRA, its gradients and optimizer state (one rank's shard of
+    each tensor). Whole: 4-bit linears whose rows split NF4 blocks, activations, loss, runtime, the decode
+    buffer. Added: all_gather_buffers, the unsharded
     parameters of the largest decoder layer twice (the one computing and the next, prefetched), and
     root_unsharded, the root's (embeddings, final norm, head), held from the forward to the end of the backward."""
     n = plan.gpus
-    shard = {kind: sum(t.shard_bytes(n) for t in tensors if t.kind == kind) for kind in ("experts_nf4", "other")}
+    kinds = ("experts_nf4", "linear_4bit", "other")
+    shard = {kind: sum(t.shard_bytes(n) for t in tensors if t.kind == kind) for kind in kinds}
+    whole_linears = [p.numel() for _, kind, p in classified_weights(model, device=device)
+                     if kind == "linear_4bit" and p.shape[1] % BLOCKSIZE]  # fmt: skip
     lora = [t for t in tensors if t.kind == "lora"]
     lora_numel = sum(t.shard_numel(n) for t in lora)
     groups = unsharded_group_bytes(tensors, n)
     layers = [whole for group, whole in groups.items() if group]
     plan.bytes.update(
         experts_nf4=shard["experts_nf4"],
+        linear_4bit=shard["linear_4bit"]
+        + sum(four_bit_bytes(k, double_quant=cfg.model.linear_double_quant) for k in whole_linears),
         other=shard["other"],
         lora=lora_numel * LORA_BYTES,
         gradients=gradient_bytes(lora_numel, model, cfg),
@@ -405,9 +415,9 @@ def add_parallel_notes(plan: Plan, why: str, cfg: RunConfig, *, gpu_gib: float) 
         plan.notes.append(f"ddp over {gpus}: each holds all of the above; the fp32 LoRA gradients are all-reduced "
                           "once a step")  # fmt: skip
     else:
-        plan.notes.append(f"fsdp over {gpus}, one FSDP group a decoder layer: experts (4.5 bits a weight: fp32 "
-                          "scales, not double-quantized), compute-dtype weights, LoRA, gradients and optimizer state "
-                          "sharded; the 4-bit linears whole on each GPU")  # fmt: skip
+        plan.notes.append(f"fsdp over {gpus}, one FSDP group a decoder layer: 4-bit experts and linears (4.5 bits "
+                          "a weight: fp32 scales, not double-quantized), compute-dtype weights, LoRA, gradients and "
+                          "optimizer state sharded")  # fmt: skip
         plan.notes.append("all_gather_buffers: two decoder layers unsharded (one prefetched); root_unsharded: "
                           "embeddings, final norm and head, whole from the forward to the backward's end")  # fmt: skip
         if cfg.train.optimizer != "adamw":

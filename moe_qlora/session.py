@@ -171,8 +171,8 @@ def load_policy(cfg: RunConfig, model_path: str, console: Console, ranks: Ranks 
     if sharded:
         ranks = shard_model(model, ranks)
         move_unsharded_to(model, device_of(ranks))
-        console.print(f"fsdp: experts, frozen weights, LoRA and optimizer state sharded over {ranks.world} ranks; "
-                      "the other 4-bit linears whole on each")  # fmt: skip
+        console.print(f"fsdp: 4-bit experts and linears, frozen weights, LoRA and optimizer state sharded over "
+                      f"{ranks.world} ranks")  # fmt: skip
     params = trainable_parameters(model)
     if not params:
         raise ValueError("no trainable parameters: lora.target_modules matched nothing and the model has no experts")

@@ -171,7 +171,8 @@ mine = rows[ranks.rank * 3 : (ranks.rank + 1) * 3] if ranks.enabled else rows
 shards = {}
 if sys.argv[2] == "fsdp" and ranks.enabled:
     ranks = shard_model(model, ranks)
-    shards = {k: tuple(local_shard(p).shape) for k, p in model.named_parameters() if k.endswith("_nf4")}
+    shards = {k: (tuple(local_shard(p).shape), tuple(p.shape)) for k, p in model.named_parameters()
+              if k.endswith("_nf4")}
 loss, n, _ = accumulate_gradients(model, [collate(mine, 0)], ranks=ranks)
 grads = {k: full_tensor(p.grad) for k, p in model.named_parameters() if p.requires_grad}  # every rank gathers
 if ranks.main:
@@ -196,8 +197,11 @@ def test_the_summed_gradient_of_two_ranks_is_the_one_process_gradient(tmp_path, 
     two = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
     a, b = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
-    if parallel == "fsdp":  # the tiny Mixtral has 8 experts: 4 a rank, in every stack
-        assert len(b["shards"]) == 4 and all(shape[0] == 8 // 2 for shape in b["shards"].values()), b["shards"]
+    if parallel == "fsdp":  # every 4-bit weight's codes split in two: experts (8) by expert, linears by row
+        experts = {k: v for k, v in b["shards"].items() if "experts" in k}
+        assert len(experts) == 4 and all(local == (8 // 2, whole[1]) for local, whole in experts.values())
+        linears = {k: v for k, v in b["shards"].items() if "self_attn" in k}
+        assert len(linears) == 8 and all(local == (whole[0] // 2, whole[1]) for local, whole in linears.values())
     assert a["n"] == b["n"] and abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"])
     for name, grad in a["grads"].items():
         err = float((grad - b["grads"][name]).abs().max())

@@ -5,6 +5,7 @@ import copy
 import bitsandbytes.functional as bnbF
 import pytest
 import torch
+from torch import nn
 
 from moe_qlora.nf4 import (
     NF4Stack,
@@ -71,3 +72,34 @@ def test_per_expert_quantization_equals_bitsandbytes_on_the_whole_stack(double_q
     if double_quant:
         assert torch.equal(ours.quant_state.state2.absmax, state.state2.absmax)
         assert float(ours.quant_state.offset) == float(state.offset)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_shardable_linear4bit_computes_what_the_bitsandbytes_linear_did(nested):
+    """FSDP shards 4-bit linears by output row as plain codes (O, I/2) and fp32 scales (O, I/64); the oracle is
+    bitsandbytes' own Linear4bit on the same weights, forward and input gradient. Tolerance 1e-6 relative: the
+    same decoded weights, fp32 sums in another order. Control: the codes' rows rolled by one are far off."""
+    import bitsandbytes as bnb
+
+    from moe_qlora.nf4 import ShardableLinear4bit, make_linears_shardable
+
+    torch.manual_seed(0)
+    linear = bnb.nn.Linear4bit(128, 48, bias=True, compute_dtype=torch.float32, compress_statistics=nested,
+                               quant_type="nf4")  # fmt: skip
+    linear.load_state_dict(nn.Linear(128, 48).state_dict())
+    linear = linear.to("cpu")  # quantizes
+    linear.weight.requires_grad_(False)
+    holder = nn.Sequential(linear)
+    x = torch.randn(5, 128, requires_grad=True)
+    expected = linear(x)
+    (gx_expected,) = torch.autograd.grad(expected.square().sum(), x)
+    assert make_linears_shardable(holder) == 1 and isinstance(holder[0], ShardableLinear4bit)
+    shardable = holder[0]
+    assert shardable.weight_nf4.shape == (48, 64) and shardable.weight_absmax.shape == (48, 2)
+    got = shardable(x)
+    (gx,) = torch.autograd.grad(got.square().sum(), x)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gx, gx_expected, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        shardable.weight_nf4.copy_(shardable.weight_nf4.roll(1, dims=0))
+    assert float((shardable(x) - expected).detach().abs().max()) > 1e-2

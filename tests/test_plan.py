@@ -117,10 +117,10 @@ def test_grouped_mm_decode_buffer_is_planned(settings, expected_mib):
 
 # --- several GPUs -----------------------------------------------------------------------------------------------
 # FSDP2 (distributed.shard_model) splits every tensor it manages on dim 0, padded to a multiple of the ranks, one
-# group per decoder layer plus the root; the bitsandbytes 4-bit linears stay whole on every rank.
+# group per decoder layer plus the root; 4-bit linears whose rows hold whole NF4 blocks are split by row.
 
-FSDP_SHARDED = ("experts_nf4", "other", "lora", "gradients", "optimizer")
-REPLICATED = ("linear_4bit", "activations_estimate", "loss_logits", "runtime", "dequant_buffer")
+FSDP_SHARDED = ("experts_nf4", "linear_4bit", "other", "lora", "gradients", "optimizer")
+REPLICATED = ("activations_estimate", "loss_logits", "runtime", "dequant_buffer")
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +155,7 @@ def row_bytes(shape: tuple[int, ...], elem_bytes: int) -> int:
 
 
 @pytest.mark.parametrize("gpus", [2, 3, 4])
-def test_fsdp_shards_each_tensor_on_dim_0_and_keeps_the_4bit_linears_whole(tiny_mixtral, gpus):
+def test_fsdp_shards_each_tensor_on_dim_0_with_the_4bit_linears_by_row(tiny_mixtral, gpus):
     path, lora = tiny_mixtral
     cfg = several_gpus_config(path)
     one = plan_run(cfg.model_copy(update={"model": cfg.model.model_copy(update={"expert_double_quant": False})}),
@@ -172,6 +172,9 @@ def test_fsdp_shards_each_tensor_on_dim_0_and_keeps_the_4bit_linears_whole(tiny_
             assert kind == "other" or sharded[kind] == one[kind] // gpus
     assert sharded["lora"] == 4 * sum(-(-s[0] // gpus) * math.prod(s[1:]) for s in lora.values())
     assert sharded["optimizer"] == 2 * sharded["lora"]  # AdamW: two fp32 moments of each shard
+    # 4-bit linears (the tiny model's q/k/v/o, in_features 64): codes and fp32 scales, ceil(out / N) rows a rank.
+    linears = [p.shape for n, p in meta.named_parameters() if ".self_attn." in n]
+    assert linears and sharded["linear_4bit"] == sum(-(-o // gpus) * (i // 2 + i // 64 * 4) for o, i in linears)
     assert {k: sharded.get(k) for k in REPLICATED} == {k: one.get(k) for k in REPLICATED}
     assert set(sharded) == set(one) | {"all_gather_buffers", "root_unsharded"}
 
@@ -188,8 +191,8 @@ def test_fsdp_communication_and_gather_buffers_from_the_layers_parameters(tiny_m
     for name, p in meta.named_parameters():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             nbytes = p.numel() // 2 + p.numel() // 64 * 4  # codes + fp32 scale per 64 weights
-        elif ".self_attn." in name:
-            continue  # q/k/v/o: bitsandbytes 4-bit, whole on every rank, never gathered
+        elif ".self_attn." in name:  # q/k/v/o 4-bit: codes + fp32 scales by output row, padded to the ranks
+            nbytes = -(-p.shape[0] // gpus) * gpus * (p.shape[1] // 2 + p.shape[1] // 64 * 4)
         else:
             nbytes = -(-p.shape[0] // gpus) * gpus * row_bytes(p.shape, 2)  # bf16, dim 0 padded to the ranks
         if layer_of(name) is None:
