@@ -196,6 +196,14 @@ def whole_trainable(model, ranks: Ranks):
     if not ranks.sharded:
         yield model
         return
+    from torch.distributed.fsdp import FSDPModule
+
+    # Every FSDP group back to its shards first, on every rank: the root stays gathered after a forward without
+    # a backward (an eval), and a state_dict() that rank 0 alone makes (writing the adapter) would reshard it on
+    # rank 0 only; the ranks' next forwards would then run different collectives.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
     swapped = []
     for module in model.modules():
         for name, p in list(module._parameters.items()):

@@ -121,7 +121,10 @@ def optimizer_steps(examples: list[Example], cfg: RunConfig, ranks: Ranks = SING
         order = epoch_order(len(examples), seed=t.seed, epoch=epoch)
         group = []
         for mb in micro_batches(examples, order, size * ranks.world):
-            group.append(mb[ranks.rank * size : (ranks.rank + 1) * size])
+            mine = mb[ranks.rank * size : (ranks.rank + 1) * size]
+            if not mine and ranks.sharded:  # every FSDP rank must run each forward: a row that trains nothing
+                mine = [idle_row(mb[0])]
+            group.append(mine)
             if len(group) == t.grad_accum:
                 yield epoch, group
                 group = []
@@ -170,6 +173,18 @@ def schedule_at(optimizer, total: int, step: int, train_cfg):
         group["lr"] = base * factor(step)
     schedule._last_lr = [group["lr"] for group in optimizer.param_groups]
     return schedule
+
+
+def idle_row(example: Example) -> Example:
+    """`example` with no target and weight 0: its forward and backward run (the collectives FSDP makes every rank
+    join) and add exactly nothing to the loss, the gradient or the target count."""
+    return replace(
+        example,
+        labels=[IGNORE] * len(example.labels),
+        source=f"{example.source} (idle)",
+        weight=0.0,
+        token_weights=None if example.token_weights is None else [0.0] * len(example.token_weights),
+    )
 
 
 def count_steps(num_examples: int, cfg: RunConfig, world: int = 1) -> int:
@@ -231,7 +246,8 @@ def train_step(model, optimizer, group, pad_id: int, train_cfg, stepper: StepInB
         loss, n_targets, aux_loss = accumulate_gradients(model, batches, loss_chunk=train_cfg.loss_chunk_tokens,
                                                          ranks=ranks)  # fmt: skip
         grad_norm, skipped = apply_update(optimizer, loss, train_cfg)
-    tokens = int(sum_scalars(ranks, sum(int(b["attention_mask"].sum()) for b in batches))[0])
+    trained = sum(len(e.input_ids) for mb in group for e in mb if not e.source.endswith(" (idle)"))
+    tokens = int(sum_scalars(ranks, trained)[0])
     return {"loss": loss, "grad_norm": grad_norm, "target_tokens": n_targets, "tokens": tokens, "skipped": skipped,
             "aux_loss": aux_loss}  # fmt: skip
 

@@ -406,3 +406,29 @@ def test_accelerate_launch_and_two_nodes_run_the_same_data_parallel_steps(runs, 
     a, b = records(two), records(tmp_path / "run")
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6] and [r["tokens"] for r in a] == [r["tokens"] for r in b]
     assert max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b, strict=True)) <= 1e-6
+
+
+def test_fsdp_with_a_rank_left_without_rows_and_an_eval_that_keeps_the_best(tmp_path):
+    """Packed, the demo's 94 training rows are 34 sequences: the last global micro-batch of 4 holds 2, both rank
+    0's, and rank 1 has nothing (without idle_row the ranks wait on each other until the timeout).
+    Under FSDP every rank must run each forward, so that rank trains on a row with no target (idle_row): the
+    run must neither hang nor change: losses and eval losses within 1e-5 of one process x micro-batch 4. The
+    evals with keep_best write adapter-best from rank 0 alone between steps (the root left gathered by the eval
+    must not desynchronise the ranks)."""
+    args = ["train", "--config", str(DEMO), "--set", "train.max_steps=0", "--set", "train.epochs=1", "--set",
+            "train.warmup_steps=2", "--set", "data.packing=true", "--set", "data.eval_fraction=0.1", "--set",
+            "train.eval_every=2", "--set", "train.keep_best=true", "--set", "train.dist_timeout_s=60"]  # fmt: skip
+    env = env_for(tmp_path)
+    one = subprocess.run([sys.executable, "-m", "moe_qlora", *args, "--set", "train.micro_batch_size=4", "--set",
+                          f"output.dir={tmp_path / 'one'}"], env=env, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = torchrun([*args, "--set", "train.micro_batch_size=2", "--set", "train.parallel=fsdp", "--set",
+                    f"output.dir={tmp_path / 'two'}"], env, timeout=600)  # fmt: skip
+    assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
+    a, b = records(tmp_path / "one"), records(tmp_path / "two")
+    assert [r["step"] for r in a] == [r["step"] for r in b] and [r["tokens"] for r in a] == [r["tokens"] for r in b]
+    for key in ("loss", "eval_loss"):
+        pairs = [(x[key], y[key]) for x, y in zip(a, b, strict=True) if key in x]
+        assert pairs and max(abs(x - y) for x, y in pairs) <= 1e-5, key
+    assert (tmp_path / "two" / "adapter-best" / "adapter_model.safetensors").is_file()
