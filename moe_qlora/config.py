@@ -166,8 +166,9 @@ class TrainSection(Section):
     log_every: int = Field(1, ge=1)
     parallel: Literal["auto", "ddp", "fsdp"] = Field(
         "auto",
-        description="under torchrun: ddp (the whole 4-bit model on every rank, LoRA gradients summed); "
-        "auto: ddp; fsdp: sharded experts (not implemented yet)",
+        description="under a launcher: ddp (the whole 4-bit model on every rank, LoRA gradients summed); fsdp "
+        "(FSDP2: 4-bit weights, LoRA and AdamW state sharded across ranks, for a model that does not fit one "
+        "GPU; train only); auto: ddp when `moe-qlora plan` says the run fits one GPU (always on CPUs), else fsdp",
     )
     dist_timeout_s: int = Field(
         600, ge=10, description="data parallel: a rank waiting longer than this for the others stops the run"
