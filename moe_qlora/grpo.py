@@ -29,8 +29,6 @@ from .distributed import (
     Ranks,
     any_rank,
     gather_objects,
-    join,
-    leave,
     raise_together,
     rank_slice,
     sum_gradients,
@@ -41,11 +39,13 @@ from .optim import build_optimizer
 from .reporting import MetricsLog, NoReporters, Reporters
 from .rewards import flat_groups, group_advantages, resolve_reward, score
 from .rollout import Rollout, load_offline_groups, load_prompts, offline_rollouts, sample_rollouts
-from .runs import CheckpointPolicy, RunSummary, StopSignals, claim_output_dir, plain_progress_line
+from .runs import CheckpointPolicy, RunSummary, StopSignals, plain_progress_line
 from .session import (
     after_step,
     apply_update,
     build_schedule,
+    claim_output_dir_together,
+    launched,
     load_policy,
     load_tokenizer,
     resume_if_asked,
@@ -55,7 +55,6 @@ from .session import (
     write_adapter,
     write_router_layers,
 )
-from .tiny import resolve_model_path
 
 
 @dataclass
@@ -420,24 +419,13 @@ def grpo(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool
             "train.optimizer_in_backward is for `train` only: a GRPO step sums the gradients of all its rollout "
             "micro-batches (and of several passes) before it can update"
         )
-    resolve_model_path(cfg.model.name_or_path)  # a builtin model is generated before the process group exists
-    ranks = join(cfg.train.dist_timeout_s)
-    console = (console or Console()) if ranks.main else Console(quiet=True)
-    try:
+    with launched(cfg, console) as (ranks, console):
         return _grpo(cfg, console, ranks, allow_mismatch=allow_mismatch, overwrite=overwrite)
-    finally:
-        leave(ranks)
 
 
 def _grpo(cfg: RunConfig, console: Console, ranks: Ranks, *, allow_mismatch: bool, overwrite: bool) -> GrpoResult:
     out = Path(cfg.output.dir)
-    failure = None
-    if ranks.main:
-        try:
-            claim_output_dir(out, resuming=cfg.train.resume != "never", overwrite=overwrite, console=console)
-        except Exception as exc:  # every rank stops with it, instead of waiting for rank 0
-            failure = exc
-    raise_together(ranks, failure)
+    claim_output_dir_together(out, cfg, ranks, console, overwrite=overwrite)
     started = time.perf_counter()
     with StopSignals(console) as stop:
         seed_everything(cfg.train.seed)

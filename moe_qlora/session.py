@@ -12,6 +12,8 @@ import os
 import random
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -22,13 +24,13 @@ from transformers import AutoTokenizer
 from .adapters import attach_adapters, configure_checkpointing, expert_loras, trainable_parameters
 from .checkpoint import CheckpointError, RunProgress, checkpoint_dirs, latest_valid_checkpoint, load_checkpoint, verify
 from .config import ConfigError, RunConfig, check_shardable, resolve_compute_dtype
-from .distributed import SINGLE, Ranks, any_rank, device_of, shard_model
+from .distributed import SINGLE, Ranks, any_rank, device_of, join, leave, raise_together, shard_model
 from .experts import set_moe_kernels
 from .export import load_adapter, save_adapter, verify_adapter
 from .loading import LoadOptions, check_model_path, load_model, parameter_bytes_by_kind
 from .memory import release_freed_memory
 from .optim import clip_global_norm, lr_multiplier
-from .runs import RunInterrupted, StopSignals
+from .runs import RunInterrupted, StopSignals, claim_output_dir
 from .tiny import resolve_model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -99,6 +101,32 @@ def router_load(model) -> list[list[float]]:
         out.append([round(s, 4) for s in shares[start : start + n]])
         start += n
     return out
+
+
+@contextmanager
+def launched(cfg: RunConfig, console: Console | None) -> Iterator[tuple[Ranks, Console]]:
+    """This process's place in the run (one process, or a rank under torchrun / accelerate launch) and its
+    console (quiet on ranks other than 0); the process group is left at the end, however the run ends."""
+    # A builtin model is generated before the process group exists: once it does, transformers'
+    # save_pretrained writes nothing on ranks other than 0, and a rank would cache a model without weights.
+    resolve_model_path(cfg.model.name_or_path)
+    ranks = join(cfg.train.dist_timeout_s)
+    try:
+        yield ranks, (console or Console()) if ranks.main else Console(quiet=True)
+    finally:
+        leave(ranks)
+
+
+def claim_output_dir_together(out: Path, cfg: RunConfig, ranks: Ranks, console: Console, *, overwrite: bool) -> None:
+    """Rank 0 claims output.dir (runs.claim_output_dir); when it cannot, every rank stops with its message
+    instead of waiting for rank 0."""
+    failure = None
+    if ranks.main:
+        try:
+            claim_output_dir(out, resuming=cfg.train.resume != "never", overwrite=overwrite, console=console)
+        except Exception as exc:
+            failure = exc
+    raise_together(ranks, failure)
 
 
 def load_tokenizer(cfg: RunConfig):

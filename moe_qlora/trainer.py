@@ -41,8 +41,6 @@ from .distributed import (
     SINGLE,
     Ranks,
     any_rank,
-    join,
-    leave,
     raise_together,
     sum_gradients,
     sum_scalars,
@@ -57,13 +55,14 @@ from .runs import (
     CheckpointPolicy,
     RunSummary,
     StopSignals,
-    claim_output_dir,
     plain_progress_line,
 )
 from .session import (
     after_step,
     apply_update,
     build_schedule,
+    claim_output_dir_together,
+    launched,
     load_policy,
     load_tokenizer,
     resume_if_asked,
@@ -74,7 +73,6 @@ from .session import (
     write_adapter,
     write_router_layers,
 )
-from .tiny import resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -424,16 +422,8 @@ def train(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: boo
     """Run SFT as configured: returns the per-step losses (of this invocation) and where the outputs went.
     Raises RunInterrupted after checkpointing when SIGINT or SIGTERM arrives. Under torchrun (WORLD_SIZE > 1)
     each process is a data-parallel rank (distributed.py); rank 0 alone writes."""
-    # A builtin model is generated before the process group exists: once it does, transformers'
-    # save_pretrained writes nothing on ranks other than 0, and a rank would cache a model without weights.
-    resolve_model_path(cfg.model.name_or_path)
-    ranks = join(cfg.train.dist_timeout_s)
-    console = (console or Console()) if ranks.main else Console(quiet=True)
-    out = Path(cfg.output.dir)
-    try:
-        return _train(cfg, console, out, ranks, allow_mismatch=allow_mismatch, overwrite=overwrite)
-    finally:
-        leave(ranks)
+    with launched(cfg, console) as (ranks, console):
+        return _train(cfg, console, Path(cfg.output.dir), ranks, allow_mismatch=allow_mismatch, overwrite=overwrite)
 
 
 def _train(cfg: RunConfig, console: Console, out: Path, ranks: Ranks, *, allow_mismatch: bool,
@@ -441,13 +431,7 @@ def _train(cfg: RunConfig, console: Console, out: Path, ranks: Ranks, *, allow_m
     if ranks.enabled and cfg.train.optimizer_in_backward:
         raise ConfigError("train.optimizer_in_backward steps inside each rank's backward, before the gradients "
                           "of the ranks are summed: set it false for a data-parallel run")  # fmt: skip
-    failure = None
-    if ranks.main:
-        try:
-            claim_output_dir(out, resuming=cfg.train.resume != "never", overwrite=overwrite, console=console)
-        except Exception as exc:  # every rank stops with it, instead of waiting for rank 0
-            failure = exc
-    raise_together(ranks, failure)
+    claim_output_dir_together(out, cfg, ranks, console, overwrite=overwrite)
     started = time.perf_counter()
     with StopSignals(console) as stop:
         seed_everything(cfg.train.seed)  # LoRA initialisation (PEFT draws from the global RNG)
