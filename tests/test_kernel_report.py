@@ -28,7 +28,10 @@ def test_kernel_report_reads_the_jit_specialized_sass():
     assert glu["arch"] == "90" and glu["mma_per_kstep"] == 4
     assert glu["spills"] == 0 and 0 < glu["smem_bytes"] <= 227 * 1024  # fits an H100 block
     assert glu["widest_packed_load_bytes"] == 1 and 10 < glu["instr_per_weight_element"] < 60
-    assert all(r["mma_per_kstep"] == 2 for n, r in rows.items() if n != "gate_up_nf4_nested_silu_mul")
+    # The input gradients accumulate even and odd output columns apart (N_PACKED): two half-width dots a K-step.
+    assert all(r["mma_per_kstep"] == (4 if "input_grad" in n else 2) for n, r in rows.items()
+               if n != "gate_up_nf4_nested_silu_mul")  # fmt: skip
+    assert all(20 < rows[n]["instr_per_weight_element"] < 30 for n in rows if "input_grad" in n)  # was ~32
     assert rows["lora_a_dense"]["instr_per_weight_element"] is None  # dense weights: nothing decoded
     # The ceilings instruction issue implies for today's decode (measured 20% of tensor peak, 24% of HBM on
     # sm_90), against the dense LoRA kernel's, which issues a few instructions per wgmma.

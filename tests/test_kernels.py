@@ -230,6 +230,52 @@ def test_packed_nf4_path_matches_reference(dev, dtype, atol, rtol, double_quant,
     assert (broken.float() - expected.float()).abs().max() > 0.1
 
 
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES)
+@pytest.mark.parametrize("double_quant", [False, True], ids=["absmax", "nested"])
+@pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
+def test_column_pair_nf4_path_of_the_input_gradient_matches_reference(dev, dtype, atol, rtol, double_quant, lora,
+                                                                     monkeypatch):  # fmt: skip
+    """The input gradient's NF4 path (g W through the transposed experts) at the default 64 x 64 x 32 blocks:
+    codes read as byte pairs along the stored `in` dim, which is N here, even and odd output columns
+    accumulated apart and interleaved after the K loop, one block scale per row (N_PACKED). K = 80 is not a
+    multiple of BLOCK_K; N = 128 is two N tiles. Checked to be the path taken, against the reference, with the
+    fused LoRA term too; the broken control (the two nibbles of a byte swapped: columns n and n + 1
+    exchanged) is off by O(1)."""
+    from moe_qlora.kernels import triton_kernels
+
+    monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
+    offsets = offsets_of(ROUTINGS["ragged"])
+    stack = nf4_stack(6, 80, 128, double_quant=double_quant, seed=21, device=dev)
+    weight = GroupedWeight.quantized(stack, transpose=False)
+    g = torch.Generator().manual_seed(22)
+    x = (0.3 * torch.randn(offsets[-1], 80, generator=g)).to(dev, dtype)
+    low_rank = lora_term(offsets, 4, 128, scale=0.5, dtype=dtype, device=dev) if lora else None
+    seen = []
+    real = triton_kernels._grouped_matmul_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(kwargs["N_PACKED"])
+                return real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(triton_kernels, "_grouped_matmul_kernel", Spy())
+    expected = grouped_matmul_reference(x, weight, offsets, lora=low_rank)
+    got = grouped_matmul(x, weight, offsets, lora=low_rank)
+    assert seen == [True]
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
+    else:
+        bound = rounding_bound(x, stack, offsets, expected, transpose=False, rel=2**-7, lora=low_rank)
+        assert ((got.float() - expected.float()).abs() <= bound).all()
+    swapped = NF4Stack(((stack.packed >> 4) | (stack.packed << 4)).to(torch.uint8), stack.absmax, stack.nested,
+                       stack.shape, stack.blocksize)  # fmt: skip
+    broken = grouped_matmul(x, GroupedWeight.quantized(swapped, transpose=False), offsets, lora=low_rank)
+    assert (broken.float() - expected.float()).abs().max() > 0.1
+
+
 @pytest.mark.usefixtures("small_triton_blocks")
 def test_grouped_matmul_fails_when_experts_are_rolled(dev):
     """Control: the reference must tell experts apart (a kernel reading expert e+1's weights is caught)."""

@@ -189,6 +189,10 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
     # half a K-step still a tensor-core dot (>= 16): the packed-byte path of the kernel.
     k_packed = q is not None and sk == 1 and sn % q.blocksize == 0 and se % q.blocksize == 0 and \
         q.blocksize % bk == 0 and bk >= 32  # fmt: skip
+    # Through the transposed experts (input gradient): NF4 contiguous along N, each row of the tile on one quant
+    # block, half a tile still a tensor-core dot: the column-pair path.
+    n_packed = q is not None and not glu and sn == 1 and sk % q.blocksize == 0 and se % q.blocksize == 0 and \
+        q.blocksize % bn == 0 and bn >= 32  # fmt: skip
     _grouped_matmul_kernel[grid](
         x, gather if gather is not None else tiles, tiles, weight.data, _levels(str(x.device)), absmax, absmax2,
         code2, float(offset2), bias if bias is not None else x, lp, lw, float(lora.scale if lora else 0.0), out,
@@ -196,7 +200,8 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
         lp.stride(0), lp.stride(1), lse, lsr, lsn, out.stride(0), out.stride(1), act_out.stride(0),
         act_out.stride(1),
         W_NF4=q is not None, NESTED=nested, GATHER=gather is not None, HAS_BIAS=bias is not None,
-        HAS_LORA=lora is not None, GLU=glu, STORE_Y=keep_y, K_PACKED=k_packed, BLOCKSIZE=q.blocksize if q else 64,
+        HAS_LORA=lora is not None, GLU=glu, STORE_Y=keep_y, K_PACKED=k_packed, N_PACKED=n_packed,
+        BLOCKSIZE=q.blocksize if q else 64,
         IEEE=x.dtype == torch.float32, DOT_FP32=_interpreted(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
     )  # fmt: skip
     return y, act

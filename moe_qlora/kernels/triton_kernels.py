@@ -68,6 +68,34 @@ def _load_nf4_pairs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e,
 
 
 @triton.jit
+def _load_nf4_column_pairs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_k, n0, K, N,
+                           stride_we, stride_wk, NESTED: tl.constexpr, BLOCKSIZE: tl.constexpr,
+                           BLOCK_N: tl.constexpr):  # fmt: skip
+    """The N-contiguous NF4 tile as two (BLOCK_K, BLOCK_N / 2) fp32 halves: columns j are n = n0 + 2j (high
+    nibbles) and n0 + 2j + 1 (low nibbles) of the same bytes.
+
+    Stored (E, out, in) weights read through the transposed experts (the input gradient: k runs over `out`,
+    n over `in`) hold a row's BLOCK_N codes in BLOCK_N / 2 consecutive bytes, loaded as such; since a row
+    starts on a quant block (stride_wk % BLOCKSIZE == 0) and BLOCKSIZE % BLOCK_N == 0, the tile's row shares
+    one block scale, loaded once per row. `code` (16, BLOCK_N / 2): the NF4 levels, held in registers.
+    """
+    offs_j = tl.arange(0, BLOCK_N // 2)
+    row = e.to(tl.int64) * stride_we + offs_k[:, None].to(tl.int64) * stride_wk + n0  # (BK, 1) flat index, even
+    mask = (offs_k[:, None] < K) & (n0 + 2 * offs_j[None, :] < N)
+    byte = tl.load(w_ptr + (row >> 1) + offs_j[None, :], mask=mask, other=0).to(tl.int32)
+    hi = tl.gather(code, byte >> 4, axis=0)
+    lo = tl.gather(code, byte & 0xF, axis=0)
+    block = row // BLOCKSIZE  # (BK, 1)
+    row_ok = offs_k[:, None] < K
+    if NESTED:
+        q = tl.load(absmax_ptr + block, mask=row_ok, other=0).to(tl.int32)
+        scale = tl.load(code2_ptr + q) * tl.load(absmax2_ptr + block // 256, mask=row_ok, other=0.0) + offset2
+    else:
+        scale = tl.load(absmax_ptr + block, mask=row_ok, other=0.0)
+    return hi * scale, lo * scale
+
+
+@triton.jit
 def _dot(x, w, IEEE: tl.constexpr, DOT_FP32: tl.constexpr):
     """x (M, K) in the input dtype times w (K, N) fp32, accumulated in fp32."""
     if IEEE:  # fp32 inputs: exact fp32 products (tf32 would cost ~1e-3 relative error)
@@ -115,7 +143,7 @@ def _grouped_matmul_kernel(
     stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_be, stride_pm, stride_pr, stride_le, stride_lr,
     stride_ln, stride_ym, stride_yn, stride_am, stride_an,
     W_NF4: tl.constexpr, NESTED: tl.constexpr, GATHER: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_LORA: tl.constexpr, GLU: tl.constexpr, STORE_Y: tl.constexpr, K_PACKED: tl.constexpr,
+    HAS_LORA: tl.constexpr, GLU: tl.constexpr, STORE_Y: tl.constexpr, K_PACKED: tl.constexpr, N_PACKED: tl.constexpr,
     BLOCKSIZE: tl.constexpr, IEEE: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -152,8 +180,21 @@ def _grouped_matmul_kernel(
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if K_PACKED:  # loop-invariant: the NF4 table, once per program
         code = tl.load(code_ptr + tl.arange(0, 16)[:, None] + 0 * offs_n[None, :])
+    if N_PACKED:  # even and odd output columns accumulate apart, interleaved after the K loop
+        code = tl.load(code_ptr + tl.arange(0, 16)[:, None] + 0 * tl.arange(0, BLOCK_N // 2)[None, :])
+        acc_even = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.float32)
+        acc_odd = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if K_PACKED:  # NF4 read along its contiguous dim: byte pairs, one scale per column (see _load_nf4_pairs)
+        if N_PACKED:  # NF4 read along its contiguous dim N: byte pairs, one scale per row (_load_nf4_column_pairs)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                        mask=row_ok[:, None] & (offs_k[None, :] < K), other=0.0)  # fmt: skip
+            w_even, w_odd = _load_nf4_column_pairs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e,
+                                                   offs_k, tl.program_id(1) * BLOCK_N, K, N_W, stride_we,
+                                                   stride_wk, NESTED, BLOCKSIZE, BLOCK_N)  # fmt: skip
+            acc_even += _dot(x, w_even, IEEE, DOT_FP32)
+            acc_odd += _dot(x, w_odd, IEEE, DOT_FP32)
+        elif K_PACKED:  # NF4 read along its contiguous dim: byte pairs, one scale per column (see _load_nf4_pairs)
             offs_even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
             x_rows = x_ptr + src[:, None] * stride_xm
             x_even = tl.load(x_rows + offs_even[None, :] * stride_xk, mask=row_ok[:, None] & (offs_even[None, :] < K),
@@ -180,6 +221,8 @@ def _grouped_matmul_kernel(
                                       offs_n + N, K, N_W, stride_we, stride_wk, stride_wn, W_NF4, NESTED,
                                       BLOCKSIZE)  # fmt: skip
                 acc_up += _dot(x, w, IEEE, DOT_FP32)
+    if N_PACKED:  # columns n0 + 2j and n0 + 2j + 1 side by side again
+        acc = tl.reshape(tl.join(acc_even, acc_odd), (BLOCK_M, BLOCK_N))
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e * stride_be + offs_n, mask=offs_n < N_W, other=0.0).to(tl.float32)[None, :]
         if GLU:
