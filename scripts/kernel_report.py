@@ -84,18 +84,24 @@ def _is_mma(op: str) -> bool:
     return op.startswith(("HMMA", "HGMMA", "WGMMA", "IMMA"))
 
 
-def _widest_byte_load(loop: list[str]) -> int:
-    """Width in bytes of the loop's packed-byte loads: 1 when it reads bytes one at a time (LDG .U8, which
-    only packed codes and nested scale codes use here), else its widest LDG (.64 = 8, .128 = 16), which a
-    vectorized packed read would be."""
+_BYTE_TILE_LOAD = re.compile(r"(?:tt\.load|async_copy_global_to_local).*tensor<(\d+)x(\d+)x!tt\.ptr<i8>, (#\w+)>")
+
+
+def _packed_load_bytes(ttgir: str) -> int | None:
+    """Bytes each thread loads at once from the packed NF4 codes, read from the TTGIR the JIT compiles: the
+    loads (or cp.async copies into shared memory) of 2-D tiles of bytes, whose blocked layout gives each thread
+    sizePerThread[order[0]] consecutive bytes along the contiguous dim (the narrowest such load, so one
+    byte-at-a-time read is not hidden by a wide one). The nested scale codes are bytes too, but one per
+    column or row (a 1 x N or K x 1 tensor): not counted. In the SASS the 8-byte tiles become LDGSTS.E.64."""
+    layouts = dict(re.findall(r"^(#\w+) = #ttg\.blocked<(.*)>$", ttgir, re.M))
     widths = []
-    for line in loop:
-        op = _opcode(line)
-        if op.startswith("LDG"):
-            if ".U8" in op or ".S8" in op:
-                return 1
-            widths.append(16 if ".128" in op else 8 if ".64" in op else 2 if ".U16" in op or ".S16" in op else 4)
-    return max(widths, default=0)
+    for rows, cols, layout in _BYTE_TILE_LOAD.findall(ttgir):
+        if int(rows) == 1 or int(cols) == 1 or layout not in layouts:
+            continue
+        size = [int(v) for v in re.search(r"sizePerThread = \[([\d, ]+)\]", layouts[layout]).group(1).split(",")]
+        order = [int(v) for v in re.search(r"order = \[([\d, ]+)\]", layouts[layout]).group(1).split(",")]
+        widths.append(min(size[order[0]], 16))
+    return min(widths, default=None)
 
 
 def report(archs: list[int], shapes: list[str]) -> list[dict]:
@@ -122,7 +128,7 @@ def report(archs: list[int], shapes: list[str]) -> list[dict]:
                     "spills": spilled, "smem_bytes": meta.shared, "warps": meta.num_warps,
                     "stages": meta.num_stages, "mma_per_kstep": mma, "loop_instructions": len(loop),
                     "instr_per_weight_element": round(non_mma / per_thread, 1) if decoded else None,
-                    "widest_packed_load_bytes": _widest_byte_load(loop) if nf4 else None,
+                    "widest_packed_load_bytes": _packed_load_bytes(compiled.asm["ttgir"]) if nf4 else None,
                 }  # fmt: skip
                 rows.append(row | implied_ceilings(c, len(loop), meta.num_warps, arch))
     return rows

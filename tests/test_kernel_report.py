@@ -2,9 +2,8 @@
 subprocess without TRITON_INTERPRET (the interpreter replaces the jitted functions), at Qwen3-30B-A3B's real
 shapes for sm_90: the JSON has the keys the issue asks for, the fused gate_up kernel has the 4 HGMMAs per
 K-step its tiles imply (2 tiles x BLOCK_K 32 / 16), stride-1 arguments became constants, and the figures of
-today's NF4 decode are read (bytes loaded one at a time, ~19 instructions per decoded element in the
-forward's packed path: the full rewrite of issue 11 item 4 has not landed, so this test pins the reading,
-not the target of 6)."""
+today's NF4 decode are read: packed codes loaded 8 bytes at a time (item 4's load target), ~17-22
+instructions per decoded element (item 4's target of 6 is not reached: this test pins the reading)."""
 
 import json
 import os
@@ -27,11 +26,13 @@ def test_kernel_report_reads_the_jit_specialized_sass():
     glu = rows["gate_up_nf4_nested_silu_mul"]
     assert glu["arch"] == "90" and glu["mma_per_kstep"] == 4
     assert glu["spills"] == 0 and 0 < glu["smem_bytes"] <= 227 * 1024  # fits an H100 block
-    assert glu["widest_packed_load_bytes"] == 1 and 10 < glu["instr_per_weight_element"] < 60
+    assert 10 < glu["instr_per_weight_element"] < 60
+    # Item 4's load target: every NF4 kernel reads its packed codes at least 8 bytes at a time (it was 1).
+    assert all(r["widest_packed_load_bytes"] >= 8 for n, r in rows.items() if "nf4" in n)
     # The input gradients accumulate even and odd output columns apart (N_PACKED): two half-width dots a K-step.
     assert all(r["mma_per_kstep"] == (4 if "input_grad" in n else 2) for n, r in rows.items()
                if n != "gate_up_nf4_nested_silu_mul")  # fmt: skip
-    assert all(20 < rows[n]["instr_per_weight_element"] < 30 for n in rows if "input_grad" in n)  # was ~32
+    assert all(12 < rows[n]["instr_per_weight_element"] < 24 for n in rows if "input_grad" in n)  # was ~32
     assert rows["lora_a_dense"]["instr_per_weight_element"] is None  # dense weights: nothing decoded
     # The ceilings instruction issue implies for today's decode (measured 20% of tensor peak, 24% of HBM on
     # sm_90), against the dense LoRA kernel's, which issues a few instructions per wgmma.
@@ -55,3 +56,19 @@ print(json.dumps({"constants": [str(c) for c in k.src.constants], "sig": k.src.s
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["sig"]["stride_xk"] == "constexpr"  # x (T, H) contiguous: stride 1, specialized away
     assert out["sig"]["K"] == "i32" and "tt.divisibility" in out["attrs"]  # K = 256: divisible by 16
+
+
+def test_the_packed_load_width_is_read_from_the_byte_tiles_layout():
+    """_packed_load_bytes reads each thread's run of bytes from the blocked layout of 2-D byte-tile loads and
+    passes over a column of nested scale codes; a tile read a byte at a time reads as 1 (the control)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from kernel_report import _packed_load_bytes
+
+    ttgir = """#blocked = #ttg.blocked<{sizePerThread = [1, 8], threadsPerWarp = [8, 4], order = [1, 0]}>
+#blocked1 = #ttg.blocked<{sizePerThread = [1, 1], threadsPerWarp = [32, 1], order = [1, 0]}>
+%1 = ttg.async_copy_global_to_local %a, %b mask %m : tensor<32x32x!tt.ptr<i8>, #blocked> -> <32x32xi8>
+%2 = tt.load %c, %n : tensor<32x1x!tt.ptr<i8>, #blocked1>
+"""
+    assert _packed_load_bytes(ttgir) == 8
+    assert _packed_load_bytes(ttgir.replace("sizePerThread = [1, 8]", "sizePerThread = [8, 1]")) == 1
+    assert _packed_load_bytes(ttgir.replace("32x32x!tt.ptr<i8>", "32x32x!tt.ptr<bf16>")) is None

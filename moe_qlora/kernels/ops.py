@@ -196,7 +196,8 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
     _grouped_matmul_kernel[grid](
         x, gather if gather is not None else tiles, tiles, weight.data, _levels(str(x.device)), absmax, absmax2,
         code2, float(offset2), bias if bias is not None else x, lp, lw, float(lora.scale if lora else 0.0), out,
-        act_out, weight.k, n, rank, x.stride(0), x.stride(1), se, sk, sn, bias.stride(0) if bias is not None else 0,
+        act_out, weight.k, n, rank, x.stride(0), x.stride(1), se, sk, sn, se // 2, sk // 2, sn // 2,
+        bias.stride(0) if bias is not None else 0,
         lp.stride(0), lp.stride(1), lse, lsr, lsn, out.stride(0), out.stride(1), act_out.stride(0),
         act_out.stride(1),
         W_NF4=q is not None, NESTED=nested, GATHER=gather is not None, HAS_BIAS=bias is not None,

@@ -40,7 +40,8 @@ def _load_weight_tile(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offse
 
 @triton.jit
 def _load_nf4_pairs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, k0, offs_n, K, N, stride_we,
-                    stride_wn, NESTED: tl.constexpr, BLOCKSIZE: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                    stride_wn, bytes_we, bytes_wn, NESTED: tl.constexpr, BLOCKSIZE: tl.constexpr,
+                    BLOCK_K: tl.constexpr):  # fmt: skip
     """The K-contiguous NF4 tile as two (BLOCK_K / 2, BLOCK_N) fp32 halves: rows j are k = k0 + 2j (high
     nibbles) and k0 + 2j + 1 (low nibbles) of the same bytes.
 
@@ -53,8 +54,11 @@ def _load_nf4_pairs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e,
     """
     offs_j = tl.arange(0, BLOCK_K // 2)
     col = e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn  # (1, BN) flat index of k = 0
-    mask = (k0 + 2 * offs_j[:, None] < K) & (offs_n[None, :] < N)
-    byte = tl.load(w_ptr + (col >> 1) + (k0 // 2 + offs_j[:, None]), mask=mask, other=0).to(tl.int32)
+    # Columns only: K is a multiple of BLOCK_K on this path (ops.py), and a mask varying along the bytes of a
+    # column would keep them from being loaded as one vector. Offsets from the byte strides (see
+    # _load_nf4_column_pairs).
+    first = e.to(tl.int64) * bytes_we + offs_n[None, :].to(tl.int64) * bytes_wn + k0 // 2  # (1, BN)
+    byte = tl.load(w_ptr + first + offs_j[:, None], mask=offs_n[None, :] < N, other=0).to(tl.int32)
     hi = tl.gather(code, byte >> 4, axis=0)
     lo = tl.gather(code, byte & 0xF, axis=0)
     block = (col + k0) // BLOCKSIZE  # (1, BN)
@@ -69,7 +73,7 @@ def _load_nf4_pairs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e,
 
 @triton.jit
 def _load_nf4_column_pairs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_k, n0, K, N,
-                           stride_we, stride_wk, NESTED: tl.constexpr, BLOCKSIZE: tl.constexpr,
+                           stride_we, stride_wk, bytes_we, bytes_wk, NESTED: tl.constexpr, BLOCKSIZE: tl.constexpr,
                            BLOCK_N: tl.constexpr):  # fmt: skip
     """The N-contiguous NF4 tile as two (BLOCK_K, BLOCK_N / 2) fp32 halves: columns j are n = n0 + 2j (high
     nibbles) and n0 + 2j + 1 (low nibbles) of the same bytes.
@@ -81,8 +85,13 @@ def _load_nf4_column_pairs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offs
     """
     offs_j = tl.arange(0, BLOCK_N // 2)
     row = e.to(tl.int64) * stride_we + offs_k[:, None].to(tl.int64) * stride_wk + n0  # (BK, 1) flat index, even
-    mask = (offs_k[:, None] < K) & (n0 + 2 * offs_j[None, :] < N)
-    byte = tl.load(w_ptr + (row >> 1) + offs_j[None, :], mask=mask, other=0).to(tl.int32)
+    # Rows only: N is a multiple of BLOCK_N on this path (ops.py), so a column mask, which would also keep the
+    # compiler from loading a row's bytes as one vector, is not needed.
+    mask = offs_k[:, None] < K  # (BK, 1), broadcast over the row
+    # Byte offsets from the byte strides (half the element strides, passed as such): the JIT's 16-divisibility
+    # of those arguments, which `row >> 1` would hide, lets the compiler prove the rows' alignment.
+    first = e.to(tl.int64) * bytes_we + offs_k[:, None].to(tl.int64) * bytes_wk + n0 // 2
+    byte = tl.load(w_ptr + first + offs_j[None, :], mask=mask, other=0).to(tl.int32)
     hi = tl.gather(code, byte >> 4, axis=0)
     lo = tl.gather(code, byte & 0xF, axis=0)
     block = row // BLOCKSIZE  # (BK, 1)
@@ -140,7 +149,9 @@ def _grouped_matmul_kernel(
     y_ptr,  # (S, N_W) output, one row per sorted row (the pre-activation when GLU; written if STORE_Y)
     act_ptr,  # (S, N) silu(gate) * up when GLU
     K, N, R,
-    stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_be, stride_pm, stride_pr, stride_le, stride_lr,
+    stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
+    bytes_we, bytes_wk, bytes_wn,  # NF4: the weight strides in bytes (halves), so their 16-divisibility is seen
+    stride_be, stride_pm, stride_pr, stride_le, stride_lr,
     stride_ln, stride_ym, stride_yn, stride_am, stride_an,
     W_NF4: tl.constexpr, NESTED: tl.constexpr, GATHER: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr, GLU: tl.constexpr, STORE_Y: tl.constexpr, K_PACKED: tl.constexpr, N_PACKED: tl.constexpr,
@@ -191,7 +202,8 @@ def _grouped_matmul_kernel(
                         mask=row_ok[:, None] & (offs_k[None, :] < K), other=0.0)  # fmt: skip
             w_even, w_odd = _load_nf4_column_pairs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e,
                                                    offs_k, tl.program_id(1) * BLOCK_N, K, N_W, stride_we,
-                                                   stride_wk, NESTED, BLOCKSIZE, BLOCK_N)  # fmt: skip
+                                                   stride_wk, bytes_we, bytes_wk, NESTED, BLOCKSIZE,
+                                                   BLOCK_N)  # fmt: skip
             acc_even += _dot(x, w_even, IEEE, DOT_FP32)
             acc_odd += _dot(x, w_odd, IEEE, DOT_FP32)
         elif K_PACKED:  # NF4 read along its contiguous dim: byte pairs, one scale per column (see _load_nf4_pairs)
@@ -202,12 +214,13 @@ def _grouped_matmul_kernel(
             x_odd = tl.load(x_rows + (offs_even[None, :] + 1) * stride_xk,
                             mask=row_ok[:, None] & (offs_even[None, :] + 1 < K), other=0.0)  # fmt: skip
             w_hi, w_lo = _load_nf4_pairs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, k0, offs_n,
-                                         K, N_W, stride_we, stride_wn, NESTED, BLOCKSIZE, BLOCK_K)  # fmt: skip
+                                         K, N_W, stride_we, stride_wn, bytes_we, bytes_wn, NESTED, BLOCKSIZE,
+                                         BLOCK_K)  # fmt: skip
             acc += _dot(x_even, w_hi, IEEE, DOT_FP32) + _dot(x_odd, w_lo, IEEE, DOT_FP32)
             if GLU:
                 w_hi, w_lo = _load_nf4_pairs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, k0,
-                                             offs_n + N, K, N_W, stride_we, stride_wn, NESTED, BLOCKSIZE,
-                                             BLOCK_K)  # fmt: skip
+                                             offs_n + N, K, N_W, stride_we, stride_wn, bytes_we, bytes_wn,
+                                             NESTED, BLOCKSIZE, BLOCK_K)  # fmt: skip
                 acc_up += _dot(x_even, w_hi, IEEE, DOT_FP32) + _dot(x_odd, w_lo, IEEE, DOT_FP32)
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
