@@ -180,6 +180,24 @@ def test_silu_mul_epilogue_matches_reference(dev, dtype, atol, rtol, routing, do
     assert ((swapped - act_ref.float()).abs() > bound).any()
 
 
+def recorded_launches(monkeypatch) -> list[dict]:
+    """The constexpr flags of every _grouped_matmul_kernel launch from here on (the kernel still runs)."""
+    from moe_qlora.kernels import triton_kernels
+
+    launches, real = [], triton_kernels._grouped_matmul_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(kwargs)
+                return real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(triton_kernels, "_grouped_matmul_kernel", Recorder())
+    return launches
+
+
 @pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES)
 @pytest.mark.parametrize("double_quant", [False, True], ids=["absmax", "nested"])
 @pytest.mark.parametrize("glu", [False, True], ids=["down", "gate_up"])
@@ -188,7 +206,6 @@ def test_packed_nf4_path_matches_reference(dev, dtype, atol, rtol, double_quant,
     `in` dim, one block scale per column and K-step (K_PACKED). K = 192 spans three quant blocks and six
     K-steps; N = 80 (gate_up: 2 x 40) is not a multiple of 64. Checked to be the path taken, against the
     reference; the broken control (the two nibbles of a byte swapped) is off by O(1)."""
-    from moe_qlora.kernels import triton_kernels
 
     monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
     offsets = offsets_of(ROUTINGS["ragged"])
@@ -197,25 +214,14 @@ def test_packed_nf4_path_matches_reference(dev, dtype, atol, rtol, double_quant,
     g = torch.Generator().manual_seed(12)
     x = (0.3 * torch.randn(11, 192, generator=g)).to(dev, dtype)
     gather = torch.randint(0, 11, (offsets[-1],), generator=g).to(dev)
-    seen = []
-    real = triton_kernels._grouped_matmul_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                seen.append(kwargs["K_PACKED"])
-                return real[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(triton_kernels, "_grouped_matmul_kernel", Spy())
+    launches = recorded_launches(monkeypatch)
     if glu:
         expected, _ = grouped_matmul_silu_mul_reference(x, weight, offsets, gather=gather)
         got, _ = grouped_matmul_silu_mul(x, weight, offsets, gather=gather)
     else:
         expected = grouped_matmul_reference(x, weight, offsets, gather=gather)
         got = grouped_matmul(x, weight, offsets, gather=gather)
-    assert seen == [True]
+    assert [flags["K_PACKED"] for flags in launches] == [True]
     if dtype == torch.float32:
         torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
     else:
@@ -241,7 +247,6 @@ def test_column_pair_nf4_path_of_the_input_gradient_matches_reference(dev, dtype
     multiple of BLOCK_K; N = 128 is two N tiles. Checked to be the path taken, against the reference, with the
     fused LoRA term too; the broken control (the two nibbles of a byte swapped: columns n and n + 1
     exchanged) is off by O(1)."""
-    from moe_qlora.kernels import triton_kernels
 
     monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
     offsets = offsets_of(ROUTINGS["ragged"])
@@ -250,21 +255,10 @@ def test_column_pair_nf4_path_of_the_input_gradient_matches_reference(dev, dtype
     g = torch.Generator().manual_seed(22)
     x = (0.3 * torch.randn(offsets[-1], 80, generator=g)).to(dev, dtype)
     low_rank = lora_term(offsets, 4, 128, scale=0.5, dtype=dtype, device=dev) if lora else None
-    seen = []
-    real = triton_kernels._grouped_matmul_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                seen.append(kwargs["N_PACKED"])
-                return real[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(triton_kernels, "_grouped_matmul_kernel", Spy())
+    launches = recorded_launches(monkeypatch)
     expected = grouped_matmul_reference(x, weight, offsets, lora=low_rank)
     got = grouped_matmul(x, weight, offsets, lora=low_rank)
-    assert seen == [True]
+    assert [flags["N_PACKED"] for flags in launches] == [True]
     if dtype == torch.float32:
         torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
     else:

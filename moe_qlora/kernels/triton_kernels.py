@@ -39,6 +39,18 @@ def _load_weight_tile(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offse
 
 
 @triton.jit
+def _block_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset2, block, ok, NESTED: tl.constexpr):
+    """fp32 scales of quant blocks `block` (a row or column of them): absmax[block], or when nested
+    code2[absmax_u8[block]] * absmax2[block // 256] + offset2."""
+    if NESTED:
+        q = tl.load(absmax_ptr + block, mask=ok, other=0).to(tl.int32)
+        scale = tl.load(code2_ptr + q) * tl.load(absmax2_ptr + block // 256, mask=ok, other=0.0) + offset2
+    else:
+        scale = tl.load(absmax_ptr + block, mask=ok, other=0.0)
+    return scale
+
+
+@triton.jit
 def _load_nf4_pairs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, k0, offs_n, K, N, stride_we,
                     stride_wn, bytes_we, bytes_wn, NESTED: tl.constexpr, BLOCKSIZE: tl.constexpr,
                     BLOCK_K: tl.constexpr):  # fmt: skip
@@ -61,13 +73,8 @@ def _load_nf4_pairs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e,
     byte = tl.load(w_ptr + first + offs_j[:, None], mask=offs_n[None, :] < N, other=0).to(tl.int32)
     hi = tl.gather(code, byte >> 4, axis=0)
     lo = tl.gather(code, byte & 0xF, axis=0)
-    block = (col + k0) // BLOCKSIZE  # (1, BN)
-    col_ok = offs_n[None, :] < N
-    if NESTED:
-        q = tl.load(absmax_ptr + block, mask=col_ok, other=0).to(tl.int32)
-        scale = tl.load(code2_ptr + q) * tl.load(absmax2_ptr + block // 256, mask=col_ok, other=0.0) + offset2
-    else:
-        scale = tl.load(absmax_ptr + block, mask=col_ok, other=0.0)
+    scale = _block_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset2, (col + k0) // BLOCKSIZE, offs_n[None, :] < N,
+                         NESTED)  # fmt: skip
     return hi * scale, lo * scale
 
 
@@ -94,13 +101,7 @@ def _load_nf4_column_pairs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offs
     byte = tl.load(w_ptr + first + offs_j[None, :], mask=mask, other=0).to(tl.int32)
     hi = tl.gather(code, byte >> 4, axis=0)
     lo = tl.gather(code, byte & 0xF, axis=0)
-    block = row // BLOCKSIZE  # (BK, 1)
-    row_ok = offs_k[:, None] < K
-    if NESTED:
-        q = tl.load(absmax_ptr + block, mask=row_ok, other=0).to(tl.int32)
-        scale = tl.load(code2_ptr + q) * tl.load(absmax2_ptr + block // 256, mask=row_ok, other=0.0) + offset2
-    else:
-        scale = tl.load(absmax_ptr + block, mask=row_ok, other=0.0)
+    scale = _block_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset2, row // BLOCKSIZE, offs_k[:, None] < K, NESTED)
     return hi * scale, lo * scale
 
 
