@@ -432,3 +432,34 @@ def test_fsdp_with_a_rank_left_without_rows_and_an_eval_that_keeps_the_best(tmp_
         pairs = [(x[key], y[key]) for x, y in zip(a, b, strict=True) if key in x]
         assert pairs and max(abs(x - y) for x, y in pairs) <= 1e-5, key
     assert (tmp_path / "two" / "adapter-best" / "adapter_model.safetensors").is_file()
+
+
+def test_a_grpo_checkpoint_of_two_ranks_resumes_in_one_process_on_the_same_prompts(tmp_path):
+    """A GRPO step is prompts_per_step prompts of the global order whatever the world size, so a checkpoint of 2
+    ranks resumed by one process goes on with the next step's prompts, without remapping. Offline rollouts (no
+    sampling): steps 3 and 4 after the resume are those of an uninterrupted one-process run (rollouts, rewards
+    and advantages equal, losses within 1e-5: the adapter at the checkpoint was trained over two ranks)."""
+    offline = {"offline_file": str(ROOT / "data" / "demo_grpo_offline.jsonl")}
+    env = env_for(tmp_path)
+    two = torchrun(["grpo", "--config", str(grpo_config(tmp_path, "two", **offline)), "--set", "train.save_every=2"],
+                   env)  # fmt: skip
+    assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
+    one = subprocess.run([sys.executable, "-m", "moe_qlora", "grpo", "--config",
+                          str(grpo_config(tmp_path, "one", **offline))], env=env, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert one.returncode == 0, one.stderr[-2000:]
+    resumed = subprocess.run([sys.executable, "-m", "moe_qlora", "grpo", "--config", str(tmp_path / "two.yaml"),
+                              "--set", "train.save_every=2", "--resume-from",
+                              str(tmp_path / "two" / "checkpoints" / "step-00000002")], env=env,
+                             capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout and "warning" not in resumed.stdout
+    a, b = records(tmp_path / "one"), records(tmp_path / "two")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for x, y in zip(a[2:], b[2:], strict=True):
+        assert x["advantage"] == y["advantage"] and x["reward_mean"] == y["reward_mean"]
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 * max(1.0, abs(x["loss"]))
+    roll_a, roll_b = ([json.loads(line) for line in (tmp_path / r / "rollouts.jsonl").read_text().splitlines()]
+                      for r in ("one", "two"))  # fmt: skip
+    keep = ("step", "group", "source", "completion", "reward")
+    assert [{k: r[k] for k in keep} for r in roll_a] == [{k: r[k] for k in keep} for r in roll_b]
