@@ -193,15 +193,14 @@ def policy_update(model, optimizer, schedule, examples: list[Example], cfg: RunC
     groups = micro_batch_indices(active, cfg.train.micro_batch_size)
     batches = [{k: v.to(device) for k, v in collate([examples[i] for i in idx], pad_id).items()} for idx in groups]
     local_tokens = sum(sum(t != IGNORE for t in e.labels[1:]) for e in examples)
-    total_tokens, total_sequences, total_batches = map(int, sum_scalars(ranks, local_tokens, len(examples),
-                                                                        len(batches)))  # fmt: skip
+    total_tokens, total_sequences, total_batches, trained = map(int, sum_scalars(
+        ranks, local_tokens, len(examples), len(batches), len(active)))  # fmt: skip
     params = [p for group in optimizer.param_groups for p in group["params"]]
     chunk = cfg.train.loss_chunk_tokens
     none = [None] * len(batches)
     old = frozen_logprobs(model, batches, g.temperature, reference=False, chunk=chunk) if g.passes > 1 else none
     ref = frozen_logprobs(model, batches, g.temperature, reference=True, chunk=chunk) if g.kl_coef else none
-    record = {"sequences_trained": int(sum_scalars(ranks, len(active))[0]), "passes": 0, "skipped": False,
-              "loss": 0.0, "grad_norm": 0.0}  # fmt: skip
+    record = {"sequences_trained": trained, "passes": 0, "skipped": False, "loss": 0.0, "grad_norm": 0.0}
     for _ in range(g.passes):
         sums = dict.fromkeys(("loss", "clip_fraction", *(("kl",) if g.kl_coef else ())), 0.0)
         for batch, old_lp, ref_lp in zip(batches, old, ref, strict=True):

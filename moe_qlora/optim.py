@@ -62,14 +62,15 @@ def clip_global_norm(params, max_norm: float) -> float:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(local_shard(g).float()) for g in grads]))
-    if any(local_shard(g) is not g for g in grads):  # FSDP shards: the norm is sqrt of the sum of squares over ranks
+    parts = [local_shard(g) for g in grads]  # this rank's shards under FSDP, the gradients themselves otherwise
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(part.float()) for part in parts]))
+    if any(part is not g for part, g in zip(parts, grads, strict=True)):  # sharded: sqrt of the ranks' squares
         squares = norm.square().double()
         torch.distributed.all_reduce(squares)
         norm = squares.sqrt()
     if max_norm > 0 and norm > max_norm:
-        for g in grads:
-            local_shard(g).mul_((max_norm / (norm + 1e-6)).to(g.dtype))
+        for part in parts:
+            part.mul_((max_norm / (norm + 1e-6)).to(part.dtype))
     return float(norm)
 
 

@@ -142,29 +142,23 @@ def load_tokenizer(cfg: RunConfig):
 def sharding_chosen(cfg: RunConfig, ranks: Ranks, model_path: str, console: Console, *, generates: bool = False
                     ) -> bool:  # fmt: skip
     """train.parallel under several ranks: fsdp as asked, ddp as asked, and auto = ddp when `plan` says the run
-    fits one device (always on the CPU), fsdp otherwise. A run that `generates` (grpo) is never sharded."""
+    fits one device (always on the CPU, and for a run that `generates`: grpo), fsdp otherwise. What a sharded
+    run cannot do is refused here (config.check_shardable), before loading."""
     if not ranks.enabled or cfg.train.parallel == "ddp":
         return False
-    if generates:  # auto: ddp
-        if cfg.train.parallel == "fsdp":
-            check_shardable(cfg, generates=True)
-        return False
-    if cfg.train.parallel == "fsdp":
-        return _check_shardable(cfg)
     device = device_of(ranks)
-    if device.type != "cuda":
-        return False
-    from .plan import plan_run
+    if cfg.train.parallel == "auto":
+        if generates or device.type != "cuda":
+            return False
+        from .plan import plan_run
 
-    need = plan_run(cfg, name_or_path=model_path, device="cuda").total
-    have = torch.cuda.get_device_properties(device).total_memory
-    console.print(f"train.parallel auto: the run needs {need / 2**30:.1f} GiB on one GPU of {have / 2**30:.1f} GiB "
-                  f"(moe-qlora plan) -> {'fsdp' if need > have else 'ddp'}")  # fmt: skip
-    return need > have and _check_shardable(cfg)
-
-
-def _check_shardable(cfg: RunConfig) -> bool:
-    check_shardable(cfg)
+        need = plan_run(cfg, name_or_path=model_path, device="cuda").total
+        have = torch.cuda.get_device_properties(device).total_memory
+        console.print(f"train.parallel auto: the run needs {need / 2**30:.1f} GiB on one GPU of "
+                      f"{have / 2**30:.1f} GiB (moe-qlora plan) -> {'fsdp' if need > have else 'ddp'}")  # fmt: skip
+        if need <= have:
+            return False
+    check_shardable(cfg, generates=generates)
     return True
 
 

@@ -173,13 +173,16 @@ def schedule_at(optimizer, total: int, step: int, train_cfg):
     return schedule
 
 
+IDLE = " (idle)"  # the source suffix of an idle row
+
+
 def idle_row(example: Example) -> Example:
     """`example` with no target and weight 0: its forward and backward run (the collectives FSDP makes every rank
-    join) and add exactly nothing to the loss, the gradient or the target count."""
+    join) and add exactly nothing to the loss, the gradient or the target count (nor to the tokens logged)."""
     return replace(
         example,
         labels=[IGNORE] * len(example.labels),
-        source=f"{example.source} (idle)",
+        source=example.source + IDLE,
         weight=0.0,
         token_weights=None if example.token_weights is None else [0.0] * len(example.token_weights),
     )
@@ -244,7 +247,7 @@ def train_step(model, optimizer, group, pad_id: int, train_cfg, stepper: StepInB
         loss, n_targets, aux_loss = accumulate_gradients(model, batches, loss_chunk=train_cfg.loss_chunk_tokens,
                                                          ranks=ranks)  # fmt: skip
         grad_norm, skipped = apply_update(optimizer, loss, train_cfg)
-    trained = sum(len(e.input_ids) for mb in group for e in mb if not e.source.endswith(" (idle)"))
+    trained = sum(len(e.input_ids) for mb in group for e in mb if not e.source.endswith(IDLE))
     tokens = int(sum_scalars(ranks, trained)[0])
     return {"loss": loss, "grad_norm": grad_norm, "target_tokens": n_targets, "tokens": tokens, "skipped": skipped,
             "aux_loss": aux_loss}  # fmt: skip
