@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from moe_qlora.kernels import ops  # noqa: E402
 from moe_qlora.kernels.aot import capture_launches, compile_as_jit  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}  # hidden, inter, E, top-k
@@ -65,8 +66,9 @@ def _opcode(line: str) -> str:
 
 
 def innermost_loop(sass: tuple[list[str], dict[str, int]]) -> list[str]:
-    """The hottest loop's instructions: among the backward branches (a branch to an earlier label), the body
-    holding the most MMAs, or for MMA-free kernels the longest."""
+    """The hottest loop's instructions: among the backward branches (a branch to an earlier label) whose body
+    holds MMAs, the longest (the K loop, which decodes the weights; the fused LoRA term's rank loop may hold
+    more MMAs, of a smaller shape, in a much shorter body); for MMA-free kernels the longest loop."""
     instructions, labels = sass
     best, best_key = [], (-1, -1)
     for i, line in enumerate(instructions):
@@ -74,7 +76,7 @@ def innermost_loop(sass: tuple[list[str], dict[str, int]]) -> list[str]:
         if m is None or labels.get(m.group(1), i + 1) > i:
             continue
         body = instructions[labels[m.group(1)] : i + 1]
-        key = (sum(_is_mma(_opcode(b)) for b in body), len(body))
+        key = (min(1, sum(_is_mma(_opcode(b)) for b in body)), len(body))
         if key > best_key:
             best, best_key = body, key
     return best
@@ -84,53 +86,75 @@ def _is_mma(op: str) -> bool:
     return op.startswith(("HMMA", "HGMMA", "WGMMA", "IMMA"))
 
 
-_BYTE_TILE_LOAD = re.compile(r"(?:tt\.load|async_copy_global_to_local).*tensor<(\d+)x(\d+)x!tt\.ptr<i8>, (#\w+)>")
+_CODE_TILE_LOAD = re.compile(r"(?:tt\.load|async_copy_global_to_local).*tensor<(\d+)x(\d+)x!tt\.ptr<(i8|i32)>, (#\w+)>")
 
 
 def _packed_load_bytes(ttgir: str) -> int | None:
     """Bytes each thread loads at once from the packed NF4 codes, read from the TTGIR the JIT compiles: the
-    loads (or cp.async copies into shared memory) of 2-D tiles of bytes, whose blocked layout gives each thread
-    sizePerThread[order[0]] consecutive bytes along the contiguous dim (the narrowest such load, so one
-    byte-at-a-time read is not hidden by a wide one). The nested scale codes are bytes too, but one per
-    column or row (a 1 x N or K x 1 tensor): not counted. In the SASS the 8-byte tiles become LDGSTS.E.64."""
+    loads (or cp.async copies into shared memory) of 2-D tiles of bytes, or of the 4-byte words the packed
+    paths read, whose blocked layout gives each thread sizePerThread[order[0]] consecutive elements along the
+    contiguous dim (the narrowest such load, so one byte-at-a-time read is not hidden by a wide one). The
+    nested scale codes are bytes too, but one per column or row (a 1 x N or K x 1 tensor): not counted. In the
+    SASS 16-byte runs become LDGSTS.E.BYPASS.128, 8-byte ones LDGSTS.E.64."""
     layouts = dict(re.findall(r"^(#\w+) = #ttg\.blocked<(.*)>$", ttgir, re.M))
     widths = []
-    for rows, cols, layout in _BYTE_TILE_LOAD.findall(ttgir):
+    for rows, cols, element, layout in _CODE_TILE_LOAD.findall(ttgir):
         if int(rows) == 1 or int(cols) == 1 or layout not in layouts:
             continue
         size = [int(v) for v in re.search(r"sizePerThread = \[([\d, ]+)\]", layouts[layout]).group(1).split(",")]
         order = [int(v) for v in re.search(r"order = \[([\d, ]+)\]", layouts[layout]).group(1).split(",")]
-        widths.append(min(size[order[0]], 16))
+        widths.append(min(size[order[0]] * (4 if element == "i32" else 1), 16))
     return min(widths, default=None)
 
 
-def report(archs: list[int], shapes: list[str]) -> list[dict]:
+def report(archs: list[int], shapes: list[str], *, candidates: bool = False, tokens: int = TOKENS) -> list[dict]:
+    """One row per launch, shape and arch with the arch's default config; with `candidates`, one per autotune
+    candidate too (named launch@BLOCK_NxBLOCK_K/warps/stages)."""
     rows = []
     for shape in shapes:
-        hidden, inter, experts, top_k = SHAPES[shape]
-        for launch in capture_launches(hidden=hidden, inter=inter, experts=experts, top_k=top_k, tokens=TOKENS,
-                                       rank=RANK):  # fmt: skip
-            for arch in archs:
-                compiled = compile_as_jit(launch, arch)
-                meta = compiled.metadata
-                regs, spilled = resource_usage(compiled)
-                loop = innermost_loop(sass_of(compiled.asm["cubin"]))
-                mma = sum(_is_mma(_opcode(x)) for x in loop)
-                non_mma = len(loop) - mma
-                c = launch.constexprs
-                nf4 = bool(c.get("W_NF4"))
-                # Weight elements decoded per K-step: a BLOCK_K x BLOCK_N tile (two with the fused gate/up). SASS
-                # runs per thread, and a thread decodes 1 / (32 x warps) of them.
-                decoded = c["BLOCK_K"] * c["BLOCK_N"] * (2 if c.get("GLU") else 1) if nf4 else 0
-                per_thread = decoded / (32 * meta.num_warps)
-                row = {
-                    "name": f"{shape}/{launch.name}", "arch": str(arch), "regs": regs,
-                    "spills": spilled, "smem_bytes": meta.shared, "warps": meta.num_warps,
-                    "stages": meta.num_stages, "mma_per_kstep": mma, "loop_instructions": len(loop),
-                    "instr_per_weight_element": round(non_mma / per_thread, 1) if decoded else None,
-                    "widest_packed_load_bytes": _packed_load_bytes(compiled.asm["ttgir"]) if nf4 else None,
-                }  # fmt: skip
-                rows.append(row | implied_ceilings(c, len(loop), meta.num_warps, arch))
+        for arch in archs:
+            configs = ops.MATMUL_CONFIGS[arch] if candidates else ops.MATMUL_CONFIGS[arch][:1]
+            for config in configs:
+                rows += _report_config(shape, arch, config, tokens, tag=f"@{config.block_n}x{config.block_k}/"
+                                       f"{config.num_warps}/{config.num_stages}" if candidates else "")  # fmt: skip
+    return rows
+
+
+def _report_config(shape: str, arch: int, config, tokens: int, tag: str) -> list[dict]:
+    hidden, inter, experts, top_k = SHAPES[shape]
+    saved = ops.MATMUL_CONFIGS[arch]
+    ops.MATMUL_CONFIGS[arch] = [config]
+    try:
+        launches = capture_launches(hidden=hidden, inter=inter, experts=experts, top_k=top_k, tokens=tokens,
+                                    rank=RANK, arch=arch)  # fmt: skip
+    finally:
+        ops.MATMUL_CONFIGS[arch] = saved
+    rows = []
+    for launch in launches:
+        if tag and launch.name == "outer_product":  # not autotuned
+            continue
+        compiled = compile_as_jit(launch, arch)
+        meta = compiled.metadata
+        regs, spilled = resource_usage(compiled)
+        loop = innermost_loop(sass_of(compiled.asm["cubin"]))
+        mma = sum(_is_mma(_opcode(x)) for x in loop)
+        non_mma = len(loop) - mma
+        c = launch.constexprs
+        nf4 = bool(c.get("W_NF4"))
+        # Weight elements decoded per K-step: a BLOCK_K x BLOCK_N tile (two with the fused gate/up). SASS
+        # runs per thread, and a thread decodes 1 / (32 x warps) of them.
+        decoded = c["BLOCK_K"] * c["BLOCK_N"] * (2 if c.get("GLU") else 1) if nf4 else 0
+        per_thread = decoded / (32 * meta.num_warps)
+        row = {
+            "name": f"{shape}/{launch.name}{tag}", "arch": str(arch), "regs": regs,
+            "spills": spilled, "smem_bytes": meta.shared, "warps": meta.num_warps,
+            "stages": meta.num_stages, "mma_per_kstep": mma, "loop_instructions": len(loop),
+            "instr_per_weight_element": round(non_mma / per_thread, 1) if decoded else None,
+            "widest_packed_load_bytes": _packed_load_bytes(compiled.asm["ttgir"]) if nf4 else None,
+            "blocks": [c["BLOCK_M"], c["BLOCK_N"], c.get("BLOCK_K", c.get("BLOCK_S"))],
+            "swap_ab": bool(c.get("SWAP_AB")),
+        }  # fmt: skip
+        rows.append(row | implied_ceilings(c, len(loop), meta.num_warps, arch))
     return rows
 
 
@@ -181,8 +205,11 @@ def main() -> None:
     ap.add_argument("--arch", type=int, action="append")
     ap.add_argument("--shape", action="append", choices=list(SHAPES))
     ap.add_argument("--json", action="store_true", help="print only the JSON list")
+    ap.add_argument("--candidates", action="store_true", help="also every autotune candidate, not only defaults")
+    ap.add_argument("--tokens", type=int, default=TOKENS, help="tokens per layer call (few rows per expert: the "
+                    "packed paths' swapped tiles)")  # fmt: skip
     args = ap.parse_args()
-    rows = report(args.arch or [80, 90], args.shape or list(SHAPES))
+    rows = report(args.arch or [80, 90], args.shape or list(SHAPES), candidates=args.candidates, tokens=args.tokens)
     if args.json:
         print(json.dumps(rows))
         return

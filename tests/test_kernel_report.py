@@ -1,9 +1,9 @@
 """scripts/kernel_report.py compiles the kernels as the JIT specializes them and reads their SASS. Run in a
 subprocess without TRITON_INTERPRET (the interpreter replaces the jitted functions), at Qwen3-30B-A3B's real
-shapes for sm_90: the JSON has the keys the issue asks for, the fused gate_up kernel has the 4 HGMMAs per
-K-step its tiles imply (2 tiles x BLOCK_K 32 / 16), stride-1 arguments became constants, and the figures of
-today's NF4 decode are read: packed codes loaded 8 bytes at a time (item 4's load target), ~17-22
-instructions per decoded element (item 4's target of 6 is not reached: this test pins the reading)."""
+shapes for sm_80 and sm_90 with each architecture's default config: the JSON has the keys the issue asks for,
+and item 4's targets are held where they are met (no spills, packed codes read 16 bytes at a time) and
+pinned where they are not (non-MMA instructions per decoded element: 7.4-9.2 on sm_90, 13-17 on sm_80,
+against a target of 6, which the strict xfail below names)."""
 
 import json
 import os
@@ -11,33 +11,70 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = {"name", "arch", "regs", "spills", "smem_bytes", "mma_per_kstep", "instr_per_weight_element",
         "widest_packed_load_bytes", "tensor_core_ceiling_pct", "hbm_ceiling_pct"}  # fmt: skip
+SHARED_MEMORY_LIMIT = {"80": 163 * 1024, "90": 227 * 1024}
 
 
-def test_kernel_report_reads_the_jit_specialized_sass():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "scripts/kernel_report.py", "--arch", "90", "--shape", "qwen3-30b-a3b",
-                           "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+@pytest.fixture(scope="module")
+def report():
+    """{(arch, launch name): row} of the kernel report at Qwen3-30B-A3B shapes, sm_80 and sm_90."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_QLORA_TRITON_BLOCKS")}
+    proc = subprocess.run([sys.executable, "scripts/kernel_report.py", "--arch", "80", "--arch", "90", "--shape",
+                           "qwen3-30b-a3b", "--json"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {r["name"].split("/", 1)[1]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
-    assert len(rows) == 6 and all(KEYS <= set(r) for r in rows.values())
-    glu = rows["gate_up_nf4_nested_silu_mul"]
-    assert glu["arch"] == "90" and glu["mma_per_kstep"] == 4
-    assert glu["spills"] == 0 and 0 < glu["smem_bytes"] <= 227 * 1024  # fits an H100 block
-    assert 10 < glu["instr_per_weight_element"] < 60
-    # Item 4's load target: every NF4 kernel reads its packed codes at least 8 bytes at a time (it was 1).
-    assert all(r["widest_packed_load_bytes"] >= 8 for n, r in rows.items() if "nf4" in n)
-    # The input gradients accumulate even and odd output columns apart (N_PACKED): two half-width dots a K-step.
-    assert all(r["mma_per_kstep"] == (4 if "input_grad" in n else 2) for n, r in rows.items()
-               if n != "gate_up_nf4_nested_silu_mul")  # fmt: skip
-    assert all(12 < rows[n]["instr_per_weight_element"] < 24 for n in rows if "input_grad" in n)  # was ~32
-    assert rows["lora_a_dense"]["instr_per_weight_element"] is None  # dense weights: nothing decoded
-    # The ceilings instruction issue implies for today's decode (measured 20% of tensor peak, 24% of HBM on
-    # sm_90), against the dense LoRA kernel's, which issues a few instructions per wgmma.
-    assert glu["tensor_core_ceiling_pct"] < 30 and glu["hbm_ceiling_pct"] < 30
-    assert rows["lora_a_dense"]["tensor_core_ceiling_pct"] > 2 * glu["tensor_core_ceiling_pct"]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {(r["arch"], r["name"].split("/", 1)[1]): r for r in rows}
+
+
+def nf4_rows(report, arch):
+    return {name: r for (a, name), r in report.items() if a == arch and "nf4" in name}
+
+
+def test_kernel_report_reads_the_jit_specialized_sass(report):
+    assert len(report) == 12 and all(KEYS <= set(r) for r in report.values())
+    # 2048 tokens, 128 rows per expert: 64-row tiles, not swapped.
+    assert all(r["blocks"][0] == 64 and not r["swap_ab"] for r in report.values())
+    glu = report[("90", "gate_up_nf4_nested_silu_mul")]
+    # 2 tiles (gate, up) x BLOCK_K 64 / 16 per HGMMA.64x64x16; the single-tile kernels half that.
+    assert glu["mma_per_kstep"] == 8
+    assert all(r["mma_per_kstep"] == 4 for n, r in nf4_rows(report, "90").items() if n != glu["name"].split("/")[1])
+    assert report[("90", "lora_a_dense")]["instr_per_weight_element"] is None  # dense weights: nothing decoded
+
+
+@pytest.mark.parametrize("arch", ["80", "90"])
+def test_item4_targets_that_are_met(report, arch):
+    """No spills and the block fits the GPU's shared memory for every kernel; packed NF4 codes read at least 8
+    bytes at a time (sm_90's 64-code K-steps: 16; sm_80's 32-code ones: 8; it was 1 before the rewrites)."""
+    assert all(r["spills"] == 0 and r["smem_bytes"] <= SHARED_MEMORY_LIMIT[arch] for (a, _), r in report.items()
+               if a == arch)  # fmt: skip
+    assert all(r["widest_packed_load_bytes"] >= 8 for r in nf4_rows(report, arch).values())
+    if arch == "90":  # 64-code steps: each thread's run of a column is 4 words, LDGSTS.E.BYPASS.128
+        assert all(r["widest_packed_load_bytes"] == 16 for r in nf4_rows(report, arch).values())
+
+
+def test_instructions_per_decoded_element_as_measured(report):
+    """Pinned readings of today's decode (the issue measured ~30 before; 16.8-23.2 at the previous commit):
+    sm_90 gate_up 7.4, down 8.7, input gradients 9.2; sm_80 13.2-16.5. A regression past these bounds fails.
+    The ceilings instruction issue then implies on sm_90: over 45% of tensor peak for gate_up (was 23.6%)."""
+    sm90, sm80 = nf4_rows(report, "90"), nf4_rows(report, "80")
+    assert sm90["gate_up_nf4_nested_silu_mul"]["instr_per_weight_element"] < 8
+    assert all(r["instr_per_weight_element"] < 10 for r in sm90.values())
+    assert all(r["instr_per_weight_element"] < 17.5 for r in sm80.values())
+    assert sm90["gate_up_nf4_nested_silu_mul"]["tensor_core_ceiling_pct"] > 45
+    assert all(r["hbm_ceiling_pct"] > 45 for r in sm90.values())
+
+
+@pytest.mark.xfail(strict=True, reason="item 4's target of at most 6 non-MMA instructions per decoded weight "
+                   "element is not met: 7.4-9.2 on sm_90. The decode itself costs ~4.6 (shift, mask, table read, "
+                   "scale multiply, half a convert); the rest is each K-step's share of gathering the rows of x, "
+                   "the nested scales and pipeline bookkeeping (see the closing note)")  # fmt: skip
+def test_item4_instruction_target(report):
+    assert all(r["instr_per_weight_element"] <= 6 for a in ("80", "90") for r in nf4_rows(report, a).values())
 
 
 def test_compile_as_jit_specializes_like_the_jit():
@@ -70,5 +107,47 @@ def test_the_packed_load_width_is_read_from_the_byte_tiles_layout():
 %2 = tt.load %c, %n : tensor<32x1x!tt.ptr<i8>, #blocked1>
 """
     assert _packed_load_bytes(ttgir) == 8
+    # The packed paths' tiles of 4-byte words: each thread's 4 consecutive words are 16 bytes.
+    words = ttgir.replace("32x32x!tt.ptr<i8>", "64x8x!tt.ptr<i32>").replace(
+        "sizePerThread = [1, 8]", "sizePerThread = [1, 4]"
+    )
+    assert _packed_load_bytes(words) == 16
     assert _packed_load_bytes(ttgir.replace("sizePerThread = [1, 8]", "sizePerThread = [8, 1]")) == 1
     assert _packed_load_bytes(ttgir.replace("32x32x!tt.ptr<i8>", "32x32x!tt.ptr<bf16>")) is None
+
+
+@pytest.mark.parametrize("tokens", [2048, 32], ids=["64_row_tiles", "swapped_16_row_tiles"])
+def test_every_autotune_candidate_compiles_without_spills(tokens):
+    """The autotuner may pick any candidate on the GPU, so each is held to item 4's no-spill target and the
+    shared-memory limit, at Qwen3-30B-A3B shapes, for both architectures, with many rows per expert and with
+    few (the swapped tiles)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_QLORA_TRITON_BLOCKS")}
+    proc = subprocess.run([sys.executable, "scripts/kernel_report.py", "--candidates", "--shape", "qwen3-30b-a3b",
+                           "--tokens", str(tokens), "--json"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    from moe_qlora.kernels.ops import MATMUL_CONFIGS
+
+    assert len(rows) == 5 * sum(len(c) for c in MATMUL_CONFIGS.values())  # 5 autotuned launches per candidate
+    assert all(r["swap_ab"] == (tokens == 32 and "nf4" in r["name"]) for r in rows)
+    bad = [(r["name"], r["arch"], r["spills"]) for r in rows
+           if r["spills"] or r["smem_bytes"] > SHARED_MEMORY_LIMIT[r["arch"]]]  # fmt: skip
+    assert not bad
+
+
+def test_few_rows_per_expert_take_swapped_16_row_tiles():
+    """At 32 tokens (Qwen3-30B-A3B: 2 rows per expert, a decode or GRPO sampling step) the packed NF4 kernels
+    compute their tiles transposed with 16 token rows (the MMA's narrow side) instead of 64, without spills;
+    sm_90 then reads 8.0-9.1 instructions per decoded element, and the weight tile 64 x 64 in 16-byte loads."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_QLORA_TRITON_BLOCKS")}
+    proc = subprocess.run([sys.executable, "scripts/kernel_report.py", "--arch", "90", "--shape", "qwen3-30b-a3b",
+                           "--tokens", "32", "--json"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["name"].split("/", 1)[1]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+    nf4 = {n: r for n, r in rows.items() if "nf4" in n}
+    assert len(nf4) == 4 and all(r["swap_ab"] and r["blocks"] == [16, 64, 64] for r in nf4.values())
+    assert not rows["lora_a_dense"]["swap_ab"]  # dense weights: the plain tiles
+    assert all(r["spills"] == 0 and r["widest_packed_load_bytes"] == 16 for r in nf4.values())
+    assert all(r["instr_per_weight_element"] < 10 for r in nf4.values())

@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from moe_qlora.kernels import ops
 from moe_qlora.kernels.ops import (
     GroupedWeight,
     LowRank,
@@ -201,13 +202,17 @@ def recorded_launches(monkeypatch) -> list[dict]:
 @pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES)
 @pytest.mark.parametrize("double_quant", [False, True], ids=["absmax", "nested"])
 @pytest.mark.parametrize("glu", [False, True], ids=["down", "gate_up"])
-def test_packed_nf4_path_matches_reference(dev, dtype, atol, rtol, double_quant, glu, monkeypatch):
-    """The forward's NF4 path at the default 64 x 64 x 32 blocks: codes read as byte pairs along the stored
-    `in` dim, one block scale per column and K-step (K_PACKED). K = 192 spans three quant blocks and six
-    K-steps; N = 80 (gate_up: 2 x 40) is not a multiple of 64. Checked to be the path taken, against the
-    reference; the broken control (the two nibbles of a byte swapped) is off by O(1)."""
+@pytest.mark.parametrize("arch", [80, 90], ids=["sm_80_blocks", "sm_90_blocks"])
+@pytest.mark.parametrize("swap", [False, True], ids=["rows_x_weight", "swapped"])
+def test_packed_nf4_path_matches_reference(dev, dtype, atol, rtol, double_quant, glu, arch, swap, monkeypatch):
+    """The forward's NF4 path at each architecture's default blocks (sm_90: 64 x 64 x 64, sm_80: 64 x 64 x 32):
+    codes read as 4-byte words along the stored `in` dim, one block scale per column and K-step (K_PACKED).
+    K = 192 spans three quant blocks; N = 80 (gate_up: 2 x 40) is not a multiple of 64. Checked to be the path
+    taken, against the reference; the broken control (the two nibbles of a byte swapped) is off by O(1)."""
 
     monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
+    monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", str(arch))
+    monkeypatch.setattr(ops, "SWAP_AB_MAX_ROWS", 10**6 if swap else 0)
     offsets = offsets_of(ROUTINGS["ragged"])
     stack = nf4_stack(6, 80, 192, double_quant=double_quant, seed=11, device=dev)
     weight = GroupedWeight.quantized(stack, transpose=True)
@@ -221,7 +226,9 @@ def test_packed_nf4_path_matches_reference(dev, dtype, atol, rtol, double_quant,
     else:
         expected = grouped_matmul_reference(x, weight, offsets, gather=gather)
         got = grouped_matmul(x, weight, offsets, gather=gather)
-    assert [flags["K_PACKED"] for flags in launches] == [True]
+    assert [(flags["K_PACKED"], flags["SWAP_AB"], flags["BLOCK_M"]) for flags in launches] == [
+        (True, swap, 16 if swap else 64)
+    ]
     if dtype == torch.float32:
         torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
     else:
@@ -239,16 +246,20 @@ def test_packed_nf4_path_matches_reference(dev, dtype, atol, rtol, double_quant,
 @pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES)
 @pytest.mark.parametrize("double_quant", [False, True], ids=["absmax", "nested"])
 @pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
+@pytest.mark.parametrize("arch", [80, 90], ids=["sm_80_blocks", "sm_90_blocks"])
+@pytest.mark.parametrize("swap", [False, True], ids=["rows_x_weight", "swapped"])
 def test_column_pair_nf4_path_of_the_input_gradient_matches_reference(dev, dtype, atol, rtol, double_quant, lora,
-                                                                     monkeypatch):  # fmt: skip
-    """The input gradient's NF4 path (g W through the transposed experts) at the default 64 x 64 x 32 blocks:
-    codes read as byte pairs along the stored `in` dim, which is N here, even and odd output columns
-    accumulated apart and interleaved after the K loop, one block scale per row (N_PACKED). K = 80 is not a
-    multiple of BLOCK_K; N = 128 is two N tiles. Checked to be the path taken, against the reference, with the
-    fused LoRA term too; the broken control (the two nibbles of a byte swapped: columns n and n + 1
-    exchanged) is off by O(1)."""
+                                                                     arch, swap, monkeypatch):  # fmt: skip
+    """The input gradient's NF4 path (g W through the transposed experts) at each architecture's default
+    blocks: codes read as 4-byte words along the stored `in` dim, which is N here, their nibbles interleaved
+    back into column order in registers, one block scale per row (N_PACKED). K = 80 is not a multiple of
+    BLOCK_K; N = 128 is two N tiles. Checked to be the path taken, against the reference, with the fused LoRA
+    term too; the broken control (the two nibbles of a byte swapped: columns n and n + 1 exchanged) is off by
+    O(1)."""
 
     monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
+    monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", str(arch))
+    monkeypatch.setattr(ops, "SWAP_AB_MAX_ROWS", 10**6 if swap else 0)
     offsets = offsets_of(ROUTINGS["ragged"])
     stack = nf4_stack(6, 80, 128, double_quant=double_quant, seed=21, device=dev)
     weight = GroupedWeight.quantized(stack, transpose=False)
@@ -258,7 +269,7 @@ def test_column_pair_nf4_path_of_the_input_gradient_matches_reference(dev, dtype
     launches = recorded_launches(monkeypatch)
     expected = grouped_matmul_reference(x, weight, offsets, lora=low_rank)
     got = grouped_matmul(x, weight, offsets, lora=low_rank)
-    assert [flags["N_PACKED"] for flags in launches] == [True]
+    assert [(flags["N_PACKED"], flags["SWAP_AB"]) for flags in launches] == [(True, swap)]
     if dtype == torch.float32:
         torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
     else:
@@ -268,6 +279,89 @@ def test_column_pair_nf4_path_of_the_input_gradient_matches_reference(dev, dtype
                        stack.shape, stack.blocksize)  # fmt: skip
     broken = grouped_matmul(x, GroupedWeight.quantized(swapped, transpose=False), offsets, lora=low_rank)
     assert (broken.float() - expected.float()).abs().max() > 0.1
+
+
+def test_every_autotune_candidate_takes_the_packed_paths():
+    """The packed paths are chosen on the host before the autotuner picks a config, so every candidate must
+    keep a tile step within one of bitsandbytes' 64-code quant blocks along K and N (and a half step >= 16);
+    a 128-wide step would silently send the words to the byte-reading path. The control: such a config fails."""
+    from moe_qlora.kernels.ops import MATMUL_CONFIGS, MatmulConfig
+
+    assert all(c.packs(64, along_n=False) and c.packs(64, along_n=True) for cs in MATMUL_CONFIGS.values() for c in cs)
+    assert not MatmulConfig(128, 64).packs(64, along_n=True) and not MatmulConfig(64, 16).packs(64, along_n=False)
+
+
+def test_autotuning_is_on_by_default_and_switched_off_by_the_environment(monkeypatch):
+    """On a GPU (not the interpreter) a launch times its architecture's candidates; MOE_QLORA_AUTOTUNE=0 keeps
+    the default (first) config, and MOE_QLORA_TRITON_BLOCKS fixes the blocks outright."""
+    from moe_qlora.kernels import ops
+
+    monkeypatch.setattr(ops, "_interpreted", lambda: False)
+    monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
+    monkeypatch.delenv("MOE_QLORA_AUTOTUNE", raising=False)
+    monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", "80")
+    assert ops.matmul_plan("cpu") == (64, ops.MATMUL_CONFIGS[80]) and len(ops.MATMUL_CONFIGS[80]) > 1
+    monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", "90")
+    assert ops.matmul_plan("cpu") == (64, ops.MATMUL_CONFIGS[90])
+    monkeypatch.setenv("MOE_QLORA_AUTOTUNE", "0")
+    assert ops.matmul_plan("cpu") == (64, ops.MATMUL_CONFIGS[90][:1])
+    monkeypatch.setenv("MOE_QLORA_TRITON_BLOCKS", "16,32,16")
+    assert ops.matmul_plan("cpu") == (16, [ops.MatmulConfig(32, 16)])
+
+
+def test_launch_goes_through_the_autotuner_unless_switched_off(monkeypatch):
+    """With autotuning on, the launch hands the autotuner the kernel's arguments without BLOCK_N / BLOCK_K
+    (it supplies each candidate's) and a grid that follows the candidate's BLOCK_N; switched off, the plain
+    kernel gets the default config's blocks, warps and stages."""
+    from moe_qlora.kernels import ops, triton_kernels
+
+    calls = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((self.name, grid, kwargs))
+
+    monkeypatch.setattr(ops, "_interpreted", lambda: False)
+    monkeypatch.setattr(ops, "_autotuned_matmul", lambda arch: Recorder(f"autotuned_{arch}"))
+    monkeypatch.setattr(triton_kernels, "_grouped_matmul_kernel", Recorder("plain"))
+    monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
+    monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", "90")
+    offsets = offsets_of(ROUTINGS["ragged"])
+    weight = GroupedWeight.quantized(nf4_stack(6, 200, 128), transpose=True)
+    x = torch.randn(offsets[-1], 128)
+    monkeypatch.delenv("MOE_QLORA_AUTOTUNE", raising=False)
+    grouped_matmul(x, weight, offsets)
+    monkeypatch.setenv("MOE_QLORA_AUTOTUNE", "0")
+    grouped_matmul(x, weight, offsets)
+    (tuned, tuned_grid, tuned_kw), (plain, plain_grid, plain_kw) = calls
+    assert tuned == "autotuned_90" and "BLOCK_N" not in tuned_kw and tuned_kw["K_PACKED"]
+    assert tuned_grid({"BLOCK_N": 32})[1] == 7 and tuned_grid({"BLOCK_N": 64})[1] == 4  # N = 200
+    default = ops.MATMUL_CONFIGS[90][0]
+    assert plain == "plain" and plain_kw["BLOCK_N"] == default.block_n and plain_kw["BLOCK_K"] == default.block_k
+    assert (plain_kw["num_warps"], plain_kw["num_stages"]) == (default.num_warps, default.num_stages)
+
+
+def test_the_autotuner_is_built_over_the_architectures_candidates():
+    """Triton's autotuner wraps the real kernel (compiled, so outside the interpreter) with one Config per
+    candidate and the shape and variant keys."""
+    code = """
+import json
+from moe_qlora.kernels import ops
+t = ops._autotuned_matmul(80)
+configs = [[c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages] for c in t.configs]
+print(json.dumps({"type": type(t).__name__, "keys": t.keys, "fn": t.fn.__name__, "configs": configs}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    from moe_qlora.kernels.ops import MATMUL_CONFIGS
+
+    assert out["type"] == "Autotuner" and out["fn"] == "_grouped_matmul_kernel" and "K_PACKED" in out["keys"]
+    assert out["configs"] == [[c.block_n, c.block_k, c.num_warps, c.num_stages] for c in MATMUL_CONFIGS[80]]
 
 
 @pytest.mark.usefixtures("small_triton_blocks")

@@ -42,6 +42,33 @@ def test_grouped_layer_on_triton_kernels_matches_eager(quantized, case):
     assert_all_close(*run(quantized, "triton", case))
 
 
+@pytest.mark.parametrize("swap", [False, True], ids=["64_row_tiles", "swapped_16_row_tiles"])
+def test_grouped_layer_on_default_triton_blocks_matches_eager(quantized, swap, monkeypatch):
+    """At the default blocks (no small-block override) the tiny Mixtral's NF4 stacks take the packed paths in
+    all four launches: the forward's gate_up and down read their codes as words along K, both input gradients
+    along N; with few rows per expert (SWAP_AB_MAX_ROWS) also their swapped 16-row tiles. The whole layer's
+    forward and every gradient then match the eager experts (same oracle and tolerance as above)."""
+    from moe_qlora.kernels import ops, triton_kernels
+
+    monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
+    monkeypatch.setattr(ops, "SWAP_AB_MAX_ROWS", 10**6 if swap else 0)
+    flags, real = [], triton_kernels._grouped_matmul_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                flags.append((kwargs["K_PACKED"], kwargs["N_PACKED"], kwargs["SWAP_AB"]))
+                return real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(triton_kernels, "_grouped_matmul_kernel", Recorder())
+    assert_all_close(*run(quantized, "triton", "ragged"))
+    nf4 = [f for f in flags if f[0] or f[1]]
+    assert sum(f[0] for f in nf4) >= 2 and sum(f[1] for f in nf4) >= 2  # forward (K) and input gradients (N)
+    assert all(f[2] == swap for f in nf4)
+
+
 def test_mixtral_gate_runs_fused_and_gpt_oss_gate_does_not(quantized):
     """The parity cases above take the fused silu(gate) * up epilogue (Mixtral's default gate); GPT-OSS's
     clamped, interleaved gate is not fused and runs as the module's own (test below)."""

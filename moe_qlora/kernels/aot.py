@@ -40,10 +40,11 @@ def compile_all(archs: list[int]) -> list[dict]:
 
     results = []
     for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        launches = {nested: {launch.name: launch for launch in capture_launches(**SHAPE, dtype=dtype, nested=nested)}
-                    for nested in (True, False)}  # fmt: skip
-        for name, (launch_name, nested) in VARIANTS.items():
-            for arch in archs:
+        for arch in archs:
+            launches = {nested: {launch.name: launch for launch in capture_launches(**SHAPE, dtype=dtype,
+                                                                                    nested=nested, arch=arch)}
+                        for nested in (True, False)}  # fmt: skip
+            for name, (launch_name, nested) in VARIANTS.items():
                 compiled = compile_as_jit(launches[nested][launch_name], arch)
                 results.append({"variant": f"{name}/{dtype_name}/sm_{arch}",
                                 "cubin_bytes": len(compiled.asm["cubin"]),
@@ -86,11 +87,12 @@ class Launch:
 
 
 def capture_launches(*, hidden: int, inter: int, experts: int, top_k: int, tokens: int, rank: int,
-                     dtype=None, nested: bool = True) -> list[Launch]:  # fmt: skip
+                     dtype=None, nested: bool = True, arch: int = 90) -> list[Launch]:  # fmt: skip
     """The six launches of one MoE layer's forward and backward (bf16 unless `dtype`, NF4 with nested scales
     unless not `nested`, LoRA), recorded from the real launchers on CPU tensors of the real shapes (weights
-    are zeros: only shapes, strides and alignment matter here). Uniform routing: tokens * top_k rows, spread
-    evenly over the experts."""
+    are zeros: only shapes, strides and alignment matter here), with `arch`'s default config (autotuning
+    off: the config the GPU runs with MOE_QLORA_AUTOTUNE=0, and the autotuner's first candidate). Uniform
+    routing: tokens * top_k rows, spread evenly over the experts."""
     import torch
 
     from ..nf4 import NF4Stack
@@ -144,7 +146,9 @@ def capture_launches(*, hidden: int, inter: int, experts: int, top_k: int, token
             grad_h, GW.quantized(w1, transpose=False), offsets, lora=LowRank(p, GW.dense(a1, transpose=False)))),
         ("outer_product", lambda: ops.grouped_outer_product(x, p, offsets, gather=token)),
     ]  # fmt: skip
+    saved = {k: os.environ.get(k) for k in ("MOE_QLORA_AUTOTUNE", ops.TARGET_ARCH_ENV)}
     try:
+        os.environ.update({"MOE_QLORA_AUTOTUNE": "0", ops.TARGET_ARCH_ENV: str(arch)})
         for n, kernel in real.items():
             setattr(triton_kernels, n, Recorder(kernel))
         for name, launch in launches:
@@ -153,6 +157,11 @@ def capture_launches(*, hidden: int, inter: int, experts: int, top_k: int, token
     finally:
         for n, kernel in real.items():
             setattr(triton_kernels, n, kernel)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return recorded
 
 

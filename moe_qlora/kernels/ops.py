@@ -112,12 +112,74 @@ def grouped_outer_product_reference(a, b, offsets: list[int], *, gather=None):
 
 # ------------------------------------------------------------------------------------------ launchers
 
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32  # fixed, not autotuned (MOE_QLORA_TRITON_BLOCKS overrides, e.g. 16,16,16)
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    """Tile sizes and launch shape of _grouped_matmul_kernel. BLOCK_M (rows of one expert per tile) is fixed
+    by the tile map built before the launch; the rest may be autotuned."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def packs(self, blocksize: int, along_n: bool) -> bool:
+        """Whether a tile step stays within one quant block along the packed dim (and half a step is still a
+        tensor-core dot): the condition of the packed NF4 paths."""
+        step = self.block_n if along_n else self.block_k
+        return blocksize % step == 0 and step >= 32
 
 
-def block_sizes() -> tuple[int, int, int]:
+BLOCK_M = 64
+# Rows per expert (on average: known on the host without a sync) at or below which the packed NF4 paths compute
+# their tiles transposed, the rows on the MMA's narrow side in tiles of SWAP_AB_BLOCK_M: decode, GRPO sampling
+# and small batches, where 64-row tiles would be mostly padding. A first guess from the tile shapes alone (a
+# 16-row tile wastes at most 15 rows, a 64-row one 63); to be re-measured on a GPU with bench_moe.py.
+SWAP_AB_MAX_ROWS = 16
+SWAP_AB_BLOCK_M = 16
+# Candidates per GPU architecture (compute capability x 10), the first the default: used when autotuning is off
+# (MOE_QLORA_AUTOTUNE=0), in the interpreter, and by the ahead-of-time report. Every candidate packs NF4 at
+# bitsandbytes' blocksize 64, so the packed paths do not depend on the choice. The defaults were picked from
+# scripts/kernel_report.py (fewest non-MMA instructions per decoded weight without spills, at Qwen3-30B-A3B and
+# Mixtral-8x7B shapes); the rest are for the autotuner to time on the GPU.
+MATMUL_CONFIGS = {
+    90: [MatmulConfig(64, 64, 4, 3), MatmulConfig(64, 64, 4, 4), MatmulConfig(64, 32, 4, 4),
+         MatmulConfig(32, 64, 4, 3)],
+    80: [MatmulConfig(64, 32, 4, 3), MatmulConfig(64, 64, 8, 3), MatmulConfig(32, 32, 4, 3),
+         MatmulConfig(64, 32, 4, 4)],
+}  # fmt: skip
+OUTER_BLOCKS = (64, 64, 32)  # OUT_PROD_ID: BLOCK_M, BLOCK_N, BLOCK_S, not autotuned
+TARGET_ARCH_ENV = "MOE_QLORA_TARGET_ARCH"  # the architecture whose configs a launch on a CPU tensor records
+
+
+def block_override() -> tuple[int, int, int] | None:
+    """MOE_QLORA_TRITON_BLOCKS=M,N,K: fixed blocks for every kernel (the tests' small shapes), no autotuning."""
     override = os.environ.get("MOE_QLORA_TRITON_BLOCKS")
-    return tuple(int(v) for v in override.split(",")) if override else (BLOCK_M, BLOCK_N, BLOCK_K)
+    return tuple(int(v) for v in override.split(",")) if override else None
+
+
+def autotuning() -> bool:
+    """MOE_QLORA_AUTOTUNE=0 turns the autotuner off: every launch uses its architecture's default config."""
+    return os.environ.get("MOE_QLORA_AUTOTUNE", "1") != "0" and not _interpreted() and block_override() is None
+
+
+def target_arch(device) -> int:
+    """80 (Ampere-class) or 90 (Hopper and newer) for `device`; a CPU tensor (the AOT capture) takes
+    MOE_QLORA_TARGET_ARCH, 90 by default."""
+    if torch.device(device).type == "cuda":
+        major, _ = torch.cuda.get_device_capability(device)
+        return 90 if major >= 9 else 80
+    return int(os.environ.get(TARGET_ARCH_ENV, "90"))
+
+
+def matmul_plan(device) -> tuple[int, list[MatmulConfig]]:
+    """(BLOCK_M, candidate configs) of a grouped matmul on `device`: the override as one config, else the
+    architecture's list (only its default when not autotuning)."""
+    override = block_override()
+    if override is not None:
+        return override[0], [MatmulConfig(override[1], override[2])]
+    configs = MATMUL_CONFIGS[target_arch(device)]
+    return BLOCK_M, configs if autotuning() else configs[:1]
 
 
 def expert_tiles(offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
@@ -165,18 +227,34 @@ def _levels(device: str) -> torch.Tensor:
     return torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
 
 
-def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu: bool, keep_y: bool):
-    """Run _grouped_matmul_kernel; returns (Y or None, act or None)."""
+_MATMUL_TUNE_KEYS = ["K", "N", "R", "BLOCK_M", "W_NF4", "NESTED", "GATHER", "GLU", "HAS_LORA", "K_PACKED",
+                     "N_PACKED", "SWAP_AB"]  # fmt: skip
+
+
+@functools.cache
+def _autotuned_matmul(arch: int):
+    """_grouped_matmul_kernel under Triton's autotuner over `arch`'s candidates, timed once per key (shapes and
+    variant) on first use; the kernel only writes its outputs, so repeated timing runs are harmless."""
+    import triton
+
     from .triton_kernels import _grouped_matmul_kernel
 
-    bm, bn, bk = block_sizes()
+    configs = [triton.Config({"BLOCK_N": c.block_n, "BLOCK_K": c.block_k}, num_warps=c.num_warps,
+                             num_stages=c.num_stages) for c in MATMUL_CONFIGS[arch]]  # fmt: skip
+    return triton.autotune(configs=configs, key=_MATMUL_TUNE_KEYS)(_grouped_matmul_kernel)
+
+
+def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu: bool, keep_y: bool):
+    """Run _grouped_matmul_kernel; returns (Y or None, act or None)."""
+    from . import triton_kernels
+
+    bm, configs = matmul_plan(x.device)
     n = weight.n // 2 if glu else weight.n
     num_rows = _num_rows(offsets, x, gather)
     y = x.new_empty(num_rows, weight.n) if keep_y else None
     act = x.new_empty(num_rows, n) if glu else None
     if num_rows == 0:
         return y, act
-    tiles = expert_tiles(device_offsets(offsets, x.device), num_rows, bm)
     q = weight.nf4
     nested = q is not None and q.nested is not None
     absmax, absmax2, code2, offset2 = (q.absmax, *q.nested) if nested else (q.absmax if q else x, x, x, 0.0)
@@ -184,26 +262,35 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
     lp, lw, rank, lse, lsr, lsn = (lora.p, lora.weight.data, lora.weight.k, *lora.weight.strides()) if lora else (
         x, x, 0, 0, 0, 0)  # fmt: skip
     out, act_out = (y if y is not None else act), (act if act is not None else x)
-    grid = (tiles.shape[0], -(-n // bn))
-    # NF4 read along its contiguous dim, each column starting on a quant block, K-steps within one block, and
-    # half a K-step still a tensor-core dot (>= 16): the packed-byte path of the kernel.
-    k_packed = q is not None and sk == 1 and sn % q.blocksize == 0 and se % q.blocksize == 0 and \
-        q.blocksize % bk == 0 and bk >= 32  # fmt: skip
-    # Through the transposed experts (input gradient): NF4 contiguous along N, each row of the tile on one quant
-    # block, half a tile still a tensor-core dot: the column-pair path.
-    n_packed = q is not None and not glu and sn == 1 and sk % q.blocksize == 0 and se % q.blocksize == 0 and \
-        q.blocksize % bn == 0 and bn >= 32  # fmt: skip
-    _grouped_matmul_kernel[grid](
-        x, gather if gather is not None else tiles, tiles, weight.data, _levels(str(x.device)), absmax, absmax2,
+    # NF4 read along its contiguous dim as whole 4-byte words: each column (K_PACKED, the forward) or row
+    # (N_PACKED, through the transposed experts) of a tile starts on a quant block, and with every candidate
+    # config a tile step stays within one.
+    words = q is not None and q.packed.storage_offset() % 4 == 0 and se % q.blocksize == 0
+    k_packed = words and sk == 1 and sn % q.blocksize == 0 and all(c.packs(q.blocksize, False) for c in configs)
+    n_packed = words and not glu and sn == 1 and sk % q.blocksize == 0 and \
+        all(c.packs(q.blocksize, True) for c in configs)  # fmt: skip
+    w = weight.data.view(torch.int32) if k_packed or n_packed else weight.data
+    swap = (k_packed or n_packed) and block_override() is None and num_rows <= SWAP_AB_MAX_ROWS * weight.shape[0]
+    if swap:
+        bm = SWAP_AB_BLOCK_M
+    tiles = expert_tiles(device_offsets(offsets, x.device), num_rows, bm)
+    if len(configs) > 1:
+        kernel, meta = _autotuned_matmul(target_arch(x.device)), {}
+    else:
+        c = configs[0]
+        kernel = triton_kernels._grouped_matmul_kernel
+        meta = dict(BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
+    kernel[lambda m: (tiles.shape[0], -(-n // m["BLOCK_N"]))](
+        x, gather if gather is not None else tiles, tiles, w, _levels(str(x.device)), absmax, absmax2,
         code2, float(offset2), bias if bias is not None else x, lp, lw, float(lora.scale if lora else 0.0), out,
-        act_out, weight.k, n, rank, x.stride(0), x.stride(1), se, sk, sn, se // 2, sk // 2, sn // 2,
+        act_out, weight.k, n, rank, x.stride(0), x.stride(1), se, sk, sn, se // 8, sk // 8, sn // 8,
         bias.stride(0) if bias is not None else 0,
         lp.stride(0), lp.stride(1), lse, lsr, lsn, out.stride(0), out.stride(1), act_out.stride(0),
         act_out.stride(1),
         W_NF4=q is not None, NESTED=nested, GATHER=gather is not None, HAS_BIAS=bias is not None,
-        HAS_LORA=lora is not None, GLU=glu, STORE_Y=keep_y, K_PACKED=k_packed, N_PACKED=n_packed,
+        HAS_LORA=lora is not None, GLU=glu, STORE_Y=keep_y, K_PACKED=k_packed, N_PACKED=n_packed, SWAP_AB=swap,
         BLOCKSIZE=q.blocksize if q else 64,
-        IEEE=x.dtype == torch.float32, DOT_FP32=_interpreted(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        IEEE=x.dtype == torch.float32, DOT_FP32=_interpreted(), BLOCK_M=bm, **meta,
     )  # fmt: skip
     return y, act
 
@@ -229,7 +316,7 @@ def grouped_outer_product(a, b, offsets: list[int], *, gather=None):
     """Triton OUT_PROD_ID; same contract as grouped_outer_product_reference."""
     from .triton_kernels import _grouped_outer_product_kernel
 
-    bm, bn, bs = block_sizes()
+    bm, bn, bs = block_override() or OUTER_BLOCKS
     num_experts, m, n = len(offsets) - 1, a.shape[1], b.shape[1]
     out = torch.empty(num_experts, m, n, dtype=torch.float32, device=a.device)
     offs = device_offsets(offsets, a.device)

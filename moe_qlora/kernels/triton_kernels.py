@@ -51,69 +51,94 @@ def _block_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset2, block, ok, NESTED:
 
 
 @triton.jit
-def _load_nf4_pairs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, k0, offs_n, K, N, stride_we,
-                    stride_wn, bytes_we, bytes_wn, NESTED: tl.constexpr, BLOCKSIZE: tl.constexpr,
-                    BLOCK_K: tl.constexpr):  # fmt: skip
-    """The K-contiguous NF4 tile as two (BLOCK_K / 2, BLOCK_N) fp32 halves: rows j are k = k0 + 2j (high
-    nibbles) and k0 + 2j + 1 (low nibbles) of the same bytes.
-
-    Stored (E, out, in) weights read along `in` (the forward) have their BLOCK_K codes of a column in
-    BLOCK_K / 2 consecutive bytes, loaded as such (not one byte per element); and since a column starts on a
-    quant block (stride_wn % BLOCKSIZE == 0) and BLOCKSIZE % BLOCK_K == 0, the whole K-step of a column shares
-    one block scale, loaded once per column instead of once per element. `code` (16, BLOCK_N): the 16 NF4
-    levels per column, loaded once per program and held in registers, looked up with tl.gather rather than
-    gathered from global memory per element.
-    """
-    offs_j = tl.arange(0, BLOCK_K // 2)
-    col = e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn  # (1, BN) flat index of k = 0
-    # Columns only: K is a multiple of BLOCK_K on this path (ops.py), and a mask varying along the bytes of a
-    # column would keep them from being loaded as one vector. Offsets from the byte strides (see
-    # _load_nf4_column_pairs).
-    first = e.to(tl.int64) * bytes_we + offs_n[None, :].to(tl.int64) * bytes_wn + k0 // 2  # (1, BN)
-    byte = tl.load(w_ptr + first + offs_j[:, None], mask=offs_n[None, :] < N, other=0).to(tl.int32)
-    hi = tl.gather(code, byte >> 4, axis=0)
-    lo = tl.gather(code, byte & 0xF, axis=0)
-    scale = _block_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset2, (col + k0) // BLOCKSIZE, offs_n[None, :] < N,
-                         NESTED)  # fmt: skip
-    return hi * scale, lo * scale
+def _nibble(word, shift: tl.constexpr):
+    """The 4-bit code at bit `shift` of each int32 word (the mask also drops the sign's copies of >>)."""
+    return (word >> shift) & 0xF
 
 
 @triton.jit
-def _load_nf4_column_pairs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_k, n0, K, N,
-                           stride_we, stride_wk, bytes_we, bytes_wk, NESTED: tl.constexpr, BLOCKSIZE: tl.constexpr,
-                           BLOCK_N: tl.constexpr):  # fmt: skip
-    """The N-contiguous NF4 tile as two (BLOCK_K, BLOCK_N / 2) fp32 halves: columns j are n = n0 + 2j (high
-    nibbles) and n0 + 2j + 1 (low nibbles) of the same bytes.
+def _decode_nf4_rows(w_ptr, first, ok, scale, code, dtype, WORDS: tl.constexpr):
+    """(R, 8 * WORDS) weights in `dtype` of R rows each stored as 8 * WORDS consecutive NF4 codes: row r's
+    codes are the WORDS 4-byte words from w_ptr + first[r] (w_ptr an int32 view of the packed bytes), all in
+    one quant block of scale scale[r]. first, ok, scale: (R, 1). code: (16,) fp32 NF4 levels.
 
-    Stored (E, out, in) weights read through the transposed experts (the input gradient: k runs over `out`,
-    n over `in`) hold a row's BLOCK_N codes in BLOCK_N / 2 consecutive bytes, loaded as such; since a row
-    starts on a quant block (stride_wk % BLOCKSIZE == 0) and BLOCKSIZE % BLOCK_N == 0, the tile's row shares
-    one block scale, loaded once per row. `code` (16, BLOCK_N / 2): the NF4 levels, held in registers.
-    """
-    offs_j = tl.arange(0, BLOCK_N // 2)
-    row = e.to(tl.int64) * stride_we + offs_k[:, None].to(tl.int64) * stride_wk + n0  # (BK, 1) flat index, even
-    # Rows only: N is a multiple of BLOCK_N on this path (ops.py), so a column mask, which would also keep the
-    # compiler from loading a row's bytes as one vector, is not needed.
-    mask = offs_k[:, None] < K  # (BK, 1), broadcast over the row
-    # Byte offsets from the byte strides (half the element strides, passed as such): the JIT's 16-divisibility
-    # of those arguments, which `row >> 1` would hide, lets the compiler prove the rows' alignment.
-    first = e.to(tl.int64) * bytes_we + offs_k[:, None].to(tl.int64) * bytes_wk + n0 // 2
-    byte = tl.load(w_ptr + first + offs_j[None, :], mask=mask, other=0).to(tl.int32)
-    hi = tl.gather(code, byte >> 4, axis=0)
-    lo = tl.gather(code, byte & 0xF, axis=0)
-    scale = _block_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset2, row // BLOCKSIZE, offs_k[:, None] < K, NESTED)
-    return hi * scale, lo * scale
+    A thread holds a run of whole words of one row, loaded as one 16-byte vector. Byte b of a word
+    (little-endian) holds elements 2b (high nibble, bitsandbytes' order) and 2b + 1, so element j of the word
+    is its nibble at bit 8 (j // 2) + 4 (1 - j % 2): one shift and mask each, straight from the word. The
+    level is read from the 16-entry table (the compiler keeps it in shared memory: one conflict-free 4-byte
+    read per element, the 16 levels sitting in 16 banks) and scaled in fp32, then rounded once to `dtype`, as
+    dequantizing to `dtype` rounds it. Per element that is about 4.6 instructions on sm_90 (shift, mask, read,
+    multiply, half a convert, a share of the 16-byte store of the MMA operand): scripts/kernel_report.py."""
+    word = tl.load(w_ptr + first + tl.arange(0, WORDS)[None, :], mask=ok, other=0)  # (R, WORDS) int32
+    # Element j of each word, j = 4a + 2b + c, placed by three interleaves, the last one choosing c.
+    index = tl.interleave(tl.interleave(tl.interleave(_nibble(word, 4), _nibble(word, 20)),
+                                        tl.interleave(_nibble(word, 12), _nibble(word, 28))),
+                          tl.interleave(tl.interleave(_nibble(word, 0), _nibble(word, 16)),
+                                        tl.interleave(_nibble(word, 8), _nibble(word, 24))))  # fmt: skip
+    level = tl.reshape(tl.gather(code, tl.reshape(index, (index.shape[0] * index.shape[1],)), 0), index.shape)
+    return (level * scale).to(dtype)
 
 
 @triton.jit
-def _dot(x, w, IEEE: tl.constexpr, DOT_FP32: tl.constexpr):
-    """x (M, K) in the input dtype times w (K, N) fp32, accumulated in fp32."""
+def _load_nf4_k_tile(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, k0, offs_n, N, stride_we,
+                     stride_wn, words_we, words_wn, dtype, NESTED: tl.constexpr, BLOCKSIZE: tl.constexpr,
+                     BLOCK_K: tl.constexpr):  # fmt: skip
+    """(BLOCK_K, BLOCK_N) tile k0.. of W_e[k, n] = stored[e, n, k] in `dtype` (the forward: x W^T).
+
+    Column n's BLOCK_K codes are BLOCK_K / 8 consecutive words, and since a column starts on a quant block
+    (stride_wn % BLOCKSIZE == 0) and BLOCKSIZE % BLOCK_K == 0, one block scale: decoded as rows of the
+    transposed tile, then transposed (a change of layout, not a copy: the MMA reads its operand K-major). Word
+    offsets come from the word strides (an eighth of the element strides, passed as such): the JIT's
+    16-divisibility of those arguments, which dividing in the kernel would hide, lets the compiler prove each
+    run of words aligned for a vector load. Columns only are masked: K is a multiple of BLOCK_K here (ops.py)."""
+    col_ok = offs_n[:, None] < N  # (BN, 1)
+    first = e.to(tl.int64) * words_we + offs_n[:, None].to(tl.int64) * words_wn + k0 // 8
+    block = (e.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + k0) // BLOCKSIZE
+    scale = _block_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset2, block, col_ok, NESTED)
+    return tl.trans(_decode_nf4_rows(w_ptr, first, col_ok, scale, code, dtype, BLOCK_K // 8))
+
+
+@triton.jit
+def _load_nf4_n_tile(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_k, n0, K, stride_we,
+                     stride_wk, words_we, words_wk, dtype, NESTED: tl.constexpr, BLOCKSIZE: tl.constexpr,
+                     BLOCK_N: tl.constexpr):  # fmt: skip
+    """(BLOCK_K, BLOCK_N) tile n0.. of W_e[k, n] = stored[e, k, n] in `dtype` (the input gradient through the
+    transposed experts: k runs over `out`, n over `in`), N-contiguous: row k's BLOCK_N codes are BLOCK_N / 8
+    consecutive words with one block scale (stride_wk % BLOCKSIZE == 0, BLOCKSIZE % BLOCK_N == 0). Rows only
+    are masked: N is a multiple of BLOCK_N on this path (ops.py)."""
+    row_ok = offs_k[:, None] < K  # (BK, 1)
+    first = e.to(tl.int64) * words_we + offs_k[:, None].to(tl.int64) * words_wk + n0 // 8
+    block = (e.to(tl.int64) * stride_we + offs_k[:, None].to(tl.int64) * stride_wk + n0) // BLOCKSIZE
+    scale = _block_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset2, block, row_ok, NESTED)
+    return _decode_nf4_rows(w_ptr, first, row_ok, scale, code, dtype, BLOCK_N // 8)
+
+
+@triton.jit
+def _dot(x, w, acc, IEEE: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc + x (M, K) in the input dtype times w (K, N) fp32, accumulated in fp32 (by the MMA itself: no
+    separate add per accumulator element)."""
     if IEEE:  # fp32 inputs: exact fp32 products (tf32 would cost ~1e-3 relative error)
-        return tl.dot(x.to(tl.float32), w, input_precision="ieee")
+        return tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
     elif DOT_FP32:  # the interpreter's bf16 dot is wrong; bf16 x bf16 products are exact in fp32 anyway
-        return tl.dot(x.to(tl.float32), w.to(x.dtype).to(tl.float32), input_precision="ieee")
+        return tl.dot(x.to(tl.float32), w.to(x.dtype).to(tl.float32), acc, input_precision="ieee")
     else:  # bf16/fp16 inputs: tensor-core products of the weight rounded to the input dtype
-        return tl.dot(x, w.to(x.dtype))
+        return tl.dot(x, w.to(x.dtype), acc)
+
+
+@triton.jit
+def _weight_dot(x, w, acc, SWAP_AB: tl.constexpr, IEEE: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc + x (M, K) @ w (K, N); with SWAP_AB the accumulator is the transposed (N, M) one and the product is
+    taken as w^T x^T, so the weight's N fills the MMA's wide side (64) and the rows, few, its narrow side
+    (down to 16): the weight is not padded to 64 rows of tokens that do not exist."""
+    if not SWAP_AB:
+        acc = _dot(x, w, acc, IEEE, DOT_FP32)
+    elif IEEE:
+        acc = tl.dot(tl.trans(w), tl.trans(x).to(tl.float32), acc, input_precision="ieee")
+    elif DOT_FP32:  # the weight rounded to the input dtype, as _dot rounds it
+        acc = tl.dot(tl.trans(w).to(x.dtype).to(tl.float32), tl.trans(x).to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(tl.trans(w).to(x.dtype), tl.trans(x), acc)
+    return acc
 
 
 @triton.jit
@@ -128,7 +153,7 @@ def _low_rank_term(p_ptr, l_ptr, rows, row_ok, e, offs_n, R, N_W, stride_pm, str
                     mask=row_ok[:, None] & (offs_r[None, :] < R), other=0.0)  # fmt: skip
         lw = tl.load(l_ptr + e.to(tl.int64) * stride_le + offs_r[:, None] * stride_lr + offs_n[None, :] * stride_ln,
                      mask=(offs_r[:, None] < R) & (offs_n[None, :] < N_W), other=0.0).to(tl.float32)  # fmt: skip
-        acc += _dot(p, lw, IEEE, DOT_FP32)
+        acc = _dot(p, lw, acc, IEEE, DOT_FP32)
     return acc
 
 
@@ -137,7 +162,7 @@ def _grouped_matmul_kernel(
     x_ptr,  # (T, K) rows, read through gather_ptr when GATHER, else (S, K) already sorted
     gather_ptr,  # (S,) int64: the x row of each sorted row (its token)
     tiles_ptr,  # (num_tiles, 3) int32: expert, first sorted row, end row (exclusive)
-    w_ptr,  # expert weights: (E, ...) dense, or the packed NF4 bytes of the stack
+    w_ptr,  # expert weights: (E, ...) dense, the packed NF4 bytes of the stack, or (K_/N_PACKED) their int32 view
     code_ptr,  # (16,) fp32 NF4 levels
     absmax_ptr,  # block scales: fp32, or uint8 codes when NESTED
     absmax2_ptr,  # nested: fp32 scale per 256 blocks
@@ -151,11 +176,12 @@ def _grouped_matmul_kernel(
     act_ptr,  # (S, N) silu(gate) * up when GLU
     K, N, R,
     stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
-    bytes_we, bytes_wk, bytes_wn,  # NF4: the weight strides in bytes (halves), so their 16-divisibility is seen
+    words_we, words_wk, words_wn,  # packed NF4: the weight strides in 4-byte words, so their 16-divisibility is seen
     stride_be, stride_pm, stride_pr, stride_le, stride_lr,
     stride_ln, stride_ym, stride_yn, stride_am, stride_an,
     W_NF4: tl.constexpr, NESTED: tl.constexpr, GATHER: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr, GLU: tl.constexpr, STORE_Y: tl.constexpr, K_PACKED: tl.constexpr, N_PACKED: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     BLOCKSIZE: tl.constexpr, IEEE: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -170,6 +196,9 @@ def _grouped_matmul_kernel(
     accumulates a gate tile and the matching up tile, and its epilogue writes act = silu(gate) * up (S, N),
     plus the (S, 2N) pre-activation the backward needs when STORE_Y. Gate and up are rounded to Y's dtype
     before the activation, so act equals the unfused silu(h[:, :N]) * h[:, N:] on the stored h.
+
+    SWAP_AB (packed NF4 paths, few rows per expert): the tile is computed transposed, tokens on the MMA's
+    narrow side (_weight_dot).
     """
     if GLU:
         N_W = 2 * N
@@ -188,55 +217,52 @@ def _grouped_matmul_kernel(
         src = tl.load(gather_ptr + rows, mask=row_ok, other=0)
     else:
         src = rows.to(tl.int64)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if K_PACKED:  # loop-invariant: the NF4 table, once per program
-        code = tl.load(code_ptr + tl.arange(0, 16)[:, None] + 0 * offs_n[None, :])
-    if N_PACKED:  # even and odd output columns accumulate apart, interleaved after the K loop
-        code = tl.load(code_ptr + tl.arange(0, 16)[:, None] + 0 * tl.arange(0, BLOCK_N // 2)[None, :])
-        acc_even = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.float32)
-        acc_odd = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.float32)
+    if SWAP_AB:  # transposed accumulators (see _weight_dot), turned back after the K loop
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if K_PACKED or N_PACKED:  # loop-invariant: the NF4 levels, once per program
+        code = tl.load(code_ptr + tl.arange(0, 16))
+    if IEEE or DOT_FP32:  # the weights the dot multiplies: fp32, or the input dtype for the tensor cores
+        W_DTYPE: tl.constexpr = tl.float32
+    else:
+        W_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     for k0 in range(0, K, BLOCK_K):
-        if N_PACKED:  # NF4 read along its contiguous dim N: byte pairs, one scale per row (_load_nf4_column_pairs)
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                        mask=row_ok[:, None] & (offs_k[None, :] < K), other=0.0)  # fmt: skip
-            w_even, w_odd = _load_nf4_column_pairs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e,
-                                                   offs_k, tl.program_id(1) * BLOCK_N, K, N_W, stride_we,
-                                                   stride_wk, bytes_we, bytes_wk, NESTED, BLOCKSIZE,
-                                                   BLOCK_N)  # fmt: skip
-            acc_even += _dot(x, w_even, IEEE, DOT_FP32)
-            acc_odd += _dot(x, w_odd, IEEE, DOT_FP32)
-        elif K_PACKED:  # NF4 read along its contiguous dim: byte pairs, one scale per column (see _load_nf4_pairs)
-            offs_even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-            x_rows = x_ptr + src[:, None] * stride_xm
-            x_even = tl.load(x_rows + offs_even[None, :] * stride_xk, mask=row_ok[:, None] & (offs_even[None, :] < K),
-                             other=0.0)  # fmt: skip
-            x_odd = tl.load(x_rows + (offs_even[None, :] + 1) * stride_xk,
-                            mask=row_ok[:, None] & (offs_even[None, :] + 1 < K), other=0.0)  # fmt: skip
-            w_hi, w_lo = _load_nf4_pairs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, k0, offs_n,
-                                         K, N_W, stride_we, stride_wn, bytes_we, bytes_wn, NESTED, BLOCKSIZE,
-                                         BLOCK_K)  # fmt: skip
-            acc += _dot(x_even, w_hi, IEEE, DOT_FP32) + _dot(x_odd, w_lo, IEEE, DOT_FP32)
-            if GLU:
-                w_hi, w_lo = _load_nf4_pairs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, k0,
-                                             offs_n + N, K, N_W, stride_we, stride_wn, bytes_we, bytes_wn,
-                                             NESTED, BLOCKSIZE, BLOCK_K)  # fmt: skip
-                acc_up += _dot(x_even, w_hi, IEEE, DOT_FP32) + _dot(x_odd, w_lo, IEEE, DOT_FP32)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if K_PACKED:  # K is a multiple of BLOCK_K: only rows masked, so the row's bytes load as one vector
+            x_ok = row_ok[:, None]
         else:
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                        mask=row_ok[:, None] & (offs_k[None, :] < K), other=0.0)  # fmt: skip
+            x_ok = row_ok[:, None] & (offs_k[None, :] < K)
+        x = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=x_ok, other=0.0)
+        if K_PACKED:  # NF4 read along its contiguous dim K: each column's codes as words, one scale per column
+            w = _load_nf4_k_tile(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, k0, offs_n, N_W,
+                                 stride_we, stride_wn, words_we, words_wn, W_DTYPE, NESTED, BLOCKSIZE,
+                                 BLOCK_K)  # fmt: skip
+            acc = _weight_dot(x, w, acc, SWAP_AB, IEEE, DOT_FP32)
+            if GLU:
+                w = _load_nf4_k_tile(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, k0, offs_n + N,
+                                     N_W, stride_we, stride_wn, words_we, words_wn, W_DTYPE, NESTED, BLOCKSIZE,
+                                     BLOCK_K)  # fmt: skip
+                acc_up = _weight_dot(x, w, acc_up, SWAP_AB, IEEE, DOT_FP32)
+        elif N_PACKED:  # NF4 read along its contiguous dim N: each row's codes as words, one scale per row
+            w = _load_nf4_n_tile(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_k,
+                                 tl.program_id(1) * BLOCK_N, K, stride_we, stride_wk, words_we, words_wk, W_DTYPE,
+                                 NESTED, BLOCKSIZE, BLOCK_N)  # fmt: skip
+            acc = _weight_dot(x, w, acc, SWAP_AB, IEEE, DOT_FP32)
+        else:
             w = _load_weight_tile(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_k, offs_n,
                                   K, N_W, stride_we, stride_wk, stride_wn, W_NF4, NESTED, BLOCKSIZE)  # fmt: skip
-            acc += _dot(x, w, IEEE, DOT_FP32)
+            acc = _dot(x, w, acc, IEEE, DOT_FP32)
             if GLU:
                 w = _load_weight_tile(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_k,
                                       offs_n + N, K, N_W, stride_we, stride_wk, stride_wn, W_NF4, NESTED,
                                       BLOCKSIZE)  # fmt: skip
-                acc_up += _dot(x, w, IEEE, DOT_FP32)
-    if N_PACKED:  # columns n0 + 2j and n0 + 2j + 1 side by side again
-        acc = tl.reshape(tl.join(acc_even, acc_odd), (BLOCK_M, BLOCK_N))
+                acc_up = _dot(x, w, acc_up, IEEE, DOT_FP32)
+    if SWAP_AB:
+        acc = tl.trans(acc)
+        acc_up = tl.trans(acc_up)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e * stride_be + offs_n, mask=offs_n < N_W, other=0.0).to(tl.float32)[None, :]
         if GLU:
@@ -295,6 +321,6 @@ def _grouped_outer_product_kernel(
                     mask=row_ok[:, None] & (offs_m[None, :] < M), other=0.0)  # fmt: skip
         b = tl.load(b_ptr + rows[:, None].to(tl.int64) * stride_bm + offs_n[None, :] * stride_bn,
                     mask=row_ok[:, None] & (offs_n[None, :] < N), other=0.0)  # fmt: skip
-        acc += _dot(tl.trans(a), b.to(tl.float32), IEEE, DOT_FP32)
+        acc = _dot(tl.trans(a), b.to(tl.float32), acc, IEEE, DOT_FP32)
     tl.store(out_ptr + e.to(tl.int64) * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, acc,
              mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))  # fmt: skip
