@@ -58,6 +58,32 @@ def test_gate_up_with_silu_mul_epilogue_at_qwen3_30b_shape_bf16():
     assert ((act.float() - act_ref.float()).abs() <= act_bound).all()
 
 
+@pytest.mark.parametrize("tokens", [1, 24], ids=["one_token_decode", "grpo_sampling_batch"])
+def test_swapped_tiles_for_few_rows_at_qwen3_30b_shape_bf16(tokens):
+    """Few rows per expert (at most SWAP_AB_MAX_ROWS on average): the packed kernels' transposed 16-row tiles,
+    compiled and autotuned on the GPU, forward gate_up (fused silu x up) and the down input gradient, against
+    the references within the same bf16 bounds."""
+    from moe_qlora.kernels import ops
+
+    offsets, token = routed_rows(tokens, 128, 8, seed=5)
+    assert offsets[-1] <= ops.SWAP_AB_MAX_ROWS * 128
+    up_stack = nf4_stack(128, 2 * 768, 2048, device="cuda", seed=6)
+    up = GroupedWeight.quantized(up_stack, transpose=True)
+    x = (0.5 * torch.randn(tokens, 2048, generator=torch.Generator().manual_seed(7))).cuda().bfloat16()
+    lora = lora_term(offsets, 16, 2 * 768, scale=2.0, dtype=torch.bfloat16, device="cuda")
+    h_ref, _ = grouped_matmul_silu_mul_reference(x, up, offsets, gather=token, lora=lora)
+    h, _ = grouped_matmul_silu_mul(x, up, offsets, gather=token, lora=lora)
+    bound = rounding_bound(x, up_stack, offsets, h_ref, transpose=True, rel=2**-7, gather=token, lora=lora)
+    assert ((h.float() - h_ref.float()).abs() <= bound).all()
+    down_stack = nf4_stack(128, 2048, 768, device="cuda", seed=8)
+    down = GroupedWeight.quantized(down_stack, transpose=False)  # g (S, 2048) -> (S, 768)
+    g = torch.randn(offsets[-1], 2048, generator=torch.Generator().manual_seed(9)).cuda().bfloat16()
+    expected = grouped_matmul_reference(g, down, offsets)
+    got = grouped_matmul(g, down, offsets)
+    bound = rounding_bound(g, down_stack, offsets, expected, transpose=False, rel=2**-7)
+    assert ((got.float() - expected.float()).abs() <= bound).all()
+
+
 def test_input_gradient_through_transposed_down_at_mixtral_shape_bf16():
     # Mixtral-8x7B down projection (8, 4096, 14336) read transposed: g W2 + (c g B2) A2, 2048 rows.
     offsets, token = routed_rows(1024, 8, 2, seed=2)
