@@ -151,3 +151,38 @@ def test_few_rows_per_expert_take_swapped_16_row_tiles():
     assert not rows["lora_a_dense"]["swap_ab"]  # dense weights: the plain tiles
     assert all(r["spills"] == 0 and r["widest_packed_load_bytes"] == 16 for r in nf4.values())
     assert all(r["instr_per_weight_element"] < 10 for r in nf4.values())
+
+
+def test_split_k_launches_compile_without_spills():
+    """Split-K's two launches (partial sums, then their ordered sum and the epilogue) compiled as the JIT would
+    for sm_80 and sm_90. At the real models' shapes the launches have enough tiles that no split is chosen, so
+    the SM count is raised here to force one (4 splits of gate_up at 32 Qwen3-30B-A3B tokens, 2 of down)."""
+    code = """
+import json, sys
+sys.path.insert(0, "scripts")
+from kernel_report import resource_usage
+from moe_qlora.kernels import ops
+from moe_qlora.kernels.aot import capture_launches, compile_as_jit
+ops.multiprocessor_count = lambda device: 10**4
+out = []
+for arch in (80, 90):
+    for launch in capture_launches(hidden=2048, inter=768, experts=128, top_k=8, tokens=32, rank=16, arch=arch):
+        if "split_k" in launch.name:
+            k = compile_as_jit(launch, arch)
+            out.append([arch, launch.name, launch.kwargs["SPLIT_K"], k.metadata.shared, resource_usage(k)[1]])
+print(json.dumps(out))
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_QLORA_TRITON_BLOCKS")}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    names = {name for _, name, *_ in rows}
+    assert {
+        "gate_up_nf4_nested_silu_mul/split_k_phase1",
+        "gate_up_nf4_nested_silu_mul/split_k_phase2",
+        "down_input_grad_nf4_nested/split_k_phase1",
+        "down_input_grad_nf4_nested/split_k_phase2",
+    } <= names
+    assert all(split >= 2 and smem <= SHARED_MEMORY_LIMIT[str(arch)] and spills == 0
+               for arch, _, split, smem, spills in rows)  # fmt: skip
+    assert {split for arch, name, split, *_ in rows if name.startswith("gate_up_nf4_nested_silu_mul")} == {4}

@@ -213,6 +213,7 @@ def test_packed_nf4_path_matches_reference(dev, dtype, atol, rtol, double_quant,
     monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
     monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", str(arch))
     monkeypatch.setattr(ops, "SWAP_AB_MAX_ROWS", 10**6 if swap else 0)
+    monkeypatch.setattr(ops, "SPLIT_K_MAX", 1)  # one launch: split-K has its own test
     offsets = offsets_of(ROUTINGS["ragged"])
     stack = nf4_stack(6, 80, 192, double_quant=double_quant, seed=11, device=dev)
     weight = GroupedWeight.quantized(stack, transpose=True)
@@ -260,6 +261,7 @@ def test_column_pair_nf4_path_of_the_input_gradient_matches_reference(dev, dtype
     monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
     monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", str(arch))
     monkeypatch.setattr(ops, "SWAP_AB_MAX_ROWS", 10**6 if swap else 0)
+    monkeypatch.setattr(ops, "SPLIT_K_MAX", 1)  # one launch: split-K has its own test
     offsets = offsets_of(ROUTINGS["ragged"])
     stack = nf4_stack(6, 80, 128, double_quant=double_quant, seed=21, device=dev)
     weight = GroupedWeight.quantized(stack, transpose=False)
@@ -362,6 +364,68 @@ print(json.dumps({"type": type(t).__name__, "keys": t.keys, "fn": t.fn.__name__,
 
     assert out["type"] == "Autotuner" and out["fn"] == "_grouped_matmul_kernel" and "K_PACKED" in out["keys"]
     assert out["configs"] == [[c.block_n, c.block_k, c.num_warps, c.num_stages] for c in MATMUL_CONFIGS[80]]
+
+
+# path: (glu, stored transposed as x W^T, K, N). "bytes": `in` = 392 is not a multiple of the quant block, so
+# the codes are read a byte per element.
+SPLIT_K_CASES = {"k_packed_gate_up": (True, True, 384, 80), "k_packed_swapped_down": (False, True, 384, 64),
+                 "n_packed_input_grad": (False, False, 384, 128), "bytes": (False, True, 392, 72)}  # fmt: skip
+
+
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES)
+@pytest.mark.parametrize("path", list(SPLIT_K_CASES))
+def test_split_k_matches_reference_and_is_deterministic(dev, dtype, atol, rtol, path, monkeypatch):
+    """Few tiles for the SMs: each tile's K is shared by SPLIT_K programs writing partial sums, and a second
+    launch adds them in split order and runs the epilogue (bias, LoRA term, silu x up). K = 384 is six 64-wide
+    K-steps (7 on the byte path), split three ways. Against the reference (same bounds as above), twice with
+    the same bits, on each NF4 path and the byte-reading one (odd sizes); the broken control (the reducing
+    launch told of one split fewer: the last split's sums dropped) is caught."""
+    from moe_qlora.kernels import triton_kernels
+
+    monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
+    monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", "90")
+    monkeypatch.setattr(ops, "SWAP_AB_MAX_ROWS", 10**6 if path == "k_packed_swapped_down" else 0)
+    monkeypatch.setattr(ops, "SPLIT_K_MAX", 3)
+    offsets = offsets_of(ROUTINGS["ragged"])
+    g = torch.Generator().manual_seed(31)
+    glu, transpose, k, n = SPLIT_K_CASES[path]
+    rows_out, cols_in = (n, k) if transpose else (k, n)
+    stack = nf4_stack(6, rows_out, cols_in, double_quant=True, seed=32, device=dev)
+    weight = GroupedWeight.quantized(stack, transpose=transpose)
+    x = (0.3 * torch.randn(offsets[-1], k, generator=g)).to(dev, dtype)
+    bias = (0.1 * torch.randn(6, n, generator=g)).to(dev, dtype) if transpose else None
+    low_rank = lora_term(offsets, 4, n, scale=0.5, dtype=dtype, device=dev)
+    kwargs = dict(bias=bias, lora=low_rank)
+    launches = recorded_launches(monkeypatch)
+    if glu:
+        expected = grouped_matmul_silu_mul_reference(x, weight, offsets, **kwargs)[0]
+        run = lambda: grouped_matmul_silu_mul(x, weight, offsets, **kwargs)[0]  # noqa: E731
+    else:
+        expected = grouped_matmul_reference(x, weight, offsets, **kwargs)
+        run = lambda: grouped_matmul(x, weight, offsets, **kwargs)  # noqa: E731
+    got = run()
+    assert [(f["PHASE"], f["SPLIT_K"]) for f in launches] == [(1, 3), (2, 3)]
+    packed = {"k_packed_gate_up": (True, False), "k_packed_swapped_down": (True, False),
+              "n_packed_input_grad": (False, True), "bytes": (False, False)}[path]  # fmt: skip
+    assert (launches[0]["K_PACKED"], launches[0]["N_PACKED"]) == packed
+    assert launches[0]["SWAP_AB"] == (path == "k_packed_swapped_down")
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
+    else:
+        bound = rounding_bound(x, stack, offsets, expected, transpose=transpose, rel=2**-7, **kwargs)
+        assert ((got.float() - expected.float()).abs() <= bound).all()
+    assert torch.equal(run(), got)
+    real = triton_kernels._grouped_matmul_kernel
+
+    class DropLastSplit:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                return real[grid](*args, **(kw | {"SPLIT_K": kw["SPLIT_K"] - 1} if kw["PHASE"] == 2 else kw))
+
+            return launch
+
+    monkeypatch.setattr(triton_kernels, "_grouped_matmul_kernel", DropLastSplit())
+    assert (run().float() - expected.float()).abs().max() > 0.1
 
 
 @pytest.mark.usefixtures("small_triton_blocks")

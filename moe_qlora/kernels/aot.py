@@ -152,8 +152,10 @@ def capture_launches(*, hidden: int, inter: int, experts: int, top_k: int, token
         for n, kernel in real.items():
             setattr(triton_kernels, n, Recorder(kernel))
         for name, launch in launches:
+            first = len(recorded)
             launch()
-            recorded[-1].name = name
+            for rec in recorded[first:]:  # split-K makes two launches: partial sums, then their sum
+                rec.name = name if len(recorded) - first == 1 else f"{name}/split_k_phase{rec.kwargs['PHASE']}"
     finally:
         for n, kernel in real.items():
             setattr(triton_kernels, n, kernel)

@@ -137,6 +137,10 @@ BLOCK_M = 64
 # 16-row tile wastes at most 15 rows, a 64-row one 63); to be re-measured on a GPU with bench_moe.py.
 SWAP_AB_MAX_ROWS = 16
 SWAP_AB_BLOCK_M = 16
+# Split-K: when a launch has at most half as many programs (tiles x N blocks, the tiles' upper bound) as the GPU
+# has SMs, K is split over floor(SMs / programs) programs per tile (at most SPLIT_K_MAX, each with two or more
+# K-steps), and a second launch adds the partial sums in split order: deterministic, no atomics.
+SPLIT_K_MAX = 4
 # Candidates per GPU architecture (compute capability x 10), the first the default: used when autotuning is off
 # (MOE_QLORA_AUTOTUNE=0), in the interpreter, and by the ahead-of-time report. Every candidate packs NF4 at
 # bitsandbytes' blocksize 64, so the packed paths do not depend on the choice. The defaults were picked from
@@ -172,6 +176,20 @@ def target_arch(device) -> int:
     return int(os.environ.get(TARGET_ARCH_ENV, "90"))
 
 
+def multiprocessor_count(device) -> int:
+    """SMs of the CUDA device; a CPU tensor (the AOT capture, the interpreter) counts as an H100's 132."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+def split_k(programs: int, k_steps: int, device) -> int:
+    """How many programs share each tile's K (1: no split), from the launch's upper-bound program count."""
+    if block_override() is not None:
+        return 1
+    return max(1, min(SPLIT_K_MAX, multiprocessor_count(device) // max(programs, 1), k_steps // 2))
+
+
 def matmul_plan(device) -> tuple[int, list[MatmulConfig]]:
     """(BLOCK_M, candidate configs) of a grouped matmul on `device`: the override as one config, else the
     architecture's list (only its default when not autotuning)."""
@@ -182,18 +200,24 @@ def matmul_plan(device) -> tuple[int, list[MatmulConfig]]:
     return BLOCK_M, configs if autotuning() else configs[:1]
 
 
+def tile_bound(num_rows: int, num_experts: int, block_m: int) -> int:
+    """The most BLOCK_M-row tiles S rows sorted over E experts can fill: the grid of a grouped launch."""
+    return -(-num_rows // block_m) + min(num_experts, num_rows)
+
+
 def expert_tiles(offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
     """(num_tiles, 3) int32 (expert, first row, end row) of each BLOCK_M-row tile, built on the device.
 
     The grid size must not depend on the data (no host sync), so it is the upper bound
-    ceil(S / BLOCK_M) + E (each expert wastes at most one partial tile); tile i belongs to the expert whose
+    ceil(S / BLOCK_M) + min(E, S) (each expert with rows, at most S of them, wastes at most one partial
+    tile): tile_bound(S, E, BLOCK_M). Tile i belongs to the expert whose
     cumulative tile count first exceeds i, and tiles past the last one are (0, 0, 0), which the kernel
     skips at once. offsets: (E+1,) int64 device tensor."""
     counts = offsets[1:] - offsets[:-1]
     tiles_per_expert = (counts + block_m - 1) // block_m
     tile_ends = torch.cumsum(tiles_per_expert, 0)
     num_experts = counts.shape[0]
-    tile = torch.arange(-(-num_rows // block_m) + num_experts, device=offsets.device)
+    tile = torch.arange(tile_bound(num_rows, num_experts, block_m), device=offsets.device)
     expert = torch.searchsorted(tile_ends, tile, right=True)
     valid = expert < num_experts
     expert = expert.clamp(max=num_experts - 1)
@@ -228,7 +252,7 @@ def _levels(device: str) -> torch.Tensor:
 
 
 _MATMUL_TUNE_KEYS = ["K", "N", "R", "BLOCK_M", "W_NF4", "NESTED", "GATHER", "GLU", "HAS_LORA", "K_PACKED",
-                     "N_PACKED", "SWAP_AB"]  # fmt: skip
+                     "N_PACKED", "SWAP_AB", "PHASE"]  # fmt: skip
 
 
 @functools.cache
@@ -274,24 +298,38 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
     if swap:
         bm = SWAP_AB_BLOCK_M
     tiles = expert_tiles(device_offsets(offsets, x.device), num_rows, bm)
+    default = configs[0]
+    split = split_k(tiles.shape[0] * -(-n // default.block_n), -(-weight.k // default.block_k), x.device)
+    if split > 1:  # both launches must agree on the blocks: the default config, not autotuned
+        configs = configs[:1]
     if len(configs) > 1:
         kernel, meta = _autotuned_matmul(target_arch(x.device)), {}
     else:
-        c = configs[0]
         kernel = triton_kernels._grouped_matmul_kernel
-        meta = dict(BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
-    kernel[lambda m: (tiles.shape[0], -(-n // m["BLOCK_N"]))](
+        meta = dict(BLOCK_N=default.block_n, BLOCK_K=default.block_k, num_warps=default.num_warps,
+                    num_stages=default.num_stages)  # fmt: skip
+    n_blocks = -(-n // default.block_n)
+    ws = x.new_empty(tiles.shape[0] * n_blocks * split * (2 if glu else 1) * bm * default.block_n,
+                     dtype=torch.float32) if split > 1 else x  # fmt: skip
+    args = (
         x, gather if gather is not None else tiles, tiles, w, _levels(str(x.device)), absmax, absmax2,
         code2, float(offset2), bias if bias is not None else x, lp, lw, float(lora.scale if lora else 0.0), out,
-        act_out, weight.k, n, rank, x.stride(0), x.stride(1), se, sk, sn, se // 8, sk // 8, sn // 8,
+        act_out, ws, weight.k, n, rank, x.stride(0), x.stride(1), se, sk, sn, se // 8, sk // 8, sn // 8,
         bias.stride(0) if bias is not None else 0,
         lp.stride(0), lp.stride(1), lse, lsr, lsn, out.stride(0), out.stride(1), act_out.stride(0),
         act_out.stride(1),
+    )  # fmt: skip
+    flags = dict(
         W_NF4=q is not None, NESTED=nested, GATHER=gather is not None, HAS_BIAS=bias is not None,
         HAS_LORA=lora is not None, GLU=glu, STORE_Y=keep_y, K_PACKED=k_packed, N_PACKED=n_packed, SWAP_AB=swap,
-        BLOCKSIZE=q.blocksize if q else 64,
-        IEEE=x.dtype == torch.float32, DOT_FP32=_interpreted(), BLOCK_M=bm, **meta,
+        SPLIT_K=split, BLOCKSIZE=q.blocksize if q else 64, IEEE=x.dtype == torch.float32, DOT_FP32=_interpreted(),
+        BLOCK_M=bm, **meta,
     )  # fmt: skip
+    if split == 1:
+        kernel[lambda m: (tiles.shape[0], -(-n // m["BLOCK_N"]))](*args, PHASE=0, **flags)
+    else:  # partial sums over each split's K-steps, then their sum in split order and the epilogue
+        kernel[(tiles.shape[0], n_blocks, split)](*args, PHASE=1, **flags)
+        kernel[(tiles.shape[0], n_blocks)](*args, PHASE=2, **flags)
     return y, act
 
 

@@ -142,6 +142,40 @@ def _weight_dot(x, w, acc, SWAP_AB: tl.constexpr, IEEE: tl.constexpr, DOT_FP32: 
 
 
 @triton.jit
+def _partial_sums_slot(ws_ptr, tile, split, SPLIT_K: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):  # fmt: skip
+    """Pointers (BLOCK_M, BLOCK_N) to split `split`'s gate (or only) partial sums of (tile, this N block) in
+    the split-K workspace; the up tile follows at + BLOCK_M * BLOCK_N when GLU."""
+    slot = (tile.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * SPLIT_K + split
+    size: tl.constexpr = BLOCK_M * BLOCK_N * (2 if GLU else 1)
+    return ws_ptr + slot * size + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+
+
+@triton.jit
+def _store_partial_sums(ws_ptr, tile, acc, acc_up, SPLIT_K: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):  # fmt: skip
+    slot = _partial_sums_slot(ws_ptr, tile, tl.program_id(2), SPLIT_K, GLU, BLOCK_M, BLOCK_N)
+    tl.store(slot, acc)
+    if GLU:
+        tl.store(slot + BLOCK_M * BLOCK_N, acc_up)
+
+
+@triton.jit
+def _sum_partial_sums(ws_ptr, tile, SPLIT_K: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):  # fmt: skip
+    """The (gate, up) accumulators of a tile as the sum of its splits' partial sums, always in split order (so
+    two runs give the same bits, whatever order the splits ran in)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        slot = _partial_sums_slot(ws_ptr, tile, split, SPLIT_K, GLU, BLOCK_M, BLOCK_N)
+        acc += tl.load(slot)
+        if GLU:
+            acc_up += tl.load(slot + BLOCK_M * BLOCK_N)
+    return acc, acc_up
+
+
+@triton.jit
 def _low_rank_term(p_ptr, l_ptr, rows, row_ok, e, offs_n, R, N_W, stride_pm, stride_pr, stride_le, stride_lr,
                    stride_ln, IEEE: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
     """(BLOCK_M, BLOCK_N) fp32 tile of P[rows] @ L_e[:, offs_n]: the LoRA term of a projection, P (S, R)
@@ -174,6 +208,7 @@ def _grouped_matmul_kernel(
     lora_scale,  # fp32 c
     y_ptr,  # (S, N_W) output, one row per sorted row (the pre-activation when GLU; written if STORE_Y)
     act_ptr,  # (S, N) silu(gate) * up when GLU
+    ws_ptr,  # split-K: fp32 partial sums, one (GLU: two) BLOCK_M x BLOCK_N slot per (tile, N block, split)
     K, N, R,
     stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
     words_we, words_wk, words_wn,  # packed NF4: the weight strides in 4-byte words, so their 16-divisibility is seen
@@ -181,7 +216,7 @@ def _grouped_matmul_kernel(
     stride_ln, stride_ym, stride_yn, stride_am, stride_an,
     W_NF4: tl.constexpr, NESTED: tl.constexpr, GATHER: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr, GLU: tl.constexpr, STORE_Y: tl.constexpr, K_PACKED: tl.constexpr, N_PACKED: tl.constexpr,
-    SWAP_AB: tl.constexpr,
+    SWAP_AB: tl.constexpr, SPLIT_K: tl.constexpr, PHASE: tl.constexpr,
     BLOCKSIZE: tl.constexpr, IEEE: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -199,6 +234,10 @@ def _grouped_matmul_kernel(
 
     SWAP_AB (packed NF4 paths, few rows per expert): the tile is computed transposed, tokens on the MMA's
     narrow side (_weight_dot).
+
+    Split-K (few tiles for the GPU's SMs), deterministic and without atomics: PHASE 1 runs SPLIT_K programs
+    per tile, each over its share of K, and writes its partial sums to ws; PHASE 2 (a second launch, one
+    program per tile) adds them in split order and runs the epilogue. PHASE 0 is the whole K in one program.
     """
     if GLU:
         N_W = 2 * N
@@ -229,7 +268,17 @@ def _grouped_matmul_kernel(
         W_DTYPE: tl.constexpr = tl.float32
     else:
         W_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    for k0 in range(0, K, BLOCK_K):
+    if PHASE == 0:
+        k_lo = 0
+        k_hi = K
+    elif PHASE == 1:  # this split's whole K-steps
+        k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+        k_lo = tl.program_id(2) * k_per_split
+        k_hi = tl.minimum(K, k_lo + k_per_split)
+    else:  # the partial sums are in ws already
+        k_lo = 0
+        k_hi = 0
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if K_PACKED:  # K is a multiple of BLOCK_K: only rows masked, so the row's bytes load as one vector
             x_ok = row_ok[:, None]
@@ -263,30 +312,35 @@ def _grouped_matmul_kernel(
     if SWAP_AB:
         acc = tl.trans(acc)
         acc_up = tl.trans(acc_up)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + e * stride_be + offs_n, mask=offs_n < N_W, other=0.0).to(tl.float32)[None, :]
+    if PHASE == 1:
+        _store_partial_sums(ws_ptr, tile, acc, acc_up, SPLIT_K, GLU, BLOCK_M, BLOCK_N)
+    else:
+        if PHASE == 2:
+            acc, acc_up = _sum_partial_sums(ws_ptr, tile, SPLIT_K, GLU, BLOCK_M, BLOCK_N)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + e * stride_be + offs_n, mask=offs_n < N_W, other=0.0).to(tl.float32)[None, :]
+            if GLU:
+                acc_up += tl.load(bias_ptr + e * stride_be + N + offs_n, mask=offs_n < N,
+                                  other=0.0).to(tl.float32)[None, :]  # fmt: skip
+        if HAS_LORA:
+            acc += lora_scale * _low_rank_term(p_ptr, l_ptr, rows, row_ok, e, offs_n, R, N_W, stride_pm, stride_pr,
+                                               stride_le, stride_lr, stride_ln, IEEE, DOT_FP32, BLOCK_K)  # fmt: skip
+            if GLU:
+                acc_up += lora_scale * _low_rank_term(p_ptr, l_ptr, rows, row_ok, e, offs_n + N, R, N_W, stride_pm,
+                                                      stride_pr, stride_le, stride_lr, stride_ln, IEEE, DOT_FP32,
+                                                      BLOCK_K)  # fmt: skip
+        mask = row_ok[:, None] & (offs_n[None, :] < N)
+        y_rows = y_ptr + rows[:, None].to(tl.int64) * stride_ym
+        if STORE_Y:
+            tl.store(y_rows + offs_n[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty), mask=mask)
+            if GLU:
+                tl.store(y_rows + (offs_n[None, :] + N) * stride_yn, acc_up.to(y_ptr.dtype.element_ty), mask=mask)
         if GLU:
-            acc_up += tl.load(bias_ptr + e * stride_be + N + offs_n, mask=offs_n < N,
-                              other=0.0).to(tl.float32)[None, :]  # fmt: skip
-    if HAS_LORA:
-        acc += lora_scale * _low_rank_term(p_ptr, l_ptr, rows, row_ok, e, offs_n, R, N_W, stride_pm, stride_pr,
-                                           stride_le, stride_lr, stride_ln, IEEE, DOT_FP32, BLOCK_K)  # fmt: skip
-        if GLU:
-            acc_up += lora_scale * _low_rank_term(p_ptr, l_ptr, rows, row_ok, e, offs_n + N, R, N_W, stride_pm,
-                                                  stride_pr, stride_le, stride_lr, stride_ln, IEEE, DOT_FP32,
-                                                  BLOCK_K)  # fmt: skip
-    mask = row_ok[:, None] & (offs_n[None, :] < N)
-    y_rows = y_ptr + rows[:, None].to(tl.int64) * stride_ym
-    if STORE_Y:
-        tl.store(y_rows + offs_n[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty), mask=mask)
-        if GLU:
-            tl.store(y_rows + (offs_n[None, :] + N) * stride_yn, acc_up.to(y_ptr.dtype.element_ty), mask=mask)
-    if GLU:
-        gate = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
-        up = acc_up.to(y_ptr.dtype.element_ty).to(tl.float32)
-        act = gate * tl.sigmoid(gate) * up
-        tl.store(act_ptr + rows[:, None].to(tl.int64) * stride_am + offs_n[None, :] * stride_an,
-                 act.to(act_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+            gate = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+            up = acc_up.to(y_ptr.dtype.element_ty).to(tl.float32)
+            act = gate * tl.sigmoid(gate) * up
+            tl.store(act_ptr + rows[:, None].to(tl.int64) * stride_am + offs_n[None, :] * stride_an,
+                     act.to(act_ptr.dtype.element_ty), mask=mask)  # fmt: skip
 
 
 @triton.jit
