@@ -3,7 +3,8 @@
 # machine with the package installed (pip install -e ".[test,gpu]"):   bash scripts/gpu_check.sh [OUT_DIR]
 #  1. the gpu-marked tests and the kernel tests, compiled on the GPU (the `dev` fixture picks cuda);
 #  2. bench_moe.py --full: Mixtral-8x7B and Qwen3-30B-A3B layers against the H100 roofline;
-#  3. gpu_checks.py: host syncs per MoE layer call, two identical steps bit for bit, and the live JIT's
+#  3. gpu_checks.py: host syncs per MoE layer call, two identical steps bit for bit, every autotune candidate
+#     bit for bit against the default config, and the live JIT's
 #     registers / spills / shared memory per kernel variant.
 set -uo pipefail
 out="${1:-gpu-check-out}"

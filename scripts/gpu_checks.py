@@ -1,5 +1,6 @@
 """The GPU-only checks of scripts/gpu_check.sh that are not tests: per MoE layer call, host syncs counted by
-torch.cuda.set_sync_debug_mode; two identical steps compared bit for bit; the live JIT's register, spill and
+torch.cuda.set_sync_debug_mode; two identical steps compared bit for bit; every autotune candidate against the
+default config bit for bit (so the autotuner's pick cannot change a result); the live JIT's register, spill and
 shared-memory figures for every Triton kernel variant it compiled. Prints a table, a verdict per check and
 JSON (--json PATH also writes it).
 
@@ -78,6 +79,33 @@ def bit_identical(module, x, idx, weights) -> bool:
     return all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
+def candidates_agree(x, idx, weights) -> dict[str, bool]:
+    """Whether every autotune candidate of this GPU's list gives the triton layer's step the same bits as the
+    default: then which one the autotuner picks (it may differ between processes, e.g. a run and its resume)
+    cannot change a result. Returns {candidate: identical to the default}."""
+    import os
+
+    from moe_qlora.kernels import ops
+
+    arch = ops.target_arch("cuda")
+    saved, saved_env = ops.MATMUL_CONFIGS[arch], os.environ.get("MOE_QLORA_AUTOTUNE")
+    os.environ["MOE_QLORA_AUTOTUNE"] = "0"
+    results, reference = {}, None
+    try:
+        for config in saved:
+            ops.MATMUL_CONFIGS[arch] = [config]
+            out = step(qwen3_layer("triton"), x, idx, weights)
+            reference = reference or out
+            results[str(config)] = all(torch.equal(a, b) for a, b in zip(reference, out, strict=True))
+    finally:
+        ops.MATMUL_CONFIGS[arch] = saved
+        if saved_env is None:
+            os.environ.pop("MOE_QLORA_AUTOTUNE", None)
+        else:
+            os.environ["MOE_QLORA_AUTOTUNE"] = saved_env
+    return results
+
+
 def live_kernel_figures() -> list[dict]:
     """Registers, spills, shared memory, warps and stages of every variant the JIT compiled in this process."""
     from moe_qlora.kernels import triton_kernels
@@ -108,6 +136,7 @@ def main() -> None:
         results["syncs"][kernels] = count_syncs(module, x, idx, weights)
         results["bit_identical"][kernels] = bit_identical(module, x, idx, weights)
         del module
+    results["candidates_bit_identical"] = candidates_agree(x, idx, weights)
     results["kernels"] = live_kernel_figures()
     print(f"{'kernels':<12}{'syncs per layer fwd+bwd':>26}{'two steps bit-identical':>26}")
     for k in results["syncs"]:
@@ -121,6 +150,7 @@ def main() -> None:
         "triton: no host sync": results["syncs"]["triton"] == 0,
         "all backends: two identical steps bit-identical": all(results["bit_identical"].values()),
         "no kernel spills": all(r["spills"] == 0 for r in results["kernels"]),
+        "every autotune candidate gives the default's bits": all(results["candidates_bit_identical"].values()),
     }
     for name, ok in verdicts.items():
         print(f"{'PASS' if ok else 'FAIL'}  {name}")
