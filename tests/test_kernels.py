@@ -309,6 +309,14 @@ def test_autotuning_is_on_by_default_and_switched_off_by_the_environment(monkeyp
     assert ops.matmul_plan("cpu") == (64, ops.MATMUL_CONFIGS[90][:1])
     monkeypatch.setenv("MOE_QLORA_TRITON_BLOCKS", "16,32,16")
     assert ops.matmul_plan("cpu") == (16, [ops.MatmulConfig(32, 16)])
+    # A GPU's list by its compute capability: mma.sync GPUs (the 24 GB cards among them) take sm_80's.
+    capability = {"major": 8}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (capability["major"], 0))
+    arches = {}
+    for major in (8, 9, 10, 12):
+        capability["major"] = major
+        arches[major] = ops.target_arch("cuda")
+    assert arches == {8: 80, 9: 90, 10: 90, 12: 80}
 
 
 def test_launch_goes_through_the_autotuner_unless_switched_off(monkeypatch):

@@ -168,11 +168,12 @@ def autotuning() -> bool:
 
 
 def target_arch(device) -> int:
-    """80 (Ampere-class) or 90 (Hopper and newer) for `device`; a CPU tensor (the AOT capture) takes
-    MOE_QLORA_TARGET_ARCH, 90 by default."""
+    """Whose config list `device` uses: 90 for Hopper and datacenter Blackwell (sm_90, sm_100), 80 for the GPUs
+    whose tensor cores Triton drives with mma.sync, Ampere, Ada and consumer Blackwell (sm_80/86/89/120: the
+    24 GB cards). A CPU tensor (the AOT capture) takes MOE_QLORA_TARGET_ARCH, 90 by default."""
     if torch.device(device).type == "cuda":
         major, _ = torch.cuda.get_device_capability(device)
-        return 90 if major >= 9 else 80
+        return 90 if major in (9, 10) else 80
     return int(os.environ.get(TARGET_ARCH_ENV, "90"))
 
 
