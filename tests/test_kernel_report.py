@@ -186,3 +186,31 @@ print(json.dumps(out))
     assert all(split >= 2 and smem <= SHARED_MEMORY_LIMIT[str(arch)] and spills == 0
                for arch, _, split, smem, spills in rows)  # fmt: skip
     assert {split for arch, name, split, *_ in rows if name.startswith("gate_up_nf4_nested_silu_mul")} == {4}
+
+
+def test_the_24_gb_cards_compile_within_their_shared_memory():
+    """RTX 3090 / 4090 class GPUs (sm_86, sm_89) take sm_80's list (ops.target_arch) but allow a block only
+    99 KB of shared memory: every candidate, at 2048 and 32 Qwen3-30B-A3B tokens, compiled for them, fits it
+    without spills."""
+    code = """
+import json, sys
+sys.path.insert(0, "scripts")
+from kernel_report import resource_usage
+from moe_qlora.kernels import ops
+from moe_qlora.kernels.aot import capture_launches, compile_as_jit
+out = []
+for config in list(ops.MATMUL_CONFIGS[80]):
+    ops.MATMUL_CONFIGS[80] = [config]
+    for tokens in (2048, 32):
+        for launch in capture_launches(hidden=2048, inter=768, experts=128, top_k=8, tokens=tokens, rank=16, arch=80):
+            for arch in (86, 89):
+                k = compile_as_jit(launch, arch)
+                out.append([arch, launch.name, tokens, k.metadata.shared, resource_usage(k)[1]])
+print(json.dumps(out))
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_QLORA_TRITON_BLOCKS")}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == 4 * 2 * 6 * 2
+    assert [r for r in rows if r[3] > 99 * 1024 or r[4]] == []
