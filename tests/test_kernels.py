@@ -283,6 +283,24 @@ def test_column_pair_nf4_path_of_the_input_gradient_matches_reference(dev, dtype
     assert (broken.float() - expected.float()).abs().max() > 0.1
 
 
+def test_codes_not_on_a_4_byte_boundary_take_the_byte_path(dev, monkeypatch):
+    """The packed paths read the codes through an int32 view, which needs them 4-byte aligned; a stack whose
+    bytes start one past a boundary (a view into a larger buffer) is read a byte per element instead, and
+    still matches the reference."""
+    monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
+    offsets = offsets_of(ROUTINGS["ragged"])
+    stack = nf4_stack(6, 64, 128, seed=41, device=dev)
+    shifted = torch.cat([stack.packed.new_zeros(1), stack.packed])[1:]
+    assert shifted.storage_offset() == 1 and torch.equal(shifted, stack.packed)
+    moved = NF4Stack(shifted, stack.absmax, stack.nested, stack.shape, stack.blocksize)
+    x = torch.randn(offsets[-1], 128, generator=torch.Generator().manual_seed(42)).to(dev)
+    launches = recorded_launches(monkeypatch)
+    got = grouped_matmul(x, GroupedWeight.quantized(moved, transpose=True), offsets)
+    assert [f["K_PACKED"] for f in launches] == [False]
+    expected = grouped_matmul_reference(x, GroupedWeight.quantized(stack, transpose=True), offsets)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_every_autotune_candidate_takes_the_packed_paths():
     """The packed paths are chosen on the host before the autotuner picks a config, so every candidate must
     keep a tile step within one of bitsandbytes' 64-code quant blocks along K and N (and a half step >= 16);

@@ -290,7 +290,8 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
     # NF4 read along its contiguous dim as whole 4-byte words: each column (K_PACKED, the forward) or row
     # (N_PACKED, through the transposed experts) of a tile starts on a quant block, and with every candidate
     # config a tile step stays within one.
-    words = q is not None and q.packed.storage_offset() % 4 == 0 and se % q.blocksize == 0
+    words = q is not None and q.packed.is_contiguous() and q.packed.storage_offset() % 4 == 0 and \
+        se % q.blocksize == 0  # fmt: skip
     k_packed = words and sk == 1 and sn % q.blocksize == 0 and all(c.packs(q.blocksize, False) for c in configs)
     n_packed = words and not glu and sn == 1 and sk % q.blocksize == 0 and \
         all(c.packs(q.blocksize, True) for c in configs)  # fmt: skip
