@@ -222,17 +222,19 @@ class _NF4LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, codes, absmax, bias, shape):
-        stack = NF4Stack(codes.view(-1), absmax.view(-1), None, (1, *shape))
         ctx.save_for_backward(codes, absmax)
         ctx.shape = shape
-        return F.linear(x, dequantize_experts(stack, 0, 1, x.dtype)[0], bias)
+        return F.linear(x, _decoded_rows(codes, absmax, shape, x.dtype), bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         codes, absmax = ctx.saved_tensors
-        stack = NF4Stack(codes.view(-1), absmax.view(-1), None, (1, *ctx.shape))
-        grad_x = grad_out @ dequantize_experts(stack, 0, 1, grad_out.dtype)[0]
-        return grad_x, None, None, None, None
+        return grad_out @ _decoded_rows(codes, absmax, ctx.shape, grad_out.dtype), None, None, None, None
+
+
+def _decoded_rows(codes: torch.Tensor, absmax: torch.Tensor, shape: tuple[int, int], dtype) -> torch.Tensor:
+    """W (O, I) in `dtype` from row-major NF4 codes (O, I/2) and fp32 block scales (O, I/64)."""
+    return dequantize_experts(NF4Stack(codes.view(-1), absmax.view(-1), None, (1, *shape)), 0, 1, dtype)[0]
 
 
 class ShardableLinear4bit(nn.Module):

@@ -83,26 +83,15 @@ def candidates_agree(x, idx, weights) -> dict[str, bool]:
     """Whether every autotune candidate of this GPU's list gives the triton layer's step the same bits as the
     default: then which one the autotuner picks (it may differ between processes, e.g. a run and its resume)
     cannot change a result. Returns {candidate: identical to the default}."""
-    import os
-
     from moe_qlora.kernels import ops
 
     arch = ops.target_arch("cuda")
-    saved, saved_env = ops.MATMUL_CONFIGS[arch], os.environ.get("MOE_QLORA_AUTOTUNE")
-    os.environ["MOE_QLORA_AUTOTUNE"] = "0"
     results, reference = {}, None
-    try:
-        for config in saved:
-            ops.MATMUL_CONFIGS[arch] = [config]
+    for config in list(ops.MATMUL_CONFIGS[arch]):
+        with ops.pinned_config(arch, config):
             out = step(qwen3_layer("triton"), x, idx, weights)
-            reference = reference or out
-            results[str(config)] = all(torch.equal(a, b) for a, b in zip(reference, out, strict=True))
-    finally:
-        ops.MATMUL_CONFIGS[arch] = saved
-        if saved_env is None:
-            os.environ.pop("MOE_QLORA_AUTOTUNE", None)
-        else:
-            os.environ["MOE_QLORA_AUTOTUNE"] = saved_env
+        reference = reference or out
+        results[str(config)] = all(torch.equal(a, b) for a, b in zip(reference, out, strict=True))
     return results
 
 

@@ -122,13 +122,9 @@ def report(archs: list[int], shapes: list[str], *, candidates: bool = False, tok
 
 def _report_config(shape: str, arch: int, config, tokens: int, tag: str) -> list[dict]:
     hidden, inter, experts, top_k = SHAPES[shape]
-    saved = ops.MATMUL_CONFIGS[arch]
-    ops.MATMUL_CONFIGS[arch] = [config]
-    try:
+    with ops.pinned_config(arch, config):
         launches = capture_launches(hidden=hidden, inter=inter, experts=experts, top_k=top_k, tokens=tokens,
                                     rank=RANK, arch=arch)  # fmt: skip
-    finally:
-        ops.MATMUL_CONFIGS[arch] = saved
     rows = []
     for launch in launches:
         if tag and launch.name == "outer_product":  # not autotuned

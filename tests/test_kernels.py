@@ -199,6 +199,21 @@ def recorded_launches(monkeypatch) -> list[dict]:
     return launches
 
 
+def default_blocks(monkeypatch, arch: int, *, swap: bool, split_k_max: int = 1):
+    """Launches at `arch`'s default blocks (no small-block override), with the swapped 16-row tiles or without
+    whatever the row count, and split-K off unless `split_k_max` (one launch: split-K has its own test)."""
+    monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
+    monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", str(arch))
+    monkeypatch.setattr(ops, "SWAP_AB_MAX_ROWS", 10**6 if swap else 0)
+    monkeypatch.setattr(ops, "SPLIT_K_MAX", split_k_max)
+
+
+def nibbles_swapped(stack: NF4Stack) -> NF4Stack:
+    """Broken control: the high and low nibble of every byte exchanged (codes k and k + 1 along `in`)."""
+    packed = ((stack.packed >> 4) | (stack.packed << 4)).to(torch.uint8)
+    return NF4Stack(packed, stack.absmax, stack.nested, stack.shape, stack.blocksize)
+
+
 @pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES)
 @pytest.mark.parametrize("double_quant", [False, True], ids=["absmax", "nested"])
 @pytest.mark.parametrize("glu", [False, True], ids=["down", "gate_up"])
@@ -210,10 +225,7 @@ def test_packed_nf4_path_matches_reference(dev, dtype, atol, rtol, double_quant,
     K = 192 spans three quant blocks; N = 80 (gate_up: 2 x 40) is not a multiple of 64. Checked to be the path
     taken, against the reference; the broken control (the two nibbles of a byte swapped) is off by O(1)."""
 
-    monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
-    monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", str(arch))
-    monkeypatch.setattr(ops, "SWAP_AB_MAX_ROWS", 10**6 if swap else 0)
-    monkeypatch.setattr(ops, "SPLIT_K_MAX", 1)  # one launch: split-K has its own test
+    default_blocks(monkeypatch, arch, swap=swap)
     offsets = offsets_of(ROUTINGS["ragged"])
     stack = nf4_stack(6, 80, 192, double_quant=double_quant, seed=11, device=dev)
     weight = GroupedWeight.quantized(stack, transpose=True)
@@ -235,10 +247,7 @@ def test_packed_nf4_path_matches_reference(dev, dtype, atol, rtol, double_quant,
     else:
         bound = rounding_bound(x, stack, offsets, expected, transpose=True, rel=2**-7, gather=gather)
         assert ((got.float() - expected.float()).abs() <= bound).all()
-    # Broken control: the high and low nibble of each byte swapped (k and k + 1 exchanged).
-    swapped = NF4Stack(((stack.packed >> 4) | (stack.packed << 4)).to(torch.uint8), stack.absmax, stack.nested,
-                       stack.shape, stack.blocksize)  # fmt: skip
-    broken_weight = GroupedWeight.quantized(swapped, transpose=True)
+    broken_weight = GroupedWeight.quantized(nibbles_swapped(stack), transpose=True)
     broken = (grouped_matmul_silu_mul(x, broken_weight, offsets, gather=gather)[0] if glu
               else grouped_matmul(x, broken_weight, offsets, gather=gather))  # fmt: skip
     assert (broken.float() - expected.float()).abs().max() > 0.1
@@ -258,10 +267,7 @@ def test_column_pair_nf4_path_of_the_input_gradient_matches_reference(dev, dtype
     term too; the broken control (the two nibbles of a byte swapped: columns n and n + 1 exchanged) is off by
     O(1)."""
 
-    monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
-    monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", str(arch))
-    monkeypatch.setattr(ops, "SWAP_AB_MAX_ROWS", 10**6 if swap else 0)
-    monkeypatch.setattr(ops, "SPLIT_K_MAX", 1)  # one launch: split-K has its own test
+    default_blocks(monkeypatch, arch, swap=swap)
     offsets = offsets_of(ROUTINGS["ragged"])
     stack = nf4_stack(6, 80, 128, double_quant=double_quant, seed=21, device=dev)
     weight = GroupedWeight.quantized(stack, transpose=False)
@@ -277,8 +283,7 @@ def test_column_pair_nf4_path_of_the_input_gradient_matches_reference(dev, dtype
     else:
         bound = rounding_bound(x, stack, offsets, expected, transpose=False, rel=2**-7, lora=low_rank)
         assert ((got.float() - expected.float()).abs() <= bound).all()
-    swapped = NF4Stack(((stack.packed >> 4) | (stack.packed << 4)).to(torch.uint8), stack.absmax, stack.nested,
-                       stack.shape, stack.blocksize)  # fmt: skip
+    swapped = nibbles_swapped(stack)
     broken = grouped_matmul(x, GroupedWeight.quantized(swapped, transpose=False), offsets, lora=low_rank)
     assert (broken.float() - expected.float()).abs().max() > 0.1
 
@@ -408,10 +413,7 @@ def test_split_k_matches_reference_and_is_deterministic(dev, dtype, atol, rtol, 
     launch told of one split fewer: the last split's sums dropped) is caught."""
     from moe_qlora.kernels import triton_kernels
 
-    monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
-    monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", "90")
-    monkeypatch.setattr(ops, "SWAP_AB_MAX_ROWS", 10**6 if path == "k_packed_swapped_down" else 0)
-    monkeypatch.setattr(ops, "SPLIT_K_MAX", 3)
+    default_blocks(monkeypatch, 90, swap=path == "k_packed_swapped_down", split_k_max=3)
     offsets = offsets_of(ROUTINGS["ragged"])
     g = torch.Generator().manual_seed(31)
     glu, transpose, k, n = SPLIT_K_CASES[path]

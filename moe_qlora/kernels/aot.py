@@ -146,24 +146,18 @@ def capture_launches(*, hidden: int, inter: int, experts: int, top_k: int, token
             grad_h, GW.quantized(w1, transpose=False), offsets, lora=LowRank(p, GW.dense(a1, transpose=False)))),
         ("outer_product", lambda: ops.grouped_outer_product(x, p, offsets, gather=token)),
     ]  # fmt: skip
-    saved = {k: os.environ.get(k) for k in ("MOE_QLORA_AUTOTUNE", ops.TARGET_ARCH_ENV)}
     try:
-        os.environ.update({"MOE_QLORA_AUTOTUNE": "0", ops.TARGET_ARCH_ENV: str(arch)})
         for n, kernel in real.items():
             setattr(triton_kernels, n, Recorder(kernel))
-        for name, launch in launches:
-            first = len(recorded)
-            launch()
-            for rec in recorded[first:]:  # split-K makes two launches: partial sums, then their sum
-                rec.name = name if len(recorded) - first == 1 else f"{name}/split_k_phase{rec.kwargs['PHASE']}"
+        with ops.pinned_config(arch):
+            for name, launch in launches:
+                first = len(recorded)
+                launch()
+                for rec in recorded[first:]:  # split-K makes two launches: partial sums, then their sum
+                    rec.name = name if len(recorded) - first == 1 else f"{name}/split_k_phase{rec.kwargs['PHASE']}"
     finally:
         for n, kernel in real.items():
             setattr(triton_kernels, n, kernel)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return recorded
 
 

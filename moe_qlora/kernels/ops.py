@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -201,6 +202,24 @@ def matmul_plan(device) -> tuple[int, list[MatmulConfig]]:
     return BLOCK_M, configs if autotuning() else configs[:1]
 
 
+@contextmanager
+def pinned_config(arch: int, config: MatmulConfig | None = None):
+    """Launches inside run `arch`'s list cut to one config, `config` or the default (so nothing is autotuned),
+    and a launch on a CPU tensor records `arch`: the AOT capture, the report's candidates, the GPU check that
+    every candidate gives the same bits."""
+    saved_configs, saved_arch = MATMUL_CONFIGS[arch], os.environ.get(TARGET_ARCH_ENV)
+    MATMUL_CONFIGS[arch] = [config or saved_configs[0]]
+    os.environ[TARGET_ARCH_ENV] = str(arch)
+    try:
+        yield
+    finally:
+        MATMUL_CONFIGS[arch] = saved_configs
+        if saved_arch is None:
+            os.environ.pop(TARGET_ARCH_ENV, None)
+        else:
+            os.environ[TARGET_ARCH_ENV] = saved_arch
+
+
 def tile_bound(num_rows: int, num_experts: int, block_m: int) -> int:
     """The most BLOCK_M-row tiles S rows sorted over E experts can fill: the grid of a grouped launch."""
     return -(-num_rows // block_m) + min(num_experts, num_rows)
@@ -301,7 +320,8 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
         bm = SWAP_AB_BLOCK_M
     tiles = expert_tiles(device_offsets(offsets, x.device), num_rows, bm)
     default = configs[0]
-    split = split_k(tiles.shape[0] * -(-n // default.block_n), -(-weight.k // default.block_k), x.device)
+    n_blocks = -(-n // default.block_n)
+    split = split_k(tiles.shape[0] * n_blocks, -(-weight.k // default.block_k), x.device)
     if split > 1:  # both launches must agree on the blocks: the default config, not autotuned
         configs = configs[:1]
     if len(configs) > 1:
@@ -310,7 +330,6 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
         kernel = triton_kernels._grouped_matmul_kernel
         meta = dict(BLOCK_N=default.block_n, BLOCK_K=default.block_k, num_warps=default.num_warps,
                     num_stages=default.num_stages)  # fmt: skip
-    n_blocks = -(-n // default.block_n)
     ws = x.new_empty(tiles.shape[0] * n_blocks * split * (2 if glu else 1) * bm * default.block_n,
                      dtype=torch.float32) if split > 1 else x  # fmt: skip
     args = (

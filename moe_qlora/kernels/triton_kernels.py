@@ -80,37 +80,21 @@ def _decode_nf4_rows(w_ptr, first, ok, scale, code, dtype, WORDS: tl.constexpr):
 
 
 @triton.jit
-def _load_nf4_k_tile(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, k0, offs_n, N, stride_we,
-                     stride_wn, words_we, words_wn, dtype, NESTED: tl.constexpr, BLOCKSIZE: tl.constexpr,
-                     BLOCK_K: tl.constexpr):  # fmt: skip
-    """(BLOCK_K, BLOCK_N) tile k0.. of W_e[k, n] = stored[e, n, k] in `dtype` (the forward: x W^T).
+def _load_nf4_runs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_run, start, run_ok, stride_we,
+                   stride_run, words_we, words_run, dtype, NESTED: tl.constexpr, BLOCKSIZE: tl.constexpr,
+                   LENGTH: tl.constexpr):  # fmt: skip
+    """(R, LENGTH) weights in `dtype`: codes start .. start + LENGTH of expert e's stored rows offs_run (R,),
+    the rows the codes run along (the forward's columns n of W_e = stored^T; the input gradient's rows k).
 
-    Column n's BLOCK_K codes are BLOCK_K / 8 consecutive words, and since a column starts on a quant block
-    (stride_wn % BLOCKSIZE == 0) and BLOCKSIZE % BLOCK_K == 0, one block scale: decoded as rows of the
-    transposed tile, then transposed (a change of layout, not a copy: the MMA reads its operand K-major). Word
-    offsets come from the word strides (an eighth of the element strides, passed as such): the JIT's
-    16-divisibility of those arguments, which dividing in the kernel would hide, lets the compiler prove each
-    run of words aligned for a vector load. Columns only are masked: K is a multiple of BLOCK_K here (ops.py)."""
-    col_ok = offs_n[:, None] < N  # (BN, 1)
-    first = e.to(tl.int64) * words_we + offs_n[:, None].to(tl.int64) * words_wn + k0 // 8
-    block = (e.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + k0) // BLOCKSIZE
-    scale = _block_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset2, block, col_ok, NESTED)
-    return tl.trans(_decode_nf4_rows(w_ptr, first, col_ok, scale, code, dtype, BLOCK_K // 8))
-
-
-@triton.jit
-def _load_nf4_n_tile(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_k, n0, K, stride_we,
-                     stride_wk, words_we, words_wk, dtype, NESTED: tl.constexpr, BLOCKSIZE: tl.constexpr,
-                     BLOCK_N: tl.constexpr):  # fmt: skip
-    """(BLOCK_K, BLOCK_N) tile n0.. of W_e[k, n] = stored[e, k, n] in `dtype` (the input gradient through the
-    transposed experts: k runs over `out`, n over `in`), N-contiguous: row k's BLOCK_N codes are BLOCK_N / 8
-    consecutive words with one block scale (stride_wk % BLOCKSIZE == 0, BLOCKSIZE % BLOCK_N == 0). Rows only
-    are masked: N is a multiple of BLOCK_N on this path (ops.py)."""
-    row_ok = offs_k[:, None] < K  # (BK, 1)
-    first = e.to(tl.int64) * words_we + offs_k[:, None].to(tl.int64) * words_wk + n0 // 8
-    block = (e.to(tl.int64) * stride_we + offs_k[:, None].to(tl.int64) * stride_wk + n0) // BLOCKSIZE
-    scale = _block_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset2, block, row_ok, NESTED)
-    return _decode_nf4_rows(w_ptr, first, row_ok, scale, code, dtype, BLOCK_N // 8)
+    A run starts on a quant block (stride_run % BLOCKSIZE == 0) and BLOCKSIZE % LENGTH == 0, so it has one block
+    scale, and it is LENGTH / 8 consecutive words. Word offsets come from the word strides (an eighth of the
+    element strides, passed as such): the JIT's 16-divisibility of those arguments, which dividing in the kernel
+    would hide, lets the compiler prove each run aligned for a vector load. Only runs are masked (run_ok, (R, 1)):
+    the packed dim is a multiple of LENGTH on these paths (ops.py)."""
+    run = e.to(tl.int64) * stride_we + offs_run[:, None].to(tl.int64) * stride_run  # (R, 1) flat index of code 0
+    first = e.to(tl.int64) * words_we + offs_run[:, None].to(tl.int64) * words_run + start // 8
+    scale = _block_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset2, (run + start) // BLOCKSIZE, run_ok, NESTED)
+    return _decode_nf4_rows(w_ptr, first, run_ok, scale, code, dtype, LENGTH // 8)
 
 
 @triton.jit
@@ -130,14 +114,10 @@ def _weight_dot(x, w, acc, SWAP_AB: tl.constexpr, IEEE: tl.constexpr, DOT_FP32: 
     """acc + x (M, K) @ w (K, N); with SWAP_AB the accumulator is the transposed (N, M) one and the product is
     taken as w^T x^T, so the weight's N fills the MMA's wide side (64) and the rows, few, its narrow side
     (down to 16): the weight is not padded to 64 rows of tokens that do not exist."""
-    if not SWAP_AB:
-        acc = _dot(x, w, acc, IEEE, DOT_FP32)
-    elif IEEE:
-        acc = tl.dot(tl.trans(w), tl.trans(x).to(tl.float32), acc, input_precision="ieee")
-    elif DOT_FP32:  # the weight rounded to the input dtype, as _dot rounds it
-        acc = tl.dot(tl.trans(w).to(x.dtype).to(tl.float32), tl.trans(x).to(tl.float32), acc, input_precision="ieee")
+    if SWAP_AB:  # the weight rounded to the input dtype first, as _dot rounds its second operand
+        acc = _dot(tl.trans(w).to(x.dtype), tl.trans(x), acc, IEEE, DOT_FP32)
     else:
-        acc = tl.dot(tl.trans(w).to(x.dtype), tl.trans(x), acc)
+        acc = _dot(x, w, acc, IEEE, DOT_FP32)
     return acc
 
 
@@ -286,19 +266,20 @@ def _grouped_matmul_kernel(
             x_ok = row_ok[:, None] & (offs_k[None, :] < K)
         x = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=x_ok, other=0.0)
         if K_PACKED:  # NF4 read along its contiguous dim K: each column's codes as words, one scale per column
-            w = _load_nf4_k_tile(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, k0, offs_n, N_W,
-                                 stride_we, stride_wn, words_we, words_wn, W_DTYPE, NESTED, BLOCKSIZE,
-                                 BLOCK_K)  # fmt: skip
-            acc = _weight_dot(x, w, acc, SWAP_AB, IEEE, DOT_FP32)
+            # Columns n of the tile are runs along K, decoded as rows and transposed (by layout, not a copy).
+            w = _load_nf4_runs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_n, k0,
+                               offs_n[:, None] < N_W, stride_we, stride_wn, words_we, words_wn, W_DTYPE, NESTED,
+                               BLOCKSIZE, BLOCK_K)  # fmt: skip
+            acc = _weight_dot(x, tl.trans(w), acc, SWAP_AB, IEEE, DOT_FP32)
             if GLU:
-                w = _load_nf4_k_tile(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, k0, offs_n + N,
-                                     N_W, stride_we, stride_wn, words_we, words_wn, W_DTYPE, NESTED, BLOCKSIZE,
-                                     BLOCK_K)  # fmt: skip
-                acc_up = _weight_dot(x, w, acc_up, SWAP_AB, IEEE, DOT_FP32)
+                w = _load_nf4_runs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_n + N, k0,
+                                   offs_n[:, None] < N, stride_we, stride_wn, words_we, words_wn, W_DTYPE, NESTED,
+                                   BLOCKSIZE, BLOCK_K)  # fmt: skip
+                acc_up = _weight_dot(x, tl.trans(w), acc_up, SWAP_AB, IEEE, DOT_FP32)
         elif N_PACKED:  # NF4 read along its contiguous dim N: each row's codes as words, one scale per row
-            w = _load_nf4_n_tile(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_k,
-                                 tl.program_id(1) * BLOCK_N, K, stride_we, stride_wk, words_we, words_wk, W_DTYPE,
-                                 NESTED, BLOCKSIZE, BLOCK_N)  # fmt: skip
+            w = _load_nf4_runs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_k,
+                               tl.program_id(1) * BLOCK_N, offs_k[:, None] < K, stride_we, stride_wk, words_we,
+                               words_wk, W_DTYPE, NESTED, BLOCKSIZE, BLOCK_N)  # fmt: skip
             acc = _weight_dot(x, w, acc, SWAP_AB, IEEE, DOT_FP32)
         else:
             w = _load_weight_tile(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_k, offs_n,
