@@ -59,8 +59,14 @@ def join(timeout_s: int) -> Ranks:
     return Ranks(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=local_rank)
 
 
-def leave(ranks: Ranks) -> None:
+def leave(ranks: Ranks, *, together: bool = True) -> None:
+    """Leave the process group. `together` (a run that ended normally): wait at a barrier first, so no rank
+    tears its group down while a peer is still in a collective with it; gloo can then abort the process
+    ("terminate called without an active exception", seen once in CI on a 2-rank FSDP step). After a failure
+    the barrier is skipped: the other ranks may never reach it."""
     if ranks.enabled and dist.is_initialized():
+        if together:
+            dist.barrier()
         dist.destroy_process_group()
 
 

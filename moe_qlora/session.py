@@ -113,8 +113,10 @@ def launched(cfg: RunConfig, console: Console | None) -> Iterator[tuple[Ranks, C
     ranks = join(cfg.train.dist_timeout_s)
     try:
         yield ranks, (console or Console()) if ranks.main else Console(quiet=True)
-    finally:
-        leave(ranks)
+    except BaseException:
+        leave(ranks, together=False)
+        raise
+    leave(ranks)
 
 
 def claim_output_dir_together(out: Path, cfg: RunConfig, ranks: Ranks, console: Console, *, overwrite: bool) -> None:
