@@ -109,7 +109,8 @@ def _packed_load_bytes(ttgir: str) -> int | None:
 
 def report(archs: list[int], shapes: list[str], *, candidates: bool = False, tokens: int = TOKENS) -> list[dict]:
     """One row per launch, shape and arch with the arch's default config; with `candidates`, one per autotune
-    candidate too (named launch@BLOCK_NxBLOCK_K/warps/stages)."""
+    candidate the autotuner times for the launch (named launch@BLOCK_NxBLOCK_K/warps/stages): every narrow one,
+    a wide one where it serves (ops.MatmulConfig.serves)."""
     rows = []
     for shape in shapes:
         for arch in archs:
@@ -129,13 +130,15 @@ def _report_config(shape: str, arch: int, config, tokens: int, tag: str) -> list
     for launch in launches:
         if tag and launch.name == "outer_product":  # not autotuned
             continue
+        c = launch.constexprs
+        if tag and not config.serves(bool(c.get("K_PACKED")), bool(c.get("GLU")), bool(c.get("SWAP_AB"))):
+            continue  # a wide candidate the autotuner never times for this launch (it ran the default)
         compiled = compile_as_jit(launch, arch)
         meta = compiled.metadata
         regs, spilled = resource_usage(compiled)
         loop = innermost_loop(sass_of(compiled.asm["cubin"]))
         mma = sum(_is_mma(_opcode(x)) for x in loop)
         non_mma = len(loop) - mma
-        c = launch.constexprs
         nf4 = bool(c.get("W_NF4"))
         # Weight elements decoded per K-step: a BLOCK_K x BLOCK_N tile (two with the fused gate/up). SASS
         # runs per thread, and a thread decodes 1 / (32 x warps) of them.

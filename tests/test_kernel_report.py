@@ -2,8 +2,8 @@
 subprocess without TRITON_INTERPRET (the interpreter replaces the jitted functions), at Qwen3-30B-A3B's real
 shapes for sm_80 and sm_90 with each architecture's default config: the JSON has the keys the issue asks for,
 and item 4's targets are held where they are met (no spills, packed codes read 16 bytes at a time on sm_90)
-and today's readings pinned where they are not (non-MMA instructions per decoded element: 7.4-9.2 on sm_90,
-13.2-16.5 on sm_80, against the issue's target of 6)."""
+and today's readings pinned where they are not (non-MMA instructions per decoded element: 7.4-8.7 on sm_90,
+13.2-16.1 on sm_80, against the issue's target of 6)."""
 
 import json
 import os
@@ -58,13 +58,14 @@ def test_item4_targets_that_are_met(report, arch):
 
 
 def test_instructions_per_decoded_element_as_measured(report):
-    """Pinned readings of today's decode (the issue measured ~30 before; 16.8-23.2 at the previous commit):
-    sm_90 gate_up 7.4, down 8.7, input gradients 9.2; sm_80 13.2-16.5. A regression past these bounds fails.
+    """Pinned readings of today's decode at the default config (the issue measured ~30 before; 16.8-23.2 two
+    commits before the packed paths): sm_90 gate_up 7.4, down 8.7, input gradients 8.7 (9.2 before their
+    K-steps went unmasked); sm_80 13.2-16.1. A regression past these bounds fails.
     The ceilings instruction issue then implies on sm_90: over 45% of tensor peak for gate_up (was 23.6%)."""
     sm90, sm80 = nf4_rows(report, "90"), nf4_rows(report, "80")
     assert sm90["gate_up_nf4_nested_silu_mul"]["instr_per_weight_element"] < 8
-    assert all(r["instr_per_weight_element"] < 10 for r in sm90.values())
-    assert all(r["instr_per_weight_element"] < 17.5 for r in sm80.values())
+    assert all(r["instr_per_weight_element"] < 9 for r in sm90.values())
+    assert all(r["instr_per_weight_element"] < 16.5 for r in sm80.values())
     assert sm90["gate_up_nf4_nested_silu_mul"]["tensor_core_ceiling_pct"] > 45
     assert all(r["hbm_ceiling_pct"] > 45 for r in sm90.values())
 
@@ -121,7 +122,13 @@ def test_every_autotune_candidate_compiles_without_spills(tokens):
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     from moe_qlora.kernels.ops import MATMUL_CONFIGS
 
-    assert len(rows) == 5 * sum(len(c) for c in MATMUL_CONFIGS.values())  # 5 autotuned launches per candidate
+    # 5 autotuned launches per narrow candidate; a wide one (128 columns) only where it serves: the down
+    # projection in 64-row tiles, both forward projections in swapped 16-row ones.
+    narrow = sum(not c.wide for cs in MATMUL_CONFIGS.values() for c in cs)
+    wide = {(r["arch"], r["name"].split("/")[1].split("@")[0]) for r in rows if r["blocks"][1] == 128}
+    served = ["down_nf4_nested"] + (["gate_up_nf4_nested_silu_mul"] if tokens == 32 else [])
+    assert wide == {(arch, name) for arch in ("80", "90") for name in served}
+    assert len(rows) == 5 * narrow + len(wide)
     assert all(r["swap_ab"] == (tokens == 32 and "nf4" in r["name"]) for r in rows)
     bad = [(r["name"], r["arch"], r["spills"]) for r in rows
            if r["spills"] or r["smem_bytes"] > SHARED_MEMORY_LIMIT[r["arch"]]]  # fmt: skip
@@ -204,5 +211,7 @@ print(json.dumps(out))
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(rows) == 4 * 2 * 6 * 2
+    from moe_qlora.kernels.ops import MATMUL_CONFIGS
+
+    assert len(rows) == len(MATMUL_CONFIGS[80]) * 2 * 6 * 2  # candidates x token counts x launches x archs
     assert [r for r in rows if r[3] > 99 * 1024 or r[4]] == []

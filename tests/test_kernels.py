@@ -263,9 +263,9 @@ def test_column_pair_nf4_path_of_the_input_gradient_matches_reference(dev, dtype
     """The input gradient's NF4 path (g W through the transposed experts) at each architecture's default
     blocks: codes read as 4-byte words along the stored `in` dim, which is N here, their nibbles interleaved
     back into column order in registers, one block scale per row (N_PACKED). K = 80 is not a multiple of
-    BLOCK_K; N = 128 is two N tiles. Checked to be the path taken, against the reference, with the fused LoRA
-    term too; the broken control (the two nibbles of a byte swapped: columns n and n + 1 exchanged) is off by
-    O(1)."""
+    BLOCK_K, so the rows stay masked (EVEN_K off); N = 128 is two N tiles. Checked to be the path taken,
+    against the reference, with the fused LoRA term too; the broken control (the two nibbles of a byte
+    swapped: columns n and n + 1 exchanged) is off by O(1)."""
 
     default_blocks(monkeypatch, arch, swap=swap)
     offsets = offsets_of(ROUTINGS["ragged"])
@@ -277,7 +277,7 @@ def test_column_pair_nf4_path_of_the_input_gradient_matches_reference(dev, dtype
     launches = recorded_launches(monkeypatch)
     expected = grouped_matmul_reference(x, weight, offsets, lora=low_rank)
     got = grouped_matmul(x, weight, offsets, lora=low_rank)
-    assert [(flags["N_PACKED"], flags["SWAP_AB"]) for flags in launches] == [(True, swap)]
+    assert [(flags["N_PACKED"], flags["SWAP_AB"], flags["EVEN_K"]) for flags in launches] == [(True, swap, False)]
     if dtype == torch.float32:
         torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
     else:
@@ -307,13 +307,64 @@ def test_codes_not_on_a_4_byte_boundary_take_the_byte_path(dev, monkeypatch):
 
 
 def test_every_autotune_candidate_takes_the_packed_paths():
-    """The packed paths are chosen on the host before the autotuner picks a config, so every candidate must
-    keep a tile step within one of bitsandbytes' 64-code quant blocks along K and N (and a half step >= 16);
-    a 128-wide step would silently send the words to the byte-reading path. The control: such a config fails."""
+    """The packed paths are chosen on the host before the autotuner picks a config, so every narrow candidate
+    must keep a tile step within one of bitsandbytes' 64-code quant blocks along K and N (and a half step >= 16),
+    and every wide one (128 columns, timed only on the K_PACKED path it serves) along K. The default is narrow.
+    The control: a 128-wide step does not pack along N, a 16-deep one not along K."""
     from moe_qlora.kernels.ops import MATMUL_CONFIGS, MatmulConfig
 
-    assert all(c.packs(64, along_n=False) and c.packs(64, along_n=True) for cs in MATMUL_CONFIGS.values() for c in cs)
+    assert all(not cs[0].wide for cs in MATMUL_CONFIGS.values())
+    assert all(c.packs(64, along_n=False) and (c.wide or c.packs(64, along_n=True))
+               for cs in MATMUL_CONFIGS.values() for c in cs)  # fmt: skip
     assert not MatmulConfig(128, 64).packs(64, along_n=True) and not MatmulConfig(64, 16).packs(64, along_n=False)
+
+
+def test_wide_candidates_serve_only_the_launches_they_fit():
+    """A 128-column candidate is timed for the forward's K_PACKED launches with one accumulator, or with two in
+    swapped 16-row tiles, and never for the N_PACKED input gradient (whose row steps it would split between
+    quant blocks) nor the byte path; a launch with only a wide candidate pinned runs the shipped default."""
+    wide, narrow = ops.MatmulConfig(128, 64), ops.MatmulConfig(64, 64)
+    assert wide.serves(True, False, False) and wide.serves(True, True, True)
+    assert not wide.serves(True, True, False) and not wide.serves(False, False, False)
+    assert all(narrow.serves(*flags) for flags in [(True, True, False), (False, False, False), (False, True, True)])
+    configs = ops.MATMUL_CONFIGS[90]
+    assert ops.launch_candidates(configs, "cpu", k_packed=True, glu=False, swap=False) == configs
+    assert ops.launch_candidates(configs, "cpu", k_packed=False, glu=False, swap=False) == configs[:-1]
+    assert ops.launch_candidates([wide], "cpu", k_packed=False, glu=False, swap=True) == [ops.DEFAULT_CONFIGS[90]]
+    assert ops.path_candidates(configs, "cpu") == configs[:-1]
+
+
+@pytest.mark.parametrize("glu", [False, True], ids=["down", "gate_up"])
+def test_wide_tiles_match_reference(dev, glu, monkeypatch):
+    """The wide candidate pinned (sm_90's 128 x 64, 4 warps): the down projection in 64-row tiles and gate_up in
+    swapped 16-row ones run with BLOCK_N 128 on the K_PACKED path and match the reference (fp32: 1e-5, as the
+    other NF4 paths; N = 200 is two 128-column blocks, the second partial); the input gradient (N_PACKED),
+    which the wide tile does not serve, runs at the default's 64 columns on its packed path. Control: one
+    expert's codes rolled to the next expert is off by O(1)."""
+    default_blocks(monkeypatch, 90, swap=glu)
+    offsets = offsets_of(ROUTINGS["ragged"])
+    stack = nf4_stack(6, 200 * (2 if glu else 1), 128, double_quant=True, seed=51, device=dev)
+    weight = GroupedWeight.quantized(stack, transpose=True)
+    x = (0.3 * torch.randn(offsets[-1], 128, generator=torch.Generator().manual_seed(52))).to(dev)
+    launches = recorded_launches(monkeypatch)
+
+    def run(w):
+        return grouped_matmul_silu_mul(x, w, offsets)[0] if glu else grouped_matmul(x, w, offsets)
+
+    expected = (grouped_matmul_silu_mul_reference(x, weight, offsets)[0] if glu
+                else grouped_matmul_reference(x, weight, offsets))  # fmt: skip
+    with ops.pinned_config(90, ops.MatmulConfig(128, 64, 4, 3)):
+        got = run(weight)
+        rolled = NF4Stack(stack.packed.roll(1, 0), stack.absmax, stack.nested, stack.shape, stack.blocksize)
+        broken = run(GroupedWeight.quantized(rolled, transpose=True))
+        g = torch.randn(offsets[-1], 128, generator=torch.Generator().manual_seed(53)).to(dev)
+        input_grad = grouped_matmul(g, GroupedWeight.quantized(nf4_stack(6, 128, 64, seed=54, device=dev),
+                                                               transpose=False), offsets)  # fmt: skip
+    assert [(f["K_PACKED"], f["BLOCK_N"], f["SWAP_AB"]) for f in launches[:2]] == [(True, 128, glu)] * 2
+    assert (launches[2]["N_PACKED"], launches[2]["BLOCK_N"]) == (True, ops.DEFAULT_CONFIGS[90].block_n)
+    assert input_grad.shape == (offsets[-1], 64)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert (broken - expected).abs().max() > 0.1
 
 
 def test_autotuning_is_on_by_default_and_switched_off_by_the_environment(monkeypatch):
@@ -358,7 +409,7 @@ def test_launch_goes_through_the_autotuner_unless_switched_off(monkeypatch):
             return lambda *args, **kwargs: calls.append((self.name, grid, kwargs))
 
     monkeypatch.setattr(ops, "_interpreted", lambda: False)
-    monkeypatch.setattr(ops, "_autotuned_matmul", lambda arch: Recorder(f"autotuned_{arch}"))
+    monkeypatch.setattr(ops, "_autotuned_matmul", lambda arch, configs: Recorder(f"autotuned_{arch}_{len(configs)}"))
     monkeypatch.setattr(triton_kernels, "_grouped_matmul_kernel", Recorder("plain"))
     monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
     monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", "90")
@@ -370,7 +421,8 @@ def test_launch_goes_through_the_autotuner_unless_switched_off(monkeypatch):
     monkeypatch.setenv("MOE_QLORA_AUTOTUNE", "0")
     grouped_matmul(x, weight, offsets)
     (tuned, tuned_grid, tuned_kw), (plain, plain_grid, plain_kw) = calls
-    assert tuned == "autotuned_90" and "BLOCK_N" not in tuned_kw and tuned_kw["K_PACKED"]
+    # The forward's K_PACKED launch (one accumulator) times every candidate, the wide one too.
+    assert tuned == f"autotuned_90_{len(ops.MATMUL_CONFIGS[90])}" and "BLOCK_N" not in tuned_kw and tuned_kw["K_PACKED"]
     assert tuned_grid({"BLOCK_N": 32})[1] == 7 and tuned_grid({"BLOCK_N": 64})[1] == 4  # N = 200
     default = ops.MATMUL_CONFIGS[90][0]
     assert plain == "plain" and plain_kw["BLOCK_N"] == default.block_n and plain_kw["BLOCK_K"] == default.block_k
@@ -383,7 +435,7 @@ def test_the_autotuner_is_built_over_the_architectures_candidates():
     code = """
 import json
 from moe_qlora.kernels import ops
-t = ops._autotuned_matmul(80)
+t = ops._autotuned_matmul(80, tuple(ops.MATMUL_CONFIGS[80]))
 configs = [[c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages] for c in t.configs]
 print(json.dumps({"type": type(t).__name__, "keys": t.keys, "fn": t.fn.__name__, "configs": configs}))
 """
@@ -437,6 +489,7 @@ def test_split_k_matches_reference_and_is_deterministic(dev, dtype, atol, rtol, 
               "n_packed_input_grad": (False, True), "bytes": (False, False)}[path]  # fmt: skip
     assert (launches[0]["K_PACKED"], launches[0]["N_PACKED"]) == packed
     assert launches[0]["SWAP_AB"] == (path == "k_packed_swapped_down")
+    assert launches[0]["EVEN_K"] == (path != "bytes")  # K = 384: whole 64-wide steps, unmasked; 392 is not
     if dtype == torch.float32:
         torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
     else:

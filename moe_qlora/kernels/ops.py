@@ -130,6 +130,20 @@ class MatmulConfig:
         step = self.block_n if along_n else self.block_k
         return blocksize % step == 0 and step >= 32
 
+    @property
+    def wide(self) -> bool:
+        """A tile wider than one quant block along N (128 columns): twice the weights decoded per K-step for the
+        same x tile and loop bookkeeping, so fewer instructions per decoded weight (Qwen3-30B-A3B's down
+        projection on sm_90: 6.8 instead of 8.7), but it cannot take the N_PACKED path (one block scale per row
+        of a step) and its accumulators fill the registers."""
+        return self.block_n > 64
+
+    def serves(self, k_packed: bool, glu: bool, swap: bool) -> bool:
+        """Whether the autotuner times this candidate for a launch: a wide one only on the forward's K_PACKED
+        path with one accumulator, or two (gate and up) in swapped 16-row tiles; elsewhere it spills
+        (scripts/kernel_report.py --candidates)."""
+        return not self.wide or (k_packed and (not glu or swap))
+
 
 BLOCK_M = 64
 # Rows per expert (on average: known on the host without a sync) at or below which the packed NF4 paths compute
@@ -143,16 +157,19 @@ SWAP_AB_BLOCK_M = 16
 # K-steps), and a second launch adds the partial sums in split order: deterministic, no atomics.
 SPLIT_K_MAX = 4
 # Candidates per GPU architecture (compute capability x 10), the first the default: used when autotuning is off
-# (MOE_QLORA_AUTOTUNE=0), in the interpreter, and by the ahead-of-time report. Every candidate packs NF4 at
-# bitsandbytes' blocksize 64, so the packed paths do not depend on the choice. The defaults were picked from
+# (MOE_QLORA_AUTOTUNE=0), in the interpreter, and by the ahead-of-time report. Every narrow candidate packs NF4
+# at bitsandbytes' blocksize 64 along K and N, so the packed paths do not depend on the choice; the wide ones
+# (last) are timed only for the launches they serve (MatmulConfig.serves). The defaults were picked from
 # scripts/kernel_report.py (fewest non-MMA instructions per decoded weight without spills, at Qwen3-30B-A3B and
-# Mixtral-8x7B shapes); the rest are for the autotuner to time on the GPU.
+# Mixtral-8x7B shapes, for every launch); the rest are for the autotuner to time on the GPU.
 MATMUL_CONFIGS = {
     90: [MatmulConfig(64, 64, 4, 3), MatmulConfig(64, 64, 4, 4), MatmulConfig(64, 32, 4, 4),
-         MatmulConfig(32, 64, 4, 3)],
+         MatmulConfig(32, 64, 4, 3), MatmulConfig(128, 64, 4, 3)],
     80: [MatmulConfig(64, 32, 4, 3), MatmulConfig(64, 64, 8, 3), MatmulConfig(32, 32, 4, 3),
-         MatmulConfig(64, 32, 4, 4)],
+         MatmulConfig(64, 32, 4, 4), MatmulConfig(128, 32, 4, 3)],
 }  # fmt: skip
+# The arch defaults as shipped: what a launch no pinned candidate serves falls back to (ops.pinned_config).
+DEFAULT_CONFIGS = {arch: configs[0] for arch, configs in MATMUL_CONFIGS.items()}
 OUTER_BLOCKS = (64, 64, 32)  # OUT_PROD_ID: BLOCK_M, BLOCK_N, BLOCK_S, not autotuned
 TARGET_ARCH_ENV = "MOE_QLORA_TARGET_ARCH"  # the architecture whose configs a launch on a CPU tensor records
 
@@ -276,16 +293,36 @@ _MATMUL_TUNE_KEYS = ["K", "N", "R", "BLOCK_M", "W_NF4", "NESTED", "GATHER", "GLU
 
 
 @functools.cache
-def _autotuned_matmul(arch: int):
-    """_grouped_matmul_kernel under Triton's autotuner over `arch`'s candidates, timed once per key (shapes and
-    variant) on first use; the kernel only writes its outputs, so repeated timing runs are harmless."""
+def _autotuned_matmul(arch: int, candidates: tuple[MatmulConfig, ...]):
+    """_grouped_matmul_kernel under Triton's autotuner over `candidates` (those of `arch`'s list that serve the
+    launch), timed once per key (shapes and variant) on first use; the kernel only writes its outputs, so
+    repeated timing runs are harmless."""
     import triton
 
     from .triton_kernels import _grouped_matmul_kernel
 
     configs = [triton.Config({"BLOCK_N": c.block_n, "BLOCK_K": c.block_k}, num_warps=c.num_warps,
-                             num_stages=c.num_stages) for c in MATMUL_CONFIGS[arch]]  # fmt: skip
+                             num_stages=c.num_stages) for c in candidates]  # fmt: skip
     return triton.autotune(configs=configs, key=_MATMUL_TUNE_KEYS)(_grouped_matmul_kernel)
+
+
+def path_candidates(configs: list[MatmulConfig], device) -> list[MatmulConfig]:
+    """The candidates a launch's path (packed along K, along N, or bytes) is chosen over: the narrow ones (a
+    wide one is then timed only where it serves the path), the shipped default if only a wide one is pinned,
+    or the block override as given."""
+    if block_override() is not None:
+        return configs
+    return [c for c in configs if not c.wide] or [DEFAULT_CONFIGS[target_arch(device)]]
+
+
+def launch_candidates(configs: list[MatmulConfig], device, *, k_packed: bool, glu: bool,
+                      swap: bool) -> list[MatmulConfig]:  # fmt: skip
+    """The candidates that serve a launch (MatmulConfig.serves), in list order so the default stays first; if
+    none does (a wide config pinned by pinned_config), the architecture's shipped default. The block override
+    is kept as given."""
+    if block_override() is not None:
+        return configs
+    return [c for c in configs if c.serves(k_packed, glu, swap)] or [DEFAULT_CONFIGS[target_arch(device)]]
 
 
 def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu: bool, keep_y: bool):
@@ -308,16 +345,18 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
     out, act_out = (y if y is not None else act), (act if act is not None else x)
     # NF4 read along its contiguous dim as whole 4-byte words: each column (K_PACKED, the forward) or row
     # (N_PACKED, through the transposed experts) of a tile starts on a quant block, and with every candidate
-    # config a tile step stays within one.
+    # the path is chosen over a tile step stays within one.
+    narrow = path_candidates(configs, x.device)
     words = q is not None and q.packed.is_contiguous() and q.packed.storage_offset() % 4 == 0 and \
         se % q.blocksize == 0  # fmt: skip
-    k_packed = words and sk == 1 and sn % q.blocksize == 0 and all(c.packs(q.blocksize, False) for c in configs)
+    k_packed = words and sk == 1 and sn % q.blocksize == 0 and all(c.packs(q.blocksize, False) for c in narrow)
     n_packed = words and not glu and sn == 1 and sk % q.blocksize == 0 and \
-        all(c.packs(q.blocksize, True) for c in configs)  # fmt: skip
+        all(c.packs(q.blocksize, True) for c in narrow)  # fmt: skip
     w = weight.data.view(torch.int32) if k_packed or n_packed else weight.data
     swap = (k_packed or n_packed) and block_override() is None and num_rows <= SWAP_AB_MAX_ROWS * weight.shape[0]
     if swap:
         bm = SWAP_AB_BLOCK_M
+    configs = launch_candidates(configs, x.device, k_packed=k_packed, glu=glu, swap=swap)
     tiles = expert_tiles(device_offsets(offsets, x.device), num_rows, bm)
     default = configs[0]
     n_blocks = -(-n // default.block_n)
@@ -325,7 +364,7 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
     if split > 1:  # both launches must agree on the blocks: the default config, not autotuned
         configs = configs[:1]
     if len(configs) > 1:
-        kernel, meta = _autotuned_matmul(target_arch(x.device)), {}
+        kernel, meta = _autotuned_matmul(target_arch(x.device), tuple(configs)), {}
     else:
         kernel = triton_kernels._grouped_matmul_kernel
         meta = dict(BLOCK_N=default.block_n, BLOCK_K=default.block_k, num_warps=default.num_warps,
@@ -343,7 +382,8 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
     flags = dict(
         W_NF4=q is not None, NESTED=nested, GATHER=gather is not None, HAS_BIAS=bias is not None,
         HAS_LORA=lora is not None, GLU=glu, STORE_Y=keep_y, K_PACKED=k_packed, N_PACKED=n_packed, SWAP_AB=swap,
-        SPLIT_K=split, BLOCKSIZE=q.blocksize if q else 64, IEEE=x.dtype == torch.float32, DOT_FP32=_interpreted(),
+        SPLIT_K=split, EVEN_K=all(weight.k % c.block_k == 0 for c in configs), BLOCKSIZE=q.blocksize if q else 64,
+        IEEE=x.dtype == torch.float32, DOT_FP32=_interpreted(),
         BLOCK_M=bm, **meta,
     )  # fmt: skip
     if split == 1:

@@ -196,7 +196,7 @@ def _grouped_matmul_kernel(
     stride_ln, stride_ym, stride_yn, stride_am, stride_an,
     W_NF4: tl.constexpr, NESTED: tl.constexpr, GATHER: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr, GLU: tl.constexpr, STORE_Y: tl.constexpr, K_PACKED: tl.constexpr, N_PACKED: tl.constexpr,
-    SWAP_AB: tl.constexpr, SPLIT_K: tl.constexpr, PHASE: tl.constexpr,
+    SWAP_AB: tl.constexpr, SPLIT_K: tl.constexpr, PHASE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCKSIZE: tl.constexpr, IEEE: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -260,7 +260,7 @@ def _grouped_matmul_kernel(
         k_hi = 0
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        if K_PACKED:  # K is a multiple of BLOCK_K: only rows masked, so the row's bytes load as one vector
+        if K_PACKED or EVEN_K:  # K a multiple of BLOCK_K: only rows masked, so a row's K-run loads as one vector
             x_ok = row_ok[:, None]
         else:
             x_ok = row_ok[:, None] & (offs_k[None, :] < K)
@@ -277,8 +277,12 @@ def _grouped_matmul_kernel(
                                    BLOCKSIZE, BLOCK_K)  # fmt: skip
                 acc_up = _weight_dot(x, tl.trans(w), acc_up, SWAP_AB, IEEE, DOT_FP32)
         elif N_PACKED:  # NF4 read along its contiguous dim N: each row's codes as words, one scale per row
+            if EVEN_K:  # every row of the step exists: no mask, no predicate per load
+                k_ok = tl.full((BLOCK_K, 1), 1, tl.int1)
+            else:
+                k_ok = offs_k[:, None] < K
             w = _load_nf4_runs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_k,
-                               tl.program_id(1) * BLOCK_N, offs_k[:, None] < K, stride_we, stride_wk, words_we,
+                               tl.program_id(1) * BLOCK_N, k_ok, stride_we, stride_wk, words_we,
                                words_wk, W_DTYPE, NESTED, BLOCKSIZE, BLOCK_N)  # fmt: skip
             acc = _weight_dot(x, w, acc, SWAP_AB, IEEE, DOT_FP32)
         else:
