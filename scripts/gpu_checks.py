@@ -4,7 +4,7 @@ default config bit for bit (so the autotuner's pick cannot change a result); the
 shared-memory figures for every Triton kernel variant it compiled. Prints a table, a verdict per check and
 JSON (--json PATH also writes it).
 
-    python scripts/gpu_checks.py [--tokens 2048] [--json out.json]
+    python scripts/gpu_checks.py [--tokens 2048] [--tall-tokens 8192] [--json out.json]
 
 Layer: Qwen3-30B-A3B's expert shapes (hidden 2048, 128 experts of 768, top-8), NF4, bf16 activations, LoRA r16,
 forward + backward, for kernels triton, grouped_mm and auto.
@@ -114,6 +114,7 @@ def live_kernel_figures() -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--tall-tokens", type=int, default=8192, help="tokens at which launches take 128-row tiles")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -125,7 +126,10 @@ def main() -> None:
         results["syncs"][kernels] = count_syncs(module, x, idx, weights)
         results["bit_identical"][kernels] = bit_identical(module, x, idx, weights)
         del module
-    results["candidates_bit_identical"] = candidates_agree(x, idx, weights)
+    # Twice: at --tokens (64-row tiles at 2048) and at --tall-tokens (128 rows per expert tile and its own
+    # candidates at 8192: 512 rows per expert), each against the first config of the list.
+    tall = {f"{name} @{args.tall_tokens}": same for name, same in candidates_agree(*routing(args.tall_tokens)).items()}
+    results["candidates_bit_identical"] = candidates_agree(x, idx, weights) | tall
     results["kernels"] = live_kernel_figures()
     print(f"{'kernels':<12}{'syncs per layer fwd+bwd':>26}{'two steps bit-identical':>26}")
     for k in results["syncs"]:

@@ -108,31 +108,45 @@ def _packed_load_bytes(ttgir: str) -> int | None:
 
 
 def report(archs: list[int], shapes: list[str], *, candidates: bool = False, tokens: int = TOKENS) -> list[dict]:
-    """One row per launch, shape and arch with the arch's default config; with `candidates`, one per autotune
-    candidate the autotuner times for the launch (named launch@BLOCK_NxBLOCK_K/warps/stages): every narrow one,
-    a wide one where it serves (ops.MatmulConfig.serves)."""
+    """One row per launch, shape and arch with the config it takes when not autotuned (its class's default:
+    ops.launch_candidates); with `candidates`, one per autotune candidate the autotuner times for the launch
+    (named launch@BLOCK_MxBLOCK_NxBLOCK_K/warps/stages; ops.MatmulConfig.serves) instead."""
     rows = []
     for shape in shapes:
         for arch in archs:
-            configs = ops.MATMUL_CONFIGS[arch] if candidates else ops.MATMUL_CONFIGS[arch][:1]
-            for config in configs:
-                rows += _report_config(shape, arch, config, tokens, tag=f"@{config.block_n}x{config.block_k}/"
-                                       f"{config.num_warps}/{config.num_stages}" if candidates else "")  # fmt: skip
+            for config in ops.MATMUL_CONFIGS[arch] if candidates else [None]:
+                rows += _report_config(shape, arch, config, tokens)
     return rows
 
 
-def _report_config(shape: str, arch: int, config, tokens: int, tag: str) -> list[dict]:
+def _tag(config) -> str:
+    return f"@{config.block_m}x{config.block_n}x{config.block_k}/{config.num_warps}/{config.num_stages}"
+
+
+def _timed_for(launch, config, tall: bool) -> bool:
+    """Whether the autotuner times `config` for this launch (ops.MatmulConfig.serves; `tall`: the launch has
+    the rows per expert of the 128-row class) and the launch recorded with it pinned ran it (not the shipped
+    default a pinned config that does not serve falls back to)."""
+    c, kw = launch.constexprs, launch.kwargs
+    if not config.serves(bool(c.get("K_PACKED")), bool(c.get("GLU")), bool(c.get("SWAP_AB")), tall):
+        return False
+    rows = 64 if c.get("SWAP_AB") else c["BLOCK_M"]  # swapped 16-row tiles run the 64-row class's configs
+    ran = (rows, c["BLOCK_N"], c["BLOCK_K"], kw["num_warps"], kw["num_stages"])
+    return ran == (config.block_m, config.block_n, config.block_k, config.num_warps, config.num_stages)
+
+
+def _report_config(shape: str, arch: int, config, tokens: int) -> list[dict]:
     hidden, inter, experts, top_k = SHAPES[shape]
     with ops.pinned_config(arch, config):
         launches = capture_launches(hidden=hidden, inter=inter, experts=experts, top_k=top_k, tokens=tokens,
                                     rank=RANK, arch=arch)  # fmt: skip
     rows = []
     for launch in launches:
-        if tag and launch.name == "outer_product":  # not autotuned
-            continue
+        tall = tokens * top_k >= ops.TALL_MIN_ROWS * experts and not launch.constexprs.get("SWAP_AB")
+        if config is not None and (launch.name == "outer_product" or not _timed_for(launch, config, tall)):
+            continue  # not autotuned, or a candidate the autotuner never times for this launch
+        tag = _tag(config) if config is not None else ""
         c = launch.constexprs
-        if tag and not config.serves(bool(c.get("K_PACKED")), bool(c.get("GLU")), bool(c.get("SWAP_AB"))):
-            continue  # a wide candidate the autotuner never times for this launch (it ran the default)
         compiled = compile_as_jit(launch, arch)
         meta = compiled.metadata
         regs, spilled = resource_usage(compiled)

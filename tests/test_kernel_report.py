@@ -109,11 +109,11 @@ def test_the_packed_load_width_is_read_from_the_byte_tiles_layout():
     assert _packed_load_bytes(ttgir.replace("32x32x!tt.ptr<i8>", "32x32x!tt.ptr<bf16>")) is None
 
 
-@pytest.mark.parametrize("tokens", [2048, 32], ids=["64_row_tiles", "swapped_16_row_tiles"])
+@pytest.mark.parametrize("tokens", [2048, 32, 8192], ids=["64_row_tiles", "swapped_16_row_tiles", "128_row_tiles"])
 def test_every_autotune_candidate_compiles_without_spills(tokens):
-    """The autotuner may pick any candidate on the GPU, so each is held to item 4's no-spill target and the
-    shared-memory limit, at Qwen3-30B-A3B shapes, for both architectures, with many rows per expert and with
-    few (the swapped tiles)."""
+    """The autotuner may pick any candidate that serves a launch on the GPU, so each is held to item 4's no-spill
+    target and the shared-memory limit, at Qwen3-30B-A3B shapes, for both architectures: 128 rows per expert
+    (64-row tiles), 2 (swapped 16-row tiles) and 512 (the tall class's 128-row tiles)."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_QLORA_TRITON_BLOCKS")}
     proc = subprocess.run([sys.executable, "scripts/kernel_report.py", "--candidates", "--shape", "qwen3-30b-a3b",
                            "--tokens", str(tokens), "--json"], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -122,13 +122,18 @@ def test_every_autotune_candidate_compiles_without_spills(tokens):
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     from moe_qlora.kernels.ops import MATMUL_CONFIGS
 
-    # 5 autotuned launches per narrow candidate; a wide one (128 columns) only where it serves: the down
-    # projection in 64-row tiles, both forward projections in swapped 16-row ones.
-    narrow = sum(not c.wide for cs in MATMUL_CONFIGS.values() for c in cs)
+    # 5 autotuned launches per narrow candidate of the class; a wide one (128 columns) only where it serves:
+    # the down projection in 64- and 128-row tiles, both forward projections in swapped 16-row ones; a tall
+    # one in 4 warps not for gate_up (its two 128-row accumulators spill there).
+    tall = tokens == 8192
+    narrow = sum(not c.wide and c.tall == tall and not (tall and c.num_warps < 8) for cs in MATMUL_CONFIGS.values()
+                 for c in cs)  # fmt: skip
+    four_warp_tall = sum(c.tall and not c.wide and c.num_warps < 8 for cs in MATMUL_CONFIGS.values() for c in cs)
     wide = {(r["arch"], r["name"].split("/")[1].split("@")[0]) for r in rows if r["blocks"][1] == 128}
     served = ["down_nf4_nested"] + (["gate_up_nf4_nested_silu_mul"] if tokens == 32 else [])
     assert wide == {(arch, name) for arch in ("80", "90") for name in served}
-    assert len(rows) == 5 * narrow + len(wide)
+    assert len(rows) == 5 * narrow + (4 * four_warp_tall if tall else 0) + len(wide)
+    assert all(r["blocks"][0] == (128 if tall else 16 if tokens == 32 and "nf4" in r["name"] else 64) for r in rows)
     assert all(r["swap_ab"] == (tokens == 32 and "nf4" in r["name"]) for r in rows)
     bad = [(r["name"], r["arch"], r["spills"]) for r in rows
            if r["spills"] or r["smem_bytes"] > SHARED_MEMORY_LIMIT[r["arch"]]]  # fmt: skip
@@ -150,6 +155,25 @@ def test_few_rows_per_expert_take_swapped_16_row_tiles():
     assert not rows["lora_a_dense"]["swap_ab"]  # dense weights: the plain tiles
     assert all(r["spills"] == 0 and r["widest_packed_load_bytes"] == 16 for r in nf4.values())
     assert all(r["instr_per_weight_element"] < 10 for r in nf4.values())
+
+
+def test_many_rows_per_expert_take_128_row_tiles():
+    """At 8192 tokens (Qwen3-30B-A3B: 512 rows per expert, past ops.TALL_MIN_ROWS) every grouped launch takes
+    the tall class's 128-row tiles at its default (gate_up in 8 warps), without spills, and the issue-bound
+    ceilings rise from 45-53% of tensor peak at 64-row tiles (sm_90) to 77-86%, from 47-56% to 70-82% on sm_80."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_QLORA_TRITON_BLOCKS")}
+    proc = subprocess.run([sys.executable, "scripts/kernel_report.py", "--shape", "qwen3-30b-a3b", "--tokens",
+                           "8192", "--json"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {(r["arch"], r["name"].split("/", 1)[1]): r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+    grouped = {key: r for key, r in rows.items() if key[1] != "outer_product"}
+    assert len(grouped) == 10 and all(r["blocks"][0] == 128 and r["spills"] == 0 for r in grouped.values())
+    assert all(r["warps"] == (8 if "gate_up_nf4_nested_silu" in name else 4) for (_, name), r in grouped.items())
+    nf4 = {key: r for key, r in grouped.items() if "nf4" in key[1]}
+    floor = {"90": 75, "80": 65}  # % of tensor peak; at 64-row tiles: 45-53 (sm_90), 47-56 (sm_80)
+    assert all(r["tensor_core_ceiling_pct"] > floor[arch] for (arch, _), r in nf4.items())
+    assert all(r["widest_packed_load_bytes"] >= 8 for r in nf4.values())
 
 
 def test_split_k_launches_compile_without_spills():
@@ -189,7 +213,8 @@ print(json.dumps(out))
 
 def test_the_24_gb_cards_compile_within_their_shared_memory():
     """RTX 3090 / 4090 class GPUs (sm_86, sm_89) take sm_80's list (ops.target_arch) but allow a block only
-    99 KB of shared memory: every candidate, at 2048 and 32 Qwen3-30B-A3B tokens, compiled for them, fits it
+    99 KB of shared memory: every candidate, at 2048, 32 and 8192 Qwen3-30B-A3B tokens (64-row, swapped and
+    128-row tiles; a candidate that does not serve a launch compiles the default there), compiled for them, fits it
     without spills."""
     code = """
 import json, sys
@@ -200,7 +225,7 @@ from moe_qlora.kernels.aot import capture_launches, compile_as_jit
 out = []
 for config in list(ops.MATMUL_CONFIGS[80]):
     ops.MATMUL_CONFIGS[80] = [config]
-    for tokens in (2048, 32):
+    for tokens in (2048, 32, 8192):
         for launch in capture_launches(hidden=2048, inter=768, experts=128, top_k=8, tokens=tokens, rank=16, arch=80):
             for arch in (86, 89):
                 k = compile_as_jit(launch, arch)
@@ -213,5 +238,5 @@ print(json.dumps(out))
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     from moe_qlora.kernels.ops import MATMUL_CONFIGS
 
-    assert len(rows) == len(MATMUL_CONFIGS[80]) * 2 * 6 * 2  # candidates x token counts x launches x archs
+    assert len(rows) == len(MATMUL_CONFIGS[80]) * 3 * 6 * 2  # candidates x token counts x launches x archs
     assert [r for r in rows if r[3] > 99 * 1024 or r[4]] == []

@@ -214,6 +214,12 @@ def nibbles_swapped(stack: NF4Stack) -> NF4Stack:
     return NF4Stack(packed, stack.absmax, stack.nested, stack.shape, stack.blocksize)
 
 
+def codes_of_experts_rolled(stack: NF4Stack) -> NF4Stack:
+    """Broken control: expert e gets expert e - 1's codes (its own block scales kept)."""
+    packed = stack.packed.view(stack.shape[0], -1).roll(1, 0).reshape(-1)
+    return NF4Stack(packed, stack.absmax, stack.nested, stack.shape, stack.blocksize)
+
+
 @pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES)
 @pytest.mark.parametrize("double_quant", [False, True], ids=["absmax", "nested"])
 @pytest.mark.parametrize("glu", [False, True], ids=["down", "gate_up"])
@@ -319,7 +325,7 @@ def test_every_autotune_candidate_takes_the_packed_paths():
     assert not MatmulConfig(128, 64).packs(64, along_n=True) and not MatmulConfig(64, 16).packs(64, along_n=False)
 
 
-def test_wide_candidates_serve_only_the_launches_they_fit():
+def test_wide_candidates_serve_only_the_launches_they_fit(monkeypatch):
     """A 128-column candidate is timed for the forward's K_PACKED launches with one accumulator, or with two in
     swapped 16-row tiles, and never for the N_PACKED input gradient (whose row steps it would split between
     quant blocks) nor the byte path; a launch with only a wide candidate pinned runs the shipped default."""
@@ -327,11 +333,14 @@ def test_wide_candidates_serve_only_the_launches_they_fit():
     assert wide.serves(True, False, False) and wide.serves(True, True, True)
     assert not wide.serves(True, True, False) and not wide.serves(False, False, False)
     assert all(narrow.serves(*flags) for flags in [(True, True, False), (False, False, False), (False, True, True)])
-    configs = ops.MATMUL_CONFIGS[90]
-    assert ops.launch_candidates(configs, "cpu", k_packed=True, glu=False, swap=False) == configs
-    assert ops.launch_candidates(configs, "cpu", k_packed=False, glu=False, swap=False) == configs[:-1]
-    assert ops.launch_candidates([wide], "cpu", k_packed=False, glu=False, swap=True) == [ops.DEFAULT_CONFIGS[90]]
-    assert ops.path_candidates(configs, "cpu") == configs[:-1]
+    monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
+    monkeypatch.setattr(ops, "_interpreted", lambda: False)  # autotuning on: every serving candidate
+    configs, short = ops.MATMUL_CONFIGS[90], [c for c in ops.MATMUL_CONFIGS[90] if not c.tall]
+    assert ops.launch_candidates(configs, "cpu", k_packed=True, glu=False, swap=False, tall=False) == short
+    assert ops.launch_candidates(configs, "cpu", k_packed=False, glu=False, swap=False, tall=False) == short[:-1]
+    assert ops.launch_candidates([wide], "cpu", k_packed=False, glu=False, swap=True, tall=False) == [
+        ops.DEFAULT_CONFIGS[90]]  # fmt: skip
+    assert ops.path_candidates(configs, "cpu") == [c for c in configs if not c.wide]
 
 
 @pytest.mark.parametrize("glu", [False, True], ids=["down", "gate_up"])
@@ -355,8 +364,7 @@ def test_wide_tiles_match_reference(dev, glu, monkeypatch):
                 else grouped_matmul_reference(x, weight, offsets))  # fmt: skip
     with ops.pinned_config(90, ops.MatmulConfig(128, 64, 4, 3)):
         got = run(weight)
-        rolled = NF4Stack(stack.packed.roll(1, 0), stack.absmax, stack.nested, stack.shape, stack.blocksize)
-        broken = run(GroupedWeight.quantized(rolled, transpose=True))
+        broken = run(GroupedWeight.quantized(codes_of_experts_rolled(stack), transpose=True))
         g = torch.randn(offsets[-1], 128, generator=torch.Generator().manual_seed(53)).to(dev)
         input_grad = grouped_matmul(g, GroupedWeight.quantized(nf4_stack(6, 128, 64, seed=54, device=dev),
                                                                transpose=False), offsets)  # fmt: skip
@@ -365,6 +373,44 @@ def test_wide_tiles_match_reference(dev, glu, monkeypatch):
     assert input_grad.shape == (offsets[-1], 64)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert (broken - expected).abs().max() > 0.1
+
+
+# path: (glu, stored transposed as x W^T, K, N)
+TALL_CASES = {"gate_up": (True, True, 192, 40), "down": (False, True, 192, 80), "input_grad": (False, False, 128, 128)}
+
+
+@pytest.mark.parametrize("arch", [80, 90], ids=["sm_80_blocks", "sm_90_blocks"])
+@pytest.mark.parametrize("path", list(TALL_CASES))
+def test_tall_tiles_match_reference(dev, arch, path, monkeypatch):
+    """Many rows per expert take the tall class's 128-row tiles at its default config (the first tall one that
+    serves: gate_up in 8 warps). TALL_MIN_ROWS is lowered to 1 for the tests' small routings; experts of 150
+    and 129 rows span two tiles each, the second nearly empty, and one expert has none. Checked to be the path
+    and tile height taken, against the reference in fp32 (1e-5, as the other NF4 paths); control: the experts'
+    codes rolled to the next expert is off by O(1)."""
+    default_blocks(monkeypatch, arch, swap=False)
+    monkeypatch.setattr(ops, "TALL_MIN_ROWS", 1)
+    glu, transpose, k, n = TALL_CASES[path]
+    offsets = offsets_of([0, 150, 3, 129, 0, 40])
+    rows_out, cols_in = ((2 * n if glu else n), k) if transpose else (k, n)
+    stack = nf4_stack(6, rows_out, cols_in, double_quant=True, seed=61, device=dev)
+    x = (0.3 * torch.randn(offsets[-1], k, generator=torch.Generator().manual_seed(62))).to(dev)
+    launches = recorded_launches(monkeypatch)
+
+    def run(s):
+        w = GroupedWeight.quantized(s, transpose=transpose)
+        return grouped_matmul_silu_mul(x, w, offsets)[0] if glu else grouped_matmul(x, w, offsets)
+
+    weight = GroupedWeight.quantized(stack, transpose=transpose)
+    expected = (grouped_matmul_silu_mul_reference(x, weight, offsets)[0] if glu
+                else grouped_matmul_reference(x, weight, offsets))  # fmt: skip
+    got = run(stack)
+    default = next(c for c in ops.MATMUL_CONFIGS[arch] if c.serves(transpose, glu, False, tall=True))
+    flags = launches[0]
+    assert (flags["BLOCK_M"], flags["BLOCK_N"], flags["BLOCK_K"], flags["num_warps"]) == (
+        128, default.block_n, default.block_k, 8 if glu else 4)  # fmt: skip
+    assert (flags["K_PACKED"], flags["N_PACKED"]) == (transpose, not transpose)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert (run(codes_of_experts_rolled(stack)) - expected).abs().max() > 0.1
 
 
 def test_autotuning_is_on_by_default_and_switched_off_by_the_environment(monkeypatch):
@@ -376,13 +422,15 @@ def test_autotuning_is_on_by_default_and_switched_off_by_the_environment(monkeyp
     monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
     monkeypatch.delenv("MOE_QLORA_AUTOTUNE", raising=False)
     monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", "80")
-    assert ops.matmul_plan("cpu") == (64, ops.MATMUL_CONFIGS[80]) and len(ops.MATMUL_CONFIGS[80]) > 1
+    assert ops.matmul_plan("cpu") == ops.MATMUL_CONFIGS[80] and len(ops.MATMUL_CONFIGS[80]) > 1
     monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", "90")
-    assert ops.matmul_plan("cpu") == (64, ops.MATMUL_CONFIGS[90])
+    flags = dict(k_packed=True, glu=False, swap=False, tall=False)
+    assert ops.launch_candidates(ops.matmul_plan("cpu"), "cpu", **flags) == [
+        c for c in ops.MATMUL_CONFIGS[90] if not c.tall]  # fmt: skip
     monkeypatch.setenv("MOE_QLORA_AUTOTUNE", "0")
-    assert ops.matmul_plan("cpu") == (64, ops.MATMUL_CONFIGS[90][:1])
+    assert ops.launch_candidates(ops.matmul_plan("cpu"), "cpu", **flags) == ops.MATMUL_CONFIGS[90][:1]
     monkeypatch.setenv("MOE_QLORA_TRITON_BLOCKS", "16,32,16")
-    assert ops.matmul_plan("cpu") == (16, [ops.MatmulConfig(32, 16)])
+    assert ops.matmul_plan("cpu") == [ops.MatmulConfig(32, 16, block_m=16)]
     # A GPU's list by its compute capability: mma.sync GPUs (the 24 GB cards among them) take sm_80's.
     capability = {"major": 8}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (capability["major"], 0))
@@ -421,8 +469,10 @@ def test_launch_goes_through_the_autotuner_unless_switched_off(monkeypatch):
     monkeypatch.setenv("MOE_QLORA_AUTOTUNE", "0")
     grouped_matmul(x, weight, offsets)
     (tuned, tuned_grid, tuned_kw), (plain, plain_grid, plain_kw) = calls
-    # The forward's K_PACKED launch (one accumulator) times every candidate, the wide one too.
-    assert tuned == f"autotuned_90_{len(ops.MATMUL_CONFIGS[90])}" and "BLOCK_N" not in tuned_kw and tuned_kw["K_PACKED"]
+    # The forward's K_PACKED launch (one accumulator, few rows: 64-row tiles) times every 64-row candidate, the
+    # wide one too.
+    short = sum(not c.tall for c in ops.MATMUL_CONFIGS[90])
+    assert tuned == f"autotuned_90_{short}" and "BLOCK_N" not in tuned_kw and tuned_kw["K_PACKED"]
     assert tuned_grid({"BLOCK_N": 32})[1] == 7 and tuned_grid({"BLOCK_N": 64})[1] == 4  # N = 200
     default = ops.MATMUL_CONFIGS[90][0]
     assert plain == "plain" and plain_kw["BLOCK_N"] == default.block_n and plain_kw["BLOCK_K"] == default.block_k

@@ -116,13 +116,15 @@ def grouped_outer_product_reference(a, b, offsets: list[int], *, gather=None):
 
 @dataclass(frozen=True)
 class MatmulConfig:
-    """Tile sizes and launch shape of _grouped_matmul_kernel. BLOCK_M (rows of one expert per tile) is fixed
-    by the tile map built before the launch; the rest may be autotuned."""
+    """Tile sizes and launch shape of _grouped_matmul_kernel. BLOCK_M (rows of one expert per tile) is chosen
+    on the host from the rows per expert (it shapes the tile map built before the launch): the config's own,
+    64 or 128 (the tall class), or 16 in swapped tiles; the rest may be autotuned within the class."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    block_m: int = 64
 
     def packs(self, blocksize: int, along_n: bool) -> bool:
         """Whether a tile step stays within one quant block along the packed dim (and half a step is still a
@@ -138,35 +140,50 @@ class MatmulConfig:
         of a step) and its accumulators fill the registers."""
         return self.block_n > 64
 
-    def serves(self, k_packed: bool, glu: bool, swap: bool) -> bool:
-        """Whether the autotuner times this candidate for a launch: a wide one only on the forward's K_PACKED
-        path with one accumulator, or two (gate and up) in swapped 16-row tiles; elsewhere it spills
+    @property
+    def tall(self) -> bool:
+        """A 128-row tile: each decoded weight feeds twice the rows, so the decode's cost per FLOP halves."""
+        return self.block_m > 64
+
+    def serves(self, k_packed: bool, glu: bool, swap: bool, tall: bool = False) -> bool:
+        """Whether the autotuner times this candidate for a launch: one of the launch's class (tall tiles or
+        not); a wide one only on the forward's K_PACKED path with one accumulator, or two (gate and up) in
+        swapped 16-row tiles; a tall one with gate and up only in 8 warps. Elsewhere they spill
         (scripts/kernel_report.py --candidates)."""
+        if self.tall != tall or (self.tall and glu and self.num_warps < 8):
+            return False
         return not self.wide or (k_packed and (not glu or swap))
 
 
-BLOCK_M = 64
 # Rows per expert (on average: known on the host without a sync) at or below which the packed NF4 paths compute
 # their tiles transposed, the rows on the MMA's narrow side in tiles of SWAP_AB_BLOCK_M: decode, GRPO sampling
 # and small batches, where 64-row tiles would be mostly padding. A first guess from the tile shapes alone (a
 # 16-row tile wastes at most 15 rows, a 64-row one 63); to be re-measured on a GPU with bench_moe.py.
 SWAP_AB_MAX_ROWS = 16
 SWAP_AB_BLOCK_M = 16
+# Rows per expert (on average) at or above which launches take the tall class's 128-row tiles: Mixtral-8x7B at
+# 2048 tokens (512), Qwen3-30B-A3B from 4096 (256). The issue-bound ceiling of sm_90's down projection goes from
+# 45% to 83% of tensor peak (kernel_report.py) while the padding of each expert's last tile grows by 64 rows on
+# average, a quarter of 256. A first guess from the tile shapes; to be re-measured on a GPU with bench_moe.py.
+TALL_MIN_ROWS = 256
 # Split-K: when a launch has at most half as many programs (tiles x N blocks, the tiles' upper bound) as the GPU
 # has SMs, K is split over floor(SMs / programs) programs per tile (at most SPLIT_K_MAX, each with two or more
 # K-steps), and a second launch adds the partial sums in split order: deterministic, no atomics.
 SPLIT_K_MAX = 4
-# Candidates per GPU architecture (compute capability x 10), the first the default: used when autotuning is off
-# (MOE_QLORA_AUTOTUNE=0), in the interpreter, and by the ahead-of-time report. Every narrow candidate packs NF4
-# at bitsandbytes' blocksize 64 along K and N, so the packed paths do not depend on the choice; the wide ones
-# (last) are timed only for the launches they serve (MatmulConfig.serves). The defaults were picked from
-# scripts/kernel_report.py (fewest non-MMA instructions per decoded weight without spills, at Qwen3-30B-A3B and
-# Mixtral-8x7B shapes, for every launch); the rest are for the autotuner to time on the GPU.
+# Candidates per GPU architecture (compute capability x 10). A launch is timed over the candidates that serve
+# it (MatmulConfig.serves), and with autotuning off (MOE_QLORA_AUTOTUNE=0), in the interpreter and in the
+# ahead-of-time report it takes the first of them: the first entry for 64-row tiles, the first tall one that
+# fits for 128-row ones. Every narrow candidate packs NF4 at bitsandbytes' blocksize 64 along K and N, so the
+# packed paths do not depend on the choice. The defaults were picked from scripts/kernel_report.py (fewest
+# issued instructions per FLOP without spills, at Qwen3-30B-A3B and Mixtral-8x7B shapes, for every launch);
+# the rest are for the autotuner to time on the GPU.
 MATMUL_CONFIGS = {
     90: [MatmulConfig(64, 64, 4, 3), MatmulConfig(64, 64, 4, 4), MatmulConfig(64, 32, 4, 4),
-         MatmulConfig(32, 64, 4, 3), MatmulConfig(128, 64, 4, 3)],
+         MatmulConfig(32, 64, 4, 3), MatmulConfig(128, 64, 4, 3),
+         MatmulConfig(64, 64, 4, 3, 128), MatmulConfig(64, 64, 8, 3, 128), MatmulConfig(128, 64, 8, 3, 128)],
     80: [MatmulConfig(64, 32, 4, 3), MatmulConfig(64, 64, 8, 3), MatmulConfig(32, 32, 4, 3),
-         MatmulConfig(64, 32, 4, 4), MatmulConfig(128, 32, 4, 3)],
+         MatmulConfig(64, 32, 4, 4), MatmulConfig(128, 32, 4, 3),
+         MatmulConfig(64, 32, 4, 3, 128), MatmulConfig(64, 64, 8, 3, 128), MatmulConfig(128, 32, 8, 3, 128)],
 }  # fmt: skip
 # The arch defaults as shipped: what a launch no pinned candidate serves falls back to (ops.pinned_config).
 DEFAULT_CONFIGS = {arch: configs[0] for arch, configs in MATMUL_CONFIGS.items()}
@@ -181,7 +198,7 @@ def block_override() -> tuple[int, int, int] | None:
 
 
 def autotuning() -> bool:
-    """MOE_QLORA_AUTOTUNE=0 turns the autotuner off: every launch uses its architecture's default config."""
+    """MOE_QLORA_AUTOTUNE=0 turns the autotuner off: every launch takes the first candidate that serves it."""
     return os.environ.get("MOE_QLORA_AUTOTUNE", "1") != "0" and not _interpreted() and block_override() is None
 
 
@@ -209,32 +226,34 @@ def split_k(programs: int, k_steps: int, device) -> int:
     return max(1, min(SPLIT_K_MAX, multiprocessor_count(device) // max(programs, 1), k_steps // 2))
 
 
-def matmul_plan(device) -> tuple[int, list[MatmulConfig]]:
-    """(BLOCK_M, candidate configs) of a grouped matmul on `device`: the override as one config, else the
-    architecture's list (only its default when not autotuning)."""
+def matmul_plan(device) -> list[MatmulConfig]:
+    """Candidate configs of a grouped matmul on `device`: the override as one config, else the architecture's
+    list (each launch then keeps those that serve it: launch_candidates)."""
     override = block_override()
     if override is not None:
-        return override[0], [MatmulConfig(override[1], override[2])]
-    configs = MATMUL_CONFIGS[target_arch(device)]
-    return BLOCK_M, configs if autotuning() else configs[:1]
+        return [MatmulConfig(override[1], override[2], block_m=override[0])]
+    return MATMUL_CONFIGS[target_arch(device)]
 
 
 @contextmanager
 def pinned_config(arch: int, config: MatmulConfig | None = None):
-    """Launches inside run `arch`'s list cut to one config, `config` or the default (so nothing is autotuned),
-    and a launch on a CPU tensor records `arch`: the AOT capture, the report's candidates, the GPU check that
-    every candidate gives the same bits."""
-    saved_configs, saved_arch = MATMUL_CONFIGS[arch], os.environ.get(TARGET_ARCH_ENV)
-    MATMUL_CONFIGS[arch] = [config or saved_configs[0]]
+    """Launches inside are not autotuned (each takes its first serving candidate, as with
+    MOE_QLORA_AUTOTUNE=0), `arch`'s list is cut to `config` if given, and a launch on a CPU tensor records
+    `arch`: the AOT capture, the report's candidates, the GPU check that every candidate gives the same bits."""
+    saved = MATMUL_CONFIGS[arch], os.environ.get(TARGET_ARCH_ENV), os.environ.get("MOE_QLORA_AUTOTUNE")
+    if config is not None:
+        MATMUL_CONFIGS[arch] = [config]
     os.environ[TARGET_ARCH_ENV] = str(arch)
+    os.environ["MOE_QLORA_AUTOTUNE"] = "0"
     try:
         yield
     finally:
-        MATMUL_CONFIGS[arch] = saved_configs
-        if saved_arch is None:
-            os.environ.pop(TARGET_ARCH_ENV, None)
-        else:
-            os.environ[TARGET_ARCH_ENV] = saved_arch
+        MATMUL_CONFIGS[arch] = saved[0]
+        for name, value in ((TARGET_ARCH_ENV, saved[1]), ("MOE_QLORA_AUTOTUNE", saved[2])):
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def tile_bound(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -315,21 +334,22 @@ def path_candidates(configs: list[MatmulConfig], device) -> list[MatmulConfig]:
     return [c for c in configs if not c.wide] or [DEFAULT_CONFIGS[target_arch(device)]]
 
 
-def launch_candidates(configs: list[MatmulConfig], device, *, k_packed: bool, glu: bool,
-                      swap: bool) -> list[MatmulConfig]:  # fmt: skip
-    """The candidates that serve a launch (MatmulConfig.serves), in list order so the default stays first; if
-    none does (a wide config pinned by pinned_config), the architecture's shipped default. The block override
-    is kept as given."""
+def launch_candidates(configs: list[MatmulConfig], device, *, k_packed: bool, glu: bool, swap: bool,
+                      tall: bool) -> list[MatmulConfig]:  # fmt: skip
+    """The candidates that serve a launch (MatmulConfig.serves), in list order so the class's default comes
+    first, only that one when not autotuning; if none serves (a config pinned by pinned_config), the
+    architecture's shipped default. The block override is kept as given."""
     if block_override() is not None:
         return configs
-    return [c for c in configs if c.serves(k_packed, glu, swap)] or [DEFAULT_CONFIGS[target_arch(device)]]
+    served = [c for c in configs if c.serves(k_packed, glu, swap, tall)] or [DEFAULT_CONFIGS[target_arch(device)]]
+    return served if autotuning() else served[:1]
 
 
 def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu: bool, keep_y: bool):
     """Run _grouped_matmul_kernel; returns (Y or None, act or None)."""
     from . import triton_kernels
 
-    bm, configs = matmul_plan(x.device)
+    configs = matmul_plan(x.device)
     n = weight.n // 2 if glu else weight.n
     num_rows = _num_rows(offsets, x, gather)
     y = x.new_empty(num_rows, weight.n) if keep_y else None
@@ -354,9 +374,9 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
         all(c.packs(q.blocksize, True) for c in narrow)  # fmt: skip
     w = weight.data.view(torch.int32) if k_packed or n_packed else weight.data
     swap = (k_packed or n_packed) and block_override() is None and num_rows <= SWAP_AB_MAX_ROWS * weight.shape[0]
-    if swap:
-        bm = SWAP_AB_BLOCK_M
-    configs = launch_candidates(configs, x.device, k_packed=k_packed, glu=glu, swap=swap)
+    tall = block_override() is None and not swap and num_rows >= TALL_MIN_ROWS * weight.shape[0]
+    configs = launch_candidates(configs, x.device, k_packed=k_packed, glu=glu, swap=swap, tall=tall)
+    bm = SWAP_AB_BLOCK_M if swap else configs[0].block_m  # the candidates share their class's BLOCK_M
     tiles = expert_tiles(device_offsets(offsets, x.device), num_rows, bm)
     default = configs[0]
     n_blocks = -(-n // default.block_n)
