@@ -142,7 +142,7 @@ def _report_config(shape: str, arch: int, config, tokens: int) -> list[dict]:
                                     rank=RANK, arch=arch)  # fmt: skip
     rows = []
     for launch in launches:
-        tall = tokens * top_k >= ops.TALL_MIN_ROWS * experts and not launch.constexprs.get("SWAP_AB")
+        tall = ops.takes_tall_tiles(tokens * top_k, experts, bool(launch.constexprs.get("SWAP_AB")))
         if config is not None and (launch.name == "outer_product" or not _timed_for(launch, config, tall)):
             continue  # not autotuned, or a candidate the autotuner never times for this launch
         tag = _tag(config) if config is not None else ""

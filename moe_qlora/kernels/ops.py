@@ -325,24 +325,32 @@ def _autotuned_matmul(arch: int, candidates: tuple[MatmulConfig, ...]):
     return triton.autotune(configs=configs, key=_MATMUL_TUNE_KEYS)(_grouped_matmul_kernel)
 
 
-def path_candidates(configs: list[MatmulConfig], device) -> list[MatmulConfig]:
-    """The candidates a launch's path (packed along K, along N, or bytes) is chosen over: the narrow ones (a
-    wide one is then timed only where it serves the path), the shipped default if only a wide one is pinned,
-    or the block override as given."""
+def _candidates_where(keep, configs: list[MatmulConfig], device) -> list[MatmulConfig]:
+    """The configs `keep` accepts, in list order; the architecture's shipped default if it accepts none (a
+    config pinned by pinned_config); the block override as given."""
     if block_override() is not None:
         return configs
-    return [c for c in configs if not c.wide] or [DEFAULT_CONFIGS[target_arch(device)]]
+    return [c for c in configs if keep(c)] or [DEFAULT_CONFIGS[target_arch(device)]]
+
+
+def path_candidates(configs: list[MatmulConfig], device) -> list[MatmulConfig]:
+    """The candidates a launch's path (packed along K, along N, or bytes) is chosen over: the narrow ones (a
+    wide one is then timed only where it serves the path)."""
+    return _candidates_where(lambda c: not c.wide, configs, device)
 
 
 def launch_candidates(configs: list[MatmulConfig], device, *, k_packed: bool, glu: bool, swap: bool,
                       tall: bool) -> list[MatmulConfig]:  # fmt: skip
     """The candidates that serve a launch (MatmulConfig.serves), in list order so the class's default comes
-    first, only that one when not autotuning; if none serves (a config pinned by pinned_config), the
-    architecture's shipped default. The block override is kept as given."""
-    if block_override() is not None:
-        return configs
-    served = [c for c in configs if c.serves(k_packed, glu, swap, tall)] or [DEFAULT_CONFIGS[target_arch(device)]]
+    first; only that one when not autotuning."""
+    served = _candidates_where(lambda c: c.serves(k_packed, glu, swap, tall), configs, device)
     return served if autotuning() else served[:1]
+
+
+def takes_tall_tiles(num_rows: int, num_experts: int, swap: bool) -> bool:
+    """Whether a launch of `num_rows` sorted rows over `num_experts` takes the tall class's 128-row tiles: at
+    least TALL_MIN_ROWS rows per expert on average, not swapped, no block override."""
+    return block_override() is None and not swap and num_rows >= TALL_MIN_ROWS * num_experts
 
 
 def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu: bool, keep_y: bool):
@@ -374,7 +382,7 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
         all(c.packs(q.blocksize, True) for c in narrow)  # fmt: skip
     w = weight.data.view(torch.int32) if k_packed or n_packed else weight.data
     swap = (k_packed or n_packed) and block_override() is None and num_rows <= SWAP_AB_MAX_ROWS * weight.shape[0]
-    tall = block_override() is None and not swap and num_rows >= TALL_MIN_ROWS * weight.shape[0]
+    tall = takes_tall_tiles(num_rows, weight.shape[0], swap)
     configs = launch_candidates(configs, x.device, k_packed=k_packed, glu=glu, swap=swap, tall=tall)
     bm = SWAP_AB_BLOCK_M if swap else configs[0].block_m  # the candidates share their class's BLOCK_M
     tiles = expert_tiles(device_offsets(offsets, x.device), num_rows, bm)
