@@ -482,7 +482,15 @@ def grouped_experts_op(
     out, h, p1, p2 = grouped_forward(x, routing_weights, tuple(lora), plan, _ops_from(kernels, ints), keep_h=keep_h)
     h = h if h is not None else x.new_empty(0, plan.experts.up_width)
     no_rank = x.new_empty(routing_weights.numel(), 0)
-    return out, h, p1 if p1 is not None else no_rank, p2 if p2 is not None else no_rank.clone()
+    outputs = (out, h, p1 if p1 is not None else no_rank, p2 if p2 is not None else no_rank.clone())
+    return tuple(_as_faked(t) for t in outputs)
+
+
+def _as_faked(t: torch.Tensor) -> torch.Tensor:
+    """t with the contiguous strides the fake implementations promise: grouped_mm's 16-byte padding leaves
+    column slices (p1, p2 at rank 4 in bf16) and OUT_PROD_ID's dA1 is a transposed view; a compiled graph
+    (inductor) is generated from the fake strides and stops at their assertion when the real ones differ."""
+    return t.contiguous()
 
 
 @grouped_experts_op.register_fake
@@ -507,7 +515,7 @@ def grouped_experts_backward_op(
     has_lora = lora[0] is not None
     grads = grouped_backward(grad_out, x, routing_weights, h, p1 if has_lora else None, p2 if has_lora else None,
                              tuple(lora), plan, _ops_from(kernels, ints))  # fmt: skip
-    return tuple(g if g is not None else x.new_empty(0) for g in grads)
+    return tuple(_as_faked(g) if g is not None else x.new_empty(0) for g in grads)
 
 
 @grouped_experts_backward_op.register_fake

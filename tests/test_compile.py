@@ -10,7 +10,7 @@ from oracle import quantized_with_lora
 from test_moe_parity import routing_case
 
 from moe_qlora.experts import set_moe_kernels
-from moe_qlora.moe_autograd import grouped_experts_op
+from moe_qlora.moe_autograd import grouped_experts_backward_op, grouped_experts_op
 
 
 @pytest.fixture(scope="module")
@@ -28,15 +28,24 @@ def _op_args(module, x, idx, weights):
     return op_inputs(x, weights, module.moe_lora.factors(), plan, "grouped_mm", None, True)
 
 
-def test_the_registered_op_passes_opcheck(quantized):
-    """Schema, fake (meta) shapes, autograd registration and dispatch of moe_qlora::grouped_experts."""
+# bf16 at rank 4: grouped_mm pads the rank to 8 (16 bytes) and slices it back, the case whose strides once
+# differed from the fake's; fp32: no padding.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_registered_ops_pass_opcheck(quantized, dtype):
+    """Schema, fake (meta) shapes and strides, autograd registration and dispatch of moe_qlora::grouped_experts
+    and of its backward op (whose dA1 is OUT_PROD_ID's transposed result)."""
     module = quantized.model.layers[0].mlp.experts
     assert module.gate_up_proj.quant_state.nested  # nested scales go through the op too
     idx, weights = routing_case("ragged", 7, 8, 2)
-    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
-    args = _op_args(module, x, idx, weights.requires_grad_(True))
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_(True)
+    args = _op_args(module, x, idx, weights.to(dtype).requires_grad_(True))
     torch.library.opcheck(grouped_experts_op, args, test_utils=("test_schema", "test_faketensor",
                                                                 "test_autograd_registration"))  # fmt: skip
+    x, weights, lora, frozen, floats, ints, kernels, _ = args
+    _, h, p1, p2 = grouped_experts_op(*args)
+    backward_args = (torch.randn_like(x), x.detach(), weights.detach(), [h, p1, p2], lora, frozen, floats, ints,
+                     kernels)  # fmt: skip
+    torch.library.opcheck(grouped_experts_backward_op, backward_args, test_utils=("test_schema", "test_faketensor"))
 
 
 GRAPHS = []
@@ -51,12 +60,13 @@ def _recording_aot_eager(gm, example_inputs):
     return lookup_backend("aot_eager")(gm, example_inputs)
 
 
-def _block_outputs_and_grads(block, x, upstream, compiled: bool):
+def _block_outputs_and_grads(block, x, upstream, backend=None):
+    """[output, grad x, grads of the 4 expert LoRA factors]: eager, or compiled by `backend` (fullgraph)."""
     lora = [p for n, p in block.named_parameters() if "moe_lora" in n]
     for p in lora:
         p.grad = None
     xi = x.clone().requires_grad_(True)
-    run = torch.compile(block, fullgraph=True, backend=_recording_aot_eager) if compiled else block
+    run = torch.compile(block, fullgraph=True, backend=backend) if backend is not None else block
     out = run(xi)
     out = out[0] if isinstance(out, tuple) else out
     (out * upstream).sum().backward()
@@ -72,8 +82,8 @@ def test_a_whole_moe_block_compiles_without_graph_breaks_and_matches_eager(quant
         gen = torch.Generator().manual_seed(3)
         x = torch.randn(2, 9, 64, generator=gen)
         upstream = torch.randn(2, 9, 64, generator=gen)
-        eager = _block_outputs_and_grads(block, x, upstream, compiled=False)
-        compiled = _block_outputs_and_grads(block, x, upstream, compiled=True)
+        eager = _block_outputs_and_grads(block, x, upstream)
+        compiled = _block_outputs_and_grads(block, x, upstream, backend=_recording_aot_eager)
     finally:
         set_moe_kernels(quantized, "torch")
     assert len(GRAPHS) == 1  # one graph: fullgraph=True would have raised on a break anyway
@@ -81,6 +91,26 @@ def test_a_whole_moe_block_compiles_without_graph_breaks_and_matches_eager(quant
     assert "moe_qlora.grouped_experts.default" in targets  # our experts, as one node of the block's graph
     assert any("topk" in t for t in targets)  # and the model's own router around it
     assert len(eager) == 6  # output, grad x, 4 expert LoRA factors
+    for name, got, ref in zip(["out", "x", "A1", "B1", "A2", "B2"], compiled, eager, strict=True):
+        err, scale = float((got - ref).abs().max()), float(ref.abs().max())
+        assert scale > 0 and err <= 1e-6 * scale, f"{name}: {err:.3g} vs {scale:.3g}"
+
+
+def test_the_block_compiled_by_inductor_trains_like_eager(quantized):
+    """The default backend, which generates code from the fake implementations' strides (aot_eager never reads
+    them): forward and every gradient within 1e-6 relative of eager, fp32. With the backward op's dA1 returned
+    as the transposed view it once was, inductor's stride assertion stops the backward."""
+    torch._dynamo.reset()
+    set_moe_kernels(quantized, "grouped_mm")
+    try:
+        block = quantized.model.layers[0].mlp
+        gen = torch.Generator().manual_seed(5)
+        x, upstream = torch.randn(2, 9, 64, generator=gen), torch.randn(2, 9, 64, generator=gen)
+        eager = _block_outputs_and_grads(block, x, upstream)
+        compiled = _block_outputs_and_grads(block, x, upstream, backend="inductor")
+    finally:
+        set_moe_kernels(quantized, "torch")
+        torch._dynamo.reset()
     for name, got, ref in zip(["out", "x", "A1", "B1", "A2", "B2"], compiled, eager, strict=True):
         err, scale = float((got - ref).abs().max()), float(ref.abs().max())
         assert scale > 0 and err <= 1e-6 * scale, f"{name}: {err:.3g} vs {scale:.3g}"
