@@ -6,9 +6,12 @@ loaded; the base's config.json names the family).
   `mlp.experts.M.gate_proj/up_proj/down_proj`), as vLLM and SGLang read for those families. The fused
   gate_up LoRA becomes gate and up LoRAs sharing A: rows [:I] of B are gate's, rows [I:] up's.
 - `gguf`: a llama.cpp LoRA adapter: `blk.N.ffn_{gate,up,down}_exps.weight.lora_{a,b}` as 3D tensors (E, r, in)
-  and (E, out, r) (ggml reverses the order), the attention LoRA under llama.cpp's names, `adapter.lora.alpha`.
-  llama.cpp permutes the q/k rows of llama-architecture models (Mixtral) for its RoPE; the q/k lora_B rows are
-  permuted the same way, as its own converter does.
+  and (E, out, r) (ggml reverses the order), `adapter.lora.alpha`, and the other LoRA (attention, router,
+  shared experts and their gate, dense MLPs) under the names gguf's own TensorNameMap gives the base's
+  tensors, where llama.cpp applies a LoRA to them (build_lora_mm); DeepSeek's MLA projections are multiplied
+  without it, so their LoRA is refused rather than written to be ignored. llama.cpp permutes the q/k rows of
+  llama-architecture models (Mixtral) for its RoPE; the q/k lora_B rows are permuted the same way, as its own
+  converter does.
 
 Expert factors in our PEFT file (export.py): lora_A (r*E, in) rows expert-major (row e*r + j is A_e[j]);
 lora_B (out, r*E) columns rank-major (column j*E + e is B_e[:, j]); expert e's delta is scale * B_e A_e.
@@ -50,8 +53,13 @@ FAMILIES = {
     "deepseek_v3": FamilyNames("deepseek2", **_QWEN_STYLE),
     "glm4_moe": FamilyNames("glm4moe", **_QWEN_STYLE),
 }
-# llama.cpp's names of the attention projections a LoRA may target.
-GGUF_ATTENTION = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
+# llama.cpp tensors (blk.N.<kind>) whose product goes through build_lora_mm, so that a LoRA on them is applied:
+# attention, the router, dense MLPs (build_ffn), shared experts and Qwen2-MoE's shared-expert gate.
+GGUF_LORA_KINDS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_gate", "ffn_up", "ffn_down",
+                   "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp"}  # fmt: skip
+# ...except where an architecture's graph multiplies them with a plain ggml_mul_mat: DeepSeek-V2/V3's query
+# (wq, and wq_a / wq_b, like the rest of MLA but the output projection).
+GGUF_NO_LORA = {"deepseek2": {"attn_q"}}
 WHY_NOT = {
     "gpt_oss": "GPT-OSS interleaves gate and up columns and has expert biases; its runtimes read the fused layout "
     "PEFT writes (use --format peft)",
@@ -156,7 +164,7 @@ def linear_factors(tensors: dict[str, torch.Tensor]) -> dict[tuple[int, str, str
 def per_expert_tensors(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames) -> dict[str, torch.Tensor]:
     """Our PEFT tensors with the expert LoRA rewritten under per-expert module names (attention unchanged)."""
     prefix = next(m["prefix"] for k in tensors if (m := EXPERT_KEY.fullmatch(k) or LINEAR_KEY.fullmatch(k)))
-    out = {k: v for k, v in tensors.items() if not EXPERT_KEY.fullmatch(k)}
+    out = {hub_linear_key(k, names): v for k, v in tensors.items() if not EXPERT_KEY.fullmatch(k)}
     for layer, x in expert_layers(tensors, rank).items():
         inter = x.gate_up_b.shape[1] // 2
         for e in range(x.gate_up_a.shape[0]):
@@ -168,6 +176,17 @@ def per_expert_tensors(tensors: dict[str, torch.Tensor], rank: int, names: Famil
                 out[f"{base}.{proj}.lora_A.weight"] = a.clone()  # gate and up share A: one copy each
                 out[f"{base}.{proj}.lora_B.weight"] = b.clone()
     return out
+
+
+def hub_linear_key(key: str, names: FamilyNames) -> str:
+    """A non-expert LoRA key under the hub checkpoint's module names: transformers v5 calls Mixtral's MoE block
+    `mlp` where the checkpoints (and vLLM) say `block_sparse_moe`, so its router `mlp.gate` is renamed back."""
+    block = names.experts.rsplit(".", 1)[0]
+    m = LINEAR_KEY.fullmatch(key)
+    if m is None or block == "mlp" or not (m["path"] == "mlp" or m["path"].startswith("mlp.")):
+        return key
+    path = block + m["path"].removeprefix("mlp")
+    return f"{m['prefix']}.layers.{m['layer']}.{path}.{m['proj']}.lora_{m['ab']}.weight"
 
 
 def write_per_expert(adapter_dir: str | Path, out_dir: str | Path) -> Path:
@@ -194,7 +213,7 @@ def permute_rows_for_rope(b: torch.Tensor, n_head: int) -> torch.Tensor:
 def gguf_tensors(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames, heads: tuple[int, int]
                  ) -> dict[str, torch.Tensor]:  # fmt: skip
     """{llama.cpp tensor name: fp32 tensor in numpy order} for the adapter."""
-    out = {}
+    out, factors = {}, linear_factors(tensors)
     for layer, x in expert_layers(tensors, rank).items():
         inter = x.gate_up_b.shape[1] // 2
         blk = f"blk.{layer}"
@@ -205,16 +224,38 @@ def gguf_tensors(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames
         out[f"{blk}.ffn_down_exps.weight.lora_a"] = x.down_a
         out[f"{blk}.ffn_down_exps.weight.lora_b"] = x.down_b
     n_head, n_kv = heads
-    for (layer, path, proj), ab in linear_factors(tensors).items():
-        if proj not in GGUF_ATTENTION or not path.endswith("self_attn"):
-            raise ExportError(f"layers.{layer}.{path}.{proj}: llama.cpp names for this LoRA target are not known here "
-                              f"(GGUF export takes the experts and {', '.join(GGUF_ATTENTION)})")  # fmt: skip
+    tensor_names = gguf_name_map(names.gguf_arch, 1 + max((layer for layer, _, _ in factors), default=0))
+    for (layer, path, proj), ab in factors.items():
+        name = gguf_linear_name(tensor_names, names.gguf_arch, layer, path, proj)
         a, b = ab["A"], ab["B"]
-        if names.permute_qk and proj in ("q_proj", "k_proj"):
-            b = permute_rows_for_rope(b, n_head if proj == "q_proj" else n_kv)
-        out[f"blk.{layer}.{GGUF_ATTENTION[proj]}.weight.lora_a"] = a
-        out[f"blk.{layer}.{GGUF_ATTENTION[proj]}.weight.lora_b"] = b
+        if names.permute_qk and name.endswith((".attn_q", ".attn_k")):
+            b = permute_rows_for_rope(b, n_head if name.endswith(".attn_q") else n_kv)
+        out[f"{name}.weight.lora_a"] = a
+        out[f"{name}.weight.lora_b"] = b
     return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def gguf_name_map(arch: str, layers: int):
+    """gguf's TensorNameMap of llama.cpp architecture `arch`: transformers module names -> blk.N.<kind>."""
+    import gguf
+
+    by_name = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
+    return gguf.get_tensor_name_map(by_name[arch], layers)
+
+
+def gguf_linear_name(tensor_names, arch: str, layer: int, path: str, proj: str) -> str:
+    """blk.N.<kind> of the non-expert module layers.N.path.proj; an ExportError for a module llama.cpp has no
+    tensor for, or one it multiplies without its LoRA (which would then be silently dropped)."""
+    module = f"layers.{layer}.{path}.{proj}"
+    name = tensor_names.get_name(f"model.{module}")
+    if name is None:
+        raise ExportError(f"{module}: llama.cpp has no tensor for this LoRA target in this architecture")
+    kind = name.split(".", 2)[2]
+    if kind not in GGUF_LORA_KINDS or kind in GGUF_NO_LORA.get(arch, ()):
+        kinds = ", ".join(sorted(GGUF_LORA_KINDS))
+        raise ExportError(f"{module}: llama.cpp multiplies {name} without applying LoRA to it, so its LoRA would "
+                          f"be ignored (it applies LoRA to the experts and {kinds})")  # fmt: skip
+    return name
 
 
 def write_gguf(adapter_dir: str | Path, out_file: str | Path) -> Path:

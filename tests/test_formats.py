@@ -27,11 +27,11 @@ TOL = 1e-6
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """A tiny Mixtral adapter (experts + q/k/v/o) after 3 steps at a high LR: every factor non-zero."""
+    """A tiny Mixtral adapter (experts, router, q/k/v/o) after 3 steps at a high LR: every factor non-zero."""
     out = tmp_path_factory.mktemp("run")
     cfg = validate_config({
         "model": {"name_or_path": "builtin:tiny-mixtral"},
-        "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+        "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "router": True},
         "data": {"train_files": [str(ROOT / "data" / "demo_sft.jsonl")], "max_seq_len": 48},
         "train": {"max_steps": 3, "lr": 2e-2, "warmup_steps": 0},
         "output": {"dir": str(out), "export_formats": ["per-expert", "gguf"]},
@@ -48,15 +48,20 @@ def test_a_run_writes_the_export_formats_it_asks_for(run, tmp_path):
     assert ours.read_bytes() == again.read_bytes()
 
 
-@pytest.fixture(scope="module")
-def peft_deltas(run):
-    """{parameter name: merged - base} with PEFT merging the fused adapter into the fp32 base."""
-    base_path = resolve_model_path(json.loads((run / "adapter_config.json").read_text())["base_model_name_or_path"])
+def merged_minus_base(adapter: Path) -> tuple[dict[str, torch.Tensor], object]:
+    """({parameter name: merged - base} of the parameters PEFT's merge changed, the base's config), with PEFT
+    merging the fused adapter into the fp32 base. Only changed tensors are kept, so a name present in it had a
+    non-zero LoRA: a dropped one cannot match its delta."""
+    base_path = resolve_model_path(json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"])
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
     before = {k: v.clone() for k, v in base.state_dict().items()}
-    merged = PeftModel.from_pretrained(base, str(run)).merge_and_unload().state_dict()
-    deltas = {k: merged[k] - before[k] for k in before if not torch.equal(merged[k], before[k])}
-    return deltas, base.config
+    merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload().state_dict()
+    return {k: merged[k] - before[k] for k in before if not torch.equal(merged[k], before[k])}, base.config
+
+
+@pytest.fixture(scope="module")
+def peft_deltas(run):
+    return merged_minus_base(run)
 
 
 class Expert(nn.Module):
@@ -86,6 +91,7 @@ def legacy_mixtral(config) -> nn.Module:
                              "o_proj": (config.num_attention_heads * head, config.hidden_size)}.items():  # fmt: skip
             setattr(layer.self_attn, name, nn.Linear(i, o, bias=False))
         layer.block_sparse_moe = nn.Module()
+        layer.block_sparse_moe.gate = nn.Linear(config.hidden_size, config.num_local_experts, bias=False)
         layer.block_sparse_moe.experts = nn.ModuleList(
             Expert(config.hidden_size, config.intermediate_size) for _ in range(config.num_local_experts)
         )
@@ -120,15 +126,19 @@ def assert_per_expert_matches(got: dict, deltas: dict, config, *, expect_equal: 
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             name = f"model.layers.{n}.self_attn.{proj}.weight"
             ok &= bool((got[name] - deltas[name]).abs().max() <= TOL)
+        # the router: transformers v5's mlp.gate is the checkpoints' (and vLLM's) block_sparse_moe.gate
+        ok &= bool((got[f"model.layers.{n}.block_sparse_moe.gate.weight"] - deltas[f"model.layers.{n}.mlp.gate.weight"]
+                    ).abs().max() <= TOL)  # fmt: skip
     assert ok == expect_equal
 
 
 def test_per_expert_export_loads_in_peft_with_the_same_deltas(run, peft_deltas, tmp_path):
     deltas, config = peft_deltas
-    assert {f"model.layers.0.mlp.experts.{p}" for p in ("gate_up_proj", "down_proj")} <= set(deltas)
+    trained = {f"model.layers.0.mlp.{p}" for p in ("experts.gate_up_proj", "experts.down_proj", "gate.weight")}
+    assert trained <= set(deltas)
     out = formats.write_per_expert(run, tmp_path / "per-expert")
     saved = json.loads((out / "adapter_config.json").read_text())
-    assert sorted(saved["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj", "w1", "w2", "w3"]
+    assert sorted(saved["target_modules"]) == ["gate", "k_proj", "o_proj", "q_proj", "v_proj", "w1", "w2", "w3"]
     assert saved["target_parameters"] is None
     assert_per_expert_matches(per_expert_deltas(out, config), deltas, config)
 
@@ -193,12 +203,17 @@ def test_gguf_reads_back_with_llama_cpp_names_shapes_alpha_and_deltas(run, peft_
             ).max()
             <= TOL
         )
-        for proj, name in formats.GGUF_ATTENTION.items():
-            d = deltas[f"model.layers.{n}.self_attn.{proj}.weight"]
+        for module, name in LLAMA_CPP_NAMES.items():
+            d = deltas[f"model.layers.{n}.{module}.weight"]
             if name in heads:  # llama.cpp's converter permutes the base's q/k rows: ours must match it
                 d = torch.from_numpy(np.ascontiguousarray(reference_permute(d.numpy(), heads[name])))
             ok &= np.abs(got[f"blk.{n}.{name}.weight"] - d.numpy()).max() <= TOL
     assert bool(ok) == permute
+
+
+# transformers v5 module -> llama.cpp tensor of the llama architecture, written out for the oracle
+LLAMA_CPP_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                   "self_attn.o_proj": "attn_output", "mlp.gate": "ffn_gate_inp"}  # fmt: skip
 
 
 def reference_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -256,3 +271,59 @@ def test_check_norms_reads_the_gguf_and_the_per_expert_export_with_the_same_norm
     assert deltas(gguf_report, lambda m: "ffn_down_exps" in m) == down_peft
     assert deltas(per_expert, lambda m: m.endswith(".w2")) == down_peft
     assert len([r for r in gguf_report.rows if "ffn_gate_exps" in r.module]) == 16
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe_run(tmp_path_factory):
+    """A tiny Qwen2-MoE adapter with LoRA on every kind of module a GGUF can carry besides the experts:
+    attention, the router, the shared expert's MLP and its one-output gate."""
+    out = tmp_path_factory.mktemp("qwen2_moe")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "shared_expert_gate"]
+    cfg = validate_config({
+        "model": {"name_or_path": "builtin:tiny-qwen2-moe"},
+        "lora": {"rank": 4, "alpha": 8, "target_modules": targets, "router": True},
+        "data": {"train_files": [str(ROOT / "data" / "demo_sft.jsonl")], "max_seq_len": 48},
+        "train": {"max_steps": 2, "lr": 2e-2, "warmup_steps": 0},
+        "output": {"dir": str(out)},
+    })  # fmt: skip
+    trainer.train(cfg, Console(quiet=True))
+    return out / "adapter"
+
+
+# transformers v5 module of Qwen2-MoE -> llama.cpp tensor of qwen2moe, written out for the oracle
+QWEN2MOE_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}  # fmt: skip
+
+
+def test_gguf_carries_router_shared_expert_and_its_gate_lora_with_peft_deltas(qwen2_moe_run, tmp_path):
+    """Before, a Qwen2-MoE run with its default targets (shared_expert.*) could not be exported to GGUF at all.
+    Every non-expert LoRA lands under the name llama.cpp gives the base tensor, with PEFT's merged delta."""
+    deltas, config = merged_minus_base(qwen2_moe_run)
+    _, fields, tensors = read_gguf(formats.write_gguf(qwen2_moe_run, tmp_path / "q.gguf"))
+    assert field_value(fields["general.architecture"]) == "qwen2moe"
+    got = gguf_deltas(tensors, config, scale=8.0 / 4)
+    for n in range(config.num_hidden_layers):
+        for module, name in QWEN2MOE_NAMES.items():
+            delta = deltas[f"model.layers.{n}.{module}.weight"].numpy()
+            assert np.abs(got[f"blk.{n}.{name}.weight"] - delta).max() <= TOL, module
+
+
+def test_gguf_refuses_lora_llama_cpp_would_ignore_or_cannot_place():
+    """DeepSeek's graph multiplies the query and the MLA projections with a plain ggml_mul_mat (no LoRA), so
+    their LoRA is refused instead of being written and silently ignored; its output projection and shared
+    experts go through build_lora_mm."""
+    names = formats.gguf_name_map("deepseek2", 2)
+    assert formats.gguf_linear_name(names, "deepseek2", 1, "self_attn", "o_proj") == "blk.1.attn_output"
+    assert formats.gguf_linear_name(names, "deepseek2", 1, "mlp.shared_experts", "up_proj") == "blk.1.ffn_up_shexp"
+    assert formats.gguf_linear_name(names, "deepseek2", 0, "mlp", "down_proj") == "blk.0.ffn_down"
+    for proj in ("q_proj", "q_a_proj", "kv_b_proj", "kv_a_proj_with_mqa"):
+        with pytest.raises(formats.ExportError, match="without applying LoRA"):
+            formats.gguf_linear_name(names, "deepseek2", 1, "self_attn", proj)
+    assert formats.gguf_linear_name(formats.gguf_name_map("qwen2moe", 2), "qwen2moe", 1, "self_attn",
+                                    "q_proj") == "blk.1.attn_q"  # fmt: skip
+    with pytest.raises(formats.ExportError, match="no tensor"):
+        formats.gguf_linear_name(names, "deepseek2", 1, "self_attn", "rotary_proj")
