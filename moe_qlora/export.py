@@ -285,6 +285,10 @@ def load_adapter(model, adapter_dir: str | Path, cfg: LoraSection) -> int:
         config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
     except (OSError, ValueError) as exc:
         raise AdapterMismatchError(f"{adapter_dir}: not a readable adapter ({exc})") from None
+    other_scaling = {k: config[k] for k in ("use_rslora", "alpha_pattern", "rank_pattern") if config.get(k)}
+    if other_scaling:  # PEFT would scale these by alpha/sqrt(r) or per module; this run's LoRA uses alpha/r
+        raise AdapterMismatchError(f"{adapter_dir}: adapter_config.json sets {other_scaling}; this tool trains and "
+                                   "loads one rank and alpha for every module, scaled by alpha/r")  # fmt: skip
     if (config.get("r"), config.get("lora_alpha")) != (cfg.rank, cfg.alpha):
         raise AdapterMismatchError(
             f"{adapter_dir}: trained with r={config.get('r')}, lora_alpha={config.get('lora_alpha')}; "

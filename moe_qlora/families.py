@@ -74,7 +74,7 @@ def default_targets(model: nn.Module) -> list[str]:
     present, remapped = linear_names(model), peft_remapped_names(model_type)
     skipped = [t for t in wanted if t in present and t in remapped]
     if skipped:
-        log.info("not targeting %s on %s: PEFT would re-target them onto the experts", skipped, model_type)
+        log.warning("not targeting %s on %s: PEFT would re-target them onto the experts", skipped, model_type)
     return [t for t in dict.fromkeys(wanted) if t in present and t not in remapped]
 
 

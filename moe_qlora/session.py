@@ -324,11 +324,17 @@ def build_schedule(optimizer, total_updates: int, train_cfg):
     )
 
 
+def save_verified_adapter(model, adapter_dir: Path, cfg: RunConfig, model_path: str) -> int:
+    """Save the model's adapter to `adapter_dir`, then load it back as PEFT will and check every tensor landed
+    (raises AdapterVerificationError if not; the adapter stays written either way). Returns the tensor count."""
+    save_adapter(model, adapter_dir, cfg=cfg.lora, base_model_name_or_path=model_path)
+    return verify_adapter(model, adapter_dir)
+
+
 def write_adapter(model, out: Path, cfg: RunConfig, model_path: str, console: Console) -> Path:
-    """Save the run's adapter, then load it back as PEFT will and check every tensor landed (raises if not;
-    the adapter stays written either way)."""
-    adapter_dir = save_adapter(model, out / "adapter", cfg=cfg.lora, base_model_name_or_path=model_path)
-    n = verify_adapter(model, adapter_dir)
+    """The run's verified adapter in out/adapter, and the export formats it asks for."""
+    adapter_dir = out / "adapter"
+    n = save_verified_adapter(model, adapter_dir, cfg, model_path)
     console.print(f"adapter: {adapter_dir} ({n} tensors, each verified to load in PEFT as trained)")
     for fmt in cfg.output.export_formats:
         from .formats import write_gguf, write_per_expert

@@ -46,7 +46,6 @@ from .distributed import (
     sum_scalars,
     whole_trainable,
 )
-from .export import save_adapter
 from .losses import token_logprobs
 from .memory import release_freed_memory
 from .optim import StepInBackward, build_optimizer
@@ -67,6 +66,7 @@ from .session import (
     load_tokenizer,
     resume_if_asked,
     router_load,
+    save_verified_adapter,
     seed_everything,
     stop_if_asked,
     truncate_metrics,
@@ -491,7 +491,7 @@ def _train(cfg: RunConfig, console: Console, out: Path, ranks: Ranks, *, allow_m
                 fields["eval_best"] = True
                 with whole_trainable(model, ranks):
                     if ranks.main:
-                        save_adapter(model, out / "adapter-best", cfg=cfg.lora, base_model_name_or_path=model_path)
+                        save_verified_adapter(model, out / "adapter-best", cfg, model_path)
             return fields
 
         try:

@@ -65,6 +65,29 @@ def test_eval_loss_is_logged_equals_a_direct_computation_and_leaves_training_unc
     assert (tmp_path / "eval" / "adapter-best" / "adapter_model.safetensors").exists()
 
 
+def test_the_best_adapter_is_verified_like_the_final_one(tmp_path, monkeypatch):
+    """adapter-best is an export too: one written without an expert LoRA tensor stops the run, naming it."""
+    from safetensors.torch import save_file
+
+    from moe_qlora.export import AdapterVerificationError
+
+    real_save = session.save_adapter
+
+    def save_dropping_an_expert_tensor(model, out, **kwargs):
+        written = real_save(model, out, **kwargs)
+        if Path(out).name == "adapter-best":
+            path = Path(written) / "adapter_model.safetensors"
+            tensors = load_file(str(path))
+            tensors.pop(next(k for k in sorted(tensors) if ".experts." in k))
+            save_file(tensors, str(path))
+        return written
+
+    monkeypatch.setattr(session, "save_adapter", save_dropping_an_expert_tensor)
+    cfg = config(tmp_path, data={"eval_files": [DATA]}, eval_every=2, keep_best=True, max_steps=2)
+    with pytest.raises(AdapterVerificationError, match="adapter-best would not load as trained.*missing from the file"):
+        trainer.train(cfg, Console(quiet=True))
+
+
 def test_eval_fraction_holds_rows_out_of_training(tmp_path):
     result = trainer.train(config(tmp_path, data={"eval_fraction": 0.25}, max_steps=2), Console(quiet=True))
     assert result.steps == 2 and "eval_loss" in records(tmp_path)[-1]

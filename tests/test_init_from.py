@@ -65,3 +65,17 @@ def test_another_rank_or_scale_is_refused_from_the_cli(tiny_mixtral_dir, trained
     result = CliRunner().invoke(app, ["train", "--config", str(cfg)])
     assert result.exit_code == 2
     assert "trained with r=4, lora_alpha=8.0; this run has lora.rank=8" in result.output
+
+
+@pytest.mark.parametrize("setting", [{"use_rslora": True}, {"alpha_pattern": {"q_proj": 64}}])
+def test_an_adapter_scaled_otherwise_is_refused(tiny_mixtral_dir, trained_adapter, tmp_path, setting):
+    """An adapter from elsewhere with rsLoRA (alpha/sqrt(r)) or per-module alphas: loaded as alpha/r its LoRA
+    would be silently mis-scaled in generate, merge and init_from."""
+    import json
+    import shutil
+
+    other = shutil.copytree(trained_adapter, tmp_path / "other")
+    config = json.loads((other / "adapter_config.json").read_text())
+    (other / "adapter_config.json").write_text(json.dumps({**config, **setting}))
+    with pytest.raises(AdapterMismatchError, match=f"sets {{'{next(iter(setting))}'"):
+        load_adapter(adapted(tiny_mixtral_dir), other, LORA)
