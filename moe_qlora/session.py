@@ -27,6 +27,7 @@ from .config import ConfigError, RunConfig, check_shardable, resolve_compute_dty
 from .distributed import SINGLE, Ranks, any_rank, device_of, join, leave, raise_together, shard_model
 from .experts import set_moe_kernels
 from .export import load_adapter, save_adapter, verify_adapter
+from .kernels.grouped_mm import has_fused_path
 from .loading import LoadOptions, check_model_path, load_model, parameter_bytes_by_kind
 from .memory import release_freed_memory
 from .optim import clip_global_norm, lr_multiplier
@@ -181,11 +182,10 @@ def load_policy(cfg: RunConfig, model_path: str, console: Console, ranks: Ranks 
         strict=cfg.model.strict_quantization,
     )
     model = attach_adapters(load_model(opts), cfg.lora, seed=cfg.train.seed)
-    kernels = resolve_kernels(cfg.model.kernels, device)
+    kernels = resolve_kernels(cfg.model.kernels, device, opts.compute_dtype)
     if set_moe_kernels(model, kernels, fused_below_rows=cfg.model.fused_below_rows,
                        dequant_buffer_mb=cfg.model.dequant_buffer_mb):  # fmt: skip
-        console.print(f"MoE kernels: {describe_kernels(kernels, cfg.model.fused_below_rows)}"
-                      + (" (model.kernels: auto)" if cfg.model.kernels == "auto" else ""))  # fmt: skip
+        console.print(f"MoE kernels: {describe_kernels(kernels, cfg.model.fused_below_rows, cfg.model.kernels)}")
     if cfg.lora.init_from:
         n = load_adapter(model, cfg.lora.init_from, cfg.lora)
         console.print(f"LoRA initialised from {cfg.lora.init_from} ({n} tensors)")
@@ -224,9 +224,11 @@ def move_unsharded_to(model, device: torch.device) -> None:
                 module._buffers[name] = buf.to(device)
 
 
-def resolve_kernels(choice: str, device: str) -> str:
-    """model.kernels to what runs: auto is the per-call choice between Triton and grouped_mm on CUDA (grouped_mm
-    alone without triton), the torch reference on the CPU; grouped_mm runs anywhere."""
+def resolve_kernels(choice: str, device: str, dtype: torch.dtype, capability: tuple[int, int] | None = None) -> str:
+    """model.kernels to what runs: auto is the per-call choice between Triton and grouped_mm on CUDA where
+    torch._grouped_mm has its CUTLASS kernel (sm_90 / sm_100 in bf16), Triton alone on the other GPUs (the 24 GB
+    cards) and dtypes, grouped_mm alone without triton, the torch reference on the CPU; grouped_mm runs anywhere.
+    capability: the GPU's (major, minor), read from the device when None."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if choice in ("torch", "grouped_mm"):
         return choice
@@ -238,13 +240,19 @@ def resolve_kernels(choice: str, device: str) -> str:
         raise ConfigError("model.kernels: triton, but triton is not installed (pip install -e '.[gpu]')")
     if device != "cuda" and not interpreted:
         raise ConfigError("model.kernels: triton needs a CUDA device (or TRITON_INTERPRET=1, as the tests use)")
+    if choice == "auto" and not has_fused_path(capability or torch.cuda.get_device_capability(), dtype):
+        return "triton"
     return choice
 
 
-def describe_kernels(kernels: str, fused_below_rows: int) -> str:
+def describe_kernels(kernels: str, fused_below_rows: int, choice: str) -> str:
+    """The line a run prints once: what runs the MoE layers, and why when model.kernels is auto."""
     if kernels == "auto":
         return f"auto per layer call: triton below {fused_below_rows} rows per expert, grouped_mm at or above"
-    return kernels
+    if choice == "auto" and kernels == "triton":
+        return ("triton (model.kernels: auto; torch._grouped_mm has no fused kernel for this GPU and dtype, only a "
+                "loop over experts with host syncs)")  # fmt: skip
+    return kernels + (" (model.kernels: auto)" if choice == "auto" else "")
 
 
 def seed_everything(seed: int) -> None:

@@ -110,9 +110,10 @@ def test_lora_gradient_outer_products_bf16():
 
 
 def train_losses(tmp_path, kernels, steps=6):
-    """Loss per step of the demo config on CUDA in fp32 with the given model.kernels."""
+    """Loss per step of the demo config on CUDA in fp32 with the given model.kernels (auto runs triton in fp32 on
+    every GPU: torch._grouped_mm has no fused fp32 kernel)."""
     cfg = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
-    cfg["model"].update(device="cuda", kernels=kernels)
+    cfg["model"].update(device="cuda", kernels=kernels, compute_dtype="float32")
     cfg["data"]["train_files"] = [str((ROOT / "configs" / f).resolve()) for f in cfg["data"]["train_files"]]
     cfg["train"].update(max_steps=steps, warmup_steps=2)
     cfg["output"]["dir"] = str(tmp_path / kernels)

@@ -24,6 +24,14 @@ from .ops import GroupedWeight, LowRank, silu_mul
 ALIGN_BYTES = 16
 
 
+def has_fused_path(capability: tuple[int, int], dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm runs its CUTLASS kernel on a CUDA GPU of this compute capability: bf16 operands
+    and output on sm_90 / sm_100 (GroupedBlas.cpp's fast path). Elsewhere (Ampere, Ada, consumer Blackwell; fp32
+    or fp16 anywhere) it falls back to one mm per expert after copying the offsets to the host: a sync and E
+    launches per call, which the fused NF4 kernel never pays."""
+    return capability[0] in (9, 10) and dtype == torch.bfloat16
+
+
 def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     """t zero-padded along `dim` to a multiple of `multiple` elements (t itself when already there)."""
     extra = -t.shape[dim] % multiple
