@@ -195,3 +195,23 @@ def test_grouped_mm_decoding_chunks_of_experts_matches_eager(quantized, case):
         set_moe_kernels(quantized, "grouped_mm", dequant_buffer_mb=None)
     with pytest.raises(AssertionError):  # control: the chunked layer with rolled experts fails the same check
         assert_all_close(broken, ref)
+
+
+@pytest.mark.parametrize("garbage", [False, True], ids=["exact", "unwritten_empty_groups"])
+def test_grouped_mm_lora_gradients_of_experts_without_rows_are_zero(quantized, garbage, monkeypatch):
+    """torch._grouped_mm's ragged-K mode on sm_100 leaves the groups of experts without rows unwritten
+    (pytorch/pytorch#172439): simulated here by NaN in those groups, the layer still matches eager (the
+    empty experts' LoRA gradients exactly zero), on the routing case with empty experts."""
+    real = torch._grouped_mm
+
+    def leaves_empty_groups_unwritten(a, b, offs=None, **kwargs):
+        out = real(a, b, offs=offs, **kwargs)
+        if out.dim() == 3:  # the 2D x 2D mode: one (M, N) sum per group
+            starts = torch.cat([offs.new_zeros(1), offs[:-1]])
+            out[offs == starts] = float("nan")
+        return out
+
+    if garbage:
+        monkeypatch.setattr(torch, "_grouped_mm", leaves_empty_groups_unwritten)
+    ours, ref = run(quantized, "grouped_mm", "empty_experts")
+    assert_all_close(ours, ref)

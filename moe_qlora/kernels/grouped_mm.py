@@ -66,7 +66,10 @@ def gmm_outer(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Ten
     align = _elems(a)
     a, b = _pad_to(a, 1, align).contiguous(), _pad_to(b, 1, align).contiguous()
     out = torch._grouped_mm(a.t(), b, offs=ends)  # a.t(): (M, S) column-major, the layout ragged K needs
-    return out[:, :m, :n]
+    # An expert without rows must get exactly zero; on sm_100 this mode leaves such groups unwritten (garbage,
+    # possibly NaN: pytorch/pytorch#172439), so they are selected out (where, not a product, which keeps NaN).
+    empty = ends == torch.cat([ends.new_zeros(1), ends[:-1]])
+    return torch.where(empty[:, None, None], 0.0, out[:, :m, :n])
 
 
 def _ends(offsets: torch.Tensor) -> torch.Tensor:
