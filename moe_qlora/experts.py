@@ -303,9 +303,11 @@ def adopt_dense_input_experts(model: nn.Module) -> int:
     """Give every dense-input experts module (Llama-4) the experts-interface attributes and our forward, so
     it is quantized and computed like the others; returns how many. Instance-level: no class is patched."""
     adopted = 0
-    for module in model.modules():
+    for block in model.modules():
+        module = getattr(block, "experts", None)
         if type(module).__name__ in DENSE_INPUT_EXPERTS and not hasattr(module, "has_gate"):
             _adopt(module, transposed=True, forward=dense_input_experts_forward)
+            module.moe_top_k = getattr(block, "top_k", None)  # bounds the picked rows: no sync to count them
             adopted += 1
     return adopted
 
@@ -320,13 +322,22 @@ def dense_input_experts_forward(self, routed_in, top_k_index=None, top_k_weights
     """
     if top_k_index is not None:
         return moe_qlora_experts_forward(self, routed_in, top_k_index, top_k_weights)
-    tokens = routed_in.shape[0] // self.num_experts
-    picked = routed_in.ne(0).any(-1).nonzero().squeeze(1)  # (S,) rows e*T + t with a non-zero input
-    expert = (picked // tokens).unsqueeze(1)  # (S, 1)
+    rows, tokens = routed_in.shape[0], routed_in.shape[0] // self.num_experts
+    nonzero = routed_in.ne(0).any(-1)
+    top_k = getattr(self, "moe_top_k", None)
+    if top_k:  # the block's top-k bounds the picked rows: a static size, so no host sync to count them
+        size = tokens * top_k
+        torch._assert_async(nonzero.sum() <= size, f"more than top_k = {top_k} experts fed per token")
+        # the padding index E*T points at an appended zero row, whose output (zero) lands in a row dropped below
+        picked = torch.nonzero_static(nonzero, size=size, fill_value=rows).squeeze(1)
+    else:
+        picked = nonzero.nonzero().squeeze(1)  # (S,) rows e*T + t with a non-zero input
+    padded = torch.cat([routed_in, routed_in.new_zeros(1, routed_in.shape[1])])
+    expert = (picked // tokens).clamp(max=self.num_experts - 1).unsqueeze(1)  # (S, 1)
     out = moe_qlora_experts_forward(
-        self, routed_in[picked], expert, torch.ones(expert.shape, dtype=routed_in.dtype, device=routed_in.device)
+        self, padded[picked], expert, torch.ones(expert.shape, dtype=routed_in.dtype, device=routed_in.device)
     )
-    return routed_in.new_zeros(routed_in.shape).index_copy(0, picked, out)
+    return padded.new_zeros(padded.shape).index_copy(0, picked, out)[:rows]
 
 
 # torch: the per-expert reference (CPU); triton: grouped Triton kernels decoding NF4 in registers (CUDA, or

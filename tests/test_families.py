@@ -207,3 +207,21 @@ def test_unsupported_expert_layouts_are_refused_by_name(tiny_mixtral_dir, attrib
     setattr(experts, attribute, attribute == "has_post_expert_norm")
     with pytest.raises(UnsupportedExpertsError, match=r"model.layers.0.mlp.experts|model.layers.1.mlp.experts"):
         attach_expert_lora(model, rank=4, alpha=8, seed=0)
+
+
+def test_llama4_picked_rows_are_bounded_by_the_blocks_top_k_and_never_dropped(tmp_path):
+    """Llama-4's experts get every token for every expert; the rows with a non-zero input (the picked ones) are
+    found with a static size, the block's top_k per token, so no host sync counts them. An input feeding more
+    experts than that per token fails loudly instead of losing rows."""
+    tok = build_byte_tokenizer()
+    path = save_tiny_model(tmp_path / "llama4", tiny_config("llama4_text", len(tok)), tokenizer=tok)
+    model = attach_adapters(load_model(LoadOptions(str(path))), LoraSection(rank=4, alpha=8.0, target_modules=[]),
+                            seed=0)  # fmt: skip
+    _, experts = first_experts(model)
+    assert experts.moe_top_k == model.config.num_experts_per_tok == 1
+    e, t = experts.num_experts, 5
+    two_per_token = torch.zeros(e, t, 1)
+    two_per_token[0], two_per_token[3] = 0.7, 0.2  # experts 0 and 3 for every token
+    routed_in = (torch.randn(1, t, 64) * two_per_token).reshape(e * t, 64)
+    with pytest.raises(RuntimeError, match="more than top_k = 1 experts fed per token"):
+        experts(routed_in)
