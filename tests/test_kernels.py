@@ -201,8 +201,10 @@ def recorded_launches(monkeypatch) -> list[dict]:
 
 def default_blocks(monkeypatch, arch: int, *, swap: bool, split_k_max: int = 1):
     """Launches at `arch`'s default blocks (no small-block override), with the swapped 16-row tiles or without
-    whatever the row count, and split-K off unless `split_k_max` (one launch: split-K has its own test)."""
+    whatever the row count, and split-K off unless `split_k_max` (one launch: split-K has its own test). Not
+    autotuned, also on a GPU: each launch runs its class's first candidate, and reaches recorded_launches."""
     monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
+    monkeypatch.setenv("MOE_QLORA_AUTOTUNE", "0")
     monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", str(arch))
     monkeypatch.setattr(ops, "SWAP_AB_MAX_ROWS", 10**6 if swap else 0)
     monkeypatch.setattr(ops, "SPLIT_K_MAX", split_k_max)
@@ -431,9 +433,12 @@ def test_autotuning_is_on_by_default_and_switched_off_by_the_environment(monkeyp
     assert ops.launch_candidates(ops.matmul_plan("cpu"), "cpu", **flags) == ops.MATMUL_CONFIGS[90][:1]
     monkeypatch.setenv("MOE_QLORA_TRITON_BLOCKS", "16,32,16")
     assert ops.matmul_plan("cpu") == [ops.MatmulConfig(32, 16, block_m=16)]
-    # A GPU's list by its compute capability: mma.sync GPUs (the 24 GB cards among them) take sm_80's.
+    # A GPU's list by its compute capability: mma.sync GPUs (the 24 GB cards among them) take sm_80's, unless
+    # MOE_QLORA_TARGET_ARCH names one (the kernel tests run both lists on whatever GPU they find).
     capability = {"major": 8}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (capability["major"], 0))
+    assert ops.target_arch("cuda") == 90  # MOE_QLORA_TARGET_ARCH=90 on an sm_80 GPU
+    monkeypatch.delenv("MOE_QLORA_TARGET_ARCH")
     arches = {}
     for major in (8, 9, 10, 12):
         capability["major"] = major

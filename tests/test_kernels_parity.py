@@ -48,22 +48,16 @@ def test_grouped_layer_on_default_triton_blocks_matches_eager(quantized, swap, m
     all four launches: the forward's gate_up and down read their codes as words along K, both input gradients
     along N; with few rows per expert (SWAP_AB_MAX_ROWS) also their swapped 16-row tiles. The whole layer's
     forward and every gradient then match the eager experts (same oracle and tolerance as above)."""
-    from moe_qlora.kernels import ops, triton_kernels
+    from test_kernels import recorded_launches
+
+    from moe_qlora.kernels import ops
 
     monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
+    monkeypatch.setenv("MOE_QLORA_AUTOTUNE", "0")  # on a GPU too: launches reach the recorder, not the autotuner
     monkeypatch.setattr(ops, "SWAP_AB_MAX_ROWS", 10**6 if swap else 0)
-    flags, real = [], triton_kernels._grouped_matmul_kernel
-
-    class Recorder:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                flags.append((kwargs["K_PACKED"], kwargs["N_PACKED"], kwargs["SWAP_AB"]))
-                return real[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(triton_kernels, "_grouped_matmul_kernel", Recorder())
+    launches = recorded_launches(monkeypatch)
     assert_all_close(*run(quantized, "triton", "ragged"))
+    flags = [(kw["K_PACKED"], kw["N_PACKED"], kw["SWAP_AB"]) for kw in launches]
     nf4 = [f for f in flags if f[0] or f[1]]
     assert sum(f[0] for f in nf4) >= 2 and sum(f[1] for f in nf4) >= 2  # forward (K) and input gradients (N)
     assert all(f[2] == swap for f in nf4)

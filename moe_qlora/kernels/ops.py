@@ -188,7 +188,7 @@ MATMUL_CONFIGS = {
 # The arch defaults as shipped: what a launch no pinned candidate serves falls back to (ops.pinned_config).
 DEFAULT_CONFIGS = {arch: configs[0] for arch, configs in MATMUL_CONFIGS.items()}
 OUTER_BLOCKS = (64, 64, 32)  # OUT_PROD_ID: BLOCK_M, BLOCK_N, BLOCK_S, not autotuned
-TARGET_ARCH_ENV = "MOE_QLORA_TARGET_ARCH"  # the architecture whose configs a launch on a CPU tensor records
+TARGET_ARCH_ENV = "MOE_QLORA_TARGET_ARCH"  # the architecture whose config list launches use (AOT capture, tests)
 
 
 def block_override() -> tuple[int, int, int] | None:
@@ -205,11 +205,15 @@ def autotuning() -> bool:
 def target_arch(device) -> int:
     """Whose config list `device` uses: 90 for Hopper and datacenter Blackwell (sm_90, sm_100), 80 for the GPUs
     whose tensor cores Triton drives with mma.sync, Ampere, Ada and consumer Blackwell (sm_80/86/89/120: the
-    24 GB cards). A CPU tensor (the AOT capture) takes MOE_QLORA_TARGET_ARCH, 90 by default."""
+    24 GB cards). MOE_QLORA_TARGET_ARCH, when set, wins on any device: the AOT capture records either list from
+    CPU tensors (90 when unset), and the kernel tests run either list on whatever GPU they find (both lists
+    compile for every arch from sm_80 on and fit its shared memory)."""
+    if override := os.environ.get(TARGET_ARCH_ENV):
+        return int(override)
     if torch.device(device).type == "cuda":
         major, _ = torch.cuda.get_device_capability(device)
         return 90 if major in (9, 10) else 80
-    return int(os.environ.get(TARGET_ARCH_ENV, "90"))
+    return 90
 
 
 def multiprocessor_count(device) -> int:
