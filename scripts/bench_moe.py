@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -41,11 +42,15 @@ def experts_module(hidden, inter, num_experts, top_k, dtype):
 
 
 def ours(module, cfg, kernels, rank):
+    """The experts module as a default run holds it: NF4 stacks with nested block scales
+    (model.expert_double_quant), expert LoRA of `rank`, `kernels`."""
+    from moe_qlora.config import ModelSection
     from moe_qlora.experts import attach_expert_lora, register_experts_implementation, set_moe_kernels
     from moe_qlora.nf4 import quantize_stack
 
+    nested = ModelSection.model_fields["expert_double_quant"].default
     for name in ("gate_up_proj", "down_proj"):
-        setattr(module, name, quantize_stack(getattr(module, name).detach().float()))
+        setattr(module, name, quantize_stack(getattr(module, name).detach().float(), double_quant=nested))
     register_experts_implementation()
     cfg._experts_implementation = "moe_qlora"
     attach_expert_lora(module, rank=rank, alpha=2 * rank, seed=0)
@@ -192,6 +197,11 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    # On a GPU every case of ours must run: one that raised is a failure, not a skipped contender.
+    failed = [r for r in results if cuda and "skipped" in r and r["contender"].startswith("moe-qlora")]
+    for r in failed:
+        print(f"FAIL  {r['contender']} at {r['shape']}, {r['tokens']} tokens: {r['skipped']}")
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

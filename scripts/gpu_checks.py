@@ -4,10 +4,10 @@ default config bit for bit (so the autotuner's pick cannot change a result); the
 shared-memory figures for every Triton kernel variant it compiled. Prints a table, a verdict per check and
 JSON (--json PATH also writes it).
 
-    python scripts/gpu_checks.py [--tokens 2048] [--tall-tokens 8192] [--json out.json]
+    python scripts/gpu_checks.py [--tokens 2048] [--tall-tokens 8192] [--decode-tokens 32] [--json out.json]
 
-Layer: Qwen3-30B-A3B's expert shapes (hidden 2048, 128 experts of 768, top-8), NF4, bf16 activations, LoRA r16,
-forward + backward, for kernels triton, grouped_mm and auto.
+Layer: Qwen3-30B-A3B's expert shapes (hidden 2048, 128 experts of 768, top-8), NF4 with nested block scales (the
+default), bf16 activations, LoRA r16, forward + backward, for kernels triton, grouped_mm and auto.
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--tall-tokens", type=int, default=8192, help="tokens at which launches take 128-row tiles")
+    ap.add_argument("--decode-tokens", type=int, default=32, help="tokens at which launches take swapped 16-row tiles")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -126,10 +127,13 @@ def main() -> None:
         results["syncs"][kernels] = count_syncs(module, x, idx, weights)
         results["bit_identical"][kernels] = bit_identical(module, x, idx, weights)
         del module
-    # Twice: at --tokens (64-row tiles at 2048) and at --tall-tokens (128 rows per expert tile and its own
-    # candidates at 8192: 512 rows per expert), each against the first config of the list.
-    tall = {f"{name} @{args.tall_tokens}": same for name, same in candidates_agree(*routing(args.tall_tokens)).items()}
-    results["candidates_bit_identical"] = candidates_agree(x, idx, weights) | tall
+    # At --tokens (64-row tiles at 2048), --tall-tokens (128-row tiles and their own candidates at 8192: 512 rows
+    # per expert) and --decode-tokens (swapped 16-row tiles, as in decoding and GRPO sampling), each against the
+    # first config of the list.
+    results["candidates_bit_identical"] = candidates_agree(x, idx, weights)
+    for tokens in (args.tall_tokens, args.decode_tokens):
+        agree = candidates_agree(*routing(tokens))
+        results["candidates_bit_identical"] |= {f"{name} @{tokens}": same for name, same in agree.items()}
     results["kernels"] = live_kernel_figures()
     print(f"{'kernels':<12}{'syncs per layer fwd+bwd':>26}{'two steps bit-identical':>26}")
     for k in results["syncs"]:
