@@ -176,9 +176,21 @@ def dequantize_expert(stack: NF4Stack, e: int, dtype: torch.dtype = torch.float3
     return dequantize_experts(stack, e, e + 1, dtype)[0]
 
 
+# bitsandbytes hands its 4-bit kernels the element count as a C int: a larger decode (DeepSeek-V3's gate_up
+# stack is 7.5e9 elements) is split into calls of whole experts below it.
+MAX_DECODE_ELEMENTS = 2**31 - 1
+
+
 def dequantize_experts(stack: NF4Stack, first: int, end: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Experts first..end-1 decoded in one bitsandbytes call: (end - first, O, I) in `dtype`. No host sync:
-    the nested offset is a float read when the stack was built."""
+    """Experts first..end-1 decoded by bitsandbytes: (end - first, O, I) in `dtype`, in one call unless that
+    passes MAX_DECODE_ELEMENTS. No host sync: the nested offset is a float read when the stack was built."""
+    per_call = max(1, MAX_DECODE_ELEMENTS // stack.expert_numel)
+    if end - first > per_call:
+        out = torch.empty(end - first, *stack.shape[1:], dtype=dtype, device=stack.packed.device)
+        for lo in range(first, end, per_call):
+            hi = min(lo + per_call, end)
+            out[lo - first : hi - first] = dequantize_experts(stack, lo, hi, dtype)
+        return out
     # Decoded as a flat vector, then viewed: bitsandbytes 0.50's CPU kernel mis-decodes 2D shapes whose
     # last dimension is not a multiple of the blocksize (e.g. (64, 32)); flat shapes are always right.
     state = bnbF.QuantState(

@@ -345,6 +345,20 @@ def test_wide_candidates_serve_only_the_launches_they_fit(monkeypatch):
     assert ops.path_candidates(configs, "cpu") == [c for c in configs if not c.wide]
 
 
+def test_a_served_candidate_that_would_split_a_quant_block_is_refused(monkeypatch):
+    """The packed path is chosen over the narrow candidates, but the autotuner also times the wide ones it
+    serves: one of 128 codes along K (two quant blocks) would decode a step with one block's scale, so the
+    launch refuses it rather than compute wrong weights."""
+    monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
+    monkeypatch.setattr(ops, "_interpreted", lambda: False)  # autotuning on: the wide candidate is served
+    monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", "90")
+    monkeypatch.setitem(ops.MATMUL_CONFIGS, 90, [ops.MatmulConfig(64, 64), ops.MatmulConfig(128, 128)])
+    offsets = offsets_of(ROUTINGS["ragged"])
+    weight = GroupedWeight.quantized(nf4_stack(6, 200, 128), transpose=True)
+    with pytest.raises(RuntimeError, match="spans quant blocks"):
+        grouped_matmul(torch.randn(offsets[-1], 128), weight, offsets)
+
+
 @pytest.mark.parametrize("glu", [False, True], ids=["down", "gate_up"])
 def test_wide_tiles_match_reference(dev, glu, monkeypatch):
     """The wide candidate pinned (sm_90's 128 x 64, 4 warps): the down projection in 64-row tiles and gate_up in

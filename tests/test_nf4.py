@@ -45,6 +45,25 @@ def test_per_expert_decode_equals_bitsandbytes_whole_stack(shape, double_quant):
     assert torch.all(err <= 0.1521 * blocks.abs().amax(-1, keepdim=True) + 1e-6)
 
 
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_a_decode_past_bitsandbytes_int_limit_is_split_into_calls_of_whole_experts(double_quant, monkeypatch):
+    """bitsandbytes counts elements in a C int: a larger decode runs as several calls (here the limit is cut to
+    2.5 experts, so 7 experts take 4 calls of 2, 2, 2, 1) and gives the same bits as one call."""
+    import moe_qlora.nf4 as nf4
+
+    stack = NF4Stack.from_param(quantize_stack(torch.randn(7, 64, 32) * 0.05, double_quant=double_quant))
+    whole = dequantize_stack(stack)
+    calls = []
+    real = bnbF.dequantize_4bit
+    monkeypatch.setattr(
+        nf4.bnbF, "dequantize_4bit", lambda codes, state: calls.append(state.shape) or real(codes, state)
+    )
+    monkeypatch.setattr(nf4, "MAX_DECODE_ELEMENTS", int(2.5 * 64 * 32))
+    split = dequantize_stack(stack)
+    assert [s.numel() for s in calls] == [2 * 64 * 32] * 3 + [64 * 32]
+    assert torch.equal(split, whole)
+
+
 def test_decoder_detects_swapped_nibbles():
     """Broken control: decoding the low nibble first must not match bitsandbytes."""
     torch.manual_seed(0)

@@ -388,6 +388,10 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
     swap = (k_packed or n_packed) and block_override() is None and num_rows <= SWAP_AB_MAX_ROWS * weight.shape[0]
     tall = takes_tall_tiles(num_rows, weight.shape[0], swap)
     configs = launch_candidates(configs, x.device, k_packed=k_packed, glu=glu, swap=swap, tall=tall)
+    if (k_packed or n_packed) and not all(c.packs(q.blocksize, n_packed) for c in configs):
+        # the path was chosen over the narrow candidates; a launched one whose step spans two quant blocks
+        # would decode a whole step with one block's scale
+        raise RuntimeError(f"packed NF4 path chosen, but a candidate's step spans quant blocks: {configs}")
     bm = SWAP_AB_BLOCK_M if swap else configs[0].block_m  # the candidates share their class's BLOCK_M
     tiles = expert_tiles(device_offsets(offsets, x.device), num_rows, bm)
     default = configs[0]
