@@ -25,19 +25,25 @@ ROOT = Path(__file__).resolve().parent.parent
 TOL = 1e-6
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """A tiny Mixtral adapter (experts, router, q/k/v/o) after 3 steps at a high LR: every factor non-zero."""
-    out = tmp_path_factory.mktemp("run")
+def trained_adapter(out: Path, model: str, targets: list[str], steps: int, **output) -> Path:
+    """The adapter of a short run at a high LR (rank 4, alpha 8, router LoRA too): every factor non-zero."""
     cfg = validate_config({
-        "model": {"name_or_path": "builtin:tiny-mixtral"},
-        "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "router": True},
+        "model": {"name_or_path": model},
+        "lora": {"rank": 4, "alpha": 8, "target_modules": targets, "router": True},
         "data": {"train_files": [str(ROOT / "data" / "demo_sft.jsonl")], "max_seq_len": 48},
-        "train": {"max_steps": 3, "lr": 2e-2, "warmup_steps": 0},
-        "output": {"dir": str(out), "export_formats": ["per-expert", "gguf"]},
+        "train": {"max_steps": steps, "lr": 2e-2, "warmup_steps": 0},
+        "output": {"dir": str(out), **output},
     })  # fmt: skip
     trainer.train(cfg, Console(quiet=True))
     return out / "adapter"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A tiny Mixtral adapter: experts, router, q/k/v/o, 3 steps."""
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    out = tmp_path_factory.mktemp("run")
+    return trained_adapter(out, "builtin:tiny-mixtral", attention, 3, export_formats=["per-expert", "gguf"])
 
 
 def test_a_run_writes_the_export_formats_it_asks_for(run, tmp_path):
@@ -277,17 +283,8 @@ def test_check_norms_reads_the_gguf_and_the_per_expert_export_with_the_same_norm
 def qwen2_moe_run(tmp_path_factory):
     """A tiny Qwen2-MoE adapter with LoRA on every kind of module a GGUF can carry besides the experts:
     attention, the router, the shared expert's MLP and its one-output gate."""
-    out = tmp_path_factory.mktemp("qwen2_moe")
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "shared_expert_gate"]
-    cfg = validate_config({
-        "model": {"name_or_path": "builtin:tiny-qwen2-moe"},
-        "lora": {"rank": 4, "alpha": 8, "target_modules": targets, "router": True},
-        "data": {"train_files": [str(ROOT / "data" / "demo_sft.jsonl")], "max_seq_len": 48},
-        "train": {"max_steps": 2, "lr": 2e-2, "warmup_steps": 0},
-        "output": {"dir": str(out)},
-    })  # fmt: skip
-    trainer.train(cfg, Console(quiet=True))
-    return out / "adapter"
+    return trained_adapter(tmp_path_factory.mktemp("qwen2_moe"), "builtin:tiny-qwen2-moe", targets, 2)
 
 
 # transformers v5 module of Qwen2-MoE -> llama.cpp tensor of qwen2moe, written out for the oracle
