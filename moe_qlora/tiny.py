@@ -265,8 +265,11 @@ def tiny_config_any(model_type: str, vocab_size: int):
     fields.update({k: None for k in settable if isinstance(getattr(defaults, k, None), list)})
     specials = {k: TINY_COMMON[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id")}
     # other vocabulary sizes (Inkling-2's unpadded_vocab_size) must not exceed the tiny one
-    other_vocabularies = [k for k, v in vars(defaults).items()
-                          if k.endswith("vocab_size") and k != "vocab_size" and isinstance(v, int) and v > vocab_size]
+    other_vocabularies = [
+        k
+        for k, v in vars(defaults).items()
+        if k.endswith("vocab_size") and k != "vocab_size" and isinstance(v, int) and v > vocab_size
+    ]
     fields.update(dict.fromkeys(other_vocabularies, vocab_size))
     if "kv_lora_rank" in fields:  # multi-head latent attention: one latent KV per head
         fields["num_key_value_heads"] = fields["num_attention_heads"]
