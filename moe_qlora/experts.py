@@ -328,16 +328,15 @@ def dense_input_experts_forward(self, routed_in, top_k_index=None, top_k_weights
     if top_k:  # the block's top-k bounds the picked rows: a static size, so no host sync to count them
         size = tokens * top_k
         torch._assert_async(nonzero.sum() <= size, f"more than top_k = {top_k} experts fed per token")
-        # the padding index E*T points at an appended zero row, whose output (zero) lands in a row dropped below
+        # padding entries hold E*T: they read row E*T - 1 zeroed, and write their zero output to an extra row
         picked = torch.nonzero_static(nonzero, size=size, fill_value=rows).squeeze(1)
     else:
         picked = nonzero.nonzero().squeeze(1)  # (S,) rows e*T + t with a non-zero input
-    padded = torch.cat([routed_in, routed_in.new_zeros(1, routed_in.shape[1])])
+    real = (picked < rows).unsqueeze(1)  # (S, 1)
+    inputs = routed_in[picked.clamp(max=rows - 1)] * real
     expert = (picked // tokens).clamp(max=self.num_experts - 1).unsqueeze(1)  # (S, 1)
-    out = moe_qlora_experts_forward(
-        self, padded[picked], expert, torch.ones(expert.shape, dtype=routed_in.dtype, device=routed_in.device)
-    )
-    return padded.new_zeros(padded.shape).index_copy(0, picked, out)[:rows]
+    out = moe_qlora_experts_forward(self, inputs, expert, real.to(routed_in.dtype))
+    return routed_in.new_zeros(rows + 1, routed_in.shape[1]).index_copy(0, picked, out)[:rows]
 
 
 # torch: the per-expert reference (CPU); triton: grouped Triton kernels decoding NF4 in registers (CUDA, or
