@@ -10,13 +10,16 @@ import contextlib
 import logging
 import re
 
+import peft
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .config import ConfigError, LoraSection
-from .experts import ExpertLoRA, attach_expert_lora, experts_modules
+from .experts import ExpertLoRA, UnsupportedExpertsError, attach_expert_lora, experts_modules
+from .export import target_parameter_names
 from .families import resolve_targets
+from .peft_roundtrip import clean_base_config, first_few, target_modules_failing_round_trip
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +40,29 @@ def attach_adapters(model, cfg: LoraSection, *, seed: int):
         if not experts_modules(model):
             log.warning("no MoE experts found: training LoRA on the linears only (plain QLoRA)")
         attach_expert_lora(model, rank=cfg.rank, alpha=cfg.alpha, seed=seed)
+    refuse_parameter_lora_peft_would_drop(model, routers)
     return model
+
+
+def refuse_parameter_lora_peft_would_drop(model, routers: list[str]) -> None:
+    """Expert and router LoRA are written as PEFT `target_parameters`; if the installed PEFT would not load them
+    back as trained, refuse now, before training, rather than at the end when the adapter is verified.
+
+    Mistral-Large-4 (transformers 5.24, PEFT 0.21): PEFT applies the family's checkpoint-conversion renamings
+    to adapter keys, turning 'mlp.experts.*' into 'mlp.mlp.experts.*', which matches no module.
+    """
+    parameters = target_parameter_names(model) + routers
+    if not parameters:
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    report, _ = target_modules_failing_round_trip(clean_base_config(base.config), None,
+                                                  target_parameters=parameters, model_class=type(base))  # fmt: skip
+    if not report.ok:
+        raise UnsupportedExpertsError(
+            f"LoRA on {first_few(parameters)} would not load as trained in PEFT {peft.__version__}: "
+            f"{report.describe(base.config.model_type)}. Train without it (lora.experts: false, lora.router: "
+            "false) or use a PEFT that loads this family's expert keys."
+        )
 
 
 def router_parameter_names(model) -> list[str]:

@@ -75,7 +75,43 @@ def default_targets(model: nn.Module) -> list[str]:
     skipped = [t for t in wanted if t in present and t in remapped]
     if skipped:
         log.warning("not targeting %s on %s: PEFT would re-target them onto the experts", skipped, model_type)
-    return [t for t in dict.fromkeys(wanted) if t in present and t not in remapped]
+    wrapped = wrapped_projection_names(model)
+    targets = []
+    for t in dict.fromkeys(wanted):
+        if t in present and t not in remapped:
+            targets += linears_only(model, t)
+        if t in wrapped:
+            targets += linears_only(model, f"{t}.{WRAPPED_LINEAR}")
+    return list(dict.fromkeys(targets))
+
+
+def linears_only(model: nn.Module, target: str) -> list[str]:
+    """`target`, narrowed to suffixes that match only its nn.Linear modules when it also names other modules.
+
+    PEFT refuses a target that matches a module it cannot wrap: on Inkling-2 `q_proj` is a Linear in the
+    vision tower and a wrapper module in the text model, so the plain name would fail, not train.
+    """
+    others = [n for n, m in model.named_modules() if matches_target(n, target) and not isinstance(m, nn.Linear)]
+    if not others:
+        return [target]
+    return narrowest_loadable(target, modules_matching(model, target), others)
+
+
+WRAPPED_LINEAR = "linear"
+
+
+def wrapped_projection_names(model: nn.Module) -> set[str]:
+    """Names of projections that are wrapper modules holding their nn.Linear as a `linear` child.
+
+    Inkling-2 (transformers 5.24) wraps each attention projection with its norm or short convolution:
+    `self_attn.q_proj` is a module and `self_attn.q_proj.linear` the Linear. A family default of `q_proj`
+    then names no Linear, so `auto` targets `q_proj.linear` instead of silently leaving attention untrained.
+    """
+    return {
+        name.rsplit(".", 1)[-1]
+        for name, m in model.named_modules()
+        if not isinstance(m, nn.Linear) and isinstance(getattr(m, WRAPPED_LINEAR, None), nn.Linear)
+    }
 
 
 def matches_target(module_name: str, target: str) -> bool:

@@ -138,13 +138,16 @@ def _keys_peft_could_not_place(peft_model: PeftModel, adapter_dir: Path) -> list
     return sorted(k for k in result.unexpected_keys if ".lora_" in k)
 
 
-def target_modules_failing_round_trip(config, target_modules: list[str], **skeleton_kwargs):
-    """Modules matched by `target_modules` whose LoRA would not load as trained: (report, failing module names).
+def target_modules_failing_round_trip(config, target_modules: list[str] | None, *,
+                                      target_parameters: list[str] | None = None, **skeleton_kwargs):  # fmt: skip
+    """Modules matched by `target_modules` (or holding `target_parameters`, e.g. 'mlp.experts.down_proj') whose
+    LoRA would not load as trained: (report, failing module names).
 
     A rank-1 adapter on a skeleton, with a distinct value per tensor, is written as our export writes adapters
-    and loaded back by PEFT. Done at target-resolution time, so it follows whatever the installed PEFT does.
+    and loaded back by PEFT. Done before training, so it follows whatever the installed PEFT does.
     """
-    lora = LoraConfig(r=1, lora_alpha=1, target_modules=list(target_modules))
+    lora = LoraConfig(r=1, lora_alpha=1, target_modules=list(target_modules) if target_modules else None,
+                      target_parameters=list(target_parameters) if target_parameters else None)  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         peft_model = get_peft_model(skeleton(config, **skeleton_kwargs), lora)

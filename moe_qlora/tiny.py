@@ -219,6 +219,7 @@ SWEEP_SIZES = {
     "linear_value_head_dim": 16, "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2,
     "chunk_size": 16, "use_mamba_kernels": False, "mamba_d_state": 16, "n_group": 1, "topk_group": 1,
     "first_k_dense_replace": 1, "sliding_window": 32, "index_head_dim": 16, "index_n_heads": 2, "index_topk": 8,
+    "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16,
 }  # fmt: skip
 # Per-family fields the generic shrink cannot derive (layer patterns given by period, nested sub-configs).
 SWEEP_EXTRA = {
@@ -241,7 +242,7 @@ SWEEP_EXTRA = {
 }  # fmt: skip
 LAYER_LISTS = ("layer_types", "mlp_layer_types")
 SWEEP_VISION = {"depth": 2, "num_heads": 4, "out_hidden_size": 64, "num_hidden_layers": 2, "vision_output_dim": 64,
-                "projector_input_dim": 64, "projector_output_dim": 64}  # fmt: skip
+                "projector_input_dim": 64, "projector_output_dim": 64, "text_hidden_size": 64}  # fmt: skip
 
 
 def tiny_config_any(model_type: str, vocab_size: int):
@@ -255,12 +256,15 @@ def tiny_config_any(model_type: str, vocab_size: int):
     defaults = cls()
     fields = {k: v for k, v in SWEEP_SIZES.items() if hasattr(defaults, k)}
     for key, sub in (getattr(cls, "sub_configs", None) or {}).items():  # a multimodal wrapper: shrink its parts
+        if not getattr(sub, "model_type", None):  # declared as AutoConfig: the class its default holds
+            sub = type(getattr(defaults, key, None))
         sub_type = getattr(sub, "model_type", None)
         if key == "text_config" and sub_type in CONFIG_MAPPING:
             fields[key] = tiny_config_any(sub_type, vocab_size).to_dict()
-        elif sub_type is not None:
+        elif sub_type:
             sub_defaults = sub()
-            fields[key] = {k: v for k, v in {**SWEEP_SIZES, **SWEEP_VISION}.items() if hasattr(sub_defaults, k)}
+            sizes = {k: v for k, v in {**SWEEP_SIZES, **SWEEP_VISION}.items() if hasattr(sub_defaults, k)}
+            fields[key] = {"model_type": sub_type, **sizes}
     settable = [k for k in LAYER_LISTS if not isinstance(getattr(cls, k, None), property)]
     fields.update({k: None for k in settable if isinstance(getattr(defaults, k, None), list)})
     specials = {k: TINY_COMMON[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id")}

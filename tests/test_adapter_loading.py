@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from moe_qlora.adapters import attach_adapters
 from moe_qlora.cli import app
 from moe_qlora.config import ConfigError, LoraSection
+from moe_qlora.experts import UnsupportedExpertsError
 from moe_qlora.export import (
     ADAPTER_WEIGHTS,
     AdapterMismatchError,
@@ -29,7 +30,7 @@ from moe_qlora.export import (
 )
 from moe_qlora.families import narrowest_loadable
 from moe_qlora.loading import LoadOptions, load_model
-from moe_qlora.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
+from moe_qlora.tiny import build_byte_tokenizer, save_tiny_model, tiny_config, tiny_config_any
 
 ROOT = Path(__file__).resolve().parent.parent
 AUTO = LoraSection(rank=4, alpha=8.0, target_modules="auto")
@@ -80,6 +81,46 @@ def test_auto_targets_on_laguna_load_in_peft_with_every_tensor(laguna_dir, tmp_p
     saved, loaded = load_file(str(adapter / ADAPTER_WEIGHTS)), get_peft_model_state_dict(peft_model)
     assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
     assert any("layers.0.mlp.gate_proj.lora_B" in k for k in saved)
+
+
+@pytest.mark.parametrize("model_type", ["inkling2_text", "inkling2"])
+def test_auto_targets_attention_projections_wrapped_in_modules(tmp_path, model_type):
+    """Inkling-2 (transformers 5.24) holds each attention Linear as `self_attn.q_proj.linear`: the family default
+    `q_proj` names no Linear there, and `auto` once trained only the output gate, leaving attention frozen.
+    In the multimodal inkling2, `q_proj` is also a plain Linear of the vision tower: PEFT refuses a name that
+    matches the text model's wrapper too, so that target must be narrowed, not passed on."""
+    tok = build_byte_tokenizer()
+    path = save_tiny_model(tmp_path / model_type, tiny_config_any(model_type, len(tok)), tokenizer=tok)
+    model = attach_adapters(load_model(LoadOptions(str(path))), AUTO, seed=0)
+    with_lora = [n.split(".lora_A.")[0] for n, _ in model.named_parameters() if ".lora_A." in n]
+    text = model.config.get_text_config()
+    for layer in range(text.num_hidden_layers):
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            name = f"layers.{layer}.self_attn.{proj}.linear"
+            assert any(n.endswith(name) for n in with_lora), name
+
+
+@pytest.fixture(scope="module")
+def mistral_large4_dir(tmp_path_factory):
+    tok = build_byte_tokenizer()
+    config = tiny_config_any("mistral_large4", len(tok))
+    return save_tiny_model(tmp_path_factory.mktemp("mistral_large4"), config, tokenizer=tok)
+
+
+def test_expert_lora_peft_would_rename_away_is_refused_before_training(mistral_large4_dir):
+    """Mistral-Large-4's conversion renames `.experts.` to `.mlp.experts.` unanchored, and PEFT applies it to
+    adapter keys: expert LoRA would load as `mlp.mlp.experts` and be lost. Refused at attach, with the cause."""
+    with pytest.raises(UnsupportedExpertsError, match=r"mlp\.mlp\.experts"):
+        attach_adapters(load_model(LoadOptions(str(mistral_large4_dir))), AUTO, seed=0)
+
+
+def test_the_control_peft_really_drops_mistral_large4_expert_lora(mistral_large4_dir, tmp_path, monkeypatch):
+    """Without the refusal, the adapter is written and PEFT's own load leaves its expert LoRA untouched."""
+    monkeypatch.setattr("moe_qlora.adapters.refuse_parameter_lora_peft_would_drop", lambda *a: None)
+    model = with_random_lora(attach_adapters(load_model(LoadOptions(str(mistral_large4_dir))), AUTO, seed=0))
+    adapter = save_adapter(model, tmp_path / "adapter", cfg=AUTO, base_model_name_or_path=str(mistral_large4_dir))
+    with pytest.raises(AdapterVerificationError, match=r"experts.*stay at their initial value|stay at.*experts"):
+        verify_adapter(model, adapter)
 
 
 def test_explicit_shared_expert_target_on_laguna_is_refused_with_the_reason(laguna_dir):
