@@ -622,3 +622,27 @@ def test_grouped_matmul_compiles_for_ampere_and_hopper(compiled_variants, arch, 
 def test_grouped_outer_product_compiles_for_ampere_and_hopper(compiled_variants, arch, dtype):
     r = compiled_variants[f"grouped_outer_product/{dtype}/sm_{arch}"]
     assert r["cubin_bytes"] > 1000 and r["tensor_core_mma"] == (dtype == "bf16")
+
+
+def test_the_autotuner_keys_on_the_rows_per_expert_class(monkeypatch):
+    """The autotuner times a config once per key; without the rows in it, the first token count of a tile class
+    chose the config for every later one (a 2x-8x larger batch included). The key holds rows per expert rounded
+    up to a power of two (multiples of 16: one JIT specialization for all), and a launch passes its own class.
+    Control: 8 experts with 16 rows each is class 16, with 17 already class 32."""
+    from moe_qlora.kernels import triton_kernels
+
+    assert "rows_class" in ops._MATMUL_TUNE_KEYS and "rows_class" in triton_kernels._grouped_matmul_kernel.arg_names
+    assert [ops.rows_class(rows, 8) for rows in (0, 8 * 16, 8 * 16 + 1, 8 * 64, 8 * 65, 10**7)] == [
+        16, 16, 32, 64, 128, ops.ROWS_CLASS_MAX]  # fmt: skip
+    passed, names = [], triton_kernels._grouped_matmul_kernel.arg_names
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: passed.append(args[names.index("rows_class")])
+
+    monkeypatch.setattr(triton_kernels, "_grouped_matmul_kernel", Recorder())
+    monkeypatch.setattr(ops, "autotuning", lambda: False)
+    offsets = [0, 40, 40, 100]  # 100 rows over 3 experts: 34 on average -> class 64
+    weight = GroupedWeight.quantized(nf4_stack(3, 64, 128), transpose=True)
+    grouped_matmul(torch.randn(100, 128), weight, offsets)
+    assert passed == [64]

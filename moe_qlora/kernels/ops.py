@@ -311,8 +311,18 @@ def _levels(device: str) -> torch.Tensor:
     return torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
 
 
-_MATMUL_TUNE_KEYS = ["K", "N", "R", "BLOCK_M", "W_NF4", "NESTED", "GATHER", "GLU", "HAS_LORA", "K_PACKED",
-                     "N_PACKED", "SWAP_AB", "PHASE"]  # fmt: skip
+_MATMUL_TUNE_KEYS = ["K", "N", "R", "rows_class", "BLOCK_M", "W_NF4", "NESTED", "GATHER", "GLU", "HAS_LORA",
+                     "K_PACKED", "N_PACKED", "SWAP_AB", "PHASE"]  # fmt: skip
+ROWS_CLASS_MAX = 2048
+
+
+def rows_class(num_rows: int, num_experts: int) -> int:
+    """Average rows per expert, rounded up to a power of two in [16, ROWS_CLASS_MAX]: part of the autotuner's
+    key, so that the config timed at one token count is not reused at another 8x larger or smaller (within a
+    tile class, the best BLOCK_N and stage count move with the rows). Always a multiple of 16, so the JIT
+    specializes the argument one way whatever its value: a new class costs a timing run, not a compile."""
+    average = max(1, -(-num_rows // num_experts))
+    return min(ROWS_CLASS_MAX, max(16, 1 << (average - 1).bit_length()))
 
 
 @functools.cache
@@ -413,7 +423,7 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
         act_out, ws, weight.k, n, rank, x.stride(0), x.stride(1), se, sk, sn, se // 8, sk // 8, sn // 8,
         bias.stride(0) if bias is not None else 0,
         lp.stride(0), lp.stride(1), lse, lsr, lsn, out.stride(0), out.stride(1), act_out.stride(0),
-        act_out.stride(1),
+        act_out.stride(1), rows_class(num_rows, weight.shape[0]),
     )  # fmt: skip
     flags = dict(
         W_NF4=q is not None, NESTED=nested, GATHER=gather is not None, HAS_BIAS=bias is not None,
