@@ -32,6 +32,7 @@ from .experts import (
 )
 from .families import matches_target, resolve_targets
 from .kernels.grouped_mm import dequant_budget_bytes, experts_per_chunk
+from .kernels.ops import autotune_requested
 from .loading import linears_not_quantized
 from .model_classes import text_model_from_config
 from .nf4 import BLOCKSIZE, NESTED_BLOCKSIZE
@@ -204,14 +205,29 @@ def dequant_buffer_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> in
     experts, hidden, inter = expert_dims(moe[0])
     k = getattr(model.config, "num_experts_per_tok", 0) or 1
     rows_per_expert = cfg.train.micro_batch_size * cfg.data.max_seq_len * k / experts
-    grouped = m.kernels == "grouped_mm" or (m.kernels == "auto" and device == "cuda"
+    dtype = resolve_compute_dtype(m.compute_dtype, device)
+    # auto takes grouped_mm only where torch has its fused kernel: bf16 on sm_90/sm_100. The plan does not know
+    # the GPU, so in bf16 it counts the buffer (an H100's case; on other GPUs auto runs triton and needs none).
+    grouped = m.kernels == "grouped_mm" or (m.kernels == "auto" and device == "cuda" and dtype == "bfloat16"
                                             and rows_per_expert >= m.fused_below_rows)  # fmt: skip
     if not grouped:
         return 0
-    d = DTYPE_BYTES[resolve_compute_dtype(m.compute_dtype, device)]
+    d = DTYPE_BYTES[dtype]
     gated = 2 if getattr(moe[0], "has_gate", True) else 1
     expert_bytes = gated * inter * hidden * d
     return experts_per_chunk(experts, expert_bytes, dequant_budget_bytes(m.dequant_buffer_mb)) * expert_bytes
+
+
+AUTOTUNE_FLUSH_BYTES = 256 * 2**20  # triton.testing.do_bench clears the L2 with this buffer between timings
+
+
+def autotune_bytes(cfg: RunConfig, *, device: str) -> int:
+    """The buffer Triton's autotuner allocates while it times the fused kernel's configs (first steps of each
+    shape class), kept reserved by torch's caching allocator afterwards. Counted on CUDA when Triton kernels
+    may run (kernels: triton or auto) and autotuning is on (MOE_QLORA_AUTOTUNE=0 turns it off)."""
+    if device != "cuda" or cfg.model.kernels not in ("triton", "auto") or not autotune_requested():
+        return 0
+    return AUTOTUNE_FLUSH_BYTES
 
 
 def plan_run(
@@ -260,6 +276,8 @@ def one_device_plan(cfg: RunConfig, model: nn.Module, targets: list[str], *, dev
     plan.bytes["runtime"] = RUNTIME_BYTES["cuda" if device == "cuda" else "cpu"]
     if buffer := dequant_buffer_bytes(model, cfg, device=device):
         plan.bytes["dequant_buffer"] = buffer
+    if flush := autotune_bytes(cfg, device=device):
+        plan.bytes["autotune_flush"] = flush
     if not any(is_experts_module(m) for m in model.modules()):
         plan.notes.append("no MoE experts in this model: it would train as plain QLoRA")
     plan.notes.append(f"targets: experts={cfg.lora.experts}, linears={targets}")
@@ -380,7 +398,7 @@ def shard_plan(plan: Plan, tensors: list[ShardedTensor], cfg: RunConfig, model: 
     """Turn the one-device `plan` into one rank's bytes under fsdp over plan.gpus ranks. Sharded: experts,
     4-bit linears (by row), compute-dtype weights, LoRA, its gradients and optimizer state (one rank's shard of
     each tensor). Whole: 4-bit linears whose rows split NF4 blocks, activations, loss, runtime, the decode
-    buffer. Added: all_gather_buffers, the unsharded
+    buffer, the autotuner's flush buffer. Added: all_gather_buffers, the unsharded
     parameters of the largest decoder layer twice (the one computing and the next, prefetched), and
     root_unsharded, the root's (embeddings, final norm, head), held from the forward to the end of the backward."""
     n = plan.gpus

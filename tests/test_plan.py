@@ -1,5 +1,6 @@
 """`plan` counts from config.json alone exactly the bytes a loaded model holds; it runs on the shipped configs."""
 
+import inspect
 import json
 import math
 from pathlib import Path
@@ -96,6 +97,7 @@ def test_optimizer_in_backward_plans_one_layers_gradients():
         (["model.dequant_buffer_mb=null"], 768.0),  # no budget: the whole largest stack
         (["model.kernels=triton"], None),  # the fused kernel decodes in registers: no buffer
         (["data.max_seq_len=512"], None),  # auto: 512 x 8 / 128 = 32 rows per expert < 64 -> triton
+        (["model.compute_dtype=float32"], None),  # auto in fp32: torch has no fused grouped_mm -> triton
     ],
 )
 def test_grouped_mm_decode_buffer_is_planned(settings, expected_mib):
@@ -115,12 +117,32 @@ def test_grouped_mm_decode_buffer_is_planned(settings, expected_mib):
     assert planned.get("dequant_buffer", 0) / 2**20 == (expected_mib or 0)
 
 
+@pytest.mark.parametrize(
+    "settings, autotune, planned",
+    [([], "1", True), (["model.kernels=grouped_mm"], "1", False), ([], "0", False)],
+    ids=["auto", "grouped_mm", "autotune-off"],
+)
+def test_the_autotuners_flush_buffer_is_planned_where_it_runs(settings, autotune, planned, monkeypatch):
+    """Triton's autotuner clears the L2 with a 256 MiB buffer (its driver's get_empty_cache_for_benchmark) while
+    it times configs; the allocator keeps it reserved. Planned when Triton may run and autotuning is on."""
+    from triton.backends.nvidia.driver import CudaDriver
+
+    monkeypatch.setenv("MOE_QLORA_AUTOTUNE", autotune)
+    args = ["plan", "--model", str(ROOT / "configs/models/qwen3-30b-a3b"), "--json"]
+    for s in settings:
+        args += ["--set", s]
+    got = json.loads(CliRunner().invoke(app, args).stdout)["bytes"].get("autotune_flush", 0)
+    source = inspect.getsource(CudaDriver.get_empty_cache_for_benchmark)
+    assert "256 * 1024 * 1024" in source  # the size the plan counts is still Triton's
+    assert got == (256 * 2**20 if planned else 0)
+
+
 # --- several GPUs -----------------------------------------------------------------------------------------------
 # FSDP2 (distributed.shard_model) splits every tensor it manages on dim 0, padded to a multiple of the ranks, one
 # group per decoder layer plus the root; 4-bit linears whose rows hold whole NF4 blocks are split by row.
 
 FSDP_SHARDED = ("experts_nf4", "linear_4bit", "other", "lora", "gradients", "optimizer")
-REPLICATED = ("activations_estimate", "loss_logits", "runtime", "dequant_buffer")
+REPLICATED = ("activations_estimate", "loss_logits", "runtime", "dequant_buffer", "autotune_flush")
 
 
 @pytest.fixture(scope="module")

@@ -197,9 +197,14 @@ def block_override() -> tuple[int, int, int] | None:
     return tuple(int(v) for v in override.split(",")) if override else None
 
 
-def autotuning() -> bool:
+def autotune_requested() -> bool:
     """MOE_QLORA_AUTOTUNE=0 turns the autotuner off: every launch takes the first candidate that serves it."""
-    return os.environ.get("MOE_QLORA_AUTOTUNE", "1") != "0" and not _interpreted() and block_override() is None
+    return os.environ.get("MOE_QLORA_AUTOTUNE", "1") != "0"
+
+
+def autotuning() -> bool:
+    """Whether launches here are autotuned: requested, compiled (not interpreted), and no block override."""
+    return autotune_requested() and not _interpreted() and block_override() is None
 
 
 def target_arch(device) -> int:
