@@ -12,8 +12,8 @@ mkdir -p "$out"
 declare -A verdict
 export TRITON_INTERPRET=0
 python=${PYTHON:-python3}
-# Pre-flight: what the checks import, and a CUDA device. On a machine without internet install the wheels first
-# (pip install --no-index --find-links WHEELS -e ".[test,gpu]").
+# Pre-flight: what the checks import, and a CUDA device. On a machine without internet install the wheels first:
+# scripts/gpu_wheels.sh downloads them (elsewhere) and says how to install them there.
 if ! "$python" -c "import torch, triton, bitsandbytes, transformers, peft, pydantic, gguf, pytest, moe_qlora
 assert torch.cuda.is_available(), 'no CUDA device'
 print('torch', torch.__version__, 'triton', triton.__version__, 'on', torch.cuda.get_device_name())"; then
