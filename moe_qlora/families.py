@@ -40,6 +40,7 @@ FAMILY_TARGETS: dict[str, list[str]] = {
     "nemotron_h": ATTENTION + MAMBA + ["up_proj", "down_proj"],  # its shared expert is not gated
 }
 GENERIC_TARGETS = ATTENTION + MLA_ATTENTION + DENSE_MLP
+WRAPPED_LINEAR = "linear"  # the Linear's name inside a wrapped projection (Inkling-2's q_proj.linear)
 
 
 def linear_names(model: nn.Module) -> set[str]:
@@ -95,9 +96,6 @@ def linears_only(model: nn.Module, target: str) -> list[str]:
     if not others:
         return [target]
     return narrowest_loadable(target, modules_matching(model, target), others)
-
-
-WRAPPED_LINEAR = "linear"
 
 
 def wrapped_projection_names(model: nn.Module) -> set[str]:
