@@ -35,6 +35,7 @@ GPUS = {
     80: dict(sms=108, ghz=1.41, tflops=312.0, hbm_tbs=2.04),
 }
 TOKENS, RANK = 2048, 16
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
 def nvidia_tool(name: str) -> str:
@@ -107,15 +108,17 @@ def _packed_load_bytes(ttgir: str) -> int | None:
     return min(widths, default=None)
 
 
-def report(archs: list[int], shapes: list[str], *, candidates: bool = False, tokens: int = TOKENS) -> list[dict]:
+def report(archs: list[int], shapes: list[str], *, candidates: bool = False, tokens: int = TOKENS,
+           dtype: str = "bf16") -> list[dict]:
     """One row per launch, shape and arch with the config it takes when not autotuned (its class's default:
     ops.launch_candidates); with `candidates`, one per autotune candidate the autotuner times for the launch
-    (named launch@BLOCK_MxBLOCK_NxBLOCK_K/warps/stages; ops.MatmulConfig.serves) instead."""
+    (named launch@BLOCK_MxBLOCK_NxBLOCK_K/warps/stages; ops.MatmulConfig.serves) instead. `dtype`: the
+    activations, bf16 or fp32 (whose launches all take ops.FP32_CONFIG, so `candidates` adds nothing there)."""
     rows = []
     for shape in shapes:
         for arch in archs:
             for config in ops.MATMUL_CONFIGS[arch] if candidates else [None]:
-                rows += _report_config(shape, arch, config, tokens)
+                rows += _report_config(shape, arch, config, tokens, dtype)
     return rows
 
 
@@ -135,11 +138,13 @@ def _timed_for(launch, config, tall: bool) -> bool:
     return ran == (config.block_m, config.block_n, config.block_k, config.num_warps, config.num_stages)
 
 
-def _report_config(shape: str, arch: int, config, tokens: int) -> list[dict]:
+def _report_config(shape: str, arch: int, config, tokens: int, dtype: str = "bf16") -> list[dict]:
+    import torch
+
     hidden, inter, experts, top_k = SHAPES[shape]
     with ops.pinned_config(arch, config):
         launches = capture_launches(hidden=hidden, inter=inter, experts=experts, top_k=top_k, tokens=tokens,
-                                    rank=RANK, arch=arch)  # fmt: skip
+                                    rank=RANK, arch=arch, dtype=getattr(torch, DTYPES[dtype]))  # fmt: skip
     rows = []
     for launch in launches:
         tall = ops.takes_tall_tiles(tokens * top_k, experts, bool(launch.constexprs.get("SWAP_AB")))
@@ -221,8 +226,10 @@ def main() -> None:
     ap.add_argument("--candidates", action="store_true", help="also every autotune candidate, not only defaults")
     ap.add_argument("--tokens", type=int, default=TOKENS, help="tokens per layer call (few rows per expert: the "
                     "packed paths' swapped tiles)")  # fmt: skip
+    ap.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="activations (fp32: exact IEEE products)")
     args = ap.parse_args()
-    rows = report(args.arch or [80, 90], args.shape or list(SHAPES), candidates=args.candidates, tokens=args.tokens)
+    rows = report(args.arch or [80, 90], args.shape or list(SHAPES), candidates=args.candidates, tokens=args.tokens,
+                  dtype=args.dtype)  # fmt: skip
     if args.json:
         print(json.dumps(rows))
         return

@@ -182,9 +182,12 @@ def test_silu_mul_epilogue_matches_reference(dev, dtype, atol, rtol, routing, do
 
 
 def recorded_launches(monkeypatch) -> list[dict]:
-    """The constexpr flags of every _grouped_matmul_kernel launch from here on (the kernel still runs)."""
+    """The constexpr flags of every _grouped_matmul_kernel launch from here on (the kernel still runs). Not
+    autotuned, on a GPU too: the autotuner would wrap the recorder, which is no JITFunction (it has no
+    arg_names), so each launch runs its class's first candidate."""
     from moe_qlora.kernels import triton_kernels
 
+    monkeypatch.setenv("MOE_QLORA_AUTOTUNE", "0")
     launches, real = [], triton_kernels._grouped_matmul_kernel
 
     class Recorder:
@@ -591,7 +594,9 @@ def test_grouped_matmul_fails_when_experts_are_rolled(dev):
     assert (got - expected).abs().max() > 0.5
 
 
-SHARED_MEMORY_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+# Shared memory per block: sm_90's list runs on H100 (227 KiB); sm_80's on A100 (163 KiB) but also on the 24 GB
+# cards, sm_86 and sm_89, which have 99 KiB: the list is held to the smallest of the GPUs it serves.
+SHARED_MEMORY_LIMIT = {80: 99 * 1024, 90: 227 * 1024}
 
 
 @pytest.fixture(scope="module")
@@ -611,7 +616,7 @@ def compiled_variants():
 def test_grouped_matmul_compiles_for_ampere_and_hopper(compiled_variants, arch, dtype, weights):
     r = compiled_variants[f"grouped_matmul/{weights}/{dtype}/sm_{arch}"]
     assert r["cubin_bytes"] > 1000
-    # It must also launch: shared memory within the per-block limit (A100 163 KiB, H100 227 KiB).
+    # It must also launch: shared memory within the per-block limit (sm_86/sm_89 99 KiB, H100 227 KiB).
     assert r["shared_bytes"] <= SHARED_MEMORY_LIMIT[arch]
     # bf16 products on tensor cores (mma); fp32 asks for exact IEEE products, which tensor cores do not do.
     assert r["tensor_core_mma"] == (dtype == "bf16")
@@ -646,3 +651,175 @@ def test_the_autotuner_keys_on_the_rows_per_expert_class(monkeypatch):
     weight = GroupedWeight.quantized(nf4_stack(3, 64, 128), transpose=True)
     grouped_matmul(torch.randn(100, 128), weight, offsets)
     assert passed == [64]
+
+
+# ------------------------------------------------------------------------- GPU readiness, checked on the CPU
+
+GPU_LIKE_LAYER = """
+import json, torch
+from triton.runtime.autotuner import Autotuner
+from triton.runtime.jit import JITFunction
+from moe_qlora.kernels import ops
+from moe_qlora.moe_autograd import FrozenExperts, MoEPlan, MoELoRAGroupedFunction, grouped_ops
+from moe_qlora.nf4 import NF4Stack, quantize_stack
+from moe_qlora.routing import route
+
+launches, timed = [], []
+
+def run(self, *args, grid, warmup, **kwargs):  # the JIT's launch, minus compiling: what the GPU would be given
+    grid(kwargs) if callable(grid) else grid
+    launches.append({k: v for k, v in kwargs.items() if k in ("W_NF4", "SWAP_AB", "BLOCK_M", "BLOCK_N", "BLOCK_K")})
+
+def bench(kernel_call, quantiles):  # the autotuner's timing of one candidate: the call runs, a fixed time
+    kernel_call()
+    timed.append(launches[-1])
+    return [1.0, 1.0, 1.0]
+
+JITFunction.run = run
+Autotuner.do_bench = property(lambda self: bench)
+assert ops.autotuning() and ops.target_arch("cpu") == 90
+hidden, inter, experts, rank = 128, 64, 4, 4
+g = torch.Generator().manual_seed(0)
+stack = lambda rows, cols: NF4Stack.from_param(quantize_stack(torch.randn(experts, rows, cols, generator=g)))
+frozen = FrozenExperts(stack(2 * inter, hidden), stack(hidden, inter), ops.silu_mul, gate_is_silu_mul=True)
+out = {}
+for tokens in (8, 200, 1024):  # rows per expert 2: swapped 16-row tiles, 50: 64-row tiles, 256: 128-row tiles
+    first = len(launches)
+    idx = torch.randint(0, experts, (tokens, 1), generator=g)
+    x = torch.randn(tokens, hidden, generator=g).bfloat16().requires_grad_(True)
+    w = torch.rand(tokens, 1, generator=g).bfloat16().requires_grad_(True)
+    lora = [torch.randn(*s, generator=g).requires_grad_(True) for s in
+            ((experts, rank, hidden), (experts, 2 * inter, rank), (experts, rank, inter), (experts, hidden, rank))]
+    plan = MoEPlan(frozen, route(idx, experts), 2.0)
+    MoELoRAGroupedFunction.apply(x, w, *lora, plan, grouped_ops("triton")).float().sum().backward()
+    out[tokens] = launches[first:]
+print(json.dumps({"launches": out, "timed": len(timed)}))
+"""
+
+
+def test_launchers_run_as_on_a_gpu_through_the_autotuner():
+    """A whole layer's forward and backward through the launchers as a GPU runs them: compiled kernels (no
+    TRITON_INTERPRET), autotuning on, Triton's own Autotuner timing every serving candidate, with only the
+    JIT's compile-and-launch and the benchmark's clock stubbed. Catches what only a GPU run met before: an object
+    the autotuner cannot wrap, a meta-parameter passed twice, a key the kernel does not have, a grid lambda
+    that fails for a candidate. At 8, 200 and 1024 tokens, the NF4 launches take swapped 16-row tiles, 64-row and
+    128-row tiles."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_QLORA_TRITON_BLOCKS",
+                                                            "MOE_QLORA_AUTOTUNE", "MOE_QLORA_TARGET_ARCH")}
+    proc = subprocess.run([sys.executable, "-c", GPU_LIKE_LAYER], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    block_m = {tokens: {launch["BLOCK_M"] for launch in launches if launch.get("W_NF4")}
+               for tokens, launches in result["launches"].items()}  # fmt: skip
+    assert block_m == {"8": {16}, "200": {64}, "1024": {128}}
+    assert all(len(launches) >= 6 for launches in result["launches"].values())
+    assert result["timed"] > 0  # the autotuner timed candidates (more than one served some launch)
+
+
+def test_autotune_candidates_share_the_defaults_mma_kind(monkeypatch):
+    """The autotuner may pick a different candidate in a run and in its resume, so the candidates it times for a
+    launch must give the default's bits: on sm_90 the swapped 16-row tiles' default (64 weight columns on the
+    MMA's M side) runs wgmma, and the 32-column candidate would run mma.sync, so it is left out; everywhere
+    else every serving candidate shares the default's instruction."""
+    monkeypatch.setattr(ops, "_interpreted", lambda: False)
+    monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
+    monkeypatch.delenv("MOE_QLORA_AUTOTUNE", raising=False)
+    narrow = ops.MatmulConfig(32, 64, 4, 3)
+    assert ops.mma_kind(narrow, 90, swap=True) == "mma.sync" and ops.mma_kind(narrow, 90, swap=False) == "wgmma"
+    for arch in (80, 90):
+        monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", str(arch))
+        for swap in (False, True):
+            for tall in (False, True) if not swap else (False,):
+                for k_packed, glu in ((True, True), (True, False), (False, False)):
+                    served = ops.launch_candidates(ops.MATMUL_CONFIGS[arch], "cpu", k_packed=k_packed, glu=glu,
+                                                   swap=swap, tall=tall)  # fmt: skip
+                    kinds = {ops.mma_kind(c, arch, swap) for c in served}
+                    assert kinds == {ops.mma_kind(served[0], arch, swap)}
+                    assert (narrow in served) == (narrow in ops.MATMUL_CONFIGS[arch] and not swap and not tall)
+
+
+MMA_KIND_OF_CANDIDATES = """
+import json, sys
+from moe_qlora.kernels import ops
+from moe_qlora.kernels.aot import capture_launches, compile_as_jit
+rows = []
+for tokens in (32, 2048):  # swapped 16-row tiles, 64-row tiles
+    for config in ops.MATMUL_CONFIGS[90]:
+        with ops.pinned_config(90, config):
+            launches = capture_launches(hidden=2048, inter=768, experts=128, top_k=8, tokens=tokens, rank=16)
+        down = next(launch for launch in launches if launch.name == "down_nf4_nested")
+        c, kw = down.constexprs, down.kwargs
+        if (c["BLOCK_N"], c["BLOCK_K"], kw["num_warps"]) != (config.block_n, config.block_k, config.num_warps):
+            continue  # the candidate does not serve this launch (the default ran)
+        ptx = compile_as_jit(down, 90).asm["ptx"]
+        kind = "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "none"
+        rows.append([tokens, [config.block_n, config.block_k, config.num_warps, config.num_stages, config.block_m],
+                     c["SWAP_AB"], kind])
+print(json.dumps(rows))
+"""
+
+
+def test_mma_kind_is_what_the_compiler_emits_on_sm_90():
+    """ops.mma_kind, which keeps the autotuner's candidates to the default's instruction, against the PTX of
+    every sm_90 candidate that serves Qwen3-30B-A3B's down projection, compiled as the JIT specializes it, in
+    swapped 16-row tiles (32 tokens) and 64-row tiles (2048 tokens). The 32-column candidate in swapped tiles is
+    the one that compiles to mma.sync."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_QLORA_TRITON_BLOCKS")}
+    proc = subprocess.run([sys.executable, "-c", MMA_KIND_OF_CANDIDATES], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) >= 6 and {kind for *_, kind in rows} == {"wgmma", "mma.sync"}
+    for _tokens, (bn, bk, warps, stages, bm), swap, kind in rows:
+        assert kind == ops.mma_kind(ops.MatmulConfig(bn, bk, warps, stages, bm), 90, swap), (bn, bk, swap, kind)
+
+
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_fp32_launches_take_the_one_config_that_does_not_spill(monkeypatch, tokens):
+    """fp32 activations multiply exactly on the FMA units, where every bf16 candidate spills; fp32 launches take
+    ops.FP32_CONFIG alone (no spill: tests/test_kernel_report.py), never swapped, tall or autotuned, on either
+    architecture's list, at 1 token (swapped tiles in bf16) as at 64."""
+    monkeypatch.setattr(ops, "_interpreted", lambda: False)
+    monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
+    monkeypatch.delenv("MOE_QLORA_AUTOTUNE", raising=False)
+    from moe_qlora.kernels import triton_kernels
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs)
+
+    monkeypatch.setattr(triton_kernels, "_grouped_matmul_kernel", Recorder())
+    monkeypatch.setattr(ops, "_autotuned_matmul", lambda arch, configs: Recorder())
+    monkeypatch.setattr(ops, "SPLIT_K_MAX", 1)  # one launch per call
+    weight = GroupedWeight.quantized(nf4_stack(2, 64, 128), transpose=True)
+    offsets = [0, tokens, tokens]
+    for arch in (80, 90):
+        monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", str(arch))
+        grouped_matmul(torch.randn(tokens, 128), weight, offsets)
+        grouped_matmul(torch.randn(tokens, 128).bfloat16(), weight, offsets)
+    fp32, bf16 = launches[0::2], launches[1::2]
+    c = ops.FP32_CONFIG
+    assert all((f["BLOCK_M"], f["BLOCK_N"], f["BLOCK_K"], f["num_warps"], f["num_stages"], f["SWAP_AB"])
+               == (c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages, False) for f in fp32)  # fmt: skip
+    assert all(f["SWAP_AB"] == (tokens == 1) for f in bf16)  # control: bf16 swaps its few rows
+
+
+def test_split_k_is_the_same_on_every_gpu():
+    """The split count changes the order of the fp32 sums, so it must not follow the device (H100 SXM 132 SMs,
+    PCIe 114, A100 108): a resume on another GPU model would differ in the last bits. It depends on the launch
+    alone; Mixtral-8x7B's LoRA-A launch at 2048 tokens splits 3 ways and Qwen3-30B-A3B's at 1 token 4 ways."""
+    import inspect
+
+    from moe_qlora.kernels.aot import capture_launches
+
+    assert list(inspect.signature(ops.split_k).parameters) == ["programs", "k_steps"]
+    splits = {}
+    for name, (hidden, inter, experts, top_k), tokens in (("mixtral", (4096, 14336, 8, 2), 2048),
+                                                           ("qwen3", (2048, 768, 128, 8), 1)):  # fmt: skip
+        launches = capture_launches(hidden=hidden, inter=inter, experts=experts, top_k=top_k, tokens=tokens,
+                                    rank=16, dtype=torch.bfloat16)  # fmt: skip
+        splits[name] = max(launch.kwargs.get("SPLIT_K", 1) for launch in launches if "lora_a" in launch.name)
+    assert splits == {"mixtral": 3, "qwen3": 4}

@@ -166,10 +166,14 @@ SWAP_AB_BLOCK_M = 16
 # 45% to 83% of tensor peak (kernel_report.py) while the padding of each expert's last tile grows by 64 rows on
 # average, a quarter of 256. A first guess from the tile shapes; to be re-measured on a GPU with bench_moe.py.
 TALL_MIN_ROWS = 256
-# Split-K: when a launch has at most half as many programs (tiles x N blocks, the tiles' upper bound) as the GPU
-# has SMs, K is split over floor(SMs / programs) programs per tile (at most SPLIT_K_MAX, each with two or more
-# K-steps), and a second launch adds the partial sums in split order: deterministic, no atomics.
+# Split-K: when a launch has at most half as many programs (tiles x N blocks, the tiles' upper bound) as
+# SPLIT_K_SMS, K is split over floor(SPLIT_K_SMS / programs) programs per tile (at most SPLIT_K_MAX, each with two
+# or more K-steps), and a second launch adds the partial sums in split order: deterministic, no atomics. The count
+# is a constant, not the device's SM count (132 on an H100 SXM, 114 on a PCIe one, 108 on an A100): the split
+# changes the order of the fp32 sums, so a device-dependent split would make a resume on another GPU model
+# differ in the last bits.
 SPLIT_K_MAX = 4
+SPLIT_K_SMS = 132
 # Candidates per GPU architecture (compute capability x 10). A launch is timed over the candidates that serve
 # it (MatmulConfig.serves), and with autotuning off (MOE_QLORA_AUTOTUNE=0), in the interpreter and in the
 # ahead-of-time report it takes the first of them: the first entry for 64-row tiles, the first tall one that
@@ -185,9 +189,15 @@ MATMUL_CONFIGS = {
          MatmulConfig(64, 32, 4, 4), MatmulConfig(128, 32, 4, 3),
          MatmulConfig(64, 32, 4, 3, 128), MatmulConfig(64, 64, 8, 3, 128), MatmulConfig(128, 32, 8, 3, 128)],
 }  # fmt: skip
+# fp32 activations: exact IEEE products run on the FMA units, whose dot keeps each thread's operand slices in
+# registers; every candidate above spills there (sm_90: 255 registers and 300-11,552 bytes per thread). fp32
+# launches take this one config instead, 32 x 32 tiles in 8 warps: at most 180 registers and no spill on sm_80 and
+# sm_90 (scripts/kernel_report.py --dtype fp32), never swapped, tall or autotuned.
+FP32_CONFIG = MatmulConfig(32, 32, num_warps=8, num_stages=2, block_m=32)
 # The arch defaults as shipped: what a launch no pinned candidate serves falls back to (ops.pinned_config).
 DEFAULT_CONFIGS = {arch: configs[0] for arch, configs in MATMUL_CONFIGS.items()}
 OUTER_BLOCKS = (64, 64, 32)  # OUT_PROD_ID: BLOCK_M, BLOCK_N, BLOCK_S, not autotuned
+OUTER_BLOCKS_FP32 = (32, 32, 32)  # fp32 (FMA): (64, 64, 32) spills 176 bytes per thread on sm_80; this 0 on both
 TARGET_ARCH_ENV = "MOE_QLORA_TARGET_ARCH"  # the architecture whose config list launches use (AOT capture, tests)
 
 
@@ -221,26 +231,23 @@ def target_arch(device) -> int:
     return 90
 
 
-def multiprocessor_count(device) -> int:
-    """SMs of the CUDA device; a CPU tensor (the AOT capture, the interpreter) counts as an H100's 132."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132
-
-
-def split_k(programs: int, k_steps: int, device) -> int:
-    """How many programs share each tile's K (1: no split), from the launch's upper-bound program count."""
+def split_k(programs: int, k_steps: int) -> int:
+    """How many programs share each tile's K (1: no split), from the launch's upper-bound program count; the
+    same on every device (SPLIT_K_SMS)."""
     if block_override() is not None:
         return 1
-    return max(1, min(SPLIT_K_MAX, multiprocessor_count(device) // max(programs, 1), k_steps // 2))
+    return max(1, min(SPLIT_K_MAX, SPLIT_K_SMS // max(programs, 1), k_steps // 2))
 
 
-def matmul_plan(device) -> list[MatmulConfig]:
-    """Candidate configs of a grouped matmul on `device`: the override as one config, else the architecture's
-    list (each launch then keeps those that serve it: launch_candidates)."""
+def matmul_plan(device, dtype: torch.dtype = torch.bfloat16) -> list[MatmulConfig]:
+    """Candidate configs of a grouped matmul on `device` with `dtype` activations: the override as one config,
+    FP32_CONFIG in fp32, else the architecture's list (each launch then keeps those that serve it:
+    launch_candidates)."""
     override = block_override()
     if override is not None:
         return [MatmulConfig(override[1], override[2], block_m=override[0])]
+    if dtype == torch.float32:
+        return [FP32_CONFIG]
     return MATMUL_CONFIGS[target_arch(device)]
 
 
@@ -358,11 +365,24 @@ def path_candidates(configs: list[MatmulConfig], device) -> list[MatmulConfig]:
     return _candidates_where(lambda c: not c.wide, configs, device)
 
 
+def mma_kind(config: MatmulConfig, arch: int, swap: bool) -> str:
+    """The tensor-core instruction a bf16/fp16 launch at `config` compiles to on `arch`'s list: "wgmma" on sm_90
+    when the MMA's M side (the tile's rows, or its weight columns in swapped tiles) is at least 64, the size of
+    one warpgroup's instruction, else "mma.sync" (read from the PTX of every candidate: tests/test_kernels.py)."""
+    m_side = config.block_n if swap else config.block_m
+    return "wgmma" if arch == 90 and m_side >= 64 and config.num_warps % 4 == 0 else "mma.sync"
+
+
 def launch_candidates(configs: list[MatmulConfig], device, *, k_packed: bool, glu: bool, swap: bool,
                       tall: bool) -> list[MatmulConfig]:  # fmt: skip
     """The candidates that serve a launch (MatmulConfig.serves), in list order so the class's default comes
-    first; only that one when not autotuning."""
+    first; only that one when not autotuning. A candidate whose tensor-core instruction differs from the
+    default's (mma_kind) is left out: wgmma and mma.sync need not accumulate a K-step's products in the same
+    order, and the autotuner's pick (which may differ between a run and its resume) must not change bits."""
     served = _candidates_where(lambda c: c.serves(k_packed, glu, swap, tall), configs, device)
+    arch = target_arch(device)
+    kind = mma_kind(served[0], arch, swap)
+    served = [c for c in served if mma_kind(c, arch, swap) == kind]
     return served if autotuning() else served[:1]
 
 
@@ -376,7 +396,8 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
     """Run _grouped_matmul_kernel; returns (Y or None, act or None)."""
     from . import triton_kernels
 
-    configs = matmul_plan(x.device)
+    configs = matmul_plan(x.device, x.dtype)
+    fp32 = x.dtype == torch.float32  # one config (FP32_CONFIG): not swapped, not tall
     n = weight.n // 2 if glu else weight.n
     num_rows = _num_rows(offsets, x, gather)
     y = x.new_empty(num_rows, weight.n) if keep_y else None
@@ -400,8 +421,9 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
     n_packed = words and not glu and sn == 1 and sk % q.blocksize == 0 and \
         all(c.packs(q.blocksize, True) for c in narrow)  # fmt: skip
     w = weight.data.view(torch.int32) if k_packed or n_packed else weight.data
-    swap = (k_packed or n_packed) and block_override() is None and num_rows <= SWAP_AB_MAX_ROWS * weight.shape[0]
-    tall = takes_tall_tiles(num_rows, weight.shape[0], swap)
+    swap = (k_packed or n_packed) and block_override() is None and not fp32 and \
+        num_rows <= SWAP_AB_MAX_ROWS * weight.shape[0]  # fmt: skip
+    tall = not fp32 and takes_tall_tiles(num_rows, weight.shape[0], swap)
     configs = launch_candidates(configs, x.device, k_packed=k_packed, glu=glu, swap=swap, tall=tall)
     if (k_packed or n_packed) and not all(c.packs(q.blocksize, n_packed) for c in configs):
         # the path was chosen over the narrow candidates; a launched one whose step spans two quant blocks
@@ -411,7 +433,7 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
     tiles = expert_tiles(device_offsets(offsets, x.device), num_rows, bm)
     default = configs[0]
     n_blocks = -(-n // default.block_n)
-    split = split_k(tiles.shape[0] * n_blocks, -(-weight.k // default.block_k), x.device)
+    split = split_k(tiles.shape[0] * n_blocks, -(-weight.k // default.block_k))
     if split > 1:  # both launches must agree on the blocks: the default config, not autotuned
         configs = configs[:1]
     if len(configs) > 1:
@@ -466,7 +488,7 @@ def grouped_outer_product(a, b, offsets: list[int], *, gather=None):
     """Triton OUT_PROD_ID; same contract as grouped_outer_product_reference."""
     from .triton_kernels import _grouped_outer_product_kernel
 
-    bm, bn, bs = block_override() or OUTER_BLOCKS
+    bm, bn, bs = block_override() or (OUTER_BLOCKS_FP32 if a.dtype == torch.float32 else OUTER_BLOCKS)
     num_experts, m, n = len(offsets) - 1, a.shape[1], b.shape[1]
     out = torch.empty(num_experts, m, n, dtype=torch.float32, device=a.device)
     offs = device_offsets(offsets, a.device)
