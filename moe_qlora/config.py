@@ -45,6 +45,12 @@ class ModelSection(Section):
     fused_below_rows: int = Field(
         64, ge=0, description="kernels: auto picks the fused NF4 kernel below this many rows per expert (cost model)"
     )
+    kernel_self_check: bool = Field(
+        True,
+        description="check triton / grouped_mm against the torch reference at their first call per layer shape, "
+        "dtype and rows class (one extra layer forward + backward each), falling back triton -> grouped_mm -> "
+        "torch with a warning where they fail",
+    )
     dequant_buffer_mb: float | None = Field(
         256,
         gt=0,

@@ -27,6 +27,7 @@ from .moe_autograd import (
 )
 from .nf4 import NF4Stack
 from .routing import route
+from .self_check import KernelSelfCheck, with_injected_fault
 
 EXPERTS_IMPLEMENTATION = "moe_qlora"
 # Expert stacks: the first projection (gate_up_proj when gated, up_proj when not) and down_proj.
@@ -207,10 +208,23 @@ def moe_qlora_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     if kernels == "auto":
         kernels = auto_kernels(hidden_states.shape[0] * top_k_index.shape[1], frozen.gate_up.num_experts,
                                getattr(self, "moe_fused_below_rows", FUSED_BELOW_ROWS))  # fmt: skip
-    if kernels == "torch":
-        return moe_lora_experts(hidden_states, top_k_weights, factors, plan)
-    return moe_lora_experts_grouped(hidden_states, top_k_weights, factors, plan, kernels,
-                                    getattr(self, "moe_dequant_budget", None))  # fmt: skip
+    budget = getattr(self, "moe_dequant_budget", None)
+
+    def run(path, x, weights, lora_factors, call_plan):
+        return run_moe_path(path, x, weights, lora_factors, call_plan, budget)
+
+    checker: KernelSelfCheck | None = getattr(self, "moe_self_check", None)
+    if checker is not None and kernels != "torch" and not torch.compiler.is_compiling():
+        kernels = checker.path_for(kernels, hidden_states, top_k_index, top_k_weights, factors, plan, run)
+    return run(kernels, hidden_states, top_k_weights, factors, plan)
+
+
+def run_moe_path(path: str, x, weights, lora, plan: MoEPlan, dequant_budget: int | None) -> torch.Tensor:
+    """The MoE layer through `path` (torch: the per-expert reference; triton, grouped_mm, torch-grouped: the
+    grouped layer), with MOE_QLORA_INJECT_KERNEL_FAULT's fault for it, if any (self_check)."""
+    if path == "torch":
+        return with_injected_fault(path, lambda: moe_lora_experts(x, weights, lora, plan))
+    return with_injected_fault(path, lambda: moe_lora_experts_grouped(x, weights, lora, plan, path, dequant_budget))
 
 
 # Experts classes off transformers' interface whose stacks and math the MoE layer computes exactly once they
@@ -359,20 +373,30 @@ def auto_kernels(num_rows: int, num_experts: int, fused_below_rows: int) -> str:
 
 
 def set_moe_kernels(model, kernels: str, *, fused_below_rows: int = FUSED_BELOW_ROWS,
-                    dequant_buffer_mb: float | None = None) -> int:  # fmt: skip
+                    dequant_buffer_mb: float | None = None, self_check: bool = False) -> int:  # fmt: skip
     """Run every experts module of `model` with `kernels`; returns how many modules were set.
-    dequant_buffer_mb bounds grouped_mm's decoded stack (decoded a chunk of experts at a time above it)."""
+    dequant_buffer_mb bounds grouped_mm's decoded stack (decoded a chunk of experts at a time above it);
+    self_check: check each non-reference path against the torch reference at its first call per layer shape,
+    dtype and rows class, falling back where it fails (self_check.KernelSelfCheck, one for the whole model). Off
+    by default here, so a test of a path tests that path; a run turns it on (model.kernel_self_check)."""
     if kernels not in KERNELS:
         raise ValueError(f"unknown MoE kernels {kernels!r}; expected one of {KERNELS}")
     from .kernels.grouped_mm import dequant_budget_bytes
 
     modules = experts_modules(model)
+    checker = KernelSelfCheck() if self_check else None
     for _, module in modules:
         module.moe_kernels = kernels
         module.moe_fused_below_rows = fused_below_rows
         module.moe_dequant_budget = dequant_budget_bytes(dequant_buffer_mb)
         module.moe_gate_is_silu_mul = _gates_with_silu_mul(module)
+        module.moe_self_check = checker
     return len(modules)
+
+
+def kernel_self_check(model) -> KernelSelfCheck | None:
+    """The self-check set_moe_kernels gave `model`'s experts (None when off)."""
+    return next((m.moe_self_check for _, m in experts_modules(model) if getattr(m, "moe_self_check", None)), None)
 
 
 @contextmanager

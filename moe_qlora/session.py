@@ -184,7 +184,8 @@ def load_policy(cfg: RunConfig, model_path: str, console: Console, ranks: Ranks 
     model = attach_adapters(load_model(opts), cfg.lora, seed=cfg.train.seed)
     kernels = resolve_kernels(cfg.model.kernels, device, opts.compute_dtype)
     if set_moe_kernels(model, kernels, fused_below_rows=cfg.model.fused_below_rows,
-                       dequant_buffer_mb=cfg.model.dequant_buffer_mb):  # fmt: skip
+                       dequant_buffer_mb=cfg.model.dequant_buffer_mb,
+                       self_check=cfg.model.kernel_self_check):  # fmt: skip
         console.print(f"MoE kernels: {describe_kernels(kernels, cfg.model.fused_below_rows, cfg.model.kernels)}")
     if cfg.lora.init_from:
         n = load_adapter(model, cfg.lora.init_from, cfg.lora)
