@@ -10,8 +10,13 @@ Contenders, side by side in one run, on the same random weights and routing:
   moe-qlora torch       NF4 experts, the per-expert torch reference
   transformers+PEFT     bf16/fp32 experts (what bitsandbytes leaves), PEFT target_parameters LoRA on them,
                         transformers' grouped_mm and eager experts
-Roofline: the bytes the layer must read (NF4 experts of the experts that get tokens, activations) and the
-FLOPs it must do, and the ideal time on an H100 (3.35 TB/s, 990 TFLOP/s bf16 dense).
+Each contender runs as a default run holds it (moe-qlora: nested NF4 scales, the 256 MB decode buffer, the
+self-check) and is checked at every shape against its fp32 reference on the same weights (ours: the per-expert torch
+reference; PEFT's: transformers' eager experts): output and every gradient within TOLERANCE, and no self-check
+fallback, or the run fails. Wall time and, on a GPU, kernel time by CUDA events.
+Roofline: the bytes the layer must read (the stored bytes of the experts that get tokens: NF4 codes, block and
+nested scales; the activations) and the FLOPs it must do, and the ideal time on an H100 (3.35 TB/s, 990 TFLOP/s
+bf16 dense). Each layer is built once per shape, on the device (a GPU quantizes it), and reused across token counts.
 """
 
 from __future__ import annotations
@@ -27,25 +32,30 @@ H100_BYTES_PER_S, H100_FLOPS = 3.35e12, 990e12
 SHAPES = {"mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8)}  # hidden, inter, E, top-k
 
 
-def experts_module(hidden, inter, num_experts, top_k, dtype):
+def experts_module(hidden, inter, num_experts, top_k, dtype, device="cpu"):
+    """transformers' MixtralExperts with random weights, built on `device` (a GPU quantizes its own stacks:
+    bitsandbytes' CPU quantizer takes ~100 s per Qwen3-30B-A3B layer, its CUDA kernel well under one)."""
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
     cfg = MixtralConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=num_experts,
                         num_experts_per_tok=top_k)  # fmt: skip
     torch.manual_seed(0)
-    module = MixtralExperts(cfg).to(dtype)
+    with torch.device(device):
+        module = MixtralExperts(cfg).to(dtype)
+    g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for p in module.parameters():
-            p.normal_(0, 0.02)
+            p.normal_(0, 0.02, generator=g)
     return module, cfg
 
 
-def ours(module, cfg, kernels, rank):
+def ours(module, cfg, kernels, rank, *, self_check=True):
     """The experts module as a default run holds it: NF4 stacks with nested block scales
-    (model.expert_double_quant), expert LoRA of `rank`, `kernels`."""
+    (model.expert_double_quant), expert LoRA of `rank` with non-zero B (so every gradient is exercised), the
+    default decode buffer (model.dequant_buffer_mb) and the self-check (model.kernel_self_check), `kernels`."""
     from moe_qlora.config import ModelSection
-    from moe_qlora.experts import attach_expert_lora, register_experts_implementation, set_moe_kernels
+    from moe_qlora.experts import attach_expert_lora, register_experts_implementation
     from moe_qlora.nf4 import quantize_stack
 
     nested = ModelSection.model_fields["expert_double_quant"].default
@@ -54,11 +64,26 @@ def ours(module, cfg, kernels, rank):
     register_experts_implementation()
     cfg._experts_implementation = "moe_qlora"
     attach_expert_lora(module, rank=rank, alpha=2 * rank, seed=0)
-    set_moe_kernels(module, kernels)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for b in (module.moe_lora.gate_up_b, module.moe_lora.down_b):
+            b.copy_(torch.randn(b.shape, generator=g) * 0.01)
+    set_kernels(module, kernels, self_check=self_check)
     return module
 
 
+def set_kernels(module, kernels, *, self_check=True):
+    """kernels with a default run's decode buffer and, if `self_check`, a fresh self-check."""
+    from moe_qlora.config import ModelSection
+    from moe_qlora.experts import set_moe_kernels
+
+    defaults = ModelSection.model_fields
+    set_moe_kernels(module, kernels, fused_below_rows=defaults["fused_below_rows"].default,
+                    dequant_buffer_mb=defaults["dequant_buffer_mb"].default, self_check=self_check)  # fmt: skip
+
+
 def peft(module, cfg, implementation, rank):
+    """PEFT's target_parameters LoRA on the 16-bit stacks (what bitsandbytes leaves), non-zero B like ours."""
     from peft import LoraConfig, inject_adapter_in_model
 
     cfg._experts_implementation = implementation
@@ -67,22 +92,60 @@ def peft(module, cfg, implementation, rank):
     lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=[], target_parameters=["gate_up_proj", "down_proj"])
     wrapper = torch.nn.ModuleDict({"experts": module})
     inject_adapter_in_model(lora, wrapper)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for name, p in module.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.01)
     return wrapper["experts"]
 
 
-def roofline(tokens, hidden, inter, num_experts, top_k, rank, active):
-    """(bytes, flops, ideal seconds on an H100) of forward + backward with NF4 experts and LoRA."""
+def experts_config(layer):
+    """The config a (PEFT-wrapped) experts module dispatches on (its _experts_implementation)."""
+    return next(m.config for m in layer.modules() if hasattr(m, "config"))
+
+
+def expert_bytes(layer) -> float:
+    """Bytes one expert's weights take as stored (NF4 codes, block scales and nested scales; or 16-bit)."""
+    from moe_qlora.nf4 import stack_nbytes
+
+    total = sum(stack_nbytes(p) if hasattr(p, "quant_state") else p.numel() * p.element_size()
+                for n, p in layer.named_parameters() if n.split(".")[-1] in ("gate_up_proj", "down_proj")
+                or n.endswith(("gate_up_proj.base_layer", "down_proj.base_layer")))  # fmt: skip
+    return total / experts_config(layer).num_local_experts
+
+
+def roofline(tokens, hidden, inter, top_k, rank, active, bytes_per_expert, act_size):
+    """(bytes, flops, ideal seconds on an H100) of forward + backward: each active expert's stored bytes read in
+    the forward and again in the backward, the activations (x, out and their gradients; h and a kept), the
+    FLOPs of the six projections' frozen and LoRA products."""
     rows = tokens * top_k
-    expert_bytes = active * 3 * hidden * inter * (0.5 + 4 / 64)  # NF4 codes + fp32 absmax per 64
-    act_bytes = 2 * (tokens * hidden * 4 + rows * 3 * inter * 2)  # x, out, grads (bf16) and h, a kept
+    act_bytes = act_size * (2 * tokens * hidden * 2 + rows * 3 * inter * 2)
     fwd = 2 * rows * 3 * hidden * inter + 2 * rows * rank * 2 * (hidden + 3 * inter)
-    flops = fwd * 2  # backward: the input gradient (same size) + LoRA gradients (rank-sized, in fwd term)
-    total = 2 * expert_bytes + act_bytes  # experts read in forward and again in backward
+    flops = fwd * 2  # backward: the input gradient (same size) + LoRA gradients (rank-sized)
+    total = 2 * active * bytes_per_expert + act_bytes
     return total, flops, max(total / H100_BYTES_PER_S, flops / H100_FLOPS)
 
 
-def measure(layer, x, idx, weights, repeats):
-    """(best seconds, peak MiB above what was allocated before the step) of forward + backward.
+def step(layer, x, idx, weights, seed):
+    """One forward + backward; [output, grad x, grad routing weights, LoRA grads...] (fp32, detached)."""
+    xi, wi = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+    lora = [p for p in layer.parameters() if p.requires_grad]
+    for p in lora:
+        p.grad = None
+    out = layer(xi, idx, wi)
+    out.backward(seed.to(out.dtype))
+    return [t.detach().float() for t in (out, xi.grad, wi.grad, *[p.grad for p in lora])]
+
+
+def max_relative_difference(got: list, expected: list) -> float:
+    """The largest over the tensors of max |got - expected| / max |expected|."""
+    return max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) for a, b in zip(got, expected, strict=True))
+
+
+def measure(layer, x, idx, weights, seed, repeats):
+    """(best wall seconds, best GPU seconds by CUDA events or None, peak MiB above what was allocated before
+    the step) of forward + backward.
 
     Peak: CUDA's allocator peak, or on the CPU the resident-set watermark (VmHWM, restarted before each step
     after freed heap pages are returned), both minus the memory held before the step: the step's
@@ -90,28 +153,32 @@ def measure(layer, x, idx, weights, repeats):
     from moe_qlora.memory import peak_rss_mib, release_freed_memory, reset_peak_rss, rss_mib
 
     cuda = x.device.type == "cuda"
-    times, peaks = [], []
+    times, gpu_times, peaks = [], [], []
     for i in range(repeats + 1):
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated() / 2**20
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         else:
             release_freed_memory()
             before = rss_mib() if reset_peak_rss() else float("nan")
         t0 = time.perf_counter()
         xi = x.clone().requires_grad_(True)
-        layer(xi, idx, weights).float().square().mean().backward()
+        layer(xi, idx, weights).backward(seed.to(x.dtype))
         if cuda:
+            end.record()
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else peak_rss_mib()
         for p in layer.parameters():
             p.grad = None
-        if i:  # the first run warms up (kernel compilation, allocator)
+        if i:  # the first run warms up (kernel compilation, autotuning, the self-check, allocator)
             times.append(seconds)
+            gpu_times.append(start.elapsed_time(end) / 1e3 if cuda else None)
             peaks.append(peak - before)
-    return min(times), max(peaks)
+    return min(times), (min(gpu_times) if cuda else None), max(peaks)
 
 
 def stored_mib(layer) -> float:
@@ -126,26 +193,103 @@ def stored_mib(layer) -> float:
 
 def print_table(results, rooflines):
     """One block per (shape, tokens): its roofline line, then a row per contender."""
-    print(f"{'contender':34s} {'fwd+bwd':>10s} {'x ideal':>8s} {'stored MiB':>10s} {'step peak MiB':>13s}")
+    print(f"{'contender':34s} {'wall':>9s} {'GPU':>9s} {'x ideal':>8s} {'max rel err':>11s} {'stored MiB':>10s} "
+          f"{'step peak MiB':>13s}  check")  # fmt: skip
     case = None
     for r in results:
         if (r["shape"], r["tokens"]) != case:
             case = r["shape"], r["tokens"]
             rl = rooflines[case]
-            print(
-                f"{case[0]} x {case[1]} tokens: must read {rl['bytes'] / 2**20:.1f} MiB and do "
-                f"{rl['flops'] / 1e9:.1f} GFLOP; H100 ideal {rl['h100_ideal_s'] * 1e6:.1f} us ({rl['bound']}-bound)"
-            )
+            print(f"{case[0]} x {case[1]} tokens: must read {rl['bytes'] / 2**20:.1f} MiB and do "
+                  f"{rl['flops'] / 1e9:.1f} GFLOP; H100 ideal {rl['h100_ideal_s'] * 1e6:.1f} us ({rl['bound']}-bound)")
         if "skipped" in r:
             print(f"  {r['contender']:32s} skipped: {r['skipped']}")
-        else:
-            print(f"  {r['contender']:32s} {r['seconds'] * 1e3:8.1f}ms {r['x_over_ideal']:8.0f} "
-                  f"{r['stored_mib']:10.1f} {r['step_peak_mib']:13.1f}")  # fmt: skip
+            continue
+        gpu = f"{r['gpu_seconds'] * 1e3:7.2f}ms" if r["gpu_seconds"] is not None else f"{'-':>9s}"
+        print(f"  {r['contender']:32s} {r['seconds'] * 1e3:7.2f}ms {gpu} {r['x_over_ideal']:8.1f} "
+              f"{r['max_relative_error']:11.2e} {r['stored_mib']:10.1f} {r['step_peak_mib']:13.1f}  "
+              f"{'PASS' if r['correct'] else 'FAIL'}")  # fmt: skip
+
+
+# max |contender - reference| / max |reference| over the output and every gradient, the reference in fp32 on the
+# same weights (ours: the per-expert torch reference on the same NF4 stacks and LoRA; PEFT's: transformers' eager
+# experts with the same PEFT LoRA). 16-bit contenders round inputs, weights, h and the activation (2**-8 each
+# in bf16, compounding through two projections and the gate); fp32 ones differ in summation order only. A wrong
+# kernel (gate and up swapped, a routing weight dropped, experts rolled) is off by O(1).
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+CONTENDERS = [("moe-qlora triton", "ours", "triton"), ("moe-qlora grouped_mm", "ours", "grouped_mm"),
+              ("moe-qlora auto", "ours", "auto"), ("moe-qlora torch", "ours", "torch"),
+              ("transformers grouped_mm + PEFT", "peft", "grouped_mm"),
+              ("transformers eager + PEFT", "peft", "eager")]  # fmt: skip
+
+
+def bench_shape(shape_name, dims, token_counts, *, device, dtype, rank, repeats):
+    """Every contender at every token count for one layer shape; each layer is built (and quantized, on the
+    device) once and reused across token counts. Returns (rows, rooflines)."""
+    import copy
+
+    from moe_qlora.experts import kernel_self_check
+
+    hidden, inter, num_experts, top_k = dims
+    cuda = device == "cuda"
+    ours_layer = ours(*experts_module(*dims, torch.float32, device), "torch", rank)
+    peft_layer = peft(*experts_module(*dims, dtype, device), "grouped_mm", rank)
+    peft_reference = copy.deepcopy(peft_layer).float()
+    experts_config(peft_reference)._experts_implementation = "eager"
+    rows, rooflines = [], {}
+    for tokens in token_counts:
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(tokens, hidden, generator=g).to(device, dtype)
+        logits = torch.randn(tokens, num_experts, generator=g)
+        weights, idx = torch.topk(logits.softmax(-1), top_k, dim=-1)
+        idx, weights = idx.to(device), weights.to(device, dtype)
+        seed = torch.randn(tokens, hidden, generator=g).to(device)
+        active = int(torch.unique(idx).numel())
+        per_expert = expert_bytes(ours_layer)
+        nbytes, flops, ideal = roofline(tokens, hidden, inter, top_k, rank, active, per_expert,
+                                        torch.finfo(dtype).bits // 8)  # fmt: skip
+        rooflines[shape_name, tokens] = {"bytes": nbytes, "flops": flops, "h100_ideal_s": ideal,
+                                         "bound": "memory" if nbytes / H100_BYTES_PER_S > flops / H100_FLOPS
+                                         else "compute"}  # fmt: skip
+        set_kernels(ours_layer, "torch")
+        expected = {"ours": step(ours_layer, x.float(), idx, weights.float(), seed),
+                    "peft": step(peft_reference, x.float(), idx, weights.float(), seed)}  # fmt: skip
+        for name, owner, kind in CONTENDERS:
+            row = {"shape": shape_name, "hidden": hidden, "intermediate": inter, "tokens": tokens, "contender": name}
+            if kind in ("triton", "auto") and owner == "ours" and not cuda:
+                rows.append(row | {"skipped": "needs CUDA"})
+                continue
+            if owner == "ours":
+                layer = ours_layer
+                set_kernels(layer, kind)
+            else:
+                layer = peft_layer
+                experts_config(layer)._experts_implementation = kind
+            try:
+                error = max_relative_difference(step(layer, x, idx, weights, seed), expected[owner])
+                seconds, gpu_seconds, peak = measure(layer, x, idx, weights, seed, repeats)
+            except Exception as exc:  # a contender that cannot run this case says why, the others go on
+                rows.append(row | {"skipped": f"{type(exc).__name__}: {exc}"[:200]})
+                continue
+            checker = kernel_self_check(layer) if owner == "ours" else None
+            fell_back = [f"{key[0]} at {key[-1]} rows/expert: {why}" for key, why in
+                         (checker.failed.items() if checker else [])]  # fmt: skip
+            correct = error <= TOLERANCE[dtype] and not fell_back
+            best = gpu_seconds if gpu_seconds is not None else seconds
+            rows.append(row | {"seconds": seconds, "gpu_seconds": gpu_seconds, "step_peak_mib": peak,
+                               "stored_mib": stored_mib(layer), "bytes": nbytes, "flops": flops,
+                               "expert_bytes": per_expert if owner == "ours" else expert_bytes(layer),
+                               "h100_ideal_s": ideal, "x_over_ideal": best / ideal, "max_relative_error": error,
+                               "tolerance": TOLERANCE[dtype], "self_check_fallbacks": fell_back,
+                               "correct": correct})  # fmt: skip
+    del ours_layer, peft_layer, peft_reference
+    return rows, rooflines
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--full", action="store_true", help="real layer shapes (needs a GPU)")
+    parser.add_argument("--shape", choices=list(SHAPES), action="append", help="default: both")
     parser.add_argument("--tokens", type=int, nargs="*")
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
@@ -155,52 +299,27 @@ def main():
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     shrink = 1 if args.full else 8
     token_counts = args.tokens or [512, 2048, 8192, 16384]
-    contenders = [("moe-qlora triton", "ours", "triton"), ("moe-qlora grouped_mm", "ours", "grouped_mm"),
-                  ("moe-qlora auto", "ours", "auto"), ("moe-qlora torch", "ours", "torch"),
-                  ("transformers grouped_mm + PEFT", "peft", "grouped_mm"),
-                  ("transformers eager + PEFT", "peft", "eager")]  # fmt: skip
     results, rooflines = [], {}
-    for shape_name, (hidden, inter, num_experts, top_k) in SHAPES.items():
-        hidden, inter = hidden // shrink, inter // shrink
-        for tokens in token_counts:
-            g = torch.Generator().manual_seed(1)
-            x = torch.randn(tokens, hidden, generator=g).to(device, dtype)
-            logits = torch.randn(tokens, num_experts, generator=g)
-            weights, idx = torch.topk(logits.softmax(-1), top_k, dim=-1)
-            idx, weights = idx.to(device), weights.to(device, dtype)
-            active = int(torch.unique(idx).numel())
-            nbytes, flops, ideal = roofline(tokens, hidden, inter, num_experts, top_k, args.rank, active)
-            rooflines[shape_name, tokens] = {"bytes": nbytes, "flops": flops, "h100_ideal_s": ideal,
-                                             "bound": "memory" if nbytes / H100_BYTES_PER_S > flops / H100_FLOPS
-                                             else "compute"}  # fmt: skip
-            for name, owner, kind in contenders:
-                if kind in ("triton", "auto") and owner == "ours" and not cuda:
-                    results.append({"shape": shape_name, "tokens": tokens, "contender": name,
-                                    "skipped": "needs CUDA"})  # fmt: skip
-                    continue
-                module, cfg = experts_module(hidden, inter, num_experts, top_k, dtype)
-                layer = (ours if owner == "ours" else peft)(module, cfg, kind, args.rank)
-                layer = layer.to(device)
-                try:
-                    seconds, peak = measure(layer, x, idx, weights, args.repeats)
-                except Exception as exc:  # a contender that cannot run this case says why, the others go on
-                    results.append({"shape": shape_name, "tokens": tokens, "contender": name,
-                                    "skipped": f"{type(exc).__name__}: {exc}"[:200]})  # fmt: skip
-                    continue
-                results.append({"shape": shape_name, "hidden": hidden, "intermediate": inter, "tokens": tokens,
-                                "contender": name, "seconds": seconds, "step_peak_mib": peak,
-                                "stored_mib": stored_mib(layer), "bytes": nbytes, "flops": flops,
-                                "h100_ideal_s": ideal, "x_over_ideal": seconds / ideal})  # fmt: skip
-                del layer, module
+    for shape_name in args.shape or list(SHAPES):
+        hidden, inter, num_experts, top_k = SHAPES[shape_name]
+        dims = (hidden // shrink, inter // shrink, num_experts, top_k)
+        rows, lines = bench_shape(shape_name, dims, token_counts, device=device, dtype=dtype, rank=args.rank,
+                                  repeats=args.repeats)  # fmt: skip
+        results += rows
+        rooflines |= lines
     print_table(results, rooflines)
     print(json.dumps({"device": device, "dtype": str(dtype), "shrink": shrink, "results": results}))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-    # On a GPU every case of ours must run: one that raised is a failure, not a skipped contender.
-    failed = [r for r in results if cuda and "skipped" in r and r["contender"].startswith("moe-qlora")]
+    # Every contender that ran must match its reference; on a GPU every case of ours must also run (one that
+    # raised is a failure, not a skipped contender).
+    failed = [r for r in results if (not r.get("correct", True))
+              or (cuda and "skipped" in r and r["contender"].startswith("moe-qlora"))]  # fmt: skip
     for r in failed:
-        print(f"FAIL  {r['contender']} at {r['shape']}, {r['tokens']} tokens: {r['skipped']}")
+        why = r.get("skipped") or f"max relative error {r['max_relative_error']:.3g} (tolerance {r['tolerance']:g})" \
+            + (f"; self-check fell back: {r['self_check_fallbacks']}" if r["self_check_fallbacks"] else "")
+        print(f"FAIL  {r['contender']} at {r['shape']}, {r['tokens']} tokens: {why}")
     sys.exit(1 if failed else 0)
 
 
