@@ -1,40 +1,77 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in order, with a verdict per check. Run from the repository root on a CUDA
-# machine with the package installed (pip install -e ".[test,gpu]"):   bash scripts/gpu_check.sh [OUT_DIR]
-#  1. the gpu-marked tests and the kernel tests, compiled on the GPU (the `dev` fixture picks cuda);
-#  2. bench_moe.py --full: Mixtral-8x7B and Qwen3-30B-A3B layers against the H100 roofline;
-#  3. gpu_checks.py: host syncs per MoE layer call, two identical steps bit for bit, every autotune candidate
-#     bit for bit against the default config, and the live JIT's
-#     registers / spills / shared memory per kernel variant.
+# Everything that needs a GPU, in stages that each fit one command of a lent GPU machine (at most 10 minutes):
+#     bash scripts/gpu_check.sh --stages          # the stages, each with its command and estimated time
+#     bash scripts/gpu_check.sh STAGE [OUT_DIR]   # run one stage; its log and JSON go to OUT_DIR (gpu-check-out)
+#     bash scripts/gpu_check.sh all [OUT_DIR]     # every stage in order (a machine without a command limit)
+# Each stage is bounded by `timeout` (STAGE_TIMEOUT, 540 s) and prints "PASS|FAIL|TIMEOUT  stage". Run from the
+# repository root with the package importable (pip install -e ".[test,gpu]", or on an offline machine the wheels
+# of scripts/gpu_wheels.sh: the `wheels` stage installs them). Layers are built and NF4-quantized on the GPU, once
+# per shape, and reused across backends, candidates and token counts.
+# Nothing a CPU can do runs here: the ahead-of-time compiles and SASS readings (scripts/kernel_report.py,
+# tests/test_kernel_report.py), torch.compile (tests/test_compile.py) and the interpreter tests run in CI.
+#
+# Estimated GPU-machine time per stage, from the operation counts (H100, 16 cores): `wheels` 1 min (12 wheels,
+# ~37 MB, --no-deps); `gpu-tests` 3 min (tests/test_gpu.py: a few tiny training runs, Triton compiles); `kernels`
+# 6 min and `kernels-parity` 4 min (each distinct constexpr variant compiled once by the JIT, ~2-10 s each on 16
+# cores); `checks` 4 min (one Qwen3-30B-A3B layer, 3 backends, 8 candidates x 3 token counts, ~40 compiles);
+# `bench-qwen3` and `bench-mixtral` 3 min each (6 contenders x 4 token counts x 4 steps, plus their compiles and
+# autotuning). About 24 minutes in all.
 set -uo pipefail
-out="${1:-gpu-check-out}"
-mkdir -p "$out"
-declare -A verdict
-export TRITON_INTERPRET=0
+cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
-# Pre-flight: what the checks import, and a CUDA device. On a machine without internet install the wheels first:
-# scripts/gpu_wheels.sh downloads them (elsewhere) and says how to install them there.
-if ! "$python" -c "import torch, triton, bitsandbytes, transformers, peft, pydantic, gguf, pytest, moe_qlora
-assert torch.cuda.is_available(), 'no CUDA device'
-print('torch', torch.__version__, 'triton', triton.__version__, 'on', torch.cuda.get_device_name())"; then
-  echo "FAIL  pre-flight: the package and its dependencies must import and torch must see a GPU"; exit 1
-fi
+limit=${STAGE_TIMEOUT:-540}
+declare -A command estimate
+stages=(wheels preflight gpu-tests kernels kernels-parity checks bench-qwen3 bench-mixtral)
+# CPU-only tests inside the kernel test files (AOT compiles in a subprocess, the launcher run with a stubbed JIT).
+cpu_only="not compiles_for and not mma_kind_is_what and not launchers_run_as_on_a_gpu and not autotuner_is_built"
+command[wheels]='[ -d .whl ] && '"$python"' -m pip install -q --no-index --no-deps --no-compile --upgrade --target .gpu-site .whl/*.whl || echo "no .whl/: using the installed packages"'
+estimate[wheels]=1
+command[preflight]="$python"' -c "import torch, triton, bitsandbytes, transformers, peft, pydantic, gguf, datasets, pytest, moe_qlora
+assert torch.cuda.is_available(), \"no CUDA device\"
+print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__, \"bitsandbytes\", bitsandbytes.__version__, \"on\", torch.cuda.get_device_name())"'
+estimate[preflight]=1
+command[gpu-tests]="$python -m pytest -q -m gpu tests/test_gpu.py"
+estimate[gpu-tests]=3
+command[kernels]="$python -m pytest -q tests/test_kernels.py -k '$cpu_only'"
+estimate[kernels]=6
+command[kernels-parity]="$python -m pytest -q tests/test_kernels_parity.py tests/test_self_check.py"
+estimate[kernels-parity]=4
+command[checks]="$python scripts/gpu_checks.py --json \$OUT/gpu_checks.json"
+estimate[checks]=4
+command[bench-qwen3]="$python scripts/bench_moe.py --full --shape qwen3-30b-a3b --json \$OUT/bench_qwen3.json"
+estimate[bench-qwen3]=3
+command[bench-mixtral]="$python scripts/bench_moe.py --full --shape mixtral-8x7b --json \$OUT/bench_mixtral.json"
+estimate[bench-mixtral]=3
 
-"$python" -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log"
-verdict[gpu_tests]=$([ "${PIPESTATUS[0]}" -eq 0 ] && echo PASS || echo FAIL)
+list_stages() {
+  local total=0
+  for s in "${stages[@]}"; do
+    printf '%-15s ~%s min   %s\n' "$s" "${estimate[$s]}" "${command[$s]}"
+    total=$((total + estimate[$s]))
+  done
+  echo "total ~$total min, each stage bounded by timeout $limit s"
+}
 
-"$python" -m pytest -q tests/test_kernels.py tests/test_kernels_parity.py tests/test_compile.py 2>&1 | tee "$out/kernel_tests.log"
-verdict[kernel_tests_compiled]=$([ "${PIPESTATUS[0]}" -eq 0 ] && echo PASS || echo FAIL)
+run_stage() {
+  local stage=$1
+  [ -n "${command[$stage]:-}" ] || { echo "unknown stage: $stage (bash scripts/gpu_check.sh --stages)" >&2; return 2; }
+  mkdir -p "$OUT"
+  export PYTHONPATH="$PWD/.gpu-site:$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0 OUT
+  timeout "$limit" bash -c "${command[$stage]}" 2>&1 | tee "$OUT/$stage.log"
+  local rc=${PIPESTATUS[0]} verdict=PASS
+  [ "$rc" -eq 124 ] && verdict=TIMEOUT
+  [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && verdict=FAIL
+  echo "$verdict  $stage" | tee -a "$OUT/verdicts.txt"
+  [ "$verdict" = PASS ]
+}
 
-"$python" scripts/bench_moe.py --full --json "$out/bench_moe.json" 2>&1 | tee "$out/bench_moe.log"
-verdict[bench_moe_full]=$([ "${PIPESTATUS[0]}" -eq 0 ] && echo PASS || echo FAIL)
-
-"$python" scripts/kernel_report.py --json > "$out/kernel_report_aot.json"  # the AOT reading, beside the live figures below
-"$python" scripts/gpu_checks.py --json "$out/gpu_checks.json" 2>&1 | tee "$out/gpu_checks.log"
-verdict[syncs_determinism_live_jit]=$([ "${PIPESTATUS[0]}" -eq 0 ] && echo PASS || echo FAIL)
-
-echo
-for check in gpu_tests kernel_tests_compiled bench_moe_full syncs_determinism_live_jit; do
-  echo "${verdict[$check]}  $check"
-done
-[[ " ${verdict[*]} " != *" FAIL "* ]]
+case "${1:-}" in
+  --stages|"") list_stages ;;
+  all)
+    OUT=${2:-gpu-check-out}
+    failed=0
+    for s in "${stages[@]}"; do run_stage "$s" || failed=1; done
+    cat "$OUT/verdicts.txt"
+    exit $failed ;;
+  *) OUT=${2:-gpu-check-out}; run_stage "$1" ;;
+esac

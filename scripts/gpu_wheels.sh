@@ -2,10 +2,11 @@
 # Wheels for an offline GPU machine that has torch, triton, numpy, pyarrow, tokenizers and huggingface-hub but
 # not this package's other needs (the lent H100/H200 image: Python 3.12, torch 2.11, transformers 5.17, no
 # bitsandbytes, pydantic, datasets or gguf). Run here, where pip reaches a registry:
-#     bash scripts/gpu_wheels.sh            # -> .whl/ (about 60 MB), ignored by git
-# then on the GPU machine, with .whl carried beside the checkout:
-#     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
-#       && PYTHONPATH=/tmp/site:$PWD bash scripts/gpu_check.sh "$OUT/gpu-check"
+#     bash scripts/gpu_wheels.sh            # -> .whl/ (about 37 MB), ignored by git
+# then on the GPU machine, with .whl carried beside the checkout (64 MB may be carried), stage by stage:
+#     bash scripts/gpu_check.sh wheels "$OUT" && bash scripts/gpu_check.sh preflight "$OUT"   # then the others
+# bitsandbytes' wheel (43 MB) is repacked without the libraries no CUDA 12.6+ torch loads (CUDA 11.8-12.4, ROCm,
+# XPU): 20 MB; bitsandbytes picks its library by torch.version.cuda, and torch 2.9+ is built for 12.6 and later.
 # Versions are the ones CI tests with (pyproject's test pins, and what the CPU install resolves today).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +27,18 @@ for tag in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_24_x86_64 many
 done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${platforms[@]}" -d "$dest" "${wheels[@]}"
+python3 - "$dest"/bitsandbytes-*.whl <<'PY'
+import re, sys, zipfile
+path = sys.argv[1]
+unused = re.compile(r"libbitsandbytes_(cuda1(18|21|24)|rocm\d+|xpu\d+)\.so$")
+with zipfile.ZipFile(path) as src:
+    members = [(i, src.read(i)) for i in src.infolist() if not unused.search(i.filename)]
+with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as dst:
+    for info, data in members:
+        if info.filename.endswith(".dist-info/RECORD"):
+            data = b"".join(line for line in data.splitlines(keepends=True) if not unused.search(line.split(b",")[0].decode()))
+        dst.writestr(info, data)
+PY
 count=$(ls "$dest"/*.whl | wc -l)
 [ "$count" -eq "${#wheels[@]}" ] || { echo "expected ${#wheels[@]} wheels, got $count" >&2; exit 1; }
 du -sh "$dest"

@@ -1,0 +1,36 @@
+"""scripts/gpu_check.sh fits a lent GPU machine: stages listed with their commands, each bounded by `timeout`,
+25 minutes in all by the script's estimate, nothing that a CPU does (AOT compiles, SASS readings, torch.compile),
+and a stage that fails says FAIL (here: the pre-flight, which needs CUDA)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_stages_are_listed_bounded_and_gpu_only():
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--stages"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    listed = [line for line in proc.stdout.splitlines() if re.match(r"^[a-z][\w-]+ +~\d+ min", line)]
+    lines = [line for line in listed if not line.startswith("total ")]
+    stages = {line.split()[0]: int(line.split()[1][1:]) for line in lines}
+    assert list(stages)[:2] == ["wheels", "preflight"] and {"checks", "bench-qwen3", "bench-mixtral"} <= set(stages)
+    assert all(minutes < 9 for minutes in stages.values()) and sum(stages.values()) <= 25
+    assert re.search(r"total ~(\d+) min, each stage bounded by timeout 540 s", proc.stdout)
+    for cpu_work in ("kernel_report", "test_compile", "kernels.aot", "test_kernel_report"):
+        assert cpu_work not in proc.stdout
+    for path in re.findall(r"(?:scripts|tests)/[\w/]+\.py", proc.stdout):
+        assert (ROOT / path).exists(), path
+
+
+def test_a_failing_stage_says_fail(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "STAGE_TIMEOUT": "120", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "preflight", str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 1 and "no CUDA device" in proc.stdout
+    assert (tmp_path / "verdicts.txt").read_text() == "FAIL  preflight\n"
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "nonsense"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and "unknown stage" in proc.stderr
