@@ -126,12 +126,17 @@ def _tag(config) -> str:
     return f"@{config.block_m}x{config.block_n}x{config.block_k}/{config.num_warps}/{config.num_stages}"
 
 
-def _timed_for(launch, config, tall: bool) -> bool:
+def _timed_for(launch, config, tall: bool, arch: int) -> bool:
     """Whether the autotuner times `config` for this launch (ops.MatmulConfig.serves; `tall`: the launch has
-    the rows per expert of the 128-row class) and the launch recorded with it pinned ran it (not the shipped
-    default a pinned config that does not serve falls back to)."""
+    the rows per expert of the 128-row class; the same tensor-core instruction as the class's default,
+    ops.mma_kind) and the launch recorded with it pinned ran it (not the shipped default a pinned config that
+    does not serve falls back to)."""
     c, kw = launch.constexprs, launch.kwargs
-    if not config.serves(bool(c.get("K_PACKED")), bool(c.get("GLU")), bool(c.get("SWAP_AB")), tall):
+    flags = (bool(c.get("K_PACKED")), bool(c.get("GLU")), bool(c.get("SWAP_AB")), tall)
+    if not config.serves(*flags):
+        return False
+    default = next(d for d in ops.MATMUL_CONFIGS[arch] if d.serves(*flags))
+    if ops.mma_kind(config, arch, flags[2]) != ops.mma_kind(default, arch, flags[2]):
         return False
     rows = 64 if c.get("SWAP_AB") else c["BLOCK_M"]  # swapped 16-row tiles run the 64-row class's configs
     ran = (rows, c["BLOCK_N"], c["BLOCK_K"], kw["num_warps"], kw["num_stages"])
@@ -148,7 +153,7 @@ def _report_config(shape: str, arch: int, config, tokens: int, dtype: str = "bf1
     rows = []
     for launch in launches:
         tall = ops.takes_tall_tiles(tokens * top_k, experts, bool(launch.constexprs.get("SWAP_AB")))
-        if config is not None and (launch.name == "outer_product" or not _timed_for(launch, config, tall)):
+        if config is not None and (launch.name == "outer_product" or not _timed_for(launch, config, tall, arch)):
             continue  # not autotuned, or a candidate the autotuner never times for this launch
         tag = _tag(config) if config is not None else ""
         c = launch.constexprs
