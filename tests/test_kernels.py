@@ -39,6 +39,13 @@ DTYPES = [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 2e-2, 2e-2)]
 ROUTINGS = {"ragged": [5, 0, 17, 3, 0, 9], "one_expert": [0, 0, 21, 0, 0, 0]}
 
 
+@pytest.fixture(autouse=True)
+def bf16_tiles_in_fp32(monkeypatch):
+    """fp32 launches here take the bf16 tile configs (swapped, tall, wide), not ops.FP32_CONFIG: the interpreter's
+    fp32 products are exact, so the code paths a GPU runs in bf16 are checked to 1e-5."""
+    monkeypatch.setattr(ops, "FP32_OWN_CONFIG", False)
+
+
 def offsets_of(counts):
     out = [0]
     for c in counts:
@@ -491,9 +498,10 @@ def test_launch_goes_through_the_autotuner_unless_switched_off(monkeypatch):
     monkeypatch.setenv("MOE_QLORA_AUTOTUNE", "0")
     grouped_matmul(x, weight, offsets)
     (tuned, tuned_grid, tuned_kw), (plain, plain_grid, plain_kw) = calls
-    # The forward's K_PACKED launch (one accumulator, few rows: 64-row tiles) times every 64-row candidate, the
-    # wide one too.
-    short = sum(not c.tall for c in ops.MATMUL_CONFIGS[90])
+    # The forward's K_PACKED launch (one accumulator, few rows: swapped 16-row tiles) times every 64-row-class
+    # candidate, the wide one too, but the one whose 32 columns would run mma.sync where the default runs wgmma.
+    short = sum(not c.tall and ops.mma_kind(c, 90, swap=True) == "wgmma" for c in ops.MATMUL_CONFIGS[90])
+    assert short == sum(not c.tall for c in ops.MATMUL_CONFIGS[90]) - 1
     assert tuned == f"autotuned_90_{short}" and "BLOCK_N" not in tuned_kw and tuned_kw["K_PACKED"]
     assert tuned_grid({"BLOCK_N": 32})[1] == 7 and tuned_grid({"BLOCK_N": 64})[1] == 4  # N = 200
     default = ops.MATMUL_CONFIGS[90][0]
@@ -781,6 +789,7 @@ def test_fp32_launches_take_the_one_config_that_does_not_spill(monkeypatch, toke
     ops.FP32_CONFIG alone (no spill: tests/test_kernel_report.py), never swapped, tall or autotuned, on either
     architecture's list, at 1 token (swapped tiles in bf16) as at 64."""
     monkeypatch.setattr(ops, "_interpreted", lambda: False)
+    monkeypatch.setattr(ops, "FP32_OWN_CONFIG", True)  # as shipped
     monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
     monkeypatch.delenv("MOE_QLORA_AUTOTUNE", raising=False)
     from moe_qlora.kernels import triton_kernels
