@@ -9,7 +9,6 @@ takes the newest one whose manifest verifies. No pickle anywhere.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
@@ -54,14 +53,16 @@ class RunProgress:
 def failpoint(name: str, step: int) -> None:
     """Fail here when MOE_QLORA_FAILPOINT names this point and step, for the crash tests.
 
-    `checkpoint-write@6`: die by a real SIGKILL, as a crash would; `checkpoint-write:enospc@6`: raise the
-    OSError a full disk gives.
+    `checkpoint-write@6`: die by a real SIGKILL, as a crash would; `checkpoint-write:enospc@6`: raise what
+    safetensors' save_file raises on a full disk (SafetensorError, not an OSError).
     """
     wanted = os.environ.get("MOE_QLORA_FAILPOINT", "")
     if wanted == f"{name}@{step}":
         os.kill(os.getpid(), signal.SIGKILL)
     if wanted == f"{name}:enospc@{step}":
-        raise OSError(errno.ENOSPC, "No space left on device (injected by MOE_QLORA_FAILPOINT)")
+        from safetensors import SafetensorError
+
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
 
 def sha256_file(path: Path) -> str:
@@ -160,7 +161,8 @@ def save_checkpoint(run_dir: Path, *, model, optimizer, scheduler, progress: Run
     target = Path(run_dir) / "checkpoints" / f"step-{progress.step:08d}"
     scheduler_state = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
     tensors = tensors or checkpoint_tensors(model, optimizer)
-    with atomic_dir(target) as tmp:
+    needed = sum(t.numel() * t.element_size() for part in tensors.values() for t in part.values())
+    with atomic_dir(target, needed) as tmp:
         save_file(tensors["trainable"], tmp / "trainable.safetensors")
         save_file(tensors["optimizer"], tmp / "optimizer.safetensors")
         save_file(_rng_tensors(), tmp / "rng.safetensors")

@@ -152,6 +152,8 @@ def _run(command: str, config: str, overrides: list[str], *, dry_run, resume, re
         console.print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), highlight=False)
         return
     from .export import AdapterVerificationError
+    from .faults import StepFailed
+    from .fileio import DiskFullError
     from .runs import RunInterrupted
     from .session import TrainingAborted
 
@@ -165,8 +167,21 @@ def _run(command: str, config: str, overrides: list[str], *, dry_run, resume, re
         _fail(exc, debug)
     except (TrainingAborted, AdapterVerificationError) as exc:
         _fail(exc, debug, code=1)
+    except StepFailed as exc:
+        if debug:
+            raise
+        err_console.print(f"[red]error:[/red] {exc}\nresume with: {resume_command(command, config, overrides)}",
+                          highlight=False, soft_wrap=True)  # fmt: skip
+        raise typer.Exit(1) from None
+    except DiskFullError as exc:
+        if debug:
+            raise
+        err_console.print(f"[red]error:[/red] {exc}. {last_good_checkpoint(cfg)}; free some space, then resume "
+                          f"with: {resume_command(command, config, overrides)}", highlight=False,
+                          soft_wrap=True)  # fmt: skip
+        raise typer.Exit(1) from None
     except RunInterrupted as exc:
-        again = " ".join(["moe-qlora", command, "--config", config, *(f"--set {o}" for o in overrides), "--resume"])
+        again = resume_command(command, config, overrides)
         saved = f"checkpoint written; resume with: {again}" if exc.step else "no step was done yet; nothing to save"
         err_console.print(f"interrupted at step {exc.step}; {saved}", highlight=False, soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
@@ -174,6 +189,20 @@ def _run(command: str, config: str, overrides: list[str], *, dry_run, resume, re
         err_console.print("stopped at once (second signal): nothing written since the last checkpoint",
                           highlight=False)  # fmt: skip
         raise typer.Exit(130) from None
+
+
+def resume_command(command: str, config: str, overrides: list[str]) -> str:
+    return " ".join(["moe-qlora", command, "--config", config, *(f"--set {o}" for o in overrides), "--resume"])
+
+
+def last_good_checkpoint(cfg) -> str:
+    """Where a run that stopped on a fault can resume from: its newest valid checkpoint, said in a sentence."""
+    from .checkpoint import latest_valid_checkpoint
+
+    found = latest_valid_checkpoint(Path(cfg.output.dir))
+    if found is None:
+        return "No checkpoint was written yet (the run starts over)"
+    return f"The last good checkpoint, {found}, is intact"
 
 
 GRPO_EPILOG = """Examples:
@@ -479,7 +508,17 @@ def with_resume_path(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
-    app(args=with_resume_path(sys.argv[1:]), prog_name="moe-qlora")
+    """The console entry point. A full disk in any command (export, merge, plot, ...; train and grpo also name
+    their last checkpoint) is one sentence and exit code 1, its traceback only with --debug."""
+    from .fileio import DiskFullError
+
+    try:
+        app(args=with_resume_path(sys.argv[1:]), prog_name="moe-qlora")
+    except DiskFullError as exc:
+        if "--debug" in sys.argv:
+            raise
+        err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -244,6 +244,12 @@ class GrpoSection(Section):
         False, description="completions cut by max_new_tokens (no EOS or stop string) are left out of the loss"
     )
     rewards: list[RewardFunctionSpec] = Field(default_factory=list, description="reward functions (online mode)")
+    reward_errors: Literal["abort", "zero"] = Field(
+        "abort",
+        description="a reward function that raises or times out: abort (checkpoint the completed steps, name the "
+        "function, step and prompt, exit 1) or zero (the failing samples score 0, counted in reward_errors)",
+    )
+    reward_timeout_s: float = Field(600.0, gt=0, description="seconds one reward function call may take")
     offline_file: str | None = Field(
         None, description="JSONL of {prompt, completions, rewards}: train on these instead of sampling"
     )

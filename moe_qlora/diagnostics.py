@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from .reporting import read_jsonl
+
 OUTLIER_FACTOR = 10.0
 MIN_GROUP_FOR_OUTLIERS = 4
 # PEFT nests wrappers in parameter order, the first projection innermost: gate_up_proj; up_proj when not gated;
@@ -312,8 +314,8 @@ def routed_shares(run_dir: Path) -> tuple[dict[str, list[float]], int]:
     names = [n.removeprefix("base_model.model.") for n in json.loads(layers_file.read_text())]
     totals: dict[str, list[float]] = {}
     steps = 0
-    for line in metrics.read_text().splitlines():
-        load = json.loads(line).get("router_load") if line.strip() else None
+    for record in read_jsonl(metrics):
+        load = record.get("router_load")
         if not load:
             continue
         steps += 1

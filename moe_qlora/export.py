@@ -224,7 +224,7 @@ def save_adapter(model, out_dir: str | Path, *, cfg: LoraSection, base_model_nam
     moe_qlora.json: the base's quantization, so that generate and merge rebuild the weights it was trained on."""
     state = adapter_state_dict(model)
     config = adapter_config(model, cfg, base_model_name_or_path)
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, sum(t.numel() * t.element_size() for t in state.values())) as tmp:
         save_file(state, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / TRAINED_ON).write_text(json.dumps({"base_quantization": base_quantization(model)}, indent=2))
         config_dict = config.to_dict()

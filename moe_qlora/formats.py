@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 
 from .config import ConfigError
 from .diagnostics import read_adapter
-from .fileio import atomic_dir
+from .fileio import atomic_dir, disk_full_named
 
 
 @dataclass(frozen=True)
@@ -279,11 +279,12 @@ def write_gguf(adapter_dir: str | Path, out_file: str | Path) -> Path:
     for name, t in converted.items():
         writer.add_tensor(name, t.numpy())
     try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, out_file)
+        with disk_full_named(out_file, sum(t.numel() * 4 for t in converted.values())):
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+            writer.close()
+            os.replace(tmp, out_file)
     finally:
         tmp.unlink(missing_ok=True)
     return out_file

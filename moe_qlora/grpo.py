@@ -10,6 +10,7 @@ the plain policy gradient. The reference policy is the same model with the adapt
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -34,10 +35,11 @@ from .distributed import (
     sum_gradients,
     sum_scalars,
 )
+from .faults import POSITION, StepFailed, checkpoint_completed, phase, start_step, stop_on_out_of_memory
 from .losses import token_logprobs as chunked_token_logprobs
 from .optim import build_optimizer
 from .reporting import MetricsLog, NoReporters, Reporters
-from .rewards import flat_groups, group_advantages, resolve_reward, score
+from .rewards import RewardFailed, RewardPolicy, flat_groups, group_advantages, resolve_reward, score
 from .rollout import Rollout, load_offline_groups, load_prompts, offline_rollouts, sample_rollouts
 from .runs import CheckpointPolicy, RunSummary, StopSignals, plain_progress_line
 from .session import (
@@ -204,14 +206,16 @@ def policy_update(model, optimizer, schedule, examples: list[Example], cfg: RunC
     for _ in range(g.passes):
         sums = dict.fromkeys(("loss", "clip_fraction", *(("kl",) if g.kl_coef else ())), 0.0)
         for batch, old_lp, ref_lp in zip(batches, old, ref, strict=True):
-            logp, mask = token_logprobs(model, batch, g.temperature, chunk=chunk)
+            with phase("forward"):
+                logp, mask = token_logprobs(model, batch, g.temperature, chunk=chunk)
             weights = token_weights(mask, g.loss_type, total_tokens=max(total_tokens, 1),
                                     total_sequences=total_sequences, max_new_tokens=g.max_new_tokens,
                                     micro_batches=total_batches)  # fmt: skip
             loss, stats = grpo_token_loss(logp, old_lp, ref_lp, batch["weights"], weights, clip_eps=g.clip_eps,
                                           clip_eps_high=g.clip_eps_high or g.clip_eps, kl_coef=g.kl_coef,
                                           level=g.importance_sampling_level)  # fmt: skip
-            loss.backward()
+            with phase("backward"):
+                loss.backward()
             for k, v in stats.items():
                 sums[k] += float(v)
         sums = dict(zip(sums, sum_scalars(ranks, *sums.values()), strict=True))
@@ -277,6 +281,7 @@ class RolloutSource:
     def __init__(self, cfg: RunConfig, tokenizer, console: Console):
         g = cfg.grpo
         self.cfg, self.tokenizer, self.offline = cfg, tokenizer, g.offline_file is not None
+        self.reward_errors = 0  # samples of the last collect() scored 0 after a reward function failed
         if self.offline:
             self.items = load_offline_groups(g.offline_file, cfg.data, tokenizer)
             self.identity = fingerprint([x.prompt.source, x.prompt.ids, x.completions, x.rewards] for x in self.items)
@@ -296,10 +301,16 @@ class RolloutSource:
         if self.offline:
             rollouts = offline_rollouts(batch, self.tokenizer, self.cfg.data.max_seq_len)
             return rollouts, [r for grp in batch for r in grp.rewards], {}, [len(grp.completions) for grp in batch]
-        rollouts = sample_rollouts(model, self.tokenizer, batch, self.cfg.grpo)
+        with phase("generation"):
+            rollouts = sample_rollouts(model, self.tokenizer, batch, self.cfg.grpo)
         prompts, completions = [r.prompt.text for r in rollouts], [r.text for r in rollouts]
-        rewards, per_fn = score(self.functions, prompts, completions, columns_of(rollouts))
-        return rollouts, rewards, per_fn, [self.cfg.grpo.group_size] * len(batch)
+        g = self.cfg.grpo
+        policy = RewardPolicy(on_error=g.reward_errors, timeout_s=g.reward_timeout_s, step=POSITION.step)
+        with phase("rewards"):
+            rewards, per_fn, self.reward_errors = score(self.functions, prompts, completions, columns_of(rollouts),
+                                                        policy=policy, groups=[r.group for r in rollouts],
+                                                        sources=[r.prompt.source for r in rollouts])  # fmt: skip
+        return rollouts, rewards, per_fn, [g.group_size] * len(batch)
 
     def collect_share(self, model, batch: list, ranks: Ranks, step: int):
         """collect() on this rank's whole prompts of the batch (a group is never split across ranks), numbered
@@ -352,6 +363,8 @@ def grpo_step(source: RolloutSource, batch: list, training: dict, pad_id: int, r
         )
     if rollout_log is not None:
         write_rollouts(rollout_log, step, rollouts, rewards, per_fn, advantages)
+    if source.reward_errors:
+        record["reward_errors"] = source.reward_errors
     record.update(rollout_metrics(rollouts, rewards, per_fn, advantages, group_sizes), step=step, lr=lr,
                   generation_s=t_gen, training_s=time.perf_counter() - t0 - t_gen, router_load=router_load(model),
                   sources=sorted({r.prompt.source for r in rollouts}))  # fmt: skip
@@ -359,10 +372,12 @@ def grpo_step(source: RolloutSource, batch: list, training: dict, pad_id: int, r
 
 
 def run_grpo_steps(source: RolloutSource, training: dict, *, total: int, done: RunProgress, out: Path,
-                   console: Console, checkpoint, stop: StopSignals, ranks: Ranks = SINGLE,
+                   console: Console, checkpoint, stop: StopSignals, on_oom, ranks: Ranks = SINGLE,
                    ) -> tuple[list[float], int]:  # fmt: skip
     """The rollout batches after `done`, with a progress bar (plain lines when stdout is not a terminal),
-    metrics, rollouts, checkpoints by steps and minutes, and a checkpoint then RunInterrupted on a signal.
+    metrics, rollouts, checkpoints by steps and minutes, and a checkpoint then RunInterrupted on a signal. A
+    step that runs out of memory raises on_oom(last completed progress), a reward function that fails (under
+    grpo.reward_errors: abort) a faults.StepFailed, each after checkpointing the last completed step.
     Returns the mean rewards of this invocation and the completion tokens it trained on. Rank 0 alone writes."""
     cfg = source.cfg
     metrics = (Reporters(out, cfg.output.report_to, project=cfg.output.wandb_project,
@@ -381,8 +396,15 @@ def run_grpo_steps(source: RolloutSource, training: dict, *, total: int, done: R
                 if step < done.step:  # done before the checkpoint: the order depends on (seed, epoch) only
                     continue
                 stop_if_asked(stop, done, checkpoint, ranks)
-                record = grpo_step(source, batch, training, source.tokenizer.pad_token_id, rollout_log, step + 1,
-                                   ranks)  # fmt: skip
+                start_step(step + 1)
+                try:
+                    record = grpo_step(source, batch, training, source.tokenizer.pad_token_id, rollout_log, step + 1,
+                                       ranks)  # fmt: skip
+                except torch.OutOfMemoryError:
+                    raise on_oom(done) from None
+                except RewardFailed as exc:  # before any update of this step: the weights are still `done`'s
+                    saved = checkpoint_completed(done, checkpoint, out, consistent=True)
+                    raise StepFailed(f"{exc}. {saved}.") from exc
                 record["epoch"] = epoch
                 try:
                     done = after_step(record, record.pop("sources"), done, cfg, spikes=False)
@@ -456,8 +478,10 @@ def _grpo(cfg: RunConfig, console: Console, ranks: Ranks, *, allow_mismatch: boo
                 save_checkpoint(out, progress=progress, identity=identity, keep=cfg.train.keep_checkpoints,
                                 **training)  # fmt: skip
 
+        on_oom = functools.partial(stop_on_out_of_memory, cfg, model_path, out, training, checkpoint=checkpoint)
         reward_means, tokens = run_grpo_steps(source, training, total=total, done=done, out=out, console=console,
-                                              checkpoint=checkpoint, stop=stop, ranks=ranks)  # fmt: skip
+                                              checkpoint=checkpoint, stop=stop, on_oom=on_oom,
+                                              ranks=ranks)  # fmt: skip
         adapter_dir = write_adapter(model, out, cfg, model_path, console) if ranks.main else out / "adapter"
     RunSummary("grpo", len(reward_means), time.perf_counter() - started, tokens,
                reward_means[-1] if reward_means else None, max(reward_means) if reward_means else None,

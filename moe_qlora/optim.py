@@ -15,6 +15,7 @@ import bitsandbytes as bnb
 import torch
 
 from .distributed import local_shard
+from .faults import phase
 
 
 class ElementwiseClip:
@@ -134,7 +135,8 @@ class StepInBackward:
         everything = self.optimizer.param_groups
         self.optimizer.param_groups = [self._group[p]]
         try:
-            self.optimizer.step()
+            with phase("optimizer (in backward)"):
+                self.optimizer.step()
         finally:
             self.optimizer.param_groups = everything
         p.grad = None

@@ -9,10 +9,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from pathlib import Path
+
+from .reporting import MetricsError, read_jsonl
 
 
 class PlotError(ValueError):
@@ -23,14 +24,10 @@ def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl" if run_dir.is_dir() else run_dir
     if not path.is_file():
         raise PlotError(f"{path}: no metrics.jsonl (give the run's output.dir)")
-    records = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            raise PlotError(f"{path}:{n}: not JSON ({exc.msg})") from None
+    try:
+        records = read_jsonl(path)
+    except MetricsError as exc:
+        raise PlotError(str(exc)) from None
     steps = [r for r in records if "step" in r]
     if not steps:
         raise PlotError(f"{path}: no step records to plot")
@@ -95,14 +92,15 @@ def heatmap(path: Path, load: list[list[float]]) -> None:
 def save(fig, path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    from .fileio import current_umask
+    from .fileio import current_umask, disk_full_named
 
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
     os.close(fd)
     os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes it 0600
     try:
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        os.replace(tmp, path)
+        with disk_full_named(path):
+            fig.savefig(tmp, dpi=110, bbox_inches="tight")
+            os.replace(tmp, path)
     finally:
         plt.close(fig)
         if os.path.exists(tmp):

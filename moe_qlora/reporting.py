@@ -10,27 +10,85 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import secrets
 from pathlib import Path
+
+from .fileio import disk_full_named
+
+log = logging.getLogger(__name__)
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 WANDB_ID_FILE = "wandb_run_id"
 
 
+class MetricsError(ValueError):
+    """A JSONL log torn somewhere other than its last line: not something a crash leaves."""
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSONL log (metrics.jsonl, rollouts.jsonl); none for a missing or empty file. A torn last
+    line, what a crash or a full disk leaves mid-append, is dropped with a warning naming the file and line; a
+    torn line anywhere else raises MetricsError naming them."""
+    return [record for _, record in jsonl_lines(path)]
+
+
+def jsonl_lines(path: Path) -> list[tuple[str, dict]]:
+    """(line, record) of each whole record of a JSONL log, as read_jsonl reads them."""
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    last = max((i for i, line in enumerate(lines, 1) if line.strip()), default=0)
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError(f"a JSON {type(record).__name__}, not an object")
+        except ValueError as exc:
+            why = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+            if number == last:
+                log.warning("%s, line %d: torn (%s), dropped: the run stopped while writing it", path, number, why)
+                break
+            raise MetricsError(f"{path}, line {number}: not a JSON object ({why}); only the last line of a log can "
+                               "be torn by a crash, so this file was changed by hand or is corrupt") from None
+        records.append((line, record))
+    return records
+
+
 class MetricsLog:
-    """Append-only JSONL of metrics, one object a line, flushed at once (a crash keeps what was logged)."""
+    """Append-only JSONL of metrics, one object a line, each written whole by one unbuffered write (a crash
+    tears at most the line being written). Opening drops a torn last line left by an earlier crash, so the next
+    record starts on a line of its own."""
 
     def __init__(self, path: Path):
         self.path = path
-        self._file = path.open("a", encoding="utf-8")
+        drop_torn_tail(path)
+        self._file = path.open("ab", buffering=0)
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps(record, allow_nan=True) + "\n")
-        self._file.flush()
+        line = (json.dumps(record, allow_nan=True) + "\n").encode("utf-8")
+        with disk_full_named(self.path, len(line)):
+            self._file.write(line)
 
     def close(self) -> None:
         self._file.close()
+
+
+def drop_torn_tail(path: Path) -> None:
+    """Cut a file back to its last newline when what follows it is a torn line (a crash mid-append)."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if data.endswith(b"\n"):
+        return
+    keep = data.rfind(b"\n") + 1
+    log.warning("%s, line %d: torn, dropped: the run stopped while writing it", path, data[:keep].count(b"\n") + 1)
+    with path.open("r+b") as f:
+        f.truncate(keep)
 
 
 def missing_reporters(report_to: list[str]) -> list[str]:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import math
 import re
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +20,8 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, RewardFunctionSpec
+
+log = logging.getLogger(__name__)
 
 RewardFn = Callable[..., list[float]]
 
@@ -113,22 +117,109 @@ def _module_from_file(path: str):
     return module
 
 
+class RewardFailed(RuntimeError):
+    """A reward function that raised or did not return in time (grpo.reward_errors: abort)."""
+
+
+class RewardTimeout(TimeoutError):
+    """A reward function call that ran past grpo.reward_timeout_s."""
+
+
+@dataclass(frozen=True)
+class RewardPolicy:
+    """What a failing reward function call does: `abort` raises RewardFailed naming the function, the step and
+    the prompt; `zero` scores the failing samples 0 and counts them. Each call is bounded by `timeout_s`."""
+
+    on_error: str = "abort"
+    timeout_s: float | None = None
+    step: int = 0
+
+
+def call_bounded(fn: Callable, timeout_s: float | None, *args, **kwargs):
+    """fn(*args, **kwargs), raising RewardTimeout after `timeout_s`. The call runs on a daemon thread: a hung
+    function cannot be stopped from Python, but it no longer holds the run (nor its exit)."""
+    if timeout_s is None:
+        return fn(*args, **kwargs)
+    result: dict = {}
+
+    def target():
+        try:
+            result["value"] = fn(*args, **kwargs)
+        except BaseException as exc:  # handed to the caller's thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True, name="moe-qlora-reward")
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise RewardTimeout(f"did not return within grpo.reward_timeout_s = {timeout_s:g} s")
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
 def score(functions: Sequence[RewardFunction], prompts: list[str], completions: list[str],
-          columns: dict[str, list]) -> tuple[list[float], dict[str, list[float]]]:  # fmt: skip
-    """(total reward per completion, each function's rewards). Every value must be a finite number."""
-    per_fn = {}
+          columns: dict[str, list], *, policy: RewardPolicy = RewardPolicy(), groups: list[int] | None = None,
+          sources: list[str] | None = None) -> tuple[list[float], dict[str, list[float]], int]:  # fmt: skip
+    """(total reward per completion, each function's rewards, samples scored 0 after an error). Every value
+    must be a finite number. `groups`: each completion's prompt index in the step (named when a call fails),
+    `sources`: each completion's prompt row (file:line)."""
+    per_fn, errors = {}, 0
     for f in functions:
-        values = f.fn(prompts, completions, **columns, **f.args)
-        if not isinstance(values, (list, tuple)) or len(values) != len(completions):
-            got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
-            raise RewardError(f"reward {f.name!r} returned {got} for {len(completions)} completions; "
-                              "expected a list with one float per completion")  # fmt: skip
-        bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
-        if bad:
-            raise RewardError(f"reward {f.name!r} returned non-finite or non-numeric values, e.g. {bad[0]!r}")
-        per_fn[f.name] = [float(v) for v in values]
+        try:
+            values = _checked_values(f, call_bounded(f.fn, policy.timeout_s, prompts, completions, **columns, **f.args),
+                                     len(completions))  # fmt: skip
+        except RewardError:
+            raise
+        except Exception as exc:
+            values, failed = _score_around_failure(f, prompts, completions, columns, policy, groups, sources, exc)
+            errors += failed
+        per_fn[f.name] = values
     totals = [sum(f.weight * per_fn[f.name][i] for f in functions) for i in range(len(completions))]
-    return totals, per_fn
+    return totals, per_fn, errors
+
+
+def _checked_values(f: RewardFunction, values, n: int) -> list[float]:
+    if not isinstance(values, (list, tuple)) or len(values) != n:
+        got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
+        raise RewardError(f"reward {f.name!r} returned {got} for {n} completions; "
+                          "expected a list with one float per completion")  # fmt: skip
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
+    if bad:
+        raise RewardError(f"reward {f.name!r} returned non-finite or non-numeric values, e.g. {bad[0]!r}")
+    return [float(v) for v in values]
+
+
+def _score_around_failure(f: RewardFunction, prompts, completions, columns, policy: RewardPolicy, groups, sources,
+                          exc: Exception) -> tuple[list[float], int]:  # fmt: skip
+    """After a call of `f` on the whole batch failed with `exc`: find the prompt whose completions make it fail
+    (each prompt's completions scored alone; a timeout is not retried, every prompt is taken as failing), then
+    abort naming it, or score its samples 0. Returns (values, samples scored 0)."""
+    groups = groups if groups is not None else [0] * len(completions)
+    by_group: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        by_group.setdefault(g, []).append(i)
+    values, failed = [0.0] * len(completions), 0
+    for g, rows in by_group.items():
+        error = exc
+        if not isinstance(exc, RewardTimeout):
+            try:
+                sub = call_bounded(f.fn, policy.timeout_s, [prompts[i] for i in rows], [completions[i] for i in rows],
+                                   **{k: [v[i] for i in rows] for k, v in columns.items()}, **f.args)  # fmt: skip
+                for i, v in zip(rows, _checked_values(f, sub, len(rows)), strict=True):
+                    values[i] = v
+                continue
+            except RewardError:
+                raise
+            except Exception as sub_exc:
+                error = sub_exc
+        where = f"prompt {g} of step {policy.step}" + (f" ({sources[rows[0]]})" if sources else "")
+        message = f"reward {f.name!r} failed on {where}: {type(error).__name__}: {error}"
+        if policy.on_error == "abort":
+            raise RewardFailed(message + " (grpo.reward_errors: zero scores such samples 0 instead)") from error
+        log.warning("%s; its %d samples score 0 (grpo.reward_errors: zero)", message, len(rows))
+        failed += len(rows)
+    return values, failed
 
 
 def group_advantages(rewards: torch.Tensor, group_sizes: list[int], *, scale: bool, eps: float) -> torch.Tensor:

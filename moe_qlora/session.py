@@ -27,10 +27,13 @@ from .config import ConfigError, RunConfig, check_shardable, resolve_compute_dty
 from .distributed import SINGLE, Ranks, any_rank, device_of, join, leave, raise_together, shard_model
 from .experts import set_moe_kernels
 from .export import load_adapter, save_adapter, verify_adapter
+from .faults import phase
+from .fileio import atomic_write_text
 from .kernels.grouped_mm import has_fused_path
 from .loading import LoadOptions, check_model_path, load_model, parameter_bytes_by_kind
 from .memory import release_freed_memory
 from .optim import clip_global_norm, lr_multiplier
+from .reporting import jsonl_lines
 from .runs import RunInterrupted, StopSignals, claim_output_dir
 from .tiny import resolve_model_path
 
@@ -44,7 +47,8 @@ def apply_update(optimizer, loss: float, train_cfg) -> tuple[float, bool]:
     grad_norm = clip_global_norm(params, train_cfg.max_grad_norm)  # measured before any clipping
     skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
     if not skipped:  # checked before the step: a non-finite one reaches no weight and no AdamW moment
-        optimizer.step()
+        with phase("optimizer"):
+            optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     release_freed_memory()
     return grad_norm, skipped
@@ -78,7 +82,6 @@ def after_step(record: dict, sources: list[str], done: RunProgress, cfg, *, spik
 def write_router_layers(out: Path, model) -> None:
     """router_layers.json: the experts modules in the order of every record's router_load (check-norms --run)."""
     from .diagnostics import ROUTER_LAYERS
-    from .fileio import atomic_write_text
 
     names = [name.removesuffix(".moe_lora") for name, _ in expert_loras(model)]
     atomic_write_text(out / ROUTER_LAYERS, json.dumps(names, indent=1))
@@ -264,13 +267,12 @@ def seed_everything(seed: int) -> None:
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop records of steps after `last_step` (done after the checkpoint a run resumes from), atomically."""
+    """Drop records of steps after `last_step` (done after the checkpoint a run resumes from), and a torn last
+    line (read_jsonl), atomically."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= last_step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    kept = [line for line, record in jsonl_lines(path) if record.get("step", 0) <= last_step]
+    atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 
 def resume_if_asked(cfg: RunConfig, out: Path, console: Console, *, allow_mismatch: bool,

@@ -7,7 +7,7 @@ number of target tokens in the whole step, so the step's gradient equals that of
 from __future__ import annotations
 
 import bisect
-import json
+import functools
 import logging
 import math
 import time
@@ -46,10 +46,11 @@ from .distributed import (
     sum_scalars,
     whole_trainable,
 )
+from .faults import phase, start_step, stop_on_out_of_memory
 from .losses import token_logprobs
 from .memory import release_freed_memory
 from .optim import StepInBackward, build_optimizer
-from .reporting import NoReporters, Reporters
+from .reporting import NoReporters, Reporters, read_jsonl
 from .runs import (
     CheckpointPolicy,
     RunSummary,
@@ -205,8 +206,10 @@ def accumulate_gradients(
     n_targets = int(sum_scalars(ranks, local)[0])
     total, aux = 0.0, []
     for batch in batches:
-        loss_sum, _, aux_loss = token_loss_sum(model, batch, loss_chunk=loss_chunk)
-        (loss_sum / n_targets).backward()
+        with phase("forward"):
+            loss_sum, _, aux_loss = token_loss_sum(model, batch, loss_chunk=loss_chunk)
+        with phase("backward"):
+            (loss_sum / n_targets).backward()
         total += float(loss_sum.detach())
         if aux_loss is not None:
             aux.append(aux_loss)
@@ -222,10 +225,12 @@ def backward_with_updates(model, stepper: StepInBackward, batch: dict[str, torch
     pre-clip gradient norm, skipped)."""
     n_targets = int((batch["labels"][:, 1:] != IGNORE).sum())
     stepper.begin()
-    loss_sum, _, aux_loss = token_loss_sum(model, batch, loss_chunk=loss_chunk)
+    with phase("forward"):
+        loss_sum, _, aux_loss = token_loss_sum(model, batch, loss_chunk=loss_chunk)
     loss = float(loss_sum.detach()) / n_targets
     if math.isfinite(loss):
-        (loss_sum / n_targets).backward()
+        with phase("backward (optimizer in backward)"):
+            (loss_sum / n_targets).backward()
     del loss_sum
     grad_norm, skipped = stepper.finish(math.isfinite(loss))
     release_freed_memory()
@@ -361,18 +366,17 @@ def eval_loss(model, examples: list[Example], pad_id: int, train_cfg) -> float:
 
 def best_eval_so_far(metrics_path: Path) -> float:
     """The lowest eval loss logged (after a resume: up to the checkpoint), inf if none."""
-    if not metrics_path.exists():
-        return math.inf
-    values = [r["eval_loss"] for r in map(json.loads, metrics_path.read_text().splitlines()) if "eval_loss" in r]
+    values = [r["eval_loss"] for r in read_jsonl(metrics_path) if "eval_loss" in r]
     return min(values, default=math.inf)
 
 
 def run_steps(cfg: RunConfig, examples, pad_id: int, training: dict, *, total: int, done: RunProgress,
               metrics: Reporters, console: Console, checkpoint, stop: StopSignals,
-              stepper: StepInBackward | None = None, evaluate=None, ranks: Ranks = SINGLE,
+              on_oom, stepper: StepInBackward | None = None, evaluate=None, ranks: Ranks = SINGLE,
               ) -> tuple[list[float], int]:  # fmt: skip
     """The optimizer steps after `done`, with a progress bar (plain lines when stdout is not a terminal),
-    metrics, checkpoints by steps and minutes, and a checkpoint then RunInterrupted on SIGINT/SIGTERM.
+    metrics, checkpoints by steps and minutes, and a checkpoint then RunInterrupted on SIGINT/SIGTERM; out of
+    memory in a step raises on_oom(last completed progress, stepper), a faults.StepFailed after its checkpoint.
     Returns the losses of this invocation and the tokens it trained on."""
     model, optimizer, schedule = training["model"], training["optimizer"], training["scheduler"]
     losses, tokens, start, first = [], 0, time.perf_counter(), done.step
@@ -389,7 +393,11 @@ def run_steps(cfg: RunConfig, examples, pad_id: int, training: dict, *, total: i
             stop_if_asked(stop, done, checkpoint, ranks)
             t0 = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
-            record = train_step(model, optimizer, group, pad_id, cfg.train, stepper, ranks)
+            start_step(step + 1)
+            try:
+                record = train_step(model, optimizer, group, pad_id, cfg.train, stepper, ranks)
+            except torch.OutOfMemoryError:
+                raise on_oom(done, stepper=stepper) from None
             dt = time.perf_counter() - t0
             record.update(step=step + 1, epoch=epoch, lr=lr, step_time_s=dt, tokens_per_s=record["tokens"] / dt,
                           elapsed_s=time.perf_counter() - start, router_load=router_load(model))  # fmt: skip
@@ -469,8 +477,8 @@ def _train(cfg: RunConfig, console: Console, out: Path, ranks: Ranks, *, allow_m
             console.print(f"data parallel ({'fsdp' if ranks.sharded else 'ddp'}): {ranks.world} ranks x "
                           f"micro_batch_size {cfg.train.micro_batch_size}, global batch {batch}")  # fmt: skip
         stepper = None
-        if cfg.train.optimizer_in_backward:
-            stepper = StepInBackward(optimizer, undo=cfg.train.nan_policy == "skip")
+        if cfg.train.optimizer_in_backward:  # undo: a step abandoned part-way (NaN, out of memory) is put back
+            stepper = StepInBackward(optimizer, undo=True)
         metrics = (Reporters(out, cfg.output.report_to, project=cfg.output.wandb_project,
                              config=cfg.model_dump(mode="json")) if ranks.main else NoReporters(out))  # fmt: skip
         model.train()
@@ -497,8 +505,9 @@ def _train(cfg: RunConfig, console: Console, out: Path, ranks: Ranks, *, allow_m
         try:
             losses, tokens = run_steps(cfg, examples, tokenizer.pad_token_id, training, total=total, done=done,
                                        metrics=metrics, console=console, checkpoint=checkpoint, stop=stop,
-                                       stepper=stepper, evaluate=evaluate if held_out else None,
-                                       ranks=ranks)  # fmt: skip
+                                       stepper=stepper, evaluate=evaluate if held_out else None, ranks=ranks,
+                                       on_oom=functools.partial(stop_on_out_of_memory, cfg, model_path, out,
+                                                                training, checkpoint=checkpoint))  # fmt: skip
         finally:
             metrics.close()
         with whole_trainable(model, ranks):

@@ -22,9 +22,10 @@ def cli_command(subcommand: str, config: Path, out: Path, *extra: str) -> list[s
             *extra]  # fmt: skip
 
 
-def run_cli(subcommand, config, out, env, *extra, failpoint=None) -> subprocess.CompletedProcess:
-    """Run to the end (or to the failpoint, MOE_QLORA_FAILPOINT, e.g. "checkpoint-write@8")."""
-    env = {**env, **({"MOE_QLORA_FAILPOINT": failpoint} if failpoint else {})}
+def run_cli(subcommand, config, out, env, *extra, failpoint=None, env_extra=None) -> subprocess.CompletedProcess:
+    """Run to the end (or to the failpoint, MOE_QLORA_FAILPOINT, e.g. "checkpoint-write@8"); `env_extra`: more
+    environment variables (a fault to inject)."""
+    env = {**env, **({"MOE_QLORA_FAILPOINT": failpoint} if failpoint else {}), **(env_extra or {})}
     return subprocess.run(cli_command(subcommand, config, out, *extra), env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
 
