@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 OOM_ENV = "MOE_QLORA_INJECT_OOM"
@@ -26,6 +28,7 @@ class StepPosition:
     phase: str = "setup"
     updated: bool = False  # an optimizer step ran in this step: the weights in memory are no longer `done`'s
     entries: dict = field(default_factory=dict)  # phase -> how many times this step entered it
+    rng: tuple | None = None  # every generator's state when the step began: what its checkpoint must hold
 
 
 POSITION = StepPosition()
@@ -37,6 +40,23 @@ class StepFailed(Exception):
 
 def start_step(step: int) -> None:
     POSITION.step, POSITION.phase, POSITION.updated, POSITION.entries = step, "setup", False, {}
+    POSITION.rng = rng_states()
+
+
+def rng_states() -> tuple:
+    """torch (CPU and CUDA), python and numpy generator states: a checkpoint written after a step failed part-way
+    must hold them as they were before it (dropout and sampling draw from them), or its resume differs."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return torch.get_rng_state(), cuda, random.getstate(), np.random.get_state()
+
+
+def restore_rng_states(states: tuple) -> None:
+    cpu, cuda, python, numpy_state = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+    random.setstate(python)
+    np.random.set_state(numpy_state)
 
 
 @contextmanager
@@ -137,6 +157,8 @@ def checkpoint_completed(done, checkpoint, out, *, consistent: bool) -> str:
 
     existing = out / "checkpoints" / f"step-{done.step:08d}"
     if done.step and consistent and not existing.is_dir():
+        if POSITION.rng is not None:
+            restore_rng_states(POSITION.rng)
         checkpoint(done)
         return f"Step {done.step}, the last completed, is checkpointed in {existing}"
     if done.step and existing.is_dir():

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+SHORT_WRITE = re.compile(r"^\d+ requested and \d+ written$")
 
 
 class DiskFullError(Exception):
@@ -30,9 +33,12 @@ def human_bytes(n: int) -> str:
 
 
 def is_disk_full(exc: BaseException) -> bool:
-    """What a full disk raises: OSError ENOSPC / EDQUOT (open().write, os.replace, torch), or safetensors'
+    """What a full disk raises: OSError ENOSPC / EDQUOT (open().write, os.replace, torch), numpy's
+    OSError('2048 requested and 1624 written') from ndarray.tofile (gguf's writer), or safetensors'
     SafetensorError('Error while serializing: I/O error: No space left on device (os error 28)')."""
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if isinstance(exc, OSError) and SHORT_WRITE.search(str(exc)):  # numpy's tofile (gguf): a short write, no errno
         return True
     return type(exc).__name__ == "SafetensorError" and ("os error 28" in str(exc) or "No space left" in str(exc))
 
