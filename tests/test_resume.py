@@ -114,9 +114,9 @@ def test_resuming_with_another_config_is_refused_unless_asked(config, env, tmp_p
 
 
 def test_a_failed_save_stops_the_run_and_leaves_the_previous_checkpoint(config, env, tmp_path):
-    proc = run(config, tmp_path, env, failpoint="checkpoint-write:enospc@8")
-    assert proc.returncode not in (0, -signal.SIGKILL)
-    assert "No space left on device" in proc.stderr
+    proc = run(config, tmp_path, env, failpoint="checkpoint-write:enospc@8")  # safetensors' SafetensorError
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "no space left on device writing" in proc.stderr.replace("\n", " ")
     checkpoints = tmp_path / "checkpoints"
     assert sorted(d.name for d in checkpoints.iterdir()) == ["step-00000004"]  # no step-8, no temporary folder
     from moe_qlora.checkpoint import verify

@@ -61,8 +61,8 @@ def test_weighted_total_and_user_function(monkeypatch):
     monkeypatch.setitem(sys.modules, "my_rewards", module)
     functions = [resolve_reward(RewardFunctionSpec(function="my_rewards:count_a", weight=0.5), 0),
                  resolve_reward(RewardFunctionSpec(function="exact_match", weight=2.0), 1)]  # fmt: skip
-    totals, per_fn = score(functions, ["p", "p"], ["aa", "b"], {"answer": ["aa", "c"]})
-    assert per_fn == {"my_rewards:count_a": [2.0, 0.0], "exact_match": [1.0, 0.0]}
+    totals, per_fn, errors = score(functions, ["p", "p"], ["aa", "b"], {"answer": ["aa", "c"]})
+    assert per_fn == {"my_rewards:count_a": [2.0, 0.0], "exact_match": [1.0, 0.0]} and errors == 0
     assert totals == [0.5 * 2 + 2.0 * 1, 0.0]
 
 
@@ -89,3 +89,27 @@ def test_unknown_reward_and_missing_column_are_named():
     f = resolve_reward(RewardFunctionSpec(function="exact_match"), 0)
     with pytest.raises(RewardError, match="needs a 'answer' field"):
         score([f], ["p"], ["a"], {"solution": ["a"]})
+
+
+def test_a_raising_reward_function_is_isolated_to_its_prompt(monkeypatch):
+    """A call that raises is retried one prompt's completions at a time: abort names the first failing prompt (its
+    index in the step and its row); zero scores only that prompt's samples 0 and counts them."""
+    from moe_qlora.rewards import RewardFailed, RewardPolicy
+
+    module = types.ModuleType("picky_rewards")
+
+    def picky(prompts, completions, **columns):
+        if "bad" in completions:
+            raise ValueError("reward server unreachable")
+        return [1.0] * len(completions)
+
+    module.picky = picky
+    monkeypatch.setitem(sys.modules, "picky_rewards", module)
+    f = resolve_reward(RewardFunctionSpec(function="picky_rewards:picky"), 0)
+    args = (["p"] * 4, ["ok", "ok", "bad", "ok"], {})
+    where = dict(groups=[0, 0, 1, 1], sources=["a.jsonl:1", "a.jsonl:1", "a.jsonl:2", "a.jsonl:2"])
+    with pytest.raises(RewardFailed, match=r"'picky_rewards:picky' failed on prompt 1 of step 7 \(a.jsonl:2\): "
+                                           "ValueError: reward server unreachable"):  # fmt: skip
+        score([f], *args, policy=RewardPolicy(step=7), **where)
+    totals, _, errors = score([f], *args, policy=RewardPolicy(on_error="zero", step=7), **where)
+    assert totals == [1.0, 1.0, 0.0, 0.0] and errors == 2
