@@ -24,7 +24,7 @@ declare -A command estimate
 stages=(wheels preflight gpu-tests kernels kernels-parity checks bench-qwen3 bench-mixtral)
 # CPU-only tests inside the kernel test files (AOT compiles in a subprocess, the launcher run with a stubbed JIT).
 cpu_only="not compiles_for and not mma_kind_is_what and not launchers_run_as_on_a_gpu and not autotuner_is_built"
-command[wheels]='[ -d .whl ] && '"$python"' -m pip install -q --no-index --no-deps --no-compile --upgrade --target .gpu-site .whl/*.whl || echo "no .whl/: using the installed packages"'
+command[wheels]='if [ -d .whl ]; then '"$python"' -m pip install -q --no-index --no-deps --no-compile --upgrade --target .gpu-site .whl/*.whl; else echo "no .whl/: using the installed packages"; fi'
 estimate[wheels]=1
 command[preflight]="$python"' -c "import torch, triton, bitsandbytes, transformers, peft, pydantic, gguf, datasets, pytest, moe_qlora
 assert torch.cuda.is_available(), \"no CUDA device\"
