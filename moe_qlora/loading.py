@@ -285,8 +285,12 @@ def load_model(opts: LoadOptions):
         bnb_4bit_use_double_quant=opts.linear_double_quant,
         bnb_4bit_compute_dtype=opts.compute_dtype,
     )
+    model_class = causal_lm_class(config, folder, opts.trust_remote_code)
+    if "Diffusion" in model_class.__name__:
+        raise ModelLoadError(f"{model_class.__name__}: not supported: a diffusion language model, trained to denoise "
+                             "masked tokens; moe-qlora trains next-token prediction, the wrong objective for it")
     with lazy_state_dict(files) as state:
-        model = causal_lm_class(config, folder, opts.trust_remote_code).from_pretrained(
+        model = model_class.from_pretrained(
             None,
             config=config,
             state_dict=state,

@@ -114,6 +114,21 @@ TINY_FAMILIES = {
         "mlp_layer_types": ["sparse", "sparse"],
         "logits_mup_width_multiplier": 1.0,  # muP's 1/24 at full width leaves a tiny model's logits near 0
     }),
+    # Gemma-4's MoE layers (gemma-4-26B-A4B): a dense MLP and routed experts side by side in every layer, their
+    # outputs summed; GELU-tanh gating, per-layer input embeddings, sliding-window and full attention layers.
+    "gemma4_text": ("Gemma4TextConfig", {
+        "num_hidden_layers": 2, "enable_moe_block": True, "num_experts": 8, "top_k_experts": 2,
+        "moe_intermediate_size": 64, "intermediate_size": 128, "head_dim": 16, "sliding_window": 32,
+        "vocab_size_per_layer_input": 260, "hidden_size_per_layer_input": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+    }),
+    # dots.llm1: DeepSeek-V3-style routing (sigmoid scores with a correction bias, normalized top-k) and a
+    # shared expert, a dense first layer.
+    "dots1": ("Dots1Config", {
+        "num_hidden_layers": 3, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "intermediate_size": 128, "n_group": 1, "topk_group": 1,
+        "head_dim": 16, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+    }),
     # Mamba-2 mixers, attention and non-gated experts (up -> squared ReLU -> down) with a shared expert.
     "nemotron_h": ("NemotronHConfig", {
         "layers_block_type": ["mamba", "moe", "attention", "moe"], "n_routed_experts": 8, "num_experts_per_tok": 2,
@@ -219,7 +234,7 @@ SWEEP_SIZES = {
     "linear_value_head_dim": 16, "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2,
     "chunk_size": 16, "use_mamba_kernels": False, "mamba_d_state": 16, "n_group": 1, "topk_group": 1,
     "first_k_dense_replace": 1, "sliding_window": 32, "index_head_dim": 16, "index_n_heads": 2, "index_topk": 8,
-    "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16,
+    "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16, "top_k_experts": 2,
 }  # fmt: skip
 # Per-family fields the generic shrink cannot derive (layer patterns given by period, nested sub-configs).
 SWEEP_EXTRA = {
@@ -230,12 +245,23 @@ SWEEP_EXTRA = {
                          "mamba_n_groups": 2, "mamba_chunk_size": 16},
     "zaya": {"num_experts_per_tok": 1},
     # hybrids whose full-attention layer comes every 4th, and families with dense first layers
-    **{t: {"num_hidden_layers": 4} for t in ("qwen4_exp_text", "beam")},
+    "beam": {"num_hidden_layers": 4},
+    # Qwen4-Exp's sparse-attention indexer has no default sizes (the checkpoint's config gives them)
+    "qwen4_exp_text": {"num_hidden_layers": 4, "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16,
+                       "indexer_budget": 16, "indexer_compress_ratio": 4},
     "bailing_hybrid": {"layer_types": ["linear_attention", "full_attention"]},
     "kimi_linear": {"layer_types": ["linear_attention", "full_attention"]},
     "flint": {"mlp_only_layers": [0]},
     "step3p5": {"mlp_layer_types": ["dense", "sparse"]},
     "glm4v_moe_text": {"head_dim": 128},  # its M-RoPE sections (8, 12, 12) need a rotary dimension of 64
+    # GLM-5-Next: linear attention beside DSA (indexed, NoPE) attention; the indexer's top-k a multiple of its pool
+    "glm5_next_text": {"index_kpool": 8, "qk_rope_head_dim": 0, "mlp_layer_types": ["dense", "sparse"],
+                       "layer_types": ["linear_attention", "indexed_attention"]},
+    "hy_v4_vl_text": {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default",
+                                          "mrope_section": [2, 1, 1]}},  # sums to qk_rope_head_dim / 2
+    "ernie4_5_vl_moe_text": {"moe_intermediate_size": [64, 64]},  # text and vision experts' widths
+    "nemotron_h_omni": {"vision_config": {"video_temporal_patch_size": 2}, "projector_hidden_size": 64},
+    "muse_spark": {"audio_config": {"num_hidden_layers": 4, "hidden_sizes": [16, 32, 32, 64]}},  # one per stage
     "dbrx": {"d_model": 64, "n_heads": 4, "n_layers": 2, "max_seq_len": 512,
              "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0},
              "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 8, "moe_top_k": 2}},
@@ -243,6 +269,17 @@ SWEEP_EXTRA = {
 LAYER_LISTS = ("layer_types", "mlp_layer_types")
 SWEEP_VISION = {"depth": 2, "num_heads": 4, "out_hidden_size": 64, "num_hidden_layers": 2, "vision_output_dim": 64,
                 "projector_input_dim": 64, "projector_output_dim": 64, "text_hidden_size": 64}  # fmt: skip
+
+
+def _has_field(config, name: str) -> bool:
+    """hasattr that also counts a field a heterogeneous (per-layer) config refuses to read globally: transformers
+    raises AmbiguousGlobalPerLayerAttributeError for it (Gemma-4, dots3), but the constructor takes it."""
+    try:
+        return hasattr(config, name)
+    except Exception as exc:
+        if type(exc).__name__ == "AmbiguousGlobalPerLayerAttributeError":
+            return True
+        raise
 
 
 def tiny_config_any(model_type: str, vocab_size: int):
@@ -254,7 +291,7 @@ def tiny_config_any(model_type: str, vocab_size: int):
 
     cls = CONFIG_MAPPING[model_type]
     defaults = cls()
-    fields = {k: v for k, v in SWEEP_SIZES.items() if hasattr(defaults, k)}
+    fields = {k: v for k, v in SWEEP_SIZES.items() if _has_field(defaults, k)}
     for key, sub in (getattr(cls, "sub_configs", None) or {}).items():  # a multimodal wrapper: shrink its parts
         if not getattr(sub, "model_type", None):  # declared as AutoConfig: the class its default holds
             sub = type(getattr(defaults, key, None))
@@ -263,7 +300,7 @@ def tiny_config_any(model_type: str, vocab_size: int):
             fields[key] = tiny_config_any(sub_type, vocab_size).to_dict()
         elif sub_type:
             sub_defaults = sub()
-            sizes = {k: v for k, v in {**SWEEP_SIZES, **SWEEP_VISION}.items() if hasattr(sub_defaults, k)}
+            sizes = {k: v for k, v in {**SWEEP_SIZES, **SWEEP_VISION}.items() if _has_field(sub_defaults, k)}
             fields[key] = {"model_type": sub_type, **sizes}
     settable = [k for k in LAYER_LISTS if not isinstance(getattr(cls, k, None), property)]
     fields.update({k: None for k in settable if isinstance(getattr(defaults, k, None), list)})
@@ -279,4 +316,6 @@ def tiny_config_any(model_type: str, vocab_size: int):
         fields["num_key_value_heads"] = fields["num_attention_heads"]
         if "head_dim" in fields:  # MLA configs use head_dim for the rotary part
             fields["head_dim"] = fields["qk_rope_head_dim"]
-    return cls(vocab_size=vocab_size, **{**fields, **specials, **SWEEP_EXTRA.get(model_type, {})})
+    extra = {k: {**fields[k], **v} if isinstance(v, dict) and isinstance(fields.get(k), dict) else v
+             for k, v in SWEEP_EXTRA.get(model_type, {}).items()}  # a shrunk sub-config keeps its sizes
+    return cls(vocab_size=vocab_size, **{**fields, **specials, **extra})

@@ -110,9 +110,9 @@ def test_plot_of_a_grpo_run_and_bad_input(tmp_path):
     written = sorted(p.name for p in plot_run(tmp_path))
     assert written == ["completion_length.png", "grad_norm.png", "kl.png", "lr.png", "reward.png", "router_load.png"]
     assert series(records, "reward/exact_match/mean") == ([1, 2, 3], [0.05, 0.1, 0.15])
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')  # torn mid-file: refused
     result = CliRunner().invoke(app, ["plot", str(tmp_path)])
-    assert result.exit_code == 2 and "metrics.jsonl:2: not JSON" in result.output
+    assert result.exit_code == 2 and "metrics.jsonl, line 2: not a JSON object" in result.output
 
 
 def test_a_reporter_whose_package_is_missing_is_named_before_loading(monkeypatch):
