@@ -259,9 +259,20 @@ SWEEP_EXTRA = {
                        "layer_types": ["linear_attention", "indexed_attention"]},
     "hy_v4_vl_text": {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default",
                                           "mrope_section": [2, 1, 1]}},  # sums to qk_rope_head_dim / 2
-    "ernie4_5_vl_moe_text": {"moe_intermediate_size": [64, 64]},  # text and vision experts' widths
+    # DeepSeek-OCR-2's text config leaves its dense/sparse layer list unset (None), which its decoder indexes
+    "deepseek_ocr2_text": {"mlp_layer_types": ["dense", "sparse"]},
+    "ernie4_5_vl_moe_text": {"moe_intermediate_size": [64, 64],  # text and vision experts' widths
+                             "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default",
+                                                 "mrope_section": [3, 3, 2]}},  # sums to head_dim / 2
+    # dots3-note: a vision tower with its own experts (layer pattern given by expert count per layer) and adapters
+    # whose widths must equal the tower's and the text model's hidden size
+    "dots3_note_vision_encoder": {"pyramid_num_routed": [-1, 8], "adapter_in_dim": 64, "adapter_out_dim": 64},
+    "dots3_note_audio_encoder": {"adapter_input_size": 64, "adapter_out_dim": 64, "downsample_hidden_size": 16},
     "nemotron_h_omni": {"vision_config": {"video_temporal_patch_size": 2}, "projector_hidden_size": 64},
-    "muse_spark": {"audio_config": {"num_hidden_layers": 4, "hidden_sizes": [16, 32, 32, 64]}},  # one per stage
+    # Muse Spark: the audio tower's widths, one per stage; the vision adapter's widths on the wrapper
+    "muse_spark": {"audio_config": {"num_hidden_layers": 4, "hidden_sizes": [16, 32, 32, 64]}, "out_hidden_size": 64,
+                   "projector_hidden_size": 64},
+    "muse_spark_text": {"moe_hidden_size": 32},  # experts in a latent width, projected from and to hidden_size
     "dbrx": {"d_model": 64, "n_heads": 4, "n_layers": 2, "max_seq_len": 512,
              "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0},
              "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 8, "moe_top_k": 2}},
@@ -282,6 +293,26 @@ def _has_field(config, name: str) -> bool:
         raise
 
 
+def _shrunk_sub_configs(cls, defaults, vocab_size: int) -> dict:
+    """The sub-configs of a multimodal wrapper, shrunk: the text config as a whole tiny config of its type, the
+    others (vision, audio, and their own parts, such as DeepSeek-OCR-2's SAM encoder) to the sweep's sizes."""
+    from transformers import CONFIG_MAPPING
+
+    fields = {}
+    for key, sub in (getattr(cls, "sub_configs", None) or {}).items():
+        if not getattr(sub, "model_type", None):  # declared as AutoConfig: the class its default holds
+            sub = type(getattr(defaults, key, None))
+        sub_type = getattr(sub, "model_type", None)
+        if key == "text_config" and sub_type in CONFIG_MAPPING:
+            fields[key] = tiny_config_any(sub_type, vocab_size).to_dict()
+        elif sub_type:
+            sub_defaults = sub()
+            sizes = {k: v for k, v in {**SWEEP_SIZES, **SWEEP_VISION}.items() if _has_field(sub_defaults, k)}
+            nested = _shrunk_sub_configs(sub, sub_defaults, vocab_size)
+            fields[key] = {"model_type": sub_type, **sizes, **nested, **SWEEP_EXTRA.get(sub_type, {})}
+    return fields
+
+
 def tiny_config_any(model_type: str, vocab_size: int):
     """A tiny config of any model type: the hand-made one of TINY_FAMILIES, else the defaults shrunk to
     SWEEP_SIZES (plus SWEEP_EXTRA). Raises what the config class raises when it cannot be shrunk."""
@@ -292,16 +323,7 @@ def tiny_config_any(model_type: str, vocab_size: int):
     cls = CONFIG_MAPPING[model_type]
     defaults = cls()
     fields = {k: v for k, v in SWEEP_SIZES.items() if _has_field(defaults, k)}
-    for key, sub in (getattr(cls, "sub_configs", None) or {}).items():  # a multimodal wrapper: shrink its parts
-        if not getattr(sub, "model_type", None):  # declared as AutoConfig: the class its default holds
-            sub = type(getattr(defaults, key, None))
-        sub_type = getattr(sub, "model_type", None)
-        if key == "text_config" and sub_type in CONFIG_MAPPING:
-            fields[key] = tiny_config_any(sub_type, vocab_size).to_dict()
-        elif sub_type:
-            sub_defaults = sub()
-            sizes = {k: v for k, v in {**SWEEP_SIZES, **SWEEP_VISION}.items() if _has_field(sub_defaults, k)}
-            fields[key] = {"model_type": sub_type, **sizes}
+    fields.update(_shrunk_sub_configs(cls, defaults, vocab_size))
     settable = [k for k in LAYER_LISTS if not isinstance(getattr(cls, k, None), property)]
     fields.update({k: None for k in settable if isinstance(getattr(defaults, k, None), list)})
     specials = {k: TINY_COMMON[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id")}

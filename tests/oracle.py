@@ -6,6 +6,7 @@ and differentiated by autograd.
 """
 
 import copy
+import inspect
 
 import torch
 from torch.func import functional_call
@@ -24,11 +25,18 @@ def lora_delta(b, a, transposed):
     return delta.transpose(1, 2) if transposed else delta
 
 
+def per_module_sizes(experts) -> dict:
+    """Constructor arguments an experts class takes beside the config: ERNIE-4.5-VL builds text and vision experts
+    of different widths from one config, passing intermediate_size."""
+    takes = inspect.signature(type(experts).__init__).parameters
+    return {"intermediate_size": experts.intermediate_dim} if "intermediate_size" in takes else {}
+
+
 def eager_reference_experts(experts, config):
     """The family's eager experts module and a function giving its explicit weights from the LoRA factors."""
     cfg = copy.deepcopy(config)
     cfg._experts_implementation = "eager"
-    eager = type(experts)(cfg)
+    eager = type(experts)(cfg, **per_module_sizes(experts))
     first, down = stack_names(experts)
     base = {n: dequantize_param(getattr(experts, n)) for n in (first, down)}
     biases = {f"{n}_bias": getattr(experts, f"{n}_bias").detach() for n in (first, down) if experts.has_bias}
