@@ -16,8 +16,7 @@ from peft import LoraConfig, get_peft_model
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .config import ConfigError, LoraSection
-from .experts import ExpertLoRA, UnsupportedExpertsError, attach_expert_lora, experts_modules
-from .export import target_parameter_names
+from .experts import ExpertLoRA, UnsupportedExpertsError, attach_expert_lora, consumer_stack_names, experts_modules
 from .families import resolve_targets
 from .peft_roundtrip import clean_base_config, first_few, target_modules_failing_round_trip
 
@@ -111,3 +110,13 @@ def adapters_disabled(model):
         finally:
             for lora in loras:
                 lora.active = True
+
+
+def target_parameter_names(model) -> list[str]:
+    """PEFT target_parameters for the experts, e.g. ['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']."""
+    names = set()
+    for name, module in experts_modules(model):
+        if getattr(module, "moe_lora", None) is not None:
+            inner = re.sub(r"^.*\.layers\.\d+\.", "", name)
+            names.update(f"{inner}.{stack}" for stack in consumer_stack_names(module))
+    return sorted(names)

@@ -47,7 +47,7 @@ def _quiet_libraries() -> None:
 def _user_errors() -> tuple[type[Exception], ...]:
     from .checkpoint import CheckpointError
     from .config import ConfigError
-    from .data import DataError
+    from .datasources import DataError
     from .diagnostics import AdapterReadError
     from .distributed import RankFailed
     from .experts import UnsupportedExpertsError
@@ -102,7 +102,8 @@ def check_paths_before_loading(cfg) -> None:
     local = os.path.isabs(name) or name.startswith((".", "~")) or os.path.exists(name)
     if not local and not name.startswith("builtin:"):
         check_hub_model(name, ConfigError)
-    from .datasources import entry_path, looks_local
+    from .datasources import entry_path
+    from .hub import looks_local
 
     for key in ("train_files", "eval_files"):
         for f in map(entry_path, getattr(cfg.data, key)):
@@ -267,7 +268,7 @@ def plan(
     GPU's share under ddp or fsdp and the bytes each GPU sends per optimizer step."""
     _quiet_libraries()
     from .config import ConfigError, deep_merge, load_config, parse_overrides, validate_config
-    from .plan import PARALLEL_MODES, plan_run, render_plan
+    from .plan import PARALLEL_MODES, plan_run
     from .tiny import resolve_model_path
 
     try:
@@ -523,3 +524,20 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def render_plan(plan, console) -> None:
+    from rich.table import Table
+
+    title = f"{plan.model_type}: {plan.params / 1e9:.2f}B parameters"
+    if plan.gpus > 1 or plan.parallel == "fsdp":
+        title += f", per GPU ({plan.parallel} over {plan.gpus} GPU{'s' if plan.gpus > 1 else ''})"
+    table = Table(title=title)
+    table.add_column("kind")
+    table.add_column("MiB", justify="right")
+    table.add_column("GiB", justify="right")
+    for kind, n in [*plan.bytes.items(), ("total", plan.total)]:
+        table.add_row(kind, f"{n / 2**20:,.1f}", f"{n / 2**30:,.2f}")
+    console.print(table)
+    for note in plan.notes:
+        console.print(note, highlight=False)

@@ -513,7 +513,7 @@ def _absolute(value, base: Path, *, hub_ids: bool = False):
         return value
     path = Path(value).expanduser()
     if hub_ids and not path.is_absolute() and not value.startswith((".", "~")):
-        from .datasources import looks_local
+        from .hub import looks_local
 
         if not (base / path).exists() and not looks_local(value):
             return value

@@ -8,26 +8,20 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import json
 import logging
 import math
 import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from .config import DataSection, RewardSection
-from .datasources import entry_path, load_rows
+from .datasources import DataError, entry_path, load_rows
 
 log = logging.getLogger(__name__)
 IGNORE = -100
 ROLES = ("system", "user", "assistant", "tool")
-
-
-class DataError(ValueError):
-    """A dataset row or file that cannot be trained on; names the file and row."""
 
 
 @dataclass(frozen=True)
@@ -51,18 +45,6 @@ class DataStats:
     dropped_no_target: int = 0
     target_tokens: int = 0
     formats: dict[str, int] = field(default_factory=dict)
-
-
-def _first_bad_json_line(path: Path) -> str | None:
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    if not isinstance(json.loads(line), dict):
-                        return f"{path}:{n}: expected a JSON object per line"
-                except json.JSONDecodeError as exc:
-                    return f"{path}:{n}: not valid JSON ({exc.msg})"
-    return None
 
 
 def detect_format(row: dict, requested: str, source: str) -> str:

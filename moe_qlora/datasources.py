@@ -11,10 +11,12 @@ A `data.train_files` entry is a string (a path, or a hub id when it is not a pat
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
-DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+from .hub import DATA_SUFFIXES, looks_local
+
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
                   "tool": "tool", "observation": "tool", "function_response": "tool"}  # fmt: skip
 ALPACA_PREAMBLE = (
@@ -23,16 +25,20 @@ ALPACA_PREAMBLE = (
 )
 
 
-def data_error(message: str) -> Exception:
-    from .data import DataError
-
-    return DataError(message)
+class DataError(ValueError):
+    """A dataset row or file that cannot be trained on; names the file and row."""
 
 
-def looks_local(path: str) -> bool:
-    """A path rather than a hub id: absolute, ./ or ~, present on disk, or named like a data file."""
-    return (os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path)
-            or Path(path).suffix.lower() in DATA_SUFFIXES)  # fmt: skip
+def first_bad_json_line(path: Path) -> str | None:
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    if not isinstance(json.loads(line), dict):
+                        return f"{path}:{n}: expected a JSON object per line"
+                except json.JSONDecodeError as exc:
+                    return f"{path}:{n}: not valid JSON ({exc.msg})"
+    return None
 
 
 def entry_path(entry) -> str:
@@ -61,23 +67,21 @@ def open_dataset(source) -> tuple[object, str]:
     if path.is_dir():
         return read_folder(path, source), str(source.path)
     if looks_local(source.path):
-        raise data_error(f"{os.path.abspath(path)}: data file not found")
+        raise DataError(f"{os.path.abspath(path)}: data file not found")
     return read_hub(source), f"{source.path}[{source.split}]"
 
 
 def read_file(path: Path):
     from datasets import load_dataset
 
-    from .data import _first_bad_json_line
-
     reader = DATA_SUFFIXES.get(path.suffix.lower())
     if reader is None:
-        raise data_error(f"{path}: unsupported file type {path.suffix!r} (expected .jsonl, .json or .parquet)")
+        raise DataError(f"{path}: unsupported file type {path.suffix!r} (expected .jsonl, .json or .parquet)")
     try:
         return load_dataset(reader, data_files=str(path), split="train")
     except Exception as exc:  # datasets wraps parse errors in several types; find the line ourselves
-        bad = _first_bad_json_line(path) if path.suffix.lower() == ".jsonl" else None
-        raise data_error(bad or f"{path}: cannot be read as {reader}: {exc}") from None
+        bad = first_bad_json_line(path) if path.suffix.lower() == ".jsonl" else None
+        raise DataError(bad or f"{path}: cannot be read as {reader}: {exc}") from None
 
 
 def read_folder(path: Path, source):
@@ -89,13 +93,13 @@ def read_folder(path: Path, source):
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
             if source.split not in loaded:
-                raise data_error(f"{path}: no split {source.split!r} (it has {', '.join(sorted(loaded))})")
+                raise DataError(f"{path}: no split {source.split!r} (it has {', '.join(sorted(loaded))})")
             return loaded[source.split]
         return loaded
     try:
         return datasets.load_dataset(str(path), source.name, split=source.split)
     except Exception as exc:
-        raise data_error(f"{path}: not a dataset folder datasets can read ({type(exc).__name__}: {exc})") from None
+        raise DataError(f"{path}: not a dataset folder datasets can read ({type(exc).__name__}: {exc})") from None
 
 
 def read_hub(source):
@@ -112,11 +116,11 @@ def read_hub(source):
         return datasets.load_dataset(source.path, source.name, split=source.split, revision=source.revision)
     except (ConnectionError, FileNotFoundError) as exc:
         if constants.HF_HUB_OFFLINE:
-            raise data_error(f"dataset {source.path!r} is not in the datasets cache and HF_HUB_OFFLINE is set: "
+            raise DataError(f"dataset {source.path!r} is not in the datasets cache and HF_HUB_OFFLINE is set: "
                              f"{how}") from None  # fmt: skip
-        raise data_error(f"dataset {source.path!r}: {type(exc).__name__}: {exc}") from None
+        raise DataError(f"dataset {source.path!r}: {type(exc).__name__}: {exc}") from None
     except ValueError as exc:  # a split or config the dataset does not have
-        raise data_error(f"dataset {source.path!r}: {exc}") from None
+        raise DataError(f"dataset {source.path!r}: {exc}") from None
 
 
 def check_hub_dataset(source, how: str) -> None:
@@ -126,10 +130,10 @@ def check_hub_dataset(source, how: str) -> None:
     try:
         HfApi().dataset_info(source.path, revision=source.revision, timeout=10)
     except (RepositoryNotFoundError, GatedRepoError) as exc:
-        raise data_error(f"dataset {source.path!r}: not a local path, and the hub says {type(exc).__name__} (a typo, "
+        raise DataError(f"dataset {source.path!r}: not a local path, and the hub says {type(exc).__name__} (a typo, "
                          "or a private or gated dataset: log in with `hf auth login`)") from None  # fmt: skip
     except Exception as exc:  # network errors come from several libraries; all mean the same here
-        raise data_error(f"dataset {source.path!r}: not a local path and the hub cannot be reached "
+        raise DataError(f"dataset {source.path!r}: not a local path and the hub cannot be reached "
                          f"({type(exc).__name__}); with a cached copy set HF_HUB_OFFLINE=1, or "
                          f"{how}") from None  # fmt: skip
 
@@ -140,7 +144,7 @@ def rename_columns(row: dict, columns: dict[str, str], where: str) -> dict:
         return row
     missing = [theirs for theirs in columns.values() if theirs not in row]
     if missing:
-        raise data_error(f"{where}: data columns {missing} not in the row (it has {sorted(row)})")
+        raise DataError(f"{where}: data columns {missing} not in the row (it has {sorted(row)})")
     renamed = {k: v for k, v in row.items() if k not in columns.values()}
     renamed.update({ours: row[theirs] for ours, theirs in columns.items()})
     return renamed
@@ -161,9 +165,9 @@ def standard_columns(row: dict, where: str) -> dict:
 
 def sharegpt_turn(turn, where: str, i: int) -> dict:
     if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
-        raise data_error(f"{where}: conversations[{i}] must be {{from, value}}, got {turn!r}")
+        raise DataError(f"{where}: conversations[{i}] must be {{from, value}}, got {turn!r}")
     role = SHAREGPT_ROLES.get(turn.get("from"))
     if role is None:
-        raise data_error(f"{where}: conversations[{i}] from {turn.get('from')!r}: expected one of "
+        raise DataError(f"{where}: conversations[{i}] from {turn.get('from')!r}: expected one of "
                          f"{', '.join(SHAREGPT_ROLES)}")  # fmt: skip
     return {"role": role, "content": turn["value"]}

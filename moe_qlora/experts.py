@@ -450,3 +450,8 @@ def attach_expert_lora(model: nn.Module, *, rank: int, alpha: float, seed: int) 
         module.moe_lora = lora.to(module.down_proj.device)
         names.append(name)
     return names
+
+
+def consumer_stack_names(module) -> tuple[str, ...]:
+    """The module's expert stacks as its consumers (PEFT, a merge) see them."""
+    return SPLIT_STACKS if getattr(module, "moe_split_gate_up", False) else stack_names(module)

@@ -11,15 +11,15 @@ inner one, reached as `base_layer`.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
+from .adapters import target_parameter_names
 from .config import LoraSection
-from .experts import SPLIT_STACKS, ExpertLoRA, experts_modules, stack_names
+from .experts import ExpertLoRA, experts_modules, stack_names
 from .fileio import atomic_dir
 from .peft_roundtrip import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, clean_base_config, first_few, load_like_peft
 
@@ -149,11 +149,6 @@ def peft_keys_of(module) -> list[str]:
     return list(PEFT_EXPERT_KEYS.values())
 
 
-def consumer_stack_names(module) -> tuple[str, ...]:
-    """The module's expert stacks as its consumers (PEFT, a merge) see them."""
-    return SPLIT_STACKS if getattr(module, "moe_split_gate_up", False) else stack_names(module)
-
-
 def _peft_prefix(model) -> str:
     return "" if isinstance(model, PeftModel) else "base_model.model."
 
@@ -171,16 +166,6 @@ def adapter_state_dict(model) -> dict[str, torch.Tensor]:
             factors = module_lora_to_peft(module, lora)
             state.update({f"{prefix}{name}.{k}": v for k, v in factors.items()})
     return state
-
-
-def target_parameter_names(model) -> list[str]:
-    """PEFT target_parameters for the experts, e.g. ['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']."""
-    names = set()
-    for name, module in experts_modules(model):
-        if getattr(module, "moe_lora", None) is not None:
-            inner = re.sub(r"^.*\.layers\.\d+\.", "", name)
-            names.update(f"{inner}.{stack}" for stack in consumer_stack_names(module))
-    return sorted(names)
 
 
 def adapter_config(model, cfg: LoraSection, base_model_name_or_path: str) -> LoraConfig:

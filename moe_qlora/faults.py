@@ -1,76 +1,21 @@
 """What a run does when a step cannot finish (out of memory, a reward function that fails): the step in flight
 is abandoned, the last completed step is checkpointed if it is not already, and the run stops with one message
-that says what happened, where, and what to change. Shared by `train` and `grpo`.
-
-Each step records its number and phase (forward, backward, optimizer, generation, rewards) here, so the message
-can name them. MOE_QLORA_INJECT_OOM=STEP:PHASE raises torch.OutOfMemoryError there (it exists on CPU builds too):
-the tests' stand-in for a GPU running out of memory.
+that says what happened, where (position.POSITION), and what to change. Shared by `train` and `grpo`.
 """
 
 from __future__ import annotations
 
 import gc
 import os
-import random
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
-import numpy as np
 import torch
 
-OOM_ENV = "MOE_QLORA_INJECT_OOM"
-
-
-@dataclass
-class StepPosition:
-    step: int = 0
-    phase: str = "setup"
-    updated: bool = False  # an optimizer step ran in this step: the weights in memory are no longer `done`'s
-    entries: dict = field(default_factory=dict)  # phase -> how many times this step entered it
-    rng: tuple | None = None  # every generator's state when the step began: what its checkpoint must hold
-
-
-POSITION = StepPosition()
+from .position import POSITION, restore_rng_states
 
 
 class StepFailed(Exception):
     """A step that could not finish; the message says why and where the run can resume (exit code 1)."""
-
-
-def start_step(step: int) -> None:
-    POSITION.step, POSITION.phase, POSITION.updated, POSITION.entries = step, "setup", False, {}
-    POSITION.rng = rng_states()
-
-
-def rng_states() -> tuple:
-    """torch (CPU and CUDA), python and numpy generator states: a checkpoint written after a step failed part-way
-    must hold them as they were before it (dropout and sampling draw from them), or its resume differs."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    return torch.get_rng_state(), cuda, random.getstate(), np.random.get_state()
-
-
-def restore_rng_states(states: tuple) -> None:
-    cpu, cuda, python, numpy_state = states
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-    random.setstate(python)
-    np.random.set_state(numpy_state)
-
-
-@contextmanager
-def phase(name: str) -> Iterator[None]:
-    """Mark the code inside as phase `name` of the current step. MOE_QLORA_INJECT_OOM=STEP:PHASE fires at its
-    first entry in that step, STEP:PHASE#N at its Nth (e.g. the third tensor stepped inside the backward). On an
-    exception the phase is left set: it is where the step failed."""
-    outer, POSITION.phase = POSITION.phase, name
-    POSITION.updated |= name == "optimizer"
-    count = POSITION.entries[name] = POSITION.entries.get(name, 0) + 1
-    if os.environ.get(OOM_ENV) in (f"{POSITION.step}:{name}#{count}", *((f"{POSITION.step}:{name}",) * (count == 1))):
-        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB (injected by {OOM_ENV})")
-    yield
-    POSITION.phase = outer
 
 
 def device_memory(device: torch.device) -> tuple[float, float, str]:
@@ -101,8 +46,9 @@ def knob_savings(cfg, model_path: str, device: str) -> tuple[float | None, list[
     """(planned GiB of `cfg`, [(key=value, planned GiB saved)] largest saving first) from `moe-qlora plan`'s
     arithmetic; a knob the config validators refuse for this run (e.g. optimizer_in_backward with grad_accum
     > 1) is left out. (None, []) when the plan cannot be made."""
+    from .budget import meta_model
     from .config import deep_merge, parse_overrides, validate_config
-    from .plan import meta_model, plan_run
+    from .plan import plan_run
 
     try:
         model = meta_model(model_path, cfg.model.trust_remote_code)

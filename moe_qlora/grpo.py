@@ -35,9 +35,10 @@ from .distributed import (
     sum_gradients,
     sum_scalars,
 )
-from .faults import POSITION, StepFailed, checkpoint_completed, phase, start_step, stop_on_out_of_memory
+from .faults import StepFailed, checkpoint_completed, stop_on_out_of_memory
 from .losses import token_logprobs as chunked_token_logprobs
 from .optim import build_optimizer
+from .position import POSITION, phase, start_step
 from .reporting import MetricsLog, NoReporters, Reporters
 from .rewards import RewardFailed, RewardPolicy, flat_groups, group_advantages, resolve_reward, score
 from .rollout import Rollout, load_offline_groups, load_prompts, offline_rollouts, sample_rollouts

@@ -1,6 +1,18 @@
-"""Is a hub model id usable here, asked at once (light: only huggingface_hub), before any model code loads."""
+"""Local path or hub id, and is a hub model id usable here, asked at once (light: only huggingface_hub), before
+any model code loads."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def looks_local(path: str) -> bool:
+    """A path rather than a hub id: absolute, ./ or ~, present on disk, or named like a data file."""
+    return (os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path)
+            or Path(path).suffix.lower() in DATA_SUFFIXES)  # fmt: skip
 
 
 def check_hub_model(repo_id: str, error: type[Exception]) -> None:

@@ -15,7 +15,7 @@ import bitsandbytes as bnb
 import torch
 
 from .distributed import local_shard
-from .faults import phase
+from .position import phase
 
 
 class ElementwiseClip:

@@ -12,8 +12,8 @@ import torch
 from transformers import GenerationConfig
 
 from .config import DataSection, GrpoSection
-from .data import DataError, _check_messages, _ids, load_rows
-from .datasources import entry_path
+from .data import _check_messages, _ids
+from .datasources import DataError, entry_path, load_rows
 
 PROMPT_KEYS = ("prompt", "messages")
 

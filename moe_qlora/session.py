@@ -27,12 +27,12 @@ from .config import ConfigError, RunConfig, check_shardable, resolve_compute_dty
 from .distributed import SINGLE, Ranks, any_rank, device_of, join, leave, raise_together, shard_model
 from .experts import set_moe_kernels
 from .export import load_adapter, save_adapter, verify_adapter
-from .faults import phase
 from .fileio import atomic_write_text
 from .kernels.grouped_mm import has_fused_path
 from .loading import LoadOptions, check_model_path, load_model, parameter_bytes_by_kind
 from .memory import release_freed_memory
 from .optim import clip_global_norm, lr_multiplier
+from .position import phase
 from .reporting import jsonl_lines
 from .runs import RunInterrupted, StopSignals, claim_output_dir
 from .tiny import resolve_model_path

@@ -46,10 +46,11 @@ from .distributed import (
     sum_scalars,
     whole_trainable,
 )
-from .faults import phase, start_step, stop_on_out_of_memory
+from .faults import stop_on_out_of_memory
 from .losses import token_logprobs
 from .memory import release_freed_memory
 from .optim import StepInBackward, build_optimizer
+from .position import phase, start_step
 from .reporting import NoReporters, Reporters, read_jsonl
 from .runs import (
     CheckpointPolicy,

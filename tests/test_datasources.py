@@ -13,8 +13,8 @@ import datasets
 import pytest
 
 from moe_qlora.config import DataSection, DataSource, load_config
-from moe_qlora.data import DataError, build_examples
-from moe_qlora.datasources import load_rows, standard_columns
+from moe_qlora.data import build_examples
+from moe_qlora.datasources import DataError, load_rows, standard_columns
 from moe_qlora.tiny import build_byte_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

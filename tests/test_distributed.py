@@ -214,11 +214,11 @@ def test_the_summed_gradient_of_two_ranks_is_the_one_process_gradient(tmp_path, 
 FAIL_ON_RANK_1 = """
 import os
 if os.environ.get("RANK") == "1":
-    import moe_qlora.data as data
     import moe_qlora.trainer as trainer
+    from moe_qlora.datasources import DataError
 
     def broken(*args, **kwargs):
-        raise data.DataError("rows.jsonl:3: unreadable on this node")
+        raise DataError("rows.jsonl:3: unreadable on this node")
 
     trainer.build_examples = broken
 """

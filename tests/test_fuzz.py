@@ -7,7 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moe_qlora.config import ConfigError, DataSection, validate_config
-from moe_qlora.data import IGNORE, DataError, DataStats, load_rows, tokenize_row
+from moe_qlora.data import IGNORE, DataStats, tokenize_row
+from moe_qlora.datasources import DataError, load_rows
 from moe_qlora.tiny import build_byte_tokenizer
 
 TOK = build_byte_tokenizer()

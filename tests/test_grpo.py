@@ -216,7 +216,7 @@ def test_cli_grpo_user_errors_exit_2(tmp_path):
 
 def test_prompt_rows_strings_messages_and_overlength(tmp_path):
     from moe_qlora.config import DataSection
-    from moe_qlora.data import DataError
+    from moe_qlora.datasources import DataError
     from moe_qlora.rollout import load_prompts
 
     rows = tmp_path / "p.jsonl"

@@ -13,7 +13,8 @@ from moe_qlora import merge as merge_module
 from moe_qlora.adapters import attach_adapters
 from moe_qlora.cli import app
 from moe_qlora.config import LoraSection
-from moe_qlora.export import consumer_stack_names, dequantized_base_state_dict, save_adapter
+from moe_qlora.experts import consumer_stack_names
+from moe_qlora.export import dequantized_base_state_dict, save_adapter
 from moe_qlora.loading import LoadOptions, checkpoint_files, load_model
 from moe_qlora.merge import MergeError, merge_adapter
 from moe_qlora.tiny import build_byte_tokenizer, save_tiny_model, tiny_config

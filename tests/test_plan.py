@@ -10,10 +10,11 @@ import torch
 from typer.testing import CliRunner
 
 from moe_qlora.adapters import attach_adapters
+from moe_qlora.budget import meta_model
 from moe_qlora.cli import app
 from moe_qlora.config import validate_config
 from moe_qlora.loading import LoadOptions, load_model, parameter_bytes_by_kind
-from moe_qlora.plan import meta_model, plan_run
+from moe_qlora.plan import plan_run
 from moe_qlora.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
