@@ -1,5 +1,5 @@
 """`python -m moe_qlora ...`: the same as the `moe-qlora` command."""
 
-from .cli import main
+from moe_qlora.cli.app import main
 
 main()

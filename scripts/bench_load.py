@@ -33,7 +33,7 @@ def generate(path: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    from moe_qlora.tiny import build_byte_tokenizer
+    from moe_qlora.model.tiny import build_byte_tokenizer
 
     if (path / "model.safetensors.index.json").exists():
         return path
@@ -74,8 +74,8 @@ def worker(name: str, path: str) -> dict:
     import peft  # noqa: F401
     import transformers
 
-    from moe_qlora.loading import LoadOptions, load_model, parameter_bytes_by_kind
-    from moe_qlora.memory import peak_rss_mib
+    from moe_qlora.common.memory import peak_rss_mib
+    from moe_qlora.model.loading import LoadOptions, load_model, parameter_bytes_by_kind
 
     baseline = peak_rss_mib()
     t = time.perf_counter()
@@ -113,7 +113,7 @@ def main():
     if args.worker:
         print(json.dumps(worker(args.worker, args.path)))
         return
-    from moe_qlora.tiny import cache_dir
+    from moe_qlora.model.tiny import cache_dir
 
     path = generate(Path(args.path) if args.path else cache_dir() / "bench-load-qwen3")
     shards = sorted(path.glob("*.safetensors"))

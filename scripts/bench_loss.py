@@ -1,5 +1,5 @@
 """Peak memory and time of the loss step alone (output head + cross-entropy, forward and backward): the full
-(tokens, vocab) logits against moe-qlora's chunked path (moe_qlora/losses.py), each in its own process.
+(tokens, vocab) logits against moe-qlora's chunked path (moe_qlora/train/losses.py), each in its own process.
 
     python scripts/bench_loss.py [--seq 4096 --vocab 151936 --hidden 2048 --chunk 256 --dtype bfloat16]
 
@@ -29,7 +29,7 @@ def _rss_mib(field: str) -> float:
 
 
 def worker(kind: str, args) -> dict:
-    from moe_qlora.losses import ChunkedTokenLogProbs
+    from moe_qlora.train.losses import ChunkedTokenLogProbs
 
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)

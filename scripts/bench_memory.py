@@ -5,7 +5,7 @@
 
 The model has Qwen3-30B-A3B's real layer sizes (hidden 2048, 128 experts of 768, top-8, vocab 151,936, untied
 head) but only `--layers` decoder layers, random bf16 weights generated once into the moe-qlora cache. Each
-configuration trains two steps through `moe_qlora.trainer.train` (batch 1, LoRA r16 on the experts and
+configuration trains two steps through `moe_qlora.train.sft.train` (batch 1, LoRA r16 on the experts and
 q/k/v/o, gradient checkpointing) in its own subprocess on the CPU. The peak resident memory (VmHWM) is reset
 once the model is loaded, so what is measured is the training peak with the weights resident, which is what
 the planner models; the planner's figure is `plan_run` for the same config on the CPU (fp32 compute).
@@ -41,7 +41,7 @@ def ensure_model(layers: int) -> Path:
     """Qwen3-30B-A3B's config cut to `layers` layers, random bf16 weights (seed 0), saved once."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from moe_qlora.tiny import build_byte_tokenizer, cache_dir
+    from moe_qlora.model.tiny import build_byte_tokenizer, cache_dir
 
     path = cache_dir() / f"bench-memory-qwen3-30b-a3b-{layers}l"
     if (path / "config.json").exists():
@@ -81,9 +81,9 @@ def worker(model: str, seq: int, label: str) -> dict:
     """Runs in the subprocess: two training steps, the peak measured from the first one on."""
     from rich.console import Console
 
-    from moe_qlora import trainer
-    from moe_qlora.config import validate_config
-    from moe_qlora.memory import peak_rss_mib, release_freed_memory
+    from moe_qlora.common.memory import peak_rss_mib, release_freed_memory
+    from moe_qlora.config.schema import validate_config
+    from moe_qlora.train import sft as trainer
 
     out = Path(tempfile.mkdtemp(prefix="bench-memory-"))
     cfg = validate_config(run_config(Path(model), seq, CONFIGURATIONS[label], out))
@@ -106,8 +106,8 @@ def worker(model: str, seq: int, label: str) -> dict:
 
 
 def planned(model: Path, seq: int, label: str) -> tuple[int, dict]:
-    from moe_qlora.config import validate_config
-    from moe_qlora.plan import plan_run
+    from moe_qlora.config.schema import validate_config
+    from moe_qlora.model.plan import plan_run
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = validate_config(run_config(model, seq, CONFIGURATIONS[label], Path(tmp)))

@@ -33,10 +33,10 @@ SHARD = "400MB"
 
 def make_adapter(base: Path) -> Path:
     """Rank-16 LoRA on every expert and on q/k/v/o of the 4-bit model, B random (a trained-looking update)."""
-    from moe_qlora.adapters import attach_adapters
-    from moe_qlora.config import LoraSection
-    from moe_qlora.export import save_adapter
-    from moe_qlora.loading import LoadOptions, load_model
+    from moe_qlora.config.schema import LoraSection
+    from moe_qlora.export.adapter import save_adapter
+    from moe_qlora.model.adapters import attach_adapters
+    from moe_qlora.model.loading import LoadOptions, load_model
 
     out = base.parent / (base.name + "-adapter")
     if (out / "adapter_model.safetensors").exists():
@@ -59,15 +59,15 @@ def worker(name: str, adapter: str, out: str) -> dict:
     import peft
     import transformers
 
-    from moe_qlora.memory import peak_rss_mib
+    from moe_qlora.common.memory import peak_rss_mib
 
     baseline = peak_rss_mib()
     t = time.perf_counter()
     if name == "moe-qlora merge":
         from rich.console import Console
 
-        from moe_qlora.cli import parse_size
-        from moe_qlora.merge import merge_adapter
+        from moe_qlora.cli.app import parse_size
+        from moe_qlora.inference.merge import merge_adapter
 
         merge_adapter(adapter, out, dtype="bfloat16", max_shard_bytes=parse_size(SHARD), console=Console(quiet=True))
     else:
@@ -101,7 +101,7 @@ def main():
         return
     from bench_load import generate
 
-    from moe_qlora.tiny import cache_dir
+    from moe_qlora.model.tiny import cache_dir
 
     base = generate(Path(args.path) if args.path else cache_dir() / "bench-load-qwen3")
     adapter = make_adapter(base)

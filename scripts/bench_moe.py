@@ -54,9 +54,9 @@ def ours(module, cfg, kernels, rank, *, self_check=True):
     """The experts module as a default run holds it: NF4 stacks with nested block scales
     (model.expert_double_quant), expert LoRA of `rank` with non-zero B (so every gradient is exercised), the
     default decode buffer (model.dequant_buffer_mb) and the self-check (model.kernel_self_check), `kernels`."""
-    from moe_qlora.config import ModelSection
-    from moe_qlora.experts import attach_expert_lora, register_experts_implementation
-    from moe_qlora.nf4 import quantize_stack
+    from moe_qlora.config.schema import ModelSection
+    from moe_qlora.moe.experts import attach_expert_lora, register_experts_implementation
+    from moe_qlora.moe.nf4 import quantize_stack
 
     nested = ModelSection.model_fields["expert_double_quant"].default
     for name in ("gate_up_proj", "down_proj"):
@@ -74,8 +74,8 @@ def ours(module, cfg, kernels, rank, *, self_check=True):
 
 def set_kernels(module, kernels, *, self_check=True):
     """kernels with a default run's decode buffer and, if `self_check`, a fresh self-check."""
-    from moe_qlora.config import ModelSection
-    from moe_qlora.experts import set_moe_kernels
+    from moe_qlora.config.schema import ModelSection
+    from moe_qlora.moe.experts import set_moe_kernels
 
     defaults = ModelSection.model_fields
     set_moe_kernels(module, kernels, fused_below_rows=defaults["fused_below_rows"].default,
@@ -107,7 +107,7 @@ def experts_config(layer):
 
 def expert_bytes(layer) -> float:
     """Bytes one expert's weights take as stored (NF4 codes, block scales and nested scales; or 16-bit)."""
-    from moe_qlora.nf4 import stack_nbytes
+    from moe_qlora.moe.nf4 import stack_nbytes
 
     total = sum(stack_nbytes(p) if hasattr(p, "quant_state") else p.numel() * p.element_size()
                 for n, p in layer.named_parameters() if n.split(".")[-1] in ("gate_up_proj", "down_proj")
@@ -150,7 +150,7 @@ def measure(layer, x, idx, weights, seed, repeats):
     Peak: CUDA's allocator peak, or on the CPU the resident-set watermark (VmHWM, restarted before each step
     after freed heap pages are returned), both minus the memory held before the step: the step's
     activations, saved tensors and transient (e.g. dequantized) weights, not the stored experts."""
-    from moe_qlora.memory import peak_rss_mib, release_freed_memory, reset_peak_rss, rss_mib
+    from moe_qlora.common.memory import peak_rss_mib, release_freed_memory, reset_peak_rss, rss_mib
 
     cuda = x.device.type == "cuda"
     times, gpu_times, peaks = [], [], []
@@ -183,7 +183,7 @@ def measure(layer, x, idx, weights, seed, repeats):
 
 def stored_mib(layer) -> float:
     """Expert weights (NF4 codes and scales, or the dense stacks) plus LoRA factors, in MiB."""
-    from moe_qlora.nf4 import stack_nbytes
+    from moe_qlora.moe.nf4 import stack_nbytes
 
     total = 0
     for p in layer.parameters():
@@ -228,7 +228,7 @@ def bench_shape(shape_name, dims, token_counts, *, device, dtype, rank, repeats)
     device) once and reused across token counts. Returns (rows, rooflines)."""
     import copy
 
-    from moe_qlora.experts import kernel_self_check
+    from moe_qlora.moe.experts import kernel_self_check
 
     hidden, inter, num_experts, top_k = dims
     cuda = device == "cuda"

@@ -51,7 +51,7 @@ def build_config(p):
 
 def ensure_checkpoint(preset: str) -> Path:
     """The benchmark model, generated once (bf16 safetensors, seed 0) into the moe-qlora cache."""
-    from moe_qlora.tiny import build_byte_tokenizer, cache_dir
+    from moe_qlora.model.tiny import build_byte_tokenizer, cache_dir
 
     path = cache_dir() / f"bench-{preset}"
     if (path / "config.json").exists():
@@ -66,9 +66,9 @@ def ensure_checkpoint(preset: str) -> Path:
 
 
 def setup_moe_qlora(path, dtype, double_quant):
-    from moe_qlora.adapters import attach_adapters, configure_checkpointing
-    from moe_qlora.config import LoraSection
-    from moe_qlora.loading import LoadOptions, load_model
+    from moe_qlora.config.schema import LoraSection
+    from moe_qlora.model.adapters import attach_adapters, configure_checkpointing
+    from moe_qlora.model.loading import LoadOptions, load_model
 
     opts = LoadOptions(
         str(path), compute_dtype=dtype, expert_double_quant=double_quant, linear_double_quant=double_quant
@@ -99,7 +99,7 @@ def setup_peft(path, dtype, double_quant):
 
 
 def bytes_by_kind(model):
-    from moe_qlora.loading import parameter_bytes_by_kind
+    from moe_qlora.model.loading import parameter_bytes_by_kind
 
     kinds = parameter_bytes_by_kind(model)
     if not kinds["experts_nf4"]:  # transformers + PEFT: experts stay dense 3D parameters
@@ -111,8 +111,8 @@ def bytes_by_kind(model):
 
 def worker(name: str, preset: str, seq: int, steps: int, double_quant: bool, loss_chunk: int) -> dict:
     """Runs in the subprocess: load, then time `steps` training steps after one warm-up step."""
-    from moe_qlora.memory import peak_rss_mib, release_freed_memory
-    from moe_qlora.trainer import token_loss_sum
+    from moe_qlora.common.memory import peak_rss_mib, release_freed_memory
+    from moe_qlora.train.sft import token_loss_sum
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1)))
     path = ensure_checkpoint(preset)
@@ -150,7 +150,7 @@ def worker(name: str, preset: str, seq: int, steps: int, double_quant: bool, los
 def spread_rows(seq: int, count: int, vocab: int):
     """`count` rows with an instruction-tuning length spread: log-normal, median seq/5, from 16 to seq tokens;
     the first quarter of each row is prompt (no loss)."""
-    from moe_qlora.data import IGNORE, Example
+    from moe_qlora.data.examples import IGNORE, Example
 
     g = torch.Generator().manual_seed(0)
     lengths = (torch.randn(count, generator=g) * 0.8 + math.log(seq / 5)).exp().clamp(16, seq).long().tolist()
@@ -164,9 +164,9 @@ def spread_rows(seq: int, count: int, vocab: int):
 def packing_worker(mode: str, preset: str, seq: int, rows_count: int, batch_rows: int, loss_chunk: int) -> dict:
     """One epoch over the same rows: padded micro-batches of `batch_rows` rows, or rows packed into `seq`-token
     sequences (one per micro-batch); an optimizer step per micro-batch. Tokens/s counts real tokens only."""
-    from moe_qlora.data import collate, pack_examples
-    from moe_qlora.memory import peak_rss_mib, release_freed_memory
-    from moe_qlora.trainer import token_loss_sum
+    from moe_qlora.common.memory import peak_rss_mib, release_freed_memory
+    from moe_qlora.data.examples import collate, pack_examples
+    from moe_qlora.train.sft import token_loss_sum
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1)))
     model = setup_moe_qlora(ensure_checkpoint(preset), torch.float32, True)

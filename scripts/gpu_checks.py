@@ -46,7 +46,7 @@ def self_check_verdicts(x, idx, weights) -> dict[str, str | None]:
     (the path is kept), else why it fell back."""
     from bench_moe import set_kernels
 
-    from moe_qlora.experts import kernel_self_check
+    from moe_qlora.moe.experts import kernel_self_check
 
     verdicts = {}
     for kernels in ("triton", "grouped_mm"):
@@ -99,7 +99,7 @@ def candidates_agree(x, idx, weights) -> dict[str, bool]:
     """Whether every autotune candidate of this GPU's list gives the triton layer's step the same bits as the
     default: then which one the autotuner picks (it may differ between processes, e.g. a run and its resume)
     cannot change a result. Returns {candidate: identical to the default}."""
-    from moe_qlora.kernels import ops
+    from moe_qlora.moe.kernels import ops
 
     arch = ops.target_arch("cuda")
     results, reference = {}, None
@@ -113,7 +113,7 @@ def candidates_agree(x, idx, weights) -> dict[str, bool]:
 
 def live_kernel_figures() -> list[dict]:
     """Registers, spills, shared memory, warps and stages of every variant the JIT compiled in this process."""
-    from moe_qlora.kernels import triton_kernels
+    from moe_qlora.moe.kernels import triton_kernels
 
     rows = []
     for name in ("_grouped_matmul_kernel", "_grouped_outer_product_kernel"):

@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from moe_qlora.kernels import ops  # noqa: E402
-from moe_qlora.kernels.aot import capture_launches, compile_as_jit  # noqa: E402
+from moe_qlora.moe.kernels import ops  # noqa: E402
+from moe_qlora.moe.kernels.aot import capture_launches, compile_as_jit  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}  # hidden, inter, E, top-k
 # Per GPU: SMs, boost clock, dense bf16 tensor-core peak, HBM bandwidth (H100 SXM for sm_90, A100-80GB SXM for

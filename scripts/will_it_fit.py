@@ -35,9 +35,9 @@ HEADROOM_GIB = 0.5
 
 
 def plans(seqs: list[int]) -> list[dict]:
-    from moe_qlora.budget import meta_model
-    from moe_qlora.config import validate_config
-    from moe_qlora.plan import plan_run
+    from moe_qlora.config.schema import validate_config
+    from moe_qlora.model.budget import meta_model
+    from moe_qlora.model.plan import plan_run
 
     rows = []
     for name in MODELS:

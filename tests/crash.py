@@ -18,7 +18,7 @@ def isolated_env(tmp_path_factory) -> dict:
 
 
 def cli_command(subcommand: str, config: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "moe_qlora.cli", subcommand, "--config", str(config), "--set", f"output.dir={out}",
+    return [sys.executable, "-m", "moe_qlora", subcommand, "--config", str(config), "--set", f"output.dir={out}",
             *extra]  # fmt: skip
 
 

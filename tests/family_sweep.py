@@ -23,13 +23,13 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
 )
 
-from moe_qlora.adapters import attach_adapters
-from moe_qlora.config import ConfigError, LoraSection
-from moe_qlora.experts import UnsupportedExpertsError, experts_modules
-from moe_qlora.export import save_adapter, verify_adapter
-from moe_qlora.loading import LoadOptions, ModelLoadError, declared_experts, load_model
-from moe_qlora.model_classes import text_model_from_config
-from moe_qlora.tiny import build_byte_tokenizer, save_tiny_model, tiny_config_any
+from moe_qlora.config.schema import ConfigError, LoraSection
+from moe_qlora.export.adapter import save_adapter, verify_adapter
+from moe_qlora.model.adapters import attach_adapters
+from moe_qlora.model.classes import text_model_from_config
+from moe_qlora.model.loading import LoadOptions, ModelLoadError, declared_experts, load_model
+from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config_any
+from moe_qlora.moe.experts import UnsupportedExpertsError, experts_modules
 
 REFUSALS = (ModelLoadError, UnsupportedExpertsError, ConfigError)
 LORA = LoraSection(rank=4, alpha=8.0, target_modules="auto")

@@ -16,11 +16,9 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from moe_qlora.adapters import attach_adapters
-from moe_qlora.cli import app
-from moe_qlora.config import ConfigError, LoraSection
-from moe_qlora.experts import UnsupportedExpertsError
-from moe_qlora.export import (
+from moe_qlora.cli.app import app
+from moe_qlora.config.schema import ConfigError, LoraSection
+from moe_qlora.export.adapter import (
     ADAPTER_WEIGHTS,
     AdapterMismatchError,
     AdapterVerificationError,
@@ -28,9 +26,11 @@ from moe_qlora.export import (
     save_adapter,
     verify_adapter,
 )
-from moe_qlora.families import narrowest_loadable
-from moe_qlora.loading import LoadOptions, load_model
-from moe_qlora.tiny import build_byte_tokenizer, save_tiny_model, tiny_config, tiny_config_any
+from moe_qlora.model.adapters import attach_adapters
+from moe_qlora.model.families import narrowest_loadable
+from moe_qlora.model.loading import LoadOptions, load_model
+from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config, tiny_config_any
+from moe_qlora.moe.experts import UnsupportedExpertsError
 
 ROOT = Path(__file__).resolve().parent.parent
 AUTO = LoraSection(rank=4, alpha=8.0, target_modules="auto")
@@ -116,7 +116,7 @@ def test_expert_lora_peft_would_rename_away_is_refused_before_training(mistral_l
 
 def test_the_control_peft_really_drops_mistral_large4_expert_lora(mistral_large4_dir, tmp_path, monkeypatch):
     """Without the refusal, the adapter is written and PEFT's own load leaves its expert LoRA untouched."""
-    monkeypatch.setattr("moe_qlora.adapters.refuse_parameter_lora_peft_would_drop", lambda *a: None)
+    monkeypatch.setattr("moe_qlora.model.adapters.refuse_parameter_lora_peft_would_drop", lambda *a: None)
     model = with_random_lora(attach_adapters(load_model(LoadOptions(str(mistral_large4_dir))), AUTO, seed=0))
     adapter = save_adapter(model, tmp_path / "adapter", cfg=AUTO, base_model_name_or_path=str(mistral_large4_dir))
     with pytest.raises(AdapterVerificationError, match=r"experts.*stay at their initial value|stay at.*experts"):
@@ -204,7 +204,7 @@ EXPERT_KEY = "base_model.model.model.layers.1.mlp.experts.base_layer.lora_B.weig
 
 def test_a_failed_verification_at_the_end_of_training_keeps_the_adapter(tmp_path, monkeypatch):
     """The run's adapter is written, then checked; a check that fails exits 1 and the file stays."""
-    import moe_qlora.session as session
+    import moe_qlora.train.session as session
 
     real_save = session.save_adapter
 
@@ -281,7 +281,7 @@ def test_the_round_trip_probe_is_exact_on_a_bf16_checkpoint():
     """On a bf16 base, PEFT's low_cpu_mem_usage load rounds adapter tensors through bf16 (the probe's 257th
     tensor, 257.0, came back as 256.0, and Qwen3-30B-A3B lost its attention targets from layer 32 on): the
     skeleton is built in float32, so every tensor lands exactly."""
-    from moe_qlora.peft_roundtrip import target_modules_failing_round_trip
+    from moe_qlora.model.peft_roundtrip import target_modules_failing_round_trip
 
     config = tiny_config("mixtral", 263, num_hidden_layers=40)
     config.dtype = torch.bfloat16

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from moe_qlora.cli import app
-from moe_qlora.diagnostics import check_norms, cross_check_router
+from moe_qlora.cli.app import app
+from moe_qlora.export.norms import check_norms, cross_check_router
 
 E, R, H, INTER = 4, 2, 16, 8
 PREFIX = "base_model.model.model.layers"
@@ -96,7 +96,7 @@ def test_unreadable_or_non_adapter_files_exit_2(tmp_path):
 def test_the_default_view_is_one_row_per_module_and_layer_naming_the_bad_expert(tmp_path):
     """At MoE scale the per-expert table is unreadable: the default summarises each expert stack of each layer
     (min / median / max over its experts) and names the experts with problems; --per-expert shows all."""
-    from moe_qlora.diagnostics import summarize
+    from moe_qlora.export.norms import summarize
 
     adapter = make_adapter(tmp_path, mutate=lambda t: t[f"{PREFIX}.1.mlp.experts.lora_B.weight"].view(H, R, E)[:, :, 3]
                            .zero_())  # fmt: skip

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moe_qlora.loading import LoadOptions, load_model
-from moe_qlora.nf4 import dequantize_param
-from moe_qlora.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
+from moe_qlora.model.loading import LoadOptions, load_model
+from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
+from moe_qlora.moe.nf4 import dequantize_param
 
 
 def legacy_state(fused: dict[str, torch.Tensor], family: str) -> dict[str, torch.Tensor]:
@@ -82,7 +82,7 @@ def test_sharded_checkpoint_with_index_loads_the_same(fused_and_legacy, tmp_path
 
 
 def test_truncated_or_garbage_safetensors_is_refused_by_name(fused_and_legacy, tmp_path):
-    from moe_qlora.loading import ModelLoadError
+    from moe_qlora.model.loading import ModelLoadError
 
     _, fused, _, _ = fused_and_legacy
     for f in fused.iterdir():

@@ -15,7 +15,7 @@ DATA = ROOT / "data" / "demo_sft.jsonl"
 # Runs the CLI in-process in a fresh interpreter, then reports the exit code and whether torch got imported.
 DRIVER = """
 import json, sys
-from moe_qlora.cli import main
+from moe_qlora.cli.app import main
 sys.argv = ["moe-qlora", *json.loads(sys.argv[1])]
 try:
     main()

@@ -9,8 +9,8 @@ import torch
 from oracle import quantized_with_lora
 from test_moe_parity import routing_case
 
-from moe_qlora.experts import set_moe_kernels
-from moe_qlora.moe_autograd import grouped_experts_backward_op, grouped_experts_op
+from moe_qlora.moe.autograd import grouped_experts_backward_op, grouped_experts_op
+from moe_qlora.moe.experts import set_moe_kernels
 
 
 @pytest.fixture(scope="module")
@@ -20,9 +20,9 @@ def quantized(tiny_mixtral_dir):
 
 def _op_args(module, x, idx, weights):
     """The op's arguments for one experts module, as moe_lora_experts_grouped builds them."""
-    from moe_qlora.experts import _frozen_experts
-    from moe_qlora.moe_autograd import MoEPlan, op_inputs
-    from moe_qlora.routing import route
+    from moe_qlora.moe.autograd import MoEPlan, op_inputs
+    from moe_qlora.moe.experts import _frozen_experts
+    from moe_qlora.moe.routing import route
 
     plan = MoEPlan(_frozen_experts(module), route(idx, 8), module.moe_lora.scale)
     return op_inputs(x, weights, module.moe_lora.factors(), plan, "grouped_mm", None, True)
@@ -119,7 +119,7 @@ def test_the_block_compiled_by_inductor_trains_like_eager(quantized):
 def test_a_host_sync_in_the_glue_breaks_the_compile(quantized, monkeypatch):
     """Control: the same compile fails once the routing reads its offsets on the host (the old bincount +
     .tolist() dispatch), so the test above does detect a sync."""
-    import moe_qlora.experts as experts
+    import moe_qlora.moe.experts as experts
 
     real_route = experts.route
 
@@ -144,9 +144,9 @@ def test_a_host_sync_in_the_glue_breaks_the_compile(quantized, monkeypatch):
 def test_default_gates_take_the_op_and_other_gates_the_function(quantized, family, op_calls, monkeypatch):
     """Every layer with transformers' default silu(gate) * up (Mixtral: 2 layers) runs the registered op;
     GPT-OSS's clamped, interleaved gate runs the autograd Function, which calls the module's own gate."""
-    import moe_qlora.moe_autograd as moe_autograd
-    from moe_qlora.loading import LoadOptions, load_model
-    from moe_qlora.tiny import ensure_tiny
+    import moe_qlora.moe.autograd as moe_autograd
+    from moe_qlora.model.loading import LoadOptions, load_model
+    from moe_qlora.model.tiny import ensure_tiny
 
     calls = []
     real = moe_autograd.grouped_experts_op

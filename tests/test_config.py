@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_qlora.config import ConfigError, load_config, parse_overrides
+from moe_qlora.config.schema import ConfigError, load_config, parse_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,7 +95,7 @@ def test_relative_paths_resolve_against_the_config_file_and_set_against_the_cwd(
 def test_a_missing_data_file_is_named_by_the_absolute_path_tried(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from moe_qlora.cli import app
+    from moe_qlora.cli.app import app
 
     (tmp_path / "cfg").mkdir()
     path = tmp_path / "cfg" / "run.yaml"

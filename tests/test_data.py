@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from moe_qlora.config import DataSection
-from moe_qlora.data import IGNORE, DataStats, build_examples, epoch_order, tokenize_row
-from moe_qlora.datasources import DataError
-from moe_qlora.tiny import build_byte_tokenizer
+from moe_qlora.config.schema import DataSection
+from moe_qlora.data.examples import IGNORE, DataStats, build_examples, epoch_order, tokenize_row
+from moe_qlora.data.sources import DataError
+from moe_qlora.model.tiny import build_byte_tokenizer
 
 TOK = build_byte_tokenizer()
 

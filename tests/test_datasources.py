@@ -12,10 +12,10 @@ from pathlib import Path
 import datasets
 import pytest
 
-from moe_qlora.config import DataSection, DataSource, load_config
-from moe_qlora.data import build_examples
-from moe_qlora.datasources import DataError, load_rows, standard_columns
-from moe_qlora.tiny import build_byte_tokenizer
+from moe_qlora.config.schema import DataSection, DataSource, load_config
+from moe_qlora.data.examples import build_examples
+from moe_qlora.data.sources import DataError, load_rows, standard_columns
+from moe_qlora.model.tiny import build_byte_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TOK = build_byte_tokenizer()
@@ -94,7 +94,7 @@ def run_offline(code: str, cache: Path) -> subprocess.CompletedProcess:
 def test_a_hub_id_is_read_from_the_offline_cache_and_a_missing_one_is_one_sentence(tmp_path):
     cache = tmp_path / "cache"
     fill_offline_cache(cache, "someorg/alpaca_mini", ALPACA, tmp_path)
-    code = ("from moe_qlora.datasources import load_rows\n"
+    code = ("from moe_qlora.data.sources import load_rows\n"
             "rows = load_rows(['someorg/alpaca_mini'])\n"
             "print(rows[0][0], '|', rows[0][1]['completion'], '|', len(rows))")  # fmt: skip
     proc = run_offline(code, cache)

@@ -147,13 +147,13 @@ def test_two_ranks_reproduce_one_process_with_the_same_global_batch(runs):
 
 GRADIENT_SCRIPT = """
 import json, sys, torch
-from moe_qlora.adapters import attach_adapters
-from moe_qlora.config import LoraSection
-from moe_qlora.data import collate
-from moe_qlora.distributed import full_tensor, join, leave, local_shard, shard_model
-from moe_qlora.loading import LoadOptions, load_model
-from moe_qlora.tiny import build_byte_tokenizer, ensure_tiny
-from moe_qlora.trainer import accumulate_gradients
+from moe_qlora.model.adapters import attach_adapters
+from moe_qlora.config.schema import LoraSection
+from moe_qlora.data.examples import collate
+from moe_qlora.model.distributed import full_tensor, join, leave, local_shard, shard_model
+from moe_qlora.model.loading import LoadOptions, load_model
+from moe_qlora.model.tiny import build_byte_tokenizer, ensure_tiny
+from moe_qlora.train.sft import accumulate_gradients
 
 ranks = join(60)
 tok = build_byte_tokenizer()
@@ -164,7 +164,7 @@ with torch.no_grad():
     for n, p in model.named_parameters():
         if p.requires_grad:
             p.normal_(0, 0.05, generator=g)
-from moe_qlora.data import Example
+from moe_qlora.data.examples import Example
 rows = [Example(ids, ids, f"r{i}") for i, ids in enumerate(torch.randint(3, 250, (6, 17), generator=g).tolist())]
 rows[1] = Example(rows[1].input_ids[:9], rows[1].labels[:9], "short")
 mine = rows[ranks.rank * 3 : (ranks.rank + 1) * 3] if ranks.enabled else rows
@@ -214,8 +214,8 @@ def test_the_summed_gradient_of_two_ranks_is_the_one_process_gradient(tmp_path, 
 FAIL_ON_RANK_1 = """
 import os
 if os.environ.get("RANK") == "1":
-    import moe_qlora.trainer as trainer
-    from moe_qlora.datasources import DataError
+    import moe_qlora.train.sft as trainer
+    from moe_qlora.data.sources import DataError
 
     def broken(*args, **kwargs):
         raise DataError("rows.jsonl:3: unreadable on this node")

@@ -10,9 +10,10 @@ import torch
 from rich.console import Console
 from safetensors.torch import load_file
 
-from moe_qlora import session, trainer
-from moe_qlora.config import ConfigError, validate_config
-from moe_qlora.data import eval_split
+from moe_qlora.config.schema import ConfigError, validate_config
+from moe_qlora.data.examples import eval_split
+from moe_qlora.train import session
+from moe_qlora.train import sft as trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = str(ROOT / "data" / "demo_sft.jsonl")
@@ -69,7 +70,7 @@ def test_the_best_adapter_is_verified_like_the_final_one(tmp_path, monkeypatch):
     """adapter-best is an export too: one written without an expert LoRA tensor stops the run, naming it."""
     from safetensors.torch import save_file
 
-    from moe_qlora.export import AdapterVerificationError
+    from moe_qlora.export.adapter import AdapterVerificationError
 
     real_save = session.save_adapter
 

@@ -8,16 +8,16 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from moe_qlora.adapters import attach_adapters
-from moe_qlora.config import LoraSection
-from moe_qlora.experts import ExpertLoRA
-from moe_qlora.export import (
+from moe_qlora.config.schema import LoraSection
+from moe_qlora.export.adapter import (
     dequantized_base_state_dict,
     expert_lora_to_peft,
     peft_to_expert_lora,
     save_adapter,
 )
-from moe_qlora.loading import LoadOptions, load_model
+from moe_qlora.model.adapters import attach_adapters
+from moe_qlora.model.loading import LoadOptions, load_model
+from moe_qlora.moe.experts import ExpertLoRA
 
 LORA = LoraSection(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "o_proj"])
 

@@ -19,13 +19,13 @@ from rich.console import Console
 from torch.func import functional_call
 from transformers import AutoModelForCausalLM
 
-from moe_qlora.adapters import attach_adapters
-from moe_qlora.config import LoraSection, validate_config
-from moe_qlora.experts import experts_modules, set_moe_kernels
-from moe_qlora.export import dequantized_base_state_dict, save_adapter
-from moe_qlora.loading import LoadOptions, load_model
-from moe_qlora.tiny import TINY_FAMILIES, build_byte_tokenizer, save_tiny_model, tiny_config
-from moe_qlora.trainer import train
+from moe_qlora.config.schema import LoraSection, validate_config
+from moe_qlora.export.adapter import dequantized_base_state_dict, save_adapter
+from moe_qlora.model.adapters import attach_adapters
+from moe_qlora.model.loading import LoadOptions, load_model
+from moe_qlora.model.tiny import TINY_FAMILIES, build_byte_tokenizer, save_tiny_model, tiny_config
+from moe_qlora.moe.experts import experts_modules, set_moe_kernels
+from moe_qlora.train.sft import train
 
 FAMILIES = list(TINY_FAMILIES)
 LORA = LoraSection(rank=4, alpha=8.0, target_modules="auto")
@@ -185,7 +185,7 @@ def test_every_4bit_linear_computes_with_its_dequantized_weight(family):
     linears must have been kept unquantized, and every 4-bit one must match F.linear on its weight."""
     import bitsandbytes as bnb
 
-    from moe_qlora.nf4 import dequantize_param
+    from moe_qlora.moe.nf4 import dequantize_param
 
     _, _, model = family
     checked = 0
@@ -217,7 +217,7 @@ def test_a_dense_model_trains_as_plain_qlora_with_a_warning(tmp_path, caplog):
 
 @pytest.mark.parametrize("attribute", ["has_post_expert_norm"])  # non-gated experts are supported (nemotron_h)
 def test_unsupported_expert_layouts_are_refused_by_name(tiny_mixtral_dir, attribute):
-    from moe_qlora.experts import UnsupportedExpertsError, attach_expert_lora
+    from moe_qlora.moe.experts import UnsupportedExpertsError, attach_expert_lora
 
     model = load_model(LoadOptions(str(tiny_mixtral_dir)))
     experts = model.model.layers[1].mlp.experts

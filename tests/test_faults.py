@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from crash import assert_same_adapter, isolated_env, run_cli
 
-from moe_qlora.checkpoint import verify
-from moe_qlora.fileio import DiskFullError
-from moe_qlora.reporting import MetricsError, MetricsLog, read_jsonl
+from moe_qlora.common.fileio import DiskFullError
+from moe_qlora.common.reporting import MetricsError, MetricsLog, read_jsonl
+from moe_qlora.train.checkpoint import verify
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 12
@@ -64,7 +64,7 @@ def assert_same_run(out: Path, reference: Path):
 def test_a_torn_last_line_is_dropped_with_a_warning_and_elsewhere_is_an_error(tmp_path, caplog):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
-    with caplog.at_level(logging.WARNING, logger="moe_qlora.reporting"):
+    with caplog.at_level(logging.WARNING, logger="moe_qlora.common.reporting"):
         assert [r["step"] for r in read_jsonl(path)] == [1, 2]
     assert f"{path}, line 3: torn" in caplog.text
     path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n{"step": 3, "loss": 1.0}\n')
@@ -167,7 +167,7 @@ def test_export_to_a_full_disk_is_one_sentence(reference, env, small_disk, tmp_p
     if small_disk is None:
         pytest.skip("needs root to mount a tmpfs; the run above covers the stand-in")
     (small_disk / "filler").write_bytes(b"\0" * (1400 * 1024 - 8192))
-    proc = subprocess.run([sys.executable, "-m", "moe_qlora.cli", "export", str(reference / "adapter"), "--format",
+    proc = subprocess.run([sys.executable, "-m", "moe_qlora", "export", str(reference / "adapter"), "--format",
                            "gguf", "--out", str(small_disk / "a.gguf")], env=env, capture_output=True, text=True)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"no space left on device writing {small_disk / 'a.gguf'}" in proc.stderr.replace("\n", "")

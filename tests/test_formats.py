@@ -17,9 +17,10 @@ from rich.console import Console
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from moe_qlora import formats, trainer
-from moe_qlora.config import validate_config
-from moe_qlora.tiny import resolve_model_path
+from moe_qlora.config.schema import validate_config
+from moe_qlora.export import formats
+from moe_qlora.model.tiny import resolve_model_path
+from moe_qlora.train import sft as trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = 1e-6
@@ -246,7 +247,7 @@ def test_unknown_or_interleaved_families_are_refused_by_name(tmp_path, monkeypat
 def test_export_from_the_cli(run, tmp_path):
     from typer.testing import CliRunner
 
-    from moe_qlora.cli import app
+    from moe_qlora.cli.app import app
 
     result = CliRunner().invoke(app, ["export", str(run), "--format", "gguf", "--out", str(tmp_path / "a.gguf")])
     assert result.exit_code == 0, result.output
@@ -261,7 +262,7 @@ def test_export_from_the_cli(run, tmp_path):
 def test_check_norms_reads_the_gguf_and_the_per_expert_export_with_the_same_norms(run, tmp_path):
     """Every expert's ||scale B A|| read from the GGUF and from the per-expert export equals the one read
     from the run's PEFT adapter (same scale, every expert a row)."""
-    from moe_qlora.diagnostics import check_norms
+    from moe_qlora.export.norms import check_norms
 
     def deltas(report, key):
         return sorted(round(r.norm_delta, 5) for r in report.rows if key(r.module))

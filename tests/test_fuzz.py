@@ -6,10 +6,10 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moe_qlora.config import ConfigError, DataSection, validate_config
-from moe_qlora.data import IGNORE, DataStats, tokenize_row
-from moe_qlora.datasources import DataError, load_rows
-from moe_qlora.tiny import build_byte_tokenizer
+from moe_qlora.config.schema import ConfigError, DataSection, validate_config
+from moe_qlora.data.examples import IGNORE, DataStats, tokenize_row
+from moe_qlora.data.sources import DataError, load_rows
+from moe_qlora.model.tiny import build_byte_tokenizer
 
 TOK = build_byte_tokenizer()
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.floats(allow_nan=True), st.text(max_size=30))

@@ -11,11 +11,11 @@ from rich.console import Console
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
-from moe_qlora import trainer
-from moe_qlora.cli import app
-from moe_qlora.config import validate_config
-from moe_qlora.export import dequantized_base_state_dict
-from moe_qlora.generate import Sampling, generate, load_for_generation
+from moe_qlora.cli.app import app
+from moe_qlora.config.schema import validate_config
+from moe_qlora.export.adapter import dequantized_base_state_dict
+from moe_qlora.inference.generate import Sampling, generate, load_for_generation
+from moe_qlora.train import sft as trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Add: 3+5\n"

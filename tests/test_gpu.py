@@ -15,8 +15,8 @@ import yaml
 from test_kernels import lora_term, nf4_stack, offsets_of, rounding_bound
 from typer.testing import CliRunner
 
-from moe_qlora.cli import app
-from moe_qlora.kernels.ops import (
+from moe_qlora.cli.app import app
+from moe_qlora.moe.kernels.ops import (
     GroupedWeight,
     grouped_matmul,
     grouped_matmul_reference,
@@ -63,7 +63,7 @@ def test_swapped_tiles_for_few_rows_at_qwen3_30b_shape_bf16(tokens):
     """Few rows per expert (at most SWAP_AB_MAX_ROWS on average): the packed kernels' transposed 16-row tiles,
     compiled and autotuned on the GPU, forward gate_up (fused silu x up) and the down input gradient, against
     the references within the same bf16 bounds."""
-    from moe_qlora.kernels import ops
+    from moe_qlora.moe.kernels import ops
 
     offsets, token = routed_rows(tokens, 128, 8, seed=5)
     assert offsets[-1] <= ops.SWAP_AB_MAX_ROWS * 128

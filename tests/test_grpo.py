@@ -13,14 +13,14 @@ import torch
 from rich.console import Console
 from typer.testing import CliRunner
 
-from moe_qlora.adapters import adapters_disabled, attach_adapters
-from moe_qlora.cli import app
-from moe_qlora.config import GrpoSection, LoraSection, validate_config
-from moe_qlora.data import collate
-from moe_qlora.grpo import grpo, rollout_examples, token_logprobs
-from moe_qlora.loading import LoadOptions, load_model
-from moe_qlora.rollout import PromptRow, completion_end, sample_rollouts
-from moe_qlora.tiny import build_byte_tokenizer
+from moe_qlora.cli.app import app
+from moe_qlora.config.schema import GrpoSection, LoraSection, validate_config
+from moe_qlora.data.examples import collate
+from moe_qlora.model.adapters import adapters_disabled, attach_adapters
+from moe_qlora.model.loading import LoadOptions, load_model
+from moe_qlora.model.tiny import build_byte_tokenizer
+from moe_qlora.train.grpo import grpo, rollout_examples, token_logprobs
+from moe_qlora.train.rollout import PromptRow, completion_end, sample_rollouts
 
 ROOT = Path(__file__).resolve().parent.parent
 TOK = build_byte_tokenizer()
@@ -43,7 +43,7 @@ def test_demo_reward_rises_from_the_cli(tmp_path):
     what any constant reply scores (0.5: half the numbers are odd), so the answer depends on the prompt."""
     env = {**os.environ, "MOE_QLORA_CACHE": str(tmp_path / "cache")}
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "moe_qlora.cli", "grpo", "--config", "configs/grpo-demo.yaml", "--set",
+    cmd = [sys.executable, "-m", "moe_qlora", "grpo", "--config", "configs/grpo-demo.yaml", "--set",
            f"output.dir={out}"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -77,7 +77,7 @@ def test_generation_with_the_kv_cache_matches_the_training_forward(policy):
     cfg = GrpoSection(group_size=3, max_new_tokens=8, rewards=[{"function": "exact_match"}])
     torch.manual_seed(0)
     policy.eval()
-    from moe_qlora.rollout import generation_config, left_pad
+    from moe_qlora.train.rollout import generation_config, left_pad
 
     ids, mask = left_pad([p.ids for p in prompts], TOK.pad_token_id)
     gen = generation_config(cfg, TOK)
@@ -102,7 +102,7 @@ def test_generation_with_the_kv_cache_matches_the_training_forward(policy):
 
 
 def _rollout(prompt, completion_ids):
-    from moe_qlora.rollout import Rollout
+    from moe_qlora.train.rollout import Rollout
 
     return Rollout(prompt, 0, completion_ids, TOK.decode(completion_ids))
 
@@ -174,8 +174,8 @@ def test_offline_scored_completions_train_towards_the_better_ones(tmp_path):
 
 
 def _right_minus_wrong(cfg) -> float:
-    from moe_qlora.rollout import load_offline_groups, offline_rollouts
-    from moe_qlora.session import load_policy
+    from moe_qlora.train.rollout import load_offline_groups, offline_rollouts
+    from moe_qlora.train.session import load_policy
 
     model, _, _ = load_policy(cfg, _tiny(), Console(quiet=True))
     model.eval()
@@ -189,7 +189,7 @@ def _right_minus_wrong(cfg) -> float:
 
 
 def _tiny():
-    from moe_qlora.tiny import resolve_model_path
+    from moe_qlora.model.tiny import resolve_model_path
 
     return resolve_model_path("builtin:tiny-mixtral")
 
@@ -215,9 +215,9 @@ def test_cli_grpo_user_errors_exit_2(tmp_path):
 
 
 def test_prompt_rows_strings_messages_and_overlength(tmp_path):
-    from moe_qlora.config import DataSection
-    from moe_qlora.datasources import DataError
-    from moe_qlora.rollout import load_prompts
+    from moe_qlora.config.schema import DataSection
+    from moe_qlora.data.sources import DataError
+    from moe_qlora.train.rollout import load_prompts
 
     rows = tmp_path / "p.jsonl"
     rows.write_text(

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from moe_qlora.grpo import grpo_token_loss, token_weights
+from moe_qlora.train.grpo import grpo_token_loss, token_weights
 
 LN = math.log
 
@@ -160,9 +160,9 @@ def test_sequence_level_importance_sampling_by_hand():
 
 
 def test_truncated_completions_are_masked_out_of_loss_and_counts():
-    from moe_qlora.data import IGNORE
-    from moe_qlora.grpo import rollout_examples
-    from moe_qlora.rollout import PromptRow, Rollout
+    from moe_qlora.data.examples import IGNORE
+    from moe_qlora.train.grpo import rollout_examples
+    from moe_qlora.train.rollout import PromptRow, Rollout
 
     prompt = PromptRow("p.jsonl:1", [5, 6], "q", {})
     rollouts = [Rollout(prompt, 0, [7, 8, 9], "a", truncated=True), Rollout(prompt, 0, [7, 2], "b")]
@@ -174,8 +174,8 @@ def test_truncated_completions_are_masked_out_of_loss_and_counts():
 
 
 def test_truncation_is_read_from_eos_stop_strings_and_length():
-    from moe_qlora.rollout import is_truncated
-    from moe_qlora.tiny import build_byte_tokenizer
+    from moe_qlora.model.tiny import build_byte_tokenizer
+    from moe_qlora.train.rollout import is_truncated
 
     tok = build_byte_tokenizer()
     ids = tok("12345", add_special_tokens=False).input_ids
@@ -186,7 +186,7 @@ def test_truncation_is_read_from_eos_stop_strings_and_length():
 
 
 def test_loss_type_defaults_and_the_renamed_key():
-    from moe_qlora.config import ConfigError, validate_config
+    from moe_qlora.config.schema import ConfigError, validate_config
 
     def grpo(**fields):
         return validate_config({"model": {"name_or_path": "builtin:tiny-mixtral"}, "data": {"train_files": ["x"]},

@@ -7,12 +7,12 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from moe_qlora.adapters import attach_adapters
-from moe_qlora.cli import app
-from moe_qlora.config import LoraSection
-from moe_qlora.export import AdapterMismatchError, adapter_state_dict, load_adapter, save_adapter
-from moe_qlora.loading import LoadOptions, load_model
-from moe_qlora.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
+from moe_qlora.cli.app import app
+from moe_qlora.config.schema import LoraSection
+from moe_qlora.export.adapter import AdapterMismatchError, adapter_state_dict, load_adapter, save_adapter
+from moe_qlora.model.adapters import attach_adapters
+from moe_qlora.model.loading import LoadOptions, load_model
+from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
 LORA = LoraSection(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])

@@ -6,10 +6,10 @@ loops over experts after a device-to-host copy of the offsets, so auto keeps the
 import pytest
 import torch
 
-from moe_qlora import experts
-from moe_qlora.experts import auto_kernels, set_moe_kernels
-from moe_qlora.kernels.grouped_mm import has_fused_path
-from moe_qlora.session import describe_kernels, resolve_kernels
+from moe_qlora.moe import experts
+from moe_qlora.moe.experts import auto_kernels, set_moe_kernels
+from moe_qlora.moe.kernels.grouped_mm import has_fused_path
+from moe_qlora.train.session import describe_kernels, resolve_kernels
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -46,7 +46,7 @@ def test_each_call_picks_by_mean_rows_per_expert():
 
 def test_an_auto_layer_dispatches_each_call_to_its_choice(tiny_mixtral_dir, monkeypatch):
     """Few tokens (decode) go to triton, many to grouped_mm, through the same experts module."""
-    from moe_qlora.loading import LoadOptions, load_model
+    from moe_qlora.model.loading import LoadOptions, load_model
 
     model = load_model(LoadOptions(str(tiny_mixtral_dir)))
     set_moe_kernels(model, "auto", fused_below_rows=4)

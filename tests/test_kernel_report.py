@@ -76,7 +76,7 @@ def test_compile_as_jit_specializes_like_the_jit():
     old shape-free AOT variants did not (they compiled every stride as a runtime int)."""
     code = """
 import json
-from moe_qlora.kernels.aot import capture_launches, compile_as_jit
+from moe_qlora.moe.kernels.aot import capture_launches, compile_as_jit
 launch = capture_launches(hidden=256, inter=128, experts=8, top_k=2, tokens=64, rank=16)[1]
 k = compile_as_jit(launch, 90)
 print(json.dumps({"constants": [str(c) for c in k.src.constants], "sig": k.src.signature, "attrs": str(k.src.attrs)}))
@@ -121,7 +121,7 @@ def test_every_autotune_candidate_compiles_without_spills(tokens):
                           timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    from moe_qlora.kernels.ops import MATMUL_CONFIGS
+    from moe_qlora.moe.kernels.ops import MATMUL_CONFIGS
 
     # 5 autotuned launches per narrow candidate of the class; a wide one (128 columns) only where it serves:
     # the down projection in 64- and 128-row tiles, both forward projections in swapped 16-row ones; a tall
@@ -188,8 +188,8 @@ def test_split_k_launches_compile_without_spills():
 import json, sys
 sys.path.insert(0, "scripts")
 from kernel_report import resource_usage
-from moe_qlora.kernels import ops
-from moe_qlora.kernels.aot import capture_launches, compile_as_jit
+from moe_qlora.moe.kernels import ops
+from moe_qlora.moe.kernels.aot import capture_launches, compile_as_jit
 ops.SPLIT_K_SMS = 10**4
 out = []
 for arch in (80, 90):
@@ -224,8 +224,8 @@ def test_the_24_gb_cards_compile_within_their_shared_memory():
 import json, sys
 sys.path.insert(0, "scripts")
 from kernel_report import resource_usage
-from moe_qlora.kernels import ops
-from moe_qlora.kernels.aot import capture_launches, compile_as_jit
+from moe_qlora.moe.kernels import ops
+from moe_qlora.moe.kernels.aot import capture_launches, compile_as_jit
 out = []
 for config in list(ops.MATMUL_CONFIGS[80]):
     ops.MATMUL_CONFIGS[80] = [config]
@@ -240,7 +240,7 @@ print(json.dumps(out))
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    from moe_qlora.kernels.ops import MATMUL_CONFIGS
+    from moe_qlora.moe.kernels.ops import MATMUL_CONFIGS
 
     assert len(rows) == len(MATMUL_CONFIGS[80]) * 3 * 6 * 2  # candidates x token counts x launches x archs
     assert [r for r in rows if r[3] > 99 * 1024 or r[4]] == []

@@ -15,8 +15,8 @@ import sys
 import pytest
 import torch
 
-from moe_qlora.kernels import ops
-from moe_qlora.kernels.ops import (
+from moe_qlora.moe.kernels import ops
+from moe_qlora.moe.kernels.ops import (
     GroupedWeight,
     LowRank,
     grouped_matmul,
@@ -26,7 +26,7 @@ from moe_qlora.kernels.ops import (
     grouped_outer_product,
     grouped_outer_product_reference,
 )
-from moe_qlora.nf4 import NF4Stack, dequantize_stack, quantize_stack
+from moe_qlora.moe.nf4 import NF4Stack, dequantize_stack, quantize_stack
 
 # (dtype, atol, rtol). fp32: products are exact (ieee dot); only the summation order differs, ~1e-6
 # relative on sums of O(10) terms. bf16 with dense bf16 weights: the products of bf16 inputs are exact in
@@ -192,7 +192,7 @@ def recorded_launches(monkeypatch) -> list[dict]:
     """The constexpr flags of every _grouped_matmul_kernel launch from here on (the kernel still runs). Not
     autotuned, on a GPU too: the autotuner would wrap the recorder, which is no JITFunction (it has no
     arg_names), so each launch runs its class's first candidate."""
-    from moe_qlora.kernels import triton_kernels
+    from moe_qlora.moe.kernels import triton_kernels
 
     monkeypatch.setenv("MOE_QLORA_AUTOTUNE", "0")
     launches, real = [], triton_kernels._grouped_matmul_kernel
@@ -329,7 +329,7 @@ def test_every_autotune_candidate_takes_the_packed_paths():
     must keep a tile step within one of bitsandbytes' 64-code quant blocks along K and N (and a half step >= 16),
     and every wide one (128 columns, timed only on the K_PACKED path it serves) along K. The default is narrow.
     The control: a 128-wide step does not pack along N, a 16-deep one not along K."""
-    from moe_qlora.kernels.ops import MATMUL_CONFIGS, MatmulConfig
+    from moe_qlora.moe.kernels.ops import MATMUL_CONFIGS, MatmulConfig
 
     assert all(not cs[0].wide for cs in MATMUL_CONFIGS.values())
     assert all(c.packs(64, along_n=False) and (c.wide or c.packs(64, along_n=True))
@@ -442,7 +442,7 @@ def test_tall_tiles_match_reference(dev, arch, path, monkeypatch):
 def test_autotuning_is_on_by_default_and_switched_off_by_the_environment(monkeypatch):
     """On a GPU (not the interpreter) a launch times its architecture's candidates; MOE_QLORA_AUTOTUNE=0 keeps
     the default (first) config, and MOE_QLORA_TRITON_BLOCKS fixes the blocks outright."""
-    from moe_qlora.kernels import ops
+    from moe_qlora.moe.kernels import ops
 
     monkeypatch.setattr(ops, "_interpreted", lambda: False)
     monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
@@ -474,7 +474,7 @@ def test_launch_goes_through_the_autotuner_unless_switched_off(monkeypatch):
     """With autotuning on, the launch hands the autotuner the kernel's arguments without BLOCK_N / BLOCK_K
     (it supplies each candidate's) and a grid that follows the candidate's BLOCK_N; switched off, the plain
     kernel gets the default config's blocks, warps and stages."""
-    from moe_qlora.kernels import ops, triton_kernels
+    from moe_qlora.moe.kernels import ops, triton_kernels
 
     calls = []
 
@@ -514,7 +514,7 @@ def test_the_autotuner_is_built_over_the_architectures_candidates():
     candidate and the shape and variant keys."""
     code = """
 import json
-from moe_qlora.kernels import ops
+from moe_qlora.moe.kernels import ops
 t = ops._autotuned_matmul(80, tuple(ops.MATMUL_CONFIGS[80]))
 configs = [[c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages] for c in t.configs]
 print(json.dumps({"type": type(t).__name__, "keys": t.keys, "fn": t.fn.__name__, "configs": configs}))
@@ -523,7 +523,7 @@ print(json.dumps({"type": type(t).__name__, "keys": t.keys, "fn": t.fn.__name__,
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    from moe_qlora.kernels.ops import MATMUL_CONFIGS
+    from moe_qlora.moe.kernels.ops import MATMUL_CONFIGS
 
     assert out["type"] == "Autotuner" and out["fn"] == "_grouped_matmul_kernel" and "K_PACKED" in out["keys"]
     assert out["configs"] == [[c.block_n, c.block_k, c.num_warps, c.num_stages] for c in MATMUL_CONFIGS[80]]
@@ -543,7 +543,7 @@ def test_split_k_matches_reference_and_is_deterministic(dev, dtype, atol, rtol, 
     K-steps (7 on the byte path), split three ways. Against the reference (same bounds as above), twice with
     the same bits, on each NF4 path and the byte-reading one (odd sizes); the broken control (the reducing
     launch told of one split fewer: the last split's sums dropped) is caught."""
-    from moe_qlora.kernels import triton_kernels
+    from moe_qlora.moe.kernels import triton_kernels
 
     default_blocks(monkeypatch, 90, swap=path == "k_packed_swapped_down", split_k_max=3)
     offsets = offsets_of(ROUTINGS["ragged"])
@@ -612,7 +612,7 @@ def compiled_variants():
     """Every kernel variant compiled ahead of time for sm_80 and sm_90 in a subprocess: compiling needs
     the real @triton.jit functions, which an interpreter-mode process (this one, on a CPU) does not have."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "moe_qlora.kernels.aot", "--json"], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "moe_qlora.moe.kernels.aot", "--json"], env=env, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {r["variant"]: r for r in json.loads(proc.stdout)}
@@ -642,7 +642,7 @@ def test_the_autotuner_keys_on_the_rows_per_expert_class(monkeypatch):
     chose the config for every later one (a 2x-8x larger batch included). The key holds rows per expert rounded
     up to a power of two (multiples of 16: one JIT specialization for all), and a launch passes its own class.
     Control: 8 experts with 16 rows each is class 16, with 17 already class 32."""
-    from moe_qlora.kernels import triton_kernels
+    from moe_qlora.moe.kernels import triton_kernels
 
     assert "rows_class" in ops._MATMUL_TUNE_KEYS and "rows_class" in triton_kernels._grouped_matmul_kernel.arg_names
     assert [ops.rows_class(rows, 8) for rows in (0, 8 * 16, 8 * 16 + 1, 8 * 64, 8 * 65, 10**7)] == [
@@ -667,10 +667,10 @@ GPU_LIKE_LAYER = """
 import json, torch
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction
-from moe_qlora.kernels import ops
-from moe_qlora.moe_autograd import FrozenExperts, MoEPlan, MoELoRAGroupedFunction, grouped_ops
-from moe_qlora.nf4 import NF4Stack, quantize_stack
-from moe_qlora.routing import route
+from moe_qlora.moe.kernels import ops
+from moe_qlora.moe.autograd import FrozenExperts, MoEPlan, MoELoRAGroupedFunction, grouped_ops
+from moe_qlora.moe.nf4 import NF4Stack, quantize_stack
+from moe_qlora.moe.routing import route
 
 launches, timed = [], []
 
@@ -749,8 +749,8 @@ def test_autotune_candidates_share_the_defaults_mma_kind(monkeypatch):
 
 MMA_KIND_OF_CANDIDATES = """
 import json, sys
-from moe_qlora.kernels import ops
-from moe_qlora.kernels.aot import capture_launches, compile_as_jit
+from moe_qlora.moe.kernels import ops
+from moe_qlora.moe.kernels.aot import capture_launches, compile_as_jit
 rows = []
 for tokens in (32, 2048):  # swapped 16-row tiles, 64-row tiles
     for config in ops.MATMUL_CONFIGS[90]:
@@ -792,7 +792,7 @@ def test_fp32_launches_take_the_one_config_that_does_not_spill(monkeypatch, toke
     monkeypatch.setattr(ops, "FP32_OWN_CONFIG", True)  # as shipped
     monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
     monkeypatch.delenv("MOE_QLORA_AUTOTUNE", raising=False)
-    from moe_qlora.kernels import triton_kernels
+    from moe_qlora.moe.kernels import triton_kernels
 
     launches = []
 
@@ -822,7 +822,7 @@ def test_split_k_is_the_same_on_every_gpu():
     alone; Mixtral-8x7B's LoRA-A launch at 2048 tokens splits 3 ways and Qwen3-30B-A3B's at 1 token 4 ways."""
     import inspect
 
-    from moe_qlora.kernels.aot import capture_launches
+    from moe_qlora.moe.kernels.aot import capture_launches
 
     assert list(inspect.signature(ops.split_k).parameters) == ["programs", "k_steps"]
     splits = {}

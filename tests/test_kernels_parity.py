@@ -8,9 +8,9 @@ import torch
 from oracle import assert_all_close, quantized_with_lora, run_experts_pair
 from test_moe_parity import BROKEN, CASES, _swap_gate_up, routing_case
 
-from moe_qlora.experts import _frozen_experts, deferred_lora_gradients, set_moe_kernels
-from moe_qlora.loading import LoadOptions, load_model
-from moe_qlora.tiny import ensure_tiny
+from moe_qlora.model.loading import LoadOptions, load_model
+from moe_qlora.model.tiny import ensure_tiny
+from moe_qlora.moe.experts import _frozen_experts, deferred_lora_gradients, set_moe_kernels
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_grouped_layer_on_default_triton_blocks_matches_eager(quantized, swap, m
     forward and every gradient then match the eager experts (same oracle and tolerance as above)."""
     from test_kernels import recorded_launches
 
-    from moe_qlora.kernels import ops
+    from moe_qlora.moe.kernels import ops
 
     monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
     monkeypatch.setenv("MOE_QLORA_AUTOTUNE", "0")  # on a GPU too: launches reach the recorder, not the autotuner
@@ -172,7 +172,7 @@ def test_bf16_layer_stays_close_to_the_fp32_reference(quantized, kernels, dev):
 def test_grouped_mm_decoding_chunks_of_experts_matches_eager(quantized, case):
     """Above model.dequant_buffer_mb the stack is decoded a chunk of experts at a time (here 3 of 8 experts,
     chunks 0-2, 3-5, 6-7, some empty): the same oracle and tolerance as the unchunked layer."""
-    from moe_qlora.kernels import grouped_mm
+    from moe_qlora.moe.kernels import grouped_mm
 
     module = quantized.model.layers[0].mlp.experts
     per_expert = module.gate_up_proj.quant_state.shape[1:].numel() * 4  # fp32 bytes of one decoded expert

@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from moe_qlora.experts import EXPERTS_IMPLEMENTATION
-from moe_qlora.loading import LoadOptions, ModelLoadError, assert_experts_quantized, load_model
-from moe_qlora.nf4 import dequantize_param
+from moe_qlora.model.loading import LoadOptions, ModelLoadError, assert_experts_quantized, load_model
+from moe_qlora.moe.experts import EXPERTS_IMPLEMENTATION
+from moe_qlora.moe.nf4 import dequantize_param
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_strict_check_names_experts_off_the_interface_and_ignores_convolutions()
     import pytest
     from torch import nn
 
-    from moe_qlora.loading import ModelLoadError, assert_experts_quantized
+    from moe_qlora.model.loading import ModelLoadError, assert_experts_quantized
 
     class DbrxLikeExperts(nn.Module):
         def __init__(self):
@@ -88,13 +88,13 @@ def test_a_multimodal_moe_trains_its_text_model_with_the_vision_tower_frozen_unq
     model's experts in NF4 and linears in 4-bit, the vision tower's linears kept in the compute dtype."""
     import bitsandbytes as bnb
 
-    from moe_qlora.experts import experts_modules
-    from moe_qlora.tiny import build_byte_tokenizer, save_tiny_model, tiny_config_any
+    from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config_any
+    from moe_qlora.moe.experts import experts_modules
 
     tok = build_byte_tokenizer()
     path = save_tiny_model(tmp_path / "vl", tiny_config_any("qwen3_vl_moe", len(tok)), tokenizer=tok)
-    from moe_qlora.adapters import attach_adapters
-    from moe_qlora.config import LoraSection
+    from moe_qlora.config.schema import LoraSection
+    from moe_qlora.model.adapters import attach_adapters
 
     model = load_model(LoadOptions(str(path)))
     assert type(model).__name__ == "Qwen3VLMoeForConditionalGeneration"

@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 from oracle import randomize_lora_b
 
-from moe_qlora.adapters import attach_adapters
-from moe_qlora.config import LoraSection
-from moe_qlora.data import IGNORE
-from moe_qlora.grpo import token_logprobs
-from moe_qlora.loading import LoadOptions, load_model
-from moe_qlora.losses import ChunkedTokenLogProbs, chunked_loss_matches
-from moe_qlora.trainer import token_loss_sum
+from moe_qlora.config.schema import LoraSection
+from moe_qlora.data.examples import IGNORE
+from moe_qlora.model.adapters import attach_adapters
+from moe_qlora.model.loading import LoadOptions, load_model
+from moe_qlora.train.grpo import token_logprobs
+from moe_qlora.train.losses import ChunkedTokenLogProbs, chunked_loss_matches
+from moe_qlora.train.sft import token_loss_sum
 
 
 def full_logprobs(hidden, weight, bias, targets, scale):

@@ -23,7 +23,7 @@ from oracle import (
 )
 from torch.func import functional_call
 
-from moe_qlora.nf4 import NF4Stack, dequantize_stack, quantize_stack
+from moe_qlora.moe.nf4 import NF4Stack, dequantize_stack, quantize_stack
 
 
 @pytest.fixture(scope="module")
@@ -136,8 +136,8 @@ def test_routing_weight_dot_uses_fp32_products_in_bf16(monkeypatch):
     and the grouped one) call it."""
     import inspect
 
-    from moe_qlora import moe_autograd
-    from moe_qlora.moe_autograd import routing_weight_dot
+    from moe_qlora.moe import autograd as moe_autograd
+    from moe_qlora.moe.autograd import routing_weight_dot
 
     g = torch.Generator().manual_seed(0)
     a, u = (torch.randn(4096, 768, generator=g).bfloat16() for _ in range(2))

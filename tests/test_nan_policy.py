@@ -10,8 +10,9 @@ import torch
 from rich.console import Console
 from safetensors.torch import load_file
 
-from moe_qlora import session, trainer
-from moe_qlora.config import validate_config
+from moe_qlora.config.schema import validate_config
+from moe_qlora.train import session
+from moe_qlora.train import sft as trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 

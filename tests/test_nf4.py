@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from moe_qlora.nf4 import (
+from moe_qlora.moe.nf4 import (
     NF4Stack,
     QuantizationLayoutError,
     dequantize_expert,
@@ -49,7 +49,7 @@ def test_per_expert_decode_equals_bitsandbytes_whole_stack(shape, double_quant):
 def test_a_decode_past_bitsandbytes_int_limit_is_split_into_calls_of_whole_experts(double_quant, monkeypatch):
     """bitsandbytes counts elements in a C int: a larger decode runs as several calls (here the limit is cut to
     2.5 experts, so 7 experts take 4 calls of 2, 2, 2, 1) and gives the same bits as one call."""
-    import moe_qlora.nf4 as nf4
+    import moe_qlora.moe.nf4 as nf4
 
     stack = NF4Stack.from_param(quantize_stack(torch.randn(7, 64, 32) * 0.05, double_quant=double_quant))
     whole = dequantize_stack(stack)
@@ -100,7 +100,7 @@ def test_a_shardable_linear4bit_computes_what_the_bitsandbytes_linear_did(nested
     same decoded weights, fp32 sums in another order. Control: the codes' rows rolled by one are far off."""
     import bitsandbytes as bnb
 
-    from moe_qlora.nf4 import ShardableLinear4bit, make_linears_shardable
+    from moe_qlora.moe.nf4 import ShardableLinear4bit, make_linears_shardable
 
     torch.manual_seed(0)
     linear = bnb.nn.Linear4bit(128, 48, bias=True, compute_dtype=torch.float32, compress_statistics=nested,

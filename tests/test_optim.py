@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from moe_qlora.optim import ClippedAdamW, clip_global_norm, lr_multiplier
+from moe_qlora.train.optim import ClippedAdamW, clip_global_norm, lr_multiplier
 
 LR, B1, B2, EPS, WD = 0.1, 0.9, 0.99, 1e-8, 0.01
 

@@ -13,9 +13,9 @@ import torch
 from rich.console import Console
 from safetensors.torch import load_file
 
-from moe_qlora import trainer
-from moe_qlora.config import ConfigError, validate_config
-from moe_qlora.optim import ClippedAdamW, ClippedAdamW8bit, StepInBackward, build_optimizer
+from moe_qlora.config.schema import ConfigError, validate_config
+from moe_qlora.train import sft as trainer
+from moe_qlora.train.optim import ClippedAdamW, ClippedAdamW8bit, StepInBackward, build_optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -166,7 +166,7 @@ def test_optimizer_in_backward_refuses_accumulation_and_global_norm_clipping():
 
 
 def test_grpo_refuses_optimizer_in_backward(tmp_path):
-    from moe_qlora import grpo
+    from moe_qlora.train import grpo
 
     cfg = validate_config({"model": {"name_or_path": "builtin:tiny-mixtral"}, "data": {"train_files": ["x"]},
                            "train": {"optimizer_in_backward": True}, "output": {"dir": str(tmp_path)},

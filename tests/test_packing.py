@@ -5,13 +5,13 @@ import dataclasses
 import pytest
 import torch
 
-from moe_qlora.adapters import attach_adapters
-from moe_qlora.config import LoraSection
-from moe_qlora.data import IGNORE, Example, collate, pack_examples
-from moe_qlora.loading import LoadOptions, load_model
-from moe_qlora.losses import token_logprobs
-from moe_qlora.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
-from moe_qlora.trainer import packing_unsupported, token_loss_sum
+from moe_qlora.config.schema import LoraSection
+from moe_qlora.data.examples import IGNORE, Example, collate, pack_examples
+from moe_qlora.model.adapters import attach_adapters
+from moe_qlora.model.loading import LoadOptions, load_model
+from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
+from moe_qlora.train.losses import token_logprobs
+from moe_qlora.train.sft import packing_unsupported, token_loss_sum
 
 # fp32, the same tokens through the same weights; only attention's reduction length differs (masked keys are
 # exact zeros after softmax in eager and sdpa): measured ~1e-6.

@@ -9,13 +9,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from moe_qlora.adapters import attach_adapters
-from moe_qlora.budget import meta_model
-from moe_qlora.cli import app
-from moe_qlora.config import validate_config
-from moe_qlora.loading import LoadOptions, load_model, parameter_bytes_by_kind
-from moe_qlora.plan import plan_run
-from moe_qlora.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
+from moe_qlora.cli.app import app
+from moe_qlora.config.schema import validate_config
+from moe_qlora.model.adapters import attach_adapters
+from moe_qlora.model.budget import meta_model
+from moe_qlora.model.loading import LoadOptions, load_model, parameter_bytes_by_kind
+from moe_qlora.model.plan import plan_run
+from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,7 +63,7 @@ def test_planned_optimizer_state_equals_the_state_after_a_step(tmp_path, optimiz
     """The optimizer row is exact: bitsandbytes' uint8 codes and per-256 scales for tensors of 4,096
     elements or more, fp32 moments below (the tiny Mixtral has both), torch's fp32 moments for adamw. Step
     counters and bitsandbytes' two shared code maps are left out of both sides."""
-    from moe_qlora.optim import build_optimizer
+    from moe_qlora.train.optim import build_optimizer
 
     tok = build_byte_tokenizer()
     path = save_tiny_model(tmp_path / "mixtral", tiny_config("mixtral", len(tok)), tokenizer=tok)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from moe_qlora.cli import app
-from moe_qlora.plots import mean_router_load, plot_run, series
-from moe_qlora.reporting import flatten_scalars
+from moe_qlora.cli.app import app
+from moe_qlora.cli.plots import mean_router_load, plot_run, series
+from moe_qlora.common.reporting import flatten_scalars
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -118,7 +118,7 @@ def test_plot_of_a_grpo_run_and_bad_input(tmp_path):
 def test_a_reporter_whose_package_is_missing_is_named_before_loading(monkeypatch):
     import importlib.util
 
-    from moe_qlora.reporting import missing_reporters
+    from moe_qlora.common.reporting import missing_reporters
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))

@@ -12,7 +12,7 @@ import torch
 from crash import assert_same_adapter, cli_command, isolated_env, kill_after_steps, run_cli, signal_after_steps
 from safetensors.torch import load_file
 
-from moe_qlora.fileio import current_umask
+from moe_qlora.common.fileio import current_umask
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP_NAME = re.compile(r"^step-\d{8}$")
@@ -119,7 +119,7 @@ def test_a_failed_save_stops_the_run_and_leaves_the_previous_checkpoint(config, 
     assert "no space left on device writing" in proc.stderr.replace("\n", " ")
     checkpoints = tmp_path / "checkpoints"
     assert sorted(d.name for d in checkpoints.iterdir()) == ["step-00000004"]  # no step-8, no temporary folder
-    from moe_qlora.checkpoint import verify
+    from moe_qlora.train.checkpoint import verify
 
     assert verify(checkpoints / "step-00000004") is None
 

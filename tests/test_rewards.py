@@ -7,8 +7,8 @@ import types
 import pytest
 import torch
 
-from moe_qlora.config import ConfigError, RewardFunctionSpec
-from moe_qlora.rewards import RewardError, flat_groups, group_advantages, resolve_reward, score
+from moe_qlora.config.schema import ConfigError, RewardFunctionSpec
+from moe_qlora.train.rewards import RewardError, flat_groups, group_advantages, resolve_reward, score
 
 
 def test_group_advantages_by_hand():
@@ -94,7 +94,7 @@ def test_unknown_reward_and_missing_column_are_named():
 def test_a_raising_reward_function_is_isolated_to_its_prompt(monkeypatch):
     """A call that raises is retried one prompt's completions at a time: abort names the first failing prompt (its
     index in the step and its row); zero scores only that prompt's samples 0 and counts them."""
-    from moe_qlora.rewards import RewardFailed, RewardPolicy
+    from moe_qlora.train.rewards import RewardFailed, RewardPolicy
 
     module = types.ModuleType("picky_rewards")
 

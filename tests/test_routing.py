@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moe_qlora.routing import route
+from moe_qlora.moe.routing import route
 
 
 @pytest.mark.parametrize(

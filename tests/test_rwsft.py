@@ -6,9 +6,8 @@ import json
 import pytest
 import torch
 
-from moe_qlora.adapters import attach_adapters
-from moe_qlora.config import DataSection, LoraSection, RewardSection
-from moe_qlora.data import (
+from moe_qlora.config.schema import DataSection, LoraSection, RewardSection
+from moe_qlora.data.examples import (
     DataError,
     Example,
     apply_reward_weights,
@@ -18,9 +17,10 @@ from moe_qlora.data import (
     micro_batches,
     reward_weights,
 )
-from moe_qlora.loading import LoadOptions, load_model
-from moe_qlora.tiny import build_byte_tokenizer
-from moe_qlora.trainer import accumulate_gradients
+from moe_qlora.model.adapters import attach_adapters
+from moe_qlora.model.loading import LoadOptions, load_model
+from moe_qlora.model.tiny import build_byte_tokenizer
+from moe_qlora.train.sft import accumulate_gradients
 
 TOK = build_byte_tokenizer()
 
@@ -117,7 +117,7 @@ def test_reward_mappings_clipping_and_negative_weights():
 def test_rwsft_trains_from_the_cli_on_llama_cpp_style_rows(tmp_path):
     from typer.testing import CliRunner
 
-    from moe_qlora.cli import app
+    from moe_qlora.cli.app import app
 
     data = write_rows(
         tmp_path, [{"prompt": f"Add: {i}+1\n", "response": str(i + 1), "score": i % 3} for i in range(12)]

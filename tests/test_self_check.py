@@ -1,4 +1,4 @@
-"""The self-check of the GPU MoE paths (moe_qlora/self_check.py): a path that raises or computes wrong at its first
+"""The self-check of the GPU MoE paths (moe_qlora/moe/self_check.py): a path that raises or computes wrong at its first
 call falls back (triton -> grouped_mm -> torch) with one warning, and the run goes on with the reference's
 numbers; a path that is right is kept. The fault is injected (MOE_QLORA_INJECT_KERNEL_FAULT), the stand-in for
 a GPU kernel that fails on the user's device: `wrong` scales the path's output by 1.5, `raise` raises."""
@@ -14,8 +14,8 @@ import pytest
 import torch
 from oracle import quantized_with_lora, ragged_routing
 
-from moe_qlora import self_check
-from moe_qlora.experts import experts_modules, kernel_self_check, set_moe_kernels
+from moe_qlora.moe import self_check
+from moe_qlora.moe.experts import experts_modules, kernel_self_check, set_moe_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,7 +39,7 @@ def experts_step(model, kernels, *, check=True, tokens=12):
 
 def test_a_right_path_is_kept(model, caplog):
     torch_out, torch_grad = experts_step(model, "torch")
-    with caplog.at_level(logging.WARNING, logger="moe_qlora.self_check"):
+    with caplog.at_level(logging.WARNING, logger="moe_qlora.moe.self_check"):
         out, grad = experts_step(model, "grouped_mm")
     checker = kernel_self_check(model)
     assert len(checker.verdicts) == 1 and not checker.failed and not caplog.records
@@ -52,7 +52,7 @@ def test_a_right_path_is_kept(model, caplog):
 def test_a_failing_path_falls_back_to_the_reference_with_one_warning(model, fault, monkeypatch, caplog):
     torch_out, torch_grad = experts_step(model, "torch")
     monkeypatch.setenv(self_check.FAULT_ENV, f"grouped_mm:{fault}")
-    with caplog.at_level(logging.WARNING, logger="moe_qlora.self_check"):
+    with caplog.at_level(logging.WARNING, logger="moe_qlora.moe.self_check"):
         out, grad = experts_step(model, "grouped_mm")
         again, _ = experts_step_same_checker(model)
     assert torch.equal(out, torch_out) and torch.equal(grad, torch_grad) and torch.equal(again, torch_out)
@@ -83,7 +83,7 @@ def test_triton_falls_back_to_grouped_mm_which_is_checked_too(model, monkeypatch
     the interpreter here."""
     torch_out, _ = experts_step(model, "torch")
     monkeypatch.setenv(self_check.FAULT_ENV, "triton:raise")
-    with caplog.at_level(logging.WARNING, logger="moe_qlora.self_check"):
+    with caplog.at_level(logging.WARNING, logger="moe_qlora.moe.self_check"):
         out, _ = experts_step(model, "triton")
     checker = kernel_self_check(model)
     assert sorted(key[0] for key in checker.verdicts) == ["grouped_mm", "triton"]
@@ -120,7 +120,7 @@ def demo_losses(tmp_path, name, *overrides, fault=None):
     env.pop(self_check.FAULT_ENV, None)
     if fault:
         env[self_check.FAULT_ENV] = fault
-    run = [sys.executable, "-m", "moe_qlora.cli", "train", "--config", "configs/demo.yaml", "--set",
+    run = [sys.executable, "-m", "moe_qlora", "train", "--config", "configs/demo.yaml", "--set",
            f"output.dir={tmp_path / name}", "--set", "train.max_steps=12", *overrides]  # fmt: skip
     proc = subprocess.run(run, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -9,12 +9,12 @@ from oracle import assert_close_scaled, leaves, lora_delta, randomize_lora_b
 from safetensors.torch import load_file
 from torch.func import functional_call
 
-from moe_qlora.adapters import attach_adapters
-from moe_qlora.config import LoraSection
-from moe_qlora.experts import experts_modules, set_moe_kernels
-from moe_qlora.loading import LoadOptions, load_model
-from moe_qlora.nf4 import dequantize_param, quantize_stack
-from moe_qlora.tiny import ensure_tiny
+from moe_qlora.config.schema import LoraSection
+from moe_qlora.model.adapters import attach_adapters
+from moe_qlora.model.loading import LoadOptions, load_model
+from moe_qlora.model.tiny import ensure_tiny
+from moe_qlora.moe.experts import experts_modules, set_moe_kernels
+from moe_qlora.moe.nf4 import dequantize_param, quantize_stack
 
 NAMES = ["output", "grad x", "grad gammas", "grad A gate_up", "grad B gate_up", "grad A down", "grad B down"]
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from moe_qlora.adapters import attach_adapters, configure_checkpointing
-from moe_qlora.cli import app
-from moe_qlora.config import LoraSection
-from moe_qlora.data import Example, collate
-from moe_qlora.loading import LoadOptions, load_model
-from moe_qlora.trainer import accumulate_gradients
+from moe_qlora.cli.app import app
+from moe_qlora.config.schema import LoraSection
+from moe_qlora.data.examples import Example, collate
+from moe_qlora.model.adapters import attach_adapters, configure_checkpointing
+from moe_qlora.model.loading import LoadOptions, load_model
+from moe_qlora.train.sft import accumulate_gradients
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,7 +71,7 @@ def test_gradient_checkpointing_changes_no_gradient(tiny_mixtral_dir):
 def test_demo_trains_from_the_cli_loss_falls_and_adapter_is_healthy(tmp_path):
     """The README's demo command, run as a user would (a subprocess of the installed CLI)."""
     env = {**os.environ, "MOE_QLORA_CACHE": str(tmp_path / "cache")}
-    run = [sys.executable, "-m", "moe_qlora.cli", "train", "--config", "configs/demo.yaml",
+    run = [sys.executable, "-m", "moe_qlora", "train", "--config", "configs/demo.yaml",
            "--set", f"output.dir={tmp_path / 'run'}"]  # fmt: skip
     proc = subprocess.run(run, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -81,7 +81,7 @@ def test_demo_trains_from_the_cli_loss_falls_and_adapter_is_healthy(tmp_path):
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last < 0.3 * first, (first, last)
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "epoch"} <= set(records[0])
-    check = subprocess.run([sys.executable, "-m", "moe_qlora.cli", "check-norms", str(tmp_path / "run" / "adapter")],
+    check = subprocess.run([sys.executable, "-m", "moe_qlora", "check-norms", str(tmp_path / "run" / "adapter")],
                            cwd=ROOT, env=env, capture_output=True, text=True)  # fmt: skip
     assert check.returncode == 0, check.stdout[-3000:]
 
@@ -104,8 +104,8 @@ def test_same_seed_same_adapter_and_losses_other_seed_differs(tmp_path):
     from rich.console import Console
     from safetensors.torch import load_file
 
-    from moe_qlora.config import validate_config
-    from moe_qlora.trainer import train
+    from moe_qlora.config.schema import validate_config
+    from moe_qlora.train.sft import train
 
     def run(seed, name):
         cfg = validate_config({

@@ -1,0 +1,5 @@
+"""What every layer uses: atomic writes and full-disk errors, memory readings, the hub-or-path rule, and metrics
+written as JSONL (with TensorBoard and W&B beside them).
+
+May import nothing from moe_qlora.
+"""

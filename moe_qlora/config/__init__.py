@@ -1,0 +1,4 @@
+"""The run config: its sections (pydantic), and reading YAML with --set overrides into one validated RunConfig.
+
+May import moe_qlora.common.
+"""

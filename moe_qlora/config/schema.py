@@ -1,0 +1,547 @@
+"""The run configuration: one YAML file, validated strictly, with `--set a.b=value` overrides.
+
+Every section is a pydantic model that forbids unknown keys. Errors name the file, the key path, its
+line in the YAML, what was expected and, for an unknown key, the nearest valid one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message is meant for the user as is."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(Section):
+    name_or_path: str = Field(description="hub id, local HF checkpoint folder, or builtin:tiny-mixtral")
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="dtype of activations, dequantized experts, embeddings, head and norms; auto: bfloat16 on "
+        "CUDA, float32 on the CPU",
+    )
+    expert_double_quant: bool = Field(True, description="quantize the experts' block scales too (~8% smaller, QLoRA)")
+    linear_double_quant: bool = Field(True, description="double quantization for the 4-bit linears (as in QLoRA)")
+    trust_remote_code: bool = Field(False, description="run model code shipped with the checkpoint")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: the GPU when there is one, else the CPU")
+    strict_quantization: bool = Field(True, description="fail if any expert stack stays in high precision")
+    kernels: Literal["auto", "triton", "grouped_mm", "torch"] = Field(
+        "auto",
+        description="MoE layer: triton (NF4 decoded inside the matmul, CUDA), grouped_mm (each NF4 stack decoded to "
+        "a buffer, then torch._grouped_mm; any device) or the per-expert torch reference; auto: on CUDA triton "
+        "below model.fused_below_rows rows per expert and grouped_mm above, the torch reference on the CPU",
+    )
+    fused_below_rows: int = Field(
+        64, ge=0, description="kernels: auto picks the fused NF4 kernel below this many rows per expert (cost model)"
+    )
+    kernel_self_check: bool = Field(
+        True,
+        description="check triton / grouped_mm against the torch reference at their first call per layer shape, "
+        "dtype and rows class (one extra layer forward + backward each), falling back triton -> grouped_mm -> "
+        "torch with a warning where they fail",
+    )
+    dequant_buffer_mb: float | None = Field(
+        256,
+        gt=0,
+        description="grouped_mm: decode at most this much of an expert stack at once (chunks of experts "
+        "above it; one host sync per chunked projection; Qwen3-30B-A3B's gate_up stack is 768 MiB in bf16); "
+        "null: no limit",
+    )
+
+
+class LoraSection(Section):
+    rank: int = Field(8, ge=1, le=1024, description="LoRA rank r for experts and linears")
+    alpha: float = Field(16.0, gt=0, description="LoRA scale is alpha / rank")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the linears' LoRA input (not experts)")
+    experts: bool = Field(True, description="per-expert LoRA on gate_up_proj and down_proj")
+    router: bool = Field(False, description="LoRA on the router weight too (changes routing; usually frozen)")
+    init_from: str | None = Field(None, description="start from this exported adapter (folder) instead of new LoRA")
+    target_modules: list[str] | Literal["auto"] = Field(
+        "auto", description="nn.Linear names that get PEFT LoRA; auto: the family's defaults (attention, shared MLPs)"
+    )
+
+    @model_validator(mode="after")
+    def _something_to_train(self):
+        if not self.experts and not self.target_modules:
+            raise ValueError("nothing to train: set lora.experts: true or list lora.target_modules")
+        return self
+
+
+class DataSource(Section):
+    """A dataset by name or folder, with the split and column mapping to read it with."""
+
+    path: str = Field(description="a data file, a folder (save_to_disk, or of data files), or a hub dataset id")
+    name: str | None = Field(None, description="the dataset's configuration (subset), if it has several")
+    split: str = Field("train", description="which split to read")
+    revision: str | None = Field(None, description="hub datasets: a branch, tag or commit")
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="our field -> the dataset's column, e.g. {prompt: question, completion: answer}",
+    )
+
+
+class DataSection(Section):
+    train_files: list[str | DataSource] = Field(
+        min_length=1,
+        description="JSONL, JSON or parquet files, save_to_disk folders, or hub dataset ids (or "
+        "mappings {path, name, split, revision, columns})",
+    )
+    format: Literal["auto", "prompt_completion", "messages", "text"] = Field(
+        "auto", description="row format; auto decides per row from its keys"
+    )
+    train_on_prompt: bool = Field(False, description="also train on prompt tokens")
+    all_assistant_turns: bool = Field(False, description="messages: train on every assistant turn, not just the last")
+    max_seq_len: int = Field(512, ge=8, description="longer rows follow `overlength`")
+    overlength: Literal["truncate", "drop", "error"] = Field(
+        "truncate", description="rows over max_seq_len: cut them, skip them, or stop naming the row"
+    )
+    max_dropped_share: float = Field(
+        0.5, ge=0.0, le=1.0, description="stop if more than this share of rows is dropped (overlength, no target)"
+    )
+    packing: bool = Field(
+        False, description="pack rows into max_seq_len sequences (no padding; attention never crosses rows)"
+    )
+    eval_files: list[str | DataSource] = Field(default_factory=list, description="held-out rows for the eval loss")
+    eval_fraction: float = Field(
+        0.0, ge=0.0, lt=1.0, description="or hold out this share of the training rows (a seeded split, no overlap)"
+    )
+
+    @model_validator(mode="after")
+    def _one_eval_source(self):
+        if self.eval_files and self.eval_fraction:
+            raise ValueError("set data.eval_files or data.eval_fraction, not both")
+        return self
+
+
+class RewardSection(Section):
+    """rwsft: how a row's `reward` (or `score`) becomes its loss weight."""
+
+    mapping: Literal["raw", "minmax", "zscore"] = Field(
+        "raw", description="raw: w = r; minmax: (r - min) / (max - min) over the dataset; zscore: (r - mean) / std"
+    )
+    clip_min: float | None = Field(None, description="weights below are raised to this")
+    clip_max: float | None = Field(None, description="weights above are lowered to this")
+    allow_negative: bool = Field(False, description="negative weights push probability away (unlikelihood)")
+
+
+class TrainSection(Section):
+    objective: Literal["sft", "rwsft"] = Field("sft", description="rwsft: each sample's loss times its reward weight")
+    epochs: int = Field(1, ge=1)
+    max_steps: int = Field(0, ge=0, description="stop after this many optimizer steps (0: run all epochs)")
+    micro_batch_size: int = Field(4, ge=1)
+    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    lr: float = Field(2e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = Field(
+        "adamw",
+        description="adamw: torch's, fp32 moments (8 bytes a LoRA parameter); adamw_8bit: bitsandbytes' "
+        "block-wise 8-bit moments (2 bytes); paged_adamw_8bit: the same in CUDA unified memory, paged out "
+        "under pressure (plain adamw_8bit on the CPU)",
+    )
+    optimizer_in_backward: bool = Field(
+        False,
+        description="update each LoRA tensor as soon as its gradient is complete, so the whole model's "
+        "gradients never exist at once (needs grad_accum 1 and max_grad_norm 0)",
+    )
+    gclip: float = Field(0.0, ge=0, description="clamp each gradient element to [-gclip, gclip]; 0 disables")
+    max_grad_norm: float = Field(0.0, ge=0, description="global-norm clipping before gclip; 0 disables")
+    schedule: Literal["constant", "linear", "cosine"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    gradient_checkpointing: bool = Field(True, description="recompute activations in backward: less memory")
+    loss_chunk_tokens: int = Field(
+        256,
+        ge=0,
+        description="tokens per chunk through the output head for the loss (never the whole "
+        "(tokens, vocab) logits); 0: full logits",
+    )
+    checkpoint_interval: int = Field(1, ge=1, description="checkpoint every Nth decoder layer")
+    seed: int = 0
+    log_every: int = Field(1, ge=1)
+    parallel: Literal["auto", "ddp", "fsdp"] = Field(
+        "auto",
+        description="under a launcher: ddp (the whole 4-bit model on every rank, LoRA gradients summed); fsdp "
+        "(FSDP2: 4-bit weights, LoRA and AdamW state sharded across ranks, for a model that does not fit one "
+        "GPU; train only); auto: ddp when `moe-qlora plan` says the run fits one GPU (always on CPUs), else fsdp",
+    )
+    dist_timeout_s: int = Field(
+        600, ge=10, description="data parallel: a rank waiting longer than this for the others stops the run"
+    )
+    nan_policy: Literal["abort", "skip"] = Field(
+        "abort", description="a non-finite loss or gradient: stop, or skip the step (no weight or moment changes)"
+    )
+    max_consecutive_skips: int = Field(3, ge=1, description="skipped steps in a row before the run stops anyway")
+    spike_factor: float = Field(3.0, ge=0, description="log a loss_spike event above this times the loss EMA; 0: off")
+    eval_every: int = Field(0, ge=0, description="eval loss every N optimizer steps (0: only at the end)")
+    keep_best: bool = Field(False, description="also keep the adapter with the lowest eval loss, in adapter-best/")
+    save_every: int = Field(0, ge=0, description="checkpoint every N optimizer steps (0: by time and at the end)")
+    save_every_minutes: float = Field(
+        30.0, ge=0, description="also checkpoint when this many minutes passed since the last one (0: off)"
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="how many checkpoints to keep (newest first)")
+    resume: str = Field(
+        "never",
+        description="never; auto: continue from the newest valid checkpoint in output.dir; or the path of a "
+        "checkpoint folder (checkpoints/step-NNNNNNNN) to continue from",
+        min_length=1,
+    )
+
+
+class RewardFunctionSpec(Section):
+    """One reward function of `grpo.rewards`; the total reward is the weighted sum of all of them."""
+
+    function: str = Field(
+        description="a built-in (exact_match, regex, length, ends_with) or `module:function` with signature "
+        "(prompts, completions, **columns) -> list[float]"
+    )
+    weight: float = Field(1.0, description="its weight in the total reward")
+    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of a built-in")
+
+
+DAPO_CLIP_HIGH = 0.28
+
+
+class GrpoSection(Section):
+    """`moe-qlora grpo`: sample a group of completions per prompt, score them, train on the advantages."""
+
+    prompts_per_step: int = Field(2, ge=1, description="prompts per rollout batch (one optimizer step per pass)")
+    group_size: int = Field(4, ge=2, description="G completions sampled per prompt; advantages are within a group")
+    max_new_tokens: int = Field(32, ge=1)
+    temperature: float = Field(1.0, gt=0, description="sampling temperature; log-probs are taken at it too")
+    top_p: float = Field(1.0, gt=0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0: off")
+    stop: list[str] = Field(default_factory=list, description="stop strings: a completion ends after one")
+    passes: int = Field(1, ge=1, description="optimizer steps per rollout batch; >1 uses the clipped ratio")
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="ratio clipped to [1 - clip_eps, 1 + clip_eps_high]")
+    clip_eps_high: float | None = Field(
+        None, gt=0, description="upper clip (DAPO's clip-higher); default 0.28 with loss_type dapo, else clip_eps"
+    )
+    kl_coef: float = Field(0.0, ge=0, description="beta of the KL penalty to the base model (adapters off); 0: off")
+    scale_rewards: bool = Field(True, description="divide by the group's std (GRPO); false: mean-centred only")
+    std_eps: float = Field(1e-4, gt=0, description="(r - mean) / (std + std_eps)")
+    loss_type: Literal["dapo", "grpo", "dr_grpo", "bnpo"] = Field(
+        "dapo",
+        description="how token losses add up, as in TRL: dapo: / completion tokens of the whole batch; grpo: mean "
+        "per completion, then over completions; dr_grpo: / (completions * max_new_tokens), no length bias; "
+        "bnpo: / completion tokens of each micro-batch",
+    )
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token", description="token: one ratio per token (GRPO); sequence: the completion's mean log-ratio (GSPO)"
+    )
+    mask_truncated_completions: bool = Field(
+        False, description="completions cut by max_new_tokens (no EOS or stop string) are left out of the loss"
+    )
+    rewards: list[RewardFunctionSpec] = Field(default_factory=list, description="reward functions (online mode)")
+    reward_errors: Literal["abort", "zero"] = Field(
+        "abort",
+        description="a reward function that raises or times out: abort (checkpoint the completed steps, name the "
+        "function, step and prompt, exit 1) or zero (the failing samples score 0, counted in reward_errors)",
+    )
+    reward_timeout_s: float = Field(600.0, gt=0, description="seconds one reward function call may take")
+    offline_file: str | None = Field(
+        None, description="JSONL of {prompt, completions, rewards}: train on these instead of sampling"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        if isinstance(data, dict) and "loss_normalization" in data:
+            raise ValueError("grpo.loss_normalization is now grpo.loss_type (token: dapo, sequence: grpo)")
+        return data
+
+    @model_validator(mode="after")
+    def _dapo_clip_higher(self):
+        """DAPO's clip-higher (eps_high 0.28) is the default upper clip of loss_type dapo, as in its paper."""
+        if self.clip_eps_high is None and self.loss_type == "dapo":
+            self.clip_eps_high = DAPO_CLIP_HIGH
+        return self
+
+    @model_validator(mode="after")
+    def _rewards_or_offline(self):
+        if self.offline_file is None and not self.rewards:
+            raise ValueError("grpo needs reward functions (grpo.rewards) or scored completions (grpo.offline_file)")
+        return self
+
+
+class OutputSection(Section):
+    dir: str = Field("runs/latest", description="metrics.jsonl and adapter/ go here")
+    export_formats: list[Literal["per-expert", "gguf"]] = Field(
+        default_factory=list,
+        description="also write the adapter in these layouts at the end: per-expert (adapter-per-expert/, for "
+        "vLLM / SGLang), gguf (adapter.gguf, for llama.cpp); the same as `moe-qlora export`",
+    )
+    report_to: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(
+        default_factory=lambda: ["jsonl"],
+        description="where metrics go besides metrics.jsonl (always written): tensorboard (event files in "
+        "tensorboard/), wandb (Weights & Biases; WANDB_MODE=offline keeps it on disk)",
+    )
+    wandb_project: str = Field("moe-qlora", description="the W&B project of the run (named after output.dir)")
+
+
+class RunConfig(Section):
+    model: ModelSection
+    lora: LoraSection = Field(default_factory=LoraSection)
+    data: DataSection
+    train: TrainSection = Field(default_factory=TrainSection)
+    output: OutputSection = Field(default_factory=OutputSection)
+    reward: RewardSection = Field(default_factory=RewardSection)
+    grpo: GrpoSection | None = Field(None, description="settings of `moe-qlora grpo` (ignored by `train`)")
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        t = self.train
+        if t.max_steps and t.warmup_steps >= t.max_steps:
+            raise ValueError(f"train.warmup_steps ({t.warmup_steps}) covers all of train.max_steps ({t.max_steps})")
+        if t.max_steps and t.save_every > t.max_steps:
+            raise ValueError(f"train.save_every ({t.save_every}) is beyond train.max_steps ({t.max_steps})")
+        if t.optimizer_in_backward and t.grad_accum > 1:
+            raise ValueError(
+                f"train.optimizer_in_backward updates each tensor as its gradient completes, so it cannot "
+                f"accumulate train.grad_accum ({t.grad_accum}) micro-batches first: set one of them off"
+            )
+        if t.optimizer_in_backward and t.max_grad_norm > 0:
+            raise ValueError(
+                "train.optimizer_in_backward cannot clip by the global norm (train.max_grad_norm "
+                f"{t.max_grad_norm}): the norm is known only after every tensor was updated; use train.gclip "
+                "(element-wise) instead"
+            )
+        return self
+
+
+def _section_at(path: tuple) -> type[BaseModel] | None:
+    """The pydantic model that holds the key at `path` (for suggesting the nearest valid key)."""
+    cls: Any = RunConfig
+    for part in path[:-1]:
+        if isinstance(part, int):  # an item of a list of sections (grpo.rewards[0]): same model
+            continue
+        field = cls.model_fields.get(part)
+        cls = _model_in(field.annotation) if field is not None else None
+        if cls is None:
+            return None
+    return cls
+
+
+def _model_in(annotation) -> type[BaseModel] | None:
+    """The section model inside an annotation: X, X | None, list[X]."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for m in map(_model_in, typing.get_args(annotation)) if m is not None), None)
+
+
+def _yaml_line(text: str | None, path: tuple) -> int | None:
+    """1-based line of the key at `path` in the YAML text, if it is there."""
+    if not text:
+        return None
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return None
+    line = None
+    for part in path:
+        if isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+            continue
+        if not isinstance(node, yaml.MappingNode):
+            break
+        match = next(((k, v) for k, v in node.value if k.value == str(part)), None)
+        if match is None:
+            break
+        line, node = match[0].start_mark.line + 1, match[1]
+    return line
+
+
+# What users of TRL, PEFT, axolotl and torchtune type for our keys.
+KEY_ALIASES = {
+    "learning_rate": "lr", "learning_rat": "lr", "lr_scheduler_type": "schedule", "lr_scheduler": "schedule",
+    "num_epochs": "epochs", "num_train_epochs": "epochs", "batch_size": "micro_batch_size",
+    "per_device_train_batch_size": "micro_batch_size", "gradient_accumulation_steps": "grad_accum",
+    "max_grad_norm_": "max_grad_norm", "warmup": "warmup_steps", "r": "rank", "lora_r": "rank",
+    "lora_alpha": "alpha", "lora_dropout": "dropout", "max_length": "max_seq_len", "sequence_len": "max_seq_len",
+    "max_seq_length": "max_seq_len", "output_dir": "dir", "optim": "optimizer", "save_steps": "save_every",
+    "logging_steps": "log_every", "model_name_or_path": "name_or_path", "base_model": "name_or_path",
+}  # fmt: skip
+
+
+def nearest_key(key: str, valid: list[str]) -> str | None:
+    """The valid key a user most likely meant: a known alias, else the closest spelling."""
+    alias = KEY_ALIASES.get(key.lower())
+    if alias in valid:
+        return alias
+    near = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    return near[0] if near else None
+
+
+def _describe(err: dict, source: str, text: str | None) -> str:
+    path = tuple(err["loc"])
+    key = ".".join(str(p) for p in path)
+    line = _yaml_line(text, path)
+    where = f"{source}:{line}" if line else source
+    if err["type"] == "extra_forbidden":
+        section = _section_at(path)
+        valid = list(section.model_fields) if section else []
+        near = nearest_key(str(path[-1]), valid)
+        if near:
+            return f"{where}: unknown key {key!r}; did you mean {'.'.join([*map(str, path[:-1]), near])!r}?"
+        return f"{where}: unknown key {key!r} (valid here: {', '.join(valid)})"
+    if err["type"] == "missing":
+        return f"{where}: missing required key {key!r}"
+    got = err.get("input")
+    return f"{where}: {key}: {err['msg']} (got {got!r})" if path else f"{where}: {err['msg']}"
+
+
+def parse_overrides(pairs: list[str]) -> dict:
+    """['train.lr=2e-4', 'lora.rank=16'] -> nested dict; values parsed as YAML scalars/lists."""
+    out: dict = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {pair!r}: expected KEY.PATH=VALUE, e.g. --set train.lr=2e-4")
+        node = out
+        *parents, leaf = key.strip().split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {pair!r}: value is not valid YAML: {exc}") from None
+        # YAML 1.1 reads "2e-4" as a string; a number was clearly meant.
+        node[leaf] = _number_or(value)
+    return out
+
+
+def _number_or(value):
+    if isinstance(value, str):
+        try:
+            return float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            return value
+    return value
+
+
+def deep_merge(base: dict, extra: dict) -> dict:
+    merged = dict(base)
+    for k, v in extra.items():
+        merged[k] = deep_merge(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
+    return merged
+
+
+def _numbers_in(obj):
+    """YAML 1.1 leaves 2e-4 (no dot) as a string: read such scalars as numbers before validation."""
+    if isinstance(obj, dict):
+        return {k: _numbers_in(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_numbers_in(v) for v in obj]
+    if isinstance(obj, str) and obj[:1].isdigit() and "e" in obj.lower():
+        return _number_or(obj)
+    return obj
+
+
+def validate_config(raw: dict, *, source: str = "<config>", text: str | None = None) -> RunConfig:
+    """Validate a raw mapping; all problems are reported at once, one line each."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections (model, lora, data, train, output)")
+    try:
+        return RunConfig.model_validate(_numbers_in(raw))
+    except ValidationError as exc:
+        lines = [_describe(e, source, text) for e in exc.errors()]
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read, merge overrides into, and validate a YAML config file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    raw = resolve_paths(raw, path.resolve().parent)
+    if overrides:
+        raw = deep_merge(raw, resolve_paths(parse_overrides(overrides), Path.cwd()))
+    return validate_config(raw, source=str(path), text=text)
+
+
+# Keys that name files or folders: relative ones are relative to the config file (as in torchtune and
+# axolotl), or to the current directory for --set values.
+PATH_KEYS = (("data", "train_files"), ("data", "eval_files"), ("output", "dir"), ("lora", "init_from"),
+             ("grpo", "offline_file"), ("train", "resume"))  # fmt: skip
+NOT_PATHS = {("train", "resume"): ("never", "auto")}
+
+
+def resolve_paths(raw, base: Path):
+    """`raw` with the relative paths at PATH_KEYS (and reward functions given as `file.py:function`) made
+    absolute against `base`. Anything not shaped as expected is left for validation to report."""
+    if not isinstance(raw, dict):
+        return raw
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for section, key in PATH_KEYS:
+        holder = out.get(section)
+        if isinstance(holder, dict) and key in holder and holder[key] not in NOT_PATHS.get((section, key), ()):
+            value, hub_ids = holder[key], section == "data"
+            holder[key] = ([_absolute(v, base, hub_ids=hub_ids) for v in value] if isinstance(value, list)
+                           else _absolute(value, base, hub_ids=hub_ids))  # fmt: skip
+    grpo = out.get("grpo")
+    if isinstance(grpo, dict) and isinstance(grpo.get("rewards"), list):
+        grpo["rewards"] = [_absolute_reward_file(r, base) for r in grpo["rewards"]]
+    return out
+
+
+def _absolute(value, base: Path, *, hub_ids: bool = False):
+    """A relative path made absolute against `base`. With `hub_ids` (data entries), a value that is no path
+    there and not named like a data file is a hub dataset id, left as it is; a mapping's `path` likewise."""
+    if isinstance(value, dict) and hub_ids:
+        return {**value, "path": _absolute(value.get("path"), base, hub_ids=True)}
+    if not isinstance(value, str) or not value:
+        return value
+    path = Path(value).expanduser()
+    if hub_ids and not path.is_absolute() and not value.startswith((".", "~")):
+        from moe_qlora.common.hub import looks_local
+
+        if not (base / path).exists() and not looks_local(value):
+            return value
+    return os.path.normpath(path if path.is_absolute() else base / path)
+
+
+def _absolute_reward_file(spec, base: Path):
+    if isinstance(spec, dict) and isinstance(spec.get("function"), str):
+        file, sep, fn = spec["function"].rpartition(":")
+        if sep and file.endswith(".py"):
+            return {**spec, "function": f"{_absolute(file, base)}:{fn}"}
+    return spec
+
+
+def resolve_compute_dtype(choice: str, device: str) -> str:
+    """model.compute_dtype for a device: auto is bfloat16 on CUDA (tensor cores, half the activations) and
+    float32 on the CPU (where bf16 matmuls are slow without AMX)."""
+    if choice != "auto":
+        return choice
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def check_shardable(cfg: RunConfig, *, generates: bool = False) -> None:
+    """Refuse what a sharded (train.parallel: fsdp) run cannot do: grpo (`generates`), 8-bit optimizers."""
+    if generates:
+        raise ConfigError("train.parallel: fsdp is for `train`: grpo samples on each rank, and each rank's "
+                          "completions end after a different number of forwards, each of which FSDP would "
+                          "make every rank join; use ddp (the whole 4-bit model on each GPU)")  # fmt: skip
+    if cfg.train.optimizer != "adamw":
+        raise ConfigError(f"train.optimizer: {cfg.train.optimizer} keeps bitsandbytes state FSDP cannot shard; "
+                          "use adamw with train.parallel: fsdp (its moments are sharded too)")  # fmt: skip

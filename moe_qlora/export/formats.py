@@ -1,0 +1,290 @@
+"""The adapter in the layouts other runtimes read, converted from the PEFT adapter a run writes (no model is
+loaded; the base's config.json names the family).
+
+- `per-expert`: PEFT keys under the family's hub checkpoint names, one LoRA per expert and projection
+  (Mixtral `block_sparse_moe.experts.M.w1/w3/w2`; Qwen-MoE, OLMoE, DeepSeek, GLM-4-MoE
+  `mlp.experts.M.gate_proj/up_proj/down_proj`), as vLLM and SGLang read for those families. The fused
+  gate_up LoRA becomes gate and up LoRAs sharing A: rows [:I] of B are gate's, rows [I:] up's.
+- `gguf`: a llama.cpp LoRA adapter: `blk.N.ffn_{gate,up,down}_exps.weight.lora_{a,b}` as 3D tensors (E, r, in)
+  and (E, out, r) (ggml reverses the order), `adapter.lora.alpha`, and the other LoRA (attention, router,
+  shared experts and their gate, dense MLPs) under the names gguf's own TensorNameMap gives the base's
+  tensors, where llama.cpp applies a LoRA to them (build_lora_mm); DeepSeek's MLA projections are multiplied
+  without it, so their LoRA is refused rather than written to be ignored. llama.cpp permutes the q/k rows of
+  llama-architecture models (Mixtral) for its RoPE; the q/k lora_B rows are permuted the same way, as its own
+  converter does.
+
+Expert factors in our PEFT file (export.py): lora_A (r*E, in) rows expert-major (row e*r + j is A_e[j]);
+lora_B (out, r*E) columns rank-major (column j*E + e is B_e[:, j]); expert e's delta is scale * B_e A_e.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from moe_qlora.common.fileio import atomic_dir, disk_full_named
+from moe_qlora.config.schema import ConfigError
+from moe_qlora.export.norms import read_adapter
+
+
+@dataclass(frozen=True)
+class FamilyNames:
+    gguf_arch: str  # llama.cpp's general.architecture for the base
+    experts: str  # the per-expert module list under a decoder layer, in the hub checkpoints
+    gate: str
+    up: str
+    down: str
+    permute_qk: bool = False  # llama.cpp permutes q/k rows of this architecture
+
+
+_QWEN_STYLE = {"experts": "mlp.experts", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+FAMILIES = {
+    "mixtral": FamilyNames("llama", "block_sparse_moe.experts", "w1", "w3", "w2", permute_qk=True),
+    "qwen2_moe": FamilyNames("qwen2moe", **_QWEN_STYLE),
+    "qwen3_moe": FamilyNames("qwen3moe", **_QWEN_STYLE),
+    "olmoe": FamilyNames("olmoe", **_QWEN_STYLE),
+    "deepseek_v2": FamilyNames("deepseek2", **_QWEN_STYLE),
+    "deepseek_v3": FamilyNames("deepseek2", **_QWEN_STYLE),
+    "glm4_moe": FamilyNames("glm4moe", **_QWEN_STYLE),
+}
+# llama.cpp tensors (blk.N.<kind>) whose product goes through build_lora_mm, so that a LoRA on them is applied:
+# attention, the router, dense MLPs (build_ffn), shared experts and Qwen2-MoE's shared-expert gate.
+GGUF_LORA_KINDS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_gate", "ffn_up", "ffn_down",
+                   "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp"}  # fmt: skip
+# ...except where an architecture's graph multiplies them with a plain ggml_mul_mat: DeepSeek-V2/V3's query
+# (wq, and wq_a / wq_b, like the rest of MLA but the output projection).
+GGUF_NO_LORA = {"deepseek2": {"attn_q"}}
+WHY_NOT = {
+    "gpt_oss": "GPT-OSS interleaves gate and up columns and has expert biases; its runtimes read the fused layout "
+    "PEFT writes (use --format peft)",
+}
+
+EXPERT_KEY = re.compile(r"(?P<prefix>.*?)\.layers\.(?P<layer>\d+)\.(?P<path>.+)\.experts\.(?P<inner>base_layer\.)?"
+                        r"lora_(?P<ab>[AB])\.weight")  # fmt: skip
+LINEAR_KEY = re.compile(r"(?P<prefix>.*?)\.layers\.(?P<layer>\d+)\.(?P<path>.+)\.(?P<proj>[a-z_0-9]+)\.lora_"
+                        r"(?P<ab>[AB])\.weight")  # fmt: skip
+
+
+class ExportError(ConfigError):
+    """An adapter this format cannot express (a family or a module it does not know), said by name."""
+
+
+@dataclass
+class ExpertLayer:
+    """One layer's expert LoRA: gate_up A (E, r, H), B (E, 2I, r); down A (E, r, I), B (E, H, r)."""
+
+    gate_up_a: torch.Tensor
+    gate_up_b: torch.Tensor
+    down_a: torch.Tensor
+    down_b: torch.Tensor
+
+
+def unflatten_a(flat: torch.Tensor, experts: int) -> torch.Tensor:
+    return flat.reshape(experts, -1, flat.shape[1])
+
+
+def unflatten_b(flat: torch.Tensor, experts: int) -> torch.Tensor:
+    return flat.reshape(flat.shape[0], -1, experts).permute(2, 0, 1)
+
+
+def read_run_adapter(adapter_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict, str, FamilyNames]:
+    """(tensors, adapter_config, model_type, the family's names) of a PEFT adapter folder."""
+    tensors, config, source = read_adapter(adapter_dir)
+    if config is None:
+        raise ExportError(f"{adapter_dir}: no adapter_config.json beside {source.name}")
+    model_type = base_model_type(config, Path(adapter_dir))
+    if model_type in WHY_NOT:
+        raise ExportError(f"{model_type}: {WHY_NOT[model_type]}")
+    if model_type not in FAMILIES:
+        raise ExportError(f"{model_type}: no per-expert / GGUF names known for this family (known: "
+                          f"{', '.join(sorted(FAMILIES))}); --format peft works for every family")  # fmt: skip
+    if config.get("use_rslora") or config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise ExportError(f"{adapter_dir}: rsLoRA or per-module ranks/alphas are not written by these formats")
+    return tensors, config, model_type, FAMILIES[model_type]
+
+
+def base_model_type(config: dict, where: Path) -> str:
+    """model_type of the adapter's base, from its config.json (a local folder, builtin:, or the hub cache)."""
+    from transformers import AutoConfig
+
+    from moe_qlora.model.tiny import resolve_model_path
+
+    base = config.get("base_model_name_or_path")
+    if not base:
+        raise ExportError(f"{where}/adapter_config.json: no base_model_name_or_path")
+    try:
+        base_config = AutoConfig.from_pretrained(resolve_model_path(base))
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"{where}: cannot read the base model's config.json ({base}): {exc}") from None
+    if base_config.model_type in FAMILIES or base_config.model_type in WHY_NOT:
+        return base_config.model_type
+    return base_config.get_text_config().model_type  # a multimodal model's text model
+
+
+def expert_layers(tensors: dict[str, torch.Tensor], rank: int) -> dict[int, ExpertLayer]:
+    """Expert LoRA per layer, (E, ...) factors, from our PEFT keys."""
+    parts: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = EXPERT_KEY.fullmatch(key)
+        if m:
+            which = ("gate_up_" if m["inner"] else "down_") + m["ab"].lower()
+            parts.setdefault(int(m["layer"]), {})[which] = t.float()
+    layers = {}
+    for layer, p in sorted(parts.items()):
+        if set(p) != {"gate_up_a", "gate_up_b", "down_a", "down_b"}:
+            raise ExportError(f"layer {layer}: expert LoRA has {sorted(p)}, expected gate_up and down A and B")
+        e = p["gate_up_a"].shape[0] // rank
+        layers[layer] = ExpertLayer(unflatten_a(p["gate_up_a"], e), unflatten_b(p["gate_up_b"], e),
+                                    unflatten_a(p["down_a"], e), unflatten_b(p["down_b"], e))  # fmt: skip
+    return layers
+
+
+def linear_factors(tensors: dict[str, torch.Tensor]) -> dict[tuple[int, str, str], dict[str, torch.Tensor]]:
+    """{(layer, module path, projection): {"A": (r, in), "B": (out, r)}} of the non-expert LoRA."""
+    out: dict = {}
+    for key, t in tensors.items():
+        if EXPERT_KEY.fullmatch(key):
+            continue
+        m = LINEAR_KEY.fullmatch(key)
+        if m is None:
+            raise ExportError(f"{key}: a LoRA tensor outside the decoder layers; these formats cannot place it")
+        out.setdefault((int(m["layer"]), m["path"], m["proj"]), {})[m["ab"]] = t.float()
+    return out
+
+
+# ------------------------------------------------------------------------------------------ per-expert
+
+
+def per_expert_tensors(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames) -> dict[str, torch.Tensor]:
+    """Our PEFT tensors with the expert LoRA rewritten under per-expert module names (attention unchanged)."""
+    prefix = next(m["prefix"] for k in tensors if (m := EXPERT_KEY.fullmatch(k) or LINEAR_KEY.fullmatch(k)))
+    out = {hub_linear_key(k, names): v for k, v in tensors.items() if not EXPERT_KEY.fullmatch(k)}
+    for layer, x in expert_layers(tensors, rank).items():
+        inter = x.gate_up_b.shape[1] // 2
+        for e in range(x.gate_up_a.shape[0]):
+            base = f"{prefix}.layers.{layer}.{names.experts}.{e}"
+            pieces = {names.gate: (x.gate_up_a[e], x.gate_up_b[e, :inter]),
+                      names.up: (x.gate_up_a[e], x.gate_up_b[e, inter:]),
+                      names.down: (x.down_a[e], x.down_b[e])}  # fmt: skip
+            for proj, (a, b) in pieces.items():
+                out[f"{base}.{proj}.lora_A.weight"] = a.clone()  # gate and up share A: one copy each
+                out[f"{base}.{proj}.lora_B.weight"] = b.clone()
+    return out
+
+
+def hub_linear_key(key: str, names: FamilyNames) -> str:
+    """A non-expert LoRA key under the hub checkpoint's module names: transformers v5 calls Mixtral's MoE block
+    `mlp` where the checkpoints (and vLLM) say `block_sparse_moe`, so its router `mlp.gate` is renamed back."""
+    block = names.experts.rsplit(".", 1)[0]
+    m = LINEAR_KEY.fullmatch(key)
+    if m is None or block == "mlp" or not (m["path"] == "mlp" or m["path"].startswith("mlp.")):
+        return key
+    path = block + m["path"].removeprefix("mlp")
+    return f"{m['prefix']}.layers.{m['layer']}.{path}.{m['proj']}.lora_{m['ab']}.weight"
+
+
+def write_per_expert(adapter_dir: str | Path, out_dir: str | Path) -> Path:
+    """The per-expert PEFT adapter of `adapter_dir` in `out_dir` (atomically)."""
+    tensors, config, _, names = read_run_adapter(adapter_dir)
+    converted = per_expert_tensors(tensors, int(config["r"]), names)
+    linears = sorted({m["proj"] for k in converted if (m := LINEAR_KEY.fullmatch(k))})
+    new_config = {**config, "target_modules": linears, "target_parameters": None}
+    with atomic_dir(out_dir) as tmp:
+        save_file(converted, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(new_config, indent=2, sort_keys=True))
+    return Path(out_dir)
+
+
+# ------------------------------------------------------------------------------------------ gguf
+
+
+def permute_rows_for_rope(b: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's q/k row order for llama-architecture models (its converter's `permute`): within each head
+    the rotary pairs (i, i + d/2) become adjacent rows."""
+    return b.reshape(n_head, 2, b.shape[0] // n_head // 2, *b.shape[1:]).swapaxes(1, 2).reshape(b.shape)
+
+
+def gguf_tensors(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames, heads: tuple[int, int]
+                 ) -> dict[str, torch.Tensor]:  # fmt: skip
+    """{llama.cpp tensor name: fp32 tensor in numpy order} for the adapter."""
+    out, factors = {}, linear_factors(tensors)
+    for layer, x in expert_layers(tensors, rank).items():
+        inter = x.gate_up_b.shape[1] // 2
+        blk = f"blk.{layer}"
+        out[f"{blk}.ffn_gate_exps.weight.lora_a"] = x.gate_up_a
+        out[f"{blk}.ffn_gate_exps.weight.lora_b"] = x.gate_up_b[:, :inter]
+        out[f"{blk}.ffn_up_exps.weight.lora_a"] = x.gate_up_a
+        out[f"{blk}.ffn_up_exps.weight.lora_b"] = x.gate_up_b[:, inter:]
+        out[f"{blk}.ffn_down_exps.weight.lora_a"] = x.down_a
+        out[f"{blk}.ffn_down_exps.weight.lora_b"] = x.down_b
+    n_head, n_kv = heads
+    tensor_names = gguf_name_map(names.gguf_arch, 1 + max((layer for layer, _, _ in factors), default=0))
+    for (layer, path, proj), ab in factors.items():
+        name = gguf_linear_name(tensor_names, names.gguf_arch, layer, path, proj)
+        a, b = ab["A"], ab["B"]
+        if names.permute_qk and name.endswith((".attn_q", ".attn_k")):
+            b = permute_rows_for_rope(b, n_head if name.endswith(".attn_q") else n_kv)
+        out[f"{name}.weight.lora_a"] = a
+        out[f"{name}.weight.lora_b"] = b
+    return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def gguf_name_map(arch: str, layers: int):
+    """gguf's TensorNameMap of llama.cpp architecture `arch`: transformers module names -> blk.N.<kind>."""
+    import gguf
+
+    by_name = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
+    return gguf.get_tensor_name_map(by_name[arch], layers)
+
+
+def gguf_linear_name(tensor_names, arch: str, layer: int, path: str, proj: str) -> str:
+    """blk.N.<kind> of the non-expert module layers.N.path.proj; an ExportError for a module llama.cpp has no
+    tensor for, or one it multiplies without its LoRA (which would then be silently dropped)."""
+    module = f"layers.{layer}.{path}.{proj}"
+    name = tensor_names.get_name(f"model.{module}")
+    if name is None:
+        raise ExportError(f"{module}: llama.cpp has no tensor for this LoRA target in this architecture")
+    kind = name.split(".", 2)[2]
+    if kind not in GGUF_LORA_KINDS or kind in GGUF_NO_LORA.get(arch, ()):
+        kinds = ", ".join(sorted(GGUF_LORA_KINDS))
+        raise ExportError(f"{module}: llama.cpp multiplies {name} without applying LoRA to it, so its LoRA would "
+                          f"be ignored (it applies LoRA to the experts and {kinds})")  # fmt: skip
+    return name
+
+
+def write_gguf(adapter_dir: str | Path, out_file: str | Path) -> Path:
+    """A llama.cpp LoRA GGUF (fp32 tensors) of `adapter_dir`, written atomically to `out_file`."""
+    import gguf
+    from transformers import AutoConfig
+
+    from moe_qlora.model.tiny import resolve_model_path
+
+    tensors, config, _, names = read_run_adapter(adapter_dir)
+    base = AutoConfig.from_pretrained(resolve_model_path(config["base_model_name_or_path"])).get_text_config()
+    heads = (base.num_attention_heads, getattr(base, "num_key_value_heads", None) or base.num_attention_heads)
+    converted = gguf_tensors(tensors, int(config["r"]), names, heads)
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_file.with_name(f".{out_file.name}.tmp-{os.getpid()}")
+    writer = gguf.GGUFWriter(str(tmp), names.gguf_arch)
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(config["lora_alpha"]))
+    for name, t in converted.items():
+        writer.add_tensor(name, t.numpy())
+    try:
+        with disk_full_named(out_file, sum(t.numel() * 4 for t in converted.values())):
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+            writer.close()
+            os.replace(tmp, out_file)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out_file

@@ -1,0 +1,347 @@
+"""`check-norms`: the health of a LoRA adapter, read from its tensors alone (no model code runs).
+
+For every module (and every expert of an expert stack): ||A||, ||B|| and ||scale * B A|| (Frobenius).
+The last is computed without forming B A: ||B A||_F^2 = trace((A A^T)(B^T B)), r x r matrices only.
+Flags: NaN/Inf, B all zero (never trained), A all zero (B A = 0 whatever B is), and updates over
+OUTLIER_FACTOR times the median of the same module across layers and experts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from moe_qlora.common.reporting import read_jsonl
+
+OUTLIER_FACTOR = 10.0
+MIN_GROUP_FOR_OUTLIERS = 4
+# PEFT nests wrappers in parameter order, the first projection innermost: gate_up_proj; up_proj when not gated;
+# gate_proj then up_proj for split stacks (Inkling's shared experts)
+PARAM_ORDER = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class AdapterReadError(ValueError):
+    """The file cannot be read as a LoRA adapter (exit code 2)."""
+
+
+@dataclass
+class NormRow:
+    module: str
+    expert: int | None
+    norm_a: float
+    norm_b: float
+    norm_delta: float
+    issues: list[str] = field(default_factory=list)
+
+
+@dataclass
+class NormReport:
+    adapter: str
+    scale: float
+    scale_known: bool
+    rows: list[NormRow]
+
+    @property
+    def problems(self) -> list[str]:
+        return [f"{r.module}{'' if r.expert is None else f' expert {r.expert}'}: {issue}"
+                for r in self.rows for issue in r.issues]  # fmt: skip
+
+    @property
+    def healthy(self) -> bool:
+        return not self.problems
+
+
+def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | None, Path]:
+    """Tensors of an adapter file (or folder) and its adapter_config.json when present beside it; a llama.cpp
+    LoRA .gguf is read too (read_gguf_adapter)."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        return read_gguf_adapter(path)
+    weights = path / "adapter_model.safetensors" if path.is_dir() else path
+    if not weights.is_file():
+        raise AdapterReadError(f"{path}: no such adapter file")
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise AdapterReadError(f"{weights}: not a readable safetensors file ({exc})") from None
+    config_path = weights.parent / "adapter_config.json"
+    config = None
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise AdapterReadError(f"{config_path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    return tensors, config, weights
+
+
+def read_gguf_adapter(path: Path) -> tuple[dict[str, torch.Tensor], dict, Path]:
+    """A llama.cpp LoRA GGUF as PEFT-style tensors: `<tensor>.lora_a/.lora_b` become `<tensor>.lora_A/B.weight`;
+    3D expert tensors (E, r, in) / (E, out, r) are flattened as PEFT stacks experts (rows e*r + j of A,
+    columns j*E + e of B), so every expert gets its own row. The scale is adapter.lora.alpha / r."""
+    import gguf
+    import numpy as np
+
+    if not path.is_file():
+        raise AdapterReadError(f"{path}: no such adapter file")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as exc:
+        raise AdapterReadError(f"{path}: not a readable GGUF file ({exc})") from None
+    fields = reader.fields
+    kind = fields.get("general.type")
+    if kind is None or bytes(kind.parts[kind.data[0]]).decode() != "adapter":
+        raise AdapterReadError(f"{path}: a GGUF, but not an adapter (general.type is not 'adapter')")
+    alpha_field = fields.get("adapter.lora.alpha")
+    tensors, rank = {}, None
+    for t in reader.tensors:
+        x = torch.from_numpy(np.array(t.data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)]))
+        base, _, ab = t.name.rpartition(".lora_")
+        if ab == "a":
+            rank = x.shape[-2]
+            x = x.reshape(-1, x.shape[-1])  # (E, r, in) -> (E*r, in)
+        elif x.dim() == 3:
+            x = x.permute(1, 2, 0).reshape(x.shape[1], -1)  # (E, out, r) -> (out, r*E)
+        tensors[f"{base}.lora_{ab.upper()}.weight"] = x
+    config = {"r": rank, "lora_alpha": float(alpha_field.parts[alpha_field.data[0]][0])} if alpha_field else None
+    return tensors, config, path
+
+
+def pair_factors(tensors: dict[str, torch.Tensor], source: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{module: (A (r*, in), B (out, r*))} from '<module>.lora_A.weight' / '<module>.lora_B.weight' keys."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = re.fullmatch(r"(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
+        if m:
+            pairs.setdefault(m.group(1), {})[m.group(2)] = t
+    if not pairs:
+        raise AdapterReadError(f"{source}: no lora_A / lora_B tensors: not a LoRA adapter")
+    out = {}
+    for module, ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise AdapterReadError(f"{source}: {module} has lora_{''.join(ab)} but not both lora_A and lora_B")
+        a, b = ab["A"], ab["B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise AdapterReadError(
+                f"{source}: {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not multiply"
+            )
+        out[module] = (a.double(), b.double())
+    return out
+
+
+def _scale(config: dict | None) -> tuple[float, bool]:
+    if not config or "r" not in config or "lora_alpha" not in config:
+        return 1.0, False
+    r, alpha = config["r"], config["lora_alpha"]
+    return (alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r), True
+
+
+def _module_label(module: str, config: dict | None) -> str:
+    """Readable name: prefix dropped; an expert wrapper named by the parameter it adapts."""
+    name = module.removeprefix("base_model.model.")
+    depth = 0
+    while name.endswith(".base_layer"):
+        name, depth = name.removesuffix(".base_layer"), depth + 1
+    targets = [t for t in (config or {}).get("target_parameters") or [] if name.endswith(t.rsplit(".", 1)[0])]
+    params = [p for p in PARAM_ORDER if any(t.endswith("." + p) for t in targets)]
+    if params and depth < len(params):
+        return f"{name}.{params[len(params) - 1 - depth]}"
+    return module.removeprefix("base_model.model.")
+
+
+def _frobenius_delta(a: torch.Tensor, b: torch.Tensor) -> float:
+    return math.sqrt(max(0.0, float(torch.trace((a @ a.T) @ (b.T @ b)))))
+
+
+def _factor_issues(a: torch.Tensor, b: torch.Tensor) -> list[str]:
+    issues = []
+    for name, t in (("A", a), ("B", b)):
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            issues.append(f"{bad} NaN/Inf values in lora_{name}")
+    if torch.isfinite(b).all() and not bool(b.any()):
+        issues.append("lora_B is all zero (never trained)")
+    if torch.isfinite(a).all() and not bool(a.any()):
+        issues.append("lora_A is all zero (the update B A is zero: this adapter does nothing here)")
+    return issues
+
+
+def module_rows(label: str, a, b, *, rank: int | None, scale: float) -> list[NormRow]:
+    """One row, or one per expert when the factors stack E experts (A: (r*E, in), B: (out, r*E))."""
+    experts = a.shape[0] // rank if rank and a.shape[0] > rank and a.shape[0] % rank == 0 else 1
+    rows = []
+    for e in range(experts):
+        ae = a[e * rank : (e + 1) * rank] if experts > 1 else a
+        be = b.view(b.shape[0], rank, experts)[:, :, e] if experts > 1 else b  # columns j*E + e
+        rows.append(NormRow(
+            module=label, expert=e if experts > 1 else None,
+            norm_a=float(ae.norm()), norm_b=float(be.norm()), norm_delta=scale * _frobenius_delta(ae, be),
+            issues=_factor_issues(ae, be),
+        ))  # fmt: skip
+    return rows
+
+
+def flag_outliers(rows: list[NormRow]) -> None:
+    """Mark updates far above the rest of the same module kind (across layers and experts)."""
+    groups: dict[str, list[NormRow]] = {}
+    for r in rows:
+        groups.setdefault(re.sub(r"\.\d+\.", ".*.", r.module), []).append(r)
+    for group in groups.values():
+        finite = [r.norm_delta for r in group if math.isfinite(r.norm_delta)]
+        if len(finite) < MIN_GROUP_FOR_OUTLIERS:
+            continue
+        median = statistics.median(finite)
+        for r in group:
+            if median > 0 and math.isfinite(r.norm_delta) and r.norm_delta > OUTLIER_FACTOR * median:
+                r.issues.append(f"||scale*BA|| {r.norm_delta:.3g} is over {OUTLIER_FACTOR:g}x the median {median:.3g}")
+
+
+def check_norms(path: str | Path) -> NormReport:
+    tensors, config, weights = read_adapter(path)
+    scale, known = _scale(config)
+    rank = (config or {}).get("r")
+    rows = []
+    for module, (a, b) in pair_factors(tensors, weights).items():
+        rows.extend(module_rows(_module_label(module, config), a, b, rank=rank, scale=scale))
+    flag_outliers(rows)
+    return NormReport(adapter=str(weights), scale=scale, scale_known=known, rows=rows)
+
+
+def report_json(report: NormReport) -> str:
+    def finite(x):
+        return x if isinstance(x, float) and math.isfinite(x) else None if isinstance(x, float) else x
+
+    rows = [{k: finite(v) for k, v in asdict(r).items()} for r in report.rows]
+    return json.dumps(
+        {"adapter": report.adapter, "scale": report.scale, "scale_known": report.scale_known,
+         "healthy": report.healthy, "problems": report.problems, "rows": rows},
+        indent=2,
+    )  # fmt: skip
+
+
+@dataclass
+class ModuleSummary:
+    """One module (an expert stack: all its experts) of one layer: min / median / max of each norm."""
+
+    module: str
+    experts: int
+    norm_a: tuple[float, float, float]
+    norm_b: tuple[float, float, float]
+    norm_delta: tuple[float, float, float]
+    problems: list[str]
+
+
+def _spread(values: list[float]) -> tuple[float, float, float]:
+    ordered = sorted(values)
+    return ordered[0], ordered[len(ordered) // 2], ordered[-1]
+
+
+def summarize(report: NormReport) -> list[ModuleSummary]:
+    """One entry per module (per layer), in the report's order; the experts with problems named by number."""
+    groups: dict[str, list[NormRow]] = {}
+    for r in report.rows:
+        groups.setdefault(r.module, []).append(r)
+    out = []
+    for module, rows in groups.items():
+        problems = [f"{'' if r.expert is None else f'expert {r.expert}: '}{issue}" for r in rows for issue in r.issues]
+        out.append(ModuleSummary(module, len(rows) if rows[0].expert is not None else 0,
+                                 _spread([r.norm_a for r in rows]), _spread([r.norm_b for r in rows]),
+                                 _spread([r.norm_delta for r in rows]), problems))  # fmt: skip
+    return out
+
+
+def render_summary(report: NormReport, console) -> None:
+    """The default view at MoE scale: one row per module and layer (not 12,288 rows for Qwen3-30B-A3B)."""
+    from rich.table import Table
+
+    def fmt(spread):
+        lo, mid, hi = spread
+        return f"{mid:.4g}" if lo == hi else f"{lo:.3g} / {mid:.3g} / {hi:.3g}"
+
+    table = Table(title=f"LoRA norms: {report.adapter} (min / median / max over experts)")
+    for col in ("module", "experts", "||A||", "||B||", "||scale*BA||", "problems"):
+        table.add_column(col, justify="left" if col in ("module", "problems") else "right", overflow="fold")
+    for m in summarize(report):
+        shown = "; ".join(m.problems[:3]) + (f"; and {len(m.problems) - 3} more" if len(m.problems) > 3 else "")
+        table.add_row(m.module, str(m.experts or ""), fmt(m.norm_a), fmt(m.norm_b), fmt(m.norm_delta),
+                      f"[red]{shown}" if m.problems else "[green]ok")  # fmt: skip
+    console.print(table)
+    _render_verdict(report, console)
+
+
+def _render_verdict(report: NormReport, console) -> None:
+    if not report.scale_known:
+        console.print("[yellow]no adapter_config.json beside the file: scale taken as 1 and experts not split")
+    verdict = "[green]healthy" if report.healthy else f"[red]{len(report.problems)} problem(s)"
+    console.print(f"{len(report.rows)} rows, scale {report.scale:g}: {verdict}")
+
+
+def render_table(report: NormReport, console) -> None:
+    """Every row: one per expert of every expert stack (--per-expert)."""
+    from rich.table import Table
+
+    table = Table(title=f"LoRA norms: {report.adapter}", show_lines=False)
+    for col in ("module", "expert", "||A||", "||B||", "||scale*BA||", "issues"):
+        table.add_column(col, justify="left" if col in ("module", "issues") else "right", overflow="fold")
+    for r in report.rows:
+        table.add_row(
+            r.module, "" if r.expert is None else str(r.expert), f"{r.norm_a:.4g}", f"{r.norm_b:.4g}",
+            f"{r.norm_delta:.4g}", "[red]" + "; ".join(r.issues) if r.issues else "[green]ok",
+        )  # fmt: skip
+    console.print(table)
+    _render_verdict(report, console)
+
+
+# ------------------------------------------------------------------------------ router load of the run
+
+ROUTER_LAYERS = "router_layers.json"  # written by train / grpo: the experts modules in router_load's order
+
+
+def routed_shares(run_dir: Path) -> tuple[dict[str, list[float]], int]:
+    """({experts module: each expert's share of routed rows summed over the logged steps}, steps) from a run's
+    metrics.jsonl and router_layers.json."""
+    layers_file, metrics = run_dir / ROUTER_LAYERS, run_dir / "metrics.jsonl"
+    for f in (layers_file, metrics):
+        if not f.is_file():
+            raise AdapterReadError(f"{f}: not there; --run takes the output.dir of a train or grpo run")
+    names = [n.removeprefix("base_model.model.") for n in json.loads(layers_file.read_text())]
+    totals: dict[str, list[float]] = {}
+    steps = 0
+    for record in read_jsonl(metrics):
+        load = record.get("router_load")
+        if not load:
+            continue
+        steps += 1
+        for name, shares in zip(names, load, strict=True):
+            totals[name] = [a + b for a, b in zip(totals.get(name, [0.0] * len(shares)), shares, strict=True)]
+    return totals, steps
+
+
+def cross_check_router(report: NormReport, run_dir: str | Path) -> int:
+    """Flag experts whose LoRA and router load disagree; returns the logged steps read.
+
+    Never routed a token: its LoRA cannot have learned (B stays 0), which is a dead expert of the router,
+    not a bug of the adapter; non-zero factors then mean another run's adapter. Routed but B still zero:
+    its gradient never arrived, which is a bug."""
+    totals, steps = routed_shares(Path(run_dir))
+    for row in report.rows:
+        shares = totals.get(row.module.rsplit(".", 1)[0]) if row.expert is not None else None
+        if shares is None or row.expert >= len(shares):
+            continue
+        untrained = any("lora_B is all zero" in issue for issue in row.issues)
+        if shares[row.expert] == 0 and untrained:
+            row.issues.append(f"never routed a token in the {steps} logged steps: the router never chose it")
+        elif shares[row.expert] == 0:
+            row.issues.append(f"never routed a token in the {steps} logged steps, yet its LoRA is not zero "
+                              "(an adapter from another run?)")  # fmt: skip
+        elif untrained:
+            row.issues.append(f"routed {shares[row.expert] / steps:.2%} of rows on average, yet lora_B is all "
+                              "zero: its gradient never reached it")  # fmt: skip
+    return steps

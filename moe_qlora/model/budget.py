@@ -1,0 +1,252 @@
+"""Bytes by kind one process holds for a configured run, from config.json alone: the arithmetic `moe-qlora plan`
+prints, that an out-of-memory message ranks knobs by, and that `parallel: auto` decides with.
+
+The model is built on the meta device (no weights, no memory) and every parameter is classified with the
+rules the loader applies: NF4 expert stacks, bitsandbytes 4-bit linears, what stays in the compute dtype,
+then LoRA (fp32), its gradients (all, or one layer's when stepped in the backward) and the optimizer state
+(fp32 or 8-bit moments). Activation memory is an estimate (see below). plan.py adds several GPUs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import AutoConfig
+from transformers.quantizers.quantizers_utils import should_convert_module
+
+from moe_qlora.config.schema import RunConfig, resolve_compute_dtype
+from moe_qlora.model.classes import text_model_from_config
+from moe_qlora.model.families import matches_target
+from moe_qlora.model.loading import linears_not_quantized
+from moe_qlora.moe.experts import (
+    adopt_dense_input_experts,
+    adopt_split_gate_up_experts,
+    expert_dims,
+    is_experts_module,
+    quantized_stack_names,
+)
+from moe_qlora.moe.kernels.grouped_mm import dequant_budget_bytes, experts_per_chunk
+from moe_qlora.moe.kernels.ops import autotune_requested
+from moe_qlora.moe.nf4 import BLOCKSIZE, NESTED_BLOCKSIZE
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+LORA_BYTES = 4  # LoRA master weights and their gradients are fp32
+# What the process holds before any model: the CUDA context and cuBLAS workspaces on a GPU; on the CPU the
+# libraries themselves (torch, transformers, peft, bitsandbytes: 475 MiB measured after importing them).
+RUNTIME_BYTES = {"cuda": 600 * 2**20, "cpu": 480 * 2**20}
+DEFAULT_GPU_GIB = 80.0
+
+
+def four_bit_bytes(numel: int, *, double_quant: bool) -> int:
+    """Codes (two a byte) plus block scales: fp32 per 64 values, or a byte each plus an fp32 per 256 blocks."""
+    blocks = numel // BLOCKSIZE
+    scales = blocks + 4 * math.ceil(blocks / NESTED_BLOCKSIZE) if double_quant else 4 * blocks
+    return numel // 2 + scales
+
+
+@dataclass
+class Plan:
+    """Bytes one GPU holds, by kind, for a run on `gpus` GPUs in mode `parallel` (ddp or fsdp; one GPU is ddp's
+    single rank), and the bytes each GPU sends per optimizer step."""
+
+    model_type: str
+    params: int
+    bytes: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    gpus: int = 1
+    parallel: str = "ddp"
+    gpu_bytes: int = int(DEFAULT_GPU_GIB * 2**30)
+    communication_bytes_per_step: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+    @property
+    def fits(self) -> bool:
+        """The per-GPU total within one GPU's memory (gpu_bytes)."""
+        return self.total <= self.gpu_bytes
+
+
+def meta_model(name_or_path: str, trust_remote_code: bool = False) -> nn.Module:
+    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = text_model_from_config(config, trust_remote_code=trust_remote_code)
+    adopt_dense_input_experts(model)
+    adopt_split_gate_up_experts(model)
+    return model
+
+
+def classified_weights(model: nn.Module, *, device: str) -> Iterator[tuple[str, str, nn.Parameter]]:
+    """(parameter name, kind, parameter) of every weight, classified as the quantizer does (see loading.py):
+    experts_nf4 (expert stacks), linear_4bit (bitsandbytes linears) or other (kept in the compute dtype)."""
+    skip = sorted(linears_not_quantized(model, on_cpu=device == "cpu"))
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if pname in quantized_stack_names(module):
+                kind = "experts_nf4"
+            elif isinstance(module, nn.Linear) and pname == "weight" and should_convert_module(name, skip):
+                kind = "linear_4bit"
+            else:
+                kind = "other"
+            yield f"{name}.{pname}" if name else pname, kind, p
+
+
+def weight_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> dict[str, int]:
+    """Bytes of the loaded weights by kind (classified_weights)."""
+    compute = DTYPE_BYTES[resolve_compute_dtype(cfg.model.compute_dtype, device)]
+    double_quant = {"experts_nf4": cfg.model.expert_double_quant, "linear_4bit": cfg.model.linear_double_quant}
+    kinds = {"experts_nf4": 0, "linear_4bit": 0, "other": 0}
+    for _, kind, p in classified_weights(model, device=device):
+        n = p.numel()
+        kinds[kind] += n * compute if kind == "other" else four_bit_bytes(n, double_quant=double_quant[kind])
+    return kinds
+
+
+def lora_tensor_shapes(model: nn.Module, cfg: RunConfig, targets: list[str]) -> list[tuple[str, tuple[int, ...]]]:
+    """(module name, shape) of every LoRA tensor: per-expert factor stacks (experts on dim 0, see
+    experts.ExpertLoRA), PEFT's lora_A (r, in) and lora_B (out, r) on targeted linears and on routers."""
+    r, shapes = cfg.lora.rank, []
+    if cfg.lora.experts:
+        for name, module in model.named_modules():
+            if quantized_stack_names(module):  # split stacks too (unfused)
+                e, hidden, inter = expert_dims(module)
+                up = (2 if getattr(module, "has_gate", True) else 1) * inter
+                shapes += [(name, s) for s in [(e, r, hidden), (e, up, r), (e, r, inter), (e, hidden, r)]]
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and any(matches_target(name, t) for t in targets):
+            shapes += [(name, (r, module.in_features)), (name, (module.out_features, r))]
+    if cfg.lora.router:
+        for name, module in model.named_modules():
+            if is_experts_module(module):
+                block_name = name.rsplit(".", 1)[0]
+                block = model.get_submodule(block_name)
+                attr = "gate" if getattr(block, "gate", None) is not None else "router"
+                router = getattr(block, attr, None)
+                if router is not None and getattr(router, "weight", None) is not None:
+                    out_features, in_features = router.weight.shape[:2]
+                    shapes += [(f"{block_name}.{attr}", (r, in_features)), (f"{block_name}.{attr}", (out_features, r))]
+    return shapes
+
+
+def lora_tensor_sizes(model: nn.Module, cfg: RunConfig, targets: list[str]) -> list[int]:
+    """Element counts of every LoRA tensor (lora_tensor_shapes)."""
+    return [math.prod(shape) for _, shape in lora_tensor_shapes(model, cfg, targets)]
+
+
+def optimizer_state_bytes(numel: int, optimizer: str) -> int:
+    """One tensor's optimizer state. torch AdamW: two fp32 moments. bitsandbytes 8-bit: two uint8 code
+    tensors and an fp32 scale per 256-element block for each; tensors under 4,096 elements (its
+    min_8bit_size) keep two fp32 moments. bitsandbytes' two 256-entry code maps are shared by all tensors."""
+    if optimizer == "adamw" or numel < 4096:
+        return 8 * numel
+    return 2 * numel + 2 * 4 * math.ceil(numel / 256)
+
+
+def activation_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> int:
+    """An estimate of activation memory for one micro-batch (N = batch * seq tokens, d = compute bytes).
+
+    Checkpointed layers keep their input (N H d); the others, and the one being recomputed, keep a layer's
+    activations: ~12 N H d for attention, norms and residuals, N K (2I + 2r) d for the MoE rows (h and the
+    LoRA projections) and 2 N E fp32 for the router. SDPA's memory-efficient kernels are assumed (no N x N
+    attention matrix). The loss is its own row (loss_bytes).
+    """
+    c, t, lora = model.config, cfg.train, cfg.lora
+    tokens = t.micro_batch_size * cfg.data.max_seq_len
+    d, hidden = DTYPE_BYTES[resolve_compute_dtype(cfg.model.compute_dtype, device)], c.hidden_size
+    layers = c.num_hidden_layers
+    moe = [m for m in model.modules() if is_experts_module(m)]
+    k = getattr(c, "num_experts_per_tok", 0) or 0
+    experts, _, inter = expert_dims(moe[0]) if moe else (0, hidden, 0)
+    per_layer = 12 * tokens * hidden * d + tokens * k * (2 * inter + 2 * lora.rank) * d + 2 * tokens * experts * 4
+    checkpointed = math.ceil(layers / t.checkpoint_interval) if t.gradient_checkpointing else 0
+    kept_full = layers - checkpointed + (1 if checkpointed else 0)
+    return checkpointed * tokens * hidden * d + kept_full * per_layer
+
+
+def loss_bytes(model: nn.Module, cfg: RunConfig) -> int:
+    """Logits the loss holds at once. Chunked (train.loss_chunk_tokens, losses.py): one fp32 (chunk, vocab)
+    buffer reused for logits, softmax and gradient, plus logsumexp's temporary: 2 x 4 bytes. Full logits:
+    ~3 x (tokens, vocab) fp32 for the micro-batch (logits, log-softmax, gradient)."""
+    tokens = cfg.train.micro_batch_size * cfg.data.max_seq_len
+    chunk = cfg.train.loss_chunk_tokens
+    vocab = model.config.get_text_config().vocab_size
+    return 2 * 4 * min(tokens, chunk) * vocab if chunk else 3 * 4 * tokens * vocab
+
+
+def gradient_bytes(n_lora: int, model: nn.Module, cfg: RunConfig) -> int:
+    """LoRA gradients alive at once: all of them, or with train.optimizer_in_backward about one decoder
+    layer's (a layer's backward forms its LoRA gradients together; each is freed once its tensor is stepped)."""
+    if cfg.train.optimizer_in_backward:
+        return math.ceil(n_lora / model.config.num_hidden_layers) * LORA_BYTES
+    return n_lora * LORA_BYTES
+
+
+def dequant_buffer_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> int:
+    """grouped_mm's decoded expert stack, alive during one projection: the largest stack in the compute dtype,
+    or model.dequant_buffer_mb when smaller (decoded a chunk of experts at a time). Counted when the run uses
+    grouped_mm: kernels: grouped_mm, or auto on CUDA at or above model.fused_below_rows rows per expert."""
+    moe = [m for m in model.modules() if is_experts_module(m)]
+    if not moe:
+        return 0
+    m = cfg.model
+    experts, hidden, inter = expert_dims(moe[0])
+    k = getattr(model.config, "num_experts_per_tok", 0) or 1
+    rows_per_expert = cfg.train.micro_batch_size * cfg.data.max_seq_len * k / experts
+    dtype = resolve_compute_dtype(m.compute_dtype, device)
+    # auto takes grouped_mm only where torch has its fused kernel: bf16 on sm_90/sm_100. The plan does not know
+    # the GPU, so in bf16 it counts the buffer (an H100's case; on other GPUs auto runs triton and needs none).
+    grouped = m.kernels == "grouped_mm" or (m.kernels == "auto" and device == "cuda" and dtype == "bfloat16"
+                                            and rows_per_expert >= m.fused_below_rows)  # fmt: skip
+    if not grouped:
+        return 0
+    d = DTYPE_BYTES[dtype]
+    gated = 2 if getattr(moe[0], "has_gate", True) else 1
+    expert_bytes = gated * inter * hidden * d
+    return experts_per_chunk(experts, expert_bytes, dequant_budget_bytes(m.dequant_buffer_mb)) * expert_bytes
+
+
+AUTOTUNE_FLUSH_BYTES = 256 * 2**20  # triton.testing.do_bench clears the L2 with this buffer between timings
+
+
+def autotune_bytes(cfg: RunConfig, *, device: str) -> int:
+    """The buffer Triton's autotuner allocates while it times the fused kernel's configs (first steps of each
+    shape class), kept reserved by torch's caching allocator afterwards. Counted on CUDA when Triton kernels
+    may run (kernels: triton or auto) and autotuning is on (MOE_QLORA_AUTOTUNE=0 turns it off)."""
+    if device != "cuda" or cfg.model.kernels not in ("triton", "auto") or not autotune_requested():
+        return 0
+    return AUTOTUNE_FLUSH_BYTES
+
+
+def one_device_plan(cfg: RunConfig, model: nn.Module, targets: list[str], *, device: str) -> Plan:
+    """Bytes by kind of the run `cfg` in one process on `device`: what ddp puts on every GPU."""
+    plan = Plan(model_type=model.config.model_type, params=sum(p.numel() for p in model.parameters()))
+    plan.bytes.update(weight_bytes(model, cfg, device=device))
+    sizes = lora_tensor_sizes(model, cfg, targets)
+    n_lora = sum(sizes)
+    plan.bytes.update(
+        lora=n_lora * LORA_BYTES,
+        gradients=gradient_bytes(n_lora, model, cfg),
+        optimizer=sum(optimizer_state_bytes(n, cfg.train.optimizer) for n in sizes),
+    )
+    plan.bytes["activations_estimate"] = activation_bytes(model, cfg, device=device)
+    plan.bytes["loss_logits"] = loss_bytes(model, cfg)
+    plan.bytes["runtime"] = RUNTIME_BYTES["cuda" if device == "cuda" else "cpu"]
+    if buffer := dequant_buffer_bytes(model, cfg, device=device):
+        plan.bytes["dequant_buffer"] = buffer
+    if flush := autotune_bytes(cfg, device=device):
+        plan.bytes["autotune_flush"] = flush
+    if not any(is_experts_module(m) for m in model.modules()):
+        plan.notes.append("no MoE experts in this model: it would train as plain QLoRA")
+    plan.notes.append(f"targets: experts={cfg.lora.experts}, linears={targets}")
+    t = cfg.train
+    plan.notes.append(f"optimizer: {t.optimizer}" + (", stepped in the backward" if t.optimizer_in_backward else "")
+                      + (f"; loss through the head {t.loss_chunk_tokens} tokens at a time" if t.loss_chunk_tokens
+                         else "; full logits"))  # fmt: skip
+    if t.optimizer == "paged_adamw_8bit" and device == "cuda":
+        plan.notes.append("paged_adamw_8bit: its state can page out to host memory under pressure (not counted)")
+    return plan

@@ -1,0 +1,240 @@
+"""Data parallel over several processes (torchrun, accelerate launch): every rank holds the 4-bit model, takes
+its slice of each global micro-batch, and the LoRA gradients are summed across ranks before the step.
+
+The step's loss is normalised by the target tokens of the whole global batch (all ranks), so ranks x
+micro_batch_size reproduces one process with the same global micro-batch: the sum of per-rank gradients of
+sum(token losses) / N_global is the single-process gradient. Gradients are summed with one all_reduce over
+a flat buffer (torch.distributed, gloo on CPU, nccl on CUDA), so every rank holds the same gradient and
+takes the same clipping and NaN decisions. Rank 0 alone writes logs, checkpoints and the adapter.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    sharded: bool = False  # FSDP2: parameters, gradients and optimizer state sharded; FSDP reduces the gradients
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+
+SINGLE = Ranks()
+
+
+def launched_world_size() -> int:
+    """WORLD_SIZE as torchrun and accelerate set it (1 when launched plainly)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def join(timeout_s: int) -> Ranks:
+    """Join the process group the launcher describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), with a
+    timeout so that a rank which dies cannot leave the others waiting for ever."""
+    world = launched_world_size()
+    if world == 1:
+        return SINGLE
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    return Ranks(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=local_rank)
+
+
+def leave(ranks: Ranks, *, together: bool = True) -> None:
+    """Leave the process group. `together` (a run that ended normally): wait at a barrier first, so no rank
+    tears its group down while a peer is still in a collective with it; gloo can then abort the process
+    ("terminate called without an active exception", seen once in CI on a 2-rank FSDP step). After a failure
+    the barrier is skipped: the other ranks may never reach it."""
+    if ranks.enabled and dist.is_initialized():
+        if together:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def device_of(ranks: Ranks) -> torch.device:
+    return torch.device("cuda", ranks.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def sum_scalars(ranks: Ranks, *values: float) -> list[float]:
+    """Each value summed over ranks (float64 on the collective's device)."""
+    if not ranks.enabled:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device_of(ranks))
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def sum_gradients(ranks: Ranks, params: list[torch.Tensor]) -> None:
+    """p.grad <- sum over ranks of p.grad, for every trainable tensor (a rank with no rows this step
+    contributes zeros), through one flat buffer and one all_reduce. Under FSDP the backward has already
+    reduce-scattered them (summed: the divide factor is 1)."""
+    if not ranks.enabled or ranks.sharded:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    dist.all_reduce(flat)
+    offset = 0
+    for p, g in zip(params, grads, strict=True):
+        n = g.numel()
+        p.grad = flat[offset : offset + n].view_as(g).to(g.dtype)
+        offset += n
+
+
+def any_rank(ranks: Ranks, flag: bool) -> bool:
+    """True on every rank when it is true on any (a stop signal one rank saw, a failure)."""
+    return bool(sum_scalars(ranks, float(flag))[0]) if ranks.enabled else flag
+
+
+def raise_together(ranks: Ranks, error: BaseException | None) -> None:
+    """Every rank learns whether any failed before the first collective of the run, and all raise the first
+    failure's message (so no rank waits for a peer that is gone)."""
+    if not ranks.enabled:
+        if error is not None:
+            raise error
+        return
+    messages: list = [None] * ranks.world
+    dist.all_gather_object(messages, None if error is None else (type(error).__name__, str(error)))
+    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+    if not failed:
+        return
+    if error is not None:
+        raise error
+    rank, (kind, message) = failed[0]
+    raise RankFailed(f"rank {rank} failed ({kind}): {message}")
+
+
+class RankFailed(RuntimeError):
+    """Another rank of the run failed; this one stops with its message."""
+
+
+# --- FSDP2: sharded 4-bit experts -------------------------------------------------------------------------------
+
+
+def shard_model(model, ranks: Ranks) -> Ranks:
+    """Shard `model` over the ranks with FSDP2 (torch.distributed.fsdp.fully_shard): one FSDP group per decoder
+    layer (the classes in the model's _no_split_modules) and the root for the rest.
+
+    Sharded on dim 0: the NF4 expert stacks (by expert) and the other 4-bit linears (by output row), each made
+    plain frozen parameters of codes and fp32 scales first (a Params4bit keeps its scales in a quant_state FSDP
+    cannot see); every frozen weight in the compute dtype; the LoRA tensors, so their gradients and AdamW
+    moments. A layer's parameters are all-gathered for its forward and again for its backward
+    (reshard_after_forward). Left whole on every rank: a 4-bit linear whose rows do not hold whole NF4 blocks
+    (in_features not a multiple of 64). Gradients are reduce-scattered as sums (divide factor 1): the loss is
+    already normalised by the global target count. Returns `ranks` marked sharded.
+    """
+    import bitsandbytes as bnb
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from moe_qlora.moe.experts import make_stacks_shardable
+    from moe_qlora.moe.nf4 import make_linears_shardable
+
+    make_stacks_shardable(model)
+    make_linears_shardable(model)
+    # The root returns the model's output, a view when the loss reads the head's input as logits (losses.py);
+    # nothing writes to it in place, which is what the warning is about.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    mesh = init_device_mesh(device_of(ranks).type, (ranks.world,))
+    whole = {p for p in model.parameters() if isinstance(p, bnb.nn.Params4bit)}
+    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules): cannot shard "
+                         "it layer by layer; use train.parallel: ddp")  # fmt: skip
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True, ignored_params=whole)
+    fully_shard(model, mesh=mesh, ignored_params=whole)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+    return replace(ranks, sharded=True)
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded (DTensor) tensor; the tensor itself otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole of a sharded tensor, gathered (a collective: every rank calls it); the tensor otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def shard_like(param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """`whole` (the full tensor, present on every rank) laid out as `param` is: this rank's shard of it as a
+    DTensor with param's placements when param is sharded (no communication), `whole` on param's device else."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(param, DTensor):
+        return whole.to(param.device)
+    return distribute_tensor(whole.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+
+
+@contextmanager
+def whole_trainable(model, ranks: Ranks):
+    """Within the block every trainable parameter of a sharded model is whole (gathered on every rank), so the
+    adapter can be written and verified as from one process; the shards are put back after. Only LoRA is
+    gathered, never the 4-bit weights."""
+    if not ranks.sharded:
+        yield model
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    # Every FSDP group back to its shards first, on every rank: the root stays gathered after a forward without
+    # a backward (an eval), and a state_dict() that rank 0 alone makes (writing the adapter) would reshard it on
+    # rank 0 only; the ranks' next forwards would then run different collectives.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    swapped = []
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.requires_grad:
+                module._parameters[name] = torch.nn.Parameter(full_tensor(p.detach()), requires_grad=True)
+                swapped.append((module, name, p))
+    try:
+        yield model
+    finally:
+        for module, name, p in swapped:
+            module._parameters[name] = p
+
+
+def gather_objects(ranks: Ranks, local: list) -> list:
+    """Every rank's list, concatenated in rank order, on every rank (picklable items: rollouts, rewards)."""
+    if not ranks.enabled:
+        return local
+    parts: list = [None] * ranks.world
+    dist.all_gather_object(parts, local)
+    return [item for part in parts for item in part]
+
+
+def rank_slice(items: list, ranks: Ranks) -> tuple[int, list]:
+    """This rank's contiguous share of `items` (ceil(n / world) each, the last ranks maybe fewer or none) and
+    the index of its first item, so that concatenating the shares in rank order gives `items` back."""
+    share = -(-len(items) // ranks.world)
+    start = min(ranks.rank * share, len(items))
+    return start, items[start : start + share]

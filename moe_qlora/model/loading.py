@@ -1,0 +1,431 @@
+"""Load a MoE checkpoint through `from_pretrained`, quantizing while loading.
+
+A transformers quantizer (a subclass of the bitsandbytes 4-bit one) makes every `nn.Linear` a bitsandbytes
+Linear4bit and every fused expert stack (`gate_up_proj`, `down_proj`, 3D) an NF4 Params4bit. transformers
+loads one tensor at a time when quantizing on the fly, so the full-precision experts of the whole model
+are never in memory together; its checkpoint conversions (per-expert legacy layouts) run before ours.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import bitsandbytes as bnb
+import torch
+from transformers import AutoConfig, BitsAndBytesConfig
+from transformers.core_model_loading import ConversionOps
+from transformers.integrations.bitsandbytes import Bnb4bitQuantize
+from transformers.quantizers.auto import register_quantization_config, register_quantizer
+from transformers.quantizers.base import get_keys_to_not_convert
+from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
+from transformers.quantizers.quantizers_utils import get_module_from_name
+
+from moe_qlora.common.hub import check_hub_model
+from moe_qlora.common.memory import release_freed_memory
+from moe_qlora.model.classes import text_generation_class
+from moe_qlora.model.distributed import local_shard
+from moe_qlora.moe.experts import (
+    EXPERT_PARAMS,
+    adopt_dense_input_experts,
+    adopt_split_gate_up_experts,
+    apply_moe_qlora_experts,
+    experts_modules,
+    fuse_gate_up,
+    is_experts_module,
+    quantized_stack_names,
+    unsupported_layout,
+)
+from moe_qlora.moe.nf4 import BLOCKSIZE, quantize_stack, stack_nbytes
+
+log = logging.getLogger(__name__)
+
+QUANT_METHOD = "moe_qlora"
+# Routers and gates stay in the compute dtype: they are tiny and their precision decides routing.
+ROUTER_PATTERNS = ["gate", "router", "shared_expert_gate"]
+
+
+class ModelLoadError(ValueError):
+    """A model path or checkpoint that cannot be loaded as asked."""
+
+
+@register_quantization_config(QUANT_METHOD)
+class MoEQLoRAQuantConfig(BitsAndBytesConfig):
+    """bitsandbytes NF4 for linears plus NF4 expert stacks; `expert_double_quant` compresses expert scales."""
+
+    def __init__(self, *, expert_double_quant: bool = False, **kwargs):
+        kwargs.setdefault("load_in_4bit", True)
+        kwargs.setdefault("bnb_4bit_quant_type", "nf4")
+        super().__init__(**kwargs)
+        self.expert_double_quant = expert_double_quant
+        self.quant_method = QUANT_METHOD
+
+    def to_dict(self):
+        return {**super().to_dict(), "expert_double_quant": self.expert_double_quant, "quant_method": QUANT_METHOD}
+
+
+class _QuantizeOnLoad(ConversionOps):
+    """Quantize one loaded tensor: expert stacks to NF4 Params4bit, linears the bitsandbytes way."""
+
+    def __init__(self, quantizer: MoEQLoRAQuantizer):
+        self.quantizer = quantizer
+        self.linear_op = Bnb4bitQuantize(quantizer)
+
+    def convert(self, input_dict, model=None, **kwargs):
+        result = {}
+        for name, value in input_dict.items():
+            value = value[0] if isinstance(value, list) else value
+            module, param_name = get_module_from_name(model, name)
+            if param_name in quantized_stack_names(module):
+                double_quant = self.quantizer.quantization_config.expert_double_quant
+                result[name] = quantize_stack(value, double_quant=double_quant)
+                module._is_hf_initialized = True
+                # Quantizing a stack leaves a heap of freed per-expert temporaries; without handing them back,
+                # glibc's heap grows layer after layer (measured: +1 GB over 6 layers of a 3 GB checkpoint).
+                release_freed_memory()
+            else:
+                result.update(self.linear_op.convert({name: value}, model=model, **kwargs))
+        return result
+
+
+def cpu_unsafe_linears(model) -> list[str]:
+    """Linears bitsandbytes cannot run in 4-bit on the CPU: those they stay in the compute dtype.
+
+    bitsandbytes 0.50's CPU Linear4bit decodes weights whose in_features is not a multiple of the blocksize
+    (64) wrongly (errors of order 1 in the output; tested in test_families), so they are left unquantized.
+    """
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m.in_features % BLOCKSIZE]
+    if names:
+        log.warning("keeping %d linear(s) unquantized on CPU (in_features not a multiple of %d): %s",
+                    len(names), BLOCKSIZE, ", ".join(names[:6]) + (" ..." if len(names) > 6 else ""))  # fmt: skip
+    return names
+
+
+def linears_outside_the_text_model(model) -> list[str]:
+    """Linears of a multimodal model outside its language model (vision tower, projector): they stay frozen in
+    the compute dtype, since only text is trained."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    prefix = next((n for n, m in model.named_modules() if m is decoder), "")
+    if decoder is None or not prefix or prefix == getattr(model, "base_model_prefix", None):
+        return []
+    return [n for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and not n.startswith(prefix + ".") and n != "lm_head"]  # fmt: skip
+
+
+def linears_not_quantized(model, *, on_cpu: bool) -> set[str]:
+    """Patterns of linears that stay in the compute dtype: the output head, routers and gates, a multimodal
+    model's vision parts, and on the CPU the linears bitsandbytes cannot run in 4-bit. The quantizer and
+    `plan` both use this rule."""
+    skips = set(get_keys_to_not_convert(model)) | set(ROUTER_PATTERNS) | set(linears_outside_the_text_model(model))
+    return skips | set(cpu_unsafe_linears(model)) if on_cpu else skips
+
+
+@register_quantizer(QUANT_METHOD)
+class MoEQLoRAQuantizer(Bnb4BitHfQuantizer):
+    """Bitsandbytes 4-bit quantizer that also quantizes fused 3D expert stacks to NF4."""
+
+    def _process_model_before_weight_loading(self, model, device_map, **kwargs):
+        adopt_dense_input_experts(model)  # before loading, so their stacks are quantized as experts
+        adopt_split_gate_up_experts(model)
+        skips = set(self.quantization_config.llm_int8_skip_modules or [])
+        on_cpu = all(str(d).startswith("cpu") for d in (device_map or {"": "cpu"}).values())
+        skips.update(linears_not_quantized(model, on_cpu=on_cpu))
+        self.quantization_config.llm_int8_skip_modules = sorted(skips)
+        super()._process_model_before_weight_loading(model, device_map, **kwargs)
+
+    def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
+        module, name = get_module_from_name(model, param_name)
+        if name in quantized_stack_names(module):
+            return True
+        return super().param_needs_quantization(model, param_name, **kwargs)
+
+    def get_quantize_ops(self):
+        return _QuantizeOnLoad(self)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to load: where from, the compute dtype, and quantization choices."""
+
+    name_or_path: str
+    compute_dtype: torch.dtype = torch.float32
+    expert_double_quant: bool = False
+    linear_double_quant: bool = False
+    trust_remote_code: bool = False
+    strict: bool = True
+    device: str = "cpu"
+
+
+def check_model_path(name_or_path: str) -> None:
+    """A local-looking path must exist and hold a config (weights: checkpoint_files); else it is a hub id."""
+    looks_local = os.path.isabs(name_or_path) or name_or_path.startswith((".", "~")) or os.path.exists(name_or_path)
+    if not looks_local:
+        check_hub_model(name_or_path, ModelLoadError)
+        return
+    path = os.path.expanduser(name_or_path)
+    if not os.path.isdir(path):
+        raise ModelLoadError(f"model path {name_or_path!r} does not exist")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise ModelLoadError(f"model path {name_or_path!r} has no config.json")
+
+
+def local_checkpoint(name_or_path: str) -> Path:
+    """A local folder holding the checkpoint: the path itself, or the hub snapshot (config and safetensors)."""
+    path = Path(os.path.expanduser(name_or_path))
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+    return Path(snapshot_download(name_or_path, allow_patterns=patterns))
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the shards its index names, or every weights file."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (folder / s).exists()]
+        if missing:
+            raise ModelLoadError(f"{index} names shards that are not there: {', '.join(missing[:3])}")
+        return [folder / s for s in shards]
+    files = sorted(f for f in folder.glob("*.safetensors") if not f.name.startswith("adapter_"))
+    if not files:
+        raise ModelLoadError(f"{folder} has no .safetensors weights (only safetensors are loaded)")
+    return files
+
+
+TORCH_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+
+
+class LazyTensor:
+    """One tensor of a safetensors file, read on `[...]` straight into its own buffer (one copy).
+
+    The two readers safetensors offers cost more here: mmap leaves every touched page resident until the
+    file is closed (the whole checkpoint, by the end of loading), and its pread backend holds the bytes
+    twice while it builds the tensor (measured: 577 MiB high-water for a 288 MiB tensor).
+    """
+
+    def __init__(self, path: Path, dtype: str, shape: list[int], start: int, end: int):
+        self.path, self.dtype_name, self.shape, self.start, self.end = path, dtype, shape, start, end
+
+    def get_dtype(self) -> str:
+        return self.dtype_name
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def __getitem__(self, index):
+        if index is not Ellipsis:
+            raise ValueError(f"LazyTensor reads whole tensors only ([...]), not [{index!r}]")
+        buffer = torch.empty(self.end - self.start, dtype=torch.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(self.start)
+            if f.readinto(buffer.numpy()) != buffer.numel():
+                raise ModelLoadError(f"{self.path}: truncated safetensors file")
+        return buffer.view(TORCH_DTYPES[self.dtype_name]).reshape(self.shape)
+
+
+def read_safetensors_index(path: Path) -> dict[str, LazyTensor]:
+    """The tensors of one safetensors file: an 8-byte header length, a JSON header, then the data."""
+    try:
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > path.stat().st_size - 8:
+                raise ValueError(f"header length {header_len} exceeds the file")
+            header = json.loads(f.read(header_len))
+    except (OSError, ValueError, struct.error, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise ModelLoadError(f"{path}: not a readable safetensors file ({exc})") from None
+    header.pop("__metadata__", None)
+    base = 8 + header_len
+    unknown = {v["dtype"] for v in header.values()} - TORCH_DTYPES.keys()
+    if unknown:
+        raise ModelLoadError(f"{path}: tensors of dtype {sorted(unknown)} are not supported")
+    return {k: LazyTensor(path, v["dtype"], v["shape"], base + v["data_offsets"][0], base + v["data_offsets"][1])
+            for k, v in header.items()}  # fmt: skip
+
+
+@contextmanager
+def lazy_state_dict(files: list[Path]):
+    """{name: LazyTensor} over all files of a checkpoint; nothing is read until transformers asks."""
+    state = {}
+    for f in files:
+        state.update(read_safetensors_index(f))
+    yield state
+
+
+def stored_dtype(state: dict) -> torch.dtype:
+    """The floating dtype most tensors of the checkpoint are stored in."""
+    counts = Counter(t.get_dtype() for t in state.values() if TORCH_DTYPES[t.get_dtype()].is_floating_point)
+    return TORCH_DTYPES[counts.most_common(1)[0][0]] if counts else torch.float32
+
+
+def load_model(opts: LoadOptions):
+    """Load a causal LM with NF4 experts and 4-bit linears, routed through the moe-qlora experts layer.
+
+    Tensors are quantized from the dtype they are stored in (no whole-model upcast); what stays
+    unquantized (norms, router, embeddings) is then cast to the compute dtype.
+    """
+    check_model_path(opts.name_or_path)
+    folder = local_checkpoint(opts.name_or_path)
+    files = checkpoint_files(folder)
+    config = AutoConfig.from_pretrained(str(folder), trust_remote_code=opts.trust_remote_code)
+    quant = MoEQLoRAQuantConfig(
+        expert_double_quant=opts.expert_double_quant,
+        bnb_4bit_use_double_quant=opts.linear_double_quant,
+        bnb_4bit_compute_dtype=opts.compute_dtype,
+    )
+    model_class = causal_lm_class(config, folder, opts.trust_remote_code)
+    if "Diffusion" in model_class.__name__:
+        raise ModelLoadError(f"{model_class.__name__}: not supported: a diffusion language model, trained to denoise "
+                             "masked tokens; moe-qlora trains next-token prediction, the wrong objective for it")
+    with lazy_state_dict(files) as state:
+        model = model_class.from_pretrained(
+            None,
+            config=config,
+            state_dict=state,
+            quantization_config=quant,
+            dtype=stored_dtype(state),
+            device_map={"": opts.device},
+            trust_remote_code=opts.trust_remote_code,
+        )
+    model.name_or_path = str(folder)
+    fuse_gate_up(model, lambda stack: quantize_stack(stack, double_quant=opts.expert_double_quant))
+    cast_unquantized(model, opts.compute_dtype)
+    release_freed_memory()
+    if opts.compute_dtype != torch.bfloat16:
+        keep_linears_in_compute_dtype(model)
+    if (reason := unsupported_layout(model)) is not None:
+        raise ModelLoadError(f"{type(model).__name__}: not supported: {reason}")
+    if opts.strict:
+        assert_experts_quantized(model)
+    found, declared = experts_modules(model), declared_experts(model.config)
+    if declared > 1 and not found:
+        raise ModelLoadError(
+            f"no experts module on transformers' experts interface (an expert layout moe-qlora does not know), though "
+            f"the config of {type(model).__name__} declares {declared} experts: refusing rather than training it as "
+            "a dense model with its experts untouched"
+        )
+    if found:
+        apply_moe_qlora_experts(model)
+    return model
+
+
+def causal_lm_class(config, folder: Path, trust_remote_code: bool):
+    """The model class AutoModelForCausalLM would pick (a state dict load takes no path to pick from)."""
+    remote = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM")
+    if remote and trust_remote_code:
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+        return get_class_from_dynamic_module(remote, str(folder))
+    model_class = text_generation_class(config)
+    if model_class is None:
+        hint = " (its code ships with the checkpoint: set model.trust_remote_code: true)" if remote else ""
+        raise ModelLoadError(f"{folder}: {type(config).__name__} is not a causal LM transformers knows{hint}")
+    return model_class
+
+
+def cast_unquantized(model, dtype: torch.dtype) -> None:
+    """Floating parameters that are not 4-bit to `dtype`; 4-bit linears dequantize straight to `dtype`."""
+    for p in model.parameters():
+        if isinstance(p, bnb.nn.Params4bit):
+            p.quant_state.dtype = dtype  # decode level * scale in `dtype`, not in the stored dtype
+        elif p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    model.config.dtype = dtype
+
+
+def keep_linears_in_compute_dtype(model) -> None:
+    """Stop bitsandbytes from switching 4-bit linears to its bf16 CPU kernel in eval mode.
+
+    On AVX512-BF16 CPUs, Linear4bit (eval mode, no grad) repacks its weight in place and computes in
+    bf16 whatever compute dtype was asked; an fp32 run must stay fp32 in training and in generation.
+    """
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+
+
+EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def declared_experts(config) -> int:
+    """The number of routed experts a config declares (0 for a dense model)."""
+    for key in EXPERT_COUNT_FIELDS:
+        try:
+            value = getattr(config, key, None)
+        except Exception:  # a per-layer attribute of a heterogeneous config
+            continue
+        if isinstance(value, int) and value > 1:
+            return value
+    return getattr(getattr(config, "ffn_config", None), "moe_num_experts", 0) or 0
+
+
+def looks_like_experts(name: str, module) -> bool:
+    """An experts container by its name (class `...Experts`, attribute `experts` / `shared_experts`)."""
+    return type(module).__name__.lower().endswith("experts") or name.rsplit(".", 1)[-1] in ("experts", "shared_experts")
+
+
+def unquantized_expert_stacks(model) -> list[str]:
+    """Expert stacks left in high precision, each with why.
+
+    Experts are found by what they are: modules on transformers' experts interface (their stacks must be NF4
+    now), and modules that hold 3D expert-like stacks but are not on that interface (a layout moe-qlora does
+    not compute). Other 3D weights (the short convolutions of Mamba / linear-attention layers) are not experts.
+    """
+    found = []
+    for name, module in model.named_modules():
+        stacks = {n: p for n, p in module.named_parameters(recurse=False) if p.dim() == 3 and p.is_floating_point()}
+        stacks = {n: p for n, p in stacks.items() if not isinstance(p, bnb.nn.Params4bit)}
+        if not stacks:
+            continue
+        if is_experts_module(module):
+            why = "the quantizer did not convert"
+        elif looks_like_experts(name, module):
+            why = f"{type(module).__name__} is not on transformers' experts interface (an unknown expert layout)"
+        else:
+            continue
+        found += [f"{why}: {name}.{n} {tuple(p.shape)} {p.dtype}" for n, p in stacks.items()]
+    return found
+
+
+def assert_experts_quantized(model) -> None:
+    """Strict check: every expert stack is NF4; names what was found unquantized and why."""
+    leftovers = unquantized_expert_stacks(model)
+    if leftovers:
+        raise ModelLoadError(
+            "expert stacks moe-qlora cannot keep in NF4: "
+            + "; ".join(leftovers[:4])
+            + (f" and {len(leftovers) - 4} more" if len(leftovers) > 4 else "")
+        )
+
+
+def parameter_bytes_by_kind(model) -> dict[str, int]:
+    """Bytes of the model's weights this process holds, by kind: NF4 experts, other 4-bit weights, LoRA, the
+    rest (of a sharded model: this rank's shards, the experts' codes and scales as parameters of their own)."""
+    kinds = {"experts_nf4": 0, "linear_4bit": 0, "lora": 0, "other": 0}
+    shardable = tuple(f"{n}_{part}" for n in EXPERT_PARAMS for part in ("nf4", "absmax"))
+    for name, p in model.named_parameters():
+        local = local_shard(p)
+        if isinstance(p, bnb.nn.Params4bit):
+            kind = "experts_nf4" if name.rsplit(".", 1)[-1] in EXPERT_PARAMS else "linear_4bit"
+            kinds[kind] += stack_nbytes(p)
+        elif name.rsplit(".", 1)[-1] in shardable:
+            kinds["experts_nf4"] += local.numel() * local.element_size()
+        elif name.rsplit(".", 1)[-1] in ("weight_nf4", "weight_absmax"):  # a ShardableLinear4bit
+            kinds["linear_4bit"] += local.numel() * local.element_size()
+        elif p.requires_grad or "lora" in name:
+            kinds["lora"] += local.numel() * local.element_size()
+        else:
+            kinds["other"] += local.numel() * local.element_size()
+    return kinds

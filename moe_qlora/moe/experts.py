@@ -1,0 +1,458 @@
+"""Per-expert LoRA on quantized experts, plugged into transformers' experts interface.
+
+transformers v5 MoE blocks route tokens themselves and call `experts(hidden, top_k_index, top_k_weights)`;
+the experts class dispatches on `config._experts_implementation`. We register "moe_qlora" there: the
+block's routing stays exactly the model's own, and only the expert computation is ours.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import bitsandbytes as bnb
+import torch
+from torch import nn
+from transformers.activations import SiLUActivation
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface, _default_apply_gate
+
+from moe_qlora.moe.autograd import (
+    DeferredWeightGrads,
+    FrozenExperts,
+    MoEPlan,
+    moe_lora_experts,
+    moe_lora_experts_grouped,
+)
+from moe_qlora.moe.nf4 import NF4Stack
+from moe_qlora.moe.routing import route
+from moe_qlora.moe.self_check import KernelSelfCheck, with_injected_fault
+
+EXPERTS_IMPLEMENTATION = "moe_qlora"
+# Expert stacks: the first projection (gate_up_proj when gated, up_proj when not) and down_proj.
+EXPERT_PARAMS = ("gate_up_proj", "up_proj", "down_proj")
+
+
+class UnsupportedExpertsError(ValueError):
+    """An experts module whose layout or math the MoE layer cannot compute exactly."""
+
+
+class ExpertLoRA(nn.Module):
+    """LoRA factors for every expert of one layer (fp32 master weights).
+
+    gate_up_a: (E, r, H)  gate_up_b: (E, 2I, r), or (E, I, r) for non-gated experts (up_proj)
+    down_a: (E, r, I)  down_b: (E, H, r)
+    Expert e's update is scale * B_e A_e with scale = alpha / r; B starts at zero so training starts at the base model.
+    """
+
+    def __init__(
+        self, *, num_experts: int, hidden: int, intermediate: int, rank: int, alpha: float, gated: bool = True,
+        device=None, generator=None,
+    ):  # fmt: skip
+        super().__init__()
+        shapes = {
+            "gate_up_a": (num_experts, rank, hidden),
+            "gate_up_b": (num_experts, (2 if gated else 1) * intermediate, rank),
+            "down_a": (num_experts, rank, intermediate),
+            "down_b": (num_experts, hidden, rank),
+        }
+        for name, shape in shapes.items():
+            self.register_parameter(name, nn.Parameter(torch.zeros(shape, dtype=torch.float32, device=device)))
+        self.rank, self.alpha = rank, alpha
+        self.scale = alpha / rank
+        self.active = True  # False: the experts compute the frozen base alone (GRPO's reference policy)
+        # Rows routed to each expert while training (router load), read and reset by the trainer.
+        self.register_buffer("routed_rows", torch.zeros(num_experts, dtype=torch.long, device=device), persistent=False)
+        self.reset_parameters(generator)
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        # Same distribution PEFT gives lora_A (kaiming-uniform, a=sqrt(5), fan_in = in features), per expert.
+        for a in (self.gate_up_a, self.down_a):
+            bound = 1.0 / math.sqrt(a.shape[-1])
+            nn.init.uniform_(a, -bound, bound, generator=generator)
+        nn.init.zeros_(self.gate_up_b)
+        nn.init.zeros_(self.down_b)
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (self.gate_up_a, self.gate_up_b, self.down_a, self.down_b)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.gate_up_a.shape[0]}, rank={self.rank}, alpha={self.alpha}"
+
+
+def stack_names(module: nn.Module) -> tuple[str, str]:
+    """The experts module's two stacks: ('gate_up_proj', 'down_proj'), or ('up_proj', 'down_proj') when the
+    experts are not gated (up -> activation -> down, e.g. Nemotron-H's squared ReLU)."""
+    return ("gate_up_proj" if getattr(module, "has_gate", True) else "up_proj", "down_proj")
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """True for a class on transformers' experts interface (its decorator sets has_gate) with its 3D stacks."""
+    if not hasattr(module, "has_gate"):
+        return False
+    return hasattr(module, "moe_shardable_shapes") or all(hasattr(module, n) for n in stack_names(module))
+
+
+def check_supported_layout(module: nn.Module, name: str = "experts") -> None:
+    """Refuse an experts module the MoE layer would compute wrongly, naming what is unsupported.
+
+    Supported: gate_up_proj / down_proj stacks, stored (E, out, in) or transposed (E, in, out), with or
+    without biases, and any gating the module defines in `_apply_gate` (it is called as is, and
+    differentiated by autograd), e.g. GPT-OSS's interleaved, clamped SwiGLU; or non-gated up_proj / down_proj
+    stacks with the module's own activation `act_fn` between them.
+    """
+    problems = []
+    if getattr(module, "has_post_expert_norm", False):
+        problems.append("a norm after each expert (has_post_expert_norm=True)")
+    if problems:
+        raise UnsupportedExpertsError(
+            f"{name} ({type(module).__name__}) has " + ", ".join(problems) + "; moe-qlora computes experts "
+            "as down(gate(gate_up(x))) with optional biases. Refusing rather than training on a wrong forward."
+        )
+
+
+def expert_dims(module: nn.Module) -> tuple[int, int, int]:
+    """(experts, hidden, intermediate) of an experts module, from its first stack (quantized or not)."""
+    if "gate_proj" in module._parameters and getattr(module, "moe_split_gate_up", False):  # not fused yet
+        e, inter, hidden = module.gate_proj.shape
+        return e, hidden, inter
+    stack = getattr(module, stack_names(module)[0])
+    e, d1, d2 = stack.quant_state.shape if isinstance(stack, bnb.nn.Params4bit) else stack.shape
+    hidden, width = (d1, d2) if getattr(module, "is_transposed", False) else (d2, d1)
+    return e, hidden, width // 2 if module.has_gate else width
+
+
+def _frozen_experts(module: nn.Module) -> FrozenExperts:
+    first, down = stack_names(module)
+    has_bias = getattr(module, "has_bias", False)
+    return FrozenExperts(
+        gate_up=_nf4_stack(module, first),
+        down=_nf4_stack(module, down),
+        gate=module._apply_gate if module.has_gate else module.act_fn,
+        transposed=getattr(module, "is_transposed", False),
+        gate_up_bias=getattr(module, f"{first}_bias") if has_bias else None,
+        down_bias=module.down_proj_bias if has_bias else None,
+        gate_is_silu_mul=_cached_gates_with_silu_mul(module),
+    )
+
+
+def _nf4_stack(module: nn.Module, name: str) -> NF4Stack:
+    """The NF4 stack `name` of an experts module: its bitsandbytes Params4bit, or, once made shardable, the
+    plain parameters `{name}_nf4` and `{name}_absmax` (whatever FSDP has gathered into them for this call)."""
+    shapes = getattr(module, "moe_shardable_shapes", None)
+    if shapes is not None:
+        packed, absmax = getattr(module, f"{name}_nf4"), getattr(module, f"{name}_absmax")
+        return NF4Stack(packed.view(-1), absmax.view(-1), None, shapes[name])
+    param = getattr(module, name)
+    if not isinstance(param, bnb.nn.Params4bit):
+        raise UnsupportedExpertsError(
+            f"{type(module).__name__}.{name} is not NF4-quantized; "
+            "load the model with moe_qlora.model.loading.load_model"
+        )
+    return NF4Stack.from_param(param)
+
+
+def make_stacks_shardable(model: nn.Module) -> int:
+    """Replace every NF4 expert stack (a Params4bit, whose block scales live in its quant_state where FSDP cannot
+    see them) by two frozen parameters with the experts on dim 0, so FSDP2 shards them by expert:
+    `{name}_nf4` (E, O*I/2) uint8 codes and `{name}_absmax` (E, O*I/64) fp32 scales, nested scales decoded
+    (the same fp32 values the kernels decode on the fly, so results do not change). Returns how many stacks."""
+    converted = 0
+    for module in model.modules():
+        if not is_experts_module(module) or getattr(module, "moe_shardable_shapes", None) is not None:
+            continue
+        shapes, nested = {}, False
+        for name in stack_names(module):
+            stack = NF4Stack.from_param(getattr(module, name))
+            nested |= stack.nested is not None
+            e = stack.num_experts
+            packed = stack.experts_codes(0, e).reshape(e, -1).clone()
+            absmax = stack.experts_absmax(0, e).reshape(e, -1).float().clone()
+            del module._parameters[name]
+            module.register_parameter(f"{name}_nf4", nn.Parameter(packed, requires_grad=False))
+            module.register_parameter(f"{name}_absmax", nn.Parameter(absmax, requires_grad=False))
+            shapes[name] = stack.shape
+            converted += 1
+        module.moe_shardable_shapes, module.moe_nested_scales = shapes, nested
+    return converted
+
+
+def _cached_gates_with_silu_mul(module: nn.Module) -> bool:
+    """_gates_with_silu_mul, read from the flag set_moe_kernels stores (method identity is not something
+    torch.compile can trace), computed here for a module never set."""
+    flag = getattr(module, "moe_gate_is_silu_mul", None)
+    return _gates_with_silu_mul(module) if flag is None else flag
+
+
+def _gates_with_silu_mul(module: nn.Module) -> bool:
+    """True when the module gates with transformers' default silu(gate) * up over the two halves of gate_up
+    (Mixtral, Qwen-MoE, DeepSeek, OLMoE, ...), which the kernels fuse; any other gate runs as the module's own."""
+    own_gate = getattr(getattr(module, "_apply_gate", None), "__func__", None)
+    silu = isinstance(getattr(module, "act_fn", None), SiLUActivation | nn.SiLU)
+    return module.has_gate and own_gate is _default_apply_gate and silu
+
+
+def moe_qlora_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The registered experts implementation. hidden_states: (T, H), top_k_*: (T, K) -> (T, H)."""
+    frozen = _frozen_experts(self)
+    lora: ExpertLoRA | None = getattr(self, "moe_lora", None)
+    if lora is not None and not lora.active:
+        lora = None
+    deferred = getattr(self, "moe_deferred_grads", None) if lora is not None else None
+    plan = MoEPlan(frozen, route(top_k_index, frozen.gate_up.num_experts), lora.scale if lora is not None else 0.0,
+                   deferred=deferred, lora_params=lora.factors() if deferred is not None else None)  # fmt: skip
+    if lora is not None and self.training:
+        lora.routed_rows += plan.routing.counts
+    factors = lora.factors() if lora is not None else None
+    kernels = getattr(self, "moe_kernels", "torch")
+    if kernels == "auto":
+        kernels = auto_kernels(hidden_states.shape[0] * top_k_index.shape[1], frozen.gate_up.num_experts,
+                               getattr(self, "moe_fused_below_rows", FUSED_BELOW_ROWS))  # fmt: skip
+    budget = getattr(self, "moe_dequant_budget", None)
+
+    def run(path, x, weights, lora_factors, call_plan):
+        return run_moe_path(path, x, weights, lora_factors, call_plan, budget)
+
+    checker: KernelSelfCheck | None = getattr(self, "moe_self_check", None)
+    if checker is not None and kernels != "torch" and not torch.compiler.is_compiling():
+        kernels = checker.path_for(kernels, hidden_states, top_k_index, top_k_weights, factors, plan, run)
+    return run(kernels, hidden_states, top_k_weights, factors, plan)
+
+
+def run_moe_path(path: str, x, weights, lora, plan: MoEPlan, dequant_budget: int | None) -> torch.Tensor:
+    """The MoE layer through `path` (torch: the per-expert reference; triton, grouped_mm, torch-grouped: the
+    grouped layer), with MOE_QLORA_INJECT_KERNEL_FAULT's fault for it, if any (self_check)."""
+    if path == "torch":
+        return with_injected_fault(path, lambda: moe_lora_experts(x, weights, lora, plan))
+    return with_injected_fault(path, lambda: moe_lora_experts_grouped(x, weights, lora, plan, path, dequant_budget))
+
+
+# Experts classes off transformers' interface whose stacks and math the MoE layer computes exactly once they
+# carry the interface's attributes. Llama-4: gate_up_proj (E, H, 2I) and down_proj (E, I, H) (transposed),
+# up * silu(gate); its block feeds the experts every token for every expert, scaled by the routing score
+# (sigmoid, 0 for the experts a token did not pick): routed_in (E*T, H), row e*T + t = s_te x_t.
+DENSE_INPUT_EXPERTS = ("Llama4TextExperts",)
+
+
+# Expert layouts off the interface that moe-qlora refuses, with the reason a user needs.
+UNSUPPORTED_LAYOUTS = {
+    "LongcatFlashExperts": "LongCat-Flash's zero-computation experts (the router may pick identity experts that "
+    "have no weights: its gate_up stack has more experts than its down stack)",
+    "JetMoeParallelExperts": "JetMoE's attention experts (a mixture of attention heads, JetMoeMoA) and its "
+    "parallel-experts MLP, which are not on transformers' experts interface",
+    "DbrxExperts": "DBRX's experts, stored as 2D (experts * ffn, hidden) matrices w1 / v1 / w2 in DbrxExpertGLU "
+    "rather than 3D stacks on transformers' experts interface",
+    "DogeCDMoE": "Doge's cross-domain MoE, whose experts are embedding tables (down_embed / up_embed)",
+}
+
+
+def unsupported_layout(model: nn.Module) -> str | None:
+    """The reason of the first expert layout in `model` that moe-qlora knows it cannot compute, if any."""
+    for module in model.modules():
+        if (reason := UNSUPPORTED_LAYOUTS.get(type(module).__name__)) is not None:
+            return reason
+    return None
+
+
+# Shared experts stored as 3D stacks with separate gate_proj / up_proj (S, I, H) and down_proj (S, H, I),
+# every token through each, weighted by a router gamma (Inkling): quantized while loading as three stacks,
+# then gate and up fused into one gate_up_proj stack (S, 2I, H), so they run, and get LoRA, like routed experts.
+SPLIT_GATE_UP_EXPERTS = ("InklingSharedExperts",)
+SPLIT_STACKS = ("gate_proj", "up_proj", "down_proj")
+
+
+def quantized_stack_names(module: nn.Module) -> tuple[str, ...]:
+    """The 3D stacks of `module` the quantizer turns into NF4 (none for a module that holds no experts)."""
+    if getattr(module, "moe_split_gate_up", False):
+        return SPLIT_STACKS
+    return stack_names(module) if is_experts_module(module) else ()
+
+
+def _adopt(module: nn.Module, *, transposed: bool, forward) -> None:
+    module.has_gate, module.has_bias, module.is_transposed, module.is_concatenated = True, False, transposed, True
+    module.has_post_expert_norm, module.moe_adopted = False, True
+    module._apply_gate = types.MethodType(_default_apply_gate, module)
+    module.forward = types.MethodType(forward, module)
+
+
+def adopt_split_gate_up_experts(model: nn.Module) -> int:
+    """Mark fused shared-expert stacks (Inkling) for quantization and give them our forward; `fuse_gate_up`
+    makes their gate_up_proj after loading. Returns how many. Instance-level: no class is patched."""
+    adopted = 0
+    for module in model.modules():
+        if type(module).__name__ in SPLIT_GATE_UP_EXPERTS and not hasattr(module, "moe_split_gate_up"):
+            module.moe_split_gate_up, module.num_experts = True, module.n_shared_experts
+            adopted += 1
+    return adopted
+
+
+def fuse_gate_up(model: nn.Module, quantize) -> int:
+    """Replace the NF4 gate_proj and up_proj stacks of split modules by one NF4 gate_up_proj [gate; up] per
+    expert. Lossless: NF4 blocks never straddle experts, each block's largest value decodes to +-absmax exactly,
+    so re-quantizing the decoded values gives the same codes and scales. `quantize`: (S, 2I, H) -> Params4bit."""
+    from moe_qlora.moe.nf4 import dequantize_param
+
+    fused = 0
+    for module in model.modules():
+        if getattr(module, "moe_split_gate_up", False) and "gate_proj" in module._parameters:
+            gate, up = (dequantize_param(module._parameters.pop(n), torch.float32) for n in ("gate_proj", "up_proj"))
+            module.gate_up_proj = quantize(torch.cat([gate, up], dim=1))
+            _adopt(module, transposed=False, forward=split_gate_up_experts_forward)
+            fused += 1
+    return fused
+
+
+def split_gate_up_experts_forward(self, hidden_states, gammas):
+    """(…, H) tokens through each of the S shared experts, weighted by (…, S) gammas: the MoE layer with
+    every token routed to experts 0..S-1 (gamma scales the activation in Inkling's own forward, the same
+    thing as scaling the output, since down_proj is linear)."""
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, shape[-1])
+    experts = torch.arange(self.num_experts, device=x.device).expand(x.shape[0], self.num_experts)
+    out = moe_qlora_experts_forward(self, x, experts, gammas.reshape(-1, self.num_experts).to(x.dtype))
+    return out.view(shape)
+
+
+def adopt_dense_input_experts(model: nn.Module) -> int:
+    """Give every dense-input experts module (Llama-4) the experts-interface attributes and our forward, so
+    it is quantized and computed like the others; returns how many. Instance-level: no class is patched."""
+    adopted = 0
+    for block in model.modules():
+        module = getattr(block, "experts", None)
+        if type(module).__name__ in DENSE_INPUT_EXPERTS and not hasattr(module, "has_gate"):
+            _adopt(module, transposed=True, forward=dense_input_experts_forward)
+            module.moe_top_k = getattr(block, "top_k", None)  # bounds the picked rows: no sync to count them
+            adopted += 1
+    return adopted
+
+
+def dense_input_experts_forward(self, routed_in, top_k_index=None, top_k_weights=None):
+    """routed_in (E*T, H), each expert's rows scaled by its score -> (E*T, H), through our MoE layer.
+
+    Only the rows of picked experts are computed: a zero row gives E_e(0) = 0, and every gradient through it
+    is 0 too (silu(0) = 0 and the up projection of 0 is 0, so the Jacobian at 0 vanishes), so skipping it is
+    exact. Each picked (expert, token) row is one routed row with weight 1: its score is already in the input.
+    Called with (hidden, top_k_index, top_k_weights) it is the ordinary experts interface.
+    """
+    if top_k_index is not None:
+        return moe_qlora_experts_forward(self, routed_in, top_k_index, top_k_weights)
+    rows, tokens = routed_in.shape[0], routed_in.shape[0] // self.num_experts
+    nonzero = routed_in.ne(0).any(-1)
+    top_k = getattr(self, "moe_top_k", None)
+    if top_k:  # the block's top-k bounds the picked rows: a static size, so no host sync to count them
+        size = tokens * top_k
+        torch._assert_async(nonzero.sum() <= size, f"more than top_k = {top_k} experts fed per token")
+        # padding entries hold E*T: they read row E*T - 1 zeroed, and write their zero output to an extra row
+        picked = torch.nonzero_static(nonzero, size=size, fill_value=rows).squeeze(1)
+    else:
+        picked = nonzero.nonzero().squeeze(1)  # (S,) rows e*T + t with a non-zero input
+    real = (picked < rows).unsqueeze(1)  # (S, 1)
+    inputs = routed_in[picked.clamp(max=rows - 1)] * real
+    expert = (picked // tokens).clamp(max=self.num_experts - 1).unsqueeze(1)  # (S, 1)
+    out = moe_qlora_experts_forward(self, inputs, expert, real.to(routed_in.dtype))
+    return routed_in.new_zeros(rows + 1, routed_in.shape[1]).index_copy(0, picked, out)[:rows]
+
+
+# torch: the per-expert reference (CPU); triton: grouped Triton kernels decoding NF4 in registers (CUDA, or
+# TRITON_INTERPRET=1); grouped_mm: each NF4 stack decoded to a buffer, then torch._grouped_mm (any device);
+# auto: per call, triton below `fused_below_rows` rows per expert and grouped_mm above (CUDA);
+# torch-grouped: the grouped formulation on the kernels' torch references (a CPU check of that path).
+KERNELS = ("torch", "triton", "grouped_mm", "auto", "torch-grouped")
+
+# Rows per expert below which the fused NF4 kernel beats decoding the stack and running grouped GEMMs. Cost
+# model (H100): decoding costs ~4 extra bytes of HBM traffic per weight (read 0.5, write 2, read 2 again vs
+# 0.5), 1.2e-12 s at 3.35 TB/s; the fused kernel's slower MMA loop (~10% of bf16 peak vs ~60% for CUTLASS)
+# costs 2m flops x 8.4e-15 s per weight at m rows. Break-even near m = 70; 64 until measured on a GPU.
+FUSED_BELOW_ROWS = 64
+
+
+def auto_kernels(num_rows: int, num_experts: int, fused_below_rows: int) -> str:
+    """The backend of one call under `kernels: auto`, from the mean rows per expert (S / E: known from the
+    shapes, so choosing needs no host sync)."""
+    return "triton" if num_rows < fused_below_rows * num_experts else "grouped_mm"
+
+
+def set_moe_kernels(model, kernels: str, *, fused_below_rows: int = FUSED_BELOW_ROWS,
+                    dequant_buffer_mb: float | None = None, self_check: bool = False) -> int:  # fmt: skip
+    """Run every experts module of `model` with `kernels`; returns how many modules were set.
+    dequant_buffer_mb bounds grouped_mm's decoded stack (decoded a chunk of experts at a time above it);
+    self_check: check each non-reference path against the torch reference at its first call per layer shape,
+    dtype and rows class, falling back where it fails (self_check.KernelSelfCheck, one for the whole model). Off
+    by default here, so a test of a path tests that path; a run turns it on (model.kernel_self_check)."""
+    if kernels not in KERNELS:
+        raise ValueError(f"unknown MoE kernels {kernels!r}; expected one of {KERNELS}")
+    from moe_qlora.moe.kernels.grouped_mm import dequant_budget_bytes
+
+    modules = experts_modules(model)
+    checker = KernelSelfCheck() if self_check else None
+    for _, module in modules:
+        module.moe_kernels = kernels
+        module.moe_fused_below_rows = fused_below_rows
+        module.moe_dequant_budget = dequant_budget_bytes(dequant_buffer_mb)
+        module.moe_gate_is_silu_mul = _gates_with_silu_mul(module)
+        module.moe_self_check = checker
+    return len(modules)
+
+
+def kernel_self_check(model) -> KernelSelfCheck | None:
+    """The self-check set_moe_kernels gave `model`'s experts (None when off)."""
+    return next((m.moe_self_check for _, m in experts_modules(model) if getattr(m, "moe_self_check", None)), None)
+
+
+@contextmanager
+def deferred_lora_gradients(model) -> Iterator[DeferredWeightGrads]:
+    """Within the block, the grouped backward (kernels triton / torch-grouped) pushes the expert LoRA weight
+    gradients to the yielded store instead of computing them; `store.flush()` adds them to .grad, with the
+    same values direct computation gives. The per-expert torch reference computes them at once as before."""
+    store = DeferredWeightGrads()
+    modules = experts_modules(model)
+    for _, module in modules:
+        module.moe_deferred_grads = store
+    try:
+        yield store
+    finally:
+        for _, module in modules:
+            del module.moe_deferred_grads
+
+
+def register_experts_implementation() -> None:
+    """Make "moe_qlora" a valid `experts_implementation` (idempotent; the mapping is transformers' global one)."""
+    if EXPERTS_IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
+        ExpertsInterface.register(EXPERTS_IMPLEMENTATION, moe_qlora_experts_forward)
+
+
+def apply_moe_qlora_experts(model) -> str:
+    """Route every experts module of `model` through moe-qlora; returns the previous implementation."""
+    register_experts_implementation()
+    previous = model.config._experts_implementation
+    model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    return previous
+
+
+def revert_moe_qlora_experts(model, previous: str) -> None:
+    """Undo `apply_moe_qlora_experts`."""
+    model.set_experts_implementation(previous)
+
+
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if is_experts_module(m)]
+
+
+def attach_expert_lora(model: nn.Module, *, rank: int, alpha: float, seed: int) -> list[str]:
+    """Add an ExpertLoRA to every experts module (checked for a supported layout first). Returns their names."""
+    names = []
+    generator = torch.Generator().manual_seed(seed)
+    for name, module in experts_modules(model):
+        check_supported_layout(module, name)
+        e, hidden, inter = expert_dims(module)
+        lora = ExpertLoRA(num_experts=e, hidden=hidden, intermediate=inter, rank=rank, alpha=alpha,
+                          gated=module.has_gate, generator=generator)  # fmt: skip
+        module.moe_lora = lora.to(module.down_proj.device)
+        names.append(name)
+    return names
+
+
+def consumer_stack_names(module) -> tuple[str, ...]:
+    """The module's expert stacks as its consumers (PEFT, a merge) see them."""
+    return SPLIT_STACKS if getattr(module, "moe_split_gate_up", False) else stack_names(module)

@@ -1,0 +1,184 @@
+"""Compile every Triton kernel variant ahead of time for NVIDIA targets, without a GPU.
+
+python -m moe_qlora.moe.kernels.aot [--arch 80 --arch 90] [--json]
+
+Each variant (weights dense / NF4 / NF4 with nested scales, with the fused LoRA term and the fused
+silu(gate) * up epilogue, fp32 / bf16 inputs) is one of a layer's real launches at Qwen3-30B-A3B's shapes,
+bound and specialized by Triton's own binder as the JIT does on a GPU (strides of 1 become constants, sizes
+divisible by 16 carry the hint), then taken through the whole pipeline to a cubin for each architecture: code
+the interpreter accepts but the compiler rejects is caught on a CPU machine, and the shared memory checked is
+the kernel's that runs. Run without TRITON_INTERPRET (it replaces the jitted functions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+# The variants compiled, each as one of a layer's real launches (capture_launches) at Qwen3-30B-A3B's shapes:
+# name: (launch, nested scales). The NF4 kernels with and without nested (double-quantized) scales, the dense
+# LoRA A projection, the fused silu(gate) * up epilogue, and the outer product of the LoRA gradients.
+VARIANTS = {
+    "grouped_matmul/dense": ("lora_a_dense", True),
+    "grouped_matmul/nf4": ("down_nf4_nested", False),
+    "grouped_matmul/nf4_nested": ("down_nf4_nested", True),
+    "grouped_matmul/nf4_nested_silu_mul": ("gate_up_nf4_nested_silu_mul", True),
+    "grouped_outer_product": ("outer_product", True),
+}
+SHAPE = dict(hidden=2048, inter=768, experts=128, top_k=8, tokens=2048, rank=16)  # Qwen3-30B-A3B
+
+
+def compile_all(archs: list[int]) -> list[dict]:
+    """Every variant in fp32 and bf16 activations for each arch, specialized exactly as the JIT would."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("unset TRITON_INTERPRET: the interpreter replaces the kernels that would be compiled")
+    warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+    import torch
+
+    results = []
+    for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        for arch in archs:
+            launches = {nested: {launch.name: launch for launch in capture_launches(**SHAPE, dtype=dtype,
+                                                                                    nested=nested, arch=arch)}
+                        for nested in (True, False)}  # fmt: skip
+            for name, (launch_name, nested) in VARIANTS.items():
+                compiled = compile_as_jit(launches[nested][launch_name], arch)
+                results.append({"variant": f"{name}/{dtype_name}/sm_{arch}",
+                                "cubin_bytes": len(compiled.asm["cubin"]),
+                                "tensor_core_mma": "mma" in compiled.asm["ptx"],
+                                "shared_bytes": compiled.metadata.shared,
+                                "warps": compiled.metadata.num_warps})  # fmt: skip
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--arch", type=int, action="append", help="compute capability x10 (default: 80 and 90)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    results = compile_all(args.arch or [80, 90])
+    if args.json:
+        sys.stdout.write(json.dumps(results) + "\n")
+    else:
+        for r in results:
+            print(f"{r['variant']:45s} cubin {r['cubin_bytes']:7d} B  mma {r['tensor_core_mma']}  "
+                  f"warps {r['warps']}  smem {r['shared_bytes']}")  # fmt: skip
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------
+# Compiling as the JIT does: the launchers' real arguments at real layer shapes, specialized by Triton's own
+# binder (ints equal to 1 become constants, ints and pointers divisible by 16 carry the hint). Used by
+# compile_all above and by scripts/kernel_report.py.
+
+
+class Launch:
+    """One kernel launch as ops.py makes it: the kernel, its grid and its arguments."""
+
+    def __init__(self, name, kernel, grid, args, kwargs):
+        self.name, self.kernel, self.grid, self.args, self.kwargs = name, kernel, grid, args, kwargs
+
+    @property
+    def constexprs(self) -> dict:
+        return {k: v for k, v in self.kwargs.items() if k.isupper()}
+
+
+def capture_launches(*, hidden: int, inter: int, experts: int, top_k: int, tokens: int, rank: int,
+                     dtype=None, nested: bool = True, arch: int = 90) -> list[Launch]:  # fmt: skip
+    """The six launches of one MoE layer's forward and backward (bf16 unless `dtype`, NF4 with nested scales
+    unless not `nested`, LoRA), recorded from the real launchers on CPU tensors of the real shapes (weights
+    are zeros: only shapes, strides and alignment matter here), with `arch`'s default config (autotuning
+    off: the config the GPU runs with MOE_QLORA_AUTOTUNE=0, and the autotuner's first candidate). Uniform
+    routing: tokens * top_k rows, spread evenly over the experts."""
+    import torch
+
+    from moe_qlora.moe.kernels import ops, triton_kernels
+    from moe_qlora.moe.nf4 import NF4Stack
+
+    dtype = dtype or torch.bfloat16
+    rows = tokens * top_k
+
+    def nf4(out, inp):
+        numel = experts * out * inp
+        blocks = numel // 64
+        packed = torch.zeros(numel // 2, dtype=torch.uint8)
+        if not nested:  # one fp32 scale per 64-element block
+            return NF4Stack(packed, torch.zeros(blocks), None, (experts, out, inp))
+        second = (torch.zeros(-(-blocks // 256)), torch.zeros(256), 0.0)  # uint8 scale codes, then their scales
+        return NF4Stack(packed, torch.zeros(blocks, dtype=torch.uint8), second, (experts, out, inp))
+
+    w1, w2 = nf4(2 * inter, hidden), nf4(hidden, inter)
+    a1, b1 = torch.zeros(experts, rank, hidden), torch.zeros(experts, 2 * inter, rank)
+    a2, b2 = torch.zeros(experts, rank, inter), torch.zeros(experts, hidden, rank)
+    x, g = torch.zeros(tokens, hidden, dtype=dtype), torch.zeros(tokens, hidden, dtype=dtype)
+    token = torch.arange(rows) % tokens
+    counts = torch.full((experts,), rows // experts)
+    counts[: rows % experts] += 1
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    p = torch.zeros(rows, rank, dtype=dtype)
+    act, grad_h = torch.zeros(rows, inter, dtype=dtype), torch.zeros(rows, 2 * inter, dtype=dtype)
+    GW, LowRank = ops.GroupedWeight, ops.LowRank
+
+    recorded: list[Launch] = []
+    real = {n: getattr(triton_kernels, n) for n in ("_grouped_matmul_kernel", "_grouped_outer_product_kernel")}
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: recorded.append(Launch("", self.kernel, grid, args, kwargs))
+
+    launches = [
+        ("lora_a_dense", lambda: ops.grouped_matmul(x, GW.dense(a1, transpose=True), offsets, gather=token)),
+        ("gate_up_nf4_nested_silu_mul", lambda: ops.grouped_matmul_silu_mul(
+            x, GW.quantized(w1, transpose=True), offsets, gather=token,
+            lora=LowRank(p, GW.dense(b1, transpose=True), 2.0))),
+        ("down_nf4_nested", lambda: ops.grouped_matmul(act, GW.quantized(w2, transpose=True), offsets,
+                                                       lora=LowRank(p, GW.dense(b2, transpose=True), 2.0))),
+        ("down_input_grad_nf4_nested", lambda: ops.grouped_matmul(
+            g, GW.quantized(w2, transpose=False), offsets, gather=token,
+            lora=LowRank(p, GW.dense(a2, transpose=False)))),
+        ("gate_up_input_grad_nf4_nested", lambda: ops.grouped_matmul(
+            grad_h, GW.quantized(w1, transpose=False), offsets, lora=LowRank(p, GW.dense(a1, transpose=False)))),
+        ("outer_product", lambda: ops.grouped_outer_product(x, p, offsets, gather=token)),
+    ]  # fmt: skip
+    try:
+        for n, kernel in real.items():
+            setattr(triton_kernels, n, Recorder(kernel))
+        with ops.pinned_config(arch):
+            for name, launch in launches:
+                first = len(recorded)
+                launch()
+                for rec in recorded[first:]:  # split-K makes two launches: partial sums, then their sum
+                    rec.name = name if len(recorded) - first == 1 else f"{name}/split_k_phase{rec.kwargs['PHASE']}"
+    finally:
+        for n, kernel in real.items():
+            setattr(triton_kernels, n, kernel)
+    return recorded
+
+
+def compile_as_jit(launch: Launch, arch: int):
+    """Compile `launch` for sm_`arch` through the JIT's own binder and argument packing (JITFunction.run
+    without the driver): the same specialization, signature, constants and attributes the GPU would get."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    kernel = launch.kernel
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, launch.kwargs, bound_args, specialization,
+                                                              options)  # fmt: skip
+    src = ASTSource(kernel, signature, constexprs, attrs)
+    return triton.compile(src, target=target, options=options.__dict__)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""The dequantize + grouped GEMM backend (`model.kernels: grouped_mm`): the same three primitives as ops.py
+(grouped_matmul, grouped_matmul_silu_mul, grouped_outer_product) on torch._grouped_mm.
+
+Each NF4 projection is decoded whole (all experts, or a chunk of experts above `model.dequant_buffer_mb`,
+the `budget` argument) into a compute-dtype tensor, then one grouped GEMM runs every expert's rows: CUTLASS
+on sm_90, a loop on the CPU. Offsets stay on the device, so nothing here waits on the host except the
+chunked mode (one sync per projection call, to slice rows; used only when a layer's decoded stack exceeds
+the budget). LoRA is never merged into the decoded weights: its thin products are grouped GEMMs of their own.
+
+torch._grouped_mm's contract: mat_a (S, K) x mat_b (E, K, N) with offs (E,) int32 cumulative row ends
+-> (S, N); or mat_a (M, S) x mat_b (S, N) -> (E, M, N), the sum over each group's rows (ragged K: OUT_PROD_ID).
+Every non-unit stride must be a multiple of 16 bytes; narrower operands (tiny test models, rank 4 in bf16)
+are zero-padded, which is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moe_qlora.moe.kernels.ops import GroupedWeight, LowRank, silu_mul
+from moe_qlora.moe.nf4 import dequantize_experts
+
+ALIGN_BYTES = 16
+
+
+def has_fused_path(capability: tuple[int, int], dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm runs its CUTLASS kernel on a CUDA GPU of this compute capability: bf16 operands
+    and output on sm_90 / sm_100 (GroupedBlas.cpp's fast path). Elsewhere (Ampere, Ada, consumer Blackwell; fp32
+    or fp16 anywhere) it falls back to one mm per expert after copying the offsets to the host: a sync and E
+    launches per call, which the fused NF4 kernel never pays."""
+    return capability[0] in (9, 10) and dtype == torch.bfloat16
+
+
+def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    """t zero-padded along `dim` to a multiple of `multiple` elements (t itself when already there)."""
+    extra = -t.shape[dim] % multiple
+    if not extra:
+        return t
+    pad = [0, 0] * (t.dim() - dim - 1) + [0, extra]
+    return F.pad(t, pad)
+
+
+def _elems(t: torch.Tensor) -> int:
+    return max(1, ALIGN_BYTES // t.element_size())
+
+
+def gmm_rows(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """(S, K) rows times (E, K, N) per-expert weights: (S, N), the rows ends[e-1]:ends[e] through expert e.
+    Pads K and N to the 16-byte alignment torch._grouped_mm requires (zeros: exact)."""
+    n = weights.shape[2]
+    align = _elems(rows)
+    if rows.shape[1] % align:
+        rows, weights = _pad_to(rows, 1, align), _pad_to(weights, 1, align)
+    if n % align:
+        weights = _pad_to(weights, 2, align)
+    if not (weights.stride(2) == 1 or weights.stride(1) == 1):
+        weights = weights.contiguous()
+    out = torch._grouped_mm(rows.contiguous(), weights, offs=ends)
+    return out if out.shape[1] == n else out[:, :n]
+
+
+def gmm_outer(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """(S, M) and (S, N) sorted rows: (E, M, N) with out[e] = a_e^T b_e over expert e's rows (ragged K)."""
+    m, n = a.shape[1], b.shape[1]
+    align = _elems(a)
+    a, b = _pad_to(a, 1, align).contiguous(), _pad_to(b, 1, align).contiguous()
+    out = torch._grouped_mm(a.t(), b, offs=ends)  # a.t(): (M, S) column-major, the layout ragged K needs
+    # An expert without rows must get exactly zero; on sm_100 this mode leaves such groups unwritten (garbage,
+    # possibly NaN: pytorch/pytorch#172439), so they are selected out (where, not a product, which keeps NaN).
+    empty = ends == torch.cat([ends.new_zeros(1), ends[:-1]])
+    return torch.where(empty[:, None, None], 0.0, out[:, :m, :n])
+
+
+def _ends(offsets: torch.Tensor) -> torch.Tensor:
+    return offsets[1:].to(torch.int32)
+
+
+def _expert_of_rows(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
+    rows = torch.arange(num_rows, device=offsets.device)
+    return torch.searchsorted(offsets[1:], rows, right=True)
+
+
+def _dense_experts(weight: GroupedWeight, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+    """W_e as (hi - lo, K, N) for experts lo..hi-1: NF4 decoded into a fresh buffer, dense ones viewed."""
+    if weight.nf4 is not None:
+        stored = dequantize_experts(weight.nf4, lo, hi, dtype)
+    else:
+        stored = weight.data[lo:hi].to(dtype)
+    return stored.transpose(1, 2) if weight.transpose else stored
+
+
+def dequant_budget_bytes(megabytes: float | None) -> int | None:
+    """model.dequant_buffer_mb in bytes; None (no limit) for null or 0."""
+    return int(megabytes * 2**20) if megabytes else None
+
+
+def experts_per_chunk(num_experts: int, expert_bytes: int, budget: int | None) -> int:
+    """Experts decoded at once under a `budget` of bytes (model.dequant_buffer_mb): all of them without one,
+    else as many as fit, at least one."""
+    if not budget:
+        return num_experts
+    return max(1, min(num_experts, budget // expert_bytes))
+
+
+def _project(rows: torch.Tensor, weight: GroupedWeight, offsets: torch.Tensor, budget: int | None) -> torch.Tensor:
+    """rows (S, K) sorted by expert -> (S, N) through each row's expert weight; an NF4 stack is decoded a chunk
+    of experts at a time when it exceeds `budget` bytes in the rows' dtype."""
+    num_experts = weight.shape[0]
+    expert_bytes = weight.shape[1] * weight.shape[2] * rows.element_size()
+    chunk = experts_per_chunk(num_experts, expert_bytes, budget if weight.nf4 is not None else None)
+    if chunk >= num_experts:
+        return gmm_rows(rows, _dense_experts(weight, 0, num_experts, rows.dtype), _ends(offsets))
+    host = offsets.tolist()  # the chunked mode's one sync: each chunk owns a data-dependent row range
+    out = rows.new_empty(rows.shape[0], weight.n)
+    for lo in range(0, num_experts, chunk):
+        hi = min(lo + chunk, num_experts)
+        first, last = host[lo], host[hi]
+        if last > first:
+            ends = (offsets[lo + 1 : hi + 1] - first).to(torch.int32)
+            out[first:last] = gmm_rows(rows[first:last], _dense_experts(weight, lo, hi, rows.dtype), ends)
+    return out
+
+
+def grouped_matmul(x, weight: GroupedWeight, offsets: torch.Tensor, *, gather=None, bias=None,
+                   lora: LowRank | None = None, budget: int | None = None):  # fmt: skip
+    """Y (S, N) = x[gather] @ W_e + bias[e] + c P @ L_e per expert e's rows; ops.grouped_matmul_reference's
+    contract with `offsets` an (E+1,) device tensor. budget: decoded-stack limit in bytes (None: none)."""
+    rows = x if gather is None else x.index_select(0, gather)
+    y = _project(rows, weight, offsets, budget)
+    if bias is not None:
+        y += bias.to(y.dtype).index_select(0, _expert_of_rows(offsets, y.shape[0]))
+    if lora is not None:
+        low = gmm_rows(lora.p.to(y.dtype), _dense_experts(lora.weight, 0, lora.weight.shape[0], y.dtype),
+                       _ends(offsets))  # fmt: skip
+        y.add_(low, alpha=lora.scale)
+    return y
+
+
+def grouped_matmul_silu_mul(x, weight, offsets, *, gather=None, bias=None, lora=None, keep_h=True, budget=None):
+    """(h or None, silu(gate) * up) on a gate_up stack; grouped_matmul_silu_mul_reference's contract."""
+    h = grouped_matmul(x, weight, offsets, gather=gather, bias=bias, lora=lora, budget=budget)
+    return (h if keep_h else None), silu_mul(h)
+
+
+def grouped_outer_product(a, b, offsets: torch.Tensor, *, gather=None):
+    """G (E, M, N) fp32, G[e] = a_e^T b_e over expert e's rows (OUT_PROD_ID); grouped_outer_product_reference's
+    contract. bf16 operands accumulate in fp32 inside the GEMM and round once at its output."""
+    rows = a if gather is None else a.index_select(0, gather)
+    return gmm_outer(rows, b.to(rows.dtype), _ends(offsets)).float()

@@ -1,0 +1,254 @@
+"""Training checkpoints that resume exactly: complete, atomic, verified.
+
+A checkpoint is a folder `checkpoints/step-NNNNNNNN/` holding the trainable tensors, AdamW's moments and
+the RNG states in safetensors, everything else (step, epoch, scheduler, python RNG, config hash, dataset
+fingerprint, versions) in JSON, and last a manifest with the sha256 of every file. It is written into a
+temporary folder, fsynced, then renamed into place, so a folder under its final name is complete; resume
+takes the newest one whose manifest verifies. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import signal
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from moe_qlora.common.fileio import atomic_dir
+from moe_qlora.model.distributed import full_tensor, shard_like
+from moe_qlora.train.optim import restore_state
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from as asked (mismatch, nothing valid)."""
+
+
+@dataclass
+class RunProgress:
+    """Where the run is: steps done (taken or skipped), the epoch of the last one, skip counters, loss EMA."""
+
+    step: int = 0
+    epoch: int = 0
+    skipped_steps: int = 0
+    consecutive_skips: int = 0
+    loss_ema: float | None = None
+    world: int = 0  # ranks of the run that wrote the checkpoint resumed from (0: not from a checkpoint, or unknown)
+
+
+def failpoint(name: str, step: int) -> None:
+    """Fail here when MOE_QLORA_FAILPOINT names this point and step, for the crash tests.
+
+    `checkpoint-write@6`: die by a real SIGKILL, as a crash would; `checkpoint-write:enospc@6`: raise what
+    safetensors' save_file raises on a full disk (SafetensorError, not an OSError).
+    """
+    wanted = os.environ.get("MOE_QLORA_FAILPOINT", "")
+    if wanted == f"{name}@{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if wanted == f"{name}:enospc@{step}":
+        from safetensors import SafetensorError
+
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# train keys that change when and where a run saves or logs, never what it computes.
+BOOKKEEPING = {
+    "resume",
+    "save_every",
+    "save_every_minutes",
+    "keep_checkpoints",
+    "log_every",
+    "eval_every",
+    "keep_best",
+    "dist_timeout_s",
+    "parallel",
+}
+
+
+def config_hash(resolved: dict) -> str:
+    """sha256 of the resolved config, without what may change between a run and its resume (output and
+    bookkeeping)."""
+    relevant = {k: v for k, v in resolved.items() if k != "output"}
+    relevant["train"] = {k: v for k, v in relevant.get("train", {}).items() if k not in BOOKKEEPING}
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()
+
+
+def dataset_fingerprint(examples) -> str:
+    """sha256 of the tokenized training data (source, ids, labels, weight; packed rows' token weights) in order."""
+    return fingerprint([e.source, e.input_ids, e.labels, e.weight, *([e.token_weights] if e.token_weights else [])]
+                       for e in examples)  # fmt: skip
+
+
+def fingerprint(records) -> str:
+    """sha256 of JSON-serialisable records, in order."""
+    h = hashlib.sha256()
+    for record in records:
+        h.update(json.dumps(record, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def _trainable(model) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def checkpoint_tensors(model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """The trainable tensors and the optimizer state, whole and on the CPU. Sharded (FSDP) tensors are gathered:
+    a collective, so every rank calls it; the checkpoint then does not depend on the world size."""
+    return {"trainable": {n: full_tensor(p.detach()).cpu().contiguous() for n, p in _trainable(model).items()},
+            "optimizer": _optimizer_tensors(model, optimizer)}  # fmt: skip
+
+
+def _optimizer_tensors(model, optimizer) -> dict[str, torch.Tensor]:
+    names = {id(p): n for n, p in _trainable(model).items()}
+    out, seen = {}, set()
+    for p, state in optimizer.state.items():
+        for key, value in state.items():
+            t = torch.as_tensor(full_tensor(value) if torch.is_tensor(value) else value).detach().cpu().contiguous()
+            if t.data_ptr() in seen:  # bitsandbytes shares its quantization maps between tensors
+                t = t.clone()
+            seen.add(t.data_ptr())
+            out[f"{names[id(p)]}::{key}"] = t
+    return out
+
+
+def _rng_tensors() -> dict[str, torch.Tensor]:
+    out = {
+        "torch_cpu": torch.get_rng_state(),
+        "numpy_keys": torch.from_numpy(np.random.get_state()[1].astype(np.int64)),
+    }
+    if torch.cuda.is_available():
+        out.update({f"torch_cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return out
+
+
+def _versions() -> dict[str, str]:
+    import bitsandbytes
+    import peft
+    import transformers
+
+    from moe_qlora import __version__
+
+    return {"moe_qlora": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "peft": peft.__version__, "bitsandbytes": bitsandbytes.__version__}  # fmt: skip
+
+
+def save_checkpoint(run_dir: Path, *, model, optimizer, scheduler, progress: RunProgress, identity: dict,
+                    keep: int, tensors: dict | None = None) -> Path:  # fmt: skip
+    """Write a complete checkpoint atomically; keep the newest `keep`. `identity`: config hash, dataset fp.
+    `tensors`: checkpoint_tensors(model, optimizer), when already gathered (sharded runs)."""
+    target = Path(run_dir) / "checkpoints" / f"step-{progress.step:08d}"
+    scheduler_state = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
+    tensors = tensors or checkpoint_tensors(model, optimizer)
+    needed = sum(t.numel() * t.element_size() for part in tensors.values() for t in part.values())
+    with atomic_dir(target, needed) as tmp:
+        save_file(tensors["trainable"], tmp / "trainable.safetensors")
+        save_file(tensors["optimizer"], tmp / "optimizer.safetensors")
+        save_file(_rng_tensors(), tmp / "rng.safetensors")
+        failpoint("checkpoint-write", progress.step)
+        _, _, pos, has_gauss, cached = np.random.get_state()
+        state = {
+            "progress": asdict(progress), "scheduler": scheduler_state, "python_rng": random.getstate(),
+            "numpy_rng": [int(pos), int(has_gauss), float(cached)], **identity, "versions": _versions(),
+        }  # fmt: skip
+        (tmp / "state.json").write_text(json.dumps(state, indent=1))
+        files = sorted(f.name for f in tmp.iterdir())
+        (tmp / MANIFEST).write_text(json.dumps({f: sha256_file(tmp / f) for f in files}, indent=1))
+    prune_checkpoints(Path(run_dir), keep)
+    return target
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """Checkpoint folders under their final names, newest first (temporary folders are not listed)."""
+    root = Path(run_dir) / "checkpoints"
+    found = [d for d in root.iterdir() if d.is_dir() and STEP_DIR.match(d.name)] if root.is_dir() else []
+    return sorted(found, key=lambda d: d.name, reverse=True)
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> None:
+    for old in checkpoint_dirs(run_dir)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+    root = Path(run_dir) / "checkpoints"
+    for leftover in root.glob(".step-*.tmp-*") if root.is_dir() else []:  # from a run killed while saving
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def verify(checkpoint: Path) -> str | None:
+    """None if every file the manifest lists is there with its sha256; else what is wrong."""
+    try:
+        manifest = json.loads((checkpoint / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        return f"no readable manifest ({exc})"
+    for name, digest in manifest.items():
+        if not (checkpoint / name).is_file():
+            return f"{name} is missing"
+        if sha256_file(checkpoint / name) != digest:
+            return f"{name} does not match its sha256"
+    return None
+
+
+def latest_valid_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint that verifies; corrupt or partial ones are skipped with a warning."""
+    for d in checkpoint_dirs(run_dir):
+        problem = verify(d)
+        if problem is None:
+            return d
+        log.warning("skipping checkpoint %s: %s", d, problem)
+    return None
+
+
+def load_checkpoint(
+    checkpoint: Path, *, model, optimizer, scheduler, identity: dict, allow_mismatch: bool
+) -> RunProgress:
+    """Restore trainable tensors, optimizer, scheduler and RNG from `checkpoint`; returns where to go on."""
+    state = json.loads((checkpoint / "state.json").read_text())
+    for key, label in (("config_hash", "configuration"), ("dataset_fingerprint", "dataset")):
+        if state.get(key) != identity.get(key) and not allow_mismatch:
+            raise CheckpointError(
+                f"{checkpoint}: the {label} differs from the one this checkpoint was trained with; "
+                "resuming would not continue the same run (pass --resume-anyway to do it regardless)"
+            )
+    params = _trainable(model)
+    saved = load_file(str(checkpoint / "trainable.safetensors"))
+    if saved.keys() != params.keys():
+        raise CheckpointError(f"{checkpoint}: trainable tensors differ from this model's (another adapter layout?)")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(shard_like(p, saved[name]))  # a sharded run takes its shard of the whole tensor
+    moments = load_file(str(checkpoint / "optimizer.safetensors"))
+    for name, p in params.items():
+        own = {k.split("::", 1)[1]: v for k, v in moments.items() if k.startswith(f"{name}::")}
+        restore_state(optimizer, p, {k: shard_like(p, v) if v.shape == p.shape else v for k, v in own.items()})
+    scheduler.load_state_dict({**scheduler.state_dict(), **state["scheduler"]})
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr
+    rng = load_file(str(checkpoint / "rng.safetensors"))
+    torch.set_rng_state(rng["torch_cpu"])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([rng[k] for k in sorted(k for k in rng if k.startswith("torch_cuda_"))])
+    version, internal, gauss = state["python_rng"]
+    random.setstate((version, tuple(internal), gauss))
+    pos, has_gauss, cached = state["numpy_rng"]
+    np.random.set_state(("MT19937", rng["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))
+    return RunProgress(**{**state["progress"], "world": state.get("world", 0)})

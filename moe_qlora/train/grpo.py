@@ -1,0 +1,491 @@
+"""GRPO in one process on the 4-bit model: sample G completions per prompt, score them, train on the
+group-relative advantages with the clipped-ratio policy gradient and an optional KL to the base model.
+
+Per completion token t of completion i (A_i its advantage, rho = exp(logp - logp_old)):
+    L_t = -min(rho A_i, clip(rho, 1 - eps, 1 + eps_high) A_i) + beta * KL_t,
+    KL_t = exp(ref - logp) - (ref - logp) - 1      (k3 estimator, >= 0; ref: adapters disabled)
+With one pass per batch logp_old is logp itself (detached): rho = 1 and the gradient is A_i grad logp,
+the plain policy gradient. The reference policy is the same model with the adapters off: never a copy.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from moe_qlora.common.reporting import MetricsLog, NoReporters, Reporters
+from moe_qlora.config.schema import ConfigError, RunConfig
+from moe_qlora.data.examples import IGNORE, Example, collate, epoch_order
+from moe_qlora.model.adapters import adapters_disabled
+from moe_qlora.model.distributed import (
+    SINGLE,
+    Ranks,
+    any_rank,
+    gather_objects,
+    raise_together,
+    rank_slice,
+    sum_gradients,
+    sum_scalars,
+)
+from moe_qlora.train.checkpoint import RunProgress, config_hash, fingerprint, save_checkpoint
+from moe_qlora.train.faults import StepFailed, checkpoint_completed, stop_on_out_of_memory
+from moe_qlora.train.losses import token_logprobs as chunked_token_logprobs
+from moe_qlora.train.optim import build_optimizer
+from moe_qlora.train.position import POSITION, phase, start_step
+from moe_qlora.train.rewards import RewardFailed, RewardPolicy, flat_groups, group_advantages, resolve_reward, score
+from moe_qlora.train.rollout import Rollout, load_offline_groups, load_prompts, offline_rollouts, sample_rollouts
+from moe_qlora.train.runs import CheckpointPolicy, RunSummary, StopSignals, plain_progress_line
+from moe_qlora.train.session import (
+    after_step,
+    apply_update,
+    build_schedule,
+    claim_output_dir_together,
+    launched,
+    load_policy,
+    load_tokenizer,
+    resume_if_asked,
+    router_load,
+    seed_everything,
+    stop_if_asked,
+    write_adapter,
+    write_router_layers,
+)
+
+
+@dataclass
+class GrpoResult:
+    steps: int
+    reward_means: list[float]
+    adapter_dir: Path
+    metrics_path: Path
+    rollouts_path: Path
+
+
+# ---------------------------------------------------------------------------------------------- the loss
+
+
+def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float, *, chunk: int = 0):
+    """log p(token) of every completion token at the sampling temperature, and the mask of those tokens.
+
+    batch: input_ids, labels (IGNORE outside completions), attention_mask, (B, L). Returns (B, L-1) each;
+    position t scores labels[t + 1] from the logits at t.
+    """
+    logp, mask, _ = chunked_token_logprobs(model, batch, scale=1.0 / temperature, chunk=chunk)
+    return logp, mask
+
+
+def token_weights(mask: torch.Tensor, loss_type: str, *, total_tokens: int, total_sequences: int,
+                  max_new_tokens: int = 0, micro_batches: int = 1) -> torch.Tensor:  # fmt: skip
+    """Each completion token's share of the rollout batch's loss, as TRL's loss types define it. mask: (B, T).
+
+    dapo: 1 / (completion tokens of the whole batch); grpo: 1 / (tokens of its completion * completions of
+    the batch); dr_grpo: 1 / (completions * max_new_tokens), a constant, so long completions are not
+    discounted; bnpo: 1 / (completion tokens of this micro-batch * micro-batches), which depends on how the
+    batch is split, as in TRL. Totals are over the whole rollout batch: except for bnpo, splitting it into
+    micro-batches does not change the gradient."""
+    mask = mask.float()
+    if loss_type == "dapo":
+        return mask / total_tokens
+    if loss_type == "grpo":
+        return mask / (mask.sum(dim=1, keepdim=True).clamp(min=1) * total_sequences)
+    if loss_type == "dr_grpo":
+        return mask / (total_sequences * max_new_tokens)
+    if loss_type == "bnpo":
+        return mask / (mask.sum().clamp(min=1) * micro_batches)
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def log_ratios(logp, old, weights, level: str) -> torch.Tensor:
+    """log(pi / pi_old) per token (B, T); at the sequence level (GSPO) each completion's tokens share its mean
+    log-ratio over its own tokens, so the ratio is the length-normalised sequence likelihood ratio."""
+    log_ratio = logp - old
+    if level == "token":
+        return log_ratio
+    mask = (weights != 0).to(logp)
+    per_sequence = (log_ratio * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
+    return per_sequence.expand_as(logp)
+
+
+def grpo_token_loss(logp, old_logp, ref_logp, advantages, weights, *, clip_eps: float, clip_eps_high: float,
+                    kl_coef: float, level: str = "token") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+    """The clipped GRPO objective of a micro-batch as a loss to minimise, and its statistics (summed over
+    tokens with the same weights: add them up over micro-batches).
+
+    logp: (B, T) current policy, with grad. old_logp, ref_logp: (B, T) or None. advantages: (B,).
+    weights: (B, T) from `token_weights` (0 off the completions). level: importance sampling per token or
+    per sequence (GSPO).
+    """
+    a = advantages.to(logp)[:, None]
+    old = logp.detach() if old_logp is None else old_logp
+    ratio = torch.exp(log_ratios(logp, old, weights, level))
+    unclipped = ratio * a
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high) * a
+    per_token = -torch.minimum(unclipped, clipped)
+    # A token is clipped where the clipped term is the smaller one: its gradient is zero there.
+    stats = {"clip_fraction": (weights * (clipped < unclipped).float()).sum().detach()}
+    if kl_coef and ref_logp is not None:
+        delta = ref_logp - logp
+        kl = torch.exp(delta) - delta - 1
+        per_token = per_token + kl_coef * kl
+        stats["kl"] = (weights * kl).sum().detach()
+    loss = (per_token * weights).sum()
+    stats["loss"] = loss.detach()
+    return loss, stats
+
+
+# ------------------------------------------------------------------------------------------ one step
+
+
+def rollout_examples(rollouts: list[Rollout], advantages: torch.Tensor, *, mask_truncated: bool = False
+                     ) -> list[Example]:  # fmt: skip
+    """prompt + completion as a training sequence, labels only on the completion, weight = advantage. With
+    `mask_truncated`, a completion cut by max_new_tokens keeps no labels: it adds nothing to the loss nor to
+    the token counts (TRL's mask_truncated_completions)."""
+    examples = []
+    for r, a in zip(rollouts, advantages.tolist(), strict=True):
+        masked = mask_truncated and r.truncated
+        labels = [IGNORE] * len(r.prompt.ids) + ([IGNORE] * len(r.completion_ids) if masked else r.completion_ids)
+        examples.append(Example(r.prompt.ids + r.completion_ids, labels, r.prompt.source, 0.0 if masked else float(a)))
+    return examples
+
+
+def has_targets(example: Example) -> bool:
+    return any(t != IGNORE for t in example.labels)
+
+
+def micro_batch_indices(active: list[int], size: int) -> list[list[int]]:
+    return [active[i : i + size] for i in range(0, len(active), size)]
+
+
+@torch.no_grad()
+def frozen_logprobs(model, batches, temperature: float, *, reference: bool, chunk: int = 0) -> list[torch.Tensor]:
+    """Per micro-batch log-probs of the sampling policy (adapters on) or the reference (adapters off)."""
+    was_training = model.training
+    model.eval()
+    try:
+        if reference:
+            with adapters_disabled(model):
+                return [token_logprobs(model, b, temperature, chunk=chunk)[0] for b in batches]
+        return [token_logprobs(model, b, temperature, chunk=chunk)[0] for b in batches]
+    finally:
+        model.train(was_training)
+
+
+def policy_update(model, optimizer, schedule, examples: list[Example], cfg: RunConfig, pad_id: int,
+                  ranks: Ranks = SINGLE) -> dict:  # fmt: skip
+    """`grpo.passes` optimizer steps on one rollout batch; returns the step's training metrics.
+
+    Sequences with advantage 0 are not run when there is no KL term (and the loss type does not normalise per
+    micro-batch): their loss and gradient are exactly zero, and the normalisation still counts them, so
+    leaving them out changes nothing. Data parallel: `examples` are this rank's; the loss normalisers (tokens,
+    sequences, micro-batches) are those of the whole batch, and the gradients and statistics are summed over
+    ranks before each update, so every rank takes the one-process step.
+    """
+    g, device = cfg.grpo, next(model.parameters()).device
+    # bnpo normalises per micro-batch, so every sequence keeps its place in the split, as in TRL.
+    keep_all = g.kl_coef or g.loss_type == "bnpo"
+    active = [i for i, e in enumerate(examples) if (e.weight != 0 or keep_all) and has_targets(e)]
+    groups = micro_batch_indices(active, cfg.train.micro_batch_size)
+    batches = [{k: v.to(device) for k, v in collate([examples[i] for i in idx], pad_id).items()} for idx in groups]
+    local_tokens = sum(sum(t != IGNORE for t in e.labels[1:]) for e in examples)
+    total_tokens, total_sequences, total_batches, trained = map(int, sum_scalars(
+        ranks, local_tokens, len(examples), len(batches), len(active)))  # fmt: skip
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    chunk = cfg.train.loss_chunk_tokens
+    none = [None] * len(batches)
+    old = frozen_logprobs(model, batches, g.temperature, reference=False, chunk=chunk) if g.passes > 1 else none
+    ref = frozen_logprobs(model, batches, g.temperature, reference=True, chunk=chunk) if g.kl_coef else none
+    record = {"sequences_trained": trained, "passes": 0, "skipped": False, "loss": 0.0, "grad_norm": 0.0}
+    for _ in range(g.passes):
+        sums = dict.fromkeys(("loss", "clip_fraction", *(("kl",) if g.kl_coef else ())), 0.0)
+        for batch, old_lp, ref_lp in zip(batches, old, ref, strict=True):
+            with phase("forward"):
+                logp, mask = token_logprobs(model, batch, g.temperature, chunk=chunk)
+            weights = token_weights(mask, g.loss_type, total_tokens=max(total_tokens, 1),
+                                    total_sequences=total_sequences, max_new_tokens=g.max_new_tokens,
+                                    micro_batches=total_batches)  # fmt: skip
+            loss, stats = grpo_token_loss(logp, old_lp, ref_lp, batch["weights"], weights, clip_eps=g.clip_eps,
+                                          clip_eps_high=g.clip_eps_high or g.clip_eps, kl_coef=g.kl_coef,
+                                          level=g.importance_sampling_level)  # fmt: skip
+            with phase("backward"):
+                loss.backward()
+            for k, v in stats.items():
+                sums[k] += float(v)
+        sums = dict(zip(sums, sum_scalars(ranks, *sums.values()), strict=True))
+        sum_gradients(ranks, params)
+        grad_norm, skipped = apply_update(optimizer, sums["loss"], cfg.train)
+        record.update({k: v for k, v in sums.items()}, grad_norm=grad_norm, skipped=skipped)
+        if skipped:
+            break
+        record["passes"] += 1
+        schedule.step()
+    return record
+
+
+# ------------------------------------------------------------------------------------------ the loop
+
+
+def batch_prompts(items: list, cfg: RunConfig):
+    """Yield (epoch, items of one rollout batch) in each epoch's seeded order."""
+    per_step = cfg.grpo.prompts_per_step
+    for epoch in range(cfg.train.epochs):
+        order = epoch_order(len(items), seed=cfg.train.seed, epoch=epoch)
+        for i in range(0, len(order), per_step):
+            yield epoch, [items[j] for j in order[i : i + per_step]]
+
+
+def count_grpo_steps(num_items: int, cfg: RunConfig) -> int:
+    total = math.ceil(num_items / cfg.grpo.prompts_per_step) * cfg.train.epochs
+    return min(total, cfg.train.max_steps) if cfg.train.max_steps else total
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(values), "std": statistics.pstdev(values), "min": min(values),
+            "max": max(values)}  # fmt: skip
+
+
+def rollout_metrics(rollouts, rewards, per_fn, advantages, group_sizes) -> dict:
+    """Reward (total and per function), advantage and completion-length statistics of a batch."""
+    lengths = [len(r.completion_ids) for r in rollouts]
+    record = {
+        "reward_mean": statistics.fmean(rewards),
+        "reward_std": statistics.pstdev(rewards),
+        "advantage": _spread(advantages.tolist()),
+        "completion_tokens": _spread(lengths),
+        "completion_tokens_total": sum(lengths),
+        "flat_groups": flat_groups(group_sizes, advantages),
+        "groups": len(group_sizes),
+        "truncated_fraction": sum(r.truncated for r in rollouts) / len(rollouts),
+    }
+    for name, values in per_fn.items():
+        record[f"reward/{name}"] = {"mean": statistics.fmean(values), "std": statistics.pstdev(values)}
+    return record
+
+
+def columns_of(rollouts: list[Rollout]) -> dict[str, list]:
+    """The prompt rows' other fields, one entry per completion (what reward functions get as **columns)."""
+    keys = sorted({k for r in rollouts for k in r.prompt.columns})
+    return {k: [r.prompt.columns.get(k) for r in rollouts] for k in keys}
+
+
+class RolloutSource:
+    """Where a step's scored rollouts come from: sampling + reward functions (online), or a file (offline)."""
+
+    def __init__(self, cfg: RunConfig, tokenizer, console: Console):
+        g = cfg.grpo
+        self.cfg, self.tokenizer, self.offline = cfg, tokenizer, g.offline_file is not None
+        self.reward_errors = 0  # samples of the last collect() scored 0 after a reward function failed
+        if self.offline:
+            self.items = load_offline_groups(g.offline_file, cfg.data, tokenizer)
+            self.identity = fingerprint([x.prompt.source, x.prompt.ids, x.completions, x.rewards] for x in self.items)
+            console.print(f"grpo offline: {len(self.items)} prompts with "
+                          f"{sum(len(x.completions) for x in self.items)} scored completions")  # fmt: skip
+        else:
+            self.items, dropped = load_prompts(cfg.data, tokenizer, g.max_new_tokens)
+            self.identity = fingerprint([p.source, p.ids, p.columns] for p in self.items)
+            self.functions = [resolve_reward(spec, i) for i, spec in enumerate(g.rewards)]
+            console.print(
+                f"grpo: {len(self.items)} prompts ({dropped} dropped as over-long), {g.group_size} "
+                f"completions each; rewards {', '.join(f'{s.weight:g} x {s.function}' for s in g.rewards)}"
+            )
+
+    def collect(self, model, batch: list) -> tuple[list[Rollout], list[float], dict[str, list[float]], list[int]]:
+        """(rollouts, total rewards, rewards per function, group sizes) of one step's prompts."""
+        if self.offline:
+            rollouts = offline_rollouts(batch, self.tokenizer, self.cfg.data.max_seq_len)
+            return rollouts, [r for grp in batch for r in grp.rewards], {}, [len(grp.completions) for grp in batch]
+        with phase("generation"):
+            rollouts = sample_rollouts(model, self.tokenizer, batch, self.cfg.grpo)
+        prompts, completions = [r.prompt.text for r in rollouts], [r.text for r in rollouts]
+        g = self.cfg.grpo
+        policy = RewardPolicy(on_error=g.reward_errors, timeout_s=g.reward_timeout_s, step=POSITION.step)
+        with phase("rewards"):
+            rewards, per_fn, self.reward_errors = score(self.functions, prompts, completions, columns_of(rollouts),
+                                                        policy=policy, groups=[r.group for r in rollouts],
+                                                        sources=[r.prompt.source for r in rollouts])  # fmt: skip
+        return rollouts, rewards, per_fn, [g.group_size] * len(batch)
+
+    def collect_share(self, model, batch: list, ranks: Ranks, step: int):
+        """collect() on this rank's whole prompts of the batch (a group is never split across ranks), numbered
+        as in the whole batch. Data parallel sampling draws from a generator seeded by (seed, step, rank): the
+        ranks sample independently, and a resumed run samples what the uninterrupted one did."""
+        first, mine = rank_slice(batch, ranks)
+        if not ranks.enabled:
+            return self.collect(model, mine)
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            torch.manual_seed(hash((self.cfg.train.seed, step, ranks.rank)) % 2**63)
+            rollouts, rewards, per_fn, sizes = self.collect(model, mine) if mine else ([], [], {}, [])
+        return [replace(r, group=r.group + first) for r in rollouts], rewards, per_fn, sizes
+
+
+def write_rollouts(log: MetricsLog, step: int, rollouts, rewards, per_fn, advantages) -> None:
+    for i, (r, reward, adv) in enumerate(zip(rollouts, rewards, advantages.tolist(), strict=True)):
+        log.write({"step": step, "source": r.prompt.source, "group": r.group, "prompt": r.prompt.text,
+                   "completion": r.text, "completion_tokens": len(r.completion_ids), "truncated": r.truncated,
+                   "reward": reward,
+                   "rewards": {k: v[i] for k, v in per_fn.items()}, "advantage": adv})  # fmt: skip
+
+
+def whole_batch(shares: list[tuple]) -> tuple:
+    """The ranks' (rollouts, rewards, rewards per function, group sizes, advantages), in rank order, as one."""
+    rollouts = [r for share in shares for r in share[0]]
+    rewards = [x for share in shares for x in share[1]]
+    names = sorted({k for share in shares for k in share[2]})
+    per_fn = {k: [x for share in shares if share[0] for x in share[2][k]] for k in names}
+    sizes = [n for share in shares for n in share[3]]
+    return rollouts, rewards, per_fn, sizes, torch.tensor([a for share in shares for a in share[4]])
+
+
+def grpo_step(source: RolloutSource, batch: list, training: dict, pad_id: int, rollout_log: MetricsLog | None,
+              step: int, ranks: Ranks = SINGLE) -> dict:  # fmt: skip
+    """Collect and score one batch of rollouts, update the policy on their advantages; the step's metrics.
+    Data parallel: each rank collects and trains on its share of the prompts, with its groups' advantages;
+    the scored rollouts are then gathered, so the metrics (and rank 0's rollouts.jsonl) are the whole batch's."""
+    cfg, model = source.cfg, training["model"]
+    t0 = time.perf_counter()
+    lr = training["optimizer"].param_groups[0]["lr"]
+    rollouts, rewards, per_fn, group_sizes = source.collect_share(model, batch, ranks, step)
+    t_gen = time.perf_counter() - t0
+    advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_sizes,
+                                  scale=cfg.grpo.scale_rewards, eps=cfg.grpo.std_eps)  # fmt: skip
+    examples = rollout_examples(rollouts, advantages, mask_truncated=cfg.grpo.mask_truncated_completions)
+    record = policy_update(model, training["optimizer"], training["scheduler"], examples, cfg, pad_id, ranks)
+    if ranks.enabled:
+        rollouts, rewards, per_fn, group_sizes, advantages = whole_batch(
+            gather_objects(ranks, [(rollouts, rewards, per_fn, group_sizes, advantages.tolist())])
+        )
+    if rollout_log is not None:
+        write_rollouts(rollout_log, step, rollouts, rewards, per_fn, advantages)
+    if source.reward_errors:
+        record["reward_errors"] = source.reward_errors
+    record.update(rollout_metrics(rollouts, rewards, per_fn, advantages, group_sizes), step=step, lr=lr,
+                  generation_s=t_gen, training_s=time.perf_counter() - t0 - t_gen, router_load=router_load(model),
+                  sources=sorted({r.prompt.source for r in rollouts}))  # fmt: skip
+    return record
+
+
+def run_grpo_steps(source: RolloutSource, training: dict, *, total: int, done: RunProgress, out: Path,
+                   console: Console, checkpoint, stop: StopSignals, on_oom, ranks: Ranks = SINGLE,
+                   ) -> tuple[list[float], int]:  # fmt: skip
+    """The rollout batches after `done`, with a progress bar (plain lines when stdout is not a terminal),
+    metrics, rollouts, checkpoints by steps and minutes, and a checkpoint then RunInterrupted on a signal. A
+    step that runs out of memory raises on_oom(last completed progress), a reward function that fails (under
+    grpo.reward_errors: abort) a faults.StepFailed, each after checkpointing the last completed step.
+    Returns the mean rewards of this invocation and the completion tokens it trained on. Rank 0 alone writes."""
+    cfg = source.cfg
+    metrics = (Reporters(out, cfg.output.report_to, project=cfg.output.wandb_project,
+                         config=cfg.model_dump(mode="json")) if ranks.main else NoReporters(out))  # fmt: skip
+    rollout_log = MetricsLog(out / "rollouts.jsonl") if ranks.main else None
+    reward_means, tokens, start, first = [], 0, time.perf_counter(), done.step
+    policy = CheckpointPolicy(cfg.train.save_every, cfg.train.save_every_minutes)
+    columns = [TextColumn("[bold]grpo"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+               TimeRemainingColumn()]  # fmt: skip
+    try:
+        with Progress(*columns, console=console, disable=not console.is_terminal) as bar:
+            task = bar.add_task("grpo", total=total, info="", completed=done.step)
+            for step, (epoch, batch) in enumerate(batch_prompts(source.items, cfg)):
+                if step >= total:
+                    break
+                if step < done.step:  # done before the checkpoint: the order depends on (seed, epoch) only
+                    continue
+                stop_if_asked(stop, done, checkpoint, ranks)
+                start_step(step + 1)
+                try:
+                    record = grpo_step(source, batch, training, source.tokenizer.pad_token_id, rollout_log, step + 1,
+                                       ranks)  # fmt: skip
+                except torch.OutOfMemoryError:
+                    raise on_oom(done) from None
+                except RewardFailed as exc:  # before any update of this step: the weights are still `done`'s
+                    saved = checkpoint_completed(done, checkpoint, out, consistent=True)
+                    raise StepFailed(f"{exc}. {saved}.") from exc
+                record["epoch"] = epoch
+                try:
+                    done = after_step(record, record.pop("sources"), done, cfg, spikes=False)
+                finally:  # an aborting step is logged too
+                    metrics.write(record)
+                reward_means.append(record["reward_mean"])
+                tokens += record["completion_tokens_total"]
+                info = {"reward": f"{record['reward_mean']:.3f}", "kl": f"{record.get('kl', 0):.4f}",
+                        "gen": f"{record['generation_s']:.1f}s", "train": f"{record['training_s']:.1f}s"}  # fmt: skip
+                bar.update(task, advance=1, info="  ".join(f"{k} {v}" for k, v in info.items()))
+                if not console.is_terminal and ((step + 1) % cfg.train.log_every == 0 or step + 1 == total):
+                    console.print(plain_progress_line("grpo", step + 1, total, info, time.perf_counter() - start,
+                                                      first), highlight=False)  # fmt: skip
+                if done.step < total and any_rank(ranks, policy.due(done.step)):
+                    checkpoint(done)
+                    policy.saved()
+        checkpoint(done)
+    finally:
+        metrics.close()
+        if rollout_log is not None:
+            rollout_log.close()
+    return reward_means, tokens
+
+
+def grpo(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool = False,
+         overwrite: bool = False) -> GrpoResult:  # fmt: skip
+    """Run GRPO as configured (online sampling, or offline scored completions). Under torchrun each process is
+    a data-parallel rank: the prompts of a step are split across the ranks by whole groups; rank 0 writes."""
+    if cfg.grpo is None:
+        raise ConfigError("moe-qlora grpo needs a `grpo:` section in the config (reward functions, group size...)")
+    if cfg.train.optimizer_in_backward:
+        raise ConfigError(
+            "train.optimizer_in_backward is for `train` only: a GRPO step sums the gradients of all its rollout "
+            "micro-batches (and of several passes) before it can update"
+        )
+    with launched(cfg, console) as (ranks, console):
+        return _grpo(cfg, console, ranks, allow_mismatch=allow_mismatch, overwrite=overwrite)
+
+
+def _grpo(cfg: RunConfig, console: Console, ranks: Ranks, *, allow_mismatch: bool, overwrite: bool) -> GrpoResult:
+    out = Path(cfg.output.dir)
+    claim_output_dir_together(out, cfg, ranks, console, overwrite=overwrite)
+    started = time.perf_counter()
+    with StopSignals(console) as stop:
+        seed_everything(cfg.train.seed)
+        failure = None
+        try:
+            model_path, tokenizer = load_tokenizer(cfg)
+            source = RolloutSource(cfg, tokenizer, console)
+            model, params, ranks = load_policy(cfg, model_path, console, ranks, generates=True)
+        except Exception as exc:  # a rank that cannot load its prompts or model stops every rank, at once
+            failure = exc
+        raise_together(ranks, failure)
+        if ranks.main:
+            write_router_layers(out, model)
+        seed_everything(cfg.train.seed)  # what loading consumed must not matter
+        optimizer = build_optimizer(params, cfg.train)
+        total = count_grpo_steps(len(source.items), cfg)
+        training = {"model": model, "optimizer": optimizer,
+                    "scheduler": build_schedule(optimizer, total * cfg.grpo.passes, cfg.train)}  # fmt: skip
+        identity = {"config_hash": config_hash(cfg.model_dump(mode="json")), "dataset_fingerprint": source.identity}
+        done = resume_if_asked(cfg, out, console, allow_mismatch=allow_mismatch, identity=identity,
+                               logs=("metrics.jsonl", "rollouts.jsonl"), writer=ranks.main, **training)  # fmt: skip
+        if ranks.enabled:
+            console.print(f"data parallel (ddp): {ranks.world} ranks share each step's {cfg.grpo.prompts_per_step} "
+                          "prompts by whole groups")  # fmt: skip
+        model.train()
+
+        def checkpoint(progress: RunProgress) -> None:
+            if ranks.main:
+                save_checkpoint(out, progress=progress, identity=identity, keep=cfg.train.keep_checkpoints,
+                                **training)  # fmt: skip
+
+        on_oom = functools.partial(stop_on_out_of_memory, cfg, model_path, out, training, checkpoint=checkpoint)
+        reward_means, tokens = run_grpo_steps(source, training, total=total, done=done, out=out, console=console,
+                                              checkpoint=checkpoint, stop=stop, on_oom=on_oom,
+                                              ranks=ranks)  # fmt: skip
+        adapter_dir = write_adapter(model, out, cfg, model_path, console) if ranks.main else out / "adapter"
+    RunSummary("grpo", len(reward_means), time.perf_counter() - started, tokens,
+               reward_means[-1] if reward_means else None, max(reward_means) if reward_means else None,
+               adapter_dir, out / "metrics.jsonl").print(console)  # fmt: skip
+    console.print(f"rollouts: {out / 'rollouts.jsonl'}", highlight=False)
+    return GrpoResult(len(reward_means), reward_means, adapter_dir, out / "metrics.jsonl", out / "rollouts.jsonl")

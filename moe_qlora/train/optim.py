@@ -1,0 +1,189 @@
+"""AdamW (torch's, or bitsandbytes' 8-bit) with element-wise gradient clipping (`gclip`), global-norm
+clipping, the optimizer step inside the backward, and the LR schedule.
+
+Order per step: global norm measured (logged pre-clip) -> optional global-norm scaling -> each element
+clamped to [-gclip, gclip] -> the AdamW moment update. The clamp bounds what one outlier element can
+do to the second moment, which a global-norm clip (one scalar for all) cannot. It acts on the gradient
+before the optimizer sees it, so it means the same for every optimizer here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import bitsandbytes as bnb
+import torch
+
+from moe_qlora.model.distributed import local_shard
+from moe_qlora.train.position import phase
+
+
+class ElementwiseClip:
+    """Mixin for an optimizer class: step() first clamps every gradient element to [-gclip, gclip]
+    (0 disables)."""
+
+    def __init__(self, params, *, gclip: float = 0.0, **kwargs):
+        if gclip < 0:
+            raise ValueError(f"gclip must be >= 0, got {gclip}")
+        super().__init__(params, **kwargs)
+        self.gclip = gclip
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.gclip > 0:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.clamp_(-self.gclip, self.gclip)
+        return super().step(closure)
+
+
+class ClippedAdamW(ElementwiseClip, torch.optim.AdamW):
+    """torch.optim.AdamW with gclip: fp32 moments, 8 bytes of state a parameter."""
+
+
+class ClippedAdamW8bit(ElementwiseClip, bnb.optim.AdamW8bit):
+    """bitsandbytes' AdamW with block-wise 8-bit moments (2 bytes a parameter, plus an fp32 scale per 256),
+    with gclip. Tensors under 4,096 elements keep fp32 moments, as bitsandbytes decides."""
+
+
+class ClippedPagedAdamW8bit(ElementwiseClip, bnb.optim.PagedAdamW8bit):
+    """ClippedAdamW8bit with its state in CUDA unified memory (paged to the host under pressure)."""
+
+
+OPTIMIZERS = {"adamw": ClippedAdamW, "adamw_8bit": ClippedAdamW8bit, "paged_adamw_8bit": ClippedPagedAdamW8bit}
+
+
+def is_bitsandbytes(optimizer) -> bool:
+    return isinstance(optimizer, bnb.optim.optimizer.Optimizer8bit)
+
+
+def clip_global_norm(params, max_norm: float) -> float:
+    """The gradients' global L2 norm before clipping; scales them to max_norm when above (0 disables)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    parts = [local_shard(g) for g in grads]  # this rank's shards under FSDP, the gradients themselves otherwise
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(part.float()) for part in parts]))
+    if any(part is not g for part, g in zip(parts, grads, strict=True)):  # sharded: sqrt of the ranks' squares
+        squares = norm.square().double()
+        torch.distributed.all_reduce(squares)
+        norm = squares.sqrt()
+    if max_norm > 0 and norm > max_norm:
+        for part in parts:
+            part.mul_((max_norm / (norm + 1e-6)).to(part.dtype))
+    return float(norm)
+
+
+def lr_multiplier(step: int, *, total_steps: int, warmup_steps: int, schedule: str) -> float:
+    """Factor on the base LR at optimizer step `step` (0-based): linear warmup, then constant/linear/cosine to 0."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    if schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(params, train_cfg) -> torch.optim.Optimizer:
+    """train.optimizer over `params`; with train.optimizer_in_backward, one param group per tensor so that
+    StepInBackward can step each alone (the schedule sets the same LR on all of them)."""
+    cls = OPTIMIZERS[train_cfg.optimizer]
+    groups = [{"params": [p]} for p in params] if train_cfg.optimizer_in_backward else params
+    kwargs = {"foreach": False} if cls is ClippedAdamW else {}
+    return cls(groups, lr=train_cfg.lr, betas=tuple(train_cfg.betas), eps=train_cfg.eps,
+               weight_decay=train_cfg.weight_decay, gclip=train_cfg.gclip, **kwargs)  # fmt: skip
+
+
+class StepInBackward:
+    """The optimizer step of each trainable tensor taken inside the backward, as soon as its gradient is
+    complete (a post-accumulate-grad hook), then its gradient freed: the gradients of the whole model never
+    exist at once, only those of the tensors in flight.
+
+    A step is all-or-nothing under the NaN policy, but a non-finite gradient may show up after other tensors
+    were updated. With `undo`, each tensor's weight and optimizer state are copied to the host before its
+    update and put back by `finish()` when the step turns out non-finite (host memory of one more copy of
+    the trainables and their state). Without it (nan_policy: abort), the run stops and writes nothing more,
+    so the saved checkpoints and adapter are untouched either way.
+
+    Use: `begin()`, one backward, `finish(loss_is_finite)` -> (gradient norm before clipping, skipped).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, undo: bool):
+        self.optimizer, self.undo = optimizer, undo
+        self._group = {}
+        for group in optimizer.param_groups:
+            if len(group["params"]) != 1:
+                raise ValueError("StepInBackward needs one param group per tensor (build_optimizer does that)")
+            self._group[group["params"][0]] = group
+        self._handles = [p.register_post_accumulate_grad_hook(self._step_one) for p in self._group]
+        self._sq_norm: torch.Tensor | None = None
+        self._saved: dict = {}
+
+    def begin(self) -> None:
+        self._sq_norm, self._saved = None, {}
+
+    @torch.no_grad()
+    def _step_one(self, p: torch.Tensor) -> None:
+        sq = p.grad.float().pow(2).sum()  # stays on the device: the norm is read once, in finish()
+        self._sq_norm = sq if self._sq_norm is None else self._sq_norm + sq
+        if self.undo:
+            self._saved[p] = (p.detach().cpu().clone(), _copy_state(self.optimizer.state.get(p, {}), "cpu"))
+        everything = self.optimizer.param_groups
+        self.optimizer.param_groups = [self._group[p]]
+        try:
+            with phase("optimizer (in backward)"):
+                self.optimizer.step()
+        finally:
+            self.optimizer.param_groups = everything
+        p.grad = None
+
+    @torch.no_grad()
+    def finish(self, loss_is_finite: bool) -> tuple[float, bool]:
+        grad_norm = math.sqrt(float(self._sq_norm)) if self._sq_norm is not None else 0.0
+        skipped = not (loss_is_finite and math.isfinite(grad_norm))
+        if skipped and self.undo:
+            for p, (weight, state) in self._saved.items():
+                p.copy_(weight)
+                restore_state(self.optimizer, p, state)
+        self._saved = {}
+        return (grad_norm if loss_is_finite else float("nan")), skipped
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _copy_state(state: dict, device) -> dict:
+    return {k: v.to(device, copy=True) if torch.is_tensor(v) else v for k, v in state.items()}
+
+
+@torch.no_grad()
+def restore_state(optimizer, p: torch.Tensor, saved: dict) -> None:
+    """Put `saved` (tensors and numbers, e.g. read from a checkpoint) back as p's optimizer state.
+
+    bitsandbytes' state is first allocated by the optimizer itself and then overwritten in place, so paged
+    buffers stay paged and its integer step stays an int. torch's state is assigned, its step kept on the
+    host as torch keeps it. Empty `saved`: p has taken no step yet.
+    """
+    if not saved:
+        optimizer.state.pop(p, None)
+        return
+    state = optimizer.state[p]
+    if is_bitsandbytes(optimizer) and not state:
+        gindex, pindex = next((gi, pi) for gi, g in enumerate(optimizer.param_groups)
+                              for pi, q in enumerate(g["params"]) if q is p)  # fmt: skip
+        optimizer.init_state(optimizer.param_groups[gindex], p, gindex, pindex)
+    for key, value in saved.items():
+        current = state.get(key)
+        if torch.is_tensor(current) and torch.is_tensor(value) and current.shape == value.shape:
+            current.copy_(value)
+        elif isinstance(current, int) and not isinstance(current, bool):
+            state[key] = int(value)
+        elif torch.is_tensor(value) and key != "step":
+            state[key] = value.to(p.device, copy=True)
+        else:
+            state[key] = value.clone() if torch.is_tensor(value) else value

@@ -1,0 +1,151 @@
+"""A run's lifecycle, shared by `train` and `grpo`: claiming the output folder, stopping on a signal, when to
+checkpoint, the plain progress lines a log file gets, and the summary at the end.
+
+Ctrl-C (SIGINT) or SIGTERM (what a preemptible cloud GPU or a scheduler sends) asks the loop to stop after
+the step in flight: it writes a verified checkpoint and raises RunInterrupted, which the CLI turns into
+exit 130 or 143 with the command that resumes. A second signal stops at once (KeyboardInterrupt); the
+checkpoint write is atomic, so that never leaves a half-written one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from moe_qlora.config.schema import ConfigError
+from moe_qlora.train.checkpoint import checkpoint_dirs
+
+RUN_FILES = ("metrics.jsonl", "rollouts.jsonl", "adapter")
+
+
+class OutputDirInUse(ConfigError):
+    """output.dir holds another run and neither --resume nor --overwrite was given."""
+
+
+class RunInterrupted(Exception):
+    """The run stopped on SIGINT or SIGTERM after checkpointing `step` (0: nothing to checkpoint yet)."""
+
+    def __init__(self, step: int, signum: int):
+        self.step, self.signum = step, signum
+        super().__init__(f"interrupted ({signal.Signals(signum).name}) at step {step}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def previous_run(out: Path) -> list[str]:
+    """What of an earlier run `out` holds: its logs, checkpoints and adapter, as short descriptions."""
+    found = [name + ("/" if (out / name).is_dir() else "") for name in RUN_FILES if (out / name).exists()]
+    n = len(checkpoint_dirs(out)) if out.is_dir() else 0
+    return found + ([f"{n} checkpoint{'s' if n != 1 else ''}"] if n else [])
+
+
+def claim_output_dir(out: Path, *, resuming: bool, overwrite: bool, console) -> None:
+    """Make `out` this run's folder. A folder holding another run is refused unless the run resumes it, or
+    `overwrite` moves it aside to `<out>.old-<UTC time>` (nothing is deleted)."""
+    found = previous_run(out)
+    if found and not resuming:
+        if not overwrite:
+            raise OutputDirInUse(
+                f"{out} already holds a run ({', '.join(found)}); continue it with --resume, or start over with "
+                f"--overwrite (moves it aside to {out.name}.old-<time>, deletes nothing)"
+            )
+        aside = out.with_name(f"{out.name}.old-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}")
+        os.rename(out, aside)
+        console.print(f"moved the previous run in {out} aside to {aside}")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+class StopSignals:
+    """Within the block, the first SIGINT or SIGTERM is recorded in `requested` (the loop checkpoints and
+        stops after its step); a second one raises KeyboardInterrupt at once. Handlers are restored on exit (after a
+    requested stop, further signals are ignored while the process exits).
+        Outside the main thread (where Python cannot install handlers) this does nothing."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, console):
+        self.console, self.requested = console, None
+        self._previous: dict = {}
+
+    def __enter__(self):
+        try:
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        except ValueError:  # not the main thread
+            self._previous = {}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self._previous.items():
+            # After a requested stop the process is on its way out with its checkpoint written: a second signal
+            # landing now (it raced the checkpoint) is ignored rather than killing the exit mid-message.
+            signal.signal(s, signal.SIG_IGN if self.requested is not None else handler)
+        return False
+
+    def _handle(self, signum, frame):
+        if self.requested is not None:
+            raise KeyboardInterrupt
+        self.requested = signum
+        self.console.print(f"\n{signal.Signals(signum).name}: stopping after this step and writing a checkpoint "
+                           "(send it again to stop at once, without one)")  # fmt: skip
+
+
+class CheckpointPolicy:
+    """Checkpoint every `every` steps and every `minutes` of wall time (either 0: off); a run always writes
+    one at its end or when it stops on a signal."""
+
+    def __init__(self, every: int, minutes: float):
+        self.every, self.seconds, self._last = every, minutes * 60, time.monotonic()
+
+    def due(self, step: int) -> bool:
+        by_steps = self.every and step % self.every == 0
+        by_time = self.seconds and time.monotonic() - self._last >= self.seconds
+        return bool(by_steps or by_time)
+
+    def saved(self) -> None:
+        self._last = time.monotonic()
+
+
+def plain_progress_line(kind: str, step: int, total: int, fields: dict, elapsed: float, done_before: int) -> str:
+    """One line for a log file (stdout not a terminal): step, the given fields and the ETA."""
+    rate = (step - done_before) / elapsed if elapsed > 0 else 0.0
+    eta = (total - step) / rate if rate > 0 else float("nan")
+    parts = [f"{kind} step {step}/{total}", *(f"{k} {v}" for k, v in fields.items())]
+    return "  ".join(parts) + (f"  ETA {_duration(eta)}" if eta == eta else "")
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+@dataclass
+class RunSummary:
+    command: str  # train | grpo
+    steps: int
+    seconds: float
+    tokens: int
+    final: float | None  # the last step's loss (train) or mean reward (grpo)
+    best: float | None  # the lowest loss or highest mean reward
+    adapter: Path
+    metrics: Path
+
+    def print(self, console) -> None:
+        what = "loss" if self.command == "train" else "mean reward"
+        console.print(f"done: {self.steps} steps in {_duration(self.seconds)}, {self.tokens:,} tokens"
+                      + (f"; {what} {self.final:.4f} at the end, best {self.best:.4f}" if self.final is not None
+                         else ""), highlight=False)  # fmt: skip
+        console.print(f"adapter: {self.adapter}\nmetrics: {self.metrics}", highlight=False)
+        console.print(
+            "next:\n"
+            f"  moe-qlora check-norms {self.adapter}      # are the LoRA factors healthy?\n"
+            f'  moe-qlora generate --adapter {self.adapter} "your prompt"      # try it (--no-adapter: the base)\n'
+            f"  moe-qlora export {self.adapter} --format gguf --out {self.adapter}.gguf      # llama.cpp\n"
+            f'  or with PEFT: PeftModel.from_pretrained(base_model, "{self.adapter}") (see the README)',
+            highlight=False,
+        )

@@ -1,0 +1,519 @@
+"""The SFT loop: token-normalised loss over accumulated micro-batches, clipping, schedule, logging, export.
+
+One optimizer step sees `grad_accum` micro-batches; each contributes sum(token losses) / N where N is the
+number of target tokens in the whole step, so the step's gradient equals that of one big batch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import logging
+import math
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from moe_qlora.common.memory import release_freed_memory
+from moe_qlora.common.reporting import NoReporters, Reporters, read_jsonl
+from moe_qlora.config.schema import ConfigError, RunConfig
+from moe_qlora.data.examples import (
+    IGNORE,
+    Example,
+    apply_reward_weights,
+    build_examples,
+    collate,
+    epoch_order,
+    eval_split,
+    micro_batches,
+    pack_examples,
+)
+from moe_qlora.model.distributed import (
+    SINGLE,
+    Ranks,
+    any_rank,
+    raise_together,
+    sum_gradients,
+    sum_scalars,
+    whole_trainable,
+)
+from moe_qlora.train.checkpoint import (
+    RunProgress,
+    checkpoint_tensors,
+    config_hash,
+    dataset_fingerprint,
+    save_checkpoint,
+)
+from moe_qlora.train.faults import stop_on_out_of_memory
+from moe_qlora.train.losses import token_logprobs
+from moe_qlora.train.optim import StepInBackward, build_optimizer
+from moe_qlora.train.position import phase, start_step
+from moe_qlora.train.runs import (
+    CheckpointPolicy,
+    RunSummary,
+    StopSignals,
+    plain_progress_line,
+)
+from moe_qlora.train.session import (
+    after_step,
+    apply_update,
+    build_schedule,
+    claim_output_dir_together,
+    launched,
+    load_policy,
+    load_tokenizer,
+    resume_if_asked,
+    router_load,
+    save_verified_adapter,
+    seed_everything,
+    stop_if_asked,
+    truncate_metrics,
+    write_adapter,
+    write_router_layers,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    losses: list[float]
+    adapter_dir: Path
+    metrics_path: Path
+
+
+def token_loss_sum(
+    model, batch: dict[str, torch.Tensor], *, loss_chunk: int = 0
+) -> tuple[torch.Tensor, int, float | None]:
+    """Sum of next-token cross-entropies over target positions, their count, and the model's MoE auxiliary
+    (load-balancing) loss where the family defines one (logged, not trained on). loss_chunk > 0: through the
+    output head that many tokens at a time (losses.py), never the whole (B, L, V) logits."""
+    extra = {"output_router_logits": True} if hasattr(model.config, "router_aux_loss_coef") else {}
+    logp, mask, out = token_logprobs(model, batch, chunk=loss_chunk, **extra)
+    targets = batch["labels"][:, 1:]
+    token_losses = -logp
+    # Each sample's token losses times its weight (1 for SFT): sample i's gradient is w_i (p - onehot), so
+    # w = 0 contributes exactly nothing. The caller divides by the unweighted target count of the step, so
+    # doubling every weight doubles the gradient.
+    weights = batch.get("weights")
+    if batch.get("token_weights") is not None:  # packed rows: each token carries its own row's weight
+        loss = (token_losses * batch["token_weights"][:, 1:].to(token_losses)).sum()
+    elif weights is None:
+        loss = token_losses.sum()
+    else:
+        loss = (token_losses.sum(dim=1) * weights.to(token_losses)).sum()
+    aux = getattr(out, "aux_loss", None)
+    return loss, int((targets != IGNORE).sum()), None if aux is None else float(aux.detach())
+
+
+def optimizer_steps(examples: list[Example], cfg: RunConfig, ranks: Ranks = SINGLE):
+    """Yield (epoch, [micro-batches]) per optimizer step, each epoch in its own seeded order. With several
+    ranks a global micro-batch holds micro_batch_size x ranks examples and this rank takes its slice, so the
+    global batch is the same whatever the world size (a slice may be short, or empty, at an epoch's end)."""
+    t = cfg.train
+    size = t.micro_batch_size
+    for epoch in range(t.epochs):
+        order = epoch_order(len(examples), seed=t.seed, epoch=epoch)
+        group = []
+        for mb in micro_batches(examples, order, size * ranks.world):
+            mine = mb[ranks.rank * size : (ranks.rank + 1) * size]
+            if not mine and ranks.sharded:  # every FSDP rank must run each forward: a row that trains nothing
+                mine = [idle_row(mb[0])]
+            group.append(mine)
+            if len(group) == t.grad_accum:
+                yield epoch, group
+                group = []
+        if group:
+            yield epoch, group
+
+
+def step_end_positions(num_examples: int, cfg: RunConfig, world: int) -> list[int]:
+    """Where each optimizer step of a run over `world` ranks ends in the data: the examples consumed since the
+    run's start (epoch after epoch), as optimizer_steps lays them out."""
+    t = cfg.train
+    per_step = t.micro_batch_size * world * t.grad_accum
+    return [epoch * num_examples + min(num_examples, start + per_step)
+            for epoch in range(t.epochs) for start in range(0, num_examples, per_step)]  # fmt: skip
+
+
+def continue_at_world_size(done: RunProgress, ranks: Ranks, num_examples: int, cfg: RunConfig, total: int,
+                           console: Console) -> tuple[RunProgress, int]:  # fmt: skip
+    """A checkpoint written by another number of ranks: the global batch (micro_batch_size x ranks x grad_accum)
+    has changed, so step k no longer names the same data. The run goes on from the same global position in the
+    data order, as if it had been launched at this world size: returns the step of the new layout to go on
+    after (the first not wholly done; the examples between its start and the position are trained on again, and
+    said so) and the run's total steps (ending where the checkpoint's run would have: train.max_steps counted
+    in that run's steps). (done, total) unchanged otherwise."""
+    if done.world in (0, ranks.world) or done.step == 0:
+        return done, total
+    old_ends, ends = (step_end_positions(num_examples, cfg, w) for w in (done.world, ranks.world))
+    position, end = old_ends[done.step - 1], old_ends[count_steps(num_examples, cfg, done.world) - 1]
+    step, total = bisect.bisect_right(ends, position), bisect.bisect_left(ends, end) + 1
+    again = position - (ends[step - 1] if step else 0)
+    old_batch, new_batch = (cfg.train.micro_batch_size * w * cfg.train.grad_accum for w in (done.world, ranks.world))
+    console.print(f"[yellow]warning:[/] the checkpoint was written by {done.world} rank(s), this run has "
+                  f"{ranks.world}: the global batch changes from {old_batch} to {new_batch} examples. The data order "
+                  f"continues from the same global position (example {position:,} of the run): step {done.step} of "
+                  f"the checkpoint's run is step {step} here, of {total}" + (f", and {again} example(s) before the "
+                  "position are trained on again" if again else "") + "; the LR schedule goes on from the same "
+                  "point. The result will not be bit-identical to an uninterrupted run.")  # fmt: skip
+    return replace(done, step=step, epoch=min(position // num_examples, cfg.train.epochs - 1)), total
+
+
+def schedule_at(optimizer, total: int, step: int, train_cfg):
+    """The LR schedule over `total` steps, as it stands after `step` of them."""
+    schedule = build_schedule(optimizer, total, train_cfg)
+    schedule.last_epoch = step
+    for group, base, factor in zip(optimizer.param_groups, schedule.base_lrs, schedule.lr_lambdas, strict=True):
+        group["lr"] = base * factor(step)
+    schedule._last_lr = [group["lr"] for group in optimizer.param_groups]
+    return schedule
+
+
+IDLE = " (idle)"  # the source suffix of an idle row
+
+
+def idle_row(example: Example) -> Example:
+    """`example` with no target and weight 0: its forward and backward run (the collectives FSDP makes every rank
+    join) and add exactly nothing to the loss, the gradient or the target count (nor to the tokens logged)."""
+    return replace(
+        example,
+        labels=[IGNORE] * len(example.labels),
+        source=example.source + IDLE,
+        weight=0.0,
+        token_weights=None if example.token_weights is None else [0.0] * len(example.token_weights),
+    )
+
+
+def count_steps(num_examples: int, cfg: RunConfig, world: int = 1) -> int:
+    t = cfg.train
+    per_epoch = math.ceil(math.ceil(num_examples / (t.micro_batch_size * world)) / t.grad_accum)
+    total = per_epoch * t.epochs
+    return min(total, t.max_steps) if t.max_steps else total
+
+
+def accumulate_gradients(
+    model, batches: list[dict[str, torch.Tensor]], *, loss_chunk: int = 0, ranks: Ranks = SINGLE
+) -> tuple[float, int, float | None]:
+    """Backward over micro-batches, each scaled by 1/N with N the target tokens of all of them together (on
+    every rank), so the gradient is that of the mean token loss over the whole step; with several ranks the
+    gradients are then summed across them. Returns (mean loss, N, mean aux loss)."""
+    local = sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in batches)
+    n_targets = int(sum_scalars(ranks, local)[0])
+    total, aux = 0.0, []
+    for batch in batches:
+        with phase("forward"):
+            loss_sum, _, aux_loss = token_loss_sum(model, batch, loss_chunk=loss_chunk)
+        with phase("backward"):
+            (loss_sum / n_targets).backward()
+        total += float(loss_sum.detach())
+        if aux_loss is not None:
+            aux.append(aux_loss)
+    if ranks.enabled:
+        (total,) = sum_scalars(ranks, total)
+        sum_gradients(ranks, [p for p in model.parameters() if p.requires_grad])
+    return total / n_targets, n_targets, (sum(aux) / len(aux) if aux else None)
+
+
+def backward_with_updates(model, stepper: StepInBackward, batch: dict[str, torch.Tensor], *, loss_chunk: int = 0):
+    """train.optimizer_in_backward: one micro-batch's backward, each LoRA tensor updated inside it. A
+    non-finite loss is seen before the backward, so nothing is updated. Returns (mean loss, N, aux loss,
+    pre-clip gradient norm, skipped)."""
+    n_targets = int((batch["labels"][:, 1:] != IGNORE).sum())
+    stepper.begin()
+    with phase("forward"):
+        loss_sum, _, aux_loss = token_loss_sum(model, batch, loss_chunk=loss_chunk)
+    loss = float(loss_sum.detach()) / n_targets
+    if math.isfinite(loss):
+        with phase("backward (optimizer in backward)"):
+            (loss_sum / n_targets).backward()
+    del loss_sum
+    grad_norm, skipped = stepper.finish(math.isfinite(loss))
+    release_freed_memory()
+    return loss, n_targets, aux_loss, grad_norm, skipped
+
+
+def train_step(model, optimizer, group, pad_id: int, train_cfg, stepper: StepInBackward | None = None,
+               ranks: Ranks = SINGLE) -> dict:  # fmt: skip
+    """One optimizer step over the micro-batches in `group` (inside the backward with `stepper`); returns
+    its metrics."""
+    device = next(model.parameters()).device
+    batches = [{k: v.to(device) for k, v in collate(mb, pad_id).items()} for mb in group if mb]
+    if stepper is not None:
+        (batch,) = batches  # grad_accum is 1 (config.py refuses more)
+        loss, n_targets, aux_loss, grad_norm, skipped = backward_with_updates(
+            model, stepper, batch, loss_chunk=train_cfg.loss_chunk_tokens
+        )
+    else:
+        loss, n_targets, aux_loss = accumulate_gradients(model, batches, loss_chunk=train_cfg.loss_chunk_tokens,
+                                                         ranks=ranks)  # fmt: skip
+        grad_norm, skipped = apply_update(optimizer, loss, train_cfg)
+    trained = sum(len(e.input_ids) for mb in group for e in mb if not e.source.endswith(IDLE))
+    tokens = int(sum_scalars(ranks, trained)[0])
+    return {"loss": loss, "grad_norm": grad_norm, "target_tokens": n_targets, "tokens": tokens, "skipped": skipped,
+            "aux_loss": aux_loss}  # fmt: skip
+
+
+def prepare(cfg: RunConfig, console: Console, ranks: Ranks = SINGLE):
+    """Tokenizer, data, and the quantized model with adapters for an SFT run (sharded when the run is: the
+    returned ranks say so)."""
+    model_path, tokenizer = load_tokenizer(cfg)
+    rwsft = cfg.train.objective == "rwsft"
+    examples, stats = build_examples(cfg.data, tokenizer, rewards=rwsft)
+    if rwsft:
+        examples = apply_reward_weights(examples, cfg.reward)
+        weights = [e.weight for e in examples]
+        console.print(f"rwsft: weights ({cfg.reward.mapping}) from {min(weights):.3g} to {max(weights):.3g}, "
+                      f"mean {sum(weights) / len(weights):.3g}")  # fmt: skip
+    console.print(
+        f"data: {stats.rows} rows -> {len(examples)} examples, {stats.target_tokens} target tokens; "
+        f"truncated {stats.truncated}, dropped {stats.dropped_overlength} over max_seq_len and "
+        f"{stats.dropped_no_target} with no target left; formats {stats.formats}"
+    )
+    model, params, ranks = load_policy(cfg, model_path, console, ranks)
+    return model_path, tokenizer, examples, model, params, ranks
+
+
+def held_out_examples(cfg: RunConfig, tokenizer, examples: list[Example], console: Console
+                      ) -> tuple[list[Example], list[Example]]:  # fmt: skip
+    """(train, eval) examples: data.eval_files tokenized like the training rows, or a seeded
+    data.eval_fraction of them held out (never trained on)."""
+    if cfg.data.eval_files:
+        held, _ = build_examples(cfg.data.model_copy(update={"train_files": cfg.data.eval_files}), tokenizer)
+    else:
+        examples, held = eval_split(examples, cfg.data.eval_fraction, seed=cfg.train.seed)
+    if held:
+        targets = sum(sum(t != IGNORE for t in e.labels[1:]) for e in held)
+        console.print(f"eval: {len(held)} examples held out, {targets} target tokens")
+    return examples, held
+
+
+def packed(model, examples: list[Example], held_out: list[Example], max_len: int, console: Console
+           ) -> tuple[list[Example], list[Example]]:  # fmt: skip
+    """data.packing: training and eval rows each packed into max_seq_len sequences (never mixed)."""
+    if (reason := packing_unsupported(model)) is not None:
+        raise ConfigError(f"data.packing: {reason}; set data.packing: false for this model")
+    rows = len(examples)
+    examples, held_out = pack_examples(examples, max_len), pack_examples(held_out, max_len) if held_out else []
+    fill = sum(len(e.input_ids) for e in examples) / (len(examples) * max_len)
+    console.print(f"packing: {rows} rows -> {len(examples)} sequences of up to {max_len} tokens ({fill:.0%} full)")
+    return examples, held_out
+
+
+RECURRENT_LAYER_KINDS = ("linear_attention", "mamba", "conv", "recurrent")
+
+
+def packing_unsupported(model) -> str | None:
+    """Why packed rows would see each other in this model, or None.
+
+    Restarting position ids make transformers mask attention per row, where the model hands them to its mask
+    builder (GPT-OSS does not); the state of recurrent or convolutional mixers runs across rows regardless.
+    Decided by a probe, two rows packed against the second alone, named by the layer kinds where known."""
+    config = model.config.get_text_config()
+    kinds = set(getattr(config, "layer_types", None) or []) | set(getattr(config, "layers_block_type", None) or [])
+    recurrent = sorted(k for k in kinds if any(r in k for r in RECURRENT_LAYER_KINDS))
+    if recurrent:
+        return f"{', '.join(recurrent)} layers carry state across packed rows (only attention restarts per row)"
+    if rows_leak_when_packed(model):
+        return (f"in {type(model).__name__} a packed row sees the rows before it (its attention masks do not "
+                "restart at the positions, or a convolution or recurrent mixer runs across rows)")  # fmt: skip
+    return None
+
+
+@torch.no_grad()
+def rows_leak_when_packed(model, n: int = 8) -> bool:
+    """True when the logits of a row packed after another differ from the row alone (fp32: ~1e-6; bf16
+    kernels: ~1e-2 of the logits' scale; a leak: O(1))."""
+    device = next(model.parameters()).device
+    vocab = model.config.get_text_config().vocab_size
+    first = torch.arange(3, 3 + n, device=device)[None] % vocab
+    second = torch.arange(3 + n, 3 + 2 * n, device=device)[None] % vocab
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            alone = model(input_ids=second, use_cache=False).logits.float()
+            positions = torch.arange(n, device=device).repeat(1, 2)
+            both = model(input_ids=torch.cat([first, second], 1), position_ids=positions, use_cache=False)
+    finally:
+        model.train(was_training)
+    tol = 1e-3 if both.logits.dtype == torch.float32 else 5e-2
+    return float((both.logits[:, n:].float() - alone).abs().max()) > tol * max(1.0, float(alone.abs().max()))
+
+
+@torch.no_grad()
+def eval_loss(model, examples: list[Example], pad_id: int, train_cfg) -> float:
+    """Mean token loss over `examples` (unweighted, the training masking and chunked loss), in eval mode
+    (no dropout, so the run's RNG is untouched) and without gradients."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        for start in range(0, len(examples), train_cfg.micro_batch_size):
+            batch = collate(examples[start : start + train_cfg.micro_batch_size], pad_id)
+            batch = {k: v.to(device) for k, v in batch.items() if k not in ("weights", "token_weights")}
+            loss_sum, n, _ = token_loss_sum(model, batch, loss_chunk=train_cfg.loss_chunk_tokens)
+            total, count = total + float(loss_sum), count + n
+    finally:
+        model.train(was_training)
+    return total / max(count, 1)
+
+
+def best_eval_so_far(metrics_path: Path) -> float:
+    """The lowest eval loss logged (after a resume: up to the checkpoint), inf if none."""
+    values = [r["eval_loss"] for r in read_jsonl(metrics_path) if "eval_loss" in r]
+    return min(values, default=math.inf)
+
+
+def run_steps(cfg: RunConfig, examples, pad_id: int, training: dict, *, total: int, done: RunProgress,
+              metrics: Reporters, console: Console, checkpoint, stop: StopSignals,
+              on_oom, stepper: StepInBackward | None = None, evaluate=None, ranks: Ranks = SINGLE,
+              ) -> tuple[list[float], int]:  # fmt: skip
+    """The optimizer steps after `done`, with a progress bar (plain lines when stdout is not a terminal),
+    metrics, checkpoints by steps and minutes, and a checkpoint then RunInterrupted on SIGINT/SIGTERM; out of
+    memory in a step raises on_oom(last completed progress, stepper), a faults.StepFailed after its checkpoint.
+    Returns the losses of this invocation and the tokens it trained on."""
+    model, optimizer, schedule = training["model"], training["optimizer"], training["scheduler"]
+    losses, tokens, start, first = [], 0, time.perf_counter(), done.step
+    policy = CheckpointPolicy(cfg.train.save_every, cfg.train.save_every_minutes)
+    columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+               TimeRemainingColumn()]  # fmt: skip
+    with Progress(*columns, console=console, transient=False, disable=not console.is_terminal) as bar:
+        task = bar.add_task("train", total=total, info="", completed=done.step)
+        for step, (epoch, group) in enumerate(optimizer_steps(examples, cfg, ranks)):
+            if step >= total:
+                break
+            if step < done.step:  # done before the checkpoint: the order depends on (seed, epoch) only
+                continue
+            stop_if_asked(stop, done, checkpoint, ranks)
+            t0 = time.perf_counter()
+            lr = optimizer.param_groups[0]["lr"]
+            start_step(step + 1)
+            try:
+                record = train_step(model, optimizer, group, pad_id, cfg.train, stepper, ranks)
+            except torch.OutOfMemoryError:
+                raise on_oom(done, stepper=stepper) from None
+            dt = time.perf_counter() - t0
+            record.update(step=step + 1, epoch=epoch, lr=lr, step_time_s=dt, tokens_per_s=record["tokens"] / dt,
+                          elapsed_s=time.perf_counter() - start, router_load=router_load(model))  # fmt: skip
+            if evaluate is not None and (step + 1 == total or (cfg.train.eval_every and
+                                                               (step + 1) % cfg.train.eval_every == 0)):  # fmt: skip
+                record.update(evaluate())
+            try:
+                done = after_step(record, [e.source for mb in group for e in mb], done, cfg)
+            finally:  # an aborting step is logged too, with its raw loss
+                logged = record["skipped"] or "eval_loss" in record or (step + 1) % cfg.train.log_every == 0
+                if logged or step + 1 == total:
+                    metrics.write(record)
+            if not record["skipped"]:
+                schedule.step()  # a skipped step is not taken: the schedule does not move either
+            losses.append(record["loss"])
+            tokens += record["tokens"]
+            info = {"loss": f"{record['loss']:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{record['tokens_per_s']:.0f}"}
+            if "eval_loss" in record:
+                info["eval"] = f"{record['eval_loss']:.4f}"
+            bar.update(task, advance=1, info="  ".join(f"{k} {v}" for k, v in info.items()))
+            if not console.is_terminal and ((step + 1) % cfg.train.log_every == 0 or step + 1 == total):
+                console.print(plain_progress_line("train", step + 1, total, info, time.perf_counter() - start, first),
+                              highlight=False)  # fmt: skip
+            if done.step < total and any_rank(ranks, policy.due(done.step)):  # by minutes: clocks may disagree
+                checkpoint(done)
+                policy.saved()
+    checkpoint(done)
+    return losses, tokens
+
+
+def train(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool = False,
+          overwrite: bool = False) -> TrainResult:  # fmt: skip
+    """Run SFT as configured: returns the per-step losses (of this invocation) and where the outputs went.
+    Raises RunInterrupted after checkpointing when SIGINT or SIGTERM arrives. Under torchrun (WORLD_SIZE > 1)
+    each process is a data-parallel rank (distributed.py); rank 0 alone writes."""
+    with launched(cfg, console) as (ranks, console):
+        return _train(cfg, console, Path(cfg.output.dir), ranks, allow_mismatch=allow_mismatch, overwrite=overwrite)
+
+
+def _train(cfg: RunConfig, console: Console, out: Path, ranks: Ranks, *, allow_mismatch: bool,
+           overwrite: bool) -> TrainResult:  # fmt: skip
+    if ranks.enabled and cfg.train.optimizer_in_backward:
+        raise ConfigError("train.optimizer_in_backward steps inside each rank's backward, before the gradients "
+                          "of the ranks are summed: set it false for a data-parallel run")  # fmt: skip
+    claim_output_dir_together(out, cfg, ranks, console, overwrite=overwrite)
+    started = time.perf_counter()
+    with StopSignals(console) as stop:
+        seed_everything(cfg.train.seed)  # LoRA initialisation (PEFT draws from the global RNG)
+        failure = None
+        try:
+            model_path, tokenizer, examples, model, params, ranks = prepare(cfg, console, ranks)
+        except Exception as exc:  # a rank that cannot load its data or model stops every rank, at once
+            failure = exc
+        raise_together(ranks, failure)
+        if ranks.main:
+            write_router_layers(out, model)
+        examples, held_out = held_out_examples(cfg, tokenizer, examples, console)
+        if cfg.data.packing:
+            examples, held_out = packed(model, examples, held_out, cfg.data.max_seq_len, console)
+        seed_everything(cfg.train.seed)  # and again: what loading consumed (e.g. a cold cache) must not matter
+        optimizer = build_optimizer(params, cfg.train)
+        total = count_steps(len(examples), cfg, ranks.world)
+        schedule = build_schedule(optimizer, total, cfg.train)
+        identity = {"config_hash": config_hash(cfg.model_dump(mode="json")),
+                    "dataset_fingerprint": dataset_fingerprint(examples), "world": ranks.world}  # fmt: skip
+        training = {"model": model, "optimizer": optimizer, "scheduler": schedule}
+        done = resume_if_asked(cfg, out, console, allow_mismatch=allow_mismatch, identity=identity,
+                               writer=ranks.main, **training)  # fmt: skip
+        resumed_at = done.step
+        done, total = continue_at_world_size(done, ranks, len(examples), cfg, total, console)
+        if done.step != resumed_at:
+            training["scheduler"] = schedule_at(optimizer, total, done.step, cfg.train)
+            if ranks.main and done.step < resumed_at:  # more ranks: fewer, larger steps; their records start again
+                truncate_metrics(out / "metrics.jsonl", done.step)
+        if ranks.enabled:
+            batch = ranks.world * cfg.train.micro_batch_size * cfg.train.grad_accum
+            console.print(f"data parallel ({'fsdp' if ranks.sharded else 'ddp'}): {ranks.world} ranks x "
+                          f"micro_batch_size {cfg.train.micro_batch_size}, global batch {batch}")  # fmt: skip
+        stepper = None
+        if cfg.train.optimizer_in_backward:  # undo: a step abandoned part-way (NaN, out of memory) is put back
+            stepper = StepInBackward(optimizer, undo=True)
+        metrics = (Reporters(out, cfg.output.report_to, project=cfg.output.wandb_project,
+                             config=cfg.model_dump(mode="json")) if ranks.main else NoReporters(out))  # fmt: skip
+        model.train()
+
+        def checkpoint(progress: RunProgress) -> None:
+            tensors = checkpoint_tensors(model, optimizer) if ranks.sharded else None  # gathered by every rank
+            if ranks.main:
+                save_checkpoint(out, progress=progress, identity=identity, keep=cfg.train.keep_checkpoints,
+                                tensors=tensors, **training)  # fmt: skip
+
+        best = {"loss": best_eval_so_far(metrics.path)}
+
+        def evaluate() -> dict:
+            loss = eval_loss(model, held_out, tokenizer.pad_token_id, cfg.train)
+            fields = {"eval_loss": loss}
+            if cfg.train.keep_best and loss < best["loss"]:
+                best["loss"] = loss
+                fields["eval_best"] = True
+                with whole_trainable(model, ranks):
+                    if ranks.main:
+                        save_verified_adapter(model, out / "adapter-best", cfg, model_path)
+            return fields
+
+        try:
+            losses, tokens = run_steps(cfg, examples, tokenizer.pad_token_id, training, total=total, done=done,
+                                       metrics=metrics, console=console, checkpoint=checkpoint, stop=stop,
+                                       stepper=stepper, evaluate=evaluate if held_out else None, ranks=ranks,
+                                       on_oom=functools.partial(stop_on_out_of_memory, cfg, model_path, out,
+                                                                training, checkpoint=checkpoint))  # fmt: skip
+        finally:
+            metrics.close()
+        with whole_trainable(model, ranks):
+            adapter_dir = write_adapter(model, out, cfg, model_path, console) if ranks.main else out / "adapter"
+    finite = [x for x in losses if math.isfinite(x)]
+    RunSummary("train", len(losses), time.perf_counter() - started, tokens, finite[-1] if finite else None,
+               min(finite) if finite else None, adapter_dir, metrics.path).print(console)  # fmt: skip
+    return TrainResult(steps=len(losses), losses=losses, adapter_dir=adapter_dir, metrics_path=metrics.path)

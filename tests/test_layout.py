@@ -1,0 +1,114 @@
+"""The package's architecture, read from its imports (ast: imports inside functions count too).
+
+Subpackages are layered in LAYERS, lowest first: a module may import its own subpackage and those below it,
+never one above; and no chain of module imports comes back to where it started.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "moe_qlora"
+# Lowest first: data flows up from the MoE layer to the model, the loops and the command line.
+LAYERS = ["common", "moe", "config", "data", "model", "export", "train", "inference", "cli"]
+
+
+def module_name(path: Path) -> str:
+    parts = ["moe_qlora", *path.relative_to(PACKAGE).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, known: set[str]) -> set[str]:
+    """The moe_qlora modules `path` imports: `from a.b import c` counts a.b.c when it is a module, else a.b."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: relative import (the package imports by absolute name)"
+            module = node.module or ""
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return {m for m in found if m in known}
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: imported_modules(path, set(paths)) - {name} for name, path in paths.items()}
+
+
+def layer_of(module: str) -> int | None:
+    """Index in LAYERS of the subpackage holding `module`; None for the root package and __main__."""
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS) else None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    wrong = []
+    for module, targets in sorted(graph.items()):
+        here = layer_of(module)
+        for target in sorted(targets):
+            there = layer_of(target)
+            if here is not None and there is not None and there > here:
+                wrong.append(f"{module} imports {target}: {LAYERS[there]} is above {LAYERS[here]}")
+    return wrong
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None (depth-first search, colouring nodes on the stack)."""
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+
+    def visit(node: str, stack: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt, [*stack, nxt])):
+                return cycle
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start, [start])):
+            return cycle
+    return None
+
+
+def test_every_subpackage_is_a_declared_layer():
+    subpackages = {p.parent.relative_to(PACKAGE).parts[0] for p in PACKAGE.rglob("__init__.py") if p.parent != PACKAGE}
+    assert subpackages == set(LAYERS)
+    stray = [p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+    assert not stray, f"modules outside the subpackages: {stray}"
+
+
+def test_no_import_reaches_a_higher_layer():
+    assert upward_imports(import_graph()) == []
+
+
+def test_no_import_cycle():
+    assert find_cycle(import_graph()) is None
+
+
+def test_each_subpackage_says_what_it_holds_and_may_import():
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        lines = [line for line in doc.splitlines() if line.strip()]
+        assert 2 <= len(lines) <= 4, f"{init}: a docstring of 2 to 4 lines, got {len(lines)}"
+        assert "import" in doc, f"{init}: the docstring says what the package may import"
+
+
+@pytest.mark.parametrize(
+    ("graph", "expect"),
+    [
+        # broken controls: the checks must see an upward import and a cycle when there is one
+        ({"moe_qlora.moe.experts": {"moe_qlora.train.session"}, "moe_qlora.train.session": set()}, "upward"),
+        ({"moe_qlora.train.a": {"moe_qlora.train.b"}, "moe_qlora.train.b": {"moe_qlora.train.a"}}, "cycle"),
+        ({"moe_qlora.train.a": {"moe_qlora.moe.b"}, "moe_qlora.moe.b": set()}, "clean"),
+    ],
+)
+def test_the_checks_fail_on_a_broken_graph(graph, expect):
+    assert bool(upward_imports(graph)) == (expect == "upward")
+    assert (find_cycle(graph) is not None) == (expect == "cycle")
