@@ -82,7 +82,7 @@ def worker(model: str, seq: int, label: str) -> dict:
     from rich.console import Console
 
     from moe_qlora.common.memory import peak_rss_mib, release_freed_memory
-    from moe_qlora.config.schema import validate_config
+    from moe_qlora.config.load import validate_config
     from moe_qlora.train import sft as trainer
 
     out = Path(tempfile.mkdtemp(prefix="bench-memory-"))
@@ -106,7 +106,7 @@ def worker(model: str, seq: int, label: str) -> dict:
 
 
 def planned(model: Path, seq: int, label: str) -> tuple[int, dict]:
-    from moe_qlora.config.schema import validate_config
+    from moe_qlora.config.load import validate_config
     from moe_qlora.model.plan import plan_run
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -33,7 +33,7 @@ SHARD = "400MB"
 
 def make_adapter(base: Path) -> Path:
     """Rank-16 LoRA on every expert and on q/k/v/o of the 4-bit model, B random (a trained-looking update)."""
-    from moe_qlora.config.schema import LoraSection
+    from moe_qlora.config.sections import LoraSection
     from moe_qlora.export.adapter import save_adapter
     from moe_qlora.model.adapters import attach_adapters
     from moe_qlora.model.loading import LoadOptions, load_model
@@ -66,7 +66,7 @@ def worker(name: str, adapter: str, out: str) -> dict:
     if name == "moe-qlora merge":
         from rich.console import Console
 
-        from moe_qlora.cli.app import parse_size
+        from moe_qlora.cli.adapter import parse_size
         from moe_qlora.inference.merge import merge_adapter
 
         merge_adapter(adapter, out, dtype="bfloat16", max_shard_bytes=parse_size(SHARD), console=Console(quiet=True))

@@ -54,7 +54,7 @@ def ours(module, cfg, kernels, rank, *, self_check=True):
     """The experts module as a default run holds it: NF4 stacks with nested block scales
     (model.expert_double_quant), expert LoRA of `rank` with non-zero B (so every gradient is exercised), the
     default decode buffer (model.dequant_buffer_mb) and the self-check (model.kernel_self_check), `kernels`."""
-    from moe_qlora.config.schema import ModelSection
+    from moe_qlora.config.sections import ModelSection
     from moe_qlora.moe.experts import attach_expert_lora, register_experts_implementation
     from moe_qlora.moe.nf4 import quantize_stack
 
@@ -74,7 +74,7 @@ def ours(module, cfg, kernels, rank, *, self_check=True):
 
 def set_kernels(module, kernels, *, self_check=True):
     """kernels with a default run's decode buffer and, if `self_check`, a fresh self-check."""
-    from moe_qlora.config.schema import ModelSection
+    from moe_qlora.config.sections import ModelSection
     from moe_qlora.moe.experts import set_moe_kernels
 
     defaults = ModelSection.model_fields

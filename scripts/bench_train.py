@@ -66,7 +66,7 @@ def ensure_checkpoint(preset: str) -> Path:
 
 
 def setup_moe_qlora(path, dtype, double_quant):
-    from moe_qlora.config.schema import LoraSection
+    from moe_qlora.config.sections import LoraSection
     from moe_qlora.model.adapters import attach_adapters, configure_checkpointing
     from moe_qlora.model.loading import LoadOptions, load_model
 

@@ -99,12 +99,12 @@ def candidates_agree(x, idx, weights) -> dict[str, bool]:
     """Whether every autotune candidate of this GPU's list gives the triton layer's step the same bits as the
     default: then which one the autotuner picks (it may differ between processes, e.g. a run and its resume)
     cannot change a result. Returns {candidate: identical to the default}."""
-    from moe_qlora.moe.kernels import ops
+    from moe_qlora.moe.kernels import tiles
 
-    arch = ops.target_arch("cuda")
+    arch = tiles.target_arch("cuda")
     results, reference = {}, None
-    for config in list(ops.MATMUL_CONFIGS[arch]):
-        with ops.pinned_config(arch, config):
+    for config in list(tiles.MATMUL_CONFIGS[arch]):
+        with tiles.pinned_config(arch, config):
             out = step(qwen3_layer("triton"), x, idx, weights)  # the layer is built once: only the config changes
         reference = reference or out
         results[str(config)] = all(torch.equal(a, b) for a, b in zip(reference, out, strict=True))

@@ -5,7 +5,7 @@ alone implies (% of tensor-core peak, % of HBM bandwidth). No GPU needed.
 
     python scripts/kernel_report.py [--arch 80 --arch 90] [--shape qwen3-30b-a3b] [--json]
 
-The arguments come from the real launchers (kernels/ops.py) called at Qwen3-30B-A3B and Mixtral-8x7B layer
+The arguments come from the real launchers (moe/kernels/ops.py) called at Qwen3-30B-A3B and Mixtral-8x7B layer
 shapes with the kernel replaced by a recorder; they then go through Triton's own binder and argument packing
 (the code path of JITFunction.run, minus the driver), so every int equal to 1 becomes a constant and every
 int or pointer divisible by 16 carries the divisibility hint, exactly as on the GPU. The inner loop is the
@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from moe_qlora.moe.kernels import ops  # noqa: E402
+from moe_qlora.moe.kernels import tiles  # noqa: E402
 from moe_qlora.moe.kernels.aot import capture_launches, compile_as_jit  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}  # hidden, inter, E, top-k
@@ -111,13 +111,13 @@ def _packed_load_bytes(ttgir: str) -> int | None:
 def report(archs: list[int], shapes: list[str], *, candidates: bool = False, tokens: int = TOKENS,
            dtype: str = "bf16") -> list[dict]:
     """One row per launch, shape and arch with the config it takes when not autotuned (its class's default:
-    ops.launch_candidates); with `candidates`, one per autotune candidate the autotuner times for the launch
-    (named launch@BLOCK_MxBLOCK_NxBLOCK_K/warps/stages; ops.MatmulConfig.serves) instead. `dtype`: the
-    activations, bf16 or fp32 (whose launches all take ops.FP32_CONFIG, so `candidates` adds nothing there)."""
+    tiles.launch_candidates); with `candidates`, one per autotune candidate the autotuner times for the launch
+    (named launch@BLOCK_MxBLOCK_NxBLOCK_K/warps/stages; tiles.MatmulConfig.serves) instead. `dtype`: the
+    activations, bf16 or fp32 (whose launches all take tiles.FP32_CONFIG, so `candidates` adds nothing there)."""
     rows = []
     for shape in shapes:
         for arch in archs:
-            for config in ops.MATMUL_CONFIGS[arch] if candidates else [None]:
+            for config in tiles.MATMUL_CONFIGS[arch] if candidates else [None]:
                 rows += _report_config(shape, arch, config, tokens, dtype)
     return rows
 
@@ -127,16 +127,16 @@ def _tag(config) -> str:
 
 
 def _timed_for(launch, config, tall: bool, arch: int) -> bool:
-    """Whether the autotuner times `config` for this launch (ops.MatmulConfig.serves; `tall`: the launch has
+    """Whether the autotuner times `config` for this launch (tiles.MatmulConfig.serves; `tall`: the launch has
     the rows per expert of the 128-row class; the same tensor-core instruction as the class's default,
-    ops.mma_kind) and the launch recorded with it pinned ran it (not the shipped default a pinned config that
+    tiles.mma_kind) and the launch recorded with it pinned ran it (not the shipped default a pinned config that
     does not serve falls back to)."""
     c, kw = launch.constexprs, launch.kwargs
     flags = (bool(c.get("K_PACKED")), bool(c.get("GLU")), bool(c.get("SWAP_AB")), tall)
     if not config.serves(*flags):
         return False
-    default = next(d for d in ops.MATMUL_CONFIGS[arch] if d.serves(*flags))
-    if ops.mma_kind(config, arch, flags[2]) != ops.mma_kind(default, arch, flags[2]):
+    default = next(d for d in tiles.MATMUL_CONFIGS[arch] if d.serves(*flags))
+    if tiles.mma_kind(config, arch, flags[2]) != tiles.mma_kind(default, arch, flags[2]):
         return False
     rows = 64 if c.get("SWAP_AB") else c["BLOCK_M"]  # swapped 16-row tiles run the 64-row class's configs
     ran = (rows, c["BLOCK_N"], c["BLOCK_K"], kw["num_warps"], kw["num_stages"])
@@ -147,12 +147,12 @@ def _report_config(shape: str, arch: int, config, tokens: int, dtype: str = "bf1
     import torch
 
     hidden, inter, experts, top_k = SHAPES[shape]
-    with ops.pinned_config(arch, config):
+    with tiles.pinned_config(arch, config):
         launches = capture_launches(hidden=hidden, inter=inter, experts=experts, top_k=top_k, tokens=tokens,
                                     rank=RANK, arch=arch, dtype=getattr(torch, DTYPES[dtype]))  # fmt: skip
     rows = []
     for launch in launches:
-        tall = ops.takes_tall_tiles(tokens * top_k, experts, bool(launch.constexprs.get("SWAP_AB")))
+        tall = tiles.takes_tall_tiles(tokens * top_k, experts, bool(launch.constexprs.get("SWAP_AB")))
         if config is not None and (launch.name == "outer_product" or not _timed_for(launch, config, tall, arch)):
             continue  # not autotuned, or a candidate the autotuner never times for this launch
         tag = _tag(config) if config is not None else ""

@@ -35,7 +35,7 @@ HEADROOM_GIB = 0.5
 
 
 def plans(seqs: list[int]) -> list[dict]:
-    from moe_qlora.config.schema import validate_config
+    from moe_qlora.config.load import validate_config
     from moe_qlora.model.budget import meta_model
     from moe_qlora.model.plan import plan_run
 

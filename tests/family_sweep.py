@@ -23,7 +23,7 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
 )
 
-from moe_qlora.config.schema import ConfigError, LoraSection
+from moe_qlora.config.sections import ConfigError, LoraSection
 from moe_qlora.export.adapter import save_adapter, verify_adapter
 from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.model.classes import text_model_from_config

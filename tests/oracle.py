@@ -12,7 +12,8 @@ import torch
 from torch.func import functional_call
 
 from moe_qlora.model.loading import LoadOptions, load_model
-from moe_qlora.moe.experts import DENSE_INPUT_EXPERTS, attach_expert_lora, stack_names
+from moe_qlora.moe.experts import attach_expert_lora, stack_names
+from moe_qlora.moe.layouts import DENSE_INPUT_EXPERTS
 from moe_qlora.moe.nf4 import dequantize_param
 
 # fp32 reordering error scales with the tensor (see test_moe_parity): max|ours - ref| <= REL_TOL * max|ref|.

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from moe_qlora.cli.app import app
-from moe_qlora.config.schema import ConfigError, LoraSection
+from moe_qlora.config.sections import ConfigError, LoraSection
 from moe_qlora.export.adapter import (
     ADAPTER_WEIGHTS,
     AdapterMismatchError,

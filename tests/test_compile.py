@@ -9,8 +9,8 @@ import torch
 from oracle import quantized_with_lora
 from test_moe_parity import routing_case
 
-from moe_qlora.moe.autograd import grouped_experts_backward_op, grouped_experts_op
 from moe_qlora.moe.experts import set_moe_kernels
+from moe_qlora.moe.grouped_layer import grouped_experts_backward_op, grouped_experts_op
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +20,9 @@ def quantized(tiny_mixtral_dir):
 
 def _op_args(module, x, idx, weights):
     """The op's arguments for one experts module, as moe_lora_experts_grouped builds them."""
-    from moe_qlora.moe.autograd import MoEPlan, op_inputs
     from moe_qlora.moe.experts import _frozen_experts
+    from moe_qlora.moe.grouped_layer import op_inputs
+    from moe_qlora.moe.reference_layer import MoEPlan
     from moe_qlora.moe.routing import route
 
     plan = MoEPlan(_frozen_experts(module), route(idx, 8), module.moe_lora.scale)
@@ -144,13 +145,13 @@ def test_a_host_sync_in_the_glue_breaks_the_compile(quantized, monkeypatch):
 def test_default_gates_take_the_op_and_other_gates_the_function(quantized, family, op_calls, monkeypatch):
     """Every layer with transformers' default silu(gate) * up (Mixtral: 2 layers) runs the registered op;
     GPT-OSS's clamped, interleaved gate runs the autograd Function, which calls the module's own gate."""
-    import moe_qlora.moe.autograd as moe_autograd
+    import moe_qlora.moe.grouped_layer as grouped_layer
     from moe_qlora.model.loading import LoadOptions, load_model
     from moe_qlora.model.tiny import ensure_tiny
 
     calls = []
-    real = moe_autograd.grouped_experts_op
-    monkeypatch.setattr(moe_autograd, "grouped_experts_op", lambda *a: calls.append(1) or real(*a))
+    real = grouped_layer.grouped_experts_op
+    monkeypatch.setattr(grouped_layer, "grouped_experts_op", lambda *a: calls.append(1) or real(*a))
     model = quantized if family == "mixtral" else load_model(LoadOptions(str(ensure_tiny("gpt_oss"))))
     set_moe_kernels(model, "grouped_mm")
     try:

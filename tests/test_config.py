@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_qlora.config.schema import ConfigError, load_config, parse_overrides
+from moe_qlora.config.load import load_config, parse_overrides
+from moe_qlora.config.sections import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from moe_qlora.config.schema import DataSection
+from moe_qlora.config.sections import DataSection
 from moe_qlora.data.examples import IGNORE, DataStats, build_examples, epoch_order, tokenize_row
 from moe_qlora.data.sources import DataError
 from moe_qlora.model.tiny import build_byte_tokenizer

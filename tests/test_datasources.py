@@ -12,7 +12,8 @@ from pathlib import Path
 import datasets
 import pytest
 
-from moe_qlora.config.schema import DataSection, DataSource, load_config
+from moe_qlora.config.load import load_config
+from moe_qlora.config.sections import DataSection, DataSource
 from moe_qlora.data.examples import build_examples
 from moe_qlora.data.sources import DataError, load_rows, standard_columns
 from moe_qlora.model.tiny import build_byte_tokenizer

@@ -148,7 +148,7 @@ def test_two_ranks_reproduce_one_process_with_the_same_global_batch(runs):
 GRADIENT_SCRIPT = """
 import json, sys, torch
 from moe_qlora.model.adapters import attach_adapters
-from moe_qlora.config.schema import LoraSection
+from moe_qlora.config.sections import LoraSection
 from moe_qlora.data.examples import collate
 from moe_qlora.model.distributed import full_tensor, join, leave, local_shard, shard_model
 from moe_qlora.model.loading import LoadOptions, load_model

@@ -19,7 +19,8 @@ from rich.console import Console
 from torch.func import functional_call
 from transformers import AutoModelForCausalLM
 
-from moe_qlora.config.schema import LoraSection, validate_config
+from moe_qlora.config.load import validate_config
+from moe_qlora.config.sections import LoraSection
 from moe_qlora.export.adapter import dequantized_base_state_dict, save_adapter
 from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.model.loading import LoadOptions, load_model

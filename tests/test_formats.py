@@ -17,7 +17,7 @@ from rich.console import Console
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from moe_qlora.config.schema import validate_config
+from moe_qlora.config.load import validate_config
 from moe_qlora.export import formats
 from moe_qlora.model.tiny import resolve_model_path
 from moe_qlora.train import sft as trainer

@@ -6,7 +6,8 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moe_qlora.config.schema import ConfigError, DataSection, validate_config
+from moe_qlora.config.load import validate_config
+from moe_qlora.config.sections import ConfigError, DataSection
 from moe_qlora.data.examples import IGNORE, DataStats, tokenize_row
 from moe_qlora.data.sources import DataError, load_rows
 from moe_qlora.model.tiny import build_byte_tokenizer

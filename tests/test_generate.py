@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from moe_qlora.cli.app import app
-from moe_qlora.config.schema import validate_config
+from moe_qlora.config.load import validate_config
 from moe_qlora.export.adapter import dequantized_base_state_dict
 from moe_qlora.inference.generate import Sampling, generate, load_for_generation
 from moe_qlora.train import sft as trainer

@@ -63,10 +63,10 @@ def test_swapped_tiles_for_few_rows_at_qwen3_30b_shape_bf16(tokens):
     """Few rows per expert (at most SWAP_AB_MAX_ROWS on average): the packed kernels' transposed 16-row tiles,
     compiled and autotuned on the GPU, forward gate_up (fused silu x up) and the down input gradient, against
     the references within the same bf16 bounds."""
-    from moe_qlora.moe.kernels import ops
+    from moe_qlora.moe.kernels import tiles
 
     offsets, token = routed_rows(tokens, 128, 8, seed=5)
-    assert offsets[-1] <= ops.SWAP_AB_MAX_ROWS * 128
+    assert offsets[-1] <= tiles.SWAP_AB_MAX_ROWS * 128
     up_stack = nf4_stack(128, 2 * 768, 2048, device="cuda", seed=6)
     up = GroupedWeight.quantized(up_stack, transpose=True)
     x = (0.5 * torch.randn(tokens, 2048, generator=torch.Generator().manual_seed(7))).cuda().bfloat16()

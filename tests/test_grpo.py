@@ -14,12 +14,14 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from moe_qlora.cli.app import app
-from moe_qlora.config.schema import GrpoSection, LoraSection, validate_config
+from moe_qlora.config.load import validate_config
+from moe_qlora.config.sections import GrpoSection, LoraSection
 from moe_qlora.data.examples import collate
 from moe_qlora.model.adapters import adapters_disabled, attach_adapters
 from moe_qlora.model.loading import LoadOptions, load_model
 from moe_qlora.model.tiny import build_byte_tokenizer
-from moe_qlora.train.grpo import grpo, rollout_examples, token_logprobs
+from moe_qlora.train.grpo import grpo, rollout_examples
+from moe_qlora.train.losses import completion_logprobs
 from moe_qlora.train.rollout import PromptRow, completion_end, sample_rollouts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,9 +94,9 @@ def test_generation_with_the_kv_cache_matches_the_training_forward(policy):
         n = completion_end(new[i].tolist(), TOK, TOK.eos_token_id, [])
         ex = rollout_examples([_rollout(prompts[i // 3], new[i, :n].tolist())], torch.zeros(1))
         with torch.no_grad():
-            logp, m = token_logprobs(policy, collate(ex, TOK.pad_token_id), temperature=1.0)
+            logp, m = completion_logprobs(policy, collate(ex, TOK.pad_token_id), temperature=1.0)
             with adapters_disabled(policy):  # control: a generation that skipped the adapters would be caught
-                base_logp, _ = token_logprobs(policy, collate(ex, TOK.pad_token_id), temperature=1.0)
+                base_logp, _ = completion_logprobs(policy, collate(ex, TOK.pad_token_id), temperature=1.0)
         forced = logp[0][m[0]]
         assert len(forced) == n and len(prompt) > 0
         torch.testing.assert_close(forced, generated_logp[i, :n].float(), rtol=0, atol=1e-4)
@@ -183,7 +185,7 @@ def _right_minus_wrong(cfg) -> float:
     rollouts = offline_rollouts(groups, TOK, 32)
     ex = rollout_examples(rollouts, torch.zeros(len(rollouts)))
     with torch.no_grad():
-        logp, _ = token_logprobs(model, collate(ex, TOK.pad_token_id), 1.0)
+        logp, _ = completion_logprobs(model, collate(ex, TOK.pad_token_id), 1.0)
     seq = logp.sum(dim=1).view(-1, 4)
     return float((seq[:, 0] - seq[:, 1:].mean(dim=1)).mean())
 
@@ -215,7 +217,7 @@ def test_cli_grpo_user_errors_exit_2(tmp_path):
 
 
 def test_prompt_rows_strings_messages_and_overlength(tmp_path):
-    from moe_qlora.config.schema import DataSection
+    from moe_qlora.config.sections import DataSection
     from moe_qlora.data.sources import DataError
     from moe_qlora.train.rollout import load_prompts
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from moe_qlora.train.grpo import grpo_token_loss, token_weights
+from moe_qlora.train.losses import grpo_token_loss, token_weights
 
 LN = math.log
 
@@ -186,7 +186,8 @@ def test_truncation_is_read_from_eos_stop_strings_and_length():
 
 
 def test_loss_type_defaults_and_the_renamed_key():
-    from moe_qlora.config.schema import ConfigError, validate_config
+    from moe_qlora.config.load import validate_config
+    from moe_qlora.config.sections import ConfigError
 
     def grpo(**fields):
         return validate_config({"model": {"name_or_path": "builtin:tiny-mixtral"}, "data": {"train_files": ["x"]},

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from moe_qlora.cli.app import app
-from moe_qlora.config.schema import LoraSection
+from moe_qlora.config.sections import LoraSection
 from moe_qlora.export.adapter import AdapterMismatchError, adapter_state_dict, load_adapter, save_adapter
 from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.model.loading import LoadOptions, load_model

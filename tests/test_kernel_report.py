@@ -121,7 +121,7 @@ def test_every_autotune_candidate_compiles_without_spills(tokens):
                           timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    from moe_qlora.moe.kernels.ops import MATMUL_CONFIGS
+    from moe_qlora.moe.kernels.tiles import MATMUL_CONFIGS
 
     # 5 autotuned launches per narrow candidate of the class; a wide one (128 columns) only where it serves:
     # the down projection in 64- and 128-row tiles, both forward projections in swapped 16-row ones; a tall
@@ -134,7 +134,7 @@ def test_every_autotune_candidate_compiles_without_spills(tokens):
     served = ["down_nf4_nested"] + (["gate_up_nf4_nested_silu_mul"] if tokens == 32 else [])
     assert wide == {(arch, name) for arch in ("80", "90") for name in served}
     # In swapped tiles the NF4 launches (4 of the 5) leave out sm_90's narrow candidates whose MMA M side (their 32
-    # weight columns) makes them mma.sync where the default is wgmma (ops.mma_kind).
+    # weight columns) makes them mma.sync where the default is wgmma (tiles.mma_kind).
     other_mma = sum(not c.wide and not c.tall and c.block_n < 64 for c in MATMUL_CONFIGS[90]) if tokens == 32 else 0
     assert len(rows) == 5 * narrow + (4 * four_warp_tall if tall else 0) + len(wide) - 4 * other_mma
     assert all(r["blocks"][0] == (128 if tall else 16 if tokens == 32 and "nf4" in r["name"] else 64) for r in rows)
@@ -162,7 +162,7 @@ def test_few_rows_per_expert_take_swapped_16_row_tiles():
 
 
 def test_many_rows_per_expert_take_128_row_tiles():
-    """At 8192 tokens (Qwen3-30B-A3B: 512 rows per expert, past ops.TALL_MIN_ROWS) every grouped launch takes
+    """At 8192 tokens (Qwen3-30B-A3B: 512 rows per expert, past tiles.TALL_MIN_ROWS) every grouped launch takes
     the tall class's 128-row tiles at its default (gate_up in 8 warps), without spills, and the issue-bound
     ceilings rise from 45-53% of tensor peak at 64-row tiles (sm_90) to 77-86%, from 47-56% to 70-82% on sm_80."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_QLORA_TRITON_BLOCKS")}
@@ -188,9 +188,9 @@ def test_split_k_launches_compile_without_spills():
 import json, sys
 sys.path.insert(0, "scripts")
 from kernel_report import resource_usage
-from moe_qlora.moe.kernels import ops
+from moe_qlora.moe.kernels import ops, tiles
 from moe_qlora.moe.kernels.aot import capture_launches, compile_as_jit
-ops.SPLIT_K_SMS = 10**4
+tiles.SPLIT_K_SMS = 10**4
 out = []
 for arch in (80, 90):
     for launch in capture_launches(hidden=2048, inter=768, experts=128, top_k=8, tokens=32, rank=16, arch=arch):
@@ -216,7 +216,7 @@ print(json.dumps(out))
 
 
 def test_the_24_gb_cards_compile_within_their_shared_memory():
-    """RTX 3090 / 4090 class GPUs (sm_86, sm_89) take sm_80's list (ops.target_arch) but allow a block only
+    """RTX 3090 / 4090 class GPUs (sm_86, sm_89) take sm_80's list (tiles.target_arch) but allow a block only
     99 KB of shared memory: every candidate, at 2048, 32 and 8192 Qwen3-30B-A3B tokens (64-row, swapped and
     128-row tiles; a candidate that does not serve a launch compiles the default there), compiled for them, fits it
     without spills."""
@@ -224,11 +224,11 @@ def test_the_24_gb_cards_compile_within_their_shared_memory():
 import json, sys
 sys.path.insert(0, "scripts")
 from kernel_report import resource_usage
-from moe_qlora.moe.kernels import ops
+from moe_qlora.moe.kernels import ops, tiles
 from moe_qlora.moe.kernels.aot import capture_launches, compile_as_jit
 out = []
-for config in list(ops.MATMUL_CONFIGS[80]):
-    ops.MATMUL_CONFIGS[80] = [config]
+for config in list(tiles.MATMUL_CONFIGS[80]):
+    tiles.MATMUL_CONFIGS[80] = [config]
     for tokens in (2048, 32, 8192):
         for launch in capture_launches(hidden=2048, inter=768, experts=128, top_k=8, tokens=tokens, rank=16, arch=80):
             for arch in (86, 89):
@@ -240,7 +240,7 @@ print(json.dumps(out))
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    from moe_qlora.moe.kernels.ops import MATMUL_CONFIGS
+    from moe_qlora.moe.kernels.tiles import MATMUL_CONFIGS
 
     assert len(rows) == len(MATMUL_CONFIGS[80]) * 3 * 6 * 2  # candidates x token counts x launches x archs
     assert [r for r in rows if r[3] > 99 * 1024 or r[4]] == []
@@ -249,7 +249,7 @@ print(json.dumps(out))
 @pytest.mark.parametrize("tokens", [2048, 32])
 def test_fp32_kernels_compile_without_spills(tokens):
     """fp32 activations multiply on the FMA units (exact IEEE products), where the bf16 tiles spill 300-11,552
-    bytes per thread on sm_90; fp32 launches take ops.FP32_CONFIG and the outer product OUTER_BLOCKS_FP32, which
+    bytes per thread on sm_90; fp32 launches take tiles.FP32_CONFIG and the outer product OUTER_BLOCKS_FP32, which
     spill nowhere, on either architecture, at 128 and at 2 rows per expert (never swapped in fp32)."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_QLORA_TRITON_BLOCKS")}
     proc = subprocess.run([sys.executable, "scripts/kernel_report.py", "--dtype", "fp32", "--shape", "qwen3-30b-a3b",

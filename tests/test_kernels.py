@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from moe_qlora.moe.kernels import ops
+from moe_qlora.moe.kernels import ops, tiles
 from moe_qlora.moe.kernels.ops import (
     GroupedWeight,
     LowRank,
@@ -41,9 +41,9 @@ ROUTINGS = {"ragged": [5, 0, 17, 3, 0, 9], "one_expert": [0, 0, 21, 0, 0, 0]}
 
 @pytest.fixture(autouse=True)
 def bf16_tiles_in_fp32(monkeypatch):
-    """fp32 launches here take the bf16 tile configs (swapped, tall, wide), not ops.FP32_CONFIG: the interpreter's
+    """fp32 launches here take the bf16 tile configs (swapped, tall, wide), not tiles.FP32_CONFIG: the interpreter's
     fp32 products are exact, so the code paths a GPU runs in bf16 are checked to 1e-5."""
-    monkeypatch.setattr(ops, "FP32_OWN_CONFIG", False)
+    monkeypatch.setattr(tiles, "FP32_OWN_CONFIG", False)
 
 
 def offsets_of(counts):
@@ -216,8 +216,8 @@ def default_blocks(monkeypatch, arch: int, *, swap: bool, split_k_max: int = 1):
     monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
     monkeypatch.setenv("MOE_QLORA_AUTOTUNE", "0")
     monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", str(arch))
-    monkeypatch.setattr(ops, "SWAP_AB_MAX_ROWS", 10**6 if swap else 0)
-    monkeypatch.setattr(ops, "SPLIT_K_MAX", split_k_max)
+    monkeypatch.setattr(tiles, "SWAP_AB_MAX_ROWS", 10**6 if swap else 0)
+    monkeypatch.setattr(tiles, "SPLIT_K_MAX", split_k_max)
 
 
 def nibbles_swapped(stack: NF4Stack) -> NF4Stack:
@@ -329,7 +329,7 @@ def test_every_autotune_candidate_takes_the_packed_paths():
     must keep a tile step within one of bitsandbytes' 64-code quant blocks along K and N (and a half step >= 16),
     and every wide one (128 columns, timed only on the K_PACKED path it serves) along K. The default is narrow.
     The control: a 128-wide step does not pack along N, a 16-deep one not along K."""
-    from moe_qlora.moe.kernels.ops import MATMUL_CONFIGS, MatmulConfig
+    from moe_qlora.moe.kernels.tiles import MATMUL_CONFIGS, MatmulConfig
 
     assert all(not cs[0].wide for cs in MATMUL_CONFIGS.values())
     assert all(c.packs(64, along_n=False) and (c.wide or c.packs(64, along_n=True))
@@ -341,18 +341,18 @@ def test_wide_candidates_serve_only_the_launches_they_fit(monkeypatch):
     """A 128-column candidate is timed for the forward's K_PACKED launches with one accumulator, or with two in
     swapped 16-row tiles, and never for the N_PACKED input gradient (whose row steps it would split between
     quant blocks) nor the byte path; a launch with only a wide candidate pinned runs the shipped default."""
-    wide, narrow = ops.MatmulConfig(128, 64), ops.MatmulConfig(64, 64)
+    wide, narrow = tiles.MatmulConfig(128, 64), tiles.MatmulConfig(64, 64)
     assert wide.serves(True, False, False) and wide.serves(True, True, True)
     assert not wide.serves(True, True, False) and not wide.serves(False, False, False)
     assert all(narrow.serves(*flags) for flags in [(True, True, False), (False, False, False), (False, True, True)])
     monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
-    monkeypatch.setattr(ops, "_interpreted", lambda: False)  # autotuning on: every serving candidate
-    configs, short = ops.MATMUL_CONFIGS[90], [c for c in ops.MATMUL_CONFIGS[90] if not c.tall]
-    assert ops.launch_candidates(configs, "cpu", k_packed=True, glu=False, swap=False, tall=False) == short
-    assert ops.launch_candidates(configs, "cpu", k_packed=False, glu=False, swap=False, tall=False) == short[:-1]
-    assert ops.launch_candidates([wide], "cpu", k_packed=False, glu=False, swap=True, tall=False) == [
-        ops.DEFAULT_CONFIGS[90]]  # fmt: skip
-    assert ops.path_candidates(configs, "cpu") == [c for c in configs if not c.wide]
+    monkeypatch.setattr(tiles, "interpreted", lambda: False)  # autotuning on: every serving candidate
+    configs, short = tiles.MATMUL_CONFIGS[90], [c for c in tiles.MATMUL_CONFIGS[90] if not c.tall]
+    assert tiles.launch_candidates(configs, "cpu", k_packed=True, glu=False, swap=False, tall=False) == short
+    assert tiles.launch_candidates(configs, "cpu", k_packed=False, glu=False, swap=False, tall=False) == short[:-1]
+    assert tiles.launch_candidates([wide], "cpu", k_packed=False, glu=False, swap=True, tall=False) == [
+        tiles.DEFAULT_CONFIGS[90]]  # fmt: skip
+    assert tiles.path_candidates(configs, "cpu") == [c for c in configs if not c.wide]
 
 
 def test_a_served_candidate_that_would_split_a_quant_block_is_refused(monkeypatch):
@@ -360,9 +360,9 @@ def test_a_served_candidate_that_would_split_a_quant_block_is_refused(monkeypatc
     serves: one of 128 codes along K (two quant blocks) would decode a step with one block's scale, so the
     launch refuses it rather than compute wrong weights."""
     monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
-    monkeypatch.setattr(ops, "_interpreted", lambda: False)  # autotuning on: the wide candidate is served
+    monkeypatch.setattr(tiles, "interpreted", lambda: False)  # autotuning on: the wide candidate is served
     monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", "90")
-    monkeypatch.setitem(ops.MATMUL_CONFIGS, 90, [ops.MatmulConfig(64, 64), ops.MatmulConfig(128, 128)])
+    monkeypatch.setitem(tiles.MATMUL_CONFIGS, 90, [tiles.MatmulConfig(64, 64), tiles.MatmulConfig(128, 128)])
     offsets = offsets_of(ROUTINGS["ragged"])
     weight = GroupedWeight.quantized(nf4_stack(6, 200, 128), transpose=True)
     with pytest.raises(RuntimeError, match="spans quant blocks"):
@@ -388,14 +388,14 @@ def test_wide_tiles_match_reference(dev, glu, monkeypatch):
 
     expected = (grouped_matmul_silu_mul_reference(x, weight, offsets)[0] if glu
                 else grouped_matmul_reference(x, weight, offsets))  # fmt: skip
-    with ops.pinned_config(90, ops.MatmulConfig(128, 64, 4, 3)):
+    with tiles.pinned_config(90, tiles.MatmulConfig(128, 64, 4, 3)):
         got = run(weight)
         broken = run(GroupedWeight.quantized(codes_of_experts_rolled(stack), transpose=True))
         g = torch.randn(offsets[-1], 128, generator=torch.Generator().manual_seed(53)).to(dev)
         input_grad = grouped_matmul(g, GroupedWeight.quantized(nf4_stack(6, 128, 64, seed=54, device=dev),
                                                                transpose=False), offsets)  # fmt: skip
     assert [(f["K_PACKED"], f["BLOCK_N"], f["SWAP_AB"]) for f in launches[:2]] == [(True, 128, glu)] * 2
-    assert (launches[2]["N_PACKED"], launches[2]["BLOCK_N"]) == (True, ops.DEFAULT_CONFIGS[90].block_n)
+    assert (launches[2]["N_PACKED"], launches[2]["BLOCK_N"]) == (True, tiles.DEFAULT_CONFIGS[90].block_n)
     assert input_grad.shape == (offsets[-1], 64)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert (broken - expected).abs().max() > 0.1
@@ -414,7 +414,7 @@ def test_tall_tiles_match_reference(dev, arch, path, monkeypatch):
     and tile height taken, against the reference in fp32 (1e-5, as the other NF4 paths); control: the experts'
     codes rolled to the next expert is off by O(1)."""
     default_blocks(monkeypatch, arch, swap=False)
-    monkeypatch.setattr(ops, "TALL_MIN_ROWS", 1)
+    monkeypatch.setattr(tiles, "TALL_MIN_ROWS", 1)
     glu, transpose, k, n = TALL_CASES[path]
     offsets = offsets_of([0, 150, 3, 129, 0, 40])
     rows_out, cols_in = ((2 * n if glu else n), k) if transpose else (k, n)
@@ -430,7 +430,7 @@ def test_tall_tiles_match_reference(dev, arch, path, monkeypatch):
     expected = (grouped_matmul_silu_mul_reference(x, weight, offsets)[0] if glu
                 else grouped_matmul_reference(x, weight, offsets))  # fmt: skip
     got = run(stack)
-    default = next(c for c in ops.MATMUL_CONFIGS[arch] if c.serves(transpose, glu, False, tall=True))
+    default = next(c for c in tiles.MATMUL_CONFIGS[arch] if c.serves(transpose, glu, False, tall=True))
     flags = launches[0]
     assert (flags["BLOCK_M"], flags["BLOCK_N"], flags["BLOCK_K"], flags["num_warps"]) == (
         128, default.block_n, default.block_k, 8 if glu else 4)  # fmt: skip
@@ -442,31 +442,31 @@ def test_tall_tiles_match_reference(dev, arch, path, monkeypatch):
 def test_autotuning_is_on_by_default_and_switched_off_by_the_environment(monkeypatch):
     """On a GPU (not the interpreter) a launch times its architecture's candidates; MOE_QLORA_AUTOTUNE=0 keeps
     the default (first) config, and MOE_QLORA_TRITON_BLOCKS fixes the blocks outright."""
-    from moe_qlora.moe.kernels import ops
+    from moe_qlora.moe.kernels import tiles
 
-    monkeypatch.setattr(ops, "_interpreted", lambda: False)
+    monkeypatch.setattr(tiles, "interpreted", lambda: False)
     monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
     monkeypatch.delenv("MOE_QLORA_AUTOTUNE", raising=False)
     monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", "80")
-    assert ops.matmul_plan("cpu") == ops.MATMUL_CONFIGS[80] and len(ops.MATMUL_CONFIGS[80]) > 1
+    assert tiles.matmul_plan("cpu") == tiles.MATMUL_CONFIGS[80] and len(tiles.MATMUL_CONFIGS[80]) > 1
     monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", "90")
     flags = dict(k_packed=True, glu=False, swap=False, tall=False)
-    assert ops.launch_candidates(ops.matmul_plan("cpu"), "cpu", **flags) == [
-        c for c in ops.MATMUL_CONFIGS[90] if not c.tall]  # fmt: skip
+    assert tiles.launch_candidates(tiles.matmul_plan("cpu"), "cpu", **flags) == [
+        c for c in tiles.MATMUL_CONFIGS[90] if not c.tall]  # fmt: skip
     monkeypatch.setenv("MOE_QLORA_AUTOTUNE", "0")
-    assert ops.launch_candidates(ops.matmul_plan("cpu"), "cpu", **flags) == ops.MATMUL_CONFIGS[90][:1]
+    assert tiles.launch_candidates(tiles.matmul_plan("cpu"), "cpu", **flags) == tiles.MATMUL_CONFIGS[90][:1]
     monkeypatch.setenv("MOE_QLORA_TRITON_BLOCKS", "16,32,16")
-    assert ops.matmul_plan("cpu") == [ops.MatmulConfig(32, 16, block_m=16)]
+    assert tiles.matmul_plan("cpu") == [tiles.MatmulConfig(32, 16, block_m=16)]
     # A GPU's list by its compute capability: mma.sync GPUs (the 24 GB cards among them) take sm_80's, unless
     # MOE_QLORA_TARGET_ARCH names one (the kernel tests run both lists on whatever GPU they find).
     capability = {"major": 8}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (capability["major"], 0))
-    assert ops.target_arch("cuda") == 90  # MOE_QLORA_TARGET_ARCH=90 on an sm_80 GPU
+    assert tiles.target_arch("cuda") == 90  # MOE_QLORA_TARGET_ARCH=90 on an sm_80 GPU
     monkeypatch.delenv("MOE_QLORA_TARGET_ARCH")
     arches = {}
     for major in (8, 9, 10, 12):
         capability["major"] = major
-        arches[major] = ops.target_arch("cuda")
+        arches[major] = tiles.target_arch("cuda")
     assert arches == {8: 80, 9: 90, 10: 90, 12: 80}
 
 
@@ -474,7 +474,7 @@ def test_launch_goes_through_the_autotuner_unless_switched_off(monkeypatch):
     """With autotuning on, the launch hands the autotuner the kernel's arguments without BLOCK_N / BLOCK_K
     (it supplies each candidate's) and a grid that follows the candidate's BLOCK_N; switched off, the plain
     kernel gets the default config's blocks, warps and stages."""
-    from moe_qlora.moe.kernels import ops, triton_kernels
+    from moe_qlora.moe.kernels import ops, tiles, triton_kernels
 
     calls = []
 
@@ -485,7 +485,7 @@ def test_launch_goes_through_the_autotuner_unless_switched_off(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: calls.append((self.name, grid, kwargs))
 
-    monkeypatch.setattr(ops, "_interpreted", lambda: False)
+    monkeypatch.setattr(tiles, "interpreted", lambda: False)
     monkeypatch.setattr(ops, "_autotuned_matmul", lambda arch, configs: Recorder(f"autotuned_{arch}_{len(configs)}"))
     monkeypatch.setattr(triton_kernels, "_grouped_matmul_kernel", Recorder("plain"))
     monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
@@ -500,11 +500,11 @@ def test_launch_goes_through_the_autotuner_unless_switched_off(monkeypatch):
     (tuned, tuned_grid, tuned_kw), (plain, plain_grid, plain_kw) = calls
     # The forward's K_PACKED launch (one accumulator, few rows: swapped 16-row tiles) times every 64-row-class
     # candidate, the wide one too, but the one whose 32 columns would run mma.sync where the default runs wgmma.
-    short = sum(not c.tall and ops.mma_kind(c, 90, swap=True) == "wgmma" for c in ops.MATMUL_CONFIGS[90])
-    assert short == sum(not c.tall for c in ops.MATMUL_CONFIGS[90]) - 1
+    short = sum(not c.tall and tiles.mma_kind(c, 90, swap=True) == "wgmma" for c in tiles.MATMUL_CONFIGS[90])
+    assert short == sum(not c.tall for c in tiles.MATMUL_CONFIGS[90]) - 1
     assert tuned == f"autotuned_90_{short}" and "BLOCK_N" not in tuned_kw and tuned_kw["K_PACKED"]
     assert tuned_grid({"BLOCK_N": 32})[1] == 7 and tuned_grid({"BLOCK_N": 64})[1] == 4  # N = 200
-    default = ops.MATMUL_CONFIGS[90][0]
+    default = tiles.MATMUL_CONFIGS[90][0]
     assert plain == "plain" and plain_kw["BLOCK_N"] == default.block_n and plain_kw["BLOCK_K"] == default.block_k
     assert (plain_kw["num_warps"], plain_kw["num_stages"]) == (default.num_warps, default.num_stages)
 
@@ -514,8 +514,8 @@ def test_the_autotuner_is_built_over_the_architectures_candidates():
     candidate and the shape and variant keys."""
     code = """
 import json
-from moe_qlora.moe.kernels import ops
-t = ops._autotuned_matmul(80, tuple(ops.MATMUL_CONFIGS[80]))
+from moe_qlora.moe.kernels import ops, tiles
+t = ops._autotuned_matmul(80, tuple(tiles.MATMUL_CONFIGS[80]))
 configs = [[c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages] for c in t.configs]
 print(json.dumps({"type": type(t).__name__, "keys": t.keys, "fn": t.fn.__name__, "configs": configs}))
 """
@@ -523,7 +523,7 @@ print(json.dumps({"type": type(t).__name__, "keys": t.keys, "fn": t.fn.__name__,
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    from moe_qlora.moe.kernels.ops import MATMUL_CONFIGS
+    from moe_qlora.moe.kernels.tiles import MATMUL_CONFIGS
 
     assert out["type"] == "Autotuner" and out["fn"] == "_grouped_matmul_kernel" and "K_PACKED" in out["keys"]
     assert out["configs"] == [[c.block_n, c.block_k, c.num_warps, c.num_stages] for c in MATMUL_CONFIGS[80]]
@@ -645,8 +645,8 @@ def test_the_autotuner_keys_on_the_rows_per_expert_class(monkeypatch):
     from moe_qlora.moe.kernels import triton_kernels
 
     assert "rows_class" in ops._MATMUL_TUNE_KEYS and "rows_class" in triton_kernels._grouped_matmul_kernel.arg_names
-    assert [ops.rows_class(rows, 8) for rows in (0, 8 * 16, 8 * 16 + 1, 8 * 64, 8 * 65, 10**7)] == [
-        16, 16, 32, 64, 128, ops.ROWS_CLASS_MAX]  # fmt: skip
+    assert [tiles.rows_class(rows, 8) for rows in (0, 8 * 16, 8 * 16 + 1, 8 * 64, 8 * 65, 10**7)] == [
+        16, 16, 32, 64, 128, tiles.ROWS_CLASS_MAX]  # fmt: skip
     passed, names = [], triton_kernels._grouped_matmul_kernel.arg_names
 
     class Recorder:
@@ -654,7 +654,7 @@ def test_the_autotuner_keys_on_the_rows_per_expert_class(monkeypatch):
             return lambda *args, **kwargs: passed.append(args[names.index("rows_class")])
 
     monkeypatch.setattr(triton_kernels, "_grouped_matmul_kernel", Recorder())
-    monkeypatch.setattr(ops, "autotuning", lambda: False)
+    monkeypatch.setattr(tiles, "autotuning", lambda: False)
     offsets = [0, 40, 40, 100]  # 100 rows over 3 experts: 34 on average -> class 64
     weight = GroupedWeight.quantized(nf4_stack(3, 64, 128), transpose=True)
     grouped_matmul(torch.randn(100, 128), weight, offsets)
@@ -667,8 +667,9 @@ GPU_LIKE_LAYER = """
 import json, torch
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction
-from moe_qlora.moe.kernels import ops
-from moe_qlora.moe.autograd import FrozenExperts, MoEPlan, MoELoRAGroupedFunction, grouped_ops
+from moe_qlora.moe.kernels import ops, tiles
+from moe_qlora.moe.grouped_layer import MoELoRAGroupedFunction, grouped_ops
+from moe_qlora.moe.reference_layer import FrozenExperts, MoEPlan
 from moe_qlora.moe.nf4 import NF4Stack, quantize_stack
 from moe_qlora.moe.routing import route
 
@@ -685,7 +686,7 @@ def bench(kernel_call, quantiles):  # the autotuner's timing of one candidate: t
 
 JITFunction.run = run
 Autotuner.do_bench = property(lambda self: bench)
-assert ops.autotuning() and ops.target_arch("cpu") == 90
+assert tiles.autotuning() and tiles.target_arch("cpu") == 90
 hidden, inter, experts, rank = 128, 64, 4, 4
 g = torch.Generator().manual_seed(0)
 stack = lambda rows, cols: NF4Stack.from_param(quantize_stack(torch.randn(experts, rows, cols, generator=g)))
@@ -730,31 +731,31 @@ def test_autotune_candidates_share_the_defaults_mma_kind(monkeypatch):
     launch must give the default's bits: on sm_90 the swapped 16-row tiles' default (64 weight columns on the
     MMA's M side) runs wgmma, and the 32-column candidate would run mma.sync, so it is left out; everywhere
     else every serving candidate shares the default's instruction."""
-    monkeypatch.setattr(ops, "_interpreted", lambda: False)
+    monkeypatch.setattr(tiles, "interpreted", lambda: False)
     monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
     monkeypatch.delenv("MOE_QLORA_AUTOTUNE", raising=False)
-    narrow = ops.MatmulConfig(32, 64, 4, 3)
-    assert ops.mma_kind(narrow, 90, swap=True) == "mma.sync" and ops.mma_kind(narrow, 90, swap=False) == "wgmma"
+    narrow = tiles.MatmulConfig(32, 64, 4, 3)
+    assert tiles.mma_kind(narrow, 90, swap=True) == "mma.sync" and tiles.mma_kind(narrow, 90, swap=False) == "wgmma"
     for arch in (80, 90):
         monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", str(arch))
         for swap in (False, True):
             for tall in (False, True) if not swap else (False,):
                 for k_packed, glu in ((True, True), (True, False), (False, False)):
-                    served = ops.launch_candidates(ops.MATMUL_CONFIGS[arch], "cpu", k_packed=k_packed, glu=glu,
+                    served = tiles.launch_candidates(tiles.MATMUL_CONFIGS[arch], "cpu", k_packed=k_packed, glu=glu,
                                                    swap=swap, tall=tall)  # fmt: skip
-                    kinds = {ops.mma_kind(c, arch, swap) for c in served}
-                    assert kinds == {ops.mma_kind(served[0], arch, swap)}
-                    assert (narrow in served) == (narrow in ops.MATMUL_CONFIGS[arch] and not swap and not tall)
+                    kinds = {tiles.mma_kind(c, arch, swap) for c in served}
+                    assert kinds == {tiles.mma_kind(served[0], arch, swap)}
+                    assert (narrow in served) == (narrow in tiles.MATMUL_CONFIGS[arch] and not swap and not tall)
 
 
 MMA_KIND_OF_CANDIDATES = """
 import json, sys
-from moe_qlora.moe.kernels import ops
+from moe_qlora.moe.kernels import ops, tiles
 from moe_qlora.moe.kernels.aot import capture_launches, compile_as_jit
 rows = []
 for tokens in (32, 2048):  # swapped 16-row tiles, 64-row tiles
-    for config in ops.MATMUL_CONFIGS[90]:
-        with ops.pinned_config(90, config):
+    for config in tiles.MATMUL_CONFIGS[90]:
+        with tiles.pinned_config(90, config):
             launches = capture_launches(hidden=2048, inter=768, experts=128, top_k=8, tokens=tokens, rank=16)
         down = next(launch for launch in launches if launch.name == "down_nf4_nested")
         c, kw = down.constexprs, down.kwargs
@@ -769,7 +770,7 @@ print(json.dumps(rows))
 
 
 def test_mma_kind_is_what_the_compiler_emits_on_sm_90():
-    """ops.mma_kind, which keeps the autotuner's candidates to the default's instruction, against the PTX of
+    """tiles.mma_kind, which keeps the autotuner's candidates to the default's instruction, against the PTX of
     every sm_90 candidate that serves Qwen3-30B-A3B's down projection, compiled as the JIT specializes it, in
     swapped 16-row tiles (32 tokens) and 64-row tiles (2048 tokens). The 32-column candidate in swapped tiles is
     the one that compiles to mma.sync."""
@@ -780,16 +781,16 @@ def test_mma_kind_is_what_the_compiler_emits_on_sm_90():
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(rows) >= 6 and {kind for *_, kind in rows} == {"wgmma", "mma.sync"}
     for _tokens, (bn, bk, warps, stages, bm), swap, kind in rows:
-        assert kind == ops.mma_kind(ops.MatmulConfig(bn, bk, warps, stages, bm), 90, swap), (bn, bk, swap, kind)
+        assert kind == tiles.mma_kind(tiles.MatmulConfig(bn, bk, warps, stages, bm), 90, swap), (bn, bk, swap, kind)
 
 
 @pytest.mark.parametrize("tokens", [1, 64])
 def test_fp32_launches_take_the_one_config_that_does_not_spill(monkeypatch, tokens):
     """fp32 activations multiply exactly on the FMA units, where every bf16 candidate spills; fp32 launches take
-    ops.FP32_CONFIG alone (no spill: tests/test_kernel_report.py), never swapped, tall or autotuned, on either
+    tiles.FP32_CONFIG alone (no spill: tests/test_kernel_report.py), never swapped, tall or autotuned, on either
     architecture's list, at 1 token (swapped tiles in bf16) as at 64."""
-    monkeypatch.setattr(ops, "_interpreted", lambda: False)
-    monkeypatch.setattr(ops, "FP32_OWN_CONFIG", True)  # as shipped
+    monkeypatch.setattr(tiles, "interpreted", lambda: False)
+    monkeypatch.setattr(tiles, "FP32_OWN_CONFIG", True)  # as shipped
     monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
     monkeypatch.delenv("MOE_QLORA_AUTOTUNE", raising=False)
     from moe_qlora.moe.kernels import triton_kernels
@@ -802,7 +803,7 @@ def test_fp32_launches_take_the_one_config_that_does_not_spill(monkeypatch, toke
 
     monkeypatch.setattr(triton_kernels, "_grouped_matmul_kernel", Recorder())
     monkeypatch.setattr(ops, "_autotuned_matmul", lambda arch, configs: Recorder())
-    monkeypatch.setattr(ops, "SPLIT_K_MAX", 1)  # one launch per call
+    monkeypatch.setattr(tiles, "SPLIT_K_MAX", 1)  # one launch per call
     weight = GroupedWeight.quantized(nf4_stack(2, 64, 128), transpose=True)
     offsets = [0, tokens, tokens]
     for arch in (80, 90):
@@ -810,7 +811,7 @@ def test_fp32_launches_take_the_one_config_that_does_not_spill(monkeypatch, toke
         grouped_matmul(torch.randn(tokens, 128), weight, offsets)
         grouped_matmul(torch.randn(tokens, 128).bfloat16(), weight, offsets)
     fp32, bf16 = launches[0::2], launches[1::2]
-    c = ops.FP32_CONFIG
+    c = tiles.FP32_CONFIG
     assert all((f["BLOCK_M"], f["BLOCK_N"], f["BLOCK_K"], f["num_warps"], f["num_stages"], f["SWAP_AB"])
                == (c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages, False) for f in fp32)  # fmt: skip
     assert all(f["SWAP_AB"] == (tokens == 1) for f in bf16)  # control: bf16 swaps its few rows
@@ -824,7 +825,7 @@ def test_split_k_is_the_same_on_every_gpu():
 
     from moe_qlora.moe.kernels.aot import capture_launches
 
-    assert list(inspect.signature(ops.split_k).parameters) == ["programs", "k_steps"]
+    assert list(inspect.signature(tiles.split_k).parameters) == ["programs", "k_steps"]
     splits = {}
     for name, (hidden, inter, experts, top_k), tokens in (("mixtral", (4096, 14336, 8, 2), 2048),
                                                            ("qwen3", (2048, 768, 128, 8), 1)):  # fmt: skip

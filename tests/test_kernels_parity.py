@@ -50,12 +50,12 @@ def test_grouped_layer_on_default_triton_blocks_matches_eager(quantized, swap, m
     forward and every gradient then match the eager experts (same oracle and tolerance as above)."""
     from test_kernels import recorded_launches
 
-    from moe_qlora.moe.kernels import ops
+    from moe_qlora.moe.kernels import tiles
 
     monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
     monkeypatch.setenv("MOE_QLORA_AUTOTUNE", "0")  # on a GPU too: launches reach the recorder, not the autotuner
-    monkeypatch.setattr(ops, "SWAP_AB_MAX_ROWS", 10**6 if swap else 0)
-    monkeypatch.setattr(ops, "FP32_OWN_CONFIG", False)  # the bf16 tiles, checked in exact fp32 products
+    monkeypatch.setattr(tiles, "SWAP_AB_MAX_ROWS", 10**6 if swap else 0)
+    monkeypatch.setattr(tiles, "FP32_OWN_CONFIG", False)  # the bf16 tiles, checked in exact fp32 products
     launches = recorded_launches(monkeypatch)
     assert_all_close(*run(quantized, "triton", "ragged"))
     flags = [(kw["K_PACKED"], kw["N_PACKED"], kw["SWAP_AB"]) for kw in launches]

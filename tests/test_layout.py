@@ -112,3 +112,13 @@ def test_each_subpackage_says_what_it_holds_and_may_import():
 def test_the_checks_fail_on_a_broken_graph(graph, expect):
     assert bool(upward_imports(graph)) == (expect == "upward")
     assert (find_cycle(graph) is not None) == (expect == "cycle")
+
+
+def test_the_readme_module_table_names_every_package_and_module():
+    readme = (PACKAGE.parent / "README.md").read_text()
+    table = readme[readme.index("| package / module |") :].split("\n\n")[0]
+    for layer in LAYERS:
+        assert f"**`{layer}/`**" in table, layer
+    modules = {p.name for p in PACKAGE.glob("*/*.py") if p.name != "__init__.py"}
+    missing = sorted(m for m in modules if f"`{m}`" not in table)
+    assert not missing, f"modules the README's table does not name: {missing}"

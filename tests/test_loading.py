@@ -93,7 +93,7 @@ def test_a_multimodal_moe_trains_its_text_model_with_the_vision_tower_frozen_unq
 
     tok = build_byte_tokenizer()
     path = save_tiny_model(tmp_path / "vl", tiny_config_any("qwen3_vl_moe", len(tok)), tokenizer=tok)
-    from moe_qlora.config.schema import LoraSection
+    from moe_qlora.config.sections import LoraSection
     from moe_qlora.model.adapters import attach_adapters
 
     model = load_model(LoadOptions(str(path)))

@@ -10,12 +10,11 @@ import torch
 import torch.nn.functional as F
 from oracle import randomize_lora_b
 
-from moe_qlora.config.schema import LoraSection
+from moe_qlora.config.sections import LoraSection
 from moe_qlora.data.examples import IGNORE
 from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.model.loading import LoadOptions, load_model
-from moe_qlora.train.grpo import token_logprobs
-from moe_qlora.train.losses import ChunkedTokenLogProbs, chunked_loss_matches
+from moe_qlora.train.losses import ChunkedTokenLogProbs, chunked_loss_matches, completion_logprobs
 from moe_qlora.train.sft import token_loss_sum
 
 
@@ -85,8 +84,8 @@ def test_sft_loss_and_every_lora_gradient_equal_the_full_logits(model):
 
 def test_grpo_logprobs_at_a_temperature_equal_the_full_logits(model):
     batch = batch_with_masks_and_weights()
-    full, mask = token_logprobs(model, batch, 0.7, chunk=0)
-    chunked, mask2 = token_logprobs(model, batch, 0.7, chunk=9)
+    full, mask = completion_logprobs(model, batch, 0.7, chunk=0)
+    chunked, mask2 = completion_logprobs(model, batch, 0.7, chunk=9)
     assert torch.equal(mask, mask2) and close(chunked, full, 1e-5)
     assert float(full[~mask].abs().max()) == 0.0
 

@@ -10,14 +10,14 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from moe_qlora.cli.app import app
-from moe_qlora.config.schema import LoraSection
+from moe_qlora.config.sections import LoraSection
 from moe_qlora.export.adapter import dequantized_base_state_dict, save_adapter
 from moe_qlora.inference import merge as merge_module
 from moe_qlora.inference.merge import MergeError, merge_adapter
 from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.model.loading import LoadOptions, checkpoint_files, load_model
 from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
-from moe_qlora.moe.experts import consumer_stack_names
+from moe_qlora.moe.layouts import consumer_stack_names
 
 # fp32 on both sides; PEFT and the merge both fold B A into the same dequantized weight, in a different order.
 LOGIT_TOL = 1e-4

@@ -136,8 +136,8 @@ def test_routing_weight_dot_uses_fp32_products_in_bf16(monkeypatch):
     and the grouped one) call it."""
     import inspect
 
-    from moe_qlora.moe import autograd as moe_autograd
-    from moe_qlora.moe.autograd import routing_weight_dot
+    from moe_qlora.moe import grouped_layer, reference_layer
+    from moe_qlora.moe.reference_layer import routing_weight_dot
 
     g = torch.Generator().manual_seed(0)
     a, u = (torch.randn(4096, 768, generator=g).bfloat16() for _ in range(2))
@@ -149,7 +149,7 @@ def test_routing_weight_dot_uses_fp32_products_in_bf16(monkeypatch):
     assert median_relative_error(routing_weight_dot(a, u)) < 1e-6
     assert median_relative_error((a * u).sum(-1, dtype=torch.float32)) > 1e-4
     # chunked over rows (fp32 copies bounded) gives the same values as one piece
-    monkeypatch.setattr(moe_autograd, "_DOT_CHUNK_ELEMENTS", 768 * 1000)
+    monkeypatch.setattr(reference_layer, "_DOT_CHUNK_ELEMENTS", 768 * 1000)
     assert torch.equal(routing_weight_dot(a, u), (a.float() * u.float()).sum(-1))
-    for function in (moe_autograd.MoELoRAFunction.backward, moe_autograd.grouped_backward):
+    for function in (reference_layer.MoELoRAFunction.backward, grouped_layer.grouped_backward):
         assert "routing_weight_dot(" in inspect.getsource(function)

@@ -10,7 +10,7 @@ import torch
 from rich.console import Console
 from safetensors.torch import load_file
 
-from moe_qlora.config.schema import validate_config
+from moe_qlora.config.load import validate_config
 from moe_qlora.train import session
 from moe_qlora.train import sft as trainer
 

@@ -13,7 +13,8 @@ import torch
 from rich.console import Console
 from safetensors.torch import load_file
 
-from moe_qlora.config.schema import ConfigError, validate_config
+from moe_qlora.config.load import validate_config
+from moe_qlora.config.sections import ConfigError
 from moe_qlora.train import sft as trainer
 from moe_qlora.train.optim import ClippedAdamW, ClippedAdamW8bit, StepInBackward, build_optimizer
 

@@ -5,13 +5,14 @@ import dataclasses
 import pytest
 import torch
 
-from moe_qlora.config.schema import LoraSection
+from moe_qlora.config.sections import LoraSection
 from moe_qlora.data.examples import IGNORE, Example, collate, pack_examples
 from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.model.loading import LoadOptions, load_model
 from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
 from moe_qlora.train.losses import token_logprobs
-from moe_qlora.train.sft import packing_unsupported, token_loss_sum
+from moe_qlora.train.packing import packing_unsupported
+from moe_qlora.train.sft import token_loss_sum
 
 # fp32, the same tokens through the same weights; only attention's reduction length differs (masked keys are
 # exact zeros after softmax in eager and sdpa): measured ~1e-6.

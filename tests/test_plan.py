@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from moe_qlora.cli.app import app
-from moe_qlora.config.schema import validate_config
+from moe_qlora.config.load import validate_config
 from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.model.budget import meta_model
 from moe_qlora.model.loading import LoadOptions, load_model, parameter_bytes_by_kind

@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.console import Console
 
 from moe_qlora import __version__
-from moe_qlora.config.schema import validate_config
+from moe_qlora.config.load import validate_config
 from moe_qlora.train import sft as trainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +42,8 @@ def test_the_readme_peft_snippet_runs_as_written(tmp_path, capsys):
 
 
 def test_version_and_python_dash_m():
-    for cmd in ([sys.executable, "-m", "moe_qlora", "--version"], [sys.executable, "-m", "moe_qlora", "--version"]):
+    entry_point = str(Path(sys.executable).parent / "moe-qlora")  # pyproject's [project.scripts], installed
+    for cmd in ([sys.executable, "-m", "moe_qlora", "--version"], [entry_point, "--version"]):
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0 and proc.stdout.strip() == f"moe-qlora {__version__}", proc.stderr
     proc = subprocess.run([sys.executable, "-m", "moe_qlora", "--help"], capture_output=True, text=True, timeout=120)

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from moe_qlora.config.schema import DataSection, LoraSection, RewardSection
+from moe_qlora.config.sections import DataSection, LoraSection, RewardSection
 from moe_qlora.data.examples import (
     DataError,
     Example,

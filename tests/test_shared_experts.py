@@ -9,7 +9,7 @@ from oracle import assert_close_scaled, leaves, lora_delta, randomize_lora_b
 from safetensors.torch import load_file
 from torch.func import functional_call
 
-from moe_qlora.config.schema import LoraSection
+from moe_qlora.config.sections import LoraSection
 from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.model.loading import LoadOptions, load_model
 from moe_qlora.model.tiny import ensure_tiny

@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from moe_qlora.cli.app import app
-from moe_qlora.config.schema import LoraSection
+from moe_qlora.config.sections import LoraSection
 from moe_qlora.data.examples import Example, collate
 from moe_qlora.model.adapters import attach_adapters, configure_checkpointing
 from moe_qlora.model.loading import LoadOptions, load_model
@@ -104,7 +104,7 @@ def test_same_seed_same_adapter_and_losses_other_seed_differs(tmp_path):
     from rich.console import Console
     from safetensors.torch import load_file
 
-    from moe_qlora.config.schema import validate_config
+    from moe_qlora.config.load import validate_config
     from moe_qlora.train.sft import train
 
     def run(seed, name):

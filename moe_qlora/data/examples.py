@@ -1,4 +1,4 @@
-"""SFT data: rows (datasources.py: files, folders, hub datasets) to masked token sequences and batches.
+"""SFT data: rows (sources.py: files, folders, hub datasets) to masked token sequences and batches.
 
 Row formats: {"prompt", "completion"} (or "response"), {"messages": [...]} through the tokenizer's chat
 template, and {"text"}. Labels are -100 where no loss is taken (the prompt, unless train_on_prompt).
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_qlora.config.schema import DataSection, RewardSection
+from moe_qlora.config.sections import DataSection, RewardSection
 from moe_qlora.data.sources import DataError, entry_path, load_rows
 
 log = logging.getLogger(__name__)

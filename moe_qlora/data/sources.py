@@ -1,6 +1,6 @@
 """Where rows come from: data files, folders (written by `datasets`' save_to_disk, or of data files), and
 Hugging Face dataset ids (read from the `datasets` cache when offline); and the common column layouts mapped
-to the row formats data.py tokenizes.
+to the row formats examples.py tokenizes.
 
 A `data.train_files` entry is a string (a path, or a hub id when it is not a path) or a mapping
 {path, name, split, revision, columns}. Layouts recognised in every row:
@@ -47,7 +47,7 @@ def entry_path(entry) -> str:
 
 def load_rows(entries: list) -> list[tuple[str, dict]]:
     """All rows of all entries in order, each with its 'where:row' (1-based) source, columns mapped."""
-    from moe_qlora.config.schema import DataSource
+    from moe_qlora.config.sections import DataSource
 
     rows = []
     for entry in entries:

@@ -18,7 +18,7 @@ from peft import LoraConfig, PeftModel, get_peft_model_state_dict, set_peft_mode
 from safetensors.torch import load_file, save_file
 
 from moe_qlora.common.fileio import atomic_dir
-from moe_qlora.config.schema import LoraSection
+from moe_qlora.config.sections import LoraSection
 from moe_qlora.model.adapters import target_parameter_names
 from moe_qlora.model.peft_roundtrip import (
     ADAPTER_CONFIG,

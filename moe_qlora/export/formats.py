@@ -13,7 +13,7 @@ loaded; the base's config.json names the family).
   llama-architecture models (Mixtral) for its RoPE; the q/k lora_B rows are permuted the same way, as its own
   converter does.
 
-Expert factors in our PEFT file (export.py): lora_A (r*E, in) rows expert-major (row e*r + j is A_e[j]);
+Expert factors in our PEFT file (export/adapter.py): lora_A (r*E, in) rows expert-major (row e*r + j is A_e[j]);
 lora_B (out, r*E) columns rank-major (column j*E + e is B_e[:, j]); expert e's delta is scale * B_e A_e.
 """
 
@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from moe_qlora.common.fileio import atomic_dir, disk_full_named
-from moe_qlora.config.schema import ConfigError
+from moe_qlora.config.sections import ConfigError
 from moe_qlora.export.norms import read_adapter
 
 

@@ -17,7 +17,8 @@ import torch
 from rich.console import Console
 from transformers import GenerationConfig, TextStreamer
 
-from moe_qlora.config.schema import RunConfig, validate_config
+from moe_qlora.config.load import validate_config
+from moe_qlora.config.sections import RunConfig
 from moe_qlora.export.norms import AdapterReadError
 from moe_qlora.model.adapters import adapters_disabled
 

@@ -8,7 +8,7 @@ most `max_shard_bytes`, each written and freed before the next, and are renamed 
 the base came in (transformers' reverse weight conversion, as save_pretrained does).
 
 Every LoRA module of the adapter file must show up as a merged delta of the same norm (read independently of
-the model by diagnostics.check_norms), or the merge fails: a silently dropped expert delta cannot ship.
+the model by export.norms.check_norms), or the merge fails: a silently dropped expert delta cannot ship.
 """
 
 from __future__ import annotations

@@ -15,16 +15,11 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from moe_qlora.config.schema import ConfigError, LoraSection
+from moe_qlora.config.sections import ConfigError, LoraSection
 from moe_qlora.model.families import resolve_targets
 from moe_qlora.model.peft_roundtrip import clean_base_config, first_few, target_modules_failing_round_trip
-from moe_qlora.moe.experts import (
-    ExpertLoRA,
-    UnsupportedExpertsError,
-    attach_expert_lora,
-    consumer_stack_names,
-    experts_modules,
-)
+from moe_qlora.moe.experts import ExpertLoRA, UnsupportedExpertsError, attach_expert_lora, experts_modules
+from moe_qlora.moe.layouts import consumer_stack_names
 
 log = logging.getLogger(__name__)
 

@@ -18,19 +18,14 @@ from torch import nn
 from transformers import AutoConfig
 from transformers.quantizers.quantizers_utils import should_convert_module
 
-from moe_qlora.config.schema import RunConfig, resolve_compute_dtype
+from moe_qlora.config.sections import RunConfig, resolve_compute_dtype
 from moe_qlora.model.classes import text_model_from_config
 from moe_qlora.model.families import matches_target
 from moe_qlora.model.loading import linears_not_quantized
-from moe_qlora.moe.experts import (
-    adopt_dense_input_experts,
-    adopt_split_gate_up_experts,
-    expert_dims,
-    is_experts_module,
-    quantized_stack_names,
-)
+from moe_qlora.moe.experts import expert_dims, is_experts_module
 from moe_qlora.moe.kernels.grouped_mm import dequant_budget_bytes, experts_per_chunk
-from moe_qlora.moe.kernels.ops import autotune_requested
+from moe_qlora.moe.kernels.tiles import autotune_requested
+from moe_qlora.moe.layouts import adopt_dense_input_experts, adopt_split_gate_up_experts, quantized_stack_names
 from moe_qlora.moe.nf4 import BLOCKSIZE, NESTED_BLOCKSIZE
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}

@@ -13,7 +13,7 @@ import logging
 
 from torch import nn
 
-from moe_qlora.config.schema import ConfigError
+from moe_qlora.config.sections import ConfigError
 from moe_qlora.model.peft_roundtrip import clean_base_config, first_few, target_modules_failing_round_trip
 
 log = logging.getLogger(__name__)

@@ -31,14 +31,11 @@ from moe_qlora.common.hub import check_hub_model
 from moe_qlora.common.memory import release_freed_memory
 from moe_qlora.model.classes import text_generation_class
 from moe_qlora.model.distributed import local_shard
-from moe_qlora.moe.experts import (
-    EXPERT_PARAMS,
+from moe_qlora.moe.experts import EXPERT_PARAMS, apply_moe_qlora_experts, experts_modules, is_experts_module
+from moe_qlora.moe.layouts import (
     adopt_dense_input_experts,
     adopt_split_gate_up_experts,
-    apply_moe_qlora_experts,
-    experts_modules,
     fuse_gate_up,
-    is_experts_module,
     quantized_stack_names,
     unsupported_layout,
 )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from moe_qlora.config.schema import RunConfig, resolve_compute_dtype
+from moe_qlora.config.sections import RunConfig, resolve_compute_dtype
 from moe_qlora.model.budget import (
     DEFAULT_GPU_GIB,
     DTYPE_BYTES,

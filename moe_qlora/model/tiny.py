@@ -19,7 +19,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from moe_qlora.config.schema import ConfigError
+from moe_qlora.config.sections import ConfigError
 from moe_qlora.model.classes import text_model_from_config
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]

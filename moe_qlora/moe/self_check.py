@@ -26,8 +26,8 @@ from collections.abc import Callable
 
 import torch
 
-from moe_qlora.moe.autograd import MoEPlan, moe_lora_experts
-from moe_qlora.moe.kernels.ops import rows_class
+from moe_qlora.moe.kernels.tiles import rows_class
+from moe_qlora.moe.reference_layer import MoEPlan, moe_lora_experts
 from moe_qlora.moe.routing import route
 
 log = logging.getLogger(__name__)

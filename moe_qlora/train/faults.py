@@ -46,7 +46,7 @@ def knob_savings(cfg, model_path: str, device: str) -> tuple[float | None, list[
     """(planned GiB of `cfg`, [(key=value, planned GiB saved)] largest saving first) from `moe-qlora plan`'s
     arithmetic; a knob the config validators refuse for this run (e.g. optimizer_in_backward with grad_accum
     > 1) is left out. (None, []) when the plan cannot be made."""
-    from moe_qlora.config.schema import deep_merge, parse_overrides, validate_config
+    from moe_qlora.config.load import deep_merge, parse_overrides, validate_config
     from moe_qlora.model.budget import meta_model
     from moe_qlora.model.plan import plan_run
 

@@ -14,7 +14,7 @@ import functools
 import math
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from moe_qlora.common.reporting import MetricsLog, NoReporters, Reporters
-from moe_qlora.config.schema import ConfigError, RunConfig
+from moe_qlora.config.sections import ConfigError, RunConfig
 from moe_qlora.data.examples import IGNORE, Example, collate, epoch_order
 from moe_qlora.model.adapters import adapters_disabled
 from moe_qlora.model.distributed import (
@@ -31,17 +31,16 @@ from moe_qlora.model.distributed import (
     any_rank,
     gather_objects,
     raise_together,
-    rank_slice,
     sum_gradients,
     sum_scalars,
 )
-from moe_qlora.train.checkpoint import RunProgress, config_hash, fingerprint, save_checkpoint
+from moe_qlora.train.checkpoint import RunProgress, config_hash, save_checkpoint
 from moe_qlora.train.faults import StepFailed, checkpoint_completed, stop_on_out_of_memory
-from moe_qlora.train.losses import token_logprobs as chunked_token_logprobs
+from moe_qlora.train.losses import completion_logprobs, grpo_token_loss, token_weights
 from moe_qlora.train.optim import build_optimizer
-from moe_qlora.train.position import POSITION, phase, start_step
-from moe_qlora.train.rewards import RewardFailed, RewardPolicy, flat_groups, group_advantages, resolve_reward, score
-from moe_qlora.train.rollout import Rollout, load_offline_groups, load_prompts, offline_rollouts, sample_rollouts
+from moe_qlora.train.position import phase, start_step
+from moe_qlora.train.rewards import RewardFailed, flat_groups, group_advantages
+from moe_qlora.train.rollout import Rollout, RolloutSource
 from moe_qlora.train.runs import CheckpointPolicy, RunSummary, StopSignals, plain_progress_line
 from moe_qlora.train.session import (
     after_step,
@@ -67,78 +66,6 @@ class GrpoResult:
     adapter_dir: Path
     metrics_path: Path
     rollouts_path: Path
-
-
-# ---------------------------------------------------------------------------------------------- the loss
-
-
-def token_logprobs(model, batch: dict[str, torch.Tensor], temperature: float, *, chunk: int = 0):
-    """log p(token) of every completion token at the sampling temperature, and the mask of those tokens.
-
-    batch: input_ids, labels (IGNORE outside completions), attention_mask, (B, L). Returns (B, L-1) each;
-    position t scores labels[t + 1] from the logits at t.
-    """
-    logp, mask, _ = chunked_token_logprobs(model, batch, scale=1.0 / temperature, chunk=chunk)
-    return logp, mask
-
-
-def token_weights(mask: torch.Tensor, loss_type: str, *, total_tokens: int, total_sequences: int,
-                  max_new_tokens: int = 0, micro_batches: int = 1) -> torch.Tensor:  # fmt: skip
-    """Each completion token's share of the rollout batch's loss, as TRL's loss types define it. mask: (B, T).
-
-    dapo: 1 / (completion tokens of the whole batch); grpo: 1 / (tokens of its completion * completions of
-    the batch); dr_grpo: 1 / (completions * max_new_tokens), a constant, so long completions are not
-    discounted; bnpo: 1 / (completion tokens of this micro-batch * micro-batches), which depends on how the
-    batch is split, as in TRL. Totals are over the whole rollout batch: except for bnpo, splitting it into
-    micro-batches does not change the gradient."""
-    mask = mask.float()
-    if loss_type == "dapo":
-        return mask / total_tokens
-    if loss_type == "grpo":
-        return mask / (mask.sum(dim=1, keepdim=True).clamp(min=1) * total_sequences)
-    if loss_type == "dr_grpo":
-        return mask / (total_sequences * max_new_tokens)
-    if loss_type == "bnpo":
-        return mask / (mask.sum().clamp(min=1) * micro_batches)
-    raise ValueError(f"unknown loss_type {loss_type!r}")
-
-
-def log_ratios(logp, old, weights, level: str) -> torch.Tensor:
-    """log(pi / pi_old) per token (B, T); at the sequence level (GSPO) each completion's tokens share its mean
-    log-ratio over its own tokens, so the ratio is the length-normalised sequence likelihood ratio."""
-    log_ratio = logp - old
-    if level == "token":
-        return log_ratio
-    mask = (weights != 0).to(logp)
-    per_sequence = (log_ratio * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
-    return per_sequence.expand_as(logp)
-
-
-def grpo_token_loss(logp, old_logp, ref_logp, advantages, weights, *, clip_eps: float, clip_eps_high: float,
-                    kl_coef: float, level: str = "token") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
-    """The clipped GRPO objective of a micro-batch as a loss to minimise, and its statistics (summed over
-    tokens with the same weights: add them up over micro-batches).
-
-    logp: (B, T) current policy, with grad. old_logp, ref_logp: (B, T) or None. advantages: (B,).
-    weights: (B, T) from `token_weights` (0 off the completions). level: importance sampling per token or
-    per sequence (GSPO).
-    """
-    a = advantages.to(logp)[:, None]
-    old = logp.detach() if old_logp is None else old_logp
-    ratio = torch.exp(log_ratios(logp, old, weights, level))
-    unclipped = ratio * a
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high) * a
-    per_token = -torch.minimum(unclipped, clipped)
-    # A token is clipped where the clipped term is the smaller one: its gradient is zero there.
-    stats = {"clip_fraction": (weights * (clipped < unclipped).float()).sum().detach()}
-    if kl_coef and ref_logp is not None:
-        delta = ref_logp - logp
-        kl = torch.exp(delta) - delta - 1
-        per_token = per_token + kl_coef * kl
-        stats["kl"] = (weights * kl).sum().detach()
-    loss = (per_token * weights).sum()
-    stats["loss"] = loss.detach()
-    return loss, stats
 
 
 # ------------------------------------------------------------------------------------------ one step
@@ -173,8 +100,8 @@ def frozen_logprobs(model, batches, temperature: float, *, reference: bool, chun
     try:
         if reference:
             with adapters_disabled(model):
-                return [token_logprobs(model, b, temperature, chunk=chunk)[0] for b in batches]
-        return [token_logprobs(model, b, temperature, chunk=chunk)[0] for b in batches]
+                return [completion_logprobs(model, b, temperature, chunk=chunk)[0] for b in batches]
+        return [completion_logprobs(model, b, temperature, chunk=chunk)[0] for b in batches]
     finally:
         model.train(was_training)
 
@@ -208,7 +135,7 @@ def policy_update(model, optimizer, schedule, examples: list[Example], cfg: RunC
         sums = dict.fromkeys(("loss", "clip_fraction", *(("kl",) if g.kl_coef else ())), 0.0)
         for batch, old_lp, ref_lp in zip(batches, old, ref, strict=True):
             with phase("forward"):
-                logp, mask = token_logprobs(model, batch, g.temperature, chunk=chunk)
+                logp, mask = completion_logprobs(model, batch, g.temperature, chunk=chunk)
             weights = token_weights(mask, g.loss_type, total_tokens=max(total_tokens, 1),
                                     total_sequences=total_sequences, max_new_tokens=g.max_new_tokens,
                                     micro_batches=total_batches)  # fmt: skip
@@ -270,60 +197,8 @@ def rollout_metrics(rollouts, rewards, per_fn, advantages, group_sizes) -> dict:
     return record
 
 
-def columns_of(rollouts: list[Rollout]) -> dict[str, list]:
-    """The prompt rows' other fields, one entry per completion (what reward functions get as **columns)."""
-    keys = sorted({k for r in rollouts for k in r.prompt.columns})
-    return {k: [r.prompt.columns.get(k) for r in rollouts] for k in keys}
 
 
-class RolloutSource:
-    """Where a step's scored rollouts come from: sampling + reward functions (online), or a file (offline)."""
-
-    def __init__(self, cfg: RunConfig, tokenizer, console: Console):
-        g = cfg.grpo
-        self.cfg, self.tokenizer, self.offline = cfg, tokenizer, g.offline_file is not None
-        self.reward_errors = 0  # samples of the last collect() scored 0 after a reward function failed
-        if self.offline:
-            self.items = load_offline_groups(g.offline_file, cfg.data, tokenizer)
-            self.identity = fingerprint([x.prompt.source, x.prompt.ids, x.completions, x.rewards] for x in self.items)
-            console.print(f"grpo offline: {len(self.items)} prompts with "
-                          f"{sum(len(x.completions) for x in self.items)} scored completions")  # fmt: skip
-        else:
-            self.items, dropped = load_prompts(cfg.data, tokenizer, g.max_new_tokens)
-            self.identity = fingerprint([p.source, p.ids, p.columns] for p in self.items)
-            self.functions = [resolve_reward(spec, i) for i, spec in enumerate(g.rewards)]
-            console.print(
-                f"grpo: {len(self.items)} prompts ({dropped} dropped as over-long), {g.group_size} "
-                f"completions each; rewards {', '.join(f'{s.weight:g} x {s.function}' for s in g.rewards)}"
-            )
-
-    def collect(self, model, batch: list) -> tuple[list[Rollout], list[float], dict[str, list[float]], list[int]]:
-        """(rollouts, total rewards, rewards per function, group sizes) of one step's prompts."""
-        if self.offline:
-            rollouts = offline_rollouts(batch, self.tokenizer, self.cfg.data.max_seq_len)
-            return rollouts, [r for grp in batch for r in grp.rewards], {}, [len(grp.completions) for grp in batch]
-        with phase("generation"):
-            rollouts = sample_rollouts(model, self.tokenizer, batch, self.cfg.grpo)
-        prompts, completions = [r.prompt.text for r in rollouts], [r.text for r in rollouts]
-        g = self.cfg.grpo
-        policy = RewardPolicy(on_error=g.reward_errors, timeout_s=g.reward_timeout_s, step=POSITION.step)
-        with phase("rewards"):
-            rewards, per_fn, self.reward_errors = score(self.functions, prompts, completions, columns_of(rollouts),
-                                                        policy=policy, groups=[r.group for r in rollouts],
-                                                        sources=[r.prompt.source for r in rollouts])  # fmt: skip
-        return rollouts, rewards, per_fn, [g.group_size] * len(batch)
-
-    def collect_share(self, model, batch: list, ranks: Ranks, step: int):
-        """collect() on this rank's whole prompts of the batch (a group is never split across ranks), numbered
-        as in the whole batch. Data parallel sampling draws from a generator seeded by (seed, step, rank): the
-        ranks sample independently, and a resumed run samples what the uninterrupted one did."""
-        first, mine = rank_slice(batch, ranks)
-        if not ranks.enabled:
-            return self.collect(model, mine)
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-            torch.manual_seed(hash((self.cfg.train.seed, step, ranks.rank)) % 2**63)
-            rollouts, rewards, per_fn, sizes = self.collect(model, mine) if mine else ([], [], {}, [])
-        return [replace(r, group=r.group + first) for r in rollouts], rewards, per_fn, sizes
 
 
 def write_rollouts(log: MetricsLog, step: int, rollouts, rewards, per_fn, advantages) -> None:

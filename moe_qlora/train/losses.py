@@ -1,6 +1,8 @@
-"""Per-token log-probabilities through the output head in chunks of tokens: the (tokens, vocab) logits never
-exist whole. For vocab 151,936 at 4k tokens the full fp32 logits alone are 2.3 GiB, plus their softmax and
-gradient.
+"""The losses: per-token log-probabilities through the output head in chunks of tokens (SFT's loss), and GRPO's
+clipped policy-gradient loss on them (at the end).
+
+Chunked, the (tokens, vocab) logits never exist whole. For vocab 151,936 at 4k tokens the full fp32 logits
+alone are 2.3 GiB, plus their softmax and gradient.
 
 Forward, per chunk c of N tokens: z = (h_c W^T + b) * s (fp32), logp_t = z_t[y_t] - logsumexp(z_t).
 Backward, the chunk's logits recomputed: d logp_t / d z_t = onehot(y_t) - softmax(z_t), so
@@ -145,3 +147,75 @@ def _chunking_allowed(model, batch) -> bool:
         verdict = reason is None
         model._moe_qlora_chunked_loss = verdict
     return verdict
+
+
+# ---------------------------------------------------------------------------------------------- GRPO's loss
+
+
+def completion_logprobs(model, batch: dict[str, torch.Tensor], temperature: float, *, chunk: int = 0):
+    """log p(token) of every completion token at the sampling temperature, and the mask of those tokens.
+
+    batch: input_ids, labels (IGNORE outside completions), attention_mask, (B, L). Returns (B, L-1) each;
+    position t scores labels[t + 1] from the logits at t.
+    """
+    logp, mask, _ = token_logprobs(model, batch, scale=1.0 / temperature, chunk=chunk)
+    return logp, mask
+
+
+def token_weights(mask: torch.Tensor, loss_type: str, *, total_tokens: int, total_sequences: int,
+                  max_new_tokens: int = 0, micro_batches: int = 1) -> torch.Tensor:  # fmt: skip
+    """Each completion token's share of the rollout batch's loss, as TRL's loss types define it. mask: (B, T).
+
+    dapo: 1 / (completion tokens of the whole batch); grpo: 1 / (tokens of its completion * completions of
+    the batch); dr_grpo: 1 / (completions * max_new_tokens), a constant, so long completions are not
+    discounted; bnpo: 1 / (completion tokens of this micro-batch * micro-batches), which depends on how the
+    batch is split, as in TRL. Totals are over the whole rollout batch: except for bnpo, splitting it into
+    micro-batches does not change the gradient."""
+    mask = mask.float()
+    if loss_type == "dapo":
+        return mask / total_tokens
+    if loss_type == "grpo":
+        return mask / (mask.sum(dim=1, keepdim=True).clamp(min=1) * total_sequences)
+    if loss_type == "dr_grpo":
+        return mask / (total_sequences * max_new_tokens)
+    if loss_type == "bnpo":
+        return mask / (mask.sum().clamp(min=1) * micro_batches)
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def log_ratios(logp, old, weights, level: str) -> torch.Tensor:
+    """log(pi / pi_old) per token (B, T); at the sequence level (GSPO) each completion's tokens share its mean
+    log-ratio over its own tokens, so the ratio is the length-normalised sequence likelihood ratio."""
+    log_ratio = logp - old
+    if level == "token":
+        return log_ratio
+    mask = (weights != 0).to(logp)
+    per_sequence = (log_ratio * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
+    return per_sequence.expand_as(logp)
+
+
+def grpo_token_loss(logp, old_logp, ref_logp, advantages, weights, *, clip_eps: float, clip_eps_high: float,
+                    kl_coef: float, level: str = "token") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+    """The clipped GRPO objective of a micro-batch as a loss to minimise, and its statistics (summed over
+    tokens with the same weights: add them up over micro-batches).
+
+    logp: (B, T) current policy, with grad. old_logp, ref_logp: (B, T) or None. advantages: (B,).
+    weights: (B, T) from `token_weights` (0 off the completions). level: importance sampling per token or
+    per sequence (GSPO).
+    """
+    a = advantages.to(logp)[:, None]
+    old = logp.detach() if old_logp is None else old_logp
+    ratio = torch.exp(log_ratios(logp, old, weights, level))
+    unclipped = ratio * a
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high) * a
+    per_token = -torch.minimum(unclipped, clipped)
+    # A token is clipped where the clipped term is the smaller one: its gradient is zero there.
+    stats = {"clip_fraction": (weights * (clipped < unclipped).float()).sum().detach()}
+    if kl_coef and ref_logp is not None:
+        delta = ref_logp - logp
+        kl = torch.exp(delta) - delta - 1
+        per_token = per_token + kl_coef * kl
+        stats["kl"] = (weights * kl).sum().detach()
+    loss = (per_token * weights).sum()
+    stats["loss"] = loss.detach()
+    return loss, stats

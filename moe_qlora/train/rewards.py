@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from moe_qlora.config.schema import ConfigError, RewardFunctionSpec
+from moe_qlora.config.sections import ConfigError, RewardFunctionSpec
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""GRPO rollouts: prompt rows, sampling G completions per prompt with the KV cache, and offline rollouts.
+"""GRPO rollouts: prompt rows, sampling G completions per prompt with the KV cache, and offline rollouts;
+RolloutSource gives a step its scored rollouts from either.
 
 A rollout is one (prompt, completion) pair with its token ids; the completion ends at the first EOS
 (included: the policy learns to stop) or right after the first stop string (nothing after it is trained).
@@ -6,14 +7,19 @@ A rollout is one (prompt, completion) pair with its token ids; the completion en
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
+from rich.console import Console
 from transformers import GenerationConfig
 
-from moe_qlora.config.schema import DataSection, GrpoSection
+from moe_qlora.config.sections import DataSection, GrpoSection, RunConfig
 from moe_qlora.data.examples import _check_messages, _ids
 from moe_qlora.data.sources import DataError, entry_path, load_rows
+from moe_qlora.model.distributed import Ranks, rank_slice
+from moe_qlora.train.checkpoint import fingerprint
+from moe_qlora.train.position import POSITION, phase
+from moe_qlora.train.rewards import RewardPolicy, resolve_reward, score
 
 PROMPT_KEYS = ("prompt", "messages")
 
@@ -197,3 +203,59 @@ def offline_rollouts(groups: list[OfflineGroup], tokenizer, max_seq_len: int) ->
             ids = ids[: max(1, max_seq_len - len(group.prompt.ids))]
             rollouts.append(Rollout(group.prompt, g, ids, text))
     return rollouts
+
+
+def columns_of(rollouts: list[Rollout]) -> dict[str, list]:
+    """The prompt rows' other fields, one entry per completion (what reward functions get as **columns)."""
+    keys = sorted({k for r in rollouts for k in r.prompt.columns})
+    return {k: [r.prompt.columns.get(k) for r in rollouts] for k in keys}
+
+
+class RolloutSource:
+    """Where a step's scored rollouts come from: sampling + reward functions (online), or a file (offline)."""
+
+    def __init__(self, cfg: RunConfig, tokenizer, console: Console):
+        g = cfg.grpo
+        self.cfg, self.tokenizer, self.offline = cfg, tokenizer, g.offline_file is not None
+        self.reward_errors = 0  # samples of the last collect() scored 0 after a reward function failed
+        if self.offline:
+            self.items = load_offline_groups(g.offline_file, cfg.data, tokenizer)
+            self.identity = fingerprint([x.prompt.source, x.prompt.ids, x.completions, x.rewards] for x in self.items)
+            console.print(f"grpo offline: {len(self.items)} prompts with "
+                          f"{sum(len(x.completions) for x in self.items)} scored completions")  # fmt: skip
+        else:
+            self.items, dropped = load_prompts(cfg.data, tokenizer, g.max_new_tokens)
+            self.identity = fingerprint([p.source, p.ids, p.columns] for p in self.items)
+            self.functions = [resolve_reward(spec, i) for i, spec in enumerate(g.rewards)]
+            console.print(
+                f"grpo: {len(self.items)} prompts ({dropped} dropped as over-long), {g.group_size} "
+                f"completions each; rewards {', '.join(f'{s.weight:g} x {s.function}' for s in g.rewards)}"
+            )
+
+    def collect(self, model, batch: list) -> tuple[list[Rollout], list[float], dict[str, list[float]], list[int]]:
+        """(rollouts, total rewards, rewards per function, group sizes) of one step's prompts."""
+        if self.offline:
+            rollouts = offline_rollouts(batch, self.tokenizer, self.cfg.data.max_seq_len)
+            return rollouts, [r for grp in batch for r in grp.rewards], {}, [len(grp.completions) for grp in batch]
+        with phase("generation"):
+            rollouts = sample_rollouts(model, self.tokenizer, batch, self.cfg.grpo)
+        prompts, completions = [r.prompt.text for r in rollouts], [r.text for r in rollouts]
+        g = self.cfg.grpo
+        policy = RewardPolicy(on_error=g.reward_errors, timeout_s=g.reward_timeout_s, step=POSITION.step)
+        with phase("rewards"):
+            rewards, per_fn, self.reward_errors = score(self.functions, prompts, completions, columns_of(rollouts),
+                                                        policy=policy, groups=[r.group for r in rollouts],
+                                                        sources=[r.prompt.source for r in rollouts])  # fmt: skip
+        return rollouts, rewards, per_fn, [g.group_size] * len(batch)
+
+    def collect_share(self, model, batch: list, ranks: Ranks, step: int):
+        """collect() on this rank's whole prompts of the batch (a group is never split across ranks), numbered
+        as in the whole batch. Data parallel sampling draws from a generator seeded by (seed, step, rank): the
+        ranks sample independently, and a resumed run samples what the uninterrupted one did."""
+        first, mine = rank_slice(batch, ranks)
+        if not ranks.enabled:
+            return self.collect(model, mine)
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            torch.manual_seed(hash((self.cfg.train.seed, step, ranks.rank)) % 2**63)
+            rollouts, rewards, per_fn, sizes = self.collect(model, mine) if mine else ([], [], {}, [])
+        return [replace(r, group=r.group + first) for r in rollouts], rewards, per_fn, sizes

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from moe_qlora.config.schema import ConfigError
+from moe_qlora.config.sections import ConfigError
 from moe_qlora.train.checkpoint import checkpoint_dirs
 
 RUN_FILES = ("metrics.jsonl", "rollouts.jsonl", "adapter")

@@ -1,6 +1,6 @@
 """What `train` and `grpo` share: the tokenizer and the 4-bit model with its adapters, kernels, seeding, the
 schedule, the optimizer update with its NaN policy, resume, the stop on a signal, router load, and the
-adapter written at the end. Both loops (trainer.py, grpo.py) build a run from these.
+adapter written at the end. Both loops (sft.py, grpo.py) build a run from these.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 from moe_qlora.common.fileio import atomic_write_text
 from moe_qlora.common.memory import release_freed_memory
 from moe_qlora.common.reporting import jsonl_lines
-from moe_qlora.config.schema import ConfigError, RunConfig, check_shardable, resolve_compute_dtype
+from moe_qlora.config.sections import ConfigError, RunConfig, check_shardable, resolve_compute_dtype
 from moe_qlora.export.adapter import load_adapter, save_adapter, verify_adapter
 from moe_qlora.model.adapters import attach_adapters, configure_checkpointing, expert_loras, trainable_parameters
 from moe_qlora.model.distributed import SINGLE, Ranks, any_rank, device_of, join, leave, raise_together, shard_model

@@ -6,12 +6,11 @@ number of target tokens in the whole step, so the step's gradient equals that of
 
 from __future__ import annotations
 
-import bisect
 import functools
 import logging
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,18 +19,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from moe_qlora.common.memory import release_freed_memory
 from moe_qlora.common.reporting import NoReporters, Reporters, read_jsonl
-from moe_qlora.config.schema import ConfigError, RunConfig
-from moe_qlora.data.examples import (
-    IGNORE,
-    Example,
-    apply_reward_weights,
-    build_examples,
-    collate,
-    epoch_order,
-    eval_split,
-    micro_batches,
-    pack_examples,
-)
+from moe_qlora.config.sections import ConfigError, RunConfig
+from moe_qlora.data.examples import IGNORE, Example, apply_reward_weights, build_examples, collate, eval_split
 from moe_qlora.model.distributed import (
     SINGLE,
     Ranks,
@@ -51,13 +40,9 @@ from moe_qlora.train.checkpoint import (
 from moe_qlora.train.faults import stop_on_out_of_memory
 from moe_qlora.train.losses import token_logprobs
 from moe_qlora.train.optim import StepInBackward, build_optimizer
+from moe_qlora.train.packing import packed
 from moe_qlora.train.position import phase, start_step
-from moe_qlora.train.runs import (
-    CheckpointPolicy,
-    RunSummary,
-    StopSignals,
-    plain_progress_line,
-)
+from moe_qlora.train.runs import CheckpointPolicy, RunSummary, StopSignals, plain_progress_line
 from moe_qlora.train.session import (
     after_step,
     apply_update,
@@ -75,6 +60,7 @@ from moe_qlora.train.session import (
     write_adapter,
     write_router_layers,
 )
+from moe_qlora.train.steps import IDLE, continue_at_world_size, count_steps, optimizer_steps, schedule_at
 
 log = logging.getLogger(__name__)
 
@@ -111,90 +97,18 @@ def token_loss_sum(
     return loss, int((targets != IGNORE).sum()), None if aux is None else float(aux.detach())
 
 
-def optimizer_steps(examples: list[Example], cfg: RunConfig, ranks: Ranks = SINGLE):
-    """Yield (epoch, [micro-batches]) per optimizer step, each epoch in its own seeded order. With several
-    ranks a global micro-batch holds micro_batch_size x ranks examples and this rank takes its slice, so the
-    global batch is the same whatever the world size (a slice may be short, or empty, at an epoch's end)."""
-    t = cfg.train
-    size = t.micro_batch_size
-    for epoch in range(t.epochs):
-        order = epoch_order(len(examples), seed=t.seed, epoch=epoch)
-        group = []
-        for mb in micro_batches(examples, order, size * ranks.world):
-            mine = mb[ranks.rank * size : (ranks.rank + 1) * size]
-            if not mine and ranks.sharded:  # every FSDP rank must run each forward: a row that trains nothing
-                mine = [idle_row(mb[0])]
-            group.append(mine)
-            if len(group) == t.grad_accum:
-                yield epoch, group
-                group = []
-        if group:
-            yield epoch, group
 
 
-def step_end_positions(num_examples: int, cfg: RunConfig, world: int) -> list[int]:
-    """Where each optimizer step of a run over `world` ranks ends in the data: the examples consumed since the
-    run's start (epoch after epoch), as optimizer_steps lays them out."""
-    t = cfg.train
-    per_step = t.micro_batch_size * world * t.grad_accum
-    return [epoch * num_examples + min(num_examples, start + per_step)
-            for epoch in range(t.epochs) for start in range(0, num_examples, per_step)]  # fmt: skip
 
 
-def continue_at_world_size(done: RunProgress, ranks: Ranks, num_examples: int, cfg: RunConfig, total: int,
-                           console: Console) -> tuple[RunProgress, int]:  # fmt: skip
-    """A checkpoint written by another number of ranks: the global batch (micro_batch_size x ranks x grad_accum)
-    has changed, so step k no longer names the same data. The run goes on from the same global position in the
-    data order, as if it had been launched at this world size: returns the step of the new layout to go on
-    after (the first not wholly done; the examples between its start and the position are trained on again, and
-    said so) and the run's total steps (ending where the checkpoint's run would have: train.max_steps counted
-    in that run's steps). (done, total) unchanged otherwise."""
-    if done.world in (0, ranks.world) or done.step == 0:
-        return done, total
-    old_ends, ends = (step_end_positions(num_examples, cfg, w) for w in (done.world, ranks.world))
-    position, end = old_ends[done.step - 1], old_ends[count_steps(num_examples, cfg, done.world) - 1]
-    step, total = bisect.bisect_right(ends, position), bisect.bisect_left(ends, end) + 1
-    again = position - (ends[step - 1] if step else 0)
-    old_batch, new_batch = (cfg.train.micro_batch_size * w * cfg.train.grad_accum for w in (done.world, ranks.world))
-    console.print(f"[yellow]warning:[/] the checkpoint was written by {done.world} rank(s), this run has "
-                  f"{ranks.world}: the global batch changes from {old_batch} to {new_batch} examples. The data order "
-                  f"continues from the same global position (example {position:,} of the run): step {done.step} of "
-                  f"the checkpoint's run is step {step} here, of {total}" + (f", and {again} example(s) before the "
-                  "position are trained on again" if again else "") + "; the LR schedule goes on from the same "
-                  "point. The result will not be bit-identical to an uninterrupted run.")  # fmt: skip
-    return replace(done, step=step, epoch=min(position // num_examples, cfg.train.epochs - 1)), total
 
 
-def schedule_at(optimizer, total: int, step: int, train_cfg):
-    """The LR schedule over `total` steps, as it stands after `step` of them."""
-    schedule = build_schedule(optimizer, total, train_cfg)
-    schedule.last_epoch = step
-    for group, base, factor in zip(optimizer.param_groups, schedule.base_lrs, schedule.lr_lambdas, strict=True):
-        group["lr"] = base * factor(step)
-    schedule._last_lr = [group["lr"] for group in optimizer.param_groups]
-    return schedule
 
 
-IDLE = " (idle)"  # the source suffix of an idle row
 
 
-def idle_row(example: Example) -> Example:
-    """`example` with no target and weight 0: its forward and backward run (the collectives FSDP makes every rank
-    join) and add exactly nothing to the loss, the gradient or the target count (nor to the tokens logged)."""
-    return replace(
-        example,
-        labels=[IGNORE] * len(example.labels),
-        source=example.source + IDLE,
-        weight=0.0,
-        token_weights=None if example.token_weights is None else [0.0] * len(example.token_weights),
-    )
 
 
-def count_steps(num_examples: int, cfg: RunConfig, world: int = 1) -> int:
-    t = cfg.train
-    per_epoch = math.ceil(math.ceil(num_examples / (t.micro_batch_size * world)) / t.grad_accum)
-    total = per_epoch * t.epochs
-    return min(total, t.max_steps) if t.max_steps else total
 
 
 def accumulate_gradients(
@@ -245,7 +159,7 @@ def train_step(model, optimizer, group, pad_id: int, train_cfg, stepper: StepInB
     device = next(model.parameters()).device
     batches = [{k: v.to(device) for k, v in collate(mb, pad_id).items()} for mb in group if mb]
     if stepper is not None:
-        (batch,) = batches  # grad_accum is 1 (config.py refuses more)
+        (batch,) = batches  # grad_accum is 1 (the config refuses more)
         loss, n_targets, aux_loss, grad_norm, skipped = backward_with_updates(
             model, stepper, batch, loss_chunk=train_cfg.loss_chunk_tokens
         )
@@ -293,57 +207,12 @@ def held_out_examples(cfg: RunConfig, tokenizer, examples: list[Example], consol
     return examples, held
 
 
-def packed(model, examples: list[Example], held_out: list[Example], max_len: int, console: Console
-           ) -> tuple[list[Example], list[Example]]:  # fmt: skip
-    """data.packing: training and eval rows each packed into max_seq_len sequences (never mixed)."""
-    if (reason := packing_unsupported(model)) is not None:
-        raise ConfigError(f"data.packing: {reason}; set data.packing: false for this model")
-    rows = len(examples)
-    examples, held_out = pack_examples(examples, max_len), pack_examples(held_out, max_len) if held_out else []
-    fill = sum(len(e.input_ids) for e in examples) / (len(examples) * max_len)
-    console.print(f"packing: {rows} rows -> {len(examples)} sequences of up to {max_len} tokens ({fill:.0%} full)")
-    return examples, held_out
 
 
-RECURRENT_LAYER_KINDS = ("linear_attention", "mamba", "conv", "recurrent")
 
 
-def packing_unsupported(model) -> str | None:
-    """Why packed rows would see each other in this model, or None.
-
-    Restarting position ids make transformers mask attention per row, where the model hands them to its mask
-    builder (GPT-OSS does not); the state of recurrent or convolutional mixers runs across rows regardless.
-    Decided by a probe, two rows packed against the second alone, named by the layer kinds where known."""
-    config = model.config.get_text_config()
-    kinds = set(getattr(config, "layer_types", None) or []) | set(getattr(config, "layers_block_type", None) or [])
-    recurrent = sorted(k for k in kinds if any(r in k for r in RECURRENT_LAYER_KINDS))
-    if recurrent:
-        return f"{', '.join(recurrent)} layers carry state across packed rows (only attention restarts per row)"
-    if rows_leak_when_packed(model):
-        return (f"in {type(model).__name__} a packed row sees the rows before it (its attention masks do not "
-                "restart at the positions, or a convolution or recurrent mixer runs across rows)")  # fmt: skip
-    return None
 
 
-@torch.no_grad()
-def rows_leak_when_packed(model, n: int = 8) -> bool:
-    """True when the logits of a row packed after another differ from the row alone (fp32: ~1e-6; bf16
-    kernels: ~1e-2 of the logits' scale; a leak: O(1))."""
-    device = next(model.parameters()).device
-    vocab = model.config.get_text_config().vocab_size
-    first = torch.arange(3, 3 + n, device=device)[None] % vocab
-    second = torch.arange(3 + n, 3 + 2 * n, device=device)[None] % vocab
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            alone = model(input_ids=second, use_cache=False).logits.float()
-            positions = torch.arange(n, device=device).repeat(1, 2)
-            both = model(input_ids=torch.cat([first, second], 1), position_ids=positions, use_cache=False)
-    finally:
-        model.train(was_training)
-    tol = 1e-3 if both.logits.dtype == torch.float32 else 5e-2
-    return float((both.logits[:, n:].float() - alone).abs().max()) > tol * max(1.0, float(alone.abs().max()))
 
 
 @torch.no_grad()

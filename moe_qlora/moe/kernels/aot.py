@@ -95,7 +95,7 @@ def capture_launches(*, hidden: int, inter: int, experts: int, top_k: int, token
     routing: tokens * top_k rows, spread evenly over the experts."""
     import torch
 
-    from moe_qlora.moe.kernels import ops, triton_kernels
+    from moe_qlora.moe.kernels import ops, tiles, triton_kernels
     from moe_qlora.moe.nf4 import NF4Stack
 
     dtype = dtype or torch.bfloat16
@@ -149,7 +149,7 @@ def capture_launches(*, hidden: int, inter: int, experts: int, top_k: int, token
     try:
         for n, kernel in real.items():
             setattr(triton_kernels, n, Recorder(kernel))
-        with ops.pinned_config(arch):
+        with tiles.pinned_config(arch):
             for name, launch in launches:
                 first = len(recorded)
                 launch()

@@ -194,7 +194,7 @@ def _grouped_matmul_kernel(
     words_we, words_wk, words_wn,  # packed NF4: the weight strides in 4-byte words, so their 16-divisibility is seen
     stride_be, stride_pm, stride_pr, stride_le, stride_lr,
     stride_ln, stride_ym, stride_yn, stride_am, stride_an,
-    rows_class,  # unused here: the autotuner's key for rows per expert (ops.rows_class)
+    rows_class,  # unused here: the autotuner's key for rows per expert (tiles.rows_class)
     W_NF4: tl.constexpr, NESTED: tl.constexpr, GATHER: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr, GLU: tl.constexpr, STORE_Y: tl.constexpr, K_PACKED: tl.constexpr, N_PACKED: tl.constexpr,
     SWAP_AB: tl.constexpr, SPLIT_K: tl.constexpr, PHASE: tl.constexpr, EVEN_K: tl.constexpr,

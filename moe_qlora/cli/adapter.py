@@ -1,0 +1,170 @@
+"""What a user does with a trained adapter: `check-norms`, `export` (GGUF, per-expert), `merge`, `generate`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+from moe_qlora.cli.common import console, err_console, fail, quiet_libraries, user_errors
+
+
+def check_norms_cmd(
+    adapter: str = typer.Argument(..., help="adapter_model.safetensors, or the folder holding it"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON (every row) instead of a table"),
+    per_expert: bool = typer.Option(False, "--per-expert", help="one row per expert instead of per module"),
+    run: str = typer.Option(
+        None,
+        "--run",
+        help="the run's output.dir: cross-check experts with its router load "
+        "(default: the adapter's parent folder, when it holds a run)",
+    ),  # fmt: skip
+    debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
+):
+    """Norms of every LoRA factor, summarised per module and layer over experts (--per-expert: every one);
+    with a run's router load, experts never routed or routed but never trained are named. Exit 0 healthy,
+    1 problems, 2 unreadable."""
+    from moe_qlora.export.norms import (
+        ROUTER_LAYERS,
+        AdapterReadError,
+        check_norms,
+        cross_check_router,
+        render_summary,
+        render_table,
+        report_json,
+    )
+
+    try:
+        report = check_norms(adapter)
+        parent = Path(adapter).resolve().parent if Path(adapter).is_dir() else Path(adapter).resolve().parent.parent
+        run = run or (str(parent) if (parent / ROUTER_LAYERS).is_file() else None)
+        steps = cross_check_router(report, run) if run else None
+    except AdapterReadError as exc:
+        fail(exc, debug)
+    if steps is not None and not as_json:
+        console.print(f"router load: {steps} logged steps of {run}", highlight=False)
+    if as_json:
+        sys.stdout.write(report_json(report) + "\n")
+    else:
+        (render_table if per_expert else render_summary)(report, console)
+    raise typer.Exit(0 if report.healthy else 1)
+
+
+EXPORT_EPILOG = """Examples:
+
+  moe-qlora export runs/demo/adapter --format gguf --out runs/demo/adapter.gguf
+
+  moe-qlora export runs/demo/adapter --format per-expert --out runs/demo/adapter-per-expert
+"""
+
+
+def export(
+    adapter: str = typer.Argument(..., help="the adapter folder a run wrote (PEFT format)"),
+    fmt: str = typer.Option(..., "--format", "-f", help="per-expert (vLLM, SGLang) | gguf (llama.cpp)"),
+    out: str = typer.Option(..., "--out", "-o", help="folder (per-expert) or .gguf file to write"),
+    debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
+):
+    """The adapter in the layout another runtime reads: per-expert PEFT keys, or a llama.cpp LoRA GGUF."""
+    quiet_libraries()
+    from moe_qlora.export.formats import write_gguf, write_per_expert
+
+    writers = {"per-expert": write_per_expert, "gguf": write_gguf}
+    try:
+        if fmt not in writers:
+            from moe_qlora.config.sections import ConfigError
+
+            raise ConfigError(
+                f"--format {fmt!r}: expected one of {', '.join(writers)} (the run's adapter is already PEFT)"
+            )
+        path = writers[fmt](adapter, out)
+    except user_errors() as exc:
+        fail(exc, debug)
+    console.print(f"{fmt}: {path}", highlight=False)
+
+
+MERGE_EPILOG = """Examples:
+
+  moe-qlora merge runs/demo/adapter --out runs/demo/merged
+
+  moe-qlora merge runs/demo/adapter --out merged --dtype float32 --max-shard-size 2GB
+"""
+
+
+def parse_size(text: str) -> int:
+    """'5GB' / '500MB' / '2GiB' / bytes -> bytes."""
+    units = {"gib": 2**30, "mib": 2**20, "kib": 2**10, "gb": 10**9, "mb": 10**6, "kb": 10**3, "b": 1}
+    low = text.strip().lower()
+    for unit, factor in units.items():
+        if low.endswith(unit) and low[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(low[: -len(unit)]) * factor)
+    if low.isdigit():
+        return int(low)
+    from moe_qlora.config.sections import ConfigError
+
+    raise ConfigError(f"--max-shard-size {text!r}: expected a size such as 5GB, 500MB or 2GiB")
+
+
+def human_bytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def merge(
+    adapter: str = typer.Argument(..., help="the adapter folder a run wrote (PEFT format)"),
+    out: str = typer.Option(..., "--out", "-o", help="folder to write the merged checkpoint to"),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 | float16 | float32"),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="largest safetensors shard"),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda (where the 4-bit model is decoded)"),
+    debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
+):
+    """A full Hugging Face checkpoint: every 4-bit weight dequantized plus its LoRA update (never into 4-bit)."""
+    quiet_libraries()
+    from moe_qlora.inference.merge import MergeError, merge_adapter
+
+    try:
+        report = merge_adapter(adapter, out, dtype=dtype, max_shard_bytes=parse_size(max_shard_size),
+                               device=device, console=err_console)  # fmt: skip
+    except (*user_errors(), MergeError) as exc:
+        fail(exc, debug)
+    experts = sum(len(v) for v in report.delta_norms.values() if len(v) > 1)
+    console.print(
+        f"merged {len(report.delta_norms)} adapted weights ({experts} expert deltas) into {report.tensors} tensors: "
+        f"{report.out} ({report.shards} shard{'s' * (report.shards > 1)}, {human_bytes(report.bytes)}, {dtype})",
+        highlight=False,
+    )
+
+
+GENERATE_EPILOG = """Examples:
+
+  moe-qlora generate --adapter runs/demo/adapter "Add: 3+5"
+
+  moe-qlora generate --adapter runs/demo/adapter --no-adapter "Add: 3+5"     # the base model, to compare
+
+  moe-qlora generate --adapter runs/chat/adapter --chat --temperature 0.7 "Hello"
+"""
+
+
+def generate_cmd(
+    prompt: str = typer.Argument(..., help="the prompt (with --chat: the user message)"),
+    adapter: str = typer.Option(..., "--adapter", "-a", help="the adapter folder a run wrote"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0: greedy"),
+    top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0),
+    top_k: int = typer.Option(0, "--top-k", min=0, help="0: off"),
+    seed: int = typer.Option(0, "--seed"),
+    chat: bool = typer.Option(False, "--chat", help="wrap the prompt in the tokenizer's chat template"),
+    no_adapter: bool = typer.Option(False, "--no-adapter", help="generate with the base model (adapters off)"),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
+    debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
+):
+    """Generate with the 4-bit model and a run's adapter (as trained), streaming the tokens."""
+    quiet_libraries()
+    from moe_qlora.inference.generate import Sampling, generate, load_for_generation
+
+    try:
+        model, tokenizer = load_for_generation(adapter, err_console, device=device)
+    except user_errors() as exc:
+        fail(exc, debug)
+    sampling = Sampling(max_new_tokens, temperature, top_p, top_k, seed)
+    generate(model, tokenizer, prompt, sampling, chat=chat, adapter=not no_adapter)
+    console.print()

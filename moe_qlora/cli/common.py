@@ -1,0 +1,55 @@
+"""What every command shares: the consoles, library chatter silenced, the user errors that print one sentence."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+
+import typer
+from rich.console import Console
+
+console = Console(soft_wrap=not sys.stdout.isatty())  # log files get whole lines, never wrapped paths
+err_console = Console(stderr=True)
+
+
+def quiet_libraries() -> None:
+    """Library chatter that says nothing to a user of this tool (progress bars we replace, hub fallbacks)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\.")
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    import datasets
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    from moe_qlora.config.sections import ConfigError
+    from moe_qlora.data.sources import DataError
+    from moe_qlora.export.adapter import AdapterMismatchError
+    from moe_qlora.export.norms import AdapterReadError
+    from moe_qlora.model.distributed import RankFailed
+    from moe_qlora.model.loading import ModelLoadError
+    from moe_qlora.moe.experts import UnsupportedExpertsError
+    from moe_qlora.moe.nf4 import QuantizationLayoutError
+    from moe_qlora.train.checkpoint import CheckpointError
+    from moe_qlora.train.rewards import RewardError
+
+    return (
+        AdapterMismatchError, CheckpointError, ConfigError, DataError, AdapterReadError, ModelLoadError,
+        UnsupportedExpertsError, QuantizationLayoutError, RewardError, FileNotFoundError, RankFailed,
+    )  # fmt: skip
+
+
+def fail(exc: Exception, debug: bool, code: int = 2) -> None:
+    """Print `exc` as one red sentence and exit with `code`; with --debug raise it (the traceback)."""
+    if debug:
+        raise exc
+    err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)

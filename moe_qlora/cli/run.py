@@ -1,0 +1,184 @@
+"""`moe-qlora train` and `grpo`: the config loaded and checked before any heavy import, the run, and what each
+way it can stop prints (a user error, an aborted run, a failed step, a full disk, a signal) with its exit code."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+
+from moe_qlora.cli.common import console, err_console, fail, quiet_libraries, user_errors
+
+TRAIN_EPILOG = """Examples:
+
+  moe-qlora train --config configs/demo.yaml
+
+  moe-qlora train --config cfg.yaml --set train.lr=2e-4 --set lora.rank=16
+
+  moe-qlora train --config cfg.yaml --dry-run     # print the resolved config and stop
+"""
+
+
+def train(
+    config: str = typer.Option(..., "--config", "-c", help="YAML run configuration"),
+    set_: list[str] = typer.Option([], "--set", help="override a key, e.g. --set train.lr=2e-4 (repeatable)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved configuration and exit"),
+    resume: bool = typer.Option(
+        False, "--resume", help="continue from the newest valid checkpoint in output.dir (--resume PATH: from that one)"
+    ),
+    resume_from: str = typer.Option(None, "--resume-from", hidden=True),
+    resume_anyway: bool = typer.Option(
+        False, "--resume-anyway", help="resume even if the config or the dataset changed since the checkpoint"
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="output.dir holds another run: move it aside to <dir>.old-<time> and start over"
+    ),
+    debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
+):
+    """Fine-tune a MoE model with QLoRA (experts frozen in NF4, per-expert LoRA)."""
+    _run("train", config, set_, dry_run=dry_run, resume=resume, resume_from=resume_from, resume_anyway=resume_anyway,
+         overwrite=overwrite, debug=debug)  # fmt: skip
+
+
+def check_paths_before_loading(cfg) -> None:
+    """What would otherwise fail after seconds of imports or minutes of loading: a hub id neither cached nor
+    reachable, data files that are not there, an output.dir that is a file or cannot be written. Raises
+    ConfigError naming the model or the absolute path."""
+    from moe_qlora.common.hub import check_hub_model
+    from moe_qlora.config.sections import ConfigError
+
+    name = cfg.model.name_or_path
+    local = os.path.isabs(name) or name.startswith((".", "~")) or os.path.exists(name)
+    if not local and not name.startswith("builtin:"):
+        check_hub_model(name, ConfigError)
+    from moe_qlora.common.hub import looks_local
+    from moe_qlora.data.sources import entry_path
+
+    for key in ("train_files", "eval_files"):
+        for f in map(entry_path, getattr(cfg.data, key)):
+            if looks_local(f) and not Path(f).exists():
+                raise ConfigError(f"data.{key}: {f}: no such file (relative paths are relative to the config)")
+    from moe_qlora.common.reporting import missing_reporters
+
+    if missing := missing_reporters(cfg.output.report_to):
+        raise ConfigError(missing[0])
+    out = Path(cfg.output.dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output.dir: {out} is a file, not a folder")
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"output.dir: {out} cannot be written ({existing} is not writable by this user)")
+
+
+def _run(command: str, config: str, overrides: list[str], *, dry_run, resume, resume_from, resume_anyway, overwrite,
+         debug) -> None:  # fmt: skip
+    """Load and validate the config, then print it (--dry-run) or run `train` or `grpo` on it, turning
+    user errors into one sentence and exit code 2, an aborted run into exit code 1, and a run stopped by
+    SIGINT / SIGTERM into 130 / 143 with the command that resumes it."""
+    from moe_qlora.config.load import load_config
+    from moe_qlora.config.sections import ConfigError, check_shardable
+
+    resumes = []
+    if resume_from:
+        resumes = [f"train.resume={os.path.abspath(resume_from)}"]
+    elif resume or resume_anyway:
+        resumes = ["train.resume=auto"]
+    try:
+        cfg = load_config(config, [*overrides, *resumes])
+        if command == "grpo" and cfg.grpo is None:
+            raise ConfigError(f"{config}: no `grpo:` section; moe-qlora grpo needs at least grpo.rewards")
+        if cfg.train.parallel == "fsdp" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            check_shardable(cfg, generates=command == "grpo")
+        check_paths_before_loading(cfg)
+    except ConfigError as exc:  # (its subclasses too) before the heavy imports _user_errors makes
+        fail(exc, debug)
+    quiet_libraries()
+    if dry_run:
+        import yaml
+
+        console.print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), highlight=False)
+        return
+    from moe_qlora.common.fileio import DiskFullError
+    from moe_qlora.export.adapter import AdapterVerificationError
+    from moe_qlora.train.faults import StepFailed
+    from moe_qlora.train.runs import RunInterrupted
+    from moe_qlora.train.session import TrainingAborted
+
+    if command == "grpo":
+        from moe_qlora.train.grpo import grpo as run
+    else:
+        from moe_qlora.train.sft import train as run
+    try:
+        run(cfg, console, allow_mismatch=resume_anyway, overwrite=overwrite)
+    except user_errors() as exc:
+        fail(exc, debug)
+    except (TrainingAborted, AdapterVerificationError) as exc:
+        fail(exc, debug, code=1)
+    except StepFailed as exc:
+        if debug:
+            raise
+        err_console.print(f"[red]error:[/red] {exc}\nresume with: {resume_command(command, config, overrides)}",
+                          highlight=False, soft_wrap=True)  # fmt: skip
+        raise typer.Exit(1) from None
+    except DiskFullError as exc:
+        if debug:
+            raise
+        err_console.print(f"[red]error:[/red] {exc}. {last_good_checkpoint(cfg)}; free some space, then resume "
+                          f"with: {resume_command(command, config, overrides)}", highlight=False,
+                          soft_wrap=True)  # fmt: skip
+        raise typer.Exit(1) from None
+    except RunInterrupted as exc:
+        again = resume_command(command, config, overrides)
+        saved = f"checkpoint written; resume with: {again}" if exc.step else "no step was done yet; nothing to save"
+        err_console.print(f"interrupted at step {exc.step}; {saved}", highlight=False, soft_wrap=True)
+        raise typer.Exit(exc.exit_code) from None
+    except KeyboardInterrupt:
+        err_console.print("stopped at once (second signal): nothing written since the last checkpoint",
+                          highlight=False)  # fmt: skip
+        raise typer.Exit(130) from None
+
+
+def resume_command(command: str, config: str, overrides: list[str]) -> str:
+    return " ".join(["moe-qlora", command, "--config", config, *(f"--set {o}" for o in overrides), "--resume"])
+
+
+def last_good_checkpoint(cfg) -> str:
+    """Where a run that stopped on a fault can resume from: its newest valid checkpoint, said in a sentence."""
+    from moe_qlora.train.checkpoint import latest_valid_checkpoint
+
+    found = latest_valid_checkpoint(Path(cfg.output.dir))
+    if found is None:
+        return "No checkpoint was written yet (the run starts over)"
+    return f"The last good checkpoint, {found}, is intact"
+
+
+GRPO_EPILOG = """Examples:
+
+  moe-qlora grpo --config configs/grpo-demo.yaml
+
+  moe-qlora grpo --config cfg.yaml --set grpo.group_size=8 --set grpo.kl_coef=0.04
+
+  moe-qlora grpo --config cfg.yaml --set grpo.offline_file=scored.jsonl   # completions generated elsewhere
+"""
+
+
+def grpo(
+    config: str = typer.Option(..., "--config", "-c", help="YAML run configuration with a grpo: section"),
+    set_: list[str] = typer.Option([], "--set", help="override a key, e.g. --set grpo.group_size=8 (repeatable)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved configuration and exit"),
+    resume: bool = typer.Option(
+        False, "--resume", help="continue from the newest valid checkpoint in output.dir (--resume PATH: from that one)"
+    ),
+    resume_from: str = typer.Option(None, "--resume-from", hidden=True),
+    resume_anyway: bool = typer.Option(
+        False, "--resume-anyway", help="resume even if the config or the prompts changed since the checkpoint"
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="output.dir holds another run: move it aside to <dir>.old-<time> and start over"
+    ),
+    debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
+):
+    """Online GRPO on the 4-bit model: sample groups, score them with reward functions, train on advantages."""
+    _run("grpo", config, set_, dry_run=dry_run, resume=resume, resume_from=resume_from, resume_anyway=resume_anyway,
+         overwrite=overwrite, debug=debug)  # fmt: skip

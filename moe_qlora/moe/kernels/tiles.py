@@ -1,0 +1,253 @@
+"""Which tiles a grouped-matmul launch takes: the candidate configs per GPU architecture, the classes a launch
+falls in (swapped 16-row tiles, 64-row, tall 128-row; split-K), which candidates the autotuner may time, and the
+environment switches that turn autotuning off or pin a config (tests, the ahead-of-time capture).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    """Tile sizes and launch shape of _grouped_matmul_kernel. BLOCK_M (rows of one expert per tile) is chosen
+    on the host from the rows per expert (it shapes the tile map built before the launch): the config's own,
+    64 or 128 (the tall class), or 16 in swapped tiles; the rest may be autotuned within the class."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    block_m: int = 64
+
+    def packs(self, blocksize: int, along_n: bool) -> bool:
+        """Whether a tile step stays within one quant block along the packed dim (and half a step is still a
+        tensor-core dot): the condition of the packed NF4 paths."""
+        step = self.block_n if along_n else self.block_k
+        return blocksize % step == 0 and step >= 32
+
+    @property
+    def wide(self) -> bool:
+        """A tile wider than one quant block along N (128 columns): twice the weights decoded per K-step for the
+        same x tile and loop bookkeeping, so fewer instructions per decoded weight (Qwen3-30B-A3B's down
+        projection on sm_90: 6.8 instead of 8.7), but it cannot take the N_PACKED path (one block scale per row
+        of a step) and its accumulators fill the registers."""
+        return self.block_n > 64
+
+    @property
+    def tall(self) -> bool:
+        """A 128-row tile: each decoded weight feeds twice the rows, so the decode's cost per FLOP halves."""
+        return self.block_m > 64
+
+    def serves(self, k_packed: bool, glu: bool, swap: bool, tall: bool = False) -> bool:
+        """Whether the autotuner times this candidate for a launch: one of the launch's class (tall tiles or
+        not); a wide one only on the forward's K_PACKED path with one accumulator, or two (gate and up) in
+        swapped 16-row tiles; a tall one with gate and up only in 8 warps. Elsewhere they spill
+        (scripts/kernel_report.py --candidates)."""
+        if self.tall != tall or (self.tall and glu and self.num_warps < 8):
+            return False
+        return not self.wide or (k_packed and (not glu or swap))
+
+
+# Rows per expert (on average: known on the host without a sync) at or below which the packed NF4 paths compute
+# their tiles transposed, the rows on the MMA's narrow side in tiles of SWAP_AB_BLOCK_M: decode, GRPO sampling
+# and small batches, where 64-row tiles would be mostly padding. A first guess from the tile shapes alone (a
+# 16-row tile wastes at most 15 rows, a 64-row one 63); to be re-measured on a GPU with bench_moe.py.
+SWAP_AB_MAX_ROWS = 16
+
+
+SWAP_AB_BLOCK_M = 16
+
+
+# Rows per expert (on average) at or above which launches take the tall class's 128-row tiles: Mixtral-8x7B at
+# 2048 tokens (512), Qwen3-30B-A3B from 4096 (256). The issue-bound ceiling of sm_90's down projection goes from
+# 45% to 83% of tensor peak (kernel_report.py) while the padding of each expert's last tile grows by 64 rows on
+# average, a quarter of 256. A first guess from the tile shapes; to be re-measured on a GPU with bench_moe.py.
+TALL_MIN_ROWS = 256
+
+
+# Split-K: when a launch has at most half as many programs (tiles x N blocks, the tiles' upper bound) as
+# SPLIT_K_SMS, K is split over floor(SPLIT_K_SMS / programs) programs per tile (at most SPLIT_K_MAX, each with two
+# or more K-steps), and a second launch adds the partial sums in split order: deterministic, no atomics. The count
+# is a constant, not the device's SM count (132 on an H100 SXM, 114 on a PCIe one, 108 on an A100): the split
+# changes the order of the fp32 sums, so a device-dependent split would make a resume on another GPU model
+# differ in the last bits.
+SPLIT_K_MAX = 4
+
+
+SPLIT_K_SMS = 132
+
+
+# Candidates per GPU architecture (compute capability x 10). A launch is timed over the candidates that serve
+# it (MatmulConfig.serves), and with autotuning off (MOE_QLORA_AUTOTUNE=0), in the interpreter and in the
+# ahead-of-time report it takes the first of them: the first entry for 64-row tiles, the first tall one that
+# fits for 128-row ones. Every narrow candidate packs NF4 at bitsandbytes' blocksize 64 along K and N, so the
+# packed paths do not depend on the choice. The defaults were picked from scripts/kernel_report.py (fewest
+# issued instructions per FLOP without spills, at Qwen3-30B-A3B and Mixtral-8x7B shapes, for every launch);
+# the rest are for the autotuner to time on the GPU.
+MATMUL_CONFIGS = {
+    90: [MatmulConfig(64, 64, 4, 3), MatmulConfig(64, 64, 4, 4), MatmulConfig(64, 32, 4, 4),
+         MatmulConfig(32, 64, 4, 3), MatmulConfig(128, 64, 4, 3),
+         MatmulConfig(64, 64, 4, 3, 128), MatmulConfig(64, 64, 8, 3, 128), MatmulConfig(128, 64, 8, 3, 128)],
+    80: [MatmulConfig(64, 32, 4, 3), MatmulConfig(64, 64, 8, 3), MatmulConfig(32, 32, 4, 3),
+         MatmulConfig(64, 32, 4, 4), MatmulConfig(128, 32, 4, 3),
+         MatmulConfig(64, 32, 4, 3, 128), MatmulConfig(64, 64, 8, 3, 128), MatmulConfig(128, 32, 8, 3, 128)],
+}  # fmt: skip
+
+
+# fp32 activations: exact IEEE products run on the FMA units, whose dot keeps each thread's operand slices in
+# registers; every candidate above spills there (sm_90: 255 registers and 300-11,552 bytes per thread). fp32
+# launches take this one config instead, 32 x 32 tiles in 8 warps: at most 180 registers and no spill on sm_80 and
+# sm_90 (scripts/kernel_report.py --dtype fp32), never swapped, tall or autotuned.
+FP32_CONFIG = MatmulConfig(32, 32, num_warps=8, num_stages=2, block_m=32)
+
+
+# False: fp32 launches take the bf16 tile configs (swapped, tall, wide) as bf16 ones do. The kernel tests set it:
+# in the interpreter fp32 products are exact, so the code paths a GPU runs in bf16 are checked there to 1e-5.
+FP32_OWN_CONFIG = True
+
+
+# The arch defaults as shipped: what a launch no pinned candidate serves falls back to (ops.pinned_config).
+DEFAULT_CONFIGS = {arch: configs[0] for arch, configs in MATMUL_CONFIGS.items()}
+
+
+OUTER_BLOCKS = (64, 64, 32)  # OUT_PROD_ID: BLOCK_M, BLOCK_N, BLOCK_S, not autotuned
+
+
+OUTER_BLOCKS_FP32 = (32, 32, 32)  # fp32 (FMA): (64, 64, 32) spills 176 bytes per thread on sm_80; this 0 on both
+
+
+TARGET_ARCH_ENV = "MOE_QLORA_TARGET_ARCH"  # the architecture whose config list launches use (AOT capture, tests)
+
+
+def block_override() -> tuple[int, int, int] | None:
+    """MOE_QLORA_TRITON_BLOCKS=M,N,K: fixed blocks for every kernel (the tests' small shapes), no autotuning."""
+    override = os.environ.get("MOE_QLORA_TRITON_BLOCKS")
+    return tuple(int(v) for v in override.split(",")) if override else None
+
+
+def autotune_requested() -> bool:
+    """MOE_QLORA_AUTOTUNE=0 turns the autotuner off: every launch takes the first candidate that serves it."""
+    return os.environ.get("MOE_QLORA_AUTOTUNE", "1") != "0"
+
+
+def autotuning() -> bool:
+    """Whether launches here are autotuned: requested, compiled (not interpreted), and no block override."""
+    return autotune_requested() and not interpreted() and block_override() is None
+
+
+def target_arch(device) -> int:
+    """Whose config list `device` uses: 90 for Hopper and datacenter Blackwell (sm_90, sm_100), 80 for the GPUs
+    whose tensor cores Triton drives with mma.sync, Ampere, Ada and consumer Blackwell (sm_80/86/89/120: the
+    24 GB cards). MOE_QLORA_TARGET_ARCH, when set, wins on any device: the AOT capture records either list from
+    CPU tensors (90 when unset), and the kernel tests run either list on whatever GPU they find (both lists
+    compile for every arch from sm_80 on and fit its shared memory)."""
+    if override := os.environ.get(TARGET_ARCH_ENV):
+        return int(override)
+    if torch.device(device).type == "cuda":
+        major, _ = torch.cuda.get_device_capability(device)
+        return 90 if major in (9, 10) else 80
+    return 90
+
+
+def split_k(programs: int, k_steps: int) -> int:
+    """How many programs share each tile's K (1: no split), from the launch's upper-bound program count; the
+    same on every device (SPLIT_K_SMS)."""
+    if block_override() is not None:
+        return 1
+    return max(1, min(SPLIT_K_MAX, SPLIT_K_SMS // max(programs, 1), k_steps // 2))
+
+
+def matmul_plan(device, dtype: torch.dtype = torch.bfloat16) -> list[MatmulConfig]:
+    """Candidate configs of a grouped matmul on `device` with `dtype` activations: the override as one config,
+    FP32_CONFIG in fp32, else the architecture's list (each launch then keeps those that serve it:
+    launch_candidates)."""
+    override = block_override()
+    if override is not None:
+        return [MatmulConfig(override[1], override[2], block_m=override[0])]
+    if dtype == torch.float32 and FP32_OWN_CONFIG:
+        return [FP32_CONFIG]
+    return MATMUL_CONFIGS[target_arch(device)]
+
+
+@contextmanager
+def pinned_config(arch: int, config: MatmulConfig | None = None):
+    """Launches inside are not autotuned (each takes its first serving candidate, as with
+    MOE_QLORA_AUTOTUNE=0), `arch`'s list is cut to `config` if given, and a launch on a CPU tensor records
+    `arch`: the AOT capture, the report's candidates, the GPU check that every candidate gives the same bits."""
+    saved = MATMUL_CONFIGS[arch], os.environ.get(TARGET_ARCH_ENV), os.environ.get("MOE_QLORA_AUTOTUNE")
+    if config is not None:
+        MATMUL_CONFIGS[arch] = [config]
+    os.environ[TARGET_ARCH_ENV] = str(arch)
+    os.environ["MOE_QLORA_AUTOTUNE"] = "0"
+    try:
+        yield
+    finally:
+        MATMUL_CONFIGS[arch] = saved[0]
+        for name, value in ((TARGET_ARCH_ENV, saved[1]), ("MOE_QLORA_AUTOTUNE", saved[2])):
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def interpreted() -> bool:
+    """Running in Triton's interpreter (CPU tests), whose bf16 tl.dot gives wrong results."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+ROWS_CLASS_MAX = 2048
+
+
+def rows_class(num_rows: int, num_experts: int) -> int:
+    """Average rows per expert, rounded up to a power of two in [16, ROWS_CLASS_MAX]: part of the autotuner's
+    key, so that the config timed at one token count is not reused at another 8x larger or smaller (within a
+    tile class, the best BLOCK_N and stage count move with the rows). Always a multiple of 16, so the JIT
+    specializes the argument one way whatever its value: a new class costs a timing run, not a compile."""
+    average = max(1, -(-num_rows // num_experts))
+    return min(ROWS_CLASS_MAX, max(16, 1 << (average - 1).bit_length()))
+
+
+def _candidates_where(keep, configs: list[MatmulConfig], device) -> list[MatmulConfig]:
+    """The configs `keep` accepts, in list order; the architecture's shipped default if it accepts none (a
+    config pinned by pinned_config); the block override as given."""
+    if block_override() is not None:
+        return configs
+    return [c for c in configs if keep(c)] or [DEFAULT_CONFIGS[target_arch(device)]]
+
+
+def path_candidates(configs: list[MatmulConfig], device) -> list[MatmulConfig]:
+    """The candidates a launch's path (packed along K, along N, or bytes) is chosen over: the narrow ones (a
+    wide one is then timed only where it serves the path)."""
+    return _candidates_where(lambda c: not c.wide, configs, device)
+
+
+def mma_kind(config: MatmulConfig, arch: int, swap: bool) -> str:
+    """The tensor-core instruction a bf16/fp16 launch at `config` compiles to on `arch`'s list: "wgmma" on sm_90
+    when the MMA's M side (the tile's rows, or its weight columns in swapped tiles) is at least 64, the size of
+    one warpgroup's instruction, else "mma.sync" (read from the PTX of every candidate: tests/test_kernels.py)."""
+    m_side = config.block_n if swap else config.block_m
+    return "wgmma" if arch == 90 and m_side >= 64 and config.num_warps % 4 == 0 else "mma.sync"
+
+
+def launch_candidates(configs: list[MatmulConfig], device, *, k_packed: bool, glu: bool, swap: bool,
+                      tall: bool) -> list[MatmulConfig]:  # fmt: skip
+    """The candidates that serve a launch (MatmulConfig.serves), in list order so the class's default comes
+    first; only that one when not autotuning. A candidate whose tensor-core instruction differs from the
+    default's (mma_kind) is left out: wgmma and mma.sync need not accumulate a K-step's products in the same
+    order, and the autotuner's pick (which may differ between a run and its resume) must not change bits."""
+    served = _candidates_where(lambda c: c.serves(k_packed, glu, swap, tall), configs, device)
+    arch = target_arch(device)
+    kind = mma_kind(served[0], arch, swap)
+    served = [c for c in served if mma_kind(c, arch, swap) == kind]
+    return served if autotuning() else served[:1]
+
+
+def takes_tall_tiles(num_rows: int, num_experts: int, swap: bool) -> bool:
+    """Whether a launch of `num_rows` sorted rows over `num_experts` takes the tall class's 128-row tiles: at
+    least TALL_MIN_ROWS rows per expert on average, not swapped, no block override."""
+    return block_override() is None and not swap and num_rows >= TALL_MIN_ROWS * num_experts
