@@ -29,8 +29,13 @@ OPTIMIZERS = {
     "adamw_8bit": ({"optimizer": "adamw_8bit"}, {}),
     "adamw_8bit, kernels: triton": ({"optimizer": "adamw_8bit"}, {"kernels": "triton"}),
     "adamw_8bit, in backward": ({"optimizer": "adamw_8bit", "optimizer_in_backward": True}, {}),
+    # every MoE layer's experts in pinned host memory, two layers on the GPU at a time (moe/offload.py)
+    "adamw_8bit, in backward, expert_offload: all": ({"optimizer": "adamw_8bit", "optimizer_in_backward": True},
+                                                     {"expert_offload": "all"}),
 }
-GPUS_GIB = {"16 GB": 16, "24 GB": 24, "40 GB": 40, "48 GB": 48, "80 GB": 80}
+# NVIDIA's "GB" on a card is GiB (an RTX 3060 12GB has 12,288 MiB)
+GPUS_GIB = {"6 GB": 6, "8 GB": 8, "10 GB": 10, "12 GB": 12, "16 GB": 16, "24 GB": 24, "40 GB": 40, "48 GB": 48,
+            "80 GB": 80}
 HEADROOM_GIB = 0.5
 
 

@@ -145,6 +145,20 @@ def test_two_ranks_reproduce_one_process_with_the_same_global_batch(runs):
     assert int((diff > 1e-6).sum()) <= diff.numel() // 1000
 
 
+def test_two_ranks_with_expert_offload_give_bitwise_the_two_rank_run(runs, tmp_path):
+    """model.expert_offload: all under ddp: each rank offloads its own copy; the losses and adapter are bitwise
+    those of the same two ranks without offload."""
+    _, two, _ = runs
+    out = tmp_path / "offload"
+    proc = torchrun(["train", "--config", str(DEMO), *STEPS, "--set", "train.micro_batch_size=2", "--set",
+                     "model.expert_offload=all", "--set", f"output.dir={out}"], env_for(tmp_path))  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "expert offload (all): 2 of 2 MoE layers" in proc.stdout
+    assert [r["loss"] for r in records(out)] == [r["loss"] for r in records(two)]
+    adapters = [(r / "adapter" / "adapter_model.safetensors").read_bytes() for r in (two, out)]
+    assert adapters[0] == adapters[1]
+
+
 GRADIENT_SCRIPT = """
 import json, sys, torch
 from moe_qlora.model.adapters import attach_adapters

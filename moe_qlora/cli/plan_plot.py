@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import typer
@@ -61,7 +62,8 @@ def plan(
         sys.stdout.write(json.dumps({"model_type": result.model_type, "params": result.params, "bytes": result.bytes,
                                      "total": result.total, "notes": result.notes, "gpus": result.gpus,
                                      "parallel": result.parallel, "per_gpu_total": result.total, "fits": result.fits,
-                                     "communication_bytes_per_step": result.communication_bytes_per_step})
+                                     "communication_bytes_per_step": result.communication_bytes_per_step,
+                                     "offload": dataclasses.asdict(result.offload) if result.offload else None})
                          + "\n")  # fmt: skip
     else:
         render_plan(result, console)

@@ -71,3 +71,16 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+def available_host_bytes() -> int | None:
+    """Host memory the kernel says a new allocation can take without swapping (MemAvailable); None where
+    /proc/meminfo does not exist."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

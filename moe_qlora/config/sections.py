@@ -44,6 +44,16 @@ class ModelSection(Section):
         "dtype and rows class (one extra layer forward + backward each), falling back triton -> grouped_mm -> "
         "torch with a warning where they fail",
     )
+    expert_offload: Literal["none", "auto", "all"] = Field(
+        "none",
+        description="keep the NF4 experts in (pinned) host memory and copy each MoE layer's to the GPU when it runs, "
+        "the next one on a side stream meanwhile: all layers, or auto: as few as the plan needs to fit the GPU "
+        "(none on the CPU). LoRA, its gradients and optimizer state stay on the GPU",
+    )
+    offload_resident_layers: int = Field(
+        2, ge=1, description="expert_offload: most MoE layers whose experts are on the GPU at once (2: the one "
+        "computing and the next arriving; 1: no prefetch)",
+    )
     dequant_buffer_mb: float | None = Field(
         256,
         gt=0,
@@ -327,6 +337,10 @@ def check_shardable(cfg: RunConfig, *, generates: bool = False) -> None:
         raise ConfigError("train.parallel: fsdp is for `train`: grpo samples on each rank, and each rank's "
                           "completions end after a different number of forwards, each of which FSDP would "
                           "make every rank join; use ddp (the whole 4-bit model on each GPU)")  # fmt: skip
+    if cfg.model.expert_offload != "none":
+        raise ConfigError(f"model.expert_offload: {cfg.model.expert_offload} with train.parallel: fsdp: FSDP already "
+                          "splits the experts over the GPUs and gathers each layer's when it runs; offload is for "
+                          "one GPU or ddp (set model.expert_offload: none, or train.parallel: ddp)")  # fmt: skip
     if cfg.train.optimizer != "adamw":
         raise ConfigError(f"train.optimizer: {cfg.train.optimizer} keeps bitsandbytes state FSDP cannot shard; "
                           "use adamw with train.parallel: fsdp (its moments are sharded too)")  # fmt: skip

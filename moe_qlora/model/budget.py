@@ -56,6 +56,7 @@ class Plan:
     parallel: str = "ddp"
     gpu_bytes: int = int(DEFAULT_GPU_GIB * 2**30)
     communication_bytes_per_step: int = 0
+    offload: object = None  # offload_plan.OffloadPlan when model.expert_offload moves experts to the host
 
     @property
     def total(self) -> int:

@@ -40,6 +40,7 @@ from moe_qlora.moe.layouts import (
     unsupported_layout,
 )
 from moe_qlora.moe.nf4 import BLOCKSIZE, quantize_stack, stack_nbytes
+from moe_qlora.moe.offload import move_param
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +57,12 @@ class ModelLoadError(ValueError):
 class MoEQLoRAQuantConfig(BitsAndBytesConfig):
     """bitsandbytes NF4 for linears plus NF4 expert stacks; `expert_double_quant` compresses expert scales."""
 
-    def __init__(self, *, expert_double_quant: bool = False, **kwargs):
+    def __init__(self, *, expert_double_quant: bool = False, experts_on_host: bool = False, **kwargs):
         kwargs.setdefault("load_in_4bit", True)
         kwargs.setdefault("bnb_4bit_quant_type", "nf4")
         super().__init__(**kwargs)
         self.expert_double_quant = expert_double_quant
+        self.experts_on_host = experts_on_host  # a loading choice, not part of the saved config
         self.quant_method = QUANT_METHOD
 
     def to_dict(self):
@@ -82,6 +84,8 @@ class _QuantizeOnLoad(ConversionOps):
             if param_name in quantized_stack_names(module):
                 double_quant = self.quantizer.quantization_config.expert_double_quant
                 result[name] = quantize_stack(value, double_quant=double_quant)
+                if self.quantizer.quantization_config.experts_on_host:  # the GPU never holds every expert
+                    move_param(result[name], "cpu", pin=torch.cuda.is_available())
                 module._is_hf_initialized = True
                 # Quantizing a stack leaves a heap of freed per-expert temporaries; without handing them back,
                 # glibc's heap grows layer after layer (measured: +1 GB over 6 layers of a 3 GB checkpoint).
@@ -157,6 +161,7 @@ class LoadOptions:
     trust_remote_code: bool = False
     strict: bool = True
     device: str = "cpu"
+    experts_on_host: bool = False  # expert offload: each NF4 stack leaves the device as soon as it is quantized
 
 
 def check_model_path(name_or_path: str) -> None:
@@ -281,6 +286,7 @@ def load_model(opts: LoadOptions):
         expert_double_quant=opts.expert_double_quant,
         bnb_4bit_use_double_quant=opts.linear_double_quant,
         bnb_4bit_compute_dtype=opts.compute_dtype,
+        experts_on_host=opts.experts_on_host,
     )
     model_class = causal_lm_class(config, folder, opts.trust_remote_code)
     if "Diffusion" in model_class.__name__:

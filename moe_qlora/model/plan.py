@@ -28,6 +28,7 @@ from moe_qlora.model.budget import (
     optimizer_state_bytes,
 )
 from moe_qlora.model.families import resolve_targets
+from moe_qlora.model.offload_plan import apply_expert_offload
 from moe_qlora.moe.nf4 import BLOCKSIZE
 
 # Bandwidth one GPU's collectives get, bytes/s each direction: NVLink 4 on an H100 SXM (900 GB/s both ways),
@@ -52,6 +53,7 @@ def plan_run(
     model = model if model is not None else meta_model(name_or_path, cfg.model.trust_remote_code)
     targets = resolve_targets(model, cfg.lora.target_modules)  # round-trips a probe adapter through PEFT: once
     plan = one_device_plan(cfg, model, targets, device=device)
+    apply_expert_offload(plan, model, cfg, device=device, gpu_bytes=int(gpu_gib * 2**30))
     plan.gpus, plan.gpu_bytes = gpus, int(gpu_gib * 2**30)
     requested = parallel or cfg.train.parallel
     if requested not in PARALLEL_MODES:

@@ -19,6 +19,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterfac
 
 from moe_qlora.moe.grouped_layer import moe_lora_experts_grouped
 from moe_qlora.moe.nf4 import NF4Stack
+from moe_qlora.moe.offload import OffloadedStack
 from moe_qlora.moe.reference_layer import DeferredWeightGrads, FrozenExperts, MoEPlan, moe_lora_experts
 from moe_qlora.moe.routing import route
 from moe_qlora.moe.self_check import KernelSelfCheck, with_injected_fault
@@ -134,6 +135,10 @@ def _frozen_experts(module: nn.Module) -> FrozenExperts:
 def _nf4_stack(module: nn.Module, name: str) -> NF4Stack:
     """The NF4 stack `name` of an experts module: its bitsandbytes Params4bit, or, once made shardable, the
     plain parameters `{name}_nf4` and `{name}_absmax` (whatever FSDP has gathered into them for this call)."""
+    offload = getattr(module, "moe_offload", None)
+    if offload is not None:  # its stacks in host memory: a handle that fetches them when read
+        offloader, layer = offload
+        return OffloadedStack(offloader, layer, name)
     shapes = getattr(module, "moe_shardable_shapes", None)
     if shapes is not None:
         packed, absmax = getattr(module, f"{name}_nf4"), getattr(module, f"{name}_absmax")
@@ -189,6 +194,9 @@ def _gates_with_silu_mul(module: nn.Module) -> bool:
 
 def moe_qlora_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """The registered experts implementation. hidden_states: (T, H), top_k_*: (T, K) -> (T, H)."""
+    if (offload := getattr(self, "moe_offload", None)) is not None:
+        offloader, layer = offload
+        offloader.enter(layer)  # here, outside the autograd Function, grad mode says forward or generation
     frozen = _frozen_experts(self)
     lora: ExpertLoRA | None = getattr(self, "moe_lora", None)
     if lora is not None and not lora.active:

@@ -184,9 +184,11 @@ def moe_lora_experts_grouped(x, routing_weights, lora, plan: MoEPlan, kernels: s
     dequant_budget: grouped_mm's decoded-stack limit in bytes, None for none).
 
     transformers' default gate (silu(gate) * up) goes through the registered op moe_qlora::grouped_experts,
-    which torch.compile traces as one node; other gates, and deferred LoRA gradients, through the Function."""
+    which torch.compile traces as one node; other gates, deferred LoRA gradients and offloaded experts (whose op
+    inputs would keep the device copies alive until the backward) through the Function."""
     lora = lora if lora is not None else (None, None, None, None)
-    if plan.experts.gate_is_silu_mul and plan.deferred is None:
+    offloaded = getattr(plan.experts.gate_up, "offloaded", False)
+    if plan.experts.gate_is_silu_mul and plan.deferred is None and not offloaded:
         keep_h = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, routing_weights, *lora))
         out, _, _, _ = grouped_experts_op(*op_inputs(x, routing_weights, lora, plan, kernels, dequant_budget, keep_h))
         return out

@@ -22,7 +22,7 @@ from rich.console import Console
 from transformers import AutoTokenizer
 
 from moe_qlora.common.fileio import atomic_write_text
-from moe_qlora.common.memory import release_freed_memory
+from moe_qlora.common.memory import available_host_bytes, release_freed_memory
 from moe_qlora.common.reporting import jsonl_lines
 from moe_qlora.config.sections import ConfigError, RunConfig, check_shardable, resolve_compute_dtype
 from moe_qlora.export.adapter import load_adapter, save_adapter, verify_adapter
@@ -30,8 +30,10 @@ from moe_qlora.model.adapters import attach_adapters, configure_checkpointing, e
 from moe_qlora.model.distributed import SINGLE, Ranks, any_rank, device_of, join, leave, raise_together, shard_model
 from moe_qlora.model.loading import LoadOptions, check_model_path, load_model, parameter_bytes_by_kind
 from moe_qlora.model.tiny import resolve_model_path
-from moe_qlora.moe.experts import set_moe_kernels
+from moe_qlora.moe.experts import experts_modules, set_moe_kernels, stack_names
 from moe_qlora.moe.kernels.grouped_mm import has_fused_path
+from moe_qlora.moe.nf4 import NF4Stack
+from moe_qlora.moe.offload import move_param, offload_experts, stack_nbytes
 from moe_qlora.train.checkpoint import (
     CheckpointError,
     RunProgress,
@@ -159,6 +161,8 @@ def sharding_chosen(cfg: RunConfig, ranks: Ranks, model_path: str, console: Cons
     run cannot do is refused here (config.check_shardable), before loading."""
     if not ranks.enabled or cfg.train.parallel == "ddp":
         return False
+    if cfg.train.parallel == "auto" and cfg.model.expert_offload != "none":  # offload is how it fits one GPU
+        return False
     device = device_of(ranks)
     if cfg.train.parallel == "auto":
         if generates or device.type != "cuda":
@@ -190,8 +194,10 @@ def load_policy(cfg: RunConfig, model_path: str, console: Console, ranks: Ranks 
         linear_double_quant=cfg.model.linear_double_quant,
         trust_remote_code=cfg.model.trust_remote_code,
         strict=cfg.model.strict_quantization,
+        experts_on_host=cfg.model.expert_offload != "none" and device == "cuda" and not sharded,
     )
     model = attach_adapters(load_model(opts), cfg.lora, seed=cfg.train.seed)
+    start_expert_offload(model, cfg, model_path, device, console)
     kernels = resolve_kernels(cfg.model.kernels, device, opts.compute_dtype)
     if set_moe_kernels(model, kernels, fused_below_rows=cfg.model.fused_below_rows,
                        dequant_buffer_mb=cfg.model.dequant_buffer_mb,
@@ -218,6 +224,41 @@ def load_policy(cfg: RunConfig, model_path: str, console: Console, ranks: Ranks 
         + f"; {sum(p.numel() for p in params):,} trainable parameters; {n_ckpt} layers checkpointed"
     )
     return model, params, ranks
+
+
+def size(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+
+def start_expert_offload(model, cfg: RunConfig, model_path: str, device: str, console: Console):
+    """model.expert_offload: the first k experts modules' stacks to (pinned) host memory, fetched as their layer
+    runs (moe/offload.py); the others on `device`. all: every one; auto: as many as `plan` needs to fit this GPU
+    (none on the CPU). Refused when the host lacks the memory. Returns the ExpertOffloader, or None."""
+    mode = cfg.model.expert_offload
+    if mode == "none" or (mode == "auto" and device != "cuda"):
+        return None
+    modules = [m for _, m in experts_modules(model)]
+    k = len(modules)
+    if mode == "auto":
+        from moe_qlora.model.plan import plan_run
+
+        gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+        plan = plan_run(cfg, name_or_path=model_path, device="cuda", gpu_gib=gib)
+        k = plan.offload.layers if plan.offload is not None else 0
+    need = sum(stack_nbytes(NF4Stack.from_param(getattr(m, n))) for m in modules[:k] for n in stack_names(m))
+    if (available := available_host_bytes()) is not None and need > available:
+        raise ConfigError(f"model.expert_offload: {mode} needs {size(need)} of host memory for {k} MoE layers' "
+                          f"experts; this machine has {size(available)} available. Free memory, "
+                          "or offload fewer layers (expert_offload: auto)")  # fmt: skip
+    for module in modules[k:]:  # loaded to the host (LoadOptions.experts_on_host): back to the device
+        for name in stack_names(module):
+            move_param(getattr(module, name), device)
+    if not k:
+        return None
+    offloader = offload_experts(modules[:k], device, max_resident=cfg.model.offload_resident_layers)
+    console.print(f"expert offload ({mode}): {k} of {len(modules)} MoE layers' experts ({size(need)}) in "
+                  f"host memory, at most {cfg.model.offload_resident_layers} layers on {device} at once")  # fmt: skip
+    return offloader
 
 
 def move_unsharded_to(model, device: torch.device) -> None:

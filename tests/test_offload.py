@@ -1,0 +1,207 @@
+"""Expert offload (model.expert_offload, moe/offload.py): the schedule, bitwise equality with a run without
+offload, and what `plan` says about it.
+
+On the CPU the "device" copy of a layer's stacks is a separate buffer (CopyStream clones): the schedule (which
+layers are resident at each MoE call, what is copied and dropped) runs as on a GPU, only the side stream does not.
+Equality is bitwise: the offloaded stacks hold the same bytes, and the MoE layer does the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_qlora.config.load import validate_config
+from moe_qlora.config.sections import ConfigError, LoraSection, check_shardable
+from moe_qlora.model.adapters import attach_adapters
+from moe_qlora.model.budget import meta_model
+from moe_qlora.model.loading import LoadOptions, load_model
+from moe_qlora.model.plan import plan_run
+from moe_qlora.model.tiny import ensure_tiny
+from moe_qlora.moe.experts import experts_modules, set_moe_kernels
+from moe_qlora.moe.offload import ExpertOffloader, offload_experts
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = 4
+
+
+def tiny_model(*, checkpointing: bool, kernels: str = "torch"):
+    torch.manual_seed(0)  # PEFT draws lora_A from the global generator
+    path = ensure_tiny("mixtral", num_hidden_layers=LAYERS)
+    model = attach_adapters(load_model(LoadOptions(str(path))), LoraSection(rank=4, alpha=8.0), seed=0)
+    set_moe_kernels(model, kernels)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def offloaded(model, max_resident: int = 2) -> ExpertOffloader:
+    offloader = offload_experts([m for _, m in experts_modules(model)], "cpu", max_resident=max_resident)
+    offloader.log = []
+    return offloader
+
+
+def step(model) -> tuple[float, list[torch.Tensor]]:
+    """One forward and backward on fixed tokens: (loss, every trainable gradient)."""
+    ids = torch.randint(7, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.item(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_schedule_keeps_the_bound_and_prefetches_every_layer(checkpointing):
+    """Every MoE call finds its layer resident (prefetched by the call before it) except the very first, at most
+    two layers are ever resident, and the backward walks the layers last to first (recomputing each first
+    when checkpointing)."""
+    model = tiny_model(checkpointing=checkpointing)
+    offloader = offloaded(model)
+    step(model)
+    log = offloader.log
+    assert all(len(resident) <= 2 for _, _, resident, _ in log)
+    assert all(layer in resident for layer, _, resident, _ in log)
+    misses = [(layer, phase) for layer, phase, _, hit in log if not hit]
+    assert misses == [(0, "forward")]
+    forward = [layer for layer, phase, _, _ in log if phase == "forward"]
+    backward = [layer for layer, phase, _, _ in log if phase == "backward"]
+    assert forward == list(range(LAYERS))
+    # entering a layer inside the backward: every recompute (checkpointing), else each layer but the last,
+    # which is still the current one when the backward starts
+    assert backward == (list(range(LAYERS))[::-1] if checkpointing else list(range(LAYERS - 1))[::-1])
+
+
+def test_schedule_check_fails_on_a_prefetch_in_the_wrong_direction(monkeypatch):
+    """Broken control: prefetching layer + 1 in the backward too makes the backward miss layers."""
+    model = tiny_model(checkpointing=True)
+    offloader = offloaded(model)
+    monkeypatch.setattr(ExpertOffloader, "next_layer", lambda self, layer: layer + 1 if layer + 1 < LAYERS else None)
+    step(model)
+    misses = [(layer, phase) for layer, phase, _, hit in offloader.log if not hit]
+    assert any(phase == "backward" for _, phase in misses)
+
+
+def test_one_resident_layer_means_no_prefetch():
+    model = tiny_model(checkpointing=True)
+    offloader = offloaded(model, max_resident=1)
+    step(model)
+    assert all(len(resident) == 1 for _, _, resident, _ in offloader.log)
+    assert sum(not hit for *_, hit in offloader.log) == 2 * LAYERS - 1  # each layer copied once per pass
+
+
+@pytest.mark.parametrize("kernels", ["torch", "torch-grouped"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_offload_gives_bitwise_the_same_loss_and_gradients(kernels, checkpointing):
+    """torch-grouped with offload runs the grouped autograd Function instead of the registered op (whose inputs
+    would pin the device copies until the backward): the same functions inside, so the same bits."""
+    reference = step(tiny_model(checkpointing=checkpointing, kernels=kernels))
+    model = tiny_model(checkpointing=checkpointing, kernels=kernels)
+    offloader = offloaded(model)
+    loss, grads = step(model)
+    assert loss == reference[0]
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference[1], strict=True))
+    assert offloader.bytes_copied > 0
+
+
+def test_generation_with_offload_wraps_to_the_first_layer_and_matches():
+    """GRPO's sampling: no-grad forwards, one per token; after the last layer the first is prefetched."""
+    ids = torch.randint(7, 200, (1, 5), generator=torch.Generator().manual_seed(1))
+    reference = tiny_model(checkpointing=False).generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    model = tiny_model(checkpointing=False)
+    offloader = offloaded(model)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, reference)
+    log = offloader.log
+    assert [layer for layer, *_ in log] == list(range(LAYERS)) * 4
+    assert all(hit for *_, hit in log[1:]) and all(len(r) <= 2 for _, _, r, _ in log)
+
+
+def run_demo(out: Path, offload: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "moe_qlora", "train", "--config", "configs/demo.yaml", "--set", f"output.dir={out}",
+         "--set", "train.max_steps=6", "--set", "train.warmup_steps=2", "--set", f"model.expert_offload={offload}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_run_with_offload_writes_the_same_losses_and_adapter(tmp_path):
+    runs = {o: run_demo(tmp_path / o, o) for o in ("none", "all")}
+    for proc in runs.values():
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "expert offload (all): 2 of 2 MoE layers" in runs["all"].stdout
+
+    def losses(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)["loss"] for line in lines if '"loss"' in line]
+
+    assert losses("all") == losses("none") and len(losses("none")) == 6
+    adapters = [(tmp_path / o / "adapter" / "adapter_model.safetensors").read_bytes() for o in ("none", "all")]
+    assert adapters[0] == adapters[1]
+
+
+def cfg_with(model_path: str, **model_keys):
+    return validate_config({
+        "model": {"name_or_path": model_path, **model_keys},
+        "lora": {"rank": 16, "alpha": 32},
+        "data": {"train_files": ["(not read by plan)"], "max_seq_len": 2048},
+        "train": {"micro_batch_size": 1, "optimizer": "adamw_8bit", "optimizer_in_backward": True},
+    })  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "target_gib"), [("qwen3-30b-a3b", 9), ("mixtral-8x7b", 8), ("deepseek-v2-lite", 6)])
+def test_plan_meets_the_offload_targets(name, target_gib):
+    path = str(ROOT / "configs" / "models" / name)
+    model = meta_model(path)
+    without = plan_run(cfg_with(path), name_or_path=path, device="cuda", model=model)
+    plan = plan_run(cfg_with(path, expert_offload="all"), name_or_path=path, device="cuda", model=model)
+    assert plan.total <= target_gib * 2**30 < without.total
+    off = plan.offload
+    assert off.layers == off.of and plan.bytes["experts_nf4"] == 0
+    # the whole expert stacks move to the host; two layers' worth comes back as the resident window
+    assert off.host_bytes == without.bytes["experts_nf4"]
+    assert 0 < plan.bytes["experts_resident"] <= off.host_bytes * 2 // off.layers + 1
+    assert without.total - plan.total == off.host_bytes - plan.bytes["experts_resident"]
+    # copies per step: every layer but the two at each turn, twice (forward, backward)
+    assert off.bytes_per_step == pytest.approx(2 * off.host_bytes * (off.layers - 2) / off.layers, rel=1e-9)
+    assert any("per optimizer step" in note and "PCIe 4 x16" in note for note in plan.notes)
+
+
+def test_auto_offloads_the_fewest_layers_that_fit():
+    path = str(ROOT / "configs" / "models" / "qwen3-30b-a3b")
+    model = meta_model(path)
+    plan = plan_run(cfg_with(path, expert_offload="auto"), name_or_path=path, device="cuda", model=model, gpu_gib=16)
+    k = plan.offload.layers
+    assert 0 < k < plan.offload.of and plan.total <= 16 * 2**30
+    fewer = plan_run(cfg_with(path, expert_offload="auto"), name_or_path=path, device="cuda", model=model,
+                     gpu_gib=plan.total / 2**30 + 0.01)  # fmt: skip
+    assert fewer.offload.layers == k
+    roomy = plan_run(cfg_with(path, expert_offload="auto"), name_or_path=path, device="cuda", model=model, gpu_gib=80)
+    assert roomy.offload is None and any("fits without offloading" in n for n in roomy.notes)
+
+
+def test_offload_is_refused_under_fsdp():
+    raw = cfg_with(str(ROOT / "configs" / "models" / "qwen3-30b-a3b"), expert_offload="all").model_dump(mode="json")
+    raw["train"].update(optimizer="adamw", optimizer_in_backward=False, parallel="fsdp")
+    with pytest.raises(ConfigError, match="model.expert_offload: all with train.parallel: fsdp"):
+        check_shardable(validate_config(raw))
+
+
+def test_offload_is_refused_when_the_host_lacks_the_memory(monkeypatch):
+    from rich.console import Console
+
+    from moe_qlora.train import session
+
+    cfg = validate_config({"model": {"name_or_path": "x", "expert_offload": "all"},
+                           "data": {"train_files": ["(not read)"]}})  # fmt: skip
+    model = tiny_model(checkpointing=False)
+    monkeypatch.setattr(session, "available_host_bytes", lambda: 1024)
+    expected = r"needs [0-9.]+ MiB of host memory for 4 MoE layers' experts; this machine has 0\.0 MiB available"
+    with pytest.raises(ConfigError, match=expected):
+        session.start_expert_offload(model, cfg, "x", "cpu", Console(quiet=True))
