@@ -225,3 +225,16 @@ def test_grpo_with_offload_samples_scores_and_trains_the_same(tmp_path):
     assert strip[0] == strip[1] and len(strip[0]) == 3 * 10 * 16
     adapters = [(outs[o] / "adapter" / "adapter_model.safetensors").read_bytes() for o in ("none", "all")]
     assert adapters[0] == adapters[1]
+
+
+def test_a_run_may_resume_with_offload_switched():
+    """Offload changes no bit, so it is not part of the config identity a resume checks (checkpoint.PLACEMENT);
+    the control: a key that does change the math (the LoRA rank) changes it."""
+    from moe_qlora.config.load import load_config
+    from moe_qlora.train.checkpoint import config_hash
+
+    def identity(*overrides):
+        return config_hash(load_config(ROOT / "configs" / "demo.yaml", list(overrides)).model_dump(mode="json"))
+
+    assert identity() == identity("model.expert_offload=all", "model.offload_resident_layers=1")
+    assert identity() != identity("lora.rank=4")

@@ -73,6 +73,9 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+# model keys that change where the experts live, never a bit of what is computed (tests/test_offload.py): a run
+# may resume with expert offload switched on or off.
+PLACEMENT = {"expert_offload", "offload_resident_layers"}
 # train keys that change when and where a run saves or logs, never what it computes.
 BOOKKEEPING = {
     "resume",
@@ -92,6 +95,7 @@ def config_hash(resolved: dict) -> str:
     bookkeeping)."""
     relevant = {k: v for k, v in resolved.items() if k != "output"}
     relevant["train"] = {k: v for k, v in relevant.get("train", {}).items() if k not in BOOKKEEPING}
+    relevant["model"] = {k: v for k, v in relevant.get("model", {}).items() if k not in PLACEMENT}
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()
 
 
