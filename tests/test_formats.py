@@ -14,6 +14,7 @@ import pytest
 import torch
 from peft import PeftModel
 from rich.console import Console
+from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM
 
@@ -325,3 +326,46 @@ def test_gguf_refuses_lora_llama_cpp_would_ignore_or_cannot_place():
                                     "q_proj") == "blk.1.attn_q"  # fmt: skip
     with pytest.raises(formats.ExportError, match="no tensor"):
         formats.gguf_linear_name(names, "deepseek2", 1, "self_attn", "rotary_proj")
+
+
+def test_check_norms_on_a_runs_gguf_finds_the_run_and_cross_checks_the_router(run, tmp_path, monkeypatch):
+    """RUN/adapter.gguf (where output.export_formats and `export` put it): check-norms finds RUN without --run
+    and matches each blk.N.ffn_*_exps row to layer N's router load. With the most-routed expert's lora_B
+    zeroed, the GGUF names it as the PEFT folder does; the broken control (GGUF rows matched by module name, as
+    for PEFT) finds nothing to check."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from moe_qlora.cli.app import app
+    from moe_qlora.export import norms
+
+    result = CliRunner().invoke(app, ["check-norms", str(run.parent / "adapter.gguf")])
+    experts = 3 * 8 * 2  # gate, up and down rows of 8 experts in 2 layers
+    assert f"router load: 3 logged steps of {run.parent}; {experts} expert rows checked" in result.output
+
+    fake = tmp_path / "run"  # the same run, its adapter with one routed expert untrained
+    shutil.copytree(run.parent, fake, ignore=shutil.ignore_patterns("checkpoints", "adapter*"))
+    shutil.copytree(run, fake / "adapter")
+    shares, _ = norms.routed_shares(fake)
+    layer0 = next(v for k, v in shares.items() if ".layers.0." in k)
+    expert = max(range(len(layer0)), key=layer0.__getitem__)
+    weights = fake / "adapter" / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    key = next(k for k in tensors if ".layers.0." in k and k.endswith("experts.lora_B.weight"))  # down_proj's B
+    tensors[key].view(tensors[key].shape[0], -1, 8)[:, :, expert] = 0  # columns j*E + e are expert e's
+    save_file(tensors, str(weights))
+    gguf_path = formats.write_gguf(fake / "adapter", fake / "adapter.gguf")
+    for path in (fake / "adapter", gguf_path):  # found without --run, and the adapter flagged: exit 1
+        result = CliRunner().invoke(app, ["check-norms", str(path)])
+        assert result.exit_code == 1 and f"router load: 3 logged steps of {fake};" in result.output
+    routed = f"routed {layer0[expert] / 3:.2%} of rows on average, yet lora_B is all zero"
+    peft_report, gguf_report = (norms.check_norms(path) for path in (fake / "adapter", gguf_path))
+    for report in (peft_report, gguf_report):
+        norms.cross_check_router(report, fake)
+    assert any(f"layers.0.mlp.experts.down_proj expert {expert}: {routed}" in p for p in peft_report.problems)
+    assert any(f"blk.0.ffn_down_exps.weight expert {expert}: {routed}" in p for p in gguf_report.problems)
+    monkeypatch.setattr(norms, "router_load_of", lambda module, totals: totals.get(module.rsplit(".", 1)[0]))
+    broken = norms.check_norms(gguf_path)
+    norms.cross_check_router(broken, fake)
+    assert broken.router_rows_checked == 0 and not any("routed" in p for p in broken.problems)

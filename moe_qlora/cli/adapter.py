@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import typer
 
@@ -26,24 +25,25 @@ def check_norms_cmd(
     with a run's router load, experts never routed or routed but never trained are named. Exit 0 healthy,
     1 problems, 2 unreadable."""
     from moe_qlora.export.norms import (
-        ROUTER_LAYERS,
         AdapterReadError,
         check_norms,
         cross_check_router,
         render_summary,
         render_table,
         report_json,
+        run_of,
     )
 
     try:
         report = check_norms(adapter)
-        parent = Path(adapter).resolve().parent if Path(adapter).is_dir() else Path(adapter).resolve().parent.parent
-        run = run or (str(parent) if (parent / ROUTER_LAYERS).is_file() else None)
+        run = run or run_of(adapter)
         steps = cross_check_router(report, run) if run else None
     except AdapterReadError as exc:
         fail(exc, debug)
     if steps is not None and not as_json:
-        console.print(f"router load: {steps} logged steps of {run}", highlight=False)
+        checked = (f"{report.router_rows_checked} expert rows checked" if report.router_rows_checked else
+                   "no expert module of this adapter is among its router layers: not cross-checked")  # fmt: skip
+        console.print(f"router load: {steps} logged steps of {run}; {checked}", highlight=False)
     if as_json:
         sys.stdout.write(report_json(report) + "\n")
     else:

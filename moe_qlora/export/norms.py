@@ -47,6 +47,7 @@ class NormReport:
     scale: float
     scale_known: bool
     rows: list[NormRow]
+    router_rows_checked: int | None = None  # expert rows matched to the run's router load (cross_check_router)
 
     @property
     def problems(self) -> list[str]:
@@ -324,6 +325,29 @@ def routed_shares(run_dir: Path) -> tuple[dict[str, list[float]], int]:
     return totals, steps
 
 
+GGUF_EXPERTS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?:gate|up|down|gate_up)_exps\b")
+
+
+def router_load_of(module: str, totals: dict[str, list[float]]) -> list[float] | None:
+    """The router load of the experts module a report row belongs to. A PEFT row names the module itself; a
+    GGUF's `blk.N.ffn_*_exps` row is matched by its layer N, since every family the GGUF export writes has one
+    routed experts module per layer (shared experts are dense `ffn_*_shexp`). None when it is not in the run."""
+    if (m := GGUF_EXPERTS.match(module)) is not None:
+        found = [shares for name, shares in totals.items() if f".layers.{m['layer']}." in f"{name}."]
+        return found[0] if len(found) == 1 else None
+    return totals.get(module.rsplit(".", 1)[0])
+
+
+def run_of(adapter: str | Path) -> Path | None:
+    """The run folder an adapter was written in, where train, grpo, `export` and output.export_formats put it:
+    RUN/adapter (the folder, or its file) or RUN/adapter.gguf and RUN/adapter-per-expert. None if not in one."""
+    path = Path(adapter).resolve()
+    for folder in (path, *path.parents[:2]) if path.is_dir() else path.parents[:2]:
+        if (folder / ROUTER_LAYERS).is_file():
+            return folder
+    return None
+
+
 def cross_check_router(report: NormReport, run_dir: str | Path) -> int:
     """Flag experts whose LoRA and router load disagree; returns the logged steps read.
 
@@ -331,10 +355,12 @@ def cross_check_router(report: NormReport, run_dir: str | Path) -> int:
     not a bug of the adapter; non-zero factors then mean another run's adapter. Routed but B still zero:
     its gradient never arrived, which is a bug."""
     totals, steps = routed_shares(Path(run_dir))
+    report.router_rows_checked = 0
     for row in report.rows:
-        shares = totals.get(row.module.rsplit(".", 1)[0]) if row.expert is not None else None
+        shares = router_load_of(row.module, totals) if row.expert is not None else None
         if shares is None or row.expert >= len(shares):
             continue
+        report.router_rows_checked += 1
         untrained = any("lora_B is all zero" in issue for issue in row.issues)
         if shares[row.expert] == 0 and untrained:
             row.issues.append(f"never routed a token in the {steps} logged steps: the router never chose it")
