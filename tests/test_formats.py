@@ -239,8 +239,8 @@ def test_unknown_or_interleaved_families_are_refused_by_name(tmp_path, monkeypat
     (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "x", "r": 1}))
     with pytest.raises(formats.ExportError, match="GPT-OSS interleaves"):
         formats.write_gguf(tmp_path / "a", tmp_path / "a.gguf")
-    monkeypatch.setattr(formats, "base_model_type", lambda config, where: "jamba")
-    with pytest.raises(formats.ExportError, match="jamba: no per-expert"):
+    monkeypatch.setattr(formats, "base_model_type", lambda config, where: "granitemoe")
+    with pytest.raises(formats.ExportError, match="granitemoe: no per-expert"):
         formats.write_per_expert(tmp_path / "a", tmp_path / "b")
     assert not (tmp_path / "a.gguf").exists() and not (tmp_path / "b").exists()
 
@@ -255,7 +255,7 @@ def test_export_from_the_cli(run, tmp_path):
     _, fields, _ = read_gguf(tmp_path / "a.gguf")
     assert field_value(fields["general.type"]) == "adapter"
     result = CliRunner().invoke(app, ["export", str(run), "--format", "onnx", "--out", str(tmp_path / "x")])
-    assert result.exit_code == 2 and "per-expert, gguf" in result.output
+    assert result.exit_code == 2 and "vllm, per-expert, gguf" in result.output
     result = CliRunner().invoke(app, ["export", str(tmp_path / "missing"), "--format", "gguf", "--out", "x.gguf"])
     assert result.exit_code == 2 and "no such adapter" in result.output
 

@@ -55,21 +55,23 @@ EXPORT_EPILOG = """Examples:
 
   moe-qlora export runs/demo/adapter --format gguf --out runs/demo/adapter.gguf
 
-  moe-qlora export runs/demo/adapter --format per-expert --out runs/demo/adapter-per-expert
+  moe-qlora export runs/demo/adapter --format vllm --out runs/demo/adapter-vllm
 """
 
 
 def export(
     adapter: str = typer.Argument(..., help="the adapter folder a run wrote (PEFT format)"),
-    fmt: str = typer.Option(..., "--format", "-f", help="per-expert (vLLM, SGLang) | gguf (llama.cpp)"),
-    out: str = typer.Option(..., "--out", "-o", help="folder (per-expert) or .gguf file to write"),
+    fmt: str = typer.Option(
+        ..., "--format", "-f", help="vllm (the layout vLLM loads for the family) | per-expert | gguf (llama.cpp)"
+    ),
+    out: str = typer.Option(..., "--out", "-o", help="folder (vllm, per-expert) or .gguf file to write"),
     debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
 ):
     """The adapter in the layout another runtime reads: per-expert PEFT keys, or a llama.cpp LoRA GGUF."""
     quiet_libraries()
-    from moe_qlora.export.formats import write_gguf, write_per_expert
+    from moe_qlora.export.formats import write_gguf, write_per_expert, write_vllm
 
-    writers = {"per-expert": write_per_expert, "gguf": write_gguf}
+    writers = {"vllm": write_vllm, "per-expert": write_per_expert, "gguf": write_gguf}
     try:
         if fmt not in writers:
             from moe_qlora.config.sections import ConfigError

@@ -280,10 +280,11 @@ class GrpoSection(Section):
 
 class OutputSection(Section):
     dir: str = Field("runs/latest", description="metrics.jsonl and adapter/ go here")
-    export_formats: list[Literal["per-expert", "gguf"]] = Field(
+    export_formats: list[Literal["vllm", "per-expert", "gguf"]] = Field(
         default_factory=list,
-        description="also write the adapter in these layouts at the end: per-expert (adapter-per-expert/, for "
-        "vLLM / SGLang), gguf (adapter.gguf, for llama.cpp); the same as `moe-qlora export`",
+        description="also write the adapter in these layouts at the end: vllm (adapter-vllm/, the layout vLLM "
+        "loads for the family), per-expert (adapter-per-expert/, SGLang), gguf (adapter.gguf, llama.cpp); the "
+        "same as `moe-qlora export`",
     )
     report_to: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(
         default_factory=lambda: ["jsonl"],

@@ -52,6 +52,23 @@ FAMILIES = {
     "deepseek_v2": FamilyNames("deepseek2", **_QWEN_STYLE),
     "deepseek_v3": FamilyNames("deepseek2", **_QWEN_STYLE),
     "glm4_moe": FamilyNames("glm4moe", **_QWEN_STYLE),
+    # read from llama.cpp 0c1e57098 (conversion/*.py, src/models/*.cpp): each arch's graph runs its experts
+    # through build_moe_ffn (LoRA applied) from gate/up halves of the fused stack, with no q/k permutation
+    "qwen3_next": FamilyNames("qwen3next", **_QWEN_STYLE),
+    "qwen3_5_moe": FamilyNames("qwen35moe", **_QWEN_STYLE),
+    "qwen3_5_moe_text": FamilyNames("qwen35moe", **_QWEN_STYLE),
+    "ernie4_5_moe": FamilyNames("ernie4_5-moe", **_QWEN_STYLE),
+    "hunyuan_v1_moe": FamilyNames("hunyuan-moe", **_QWEN_STYLE),
+    "minimax_m2": FamilyNames("minimax-m2", "block_sparse_moe.experts", "w1", "w3", "w2"),
+    "dots1": FamilyNames("dots1", **_QWEN_STYLE),
+    "afmoe": FamilyNames("afmoe", **_QWEN_STYLE),
+    "lfm2_moe": FamilyNames("lfm2moe", "feed_forward.experts", "w1", "w3", "w2"),
+    "glm_moe_dsa": FamilyNames("glm-dsa", **_QWEN_STYLE),
+    "kimi_linear": FamilyNames("kimi-linear", "block_sparse_moe.experts", "w1", "w3", "w2"),
+    "mimo_v2_flash": FamilyNames("mimo2", **_QWEN_STYLE),
+    "exaone_moe": FamilyNames("exaone-moe", **_QWEN_STYLE),
+    "phimoe": FamilyNames("phimoe", "block_sparse_moe.experts", "w1", "w3", "w2"),
+    "jamba": FamilyNames("jamba", "feed_forward.experts", "gate_proj", "up_proj", "down_proj"),
 }
 # llama.cpp tensors (blk.N.<kind>) whose product goes through build_lora_mm, so that a LoRA on them is applied:
 # attention, the router, dense MLPs (build_ffn), shared experts and Qwen2-MoE's shared-expert gate.
@@ -59,10 +76,28 @@ GGUF_LORA_KINDS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", 
                    "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp"}  # fmt: skip
 # ...except where an architecture's graph multiplies them with a plain ggml_mul_mat: DeepSeek-V2/V3's query
 # (wq, and wq_a / wq_b, like the rest of MLA but the output projection).
-GGUF_NO_LORA = {"deepseek2": {"attn_q"}}
+GGUF_NO_LORA = {
+    "deepseek2": {"attn_q"},
+    # Kimi-Linear: its delta-attention layers' q/k/v/o and the MLA query (the MLA output is hooked, but shares
+    # attn_output with the delta-attention layers, so both are refused)
+    "kimi-linear": {"attn_q", "attn_k", "attn_v", "attn_output"},
+}
+# The architectures whose graphs were read whole (llama.cpp's MLA projections have no LoRA hook): there, a kind
+# outside GGUF_LORA_KINDS is known to be multiplied without one.
+LEGACY_LORA_ARCHS = {"deepseek2", "glm-dsa"}
+# Tensors llama.cpp's converter reorders rows of (a LoRA's B would need the same): not written yet.
+GGUF_REORDERED = {
+    "qwen3next": ("ssm_in", "ssm_ba"),  # in_proj_qkvz / in_proj_ba regrouped per key head
+    "qwen35moe": ("attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out"),  # linear attention's value heads
+}
 WHY_NOT = {
     "gpt_oss": "GPT-OSS interleaves gate and up columns and has expert biases; its runtimes read the fused layout "
     "PEFT writes (use --format peft)",
+    **dict.fromkeys(("llama4", "llama4_text", "qwen3_vl_moe", "qwen3_vl_moe_text"), "its experts are stored "
+                    "transposed, (E, in, out), which llama.cpp's converter transposes back; this export does not "
+                    "write that layout yet (use --format peft)"),
+    "nemotron_h": "Nemotron-H's experts have no gate (up and down only), a layout this export does not write yet "
+    "(use --format peft)",
 }
 
 EXPERT_KEY = re.compile(r"(?P<prefix>.*?)\.layers\.(?P<layer>\d+)\.(?P<path>.+)\.experts\.(?P<inner>base_layer\.)?"
@@ -122,7 +157,7 @@ def base_model_type(config: dict, where: Path) -> str:
         base_config = AutoConfig.from_pretrained(resolve_model_path(base))
     except (OSError, ValueError) as exc:
         raise ExportError(f"{where}: cannot read the base model's config.json ({base}): {exc}") from None
-    if base_config.model_type in FAMILIES or base_config.model_type in WHY_NOT:
+    if base_config.model_type in (*FAMILIES, *WHY_NOT, *VLLM_FUSED_3D, *VLLM_NO_MOE_LORA):
         return base_config.model_type
     return base_config.get_text_config().model_type  # a multimodal model's text model
 
@@ -163,7 +198,9 @@ def linear_factors(tensors: dict[str, torch.Tensor]) -> dict[tuple[int, str, str
 
 def per_expert_tensors(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames) -> dict[str, torch.Tensor]:
     """Our PEFT tensors with the expert LoRA rewritten under per-expert module names (attention unchanged)."""
-    prefix = next(m["prefix"] for k in tensors if (m := EXPERT_KEY.fullmatch(k) or LINEAR_KEY.fullmatch(k)))
+    prefix = next((m["prefix"] for k in tensors if (m := EXPERT_KEY.fullmatch(k) or LINEAR_KEY.fullmatch(k))), None)
+    if prefix is None:
+        raise ExportError(f"no LoRA tensor under the decoder layers (keys such as {next(iter(tensors), None)!r})")
     out = {hub_linear_key(k, names): v for k, v in tensors.items() if not EXPERT_KEY.fullmatch(k)}
     for layer, x in expert_layers(tensors, rank).items():
         inter = x.gate_up_b.shape[1] // 2
@@ -198,6 +235,41 @@ def write_per_expert(adapter_dir: str | Path, out_dir: str | Path) -> Path:
     with atomic_dir(out_dir) as tmp:
         save_file(converted, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(new_config, indent=2, sort_keys=True))
+    return Path(out_dir)
+
+
+# ------------------------------------------------------------------------------------------ vllm
+
+# vLLM 0.33.0 (vllm/lora/model_manager.py, vllm/model_executor/models): the model classes that set
+# is_3d_moe_weight read PEFT's fused 3D expert LoRA (experts.base_layer = gate_up, experts = down) as written;
+# every other class with MoE LoRA reads per-expert 2D keys under its checkpoint names (write_per_expert).
+# Qwen3.5-MoE: the multimodal class (qwen3_5_moe) reads 3D, the text-only one (qwen3_5_moe_text) 2D.
+VLLM_VERSION = "0.33.0"
+VLLM_FUSED_3D = {"gpt_oss", "qwen3_5_moe", "qwen3_vl_moe", "qwen3_omni_moe"}
+VLLM_NO_MOE_LORA = {
+    "kimi_linear": "KimiLinearForCausalLM implements no LoRA",
+    "mimo_v2_flash": "MiMoV2FlashForCausalLM implements no LoRA",
+    "dots1": "Dots1ForCausalLM was removed in vLLM 0.23.0",
+}
+
+
+def write_vllm(adapter_dir: str | Path, out_dir: str | Path) -> Path:
+    """The adapter in the layout vLLM loads for its base's family: PEFT's unchanged where vLLM reads fused 3D
+    expert weights, per-expert keys elsewhere; a family vLLM serves no MoE LoRA for is refused by name."""
+    import shutil
+
+    tensors, config, _ = read_adapter(adapter_dir)
+    if config is None:
+        raise ExportError(f"{adapter_dir}: no adapter_config.json")
+    model_type = base_model_type(config, Path(adapter_dir))
+    if model_type in VLLM_NO_MOE_LORA:
+        raise ExportError(f"{model_type}: vLLM {VLLM_VERSION} serves no MoE LoRA for it "
+                          f"({VLLM_NO_MOE_LORA[model_type]}); use --format peft or gguf")  # fmt: skip
+    if model_type not in VLLM_FUSED_3D:
+        return write_per_expert(adapter_dir, out_dir)
+    with atomic_dir(out_dir) as tmp:
+        for name in ("adapter_model.safetensors", "adapter_config.json"):
+            shutil.copyfile(Path(adapter_dir) / name, tmp / name)
     return Path(out_dir)
 
 
@@ -251,10 +323,16 @@ def gguf_linear_name(tensor_names, arch: str, layer: int, path: str, proj: str) 
     if name is None:
         raise ExportError(f"{module}: llama.cpp has no tensor for this LoRA target in this architecture")
     kind = name.split(".", 2)[2]
-    if kind not in GGUF_LORA_KINDS or kind in GGUF_NO_LORA.get(arch, ()):
-        kinds = ", ".join(sorted(GGUF_LORA_KINDS))
-        raise ExportError(f"{module}: llama.cpp multiplies {name} without applying LoRA to it, so its LoRA would "
-                          f"be ignored (it applies LoRA to the experts and {kinds})")  # fmt: skip
+    if kind in GGUF_NO_LORA.get(arch, ()) or (kind not in GGUF_LORA_KINDS and arch in LEGACY_LORA_ARCHS):
+        kinds = ", ".join(sorted(GGUF_LORA_KINDS - GGUF_NO_LORA.get(arch, set())))
+        raise ExportError(f"{module}: llama.cpp's {arch} graph multiplies {name} without applying LoRA to it, so "
+                          f"its LoRA would be ignored (it applies LoRA to the experts and {kinds})")  # fmt: skip
+    if kind in GGUF_REORDERED.get(arch, ()):
+        raise ExportError(f"{module}: llama.cpp's converter reorders the rows of {name} for {arch}; a LoRA's B "
+                          "would need the same order, which this export does not write yet (--format peft keeps it)")
+    if kind not in GGUF_LORA_KINDS:
+        raise ExportError(f"{module}: a LoRA on llama.cpp's {name} ({arch}) is not written by this export yet: only "
+                          f"{', '.join(sorted(GGUF_LORA_KINDS))} and the experts are (--format peft keeps it)")
     return name
 
 

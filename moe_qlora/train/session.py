@@ -396,9 +396,9 @@ def write_adapter(model, out: Path, cfg: RunConfig, model_path: str, console: Co
     n = save_verified_adapter(model, adapter_dir, cfg, model_path)
     console.print(f"adapter: {adapter_dir} ({n} tensors, each verified to load in PEFT as trained)")
     for fmt in cfg.output.export_formats:
-        from moe_qlora.export.formats import write_gguf, write_per_expert
+        from moe_qlora.export.formats import write_gguf, write_per_expert, write_vllm
 
-        path = write_per_expert(adapter_dir, out / "adapter-per-expert") if fmt == "per-expert" else write_gguf(
-            adapter_dir, out / "adapter.gguf")  # fmt: skip
-        console.print(f"{fmt}: {path}")
+        writer, name = {"vllm": (write_vllm, "adapter-vllm"), "per-expert": (write_per_expert, "adapter-per-expert"),
+                        "gguf": (write_gguf, "adapter.gguf")}[fmt]  # fmt: skip
+        console.print(f"{fmt}: {writer(adapter_dir, out / name)}")
     return adapter_dir

@@ -1,0 +1,217 @@
+"""GGUF, per-expert and vLLM export for every family they write (export.formats.FAMILIES), against PEFT.
+
+Per family: a tiny model from its transformers config, LoRA on the experts, the router and the linears llama.cpp
+applies a LoRA to, every factor random (non-zero). The oracle is PEFT's own merge of the adapter into the fp32
+base (merged - base, per parameter). The GGUF is read back with gguf.GGUFReader; every expert's dense delta
+scale * B_e A_e is recomputed from the file and compared with PEFT's, and every other tensor's under the name
+gguf's TensorNameMap (llama.cpp's own mapping) gives the base module. Tolerance 1e-5: fp32 products of
+O(0.1) factors, summed over rank 4, against PEFT's fp32 merge.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_formats import field_value, merged_minus_base, read_gguf, reference_permute
+
+from moe_qlora.config.sections import LoraSection
+from moe_qlora.export import formats
+from moe_qlora.export.adapter import save_adapter
+from moe_qlora.model.adapters import attach_adapters
+from moe_qlora.model.loading import LoadOptions, load_model
+from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config_any
+
+TOL = 1e-5
+# Targets per family: the attention projections llama.cpp applies a LoRA to (DeepSeek's MLA query and latent
+# projections it multiplies without one, and the export refuses them: test_formats).
+TARGETS = {"deepseek_v2": ["o_proj"], "deepseek_v3": ["o_proj"], "glm_moe_dsa": ["o_proj"],
+           "kimi_linear": [], "lfm2_moe": ["q_proj", "k_proj", "v_proj"]}  # LFM2's out_proj names its conv's too
+DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+NO_ROUTER_LORA = {"afmoe", "hunyuan_v1_moe"}  # routers that are not a weight LoRA can adapt (lora.router refuses)
+
+
+def family_adapter(workdir: Path, model_type: str) -> Path:
+    tok = build_byte_tokenizer()
+    path = save_tiny_model(workdir / model_type, tiny_config_any(model_type, len(tok)), tokenizer=tok)
+    targets = TARGETS.get(model_type, DEFAULT_TARGETS)
+    lora = LoraSection(rank=4, alpha=8.0, target_modules=targets, router=model_type not in NO_ROUTER_LORA)
+    model = attach_adapters(load_model(LoadOptions(str(path))), lora, seed=0)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in (p for p in model.parameters() if p.requires_grad):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return save_adapter(model, workdir / f"{model_type}-adapter", cfg=lora, base_model_name_or_path=str(path))
+
+
+@pytest.fixture(scope="module", params=sorted(formats.FAMILIES))
+def exported(request, tmp_path_factory):
+    """(model_type, PEFT's deltas, the base config, the GGUF's tensors, its fields, the PEFT adapter)."""
+    workdir = tmp_path_factory.mktemp(request.param)
+    adapter = family_adapter(workdir, request.param)
+    deltas, config = merged_minus_base(adapter)
+    _, fields, tensors = read_gguf(formats.write_gguf(adapter, workdir / "adapter.gguf"))
+    return request.param, deltas, config.get_text_config(), tensors, fields, adapter
+
+
+def gguf_delta(tensors: dict, name: str, scale: float) -> np.ndarray:
+    return scale * (tensors[f"{name}.lora_b"] @ tensors[f"{name}.lora_a"])
+
+
+def expert_deltas(tensors: dict, layer: int, scale: float) -> dict[str, np.ndarray]:
+    return {kind: gguf_delta(tensors, f"blk.{layer}.ffn_{kind}_exps.weight", scale) for kind in ("gate", "up", "down")}
+
+
+def check_experts(deltas: dict, tensors: dict, config, scale: float) -> list[str]:
+    """Layers whose GGUF expert deltas differ from PEFT's (every expert at once); [] when all match."""
+    wrong, checked = [], 0
+    for key, gate_up in deltas.items():
+        if not key.endswith("experts.gate_up_proj"):
+            continue
+        layer = int(key.split(".layers.")[1].split(".")[0])
+        down = deltas[key.replace("gate_up_proj", "down_proj")].numpy()
+        inter = gate_up.shape[1] // 2
+        got = expert_deltas(tensors, layer, scale)
+        want = {"gate": gate_up[:, :inter].numpy(), "up": gate_up[:, inter:].numpy(), "down": down}
+        checked += 1
+        wrong += [f"{key} {kind}" for kind in want if np.abs(got[kind] - want[kind]).max() > TOL]
+    assert checked, "no expert LoRA in PEFT's merge: the oracle saw nothing to compare"
+    return wrong
+
+
+def test_every_experts_delta_matches_peft(exported):
+    model_type, deltas, config, tensors, fields, _ = exported
+    assert field_value(fields["general.architecture"]) == formats.FAMILIES[model_type].gguf_arch
+    assert field_value(fields["general.type"]) == "adapter"
+    assert check_experts(deltas, tensors, config, scale=8.0 / 4) == []
+
+
+def test_rolled_experts_are_caught(exported):
+    """Broken control: expert e's factors under expert e + 1 (np.roll over the expert axis)."""
+    _, deltas, config, tensors, _, _ = exported
+    rolled = {k: np.roll(v, 1, axis=0) if "_exps." in k else v for k, v in tensors.items()}
+    assert check_experts(deltas, rolled, config, scale=8.0 / 4) != []
+
+
+def test_every_other_tensor_lands_under_llama_cpp_name_with_peft_delta(exported):
+    model_type, deltas, config, tensors, _, _ = exported
+    names = formats.FAMILIES[model_type]
+    tensor_names = formats.gguf_name_map(names.gguf_arch, config.num_hidden_layers)
+    heads = {"attn_q": config.num_attention_heads,
+             "attn_k": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}  # fmt: skip
+    compared = 0
+    for key, delta in deltas.items():
+        if ".experts." in key:
+            continue
+        name = tensor_names.get_name(key.removesuffix(".weight"))
+        assert name is not None, f"{key}: gguf has no tensor name for it"
+        want = delta.numpy()
+        kind = name.split(".")[2]
+        if names.permute_qk and kind in heads:  # llama.cpp's converter permutes the base's q/k rows
+            want = reference_permute(want, heads[kind])
+        assert np.abs(gguf_delta(tensors, f"{name}.weight", 8.0 / 4) - want).max() <= TOL, key
+        compared += 1
+    moe_layers = sum(k.endswith("experts.gate_up_proj") for k in deltas)
+    assert compared >= moe_layers  # the router at least, in every MoE layer
+
+
+@pytest.mark.parametrize(
+    ("arch", "module", "reason"),
+    [
+        ("deepseek2", "self_attn.q_proj", "graph multiplies blk.0.attn_q without applying LoRA"),
+        ("kimi-linear", "self_attn.q_proj", "graph multiplies blk.0.attn_q without applying LoRA"),
+        ("glm-dsa", "self_attn.kv_a_proj_with_mqa", "without applying LoRA"),
+        ("qwen3next", "linear_attn.in_proj_qkvz", "converter reorders the rows of blk.0.ssm_in"),
+        ("qwen35moe", "linear_attn.in_proj_qkv", "converter reorders the rows of blk.0.attn_qkv"),
+        ("lfm2moe", "conv.in_proj", "shortconv.in_proj .lfm2moe. is not written by this export yet"),
+    ],
+)
+def test_lora_llama_cpp_would_drop_or_misplace_is_refused_by_name(arch, module, reason):
+    path, proj = module.rsplit(".", 1)
+    with pytest.raises(formats.ExportError, match=reason):
+        formats.gguf_linear_name(formats.gguf_name_map(arch, 2), arch, 0, path, proj)
+
+
+@pytest.mark.parametrize("model_type", ["llama4_text", "qwen3_vl_moe", "nemotron_h", "gpt_oss"])
+def test_families_with_layouts_not_written_are_refused_with_the_reason(model_type, tmp_path, monkeypatch):
+    import json
+
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(formats, "base_model_type", lambda config, where: model_type)
+    save_file({"x.lora_A.weight": torch.zeros(1, 1), "x.lora_B.weight": torch.zeros(1, 1)},
+              str(tmp_path / "adapter_model.safetensors"))  # fmt: skip
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "x", "r": 1}))
+    with pytest.raises(formats.ExportError, match=f"{model_type}: .*(transposed|no gate|interleaves)"):
+        formats.write_gguf(tmp_path, tmp_path / "a.gguf")
+    assert not (tmp_path / "a.gguf").exists()
+
+
+def per_expert_deltas(folder: Path, names: formats.FamilyNames, scale: float) -> dict[tuple, torch.Tensor]:
+    """{(layer, expert, projection): scale * B A} from a per-expert adapter's keys, parsed independently."""
+    import re
+
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    key = re.compile(rf".*\.layers\.(\d+)\.{re.escape(names.experts)}\.(\d+)\.(\w+)\.lora_A\.weight")
+    out = {}
+    for k, a in tensors.items():
+        if m := key.fullmatch(k):
+            out[int(m[1]), int(m[2]), m[3]] = scale * tensors[k.replace("lora_A", "lora_B")] @ a
+    return out
+
+
+def test_per_expert_keys_carry_every_experts_delta(exported, tmp_path):
+    """The per-expert layout (vLLM's 2D MoE LoRA, SGLang): one LoRA per expert and projection under the
+    checkpoint's names; each expert's gate, up and down delta equals PEFT's."""
+    model_type, deltas, _, _, _, adapter = exported
+    names = formats.FAMILIES[model_type]
+    got = per_expert_deltas(formats.write_per_expert(adapter, tmp_path / "pe"), names, 8.0 / 4)
+    assert got, "no per-expert keys"
+    for key, gate_up in deltas.items():
+        if not key.endswith("experts.gate_up_proj"):
+            continue
+        layer = int(key.split(".layers.")[1].split(".")[0])
+        down, inter = deltas[key.replace("gate_up_proj", "down_proj")], gate_up.shape[1] // 2
+        for e in range(gate_up.shape[0]):
+            for proj, want in ((names.gate, gate_up[e, :inter]), (names.up, gate_up[e, inter:]), (names.down, down[e])):
+                assert (got[layer, e, proj] - want).abs().max() <= TOL, (key, e, proj)
+
+
+def test_vllm_format_is_the_per_expert_layout_where_vllm_reads_2d(exported, tmp_path):
+    import json
+
+    *_, adapter = exported
+    # the base as saved (a multimodal family's tiny model is its text model: qwen3_5_moe -> qwen3_5_moe_text)
+    model_type = formats.base_model_type(json.loads((adapter / "adapter_config.json").read_text()), adapter)
+    if model_type in formats.VLLM_NO_MOE_LORA:
+        with pytest.raises(formats.ExportError, match=f"{model_type}: vLLM 0.33.0 serves no MoE LoRA for it"):
+            formats.write_vllm(adapter, tmp_path / "v")
+        assert not (tmp_path / "v").exists()
+        return
+    vllm = formats.write_vllm(adapter, tmp_path / "v") / "adapter_model.safetensors"
+    if model_type in formats.VLLM_FUSED_3D:  # vLLM reads PEFT's fused 3D expert LoRA as written
+        assert vllm.read_bytes() == (adapter / "adapter_model.safetensors").read_bytes()
+    else:
+        per_expert = formats.write_per_expert(adapter, tmp_path / "pe") / "adapter_model.safetensors"
+        assert vllm.read_bytes() == per_expert.read_bytes()
+
+
+def test_vllm_format_keeps_peft_fused_layout_where_vllm_reads_3d(tmp_path):
+    """GPT-OSS: vLLM's GptOssForCausalLM sets is_3d_moe_weight and reads PEFT's fused expert LoRA (its gate and
+    up interleaved in B, as trained) as written; the per-expert layout is refused for it."""
+    adapter = family_adapter(tmp_path, "gpt_oss")
+    out = formats.write_vllm(adapter, tmp_path / "v")
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (out / name).read_bytes() == (adapter / name).read_bytes()
+    with pytest.raises(formats.ExportError, match="GPT-OSS interleaves"):
+        formats.write_per_expert(adapter, tmp_path / "pe")
+
+
+def test_the_docs_table_names_every_family():
+    table = (Path(__file__).resolve().parent.parent / "docs" / "export.md").read_text()
+    for model_type in (*formats.FAMILIES, *formats.WHY_NOT, *formats.VLLM_NO_MOE_LORA):
+        assert f"| `{model_type}` |" in table, model_type
