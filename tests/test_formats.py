@@ -16,7 +16,7 @@ from peft import PeftModel
 from rich.console import Console
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from moe_qlora.config.load import validate_config
 from moe_qlora.export import formats
@@ -61,7 +61,13 @@ def merged_minus_base(adapter: Path) -> tuple[dict[str, torch.Tensor], object]:
     merging the fused adapter into the fp32 base. Only changed tensors are kept, so a name present in it had a
     non-zero LoRA: a dropped one cannot match its delta."""
     base_path = resolve_model_path(json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"])
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    try:
+        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    except ValueError:  # a multimodal family's text model (Qwen3-VL-MoE's): the class transformers generates with
+        from moe_qlora.model.classes import text_generation_class
+
+        config = AutoConfig.from_pretrained(base_path)
+        base = text_generation_class(config).from_pretrained(base_path, dtype=torch.float32)
     before = {k: v.clone() for k, v in base.state_dict().items()}
     merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload().state_dict()
     return {k: merged[k] - before[k] for k in before if not torch.equal(merged[k], before[k])}, base.config
@@ -229,15 +235,15 @@ def reference_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def test_unknown_or_interleaved_families_are_refused_by_name(tmp_path, monkeypatch):
-    monkeypatch.setattr(formats, "base_model_type", lambda config, where: "gpt_oss")
+def test_unknown_families_and_unwritten_layouts_are_refused_by_name(tmp_path, monkeypatch):
+    monkeypatch.setattr(formats, "base_model_type", lambda config, where: "nemotron_h")
     (tmp_path / "a").mkdir()
     from safetensors.torch import save_file
 
     save_file({"x.lora_A.weight": torch.zeros(1, 1), "x.lora_B.weight": torch.zeros(1, 1)},
               str(tmp_path / "a" / "adapter_model.safetensors"))  # fmt: skip
     (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "x", "r": 1}))
-    with pytest.raises(formats.ExportError, match="GPT-OSS interleaves"):
+    with pytest.raises(formats.ExportError, match="Nemotron-H's experts have no gate"):
         formats.write_gguf(tmp_path / "a", tmp_path / "a.gguf")
     monkeypatch.setattr(formats, "base_model_type", lambda config, where: "granitemoe")
     with pytest.raises(formats.ExportError, match="granitemoe: no per-expert"):

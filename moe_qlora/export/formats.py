@@ -41,6 +41,10 @@ class FamilyNames:
     up: str
     down: str
     permute_qk: bool = False  # llama.cpp permutes q/k rows of this architecture
+    # experts stored (E, in, out) and adopted by moe-qlora (Llama-4): PEFT, which does not know, reads them
+    # (E, out, in), so the PEFT file holds each expert's factors with their roles swapped (export/adapter.py)
+    peft_swapped: bool = False
+    interleaved_gate_up: bool = False  # gate and up alternate along the fused projection's outputs (GPT-OSS)
 
 
 _QWEN_STYLE = {"experts": "mlp.experts", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -69,7 +73,16 @@ FAMILIES = {
     "exaone_moe": FamilyNames("exaone-moe", **_QWEN_STYLE),
     "phimoe": FamilyNames("phimoe", "block_sparse_moe.experts", "w1", "w3", "w2"),
     "jamba": FamilyNames("jamba", "feed_forward.experts", "gate_proj", "up_proj", "down_proj"),
+    # stored (E, in, out): llama.cpp's converter transposes them back; Llama-4's gate and up are halves, GPT-OSS's
+    # alternate (and it has expert biases, which a LoRA leaves alone)
+    "llama4": FamilyNames("llama4", "feed_forward.experts", "gate_proj", "up_proj", "down_proj", peft_swapped=True),
+    "llama4_text": FamilyNames("llama4", "feed_forward.experts", "gate_proj", "up_proj", "down_proj",
+                               peft_swapped=True),
+    "gpt_oss": FamilyNames("gpt-oss", "mlp.experts", "gate_proj", "up_proj", "down_proj", interleaved_gate_up=True),
+    "qwen3_vl_moe": FamilyNames("qwen3vlmoe", **_QWEN_STYLE),
 }
+# vLLM reads these families' expert LoRA only in PEFT's fused layout (VLLM_FUSED_3D): no per-expert export
+PER_EXPERT_UNREAD = {"gpt_oss": "vLLM reads GPT-OSS's expert LoRA in PEFT's fused layout only (use --format vllm)"}
 # llama.cpp tensors (blk.N.<kind>) whose product goes through build_lora_mm, so that a LoRA on them is applied:
 # attention, the router, dense MLPs (build_ffn), shared experts and Qwen2-MoE's shared-expert gate.
 GGUF_LORA_KINDS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_gate", "ffn_up", "ffn_down",
@@ -91,11 +104,6 @@ GGUF_REORDERED = {
     "qwen35moe": ("attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out"),  # linear attention's value heads
 }
 WHY_NOT = {
-    "gpt_oss": "GPT-OSS interleaves gate and up columns and has expert biases; its runtimes read the fused layout "
-    "PEFT writes (use --format peft)",
-    **dict.fromkeys(("llama4", "llama4_text", "qwen3_vl_moe", "qwen3_vl_moe_text"), "its experts are stored "
-                    "transposed, (E, in, out), which llama.cpp's converter transposes back; this export does not "
-                    "write that layout yet (use --format peft)"),
     "nemotron_h": "Nemotron-H's experts have no gate (up and down only), a layout this export does not write yet "
     "(use --format peft)",
 }
@@ -162,8 +170,28 @@ def base_model_type(config: dict, where: Path) -> str:
     return base_config.get_text_config().model_type  # a multimodal model's text model
 
 
-def expert_layers(tensors: dict[str, torch.Tensor], rank: int) -> dict[int, ExpertLayer]:
-    """Expert LoRA per layer, (E, ...) factors, from our PEFT keys."""
+def expert_layers(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames | None = None
+                  ) -> dict[int, ExpertLayer]:  # fmt: skip
+    """Expert LoRA per layer, (E, ...) factors, from our PEFT keys, as the math sees them: B's outputs are the
+    projection's rows, gate's first and then up's (Llama-4's swapped roles and GPT-OSS's interleaving undone)."""
+    layers = peft_expert_layers(tensors, rank)
+    if names is not None:
+        layers = {n: canonical(x, names) for n, x in layers.items()}
+    return layers
+
+
+def canonical(x: ExpertLayer, names: FamilyNames) -> ExpertLayer:
+    if names.peft_swapped:  # PEFT's delta is ours transposed: (B A)^T = A^T B^T, its A our B^T, its B our A^T
+        x = ExpertLayer(x.gate_up_b.transpose(1, 2), x.gate_up_a.transpose(1, 2), x.down_b.transpose(1, 2),
+                        x.down_a.transpose(1, 2))  # fmt: skip
+    if names.interleaved_gate_up:  # output 2j is gate j, 2j + 1 is up j
+        x = ExpertLayer(x.gate_up_a, torch.cat([x.gate_up_b[:, 0::2], x.gate_up_b[:, 1::2]], dim=1), x.down_a,
+                        x.down_b)  # fmt: skip
+    return x
+
+
+def peft_expert_layers(tensors: dict[str, torch.Tensor], rank: int) -> dict[int, ExpertLayer]:
+    """Expert LoRA per layer, (E, ...) factors, as our PEFT keys hold them."""
     parts: dict[int, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = EXPERT_KEY.fullmatch(key)
@@ -202,7 +230,7 @@ def per_expert_tensors(tensors: dict[str, torch.Tensor], rank: int, names: Famil
     if prefix is None:
         raise ExportError(f"no LoRA tensor under the decoder layers (keys such as {next(iter(tensors), None)!r})")
     out = {hub_linear_key(k, names): v for k, v in tensors.items() if not EXPERT_KEY.fullmatch(k)}
-    for layer, x in expert_layers(tensors, rank).items():
+    for layer, x in expert_layers(tensors, rank, names).items():
         inter = x.gate_up_b.shape[1] // 2
         for e in range(x.gate_up_a.shape[0]):
             base = f"{prefix}.layers.{layer}.{names.experts}.{e}"
@@ -210,8 +238,9 @@ def per_expert_tensors(tensors: dict[str, torch.Tensor], rank: int, names: Famil
                       names.up: (x.gate_up_a[e], x.gate_up_b[e, inter:]),
                       names.down: (x.down_a[e], x.down_b[e])}  # fmt: skip
             for proj, (a, b) in pieces.items():
-                out[f"{base}.{proj}.lora_A.weight"] = a.clone()  # gate and up share A: one copy each
-                out[f"{base}.{proj}.lora_B.weight"] = b.clone()
+                # gate and up share A: one copy each, contiguous (Llama-4's factors are transposed views)
+                out[f"{base}.{proj}.lora_A.weight"] = a.clone(memory_format=torch.contiguous_format)
+                out[f"{base}.{proj}.lora_B.weight"] = b.clone(memory_format=torch.contiguous_format)
     return out
 
 
@@ -228,7 +257,9 @@ def hub_linear_key(key: str, names: FamilyNames) -> str:
 
 def write_per_expert(adapter_dir: str | Path, out_dir: str | Path) -> Path:
     """The per-expert PEFT adapter of `adapter_dir` in `out_dir` (atomically)."""
-    tensors, config, _, names = read_run_adapter(adapter_dir)
+    tensors, config, model_type, names = read_run_adapter(adapter_dir)
+    if model_type in PER_EXPERT_UNREAD:
+        raise ExportError(f"{model_type}: {PER_EXPERT_UNREAD[model_type]}")
     converted = per_expert_tensors(tensors, int(config["r"]), names)
     linears = sorted({m["proj"] for k in converted if (m := LINEAR_KEY.fullmatch(k))})
     new_config = {**config, "target_modules": linears, "target_parameters": None}
@@ -286,7 +317,7 @@ def gguf_tensors(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames
                  ) -> dict[str, torch.Tensor]:  # fmt: skip
     """{llama.cpp tensor name: fp32 tensor in numpy order} for the adapter."""
     out, factors = {}, linear_factors(tensors)
-    for layer, x in expert_layers(tensors, rank).items():
+    for layer, x in expert_layers(tensors, rank, names).items():
         inter = x.gate_up_b.shape[1] // 2
         blk = f"blk.{layer}"
         out[f"{blk}.ffn_gate_exps.weight.lora_a"] = x.gate_up_a
