@@ -236,14 +236,14 @@ def reference_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def test_unknown_families_and_unwritten_layouts_are_refused_by_name(tmp_path, monkeypatch):
-    monkeypatch.setattr(formats, "base_model_type", lambda config, where: "nemotron_h")
+    monkeypatch.setattr(formats, "base_model_type", lambda config, where: "granitemoe")
     (tmp_path / "a").mkdir()
     from safetensors.torch import save_file
 
     save_file({"x.lora_A.weight": torch.zeros(1, 1), "x.lora_B.weight": torch.zeros(1, 1)},
               str(tmp_path / "a" / "adapter_model.safetensors"))  # fmt: skip
     (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "x", "r": 1}))
-    with pytest.raises(formats.ExportError, match="Nemotron-H's experts have no gate"):
+    with pytest.raises(formats.ExportError, match="granitemoe: no per-expert / GGUF names known"):
         formats.write_gguf(tmp_path / "a", tmp_path / "a.gguf")
     monkeypatch.setattr(formats, "base_model_type", lambda config, where: "granitemoe")
     with pytest.raises(formats.ExportError, match="granitemoe: no per-expert"):

@@ -45,6 +45,7 @@ class FamilyNames:
     # (E, out, in), so the PEFT file holds each expert's factors with their roles swapped (export/adapter.py)
     peft_swapped: bool = False
     interleaved_gate_up: bool = False  # gate and up alternate along the fused projection's outputs (GPT-OSS)
+    gated: bool = True  # False: the experts have up and down projections only (Nemotron-H, relu^2)
 
 
 _QWEN_STYLE = {"experts": "mlp.experts", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -80,6 +81,9 @@ FAMILIES = {
                                peft_swapped=True),
     "gpt_oss": FamilyNames("gpt-oss", "mlp.experts", "gate_proj", "up_proj", "down_proj", interleaved_gate_up=True),
     "qwen3_vl_moe": FamilyNames("qwen3vlmoe", **_QWEN_STYLE),
+    # no gate; llama.cpp's converter permutes its q/k rows like Llama's (it inherits the Granite converter)
+    "nemotron_h": FamilyNames("nemotron_h_moe", "mixer.experts", "", "up_proj", "down_proj", permute_qk=True,
+                              gated=False),
 }
 # vLLM reads these families' expert LoRA only in PEFT's fused layout (VLLM_FUSED_3D): no per-expert export
 PER_EXPERT_UNREAD = {"gpt_oss": "vLLM reads GPT-OSS's expert LoRA in PEFT's fused layout only (use --format vllm)"}
@@ -103,10 +107,7 @@ GGUF_REORDERED = {
     "qwen3next": ("ssm_in", "ssm_ba"),  # in_proj_qkvz / in_proj_ba regrouped per key head
     "qwen35moe": ("attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out"),  # linear attention's value heads
 }
-WHY_NOT = {
-    "nemotron_h": "Nemotron-H's experts have no gate (up and down only), a layout this export does not write yet "
-    "(use --format peft)",
-}
+WHY_NOT: dict[str, str] = {}  # families refused by every layout, with the reason a user needs
 
 EXPERT_KEY = re.compile(r"(?P<prefix>.*?)\.layers\.(?P<layer>\d+)\.(?P<path>.+)\.experts\.(?P<inner>base_layer\.)?"
                         r"lora_(?P<ab>[AB])\.weight")  # fmt: skip
@@ -236,7 +237,8 @@ def per_expert_tensors(tensors: dict[str, torch.Tensor], rank: int, names: Famil
             base = f"{prefix}.layers.{layer}.{names.experts}.{e}"
             pieces = {names.gate: (x.gate_up_a[e], x.gate_up_b[e, :inter]),
                       names.up: (x.gate_up_a[e], x.gate_up_b[e, inter:]),
-                      names.down: (x.down_a[e], x.down_b[e])}  # fmt: skip
+                      names.down: (x.down_a[e], x.down_b[e])} if names.gated else {
+                      names.up: (x.gate_up_a[e], x.gate_up_b[e]), names.down: (x.down_a[e], x.down_b[e])}  # fmt: skip
             for proj, (a, b) in pieces.items():
                 # gate and up share A: one copy each, contiguous (Llama-4's factors are transposed views)
                 out[f"{base}.{proj}.lora_A.weight"] = a.clone(memory_format=torch.contiguous_format)
@@ -277,6 +279,7 @@ def write_per_expert(adapter_dir: str | Path, out_dir: str | Path) -> Path:
 # Qwen3.5-MoE: the multimodal class (qwen3_5_moe) reads 3D, the text-only one (qwen3_5_moe_text) 2D.
 VLLM_VERSION = "0.33.0"
 VLLM_FUSED_3D = {"gpt_oss", "qwen3_5_moe", "qwen3_vl_moe", "qwen3_omni_moe"}
+VLLM_IGNORED_ROUTER = {"nemotron_h": "mixer.gate"}  # lora/model_manager.py skips it, with only a log line
 VLLM_NO_MOE_LORA = {
     "kimi_linear": "KimiLinearForCausalLM implements no LoRA",
     "mimo_v2_flash": "MiMoV2FlashForCausalLM implements no LoRA",
@@ -296,6 +299,10 @@ def write_vllm(adapter_dir: str | Path, out_dir: str | Path) -> Path:
     if model_type in VLLM_NO_MOE_LORA:
         raise ExportError(f"{model_type}: vLLM {VLLM_VERSION} serves no MoE LoRA for it "
                           f"({VLLM_NO_MOE_LORA[model_type]}); use --format peft or gguf")  # fmt: skip
+    router = VLLM_IGNORED_ROUTER.get(model_type)
+    if router and any((m := LINEAR_KEY.fullmatch(k)) and f"{m['path']}.{m['proj']}" == router for k in tensors):
+        raise ExportError(f"{model_type}: vLLM {VLLM_VERSION} does not apply a LoRA to this family's router "
+                          f"({router}: a non-gated MoE's gate), so it would be ignored; train with lora.router: false")
     if model_type not in VLLM_FUSED_3D:
         return write_per_expert(adapter_dir, out_dir)
     with atomic_dir(out_dir) as tmp:
@@ -320,10 +327,14 @@ def gguf_tensors(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames
     for layer, x in expert_layers(tensors, rank, names).items():
         inter = x.gate_up_b.shape[1] // 2
         blk = f"blk.{layer}"
-        out[f"{blk}.ffn_gate_exps.weight.lora_a"] = x.gate_up_a
-        out[f"{blk}.ffn_gate_exps.weight.lora_b"] = x.gate_up_b[:, :inter]
-        out[f"{blk}.ffn_up_exps.weight.lora_a"] = x.gate_up_a
-        out[f"{blk}.ffn_up_exps.weight.lora_b"] = x.gate_up_b[:, inter:]
+        if names.gated:
+            out[f"{blk}.ffn_gate_exps.weight.lora_a"] = x.gate_up_a
+            out[f"{blk}.ffn_gate_exps.weight.lora_b"] = x.gate_up_b[:, :inter]
+            out[f"{blk}.ffn_up_exps.weight.lora_a"] = x.gate_up_a
+            out[f"{blk}.ffn_up_exps.weight.lora_b"] = x.gate_up_b[:, inter:]
+        else:  # the up projection alone
+            out[f"{blk}.ffn_up_exps.weight.lora_a"] = x.gate_up_a
+            out[f"{blk}.ffn_up_exps.weight.lora_b"] = x.gate_up_b
         out[f"{blk}.ffn_down_exps.weight.lora_a"] = x.down_a
         out[f"{blk}.ffn_down_exps.weight.lora_b"] = x.down_b
     n_head, n_kv = heads
@@ -350,7 +361,9 @@ def gguf_linear_name(tensor_names, arch: str, layer: int, path: str, proj: str) 
     """blk.N.<kind> of the non-expert module layers.N.path.proj; an ExportError for a module llama.cpp has no
     tensor for, or one it multiplies without its LoRA (which would then be silently dropped)."""
     module = f"layers.{layer}.{path}.{proj}"
-    name = tensor_names.get_name(f"model.{module}")
+    # the hub checkpoint's root (gguf maps those names): model, or backbone (Nemotron-H, which transformers v5
+    # loads as model)
+    name = next((n for root in ("model", "backbone") if (n := tensor_names.get_name(f"{root}.{module}"))), None)
     if name is None:
         raise ExportError(f"{module}: llama.cpp has no tensor for this LoRA target in this architecture")
     kind = name.split(".", 2)[2]
