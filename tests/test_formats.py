@@ -236,17 +236,17 @@ def reference_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def test_unknown_families_and_unwritten_layouts_are_refused_by_name(tmp_path, monkeypatch):
-    monkeypatch.setattr(formats, "base_model_type", lambda config, where: "granitemoe")
+    monkeypatch.setattr(formats, "base_model_type", lambda config, where: "switch_transformers")
     (tmp_path / "a").mkdir()
     from safetensors.torch import save_file
 
     save_file({"x.lora_A.weight": torch.zeros(1, 1), "x.lora_B.weight": torch.zeros(1, 1)},
               str(tmp_path / "a" / "adapter_model.safetensors"))  # fmt: skip
     (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "x", "r": 1}))
-    with pytest.raises(formats.ExportError, match="granitemoe: no per-expert / GGUF names known"):
+    with pytest.raises(formats.ExportError, match="switch_transformers: no per-expert / GGUF names known"):
         formats.write_gguf(tmp_path / "a", tmp_path / "a.gguf")
-    monkeypatch.setattr(formats, "base_model_type", lambda config, where: "granitemoe")
-    with pytest.raises(formats.ExportError, match="granitemoe: no per-expert"):
+    monkeypatch.setattr(formats, "base_model_type", lambda config, where: "switch_transformers")
+    with pytest.raises(formats.ExportError, match="switch_transformers: no per-expert"):
         formats.write_per_expert(tmp_path / "a", tmp_path / "b")
     assert not (tmp_path / "a.gguf").exists() and not (tmp_path / "b").exists()
 

@@ -81,12 +81,23 @@ FAMILIES = {
                                peft_swapped=True),
     "gpt_oss": FamilyNames("gpt-oss", "mlp.experts", "gate_proj", "up_proj", "down_proj", interleaved_gate_up=True),
     "qwen3_vl_moe": FamilyNames("qwen3vlmoe", **_QWEN_STYLE),
+    # Granite: llama.cpp's converter splits input_linear into gate and up halves and permutes q/k (LlamaModel)
+    **dict.fromkeys(("granitemoe", "granitemoeshared"), FamilyNames("granitemoe", "block_sparse_moe.experts",
+                                                                     "gate_proj", "up_proj", "down_proj",
+                                                                     permute_qk=True)),
+    "granitemoehybrid": FamilyNames("granitehybrid", "block_sparse_moe.experts", "gate_proj", "up_proj", "down_proj",
+                                    permute_qk=True),
     # no gate; llama.cpp's converter permutes its q/k rows like Llama's (it inherits the Granite converter)
     "nemotron_h": FamilyNames("nemotron_h_moe", "mixer.experts", "", "up_proj", "down_proj", permute_qk=True,
                               gated=False),
 }
 # vLLM reads these families' expert LoRA only in PEFT's fused layout (VLLM_FUSED_3D): no per-expert export
-PER_EXPERT_UNREAD = {"gpt_oss": "vLLM reads GPT-OSS's expert LoRA in PEFT's fused layout only (use --format vllm)"}
+PER_EXPERT_UNREAD = {
+    "gpt_oss": "vLLM reads GPT-OSS's expert LoRA in PEFT's fused layout only (use --format vllm)",
+    **dict.fromkeys(("granitemoe", "granitemoeshared", "granitemoehybrid"), "Granite's checkpoints hold fused "
+                    "input_linear stacks, and the per-expert names vLLM's Granite classes expect are not checked "
+                    "(use --format peft, or gguf)"),
+}
 # llama.cpp tensors (blk.N.<kind>) whose product goes through build_lora_mm, so that a LoRA on them is applied:
 # attention, the router, dense MLPs (build_ffn), shared experts and Qwen2-MoE's shared-expert gate.
 GGUF_LORA_KINDS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_gate", "ffn_up", "ffn_down",
@@ -363,7 +374,9 @@ def gguf_linear_name(tensor_names, arch: str, layer: int, path: str, proj: str) 
     module = f"layers.{layer}.{path}.{proj}"
     # the hub checkpoint's root (gguf maps those names): model, or backbone (Nemotron-H, which transformers v5
     # loads as model)
-    name = next((n for root in ("model", "backbone") if (n := tensor_names.get_name(f"{root}.{module}"))), None)
+    # (Granite's router, a module of its own in transformers v5, is router.layer in its checkpoints)
+    candidates = [f"{root}.{m}" for root in ("model", "backbone") for m in (module, f"{module}.layer")]
+    name = next((n for c in candidates if (n := tensor_names.get_name(c))), None)
     if name is None:
         raise ExportError(f"{module}: llama.cpp has no tensor for this LoRA target in this architecture")
     kind = name.split(".", 2)[2]
