@@ -46,6 +46,7 @@ class FamilyNames:
     peft_swapped: bool = False
     interleaved_gate_up: bool = False  # gate and up alternate along the fused projection's outputs (GPT-OSS)
     gated: bool = True  # False: the experts have up and down projections only (Nemotron-H, relu^2)
+    fused_gate_up: bool = False  # llama.cpp's tensor is one ffn_gate_up_exps, gate's rows first (Gemma-4)
 
 
 _QWEN_STYLE = {"experts": "mlp.experts", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -87,6 +88,9 @@ FAMILIES = {
                                                                      permute_qk=True)),
     "granitemoehybrid": FamilyNames("granitehybrid", "block_sparse_moe.experts", "gate_proj", "up_proj", "down_proj",
                                     permute_qk=True),
+    # Gemma-4: experts beside the dense MLP in the decoder layer; llama.cpp keeps gate_up fused
+    **dict.fromkeys(("gemma4", "gemma4_text"), FamilyNames("gemma4", "experts", "gate_proj", "up_proj", "down_proj",
+                                                           fused_gate_up=True)),
     # no gate; llama.cpp's converter permutes its q/k rows like Llama's (it inherits the Granite converter)
     "nemotron_h": FamilyNames("nemotron_h_moe", "mixer.experts", "", "up_proj", "down_proj", permute_qk=True,
                               gated=False),
@@ -94,6 +98,8 @@ FAMILIES = {
 # vLLM reads these families' expert LoRA only in PEFT's fused layout (VLLM_FUSED_3D): no per-expert export
 PER_EXPERT_UNREAD = {
     "gpt_oss": "vLLM reads GPT-OSS's expert LoRA in PEFT's fused layout only (use --format vllm)",
+    **dict.fromkeys(("gemma4", "gemma4_text"), "the per-expert names vLLM's Gemma-4 class expects are not "
+                    "checked (use --format peft, or gguf)"),
     **dict.fromkeys(("granitemoe", "granitemoeshared", "granitemoehybrid"), "Granite's checkpoints hold fused "
                     "input_linear stacks, and the per-expert names vLLM's Granite classes expect are not checked "
                     "(use --format peft, or gguf)"),
@@ -120,8 +126,8 @@ GGUF_REORDERED = {
 }
 WHY_NOT: dict[str, str] = {}  # families refused by every layout, with the reason a user needs
 
-EXPERT_KEY = re.compile(r"(?P<prefix>.*?)\.layers\.(?P<layer>\d+)\.(?P<path>.+)\.experts\.(?P<inner>base_layer\.)?"
-                        r"lora_(?P<ab>[AB])\.weight")  # fmt: skip
+EXPERT_KEY = re.compile(r"(?P<prefix>.*?)\.layers\.(?P<layer>\d+)\.(?:(?P<path>.+)\.)?experts\.(?P<inner>base_layer\.)?"
+                        r"lora_(?P<ab>[AB])\.weight")  # fmt: skip  # path: none for Gemma-4 (layers.N.experts)
 LINEAR_KEY = re.compile(r"(?P<prefix>.*?)\.layers\.(?P<layer>\d+)\.(?P<path>.+)\.(?P<proj>[a-z_0-9]+)\.lora_"
                         r"(?P<ab>[AB])\.weight")  # fmt: skip
 
@@ -338,7 +344,10 @@ def gguf_tensors(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames
     for layer, x in expert_layers(tensors, rank, names).items():
         inter = x.gate_up_b.shape[1] // 2
         blk = f"blk.{layer}"
-        if names.gated:
+        if names.fused_gate_up:  # the fused LoRA as it is: B's rows are [gate; up] as the tensor's
+            out[f"{blk}.ffn_gate_up_exps.weight.lora_a"] = x.gate_up_a
+            out[f"{blk}.ffn_gate_up_exps.weight.lora_b"] = x.gate_up_b
+        elif names.gated:
             out[f"{blk}.ffn_gate_exps.weight.lora_a"] = x.gate_up_a
             out[f"{blk}.ffn_gate_exps.weight.lora_b"] = x.gate_up_b[:, :inter]
             out[f"{blk}.ffn_up_exps.weight.lora_a"] = x.gate_up_a
