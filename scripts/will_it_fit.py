@@ -1,4 +1,4 @@
-"""The README's "Will it fit?" table: `moe-qlora plan` on CUDA for the shipped model configs, at several
+"""The "Will it fit?" table of docs/memory.md: `moe-qlora plan` on CUDA for the shipped model configs, at several
 sequence lengths, with the memory knobs that matter, against common GPU sizes.
 
     python scripts/will_it_fit.py                 # markdown table + JSON

@@ -1,5 +1,5 @@
 """The family sweep: every MoE model type of the installed transformers, built from a tiny config, run
-through the whole tool. Used by tests/test_family_sweep.py, which also keeps the README's table true.
+through the whole tool. Used by tests/test_family_sweep.py, which also keeps docs/families.md's table true.
 
 Per model type: load in 4-bit with `lora.target_modules: auto` (a refusal is recorded with its message),
 3 optimizer steps on random tokens, the adapter written and verified (PEFT's from_pretrained puts every

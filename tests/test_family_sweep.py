@@ -1,19 +1,18 @@
 """Every MoE model type of the installed transformers through the whole tool (see family_sweep.py): each one
 is supported (trains, its export loads whole in PEFT, its experts match the family's eager experts) or
-refused/skipped with a one-sentence reason; none fails with a traceback. The README's family table is this
-test's output and must match it: regenerate with `MOE_QLORA_UPDATE_README=1 python -m pytest
+refused/skipped with a one-sentence reason; none fails with a traceback. The family table of docs/families.md is
+this test's output and must match it: regenerate with `MOE_QLORA_UPDATE_DOCS=1 python -m pytest
 tests/test_family_sweep.py`."""
 
 import functools
-import os
-from pathlib import Path
 
 import family_sweep
 import transformers
 from family_sweep import TABLE_END, TABLE_START, render_table, sweep
+from generated import ROOT, keep_generated
 from oracle import run_experts_pair
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+FAMILIES_PAGE = ROOT / "docs" / "families.md"
 # The families this tool is named for, and the hybrids that were once refused for the wrong reason.
 MUST_BE_SUPPORTED = {
     "mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "deepseek_v2", "deepseek_v3", "olmoe",
@@ -30,15 +29,8 @@ def test_every_moe_family_is_supported_or_refused_with_a_reason(tmp_path):
     supported = {r.model_type for r in rows if r.status == "supported"}
     assert MUST_BE_SUPPORTED <= supported, MUST_BE_SUPPORTED - supported
     table = render_table(rows, transformers.__version__)
-    readme = README.read_text()
-    start, end = readme.index(TABLE_START), readme.index(TABLE_END) + len(TABLE_END)
-    if os.environ.get("MOE_QLORA_UPDATE_README") == "1":
-        README.write_text(readme[:start] + table + readme[end:])
-        readme, end = README.read_text(), start + len(table)
-    assert readme[start:end] == table, (
-        "the README's family table differs from this sweep (another transformers?): regenerate it with "
-        "MOE_QLORA_UPDATE_README=1 python -m pytest tests/test_family_sweep.py\n" + table
-    )
+    # another transformers? its model types differ: regenerate the table with the pins in pyproject.toml
+    keep_generated(FAMILIES_PAGE, TABLE_START, TABLE_END, table, rerun="tests/test_family_sweep.py")
 
 
 def test_the_sweeps_parity_check_fails_on_rolled_experts(tmp_path, monkeypatch):
