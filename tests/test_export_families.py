@@ -26,13 +26,15 @@ from moe_qlora.model.loading import LoadOptions, load_model
 from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config_any
 
 TOL = 1e-5
+DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 # Targets per family: the attention projections llama.cpp applies a LoRA to (DeepSeek's MLA query and latent
 # projections it multiplies without one, and the export refuses them: test_formats).
 # LFM2's out_proj names its convolution's too; Gemma-4's vision tower has q_proj too, in a wrapper PEFT cannot
 # target.
-TARGETS = {"deepseek_v2": ["o_proj"], "deepseek_v3": ["o_proj"], "glm_moe_dsa": ["o_proj"],
-           "kimi_linear": [], "lfm2_moe": ["q_proj", "k_proj", "v_proj"], "gemma4": []}
-DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+TARGETS = {**dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm_moe_dsa", "glm4_moe_lite", "mistral4", "deepseek_v32",
+                             "dots3_note", "dots3_note_text", "hy_v4"), ["o_proj"]),
+           "kimi_linear": [], "glm5_next": [], "lfm2_moe": ["q_proj", "k_proj", "v_proj"],
+           "gemma4": [], "laguna": [*DEFAULT_TARGETS, "g_proj"]}  # fmt: skip
 # routers that are not a weight lora.router can adapt (it refuses them)
 NO_ROUTER_LORA = {"afmoe", "hunyuan_v1_moe", "gemma4", "gemma4_text"}
 
@@ -155,6 +157,49 @@ def test_every_other_tensor_lands_under_llama_cpp_name_with_peft_delta(exported)
         assert compared >= len(expert_stacks(deltas))  # the router at least, in every MoE layer
 
 
+FUSABLE = sorted(t for t, n in formats.FAMILIES.items() if n.gguf_arch in formats.GGUF_FUSABLE_GATE_UP)
+
+
+@pytest.mark.parametrize("model_type", FUSABLE)
+def test_gate_up_fused_for_a_base_converted_with_fuse_gate_up_exps(model_type, tmp_path):
+    """llama.cpp's --fuse-gate-up-exps turns a base's ffn_gate_exps and ffn_up_exps into one ffn_gate_up_exps,
+    gate's rows first: the adapter then has one fused LoRA whose delta is [gate; up] of PEFT's, per expert."""
+    adapter = family_adapter(tmp_path, model_type)
+    deltas, _ = merged_minus_base(adapter)
+    _, _, tensors = read_gguf(formats.write_gguf(adapter, tmp_path / "fused.gguf", fuse_gate_up_exps=True))
+    assert not any(".ffn_gate_exps." in k or ".ffn_up_exps." in k for k in tensors)
+    assert check_experts(model_type, deltas, tensors, scale=8.0 / 4) == []
+    # broken control: up's rows first
+    swapped = {}
+    for k, v in tensors.items():
+        if ".ffn_gate_up_exps.weight.lora_b" in k:
+            v = np.concatenate([v[:, v.shape[1] // 2 :], v[:, : v.shape[1] // 2]], axis=1)
+        swapped[k] = v
+    assert check_experts(model_type, deltas, swapped, scale=8.0 / 4) != []
+
+
+def test_fuse_gate_up_exps_is_refused_where_llama_cpp_cannot_fuse(tmp_path):
+    adapter = family_adapter(tmp_path, "mixtral")
+    with pytest.raises(formats.ExportError, match="mixtral: llama.cpp's converter cannot fuse gate and up experts"):
+        formats.write_gguf(adapter, tmp_path / "a.gguf", fuse_gate_up_exps=True)
+    assert not (tmp_path / "a.gguf").exists()
+
+
+def test_fuse_gate_up_exps_goes_with_gguf_only(tmp_path):
+    from typer.testing import CliRunner
+
+    from moe_qlora.cli.app import app
+
+    adapter = family_adapter(tmp_path, "qwen3_next")
+    result = CliRunner().invoke(app, ["export", str(adapter), "--format", "vllm", "--out", str(tmp_path / "v"),
+                                      "--fuse-gate-up-exps"])  # fmt: skip
+    assert result.exit_code == 2 and "goes with --format gguf" in result.output  # bad input: exit 2
+    result = CliRunner().invoke(app, ["export", str(adapter), "--format", "gguf", "--out", str(tmp_path / "a.gguf"),
+                                      "--fuse-gate-up-exps"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert any(k.endswith(".ffn_gate_up_exps.weight.lora_b") for k in read_gguf(tmp_path / "a.gguf")[2])
+
+
 @pytest.mark.parametrize(
     ("arch", "module", "reason"),
     [
@@ -185,6 +230,34 @@ def test_a_family_without_known_names_is_refused_by_name(tmp_path, monkeypatch):
         with pytest.raises(formats.ExportError, match="switch_transformers: no per-expert / GGUF names known"):
             write(tmp_path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_family_llama_cpp_cannot_convert_is_refused_with_its_reason(tmp_path, monkeypatch):
+    import json
+
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(formats, "base_model_type", lambda config, where: "sarvam_mla")
+    save_file({"x.lora_A.weight": torch.zeros(1, 1), "x.lora_B.weight": torch.zeros(1, 1)},
+              str(tmp_path / "adapter_model.safetensors"))  # fmt: skip
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "x", "r": 1}))
+    with pytest.raises(formats.ExportError, match="sarvam_mla: not written as GGUF .llama.cpp 0c1e57098 has no conv"):
+        formats.write_gguf(tmp_path, tmp_path / "out.gguf")
+    assert not (tmp_path / "out.gguf").exists()
+
+
+def test_every_trained_family_is_exported_or_refused_with_a_reason():
+    """Each model type docs/families.md says trains is in the export's tables: written (directly, or through its
+    text model's type, as base_model_type resolves a multimodal base), or refused with its reason."""
+    from transformers import AutoConfig
+
+    table = (Path(__file__).resolve().parent.parent / "docs" / "families.md").read_text()
+    trained = re.findall(r"^\| `([a-z0-9_]+)` \| supported", table, flags=re.M)
+    assert len(trained) > 70, "the family table was not found"
+    known = {*formats.FAMILIES, *formats.NOT_EXPORTED, *formats.WHY_NOT}
+    unplaced = [t for t in trained if t not in known
+                and AutoConfig.for_model(t).get_text_config().model_type not in formats.FAMILIES]  # fmt: skip
+    assert unplaced == []
 
 
 def per_expert_deltas(folder: Path, names: formats.FamilyNames, scale: float) -> dict[tuple, torch.Tensor]:
@@ -282,14 +355,20 @@ def render_family_table() -> str:
             vllm = f"per-expert `{n.experts}.M.{'/'.join(p for p in (n.gate, n.up, n.down) if p)}`"
             if mt in f.VLLM_IGNORED_ROUTER:
                 vllm += f"; router LoRA refused (vLLM ignores `{f.VLLM_IGNORED_ROUTER[mt]}`)"
-        notes = ((n.permute_qk, "q/k with rows permuted as the converter permutes the base's"),
+        notes = ((n.gguf_arch in f.GGUF_EXTRA_LORA_KINDS, ", ".join(sorted(f.GGUF_EXTRA_LORA_KINDS.get(n.gguf_arch, ())))),
+                 (n.permute_qk, "q/k with rows permuted as the converter permutes the base's"),
                  (n.peft_swapped, "transposed back from (E, in, out)"),
                  (n.interleaved_gate_up, "gate and up de-interleaved (expert biases untouched)"))
         extra = [text for flag, text in notes if flag]
         experts = ("experts (gate_up fused, as llama.cpp's ffn_gate_up_exps, and down)" if n.fused_gate_up else
                    "experts (gate, up, down)" if n.gated else "experts (up, down: no gate)")  # fmt: skip
         written = f"{experts}, router, " + "".join(x + ", " for x in extra) + "attention, shared experts and dense FFN"
+        if n.gguf_arch in f.GGUF_FUSABLE_GATE_UP and not n.fused_gate_up:
+            written += "; ffn_gate_up_exps with `--fuse-gate-up-exps`"
         rows.append(f"| `{mt}` | `{n.gguf_arch}` | {written} | {'; '.join(refused) or '-'} | {vllm} |")
+    rows += ["", "Trained, but not exported (`--format peft` works for them all):", "",
+             "| model type | why |", "|---|---|"]  # fmt: skip
+    rows += [f"| `{mt}` | {why} |" for mt, why in sorted(f.NOT_EXPORTED.items())]
     return "\n".join(rows)
 
 

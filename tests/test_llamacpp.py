@@ -45,9 +45,20 @@ def with_a_merge(self, writer, quiet=False):
     self.merges = self.merges or ["a b"]  # libllama wants BPE merges; the byte vocabulary has none
     return add_to_gguf(self, writer, quiet)
 gguf.SpecialVocab.add_to_gguf = with_a_merge
+{names_only}
 import convert_hf_to_gguf
 sys.argv = ["convert_hf_to_gguf.py", *{args!r}]
 convert_hf_to_gguf.main()
+"""
+# ...or stop once the converter has named and shaped every tensor: {name: numpy-order shape} and the arch, as JSON
+NAMES_ONLY = """
+import json
+from conversion.base import ModelBase
+def names_only(self):
+    self.prepare_tensors()
+    shapes = {{n: list(t.shape) for shard in self.gguf_writer.tensors for n, t in shard.items()}}
+    json.dump({{"arch": self.gguf_writer.arch, "tensors": shapes}}, open({out!r}, "w"))
+ModelBase.write = names_only
 """
 # The families llama.cpp's converter turns into a GGUF from their tiny configs, with the config fields llama.cpp
 # needs (OLMoE's graph takes no grouped-query attention). Not these (llama.cpp 0c1e57098): dots1 (libllama
@@ -68,9 +79,11 @@ def requirements() -> str | None:
     return None
 
 
-def convert_base(model_dir: Path, out: Path) -> Path:
-    args = [str(model_dir), "--outtype", "f32", "--outfile", str(out)]
-    code = CONVERT.format(root=LLAMA_CPP_DIR, args=args)
+def convert_base(model_dir: Path, out: Path, *, names_only: bool = False, extra: tuple[str, ...] = ()) -> Path:
+    """The base as llama.cpp's converter writes it; `names_only`: its tensors' names and shapes (JSON in `out`)."""
+    args = [str(model_dir), "--outtype", "f32", "--outfile", str(out.with_suffix(".gguf")), *extra]
+    patch = NAMES_ONLY.format(out=str(out)) if names_only else ""
+    code = CONVERT.format(root=LLAMA_CPP_DIR, args=args, names_only=patch)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "NO_LOCAL_GGUF": ""})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -125,3 +138,93 @@ def test_llama_cpp_with_our_gguf_adapter_matches_peft(model_type, tmp_path, monk
     monkeypatch.setattr(formats, "expert_layers", rolled)
     broken = formats.write_gguf(adapter, tmp_path / "rolled.gguf")
     assert float(np.abs(llama_logprobs(base, broken, ids) - reference).max()) > 10 * TOL
+
+
+# Config fields that let llama.cpp's converter take a family's tiny config: every layer sparse where the tiny
+# config has a dense first layer its arch's tensor map lacks; Phi-MoE's converter reads the rope's original
+# context length
+CONVERTIBLE = {"qwen3_moe": {"mlp_only_layers": []}, "qwen3_next": {"mlp_only_layers": []}, "kimi_linear": {"mlp_layer_types": ["sparse", "sparse"]},
+               "phimoe": {"rope_parameters": {"rope_theta": 1e6, "rope_type": "default",
+                                              "original_max_position_embeddings": 512}}}  # fmt: skip
+# Families whose tiny base llama.cpp's converter does not take, and why
+NOT_CONVERTIBLE = {
+    "hy_v4": "transformers saves the tiny base's hyper-connection weights under names the converter does not map "
+             "(the checkpoints' are renamed on load)",
+    **dict.fromkeys(("dots3_note", "dots3_note_text"), "its converter asks for fields of the released checkpoint "
+                    "the tiny config does not set (sigmoid gating, swa_qk_nope_head_dim, use_dsa)"),
+}  # fmt: skip
+# converter flags: the Qwen3-Next family's converter asserts multi-token-prediction layers unless told there are
+# none (the tiny configs have none)
+CONVERT_FLAGS = dict.fromkeys(("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"), ("--no-mtp",))
+# the hub checkpoints' class name, where the converter registers that rather than transformers' own
+HUB_ARCHITECTURES = {"phimoe": "PhiMoEForCausalLM", "mistral4": "Mistral3ForConditionalGeneration"}
+
+
+def hub_layout(model_dir: Path, model_type: str) -> None:
+    """The tiny base as the hub stores it, where transformers saves its own layout instead: Qwen3-VL-MoE's
+    experts are (E, H, 2I) and (E, I, H) on the hub, which llama.cpp's converter transposes (qwen3vl.py)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config_file = model_dir / "config.json"
+    config = json.loads(config_file.read_text())
+    if model_type in HUB_ARCHITECTURES:
+        config["architectures"] = [HUB_ARCHITECTURES[model_type]]
+        config_file.write_text(json.dumps(config))
+    if model_type == "qwen3_vl_moe":
+        for f in model_dir.glob("*.safetensors"):
+            t = load_file(str(f))
+            save_file({k: v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj"))
+                       else v for k, v in t.items()}, str(f), metadata={"format": "pt"})  # fmt: skip
+
+
+def lora_tensors_llama_cpp_would_reject(lora: dict, base: dict) -> list[str]:
+    """What llama_adapter_lora_init (src/llama-adapter.cpp) throws on, per LoRA pair: a base tensor of that name
+    missing, or shapes that do not fit it (numpy order: A (.., r, in), B (.., out, r), base (.., out, in))."""
+    wrong = []
+    for name in sorted({k.rsplit(".weight.lora_", 1)[0] for k in lora}):
+        a, b, shape = lora[f"{name}.weight.lora_a"], lora[f"{name}.weight.lora_b"], base.get(f"{name}.weight")
+        if shape is None:
+            wrong.append(f"{name}: no such tensor in the base")
+        elif shape[-1] != a.shape[-1] or shape[-2] != b.shape[-2] or a.shape[-2] != b.shape[-1]:
+            wrong.append(f"{name}: base {tuple(shape)}, lora_a {a.shape}, lora_b {b.shape}")
+    return wrong
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["split", "fuse-gate-up-exps"])
+@pytest.mark.parametrize("model_type", sorted(formats.FAMILIES))
+def test_every_lora_tensor_names_a_base_tensor_of_its_shape(model_type, fuse, tmp_path):
+    """Needs only llama.cpp's tree (LLAMA_CPP_DIR), not libllama: the tiny base converted by llama.cpp's own
+    converter (stopped once it has named every tensor), and our GGUF adapter's tensors checked as libllama
+    checks them when it loads an adapter, with the same general.architecture."""
+    import json
+
+    from test_export_families import family_adapter
+    from test_formats import field_value, read_gguf
+
+    if not LLAMA_CPP_DIR or not (Path(LLAMA_CPP_DIR) / "convert_hf_to_gguf.py").is_file():
+        pytest.skip("LLAMA_CPP_DIR does not point at a llama.cpp tree with convert_hf_to_gguf.py")
+    adapter = family_adapter(tmp_path, model_type, **CONVERTIBLE.get(model_type, {}))
+    hub_layout(tmp_path / model_type, model_type)
+    if model_type in NOT_CONVERTIBLE:
+        pytest.skip(f"{model_type}: {NOT_CONVERTIBLE[model_type]}")
+    if fuse and formats.FAMILIES[model_type].gguf_arch not in formats.GGUF_FUSABLE_GATE_UP:
+        pytest.skip(f"{model_type}: llama.cpp's converter raises on --fuse-gate-up-exps (export refuses it too)")
+    extra = CONVERT_FLAGS.get(model_type, ()) + (("--fuse-gate-up-exps",) if fuse else ())
+    base = json.loads(convert_base(tmp_path / model_type, tmp_path / "base.json", names_only=True,
+                                   extra=extra).read_text())  # fmt: skip
+    _, fields, lora = read_gguf(formats.write_gguf(adapter, tmp_path / "a.gguf", fuse_gate_up_exps=fuse))
+    assert field_value(fields["general.architecture"]) == base["arch"]
+    assert lora_tensors_llama_cpp_would_reject(lora, base["tensors"]) == []
+    # broken controls: each expert's factors transposed (Llama-4's storage not undone), where that changes a
+    # shape; the adapter written for the other conversion (split vs fused gate/up), where there is one
+    transposed = {k: np.ascontiguousarray(np.swapaxes(lora[k.replace("lora_a", "lora_b") if k.endswith("lora_a")
+                                                           else k.replace("lora_b", "lora_a")], 1, 2))
+                  if "_exps." in k else v for k, v in lora.items()}  # fmt: skip
+    if any(t.shape != lora[k].shape for k, t in transposed.items()):
+        assert lora_tensors_llama_cpp_would_reject(transposed, base["tensors"]) != []
+    names = formats.FAMILIES[model_type]
+    if names.gguf_arch in formats.GGUF_FUSABLE_GATE_UP and not names.fused_gate_up:
+        _, _, other = read_gguf(formats.write_gguf(adapter, tmp_path / "b.gguf", fuse_gate_up_exps=not fuse))
+        assert lora_tensors_llama_cpp_would_reject(other, base["tensors"]) != []

@@ -65,20 +65,27 @@ def export(
         ..., "--format", "-f", help="vllm (the layout vLLM loads for the family) | per-expert | gguf (llama.cpp)"
     ),
     out: str = typer.Option(..., "--out", "-o", help="folder (vllm, per-expert) or .gguf file to write"),
+    fuse_gate_up_exps: bool = typer.Option(
+        False, "--fuse-gate-up-exps", help="gguf: for a base converted with llama.cpp's --fuse-gate-up-exps"
+    ),
     debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
 ):
     """The adapter in the layout another runtime reads: per-expert PEFT keys, or a llama.cpp LoRA GGUF."""
     quiet_libraries()
+    from functools import partial
+
+    from moe_qlora.config.sections import ConfigError
     from moe_qlora.export.formats import write_gguf, write_per_expert, write_vllm
 
-    writers = {"vllm": write_vllm, "per-expert": write_per_expert, "gguf": write_gguf}
+    writers = {"vllm": write_vllm, "per-expert": write_per_expert,
+               "gguf": partial(write_gguf, fuse_gate_up_exps=fuse_gate_up_exps)}  # fmt: skip
     try:
         if fmt not in writers:
-            from moe_qlora.config.sections import ConfigError
-
             raise ConfigError(
                 f"--format {fmt!r}: expected one of {', '.join(writers)} (the run's adapter is already PEFT)"
             )
+        if fuse_gate_up_exps and fmt != "gguf":
+            raise ConfigError(f"--fuse-gate-up-exps names llama.cpp's tensors: it goes with --format gguf, not {fmt}")
         path = writers[fmt](adapter, out)
     except user_errors() as exc:
         fail(exc, debug)

@@ -94,6 +94,25 @@ FAMILIES = {
     # no gate; llama.cpp's converter permutes its q/k rows like Llama's (it inherits the Granite converter)
     "nemotron_h": FamilyNames("nemotron_h_moe", "mixer.experts", "", "up_proj", "down_proj", permute_qk=True,
                               gated=False),
+    # MLA (DeepSeek-V2's graph and its LoRA hooks): GLM-4.7-Flash, Mistral-Small-4 (whose checkpoints hold the
+    # experts fused, which its converter keeps), DeepSeek-V3.2, dots3-note, Hunyuan-V4
+    "glm4_moe_lite": FamilyNames("deepseek2", **_QWEN_STYLE),
+    "mistral4": FamilyNames("mistral4", **_QWEN_STYLE, fused_gate_up=True),
+    "deepseek_v32": FamilyNames("deepseek32", **_QWEN_STYLE),
+    **dict.fromkeys(("dots3_note", "dots3_note_text"), FamilyNames("dots3note", **_QWEN_STYLE)),
+    "hy_v4": FamilyNames("hy_v4", **_QWEN_STYLE),
+    # GLM-4-MoE's converter and graph: Solar-Open, GLM-4.5V's text model
+    **dict.fromkeys(("solar_open", "glm4v_moe"), FamilyNames("glm4moe", **_QWEN_STYLE)),
+    "cohere2_moe": FamilyNames("cohere2moe", **_QWEN_STYLE),
+    "hy_v3": FamilyNames("hy_v3", **_QWEN_STYLE),
+    "laguna": FamilyNames("laguna", **_QWEN_STYLE),
+    "mellum": FamilyNames("mellum", **_QWEN_STYLE),
+    **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"), FamilyNames("qwen4exp", **_QWEN_STYLE)),
+    # every attention projection of its graph (delta attention and MLA) is multiplied without a LoRA hook
+    "glm5_next": FamilyNames("glm5-next", **_QWEN_STYLE),
+    # Granite-MoE-SWA: its converter keeps input_linear fused (gate's rows first) and permutes q/k (LlamaModel)
+    "granitemoe_swa": FamilyNames("granite_swa", "block_sparse_moe.experts", "gate_proj", "up_proj", "down_proj",
+                                  permute_qk=True, fused_gate_up=True),
 }
 # vLLM reads these families' expert LoRA only in PEFT's fused layout (VLLM_FUSED_3D): no per-expert export
 PER_EXPERT_UNREAD = {
@@ -108,23 +127,52 @@ PER_EXPERT_UNREAD = {
 # attention, the router, dense MLPs (build_ffn), shared experts and Qwen2-MoE's shared-expert gate.
 GGUF_LORA_KINDS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_gate", "ffn_up", "ffn_down",
                    "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp"}  # fmt: skip
+GGUF_EXTRA_LORA_KINDS = {"laguna": {"attn_gate"}}  # its g_proj through build_lora_mm (src/models/laguna.cpp)
+# Architectures newer than the gguf package's (0.19.0 on PyPI lacks them): the one whose TensorNameMap gives
+# the same blk.N names for the family's modules as llama.cpp's own gguf-py at 0c1e57098 (checked name by name,
+# and against the converter's output by tests/test_llamacpp.py); general.architecture is still the real one,
+# which libllama requires of an adapter.
+GGUF_NAMES_FROM = {"cohere2moe": "glm4moe", "deepseek32": "glm-dsa", "dots3note": "glm-dsa", "glm5-next": "kimi-linear",
+                   "granite_swa": "granitemoe", "hy_v3": "glm4moe", "hy_v4": "glm-dsa", "laguna": "afmoe",
+                   "mellum": "qwen3moe", "qwen4exp": "qwen35moe"}  # fmt: skip
 # ...except where an architecture's graph multiplies them with a plain ggml_mul_mat: DeepSeek-V2/V3's query
 # (wq, and wq_a / wq_b, like the rest of MLA but the output projection).
 GGUF_NO_LORA = {
     "deepseek2": {"attn_q"},
+    "mistral4": {"attn_q"},
+    "glm5-next": {"attn_q", "attn_k", "attn_v", "attn_output"},
     # Kimi-Linear: its delta-attention layers' q/k/v/o and the MLA query (the MLA output is hooked, but shares
     # attn_output with the delta-attention layers, so both are refused)
     "kimi-linear": {"attn_q", "attn_k", "attn_v", "attn_output"},
 }
 # The architectures whose graphs were read whole (llama.cpp's MLA projections have no LoRA hook): there, a kind
 # outside GGUF_LORA_KINDS is known to be multiplied without one.
-LEGACY_LORA_ARCHS = {"deepseek2", "glm-dsa"}
+LEGACY_LORA_ARCHS = {"deepseek2", "glm-dsa", "mistral4", "deepseek32", "dots3note", "hy_v4", "glm5-next"}
 # Tensors llama.cpp's converter reorders rows of (a LoRA's B would need the same): not written yet.
 GGUF_REORDERED = {
     "qwen3next": ("ssm_in", "ssm_ba"),  # in_proj_qkvz / in_proj_ba regrouped per key head
     "qwen35moe": ("attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out"),  # linear attention's value heads
+    "qwen4exp": ("attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out"),  # as Qwen3.5's (conversion/qwen.py)
 }
+# Architectures whose ffn_gate_up_exps llama.cpp's --fuse-gate-up-exps writes (MODEL_TENSORS lists it; for
+# every other one its converter raises): gguf-py/gguf/constants.py at 0c1e57098. Gemma-4's is always fused.
+GGUF_FUSABLE_GATE_UP = {"qwen3next", "qwen35moe", "qwen4exp", "mistral4", "cohere2moe", "granite_swa"}
 WHY_NOT: dict[str, str] = {}  # families refused by every layout, with the reason a user needs
+# Families moe-qlora trains that these formats do not write, with the reason (read from llama.cpp 0c1e57098's
+# converters and graphs); --format peft works for them all
+_NO_CONVERTER = "llama.cpp 0c1e57098 has no converter for its checkpoints, so no base GGUF exists to apply a LoRA to"
+NOT_EXPORTED = {
+    **dict.fromkeys(("aria", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "ernie4_5_vl_moe", "flex_olmo",
+                     "flint", "inkling2", "inkling2_loop", "inkling2_loop_text", "inkling2_text", "inkling_mm_model",
+                     "inkling_text", "kolibri1", "lara_mini", "minimax", "zaya", "sarvam_mla", "hy_v4_vl",
+                     "qwen3_omni_moe_thinker", "minimax_m3_vl_text"), _NO_CONVERTER),
+    "deepseek_v4": "llama.cpp's deepseek4 converter names its attention from the original checkpoint's keys, "
+                   "which gguf's tensor map does not know: not written yet",
+    "minimax_m3_vl": "its dense and shared-expert MLPs are one fused gate_up Linear that llama.cpp splits into "
+                     "ffn_gate and ffn_up: not written yet",
+    "sarvam_moe": "transformers builds it as GLM-4-MoE while llama.cpp converts its checkpoints as bailingmoe2, "
+                  "with q, k and v fused into attn_qkv: not written yet",
+}  # fmt: skip
 
 EXPERT_KEY = re.compile(r"(?P<prefix>.*?)\.layers\.(?P<layer>\d+)\.(?:(?P<path>.+)\.)?experts\.(?P<inner>base_layer\.)?"
                         r"lora_(?P<ab>[AB])\.weight")  # fmt: skip  # path: none for Gemma-4 (layers.N.experts)
@@ -162,6 +210,9 @@ def read_run_adapter(adapter_dir: str | Path) -> tuple[dict[str, torch.Tensor], 
     model_type = base_model_type(config, Path(adapter_dir))
     if model_type in WHY_NOT:
         raise ExportError(f"{model_type}: {WHY_NOT[model_type]}")
+    if model_type in NOT_EXPORTED:
+        raise ExportError(f"{model_type}: not written as GGUF ({NOT_EXPORTED[model_type]}), nor per-expert or for "
+                          "vLLM (names unchecked); --format peft works for every family")  # fmt: skip
     if model_type not in FAMILIES:
         raise ExportError(f"{model_type}: no per-expert / GGUF names known for this family (known: "
                           f"{', '.join(sorted(FAMILIES))}); --format peft works for every family")  # fmt: skip
@@ -183,7 +234,7 @@ def base_model_type(config: dict, where: Path) -> str:
         base_config = AutoConfig.from_pretrained(resolve_model_path(base))
     except (OSError, ValueError) as exc:
         raise ExportError(f"{where}: cannot read the base model's config.json ({base}): {exc}") from None
-    if base_config.model_type in (*FAMILIES, *WHY_NOT, *VLLM_FUSED_3D, *VLLM_NO_MOE_LORA):
+    if base_config.model_type in (*FAMILIES, *WHY_NOT, *NOT_EXPORTED, *VLLM_FUSED_3D, *VLLM_NO_MOE_LORA):
         return base_config.model_type
     return base_config.get_text_config().model_type  # a multimodal model's text model
 
@@ -337,14 +388,17 @@ def permute_rows_for_rope(b: torch.Tensor, n_head: int) -> torch.Tensor:
     return b.reshape(n_head, 2, b.shape[0] // n_head // 2, *b.shape[1:]).swapaxes(1, 2).reshape(b.shape)
 
 
-def gguf_tensors(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames, heads: tuple[int, int]
-                 ) -> dict[str, torch.Tensor]:  # fmt: skip
-    """{llama.cpp tensor name: fp32 tensor in numpy order} for the adapter."""
+def gguf_tensors(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames, heads: tuple[int, int], *,
+                 fuse_gate_up_exps: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
+    """{llama.cpp tensor name: fp32 tensor in numpy order} for the adapter. `fuse_gate_up_exps`: the base was
+    converted with llama.cpp's --fuse-gate-up-exps, whose one ffn_gate_up_exps per layer holds gate's rows, then
+    up's (conversion/base.py, modify_tensors)."""
     out, factors = {}, linear_factors(tensors)
     for layer, x in expert_layers(tensors, rank, names).items():
         inter = x.gate_up_b.shape[1] // 2
         blk = f"blk.{layer}"
-        if names.fused_gate_up:  # the fused LoRA as it is: B's rows are [gate; up] as the tensor's
+        if names.gated and (names.fused_gate_up or fuse_gate_up_exps):  # the fused LoRA as it is: B's rows are
+            # [gate; up] as the tensor's
             out[f"{blk}.ffn_gate_up_exps.weight.lora_a"] = x.gate_up_a
             out[f"{blk}.ffn_gate_up_exps.weight.lora_b"] = x.gate_up_b
         elif names.gated:
@@ -374,7 +428,12 @@ def gguf_name_map(arch: str, layers: int):
     import gguf
 
     by_name = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
-    return gguf.get_tensor_name_map(by_name[arch], layers)
+    return gguf.get_tensor_name_map(by_name[GGUF_NAMES_FROM.get(arch, arch)], layers)
+
+
+def gguf_lora_kinds(arch: str) -> set[str]:
+    """The blk.N.<kind>s whose LoRA llama.cpp's `arch` graph applies (the experts aside)."""
+    return (GGUF_LORA_KINDS | GGUF_EXTRA_LORA_KINDS.get(arch, set())) - GGUF_NO_LORA.get(arch, set())
 
 
 def gguf_linear_name(tensor_names, arch: str, layer: int, path: str, proj: str) -> str:
@@ -387,32 +446,40 @@ def gguf_linear_name(tensor_names, arch: str, layer: int, path: str, proj: str) 
     candidates = [f"{root}.{m}" for root in ("model", "backbone") for m in (module, f"{module}.layer")]
     name = next((n for c in candidates if (n := tensor_names.get_name(c))), None)
     if name is None:
+        if arch in GGUF_NAMES_FROM:
+            raise ExportError(f"{module}: no llama.cpp name known for this LoRA target in {arch} (named as gguf's "
+                              f"{GGUF_NAMES_FROM[arch]}): not written by this export yet (--format peft keeps it)")
         raise ExportError(f"{module}: llama.cpp has no tensor for this LoRA target in this architecture")
-    kind = name.split(".", 2)[2]
-    if kind in GGUF_NO_LORA.get(arch, ()) or (kind not in GGUF_LORA_KINDS and arch in LEGACY_LORA_ARCHS):
-        kinds = ", ".join(sorted(GGUF_LORA_KINDS - GGUF_NO_LORA.get(arch, set())))
+    kind, kinds = name.split(".", 2)[2], gguf_lora_kinds(arch)
+    if kind in GGUF_NO_LORA.get(arch, ()) or (kind not in kinds and arch in LEGACY_LORA_ARCHS):
         raise ExportError(f"{module}: llama.cpp's {arch} graph multiplies {name} without applying LoRA to it, so "
-                          f"its LoRA would be ignored (it applies LoRA to the experts and {kinds})")  # fmt: skip
+                          f"its LoRA would be ignored (it applies LoRA to the experts and "
+                          f"{', '.join(sorted(kinds))})")  # fmt: skip
     if kind in GGUF_REORDERED.get(arch, ()):
         raise ExportError(f"{module}: llama.cpp's converter reorders the rows of {name} for {arch}; a LoRA's B "
                           "would need the same order, which this export does not write yet (--format peft keeps it)")
-    if kind not in GGUF_LORA_KINDS:
+    if kind not in kinds:
         raise ExportError(f"{module}: a LoRA on llama.cpp's {name} ({arch}) is not written by this export yet: only "
-                          f"{', '.join(sorted(GGUF_LORA_KINDS))} and the experts are (--format peft keeps it)")
+                          f"{', '.join(sorted(kinds))} and the experts are (--format peft keeps it)")
     return name
 
 
-def write_gguf(adapter_dir: str | Path, out_file: str | Path) -> Path:
-    """A llama.cpp LoRA GGUF (fp32 tensors) of `adapter_dir`, written atomically to `out_file`."""
+def write_gguf(adapter_dir: str | Path, out_file: str | Path, *, fuse_gate_up_exps: bool = False) -> Path:
+    """A llama.cpp LoRA GGUF (fp32 tensors) of `adapter_dir`, written atomically to `out_file`;
+    `fuse_gate_up_exps` for a base converted with llama.cpp's --fuse-gate-up-exps."""
     import gguf
     from transformers import AutoConfig
 
     from moe_qlora.model.tiny import resolve_model_path
 
-    tensors, config, _, names = read_run_adapter(adapter_dir)
+    tensors, config, model_type, names = read_run_adapter(adapter_dir)
+    if fuse_gate_up_exps and names.gguf_arch not in GGUF_FUSABLE_GATE_UP:
+        raise ExportError(f"{model_type}: llama.cpp's converter cannot fuse gate and up experts for its "
+                          f"{names.gguf_arch} architecture (--fuse-gate-up-exps is for "
+                          f"{', '.join(sorted(GGUF_FUSABLE_GATE_UP))}), so no base has ffn_gate_up_exps")  # fmt: skip
     base = AutoConfig.from_pretrained(resolve_model_path(config["base_model_name_or_path"])).get_text_config()
     heads = (base.num_attention_heads, getattr(base, "num_key_value_heads", None) or base.num_attention_heads)
-    converted = gguf_tensors(tensors, int(config["r"]), names, heads)
+    converted = gguf_tensors(tensors, int(config["r"]), names, heads, fuse_gate_up_exps=fuse_gate_up_exps)
     out_file = Path(out_file)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_file.with_name(f".{out_file.name}.tmp-{os.getpid()}")
