@@ -10,6 +10,7 @@ O(0.1) factors, summed over rank 4, against PEFT's fp32 merge.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -178,6 +179,92 @@ def test_gate_up_fused_for_a_base_converted_with_fuse_gate_up_exps(model_type, t
     assert check_experts(model_type, deltas, swapped, scale=8.0 / 4) != []
 
 
+def qkv_deltas(deltas: dict, config, permute: bool) -> dict[int, list[np.ndarray]]:
+    """{layer: [dq, dk, dv]} of PEFT's merge, rows in llama.cpp's order (q and k permuted where it permutes)."""
+    out = {}
+    for key in deltas:
+        if m := re.search(r"\.layers\.(\d+)\.self_attn\.q_proj\.weight$", key):
+            q, k, v = (deltas[key.replace("q_proj", p)].numpy() for p in ("q_proj", "k_proj", "v_proj"))
+            if permute:
+                q = reference_permute(q, config.num_attention_heads)
+                k = reference_permute(k, config.num_key_value_heads or config.num_attention_heads)
+            out[int(m[1])] = [q, k, v]
+    return out
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "granitemoe"])  # Mixtral's, Granite's q/k permuted
+def test_qkv_fused_for_a_base_converted_with_fuse_qkv(model_type, tmp_path):
+    """llama.cpp's --fuse-qkv writes one attn_qkv per attention layer, q's rows, then k's, then v's: the adapter's
+    attn_qkv LoRA has rank 3r, and with llama.cpp's own scale, alpha over that rank, its delta is PEFT's three
+    stacked."""
+    adapter = family_adapter(tmp_path, model_type)
+    deltas, config = merged_minus_base(adapter)
+    config = config.get_text_config()
+    _, _, tensors = read_gguf(formats.write_gguf(adapter, tmp_path / "qkv.gguf", fuse_qkv=True))
+    assert not any(re.search(r"\.attn_[qkv]\.", k) for k in tensors)
+    want = qkv_deltas(deltas, config, formats.FAMILIES[model_type].permute_qk)
+    assert want, "no q/k/v LoRA in PEFT's merge"
+
+    def errors(lora: dict) -> dict[int, float]:
+        got = {}
+        for layer in want:
+            a, b = lora[f"blk.{layer}.attn_qkv.weight.lora_a"], lora[f"blk.{layer}.attn_qkv.weight.lora_b"]
+            got[layer] = float(np.abs(8.0 / b.shape[1] * (b @ a) - np.concatenate(want[layer])).max())  # alpha over
+            # llama.cpp's rank
+        return got
+
+    assert all(tensors[f"blk.{n}.attn_qkv.weight.lora_b"].shape[1] == 3 * 4 for n in want)
+    assert max(errors(tensors).values()) <= TOL
+    # broken control: k's and v's rows of B swapped (same size here)
+    swapped = dict(tensors)
+    for layer in want:
+        b = tensors[f"blk.{layer}.attn_qkv.weight.lora_b"].copy()
+        q_rows, kv_rows = len(want[layer][0]), len(want[layer][1])
+        assert len(want[layer][2]) == kv_rows
+        k = b[q_rows : q_rows + kv_rows].copy()
+        b[q_rows : q_rows + kv_rows], b[q_rows + kv_rows :] = b[q_rows + kv_rows :], k
+        swapped[f"blk.{layer}.attn_qkv.weight.lora_b"] = b
+    assert min(errors(swapped).values()) > TOL
+
+
+def test_check_norms_reads_fused_tensors_at_llama_cpps_own_scale(tmp_path):
+    """check-norms on a GGUF scales each tensor as llama.cpp does, alpha over its own rank: the fused attn_qkv
+    (rank 3r) row is the stacked q, k and v deltas of the unfused file (Frobenius norms add in squares), and the
+    expert stacks are still split by the experts' rank r."""
+    from moe_qlora.export.norms import check_norms
+
+    adapter = family_adapter(tmp_path, "qwen3_next")
+    plain = check_norms(formats.write_gguf(adapter, tmp_path / "plain.gguf")).rows
+    fused = check_norms(formats.write_gguf(adapter, tmp_path / "fused.gguf", fuse_qkv=True,
+                                           fuse_gate_up_exps=True)).rows  # fmt: skip
+    by = {(r.module, r.expert): r.norm_delta for r in plain}
+    for r in fused:
+        if ".attn_qkv." in r.module:
+            parts = [by[(r.module.replace("attn_qkv", f"attn_{p}"), r.expert)] for p in "qkv"]
+            assert r.norm_delta == pytest.approx(math.sqrt(sum(x * x for x in parts)), rel=1e-5)
+        elif "_exps." not in r.module:
+            assert r.norm_delta == pytest.approx(by[(r.module, r.expert)], rel=1e-6)
+    assert any(".attn_qkv." in r.module for r in fused)
+    down = [r for r in fused if ".ffn_down_exps." in r.module]
+    assert len({r.expert for r in down}) == 8  # one row per expert: the stack split by r, not 3r
+    for r in down:
+        assert r.norm_delta == pytest.approx(by[(r.module, r.expert)], rel=1e-6)
+
+
+def test_fuse_qkv_needs_q_k_and_v_and_an_architecture_llama_cpp_fuses(tmp_path):
+    adapter = family_adapter(tmp_path, "deepseek_v2")
+    with pytest.raises(formats.ExportError, match="deepseek_v2: llama.cpp's converter does not fuse q, k and v"):
+        formats.write_gguf(adapter, tmp_path / "a.gguf", fuse_qkv=True)
+    tok = build_byte_tokenizer()
+    path = save_tiny_model(tmp_path / "mixtral", tiny_config_any("mixtral", len(tok)), tokenizer=tok)
+    lora = LoraSection(rank=4, alpha=8.0, target_modules=["q_proj", "k_proj"])
+    model = attach_adapters(load_model(LoadOptions(str(path))), lora, seed=0)
+    partial = save_adapter(model, tmp_path / "qk", cfg=lora, base_model_name_or_path=str(path))
+    with pytest.raises(formats.ExportError, match="layer 0: no LoRA on attn_v; a base converted with --fuse-qkv"):
+        formats.write_gguf(partial, tmp_path / "b.gguf", fuse_qkv=True)
+    assert not (tmp_path / "a.gguf").exists() and not (tmp_path / "b.gguf").exists()
+
+
 def test_fuse_gate_up_exps_is_refused_where_llama_cpp_cannot_fuse(tmp_path):
     adapter = family_adapter(tmp_path, "mixtral")
     with pytest.raises(formats.ExportError, match="mixtral: llama.cpp's converter cannot fuse gate and up experts"):
@@ -321,6 +408,33 @@ def test_vllm_format_is_the_per_expert_layout_where_vllm_reads_2d(exported, tmp_
         assert vllm.read_bytes() == per_expert.read_bytes()
 
 
+def test_vllm_format_renames_shared_experts_to_vllms_module_names(tmp_path, monkeypatch):
+    """Hunyuan-V3's shared expert is mlp.shared_mlp in vLLM (mlp.shared_experts in transformers): a LoRA under
+    the transformers name would load and match no module. The per-expert format keeps transformers' name."""
+    tok = build_byte_tokenizer()
+    path = save_tiny_model(tmp_path / "hy_v3", tiny_config_any("hy_v3", len(tok)), tokenizer=tok)
+    lora = LoraSection(rank=4, alpha=8.0, target_modules=["shared_experts.gate_proj", "o_proj"])
+    model = attach_adapters(load_model(LoadOptions(str(path))), lora, seed=0)
+    adapter = save_adapter(model, tmp_path / "adapter", cfg=lora, base_model_name_or_path=str(path))
+    from safetensors.torch import load_file
+
+    vllm = load_file(str(formats.write_vllm(adapter, tmp_path / "v") / "adapter_model.safetensors"))
+    per_expert = load_file(str(formats.write_per_expert(adapter, tmp_path / "pe") / "adapter_model.safetensors"))
+    assert any(".mlp.shared_experts.gate_proj." in k for k in per_expert)
+    assert not any(".shared_experts." in k for k in vllm)
+    assert {k.replace(".mlp.shared_mlp.", ".mlp.shared_experts."): v for k, v in vllm.items()}.keys() == \
+        per_expert.keys()  # fmt: skip
+
+
+def test_vllm_format_refuses_router_lora_its_fused_moe_runner_would_ignore(tmp_path):
+    adapter = family_adapter(tmp_path, "qwen3_moe")  # router LoRA trained
+    with pytest.raises(formats.ExportError, match="qwen3_moe: vLLM 0.33.0 does not apply a LoRA to this family's "
+                                                  "router .mlp.gate: its fused-MoE runner"):  # fmt: skip
+        formats.write_vllm(adapter, tmp_path / "v")
+    assert not (tmp_path / "v").exists()
+    formats.write_per_expert(adapter, tmp_path / "pe")  # other runtimes: the per-expert layout is still written
+
+
 def test_vllm_format_keeps_peft_fused_layout_where_vllm_reads_3d(tmp_path):
     """GPT-OSS: vLLM's GptOssForCausalLM sets is_3d_moe_weight and reads PEFT's fused expert LoRA (its gate and
     up interleaved in B, as trained) as written; the per-expert layout is refused for it."""
@@ -354,7 +468,9 @@ def render_family_table() -> str:
         else:
             vllm = f"per-expert `{n.experts}.M.{'/'.join(p for p in (n.gate, n.up, n.down) if p)}`"
             if mt in f.VLLM_IGNORED_ROUTER:
-                vllm += f"; router LoRA refused (vLLM ignores `{f.VLLM_IGNORED_ROUTER[mt]}`)"
+                vllm += f"; router LoRA refused (vLLM ignores `{f.VLLM_IGNORED_ROUTER[mt][0]}`)"
+            if mt in f.VLLM_RENAMED:
+                vllm += f"; `{f.VLLM_RENAMED[mt][0]}` renamed `{f.VLLM_RENAMED[mt][1]}`"
         notes = ((n.gguf_arch in f.GGUF_EXTRA_LORA_KINDS, ", ".join(sorted(f.GGUF_EXTRA_LORA_KINDS.get(n.gguf_arch, ())))),
                  (n.permute_qk, "q/k with rows permuted as the converter permutes the base's"),
                  (n.peft_swapped, "transposed back from (E, in, out)"),

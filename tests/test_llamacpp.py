@@ -192,9 +192,14 @@ def lora_tensors_llama_cpp_would_reject(lora: dict, base: dict) -> list[str]:
     return wrong
 
 
-@pytest.mark.parametrize("fuse", [False, True], ids=["split", "fuse-gate-up-exps"])
+# how the base was converted: llama.cpp's flag, and the export's matching keyword
+CONVERSIONS = {"split": ((), {}), "fuse-gate-up-exps": (("--fuse-gate-up-exps",), {"fuse_gate_up_exps": True}),
+               "fuse-qkv": (("--fuse-qkv",), {"fuse_qkv": True})}  # fmt: skip
+
+
+@pytest.mark.parametrize("conversion", CONVERSIONS)
 @pytest.mark.parametrize("model_type", sorted(formats.FAMILIES))
-def test_every_lora_tensor_names_a_base_tensor_of_its_shape(model_type, fuse, tmp_path):
+def test_every_lora_tensor_names_a_base_tensor_of_its_shape(model_type, conversion, tmp_path):
     """Needs only llama.cpp's tree (LLAMA_CPP_DIR), not libllama: the tiny base converted by llama.cpp's own
     converter (stopped once it has named every tensor), and our GGUF adapter's tensors checked as libllama
     checks them when it loads an adapter, with the same general.architecture."""
@@ -205,26 +210,27 @@ def test_every_lora_tensor_names_a_base_tensor_of_its_shape(model_type, fuse, tm
 
     if not LLAMA_CPP_DIR or not (Path(LLAMA_CPP_DIR) / "convert_hf_to_gguf.py").is_file():
         pytest.skip("LLAMA_CPP_DIR does not point at a llama.cpp tree with convert_hf_to_gguf.py")
-    adapter = family_adapter(tmp_path, model_type, **CONVERTIBLE.get(model_type, {}))
-    hub_layout(tmp_path / model_type, model_type)
     if model_type in NOT_CONVERTIBLE:
         pytest.skip(f"{model_type}: {NOT_CONVERTIBLE[model_type]}")
-    if fuse and formats.FAMILIES[model_type].gguf_arch not in formats.GGUF_FUSABLE_GATE_UP:
-        pytest.skip(f"{model_type}: llama.cpp's converter raises on --fuse-gate-up-exps (export refuses it too)")
-    extra = CONVERT_FLAGS.get(model_type, ()) + (("--fuse-gate-up-exps",) if fuse else ())
+    names = formats.FAMILIES[model_type]
+    fusable = {"fuse-gate-up-exps": formats.GGUF_FUSABLE_GATE_UP, "fuse-qkv": formats.GGUF_FUSABLE_QKV}
+    if conversion in fusable and names.gguf_arch not in fusable[conversion]:
+        pytest.skip(f"{model_type}: llama.cpp's converter does not {conversion} {names.gguf_arch} (export refuses it)")
+    flags, export = CONVERSIONS[conversion]
+    adapter = family_adapter(tmp_path, model_type, **CONVERTIBLE.get(model_type, {}))
+    hub_layout(tmp_path / model_type, model_type)
     base = json.loads(convert_base(tmp_path / model_type, tmp_path / "base.json", names_only=True,
-                                   extra=extra).read_text())  # fmt: skip
-    _, fields, lora = read_gguf(formats.write_gguf(adapter, tmp_path / "a.gguf", fuse_gate_up_exps=fuse))
+                                   extra=CONVERT_FLAGS.get(model_type, ()) + flags).read_text())  # fmt: skip
+    _, fields, lora = read_gguf(formats.write_gguf(adapter, tmp_path / "a.gguf", **export))
     assert field_value(fields["general.architecture"]) == base["arch"]
     assert lora_tensors_llama_cpp_would_reject(lora, base["tensors"]) == []
     # broken controls: each expert's factors transposed (Llama-4's storage not undone), where that changes a
-    # shape; the adapter written for the other conversion (split vs fused gate/up), where there is one
+    # shape; the adapter written for the plain conversion, where this one renamed any of its tensors
     transposed = {k: np.ascontiguousarray(np.swapaxes(lora[k.replace("lora_a", "lora_b") if k.endswith("lora_a")
                                                            else k.replace("lora_b", "lora_a")], 1, 2))
                   if "_exps." in k else v for k, v in lora.items()}  # fmt: skip
     if any(t.shape != lora[k].shape for k, t in transposed.items()):
         assert lora_tensors_llama_cpp_would_reject(transposed, base["tensors"]) != []
-    names = formats.FAMILIES[model_type]
-    if names.gguf_arch in formats.GGUF_FUSABLE_GATE_UP and not names.fused_gate_up:
-        _, _, other = read_gguf(formats.write_gguf(adapter, tmp_path / "b.gguf", fuse_gate_up_exps=not fuse))
-        assert lora_tensors_llama_cpp_would_reject(other, base["tensors"]) != []
+    _, _, plain = read_gguf(formats.write_gguf(adapter, tmp_path / "b.gguf"))
+    if plain.keys() != lora.keys():
+        assert lora_tensors_llama_cpp_would_reject(plain, base["tensors"]) != []

@@ -68,6 +68,7 @@ def export(
     fuse_gate_up_exps: bool = typer.Option(
         False, "--fuse-gate-up-exps", help="gguf: for a base converted with llama.cpp's --fuse-gate-up-exps"
     ),
+    fuse_qkv: bool = typer.Option(False, "--fuse-qkv", help="gguf: for a base converted with llama.cpp's --fuse-qkv"),
     debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
 ):
     """The adapter in the layout another runtime reads: per-expert PEFT keys, or a llama.cpp LoRA GGUF."""
@@ -78,14 +79,15 @@ def export(
     from moe_qlora.export.formats import write_gguf, write_per_expert, write_vllm
 
     writers = {"vllm": write_vllm, "per-expert": write_per_expert,
-               "gguf": partial(write_gguf, fuse_gate_up_exps=fuse_gate_up_exps)}  # fmt: skip
+               "gguf": partial(write_gguf, fuse_gate_up_exps=fuse_gate_up_exps, fuse_qkv=fuse_qkv)}  # fmt: skip
     try:
         if fmt not in writers:
             raise ConfigError(
                 f"--format {fmt!r}: expected one of {', '.join(writers)} (the run's adapter is already PEFT)"
             )
-        if fuse_gate_up_exps and fmt != "gguf":
-            raise ConfigError(f"--fuse-gate-up-exps names llama.cpp's tensors: it goes with --format gguf, not {fmt}")
+        for flag, on in (("--fuse-gate-up-exps", fuse_gate_up_exps), ("--fuse-qkv", fuse_qkv)):
+            if on and fmt != "gguf":
+                raise ConfigError(f"{flag} names llama.cpp's tensors: it goes with --format gguf, not {fmt}")
         path = writers[fmt](adapter, out)
     except user_errors() as exc:
         fail(exc, debug)

@@ -119,9 +119,9 @@ PER_EXPERT_UNREAD = {
     "gpt_oss": "vLLM reads GPT-OSS's expert LoRA in PEFT's fused layout only (use --format vllm)",
     **dict.fromkeys(("gemma4", "gemma4_text"), "the per-expert names vLLM's Gemma-4 class expects are not "
                     "checked (use --format peft, or gguf)"),
-    **dict.fromkeys(("granitemoe", "granitemoeshared", "granitemoehybrid"), "Granite's checkpoints hold fused "
-                    "input_linear stacks, and the per-expert names vLLM's Granite classes expect are not checked "
-                    "(use --format peft, or gguf)"),
+    **dict.fromkeys(("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa"),
+                    "Granite's checkpoints hold fused input_linear stacks, and the per-expert names vLLM's Granite "
+                    "classes expect are not checked (use --format peft, or gguf)"),
 }
 # llama.cpp tensors (blk.N.<kind>) whose product goes through build_lora_mm, so that a LoRA on them is applied:
 # attention, the router, dense MLPs (build_ffn), shared experts and Qwen2-MoE's shared-expert gate.
@@ -157,6 +157,12 @@ GGUF_REORDERED = {
 # Architectures whose ffn_gate_up_exps llama.cpp's --fuse-gate-up-exps writes (MODEL_TENSORS lists it; for
 # every other one its converter raises): gguf-py/gguf/constants.py at 0c1e57098. Gemma-4's is always fused.
 GGUF_FUSABLE_GATE_UP = {"qwen3next", "qwen35moe", "qwen4exp", "mistral4", "cohere2moe", "granite_swa"}
+# ...and whose attn_qkv --fuse-qkv writes (the converter fuses the layers where q, k and v all exist; Jamba's and
+# Granite-Hybrid's list attn_qkv too, but their converters write q, k and v apart even so: tests/test_llamacpp.py)
+GGUF_FUSABLE_QKV = {"afmoe", "dots1", "ernie4_5-moe", "exaone-moe", "gemma4", "glm4moe", "gpt-oss", "granitemoe",
+                    "hunyuan-moe", "kimi-linear", "lfm2moe", "llama", "llama4", "mimo2", "minimax-m2", "nemotron_h_moe",
+                    "olmoe", "phimoe", "qwen2moe", "qwen35moe", "qwen3moe", "qwen3next", "qwen3vlmoe",
+                    "qwen4exp"}  # fmt: skip
 WHY_NOT: dict[str, str] = {}  # families refused by every layout, with the reason a user needs
 # Families moe-qlora trains that these formats do not write, with the reason (read from llama.cpp 0c1e57098's
 # converters and graphs); --format peft works for them all
@@ -325,12 +331,16 @@ def hub_linear_key(key: str, names: FamilyNames) -> str:
     return f"{m['prefix']}.layers.{m['layer']}.{path}.{m['proj']}.lora_{m['ab']}.weight"
 
 
-def write_per_expert(adapter_dir: str | Path, out_dir: str | Path) -> Path:
-    """The per-expert PEFT adapter of `adapter_dir` in `out_dir` (atomically)."""
+def write_per_expert(adapter_dir: str | Path, out_dir: str | Path, *, rename: tuple[str, str] | None = None
+                     ) -> Path:  # fmt: skip
+    """The per-expert PEFT adapter of `adapter_dir` in `out_dir` (atomically); `rename`: (old, new) module path
+    fragment of the runtime's own names."""
     tensors, config, model_type, names = read_run_adapter(adapter_dir)
     if model_type in PER_EXPERT_UNREAD:
         raise ExportError(f"{model_type}: {PER_EXPERT_UNREAD[model_type]}")
     converted = per_expert_tensors(tensors, int(config["r"]), names)
+    if rename:
+        converted = {k.replace(*rename): v for k, v in converted.items()}
     linears = sorted({m["proj"] for k in converted if (m := LINEAR_KEY.fullmatch(k))})
     new_config = {**config, "target_modules": linears, "target_parameters": None}
     with atomic_dir(out_dir) as tmp:
@@ -347,12 +357,31 @@ def write_per_expert(adapter_dir: str | Path, out_dir: str | Path) -> Path:
 # Qwen3.5-MoE: the multimodal class (qwen3_5_moe) reads 3D, the text-only one (qwen3_5_moe_text) 2D.
 VLLM_VERSION = "0.33.0"
 VLLM_FUSED_3D = {"gpt_oss", "qwen3_5_moe", "qwen3_vl_moe", "qwen3_omni_moe"}
-VLLM_IGNORED_ROUTER = {"nemotron_h": "mixer.gate"}  # lora/model_manager.py skips it, with only a log line
+# Routers vLLM loads a LoRA for but never applies, so that it would be silently ignored: Nemotron-H's is skipped
+# with a log line (lora/model_manager.py); the blocks that hand their gate to the fused-MoE runner get it back
+# unwrapped, since the LoRA wrapper is set on the experts module, which is wrapped itself by then
+# (layers/fused_moe/runner/moe_runner.py computes the logits; lora/model_manager.py sets the attribute).
+_RUNNER_GATE = "its fused-MoE runner computes the router logits with the gate it holds, not the LoRA-wrapped one"
+VLLM_IGNORED_ROUTER = {
+    "nemotron_h": ("mixer.gate", "lora/model_manager.py skips it, with only a log line"),
+    **dict.fromkeys(("qwen3_moe", "exaone_moe", "deepseek_v2", "deepseek_v3", "glm_moe_dsa", "qwen3_next",
+                     "qwen3_5_moe", "qwen3_5_moe_text", "deepseek_v32", "qwen4_exp", "qwen4_exp_text",
+                     "glm5_next"), ("mlp.gate", _RUNNER_GATE)),
+}  # fmt: skip
+_TRANSFORMERS_BACKEND = ("served by vLLM's Transformers backend, whose expert mapping lists both the gate_proj "
+                         "and the w1 names, so a per-expert adapter fails its packing assertion (lora_weights.py)")
 VLLM_NO_MOE_LORA = {
     "kimi_linear": "KimiLinearForCausalLM implements no LoRA",
     "mimo_v2_flash": "MiMoV2FlashForCausalLM implements no LoRA",
     "dots1": "Dots1ForCausalLM was removed in vLLM 0.23.0",
+    "cohere2_moe": "Cohere2MoeForCausalLM implements no LoRA",
+    **dict.fromkeys(("dots3_note", "dots3_note_text"), "Dots3NoteForCausalLM implements no LoRA"),
+    **dict.fromkeys(("hunyuan_v1_moe", "solar_open", "mellum"), _TRANSFORMERS_BACKEND),
+    "mistral4": "no vLLM class of its own: its HF checkpoints fall back to the Transformers backend",
 }
+# Modules vLLM's class names otherwise than transformers (a LoRA under transformers' name would load unused)
+# (Laguna's is mlp.shared_expert there, but a LoRA on its shared expert does not load in PEFT: refused in training)
+VLLM_RENAMED = {"hy_v3": ("mlp.shared_experts.", "mlp.shared_mlp.")}
 
 
 def write_vllm(adapter_dir: str | Path, out_dir: str | Path) -> Path:
@@ -367,12 +396,12 @@ def write_vllm(adapter_dir: str | Path, out_dir: str | Path) -> Path:
     if model_type in VLLM_NO_MOE_LORA:
         raise ExportError(f"{model_type}: vLLM {VLLM_VERSION} serves no MoE LoRA for it "
                           f"({VLLM_NO_MOE_LORA[model_type]}); use --format peft or gguf")  # fmt: skip
-    router = VLLM_IGNORED_ROUTER.get(model_type)
+    router, why = VLLM_IGNORED_ROUTER.get(model_type, (None, ""))
     if router and any((m := LINEAR_KEY.fullmatch(k)) and f"{m['path']}.{m['proj']}" == router for k in tensors):
         raise ExportError(f"{model_type}: vLLM {VLLM_VERSION} does not apply a LoRA to this family's router "
-                          f"({router}: a non-gated MoE's gate), so it would be ignored; train with lora.router: false")
+                          f"({router}: {why}), so it would be ignored; train with lora.router: false")
     if model_type not in VLLM_FUSED_3D:
-        return write_per_expert(adapter_dir, out_dir)
+        return write_per_expert(adapter_dir, out_dir, rename=VLLM_RENAMED.get(model_type))
     with atomic_dir(out_dir) as tmp:
         for name in ("adapter_model.safetensors", "adapter_config.json"):
             shutil.copyfile(Path(adapter_dir) / name, tmp / name)
@@ -389,10 +418,11 @@ def permute_rows_for_rope(b: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def gguf_tensors(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames, heads: tuple[int, int], *,
-                 fuse_gate_up_exps: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
-    """{llama.cpp tensor name: fp32 tensor in numpy order} for the adapter. `fuse_gate_up_exps`: the base was
-    converted with llama.cpp's --fuse-gate-up-exps, whose one ffn_gate_up_exps per layer holds gate's rows, then
-    up's (conversion/base.py, modify_tensors)."""
+                 fuse_gate_up_exps: bool = False, fuse_qkv: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
+    """{llama.cpp tensor name: fp32 tensor in numpy order} for the adapter. `fuse_gate_up_exps` / `fuse_qkv`:
+    the base was converted with llama.cpp's flags of those names, which write one ffn_gate_up_exps per layer
+    (gate's rows, then up's) and one attn_qkv per attention layer (q's rows, k's, v's; conversion/base.py,
+    modify_tensors)."""
     out, factors = {}, linear_factors(tensors)
     for layer, x in expert_layers(tensors, rank, names).items():
         inter = x.gate_up_b.shape[1] // 2
@@ -420,7 +450,27 @@ def gguf_tensors(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames
             b = permute_rows_for_rope(b, n_head if name.endswith(".attn_q") else n_kv)
         out[f"{name}.weight.lora_a"] = a
         out[f"{name}.weight.lora_b"] = b
+    if fuse_qkv:
+        out = fused_qkv(out)
     return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def fused_qkv(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each layer's q, k and v LoRA as the one attn_qkv LoRA of a base converted with --fuse-qkv: A stacked along
+    the rank (3r, in), B block-diagonal (q_out + k_out + v_out, 3r), so that B A = [B_q A_q; B_k A_k; B_v A_v].
+    llama.cpp scales each LoRA by alpha over its own rank (B's columns: 3r here), so B is multiplied by 3 to keep
+    each block's alpha / r."""
+    layers = sorted({int(k.split(".")[1]) for k in out if re.fullmatch(r"blk\.\d+\.attn_[qkv]\.weight\.lora_a", k)})
+    for layer in layers:
+        pieces = [f"blk.{layer}.attn_{p}.weight" for p in "qkv"]
+        if missing := [p.split(".")[2] for p in pieces if f"{p}.lora_a" not in out]:
+            raise ExportError(f"layer {layer}: no LoRA on {', '.join(missing)}; a base converted with --fuse-qkv holds "
+                              "one attn_qkv, whose LoRA needs q, k and v all trained (target q_proj, k_proj and "
+                              "v_proj, or convert the base without --fuse-qkv)")  # fmt: skip
+        a = torch.cat([out.pop(f"{p}.lora_a") for p in pieces])
+        b = torch.block_diag(*[out.pop(f"{p}.lora_b") for p in pieces]) * len(pieces)
+        out[f"blk.{layer}.attn_qkv.weight.lora_a"], out[f"blk.{layer}.attn_qkv.weight.lora_b"] = a, b
+    return out
 
 
 def gguf_name_map(arch: str, layers: int):
@@ -464,9 +514,10 @@ def gguf_linear_name(tensor_names, arch: str, layer: int, path: str, proj: str) 
     return name
 
 
-def write_gguf(adapter_dir: str | Path, out_file: str | Path, *, fuse_gate_up_exps: bool = False) -> Path:
+def write_gguf(adapter_dir: str | Path, out_file: str | Path, *, fuse_gate_up_exps: bool = False,
+               fuse_qkv: bool = False) -> Path:  # fmt: skip
     """A llama.cpp LoRA GGUF (fp32 tensors) of `adapter_dir`, written atomically to `out_file`;
-    `fuse_gate_up_exps` for a base converted with llama.cpp's --fuse-gate-up-exps."""
+    `fuse_gate_up_exps` / `fuse_qkv` for a base converted with llama.cpp's flags of those names."""
     import gguf
     from transformers import AutoConfig
 
@@ -477,9 +528,13 @@ def write_gguf(adapter_dir: str | Path, out_file: str | Path, *, fuse_gate_up_ex
         raise ExportError(f"{model_type}: llama.cpp's converter cannot fuse gate and up experts for its "
                           f"{names.gguf_arch} architecture (--fuse-gate-up-exps is for "
                           f"{', '.join(sorted(GGUF_FUSABLE_GATE_UP))}), so no base has ffn_gate_up_exps")  # fmt: skip
+    if fuse_qkv and names.gguf_arch not in GGUF_FUSABLE_QKV:
+        raise ExportError(f"{model_type}: llama.cpp's converter does not fuse q, k and v for its {names.gguf_arch} "
+                          "architecture, so no base has attn_qkv; export without --fuse-qkv")  # fmt: skip
     base = AutoConfig.from_pretrained(resolve_model_path(config["base_model_name_or_path"])).get_text_config()
     heads = (base.num_attention_heads, getattr(base, "num_key_value_heads", None) or base.num_attention_heads)
-    converted = gguf_tensors(tensors, int(config["r"]), names, heads, fuse_gate_up_exps=fuse_gate_up_exps)
+    converted = gguf_tensors(tensors, int(config["r"]), names, heads, fuse_gate_up_exps=fuse_gate_up_exps,
+                             fuse_qkv=fuse_qkv)  # fmt: skip
     out_file = Path(out_file)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_file.with_name(f".{out_file.name}.tmp-{os.getpid()}")

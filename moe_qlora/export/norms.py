@@ -86,7 +86,9 @@ def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | None
 def read_gguf_adapter(path: Path) -> tuple[dict[str, torch.Tensor], dict, Path]:
     """A llama.cpp LoRA GGUF as PEFT-style tensors: `<tensor>.lora_a/.lora_b` become `<tensor>.lora_A/B.weight`;
     3D expert tensors (E, r, in) / (E, out, r) are flattened as PEFT stacks experts (rows e*r + j of A,
-    columns j*E + e of B), so every expert gets its own row. The scale is adapter.lora.alpha / r."""
+    columns j*E + e of B), so every expert gets its own row. llama.cpp scales each tensor by adapter.lora.alpha
+    over its own rank (B's columns: a base converted with --fuse-qkv has attn_qkv at 3r), so the config carries
+    each tensor's rank; "r" is the experts' (the rank their stacks are split by)."""
     import gguf
     import numpy as np
 
@@ -101,17 +103,22 @@ def read_gguf_adapter(path: Path) -> tuple[dict[str, torch.Tensor], dict, Path]:
     if kind is None or bytes(kind.parts[kind.data[0]]).decode() != "adapter":
         raise AdapterReadError(f"{path}: a GGUF, but not an adapter (general.type is not 'adapter')")
     alpha_field = fields.get("adapter.lora.alpha")
-    tensors, rank = {}, None
+    tensors, ranks, expert_ranks = {}, {}, set()
     for t in reader.tensors:
         x = torch.from_numpy(np.array(t.data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)]))
         base, _, ab = t.name.rpartition(".lora_")
         if ab == "a":
-            rank = x.shape[-2]
+            ranks[base] = x.shape[-2]
+            if x.dim() == 3:
+                expert_ranks.add(x.shape[-2])
             x = x.reshape(-1, x.shape[-1])  # (E, r, in) -> (E*r, in)
         elif x.dim() == 3:
             x = x.permute(1, 2, 0).reshape(x.shape[1], -1)  # (E, out, r) -> (out, r*E)
         tensors[f"{base}.lora_{ab.upper()}.weight"] = x
-    config = {"r": rank, "lora_alpha": float(alpha_field.parts[alpha_field.data[0]][0])} if alpha_field else None
+    rank = min(expert_ranks or ranks.values(), default=None)
+    config = None
+    if alpha_field:
+        config = {"r": rank, "lora_alpha": float(alpha_field.parts[alpha_field.data[0]][0]), "tensor_ranks": ranks}
     return tensors, config, path
 
 
@@ -210,7 +217,9 @@ def check_norms(path: str | Path) -> NormReport:
     rank = (config or {}).get("r")
     rows = []
     for module, (a, b) in pair_factors(tensors, weights).items():
-        rows.extend(module_rows(_module_label(module, config), a, b, rank=rank, scale=scale))
+        own = (config or {}).get("tensor_ranks", {}).get(module, rank)  # a GGUF's: alpha over each tensor's rank
+        own_scale = scale if own == rank else config["lora_alpha"] / own
+        rows.extend(module_rows(_module_label(module, config), a, b, rank=own, scale=own_scale))
     flag_outliers(rows)
     return NormReport(adapter=str(weights), scale=scale, scale_known=known, rows=rows)
 
