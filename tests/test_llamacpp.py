@@ -30,8 +30,8 @@ from moe_qlora.export import formats
 
 pytestmark = pytest.mark.llamacpp
 LLAMA_CPP_DIR = os.environ.get("LLAMA_CPP_DIR")
-# log-prob tolerance: llama.cpp's f32 matmuls and f32 KV cache against torch fp32 (measured 3.6e-6 to 6.9e-6;
-# the base without the adapter is 4.2 to 7.3 off)
+# log-prob tolerance: llama.cpp's f32 matmuls and f32 KV cache against torch fp32 (measured 1.8e-7 to 1.6e-5,
+# Qwen3-Next aside; the base without the adapter is 0.28 to 7.3 off)
 TOL = 1e-4
 # the converter hashes a tokenizer's pre-tokenization to name it; the tests' byte-level tokenizer is not one it
 # knows, so it is named "default", and given one merge (token ids are fed directly: the vocabulary only has to

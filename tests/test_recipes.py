@@ -198,3 +198,18 @@ def test_recipe_settings_train_together_on_a_tiny_model(path, tmp_path):
         assert all(f"reward/{recipe.grpo.rewards[0].function}" in r for r in records), records[0].keys()
         assert any(r["sequences_trained"] > 0 for r in records)
     assert (result.adapter_dir / "adapter_model.safetensors").exists()
+
+
+def test_the_grpo_recipes_reward_scores_gsm8k_answers():
+    """The GRPO recipe's reward, loaded as a run loads it (the file path relative to the recipe), on answers in
+    GSM8K's own form (working, then `#### N`): the completion's last number against the number after ####."""
+    from moe_qlora.train.rewards import resolve_reward
+
+    cfg = load_config(ROOT / "configs" / "recipes" / "qwen3-30b-a3b-grpo.yaml")
+    fn = resolve_reward(cfg.grpo.rewards[0], 0).fn
+    answer = ["Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72", "She earns 1,234.50 a week.\n#### 1,234.5",
+              "#### -3"]  # fmt: skip
+    completions = ["48 + 24 = 72, so the answer is 72.", "That is 1234.50 dollars", "The answer is 3."]
+    # the third is a broken control: 3 where GSM8K says -3; and GSM8K's working (the 24) is not the answer
+    assert fn(["p"] * 3, completions, answer=answer) == [1.0, 1.0, 0.0]
+    assert fn(["p"], ["the answer is 24"], answer=answer[:1]) == [0.0]

@@ -114,14 +114,15 @@ FAMILIES = {
     "granitemoe_swa": FamilyNames("granite_swa", "block_sparse_moe.experts", "gate_proj", "up_proj", "down_proj",
                                   permute_qk=True, fused_gate_up=True),
 }
-# vLLM reads these families' expert LoRA only in PEFT's fused layout (VLLM_FUSED_3D): no per-expert export
+# No per-expert export for these: vLLM reads GPT-OSS's expert LoRA only in PEFT's fused layout (VLLM_FUSED_3D);
+# the per-expert names vLLM's Gemma-4 and Granite classes expect are unchecked
 PER_EXPERT_UNREAD = {
     "gpt_oss": "vLLM reads GPT-OSS's expert LoRA in PEFT's fused layout only (use --format vllm)",
     **dict.fromkeys(("gemma4", "gemma4_text"), "the per-expert names vLLM's Gemma-4 class expects are not "
-                    "checked (use --format peft, or gguf)"),
+                    "checked (the run's PEFT adapter, or gguf)"),
     **dict.fromkeys(("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa"),
                     "Granite's checkpoints hold fused input_linear stacks, and the per-expert names vLLM's Granite "
-                    "classes expect are not checked (use --format peft, or gguf)"),
+                    "classes expect are not checked (the run's PEFT adapter, or gguf)"),
 }
 # llama.cpp tensors (blk.N.<kind>) whose product goes through build_lora_mm, so that a LoRA on them is applied:
 # attention, the router, dense MLPs (build_ffn), shared experts and Qwen2-MoE's shared-expert gate.
@@ -138,8 +139,8 @@ GGUF_NAMES_FROM = {"cohere2moe": "glm4moe", "deepseek32": "glm-dsa", "dots3note"
 # ...except where an architecture's graph multiplies them with a plain ggml_mul_mat: DeepSeek-V2/V3's query
 # (wq, and wq_a / wq_b, like the rest of MLA but the output projection).
 GGUF_NO_LORA = {
-    "deepseek2": {"attn_q"},
-    "mistral4": {"attn_q"},
+    # (the MLA families of DeepSeek-V2's graph alike: a query without a low-rank projection is wq, unhooked)
+    **dict.fromkeys(("deepseek2", "mistral4", "deepseek32", "dots3note", "hy_v4"), {"attn_q"}),
     "glm5-next": {"attn_q", "attn_k", "attn_v", "attn_output"},
     # Kimi-Linear: its delta-attention layers' q/k/v/o and the MLA query (the MLA output is hooked, but shares
     # attn_output with the delta-attention layers, so both are refused)
@@ -165,7 +166,7 @@ GGUF_FUSABLE_QKV = {"afmoe", "dots1", "ernie4_5-moe", "exaone-moe", "gemma4", "g
                     "qwen4exp"}  # fmt: skip
 WHY_NOT: dict[str, str] = {}  # families refused by every layout, with the reason a user needs
 # Families moe-qlora trains that these formats do not write, with the reason (read from llama.cpp 0c1e57098's
-# converters and graphs); --format peft works for them all
+# converters and graphs); the run's own adapter folder (PEFT's format) serves them all
 _NO_CONVERTER = "llama.cpp 0c1e57098 has no converter for its checkpoints, so no base GGUF exists to apply a LoRA to"
 NOT_EXPORTED = {
     **dict.fromkeys(("aria", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "ernie4_5_vl_moe", "flex_olmo",
@@ -184,6 +185,10 @@ EXPERT_KEY = re.compile(r"(?P<prefix>.*?)\.layers\.(?P<layer>\d+)\.(?:(?P<path>.
                         r"lora_(?P<ab>[AB])\.weight")  # fmt: skip  # path: none for Gemma-4 (layers.N.experts)
 LINEAR_KEY = re.compile(r"(?P<prefix>.*?)\.layers\.(?P<layer>\d+)\.(?P<path>.+)\.(?P<proj>[a-z_0-9]+)\.lora_"
                         r"(?P<ab>[AB])\.weight")  # fmt: skip
+
+
+PEFT_AS_IS = "the run's adapter folder is in PEFT's format, which loads as it is"
+PEFT_KEEPS = "the run's PEFT adapter keeps it"
 
 
 class ExportError(ConfigError):
@@ -218,10 +223,10 @@ def read_run_adapter(adapter_dir: str | Path) -> tuple[dict[str, torch.Tensor], 
         raise ExportError(f"{model_type}: {WHY_NOT[model_type]}")
     if model_type in NOT_EXPORTED:
         raise ExportError(f"{model_type}: not written as GGUF ({NOT_EXPORTED[model_type]}), nor per-expert or for "
-                          "vLLM (names unchecked); --format peft works for every family")  # fmt: skip
+                          f"vLLM (names unchecked); {PEFT_AS_IS}")  # fmt: skip
     if model_type not in FAMILIES:
         raise ExportError(f"{model_type}: no per-expert / GGUF names known for this family (known: "
-                          f"{', '.join(sorted(FAMILIES))}); --format peft works for every family")  # fmt: skip
+                          f"{', '.join(sorted(FAMILIES))}); {PEFT_AS_IS}")  # fmt: skip
     if config.get("use_rslora") or config.get("rank_pattern") or config.get("alpha_pattern"):
         raise ExportError(f"{adapter_dir}: rsLoRA or per-module ranks/alphas are not written by these formats")
     return tensors, config, model_type, FAMILIES[model_type]
@@ -395,7 +400,7 @@ def write_vllm(adapter_dir: str | Path, out_dir: str | Path) -> Path:
     model_type = base_model_type(config, Path(adapter_dir))
     if model_type in VLLM_NO_MOE_LORA:
         raise ExportError(f"{model_type}: vLLM {VLLM_VERSION} serves no MoE LoRA for it "
-                          f"({VLLM_NO_MOE_LORA[model_type]}); use --format peft or gguf")  # fmt: skip
+                          f"({VLLM_NO_MOE_LORA[model_type]}); use the run's PEFT adapter, or gguf")  # fmt: skip
     router, why = VLLM_IGNORED_ROUTER.get(model_type, (None, ""))
     if router and any((m := LINEAR_KEY.fullmatch(k)) and f"{m['path']}.{m['proj']}" == router for k in tensors):
         raise ExportError(f"{model_type}: vLLM {VLLM_VERSION} does not apply a LoRA to this family's router "
@@ -498,7 +503,7 @@ def gguf_linear_name(tensor_names, arch: str, layer: int, path: str, proj: str) 
     if name is None:
         if arch in GGUF_NAMES_FROM:
             raise ExportError(f"{module}: no llama.cpp name known for this LoRA target in {arch} (named as gguf's "
-                              f"{GGUF_NAMES_FROM[arch]}): not written by this export yet (--format peft keeps it)")
+                              f"{GGUF_NAMES_FROM[arch]}): not written by this export yet ({PEFT_KEEPS})")
         raise ExportError(f"{module}: llama.cpp has no tensor for this LoRA target in this architecture")
     kind, kinds = name.split(".", 2)[2], gguf_lora_kinds(arch)
     if kind in GGUF_NO_LORA.get(arch, ()) or (kind not in kinds and arch in LEGACY_LORA_ARCHS):
@@ -507,10 +512,10 @@ def gguf_linear_name(tensor_names, arch: str, layer: int, path: str, proj: str) 
                           f"{', '.join(sorted(kinds))})")  # fmt: skip
     if kind in GGUF_REORDERED.get(arch, ()):
         raise ExportError(f"{module}: llama.cpp's converter reorders the rows of {name} for {arch}; a LoRA's B "
-                          "would need the same order, which this export does not write yet (--format peft keeps it)")
+                          f"would need the same order, which this export does not write yet ({PEFT_KEEPS})")
     if kind not in kinds:
         raise ExportError(f"{module}: a LoRA on llama.cpp's {name} ({arch}) is not written by this export yet: only "
-                          f"{', '.join(sorted(kinds))} and the experts are (--format peft keeps it)")
+                          f"{', '.join(sorted(kinds))} and the experts are ({PEFT_KEEPS})")
     return name
 
 
@@ -524,7 +529,7 @@ def write_gguf(adapter_dir: str | Path, out_file: str | Path, *, fuse_gate_up_ex
     from moe_qlora.model.tiny import resolve_model_path
 
     tensors, config, model_type, names = read_run_adapter(adapter_dir)
-    if fuse_gate_up_exps and names.gguf_arch not in GGUF_FUSABLE_GATE_UP:
+    if fuse_gate_up_exps and not names.fused_gate_up and names.gguf_arch not in GGUF_FUSABLE_GATE_UP:
         raise ExportError(f"{model_type}: llama.cpp's converter cannot fuse gate and up experts for its "
                           f"{names.gguf_arch} architecture (--fuse-gate-up-exps is for "
                           f"{', '.join(sorted(GGUF_FUSABLE_GATE_UP))}), so no base has ffn_gate_up_exps")  # fmt: skip
