@@ -385,14 +385,12 @@ def sweep_status() -> dict[str, str]:
 
 
 def vllm_text(model_type: str) -> str:
-    """What `export --format vllm` writes for the family, in write_vllm's order of decisions."""
-    if model_type in formats.VLLM_NO_MOE_LORA:
-        return "refused, with the reason"
-    if model_type in formats.VLLM_FUSED_3D:
-        return "PEFT's fused 3D"
-    if model_type in formats.PER_EXPERT_UNREAD:
-        return "refused, with the reason"
-    return "per-expert keys" if model_type in formats.FAMILIES else "not written"
+    """What `export --format vllm` writes for the family (write_vllm's own decision)."""
+    layout = formats.vllm_layout(model_type)
+    if layout == "refused":
+        known = model_type in formats.FAMILIES or model_type in formats.VLLM_NO_MOE_LORA
+        return "refused, with the reason" if known else "not written"
+    return {"fused-3d": "PEFT's fused 3D", "per-expert": "per-expert keys"}[layout]
 
 
 def gguf_text(model_type: str) -> str:

@@ -464,12 +464,11 @@ def render_family_table() -> str:
             refused.append("the MLA projections: multiplied without a LoRA hook")
         if reordered := f.GGUF_REORDERED.get(n.gguf_arch):
             refused.append(f"{', '.join(reordered)}: rows reordered by the converter, not written yet")
-        if mt in f.VLLM_NO_MOE_LORA:
-            vllm = "refused: " + f.VLLM_NO_MOE_LORA[mt]
-        elif mt in f.VLLM_FUSED_3D:
+        layout = f.vllm_layout(mt)
+        if layout == "refused":
+            vllm = "refused: " + (f.VLLM_NO_MOE_LORA.get(mt) or f.PER_EXPERT_UNREAD[mt].rsplit(" (", 1)[0])
+        elif layout == "fused-3d":
             vllm = "PEFT's fused 3D, as written"
-        elif mt in f.PER_EXPERT_UNREAD:
-            vllm = "refused: " + f.PER_EXPERT_UNREAD[mt].rsplit(" (", 1)[0]
         else:
             vllm = f"per-expert `{n.experts}.M.{'/'.join(p for p in (n.gate, n.up, n.down) if p)}`"
             if mt in f.VLLM_RENAMED:

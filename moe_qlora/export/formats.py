@@ -389,6 +389,16 @@ VLLM_NO_MOE_LORA = {
 VLLM_RENAMED = {"hy_v3": ("mlp.shared_experts.", "mlp.shared_mlp.")}
 
 
+def vllm_layout(model_type: str) -> str:
+    """What --format vllm writes for a family: "refused", "fused-3d" (PEFT's layout as written) or "per-expert".
+    The one decision write_vllm and the docs' tables follow (router LoRA aside: VLLM_IGNORED_ROUTER)."""
+    if model_type in VLLM_NO_MOE_LORA:
+        return "refused"
+    if model_type in VLLM_FUSED_3D:
+        return "fused-3d"
+    return "per-expert" if model_type in FAMILIES and model_type not in PER_EXPERT_UNREAD else "refused"
+
+
 def write_vllm(adapter_dir: str | Path, out_dir: str | Path) -> Path:
     """The adapter in the layout vLLM loads for its base's family: PEFT's unchanged where vLLM reads fused 3D
     expert weights, per-expert keys elsewhere; a family vLLM serves no MoE LoRA for is refused by name."""
@@ -405,7 +415,7 @@ def write_vllm(adapter_dir: str | Path, out_dir: str | Path) -> Path:
     if router and any((m := LINEAR_KEY.fullmatch(k)) and f"{m['path']}.{m['proj']}" == router for k in tensors):
         raise ExportError(f"{model_type}: vLLM {VLLM_VERSION} does not apply a LoRA to this family's router "
                           f"({router}: {why}), so it would be ignored; train with lora.router: false")
-    if model_type not in VLLM_FUSED_3D:
+    if vllm_layout(model_type) != "fused-3d":  # per-expert, or its refusal with the reason
         return write_per_expert(adapter_dir, out_dir, rename=VLLM_RENAMED.get(model_type))
     with atomic_dir(out_dir) as tmp:
         for name in ("adapter_model.safetensors", "adapter_config.json"):
