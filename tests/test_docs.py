@@ -397,7 +397,7 @@ def gguf_text(model_type: str) -> str:
     if model_type not in formats.FAMILIES:
         return "not written"
     arch = formats.FAMILIES[model_type].gguf_arch
-    if formats.GGUF_NO_LORA.get(arch) or arch in formats.LEGACY_LORA_ARCHS or formats.GGUF_REORDERED.get(arch):
+    if formats.GGUF_NO_LORA.get(arch) or arch in formats.LEGACY_LORA_ARCHS:
         return "yes; some linears' LoRA refused, with the reason"
     return "yes"
 

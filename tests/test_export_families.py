@@ -10,6 +10,7 @@ O(0.1) factors, summed over rank 4, against PEFT's fp32 merge.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -35,7 +36,15 @@ DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 TARGETS = {**dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm_moe_dsa", "glm4_moe_lite", "mistral4", "deepseek_v32",
                              "dots3_note", "dots3_note_text", "hy_v4"), ["o_proj"]),
            "kimi_linear": [], "glm5_next": [], "lfm2_moe": ["q_proj", "k_proj", "v_proj"],
-           "gemma4": [], "laguna": [*DEFAULT_TARGETS, "g_proj"]}  # fmt: skip
+           "gemma4": [], "laguna": [*DEFAULT_TARGETS, "g_proj"],
+           # linear attention: every projection llama.cpp applies a LoRA to, split or regrouped by its converter
+           "qwen3_next": [*DEFAULT_TARGETS, "in_proj_qkvz", "in_proj_ba", "out_proj"],
+           **dict.fromkeys(("qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp", "qwen4_exp_text"),
+                           [*DEFAULT_TARGETS, "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"]),
+           # DeepSeek-V4: gate_proj also names the KV compressor's gate
+           "deepseek_v4": ["q_a_proj", "q_b_proj", "kv_proj", "o_b_proj", "gate_proj", "up_proj", "down_proj"],
+           "minimax_m3_vl": [*DEFAULT_TARGETS, "gate_up_proj"],  # the shared expert's fused gate and up
+           "sarvam_moe": [*DEFAULT_TARGETS, "gate_proj", "up_proj", "down_proj"]}  # fmt: skip
 # routers that are not a weight lora.router can adapt (it refuses them)
 NO_ROUTER_LORA = {"afmoe", "hunyuan_v1_moe", "gemma4", "gemma4_text"}
 
@@ -136,29 +145,167 @@ def test_rolled_experts_are_caught(exported):
     assert check_experts(model_type, deltas, rolled, scale=8.0 / 4) != []
 
 
+# DeepSeek-V4's tensors as llama.cpp's converter names them from the original checkpoint's keys
+# (conversion/deepseek.py, _map_dsv4_tensor_name at 0c1e57098): the oracle reaches transformers' module names
+# through transformers' own renames of these keys, not through the export's table.
+DSV4_CHECKPOINT_NAMES = {
+    "attn.wq_a": "attn_q_a", "attn.wq_b": "attn_q_b", "attn.wkv": "attn_kv", "attn.wo_a": "attn_output_a",
+    "attn.wo_b": "attn_output_b", "attn.compressor.wkv": "attn_compressor_kv",
+    "attn.compressor.wgate": "attn_compressor_gate", "attn.indexer.wq_b": "indexer.attn_q_b",
+    "attn.indexer.weights_proj": "indexer.proj", "attn.indexer.compressor.wkv": "indexer_compressor_kv",
+    "attn.indexer.compressor.wgate": "indexer_compressor_gate", "ffn.gate": "ffn_gate_inp",
+    "ffn.shared_experts.w1": "ffn_gate_shexp", "ffn.shared_experts.w2": "ffn_down_shexp",
+    "ffn.shared_experts.w3": "ffn_up_shexp",
+}  # fmt: skip
+
+
+def dsv4_names(layer: int) -> dict[str, str]:
+    """{transformers module path: blk.N.<kind>} of DeepSeek-V4, through transformers' checkpoint renames."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    out = {}
+    for key, kind in DSV4_CHECKPOINT_NAMES.items():
+        name = f"layers.{layer}.{key}.weight"
+        for rule in get_checkpoint_conversion_mapping("deepseek_v4"):
+            if type(rule) is WeightRenaming:
+                name, _ = rule.rename_source_key(name)
+        out[f"model.{name.removesuffix('.weight')}"] = f"blk.{layer}.{kind}"
+    return out
+
+
+def converter_layout(model_type: str, config, module: str, delta: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """[(transformers module whose llama.cpp tensor it is, delta rows as that tensor's)] for a weight's delta, as
+    llama.cpp's converter lays out the base weight (conversion/qwen.py, qwen4exp.py, minimax.py), written out for
+    the oracle with views rather than the export's row indices."""
+    path, proj = module.rsplit(".", 1)
+    if model_type == "qwen3_next" and proj == "in_proj_qkvz":  # per key head: [q | k | v | z]
+        nk, dk, dv = config.linear_num_key_heads, config.linear_key_head_dim, config.linear_value_head_dim
+        rdv = config.linear_num_value_heads // nk * dv
+        q, k, v, z = np.split(delta.reshape(nk, -1, delta.shape[1]), np.cumsum([dk, dk, rdv]), axis=1)
+        flat = [x.reshape(-1, delta.shape[1]) for x in (q, k, v, z)]
+        return [(f"{path}.in_proj_qkv", np.concatenate(flat[:3])), (f"{path}.in_proj_z", flat[3])]
+    tiled = model_type.startswith(("qwen3_5_moe", "qwen4_exp")) and ".linear_attn." in f".{module}"
+    if tiled and config.linear_num_key_heads != config.linear_num_value_heads:  # value head g r + j -> j nk + g
+        nk, r = config.linear_num_key_heads, config.linear_num_value_heads // config.linear_num_key_heads
+
+        def tile(x: np.ndarray) -> np.ndarray:
+            return x.reshape(nk, r, -1, x.shape[-1]).swapaxes(0, 1).reshape(x.shape)
+
+        if proj == "in_proj_qkv":
+            qk = 2 * nk * config.linear_key_head_dim
+            return [(module, np.concatenate([delta[:qk], tile(delta[qk:])]))]
+        if proj in ("in_proj_z", "in_proj_a", "in_proj_b"):
+            return [(module, tile(delta))]
+        if proj == "out_proj":  # its input columns
+            return [(module, tile(delta.T).T)]
+    if proj == "gate_up_proj":  # MiniMax-M3's fused dense / shared MLP: gate's rows, then up's
+        gate, up = np.split(delta, 2)
+        return [(f"{path}.gate_proj", gate), (f"{path}.up_proj", up)]
+    return [(module, delta)]
+
+
+def llama_cpp_name(model_type: str, config, module: str) -> str | None:
+    """llama.cpp's tensor name of a transformers module (model.layers.N...), from the tensor map of llama.cpp's
+    architecture (the one whose names agree, for those newer than the gguf package), or DeepSeek-V4's."""
+    names = formats.FAMILIES[model_type]
+    layer = int(module.split(".")[2])
+    if names.gguf_arch == "deepseek4":
+        return dsv4_names(layer).get(module)
+    if module.endswith((".indexer.q_proj", ".indexer.k_proj")):  # llama.cpp's own gguf-py (0c1e57098)
+        return f"blk.{layer}.indexer.{module.rsplit('.', 1)[1]}"
+    tensor_names = formats.gguf_name_map(names.gguf_arch, config.num_hidden_layers)
+    # Granite's router is router.layer in its checkpoints; Nemotron-H's root is backbone
+    candidates = [module, module.replace("block_sparse_moe.router", "block_sparse_moe.router.layer"),
+                  module.replace("model.", "backbone.", 1)]  # fmt: skip
+    name = next((n for c in candidates if (n := tensor_names.get_name(c))), None)
+    if name is None and names.gguf_arch == "minimax-m3":  # shared experts and dense MLPs, which MiniMax-M2's map
+        # lacks: gguf's one table gives them the names DeepSeek-V2's map does
+        name = formats.gguf_name_map("deepseek2", config.num_hidden_layers).get_name(module)
+    return name
+
+
 def test_every_other_tensor_lands_under_llama_cpp_name_with_peft_delta(exported):
     model_type, deltas, config, tensors, _, _ = exported
     names = formats.FAMILIES[model_type]
-    tensor_names = formats.gguf_name_map(names.gguf_arch, config.num_hidden_layers)
     heads = {"attn_q": config.num_attention_heads,
              "attn_k": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}  # fmt: skip
-    compared = 0
+    want_all: dict[str, list[np.ndarray]] = {}
     for key, delta in deltas.items():
         if ".experts." in key:
             continue
-        layer_path = re.sub(r"^.*?\.(layers\.\d+\.)", r"\1", key.removesuffix(".weight"))  # drop language_model.
-        # the hub checkpoints' roots, which gguf maps: model, or backbone (Nemotron-H)
-        layer_path = layer_path.replace("block_sparse_moe.router", "block_sparse_moe.router.layer")  # Granite's
-        name = tensor_names.get_name(f"model.{layer_path}") or tensor_names.get_name(f"backbone.{layer_path}")
-        assert name is not None, f"{key}: gguf has no tensor name for it"
-        want = delta.numpy()
-        kind = name.split(".")[2]
-        if names.permute_qk and kind in heads:  # llama.cpp's converter permutes the base's q/k rows
-            want = reference_permute(want, heads[kind])
-        assert np.abs(gguf_delta(tensors, f"{name}.weight", 8.0 / 4) - want).max() <= TOL, key
+        module = "model." + re.sub(r"^.*?\.(layers\.\d+\.)", r"\1", key.removesuffix(".weight"))  # drop language_model.
+        for piece, want in converter_layout(model_type, config, module, delta.numpy()):
+            name = llama_cpp_name(model_type, config, piece)
+            assert name is not None, f"{key}: gguf has no tensor name for {piece}"
+            kind = name.split(".", 2)[2]
+            if names.permute_qk and kind in heads:  # llama.cpp's converter permutes the base's q/k rows
+                want = reference_permute(want, heads[kind])
+            want_all.setdefault(name, []).append(want)
+    compared = 0
+    for name, pieces in want_all.items():
+        if names.gguf_arch in formats.GGUF_ALWAYS_FUSED_QKV and name.endswith((".attn_q", ".attn_k", ".attn_v")):
+            continue  # compared as the one attn_qkv below
+        got = gguf_delta(tensors, f"{name}.weight", 8.0 / tensors[f"{name}.weight.lora_b"].shape[1])
+        assert np.abs(got - pieces[0]).max() <= TOL, name
         compared += 1
+    if names.gguf_arch in formats.GGUF_ALWAYS_FUSED_QKV:  # Sarvam: q's rows, k's, v's, in llama.cpp's attn_qkv
+        for layer in range(config.num_hidden_layers):
+            want = np.concatenate([want_all[f"blk.{layer}.attn_{p}"][0] for p in "qkv"])
+            b = tensors[f"blk.{layer}.attn_qkv.weight.lora_b"]
+            assert np.abs(gguf_delta(tensors, f"blk.{layer}.attn_qkv.weight", 8.0 / b.shape[1]) - want).max() <= TOL
+            compared += 1
     if model_type not in NO_ROUTER_LORA:
         assert compared >= len(expert_stacks(deltas))  # the router at least, in every MoE layer
+
+
+@pytest.mark.parametrize("model_type", ["granitemoeshared", "granitemoehybrid", "granitemoe_swa"])
+def test_granite_shared_mlp_lands_as_llama_cpps_converter_lays_it_out(model_type, tmp_path):
+    """Granite's shared MLP is one input_linear (gate's rows, then up's): GraniteMoeModel's converter (also
+    Granite-Hybrid's) splits it into ffn_gate_shexp and ffn_up_shexp, Granite-MoE-SWA's keeps it whole as
+    ffn_up_shexp (conversion/granite.py at 0c1e57098); output_linear is ffn_down_shexp."""
+    adapter = family_adapter(tmp_path, model_type, shared_intermediate_size=32)
+    lora = LoraSection(rank=4, alpha=8.0, target_modules=["shared_mlp.input_linear", "shared_mlp.output_linear"])
+    base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    model = attach_adapters(load_model(LoadOptions(base)), lora, seed=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in (p for p in model.parameters() if p.requires_grad):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    shared = save_adapter(model, tmp_path / "shared", cfg=lora, base_model_name_or_path=base)
+    deltas, _ = merged_minus_base(shared)
+    _, _, tensors = read_gguf(formats.write_gguf(shared, tmp_path / "a.gguf"))
+    layers = sorted({int(m[1]) for k in deltas if (m := re.search(r"layers\.(\d+)\.shared_mlp\.input_linear", k))})
+    assert layers
+    for layer in layers:
+        fused = deltas[f"model.layers.{layer}.shared_mlp.input_linear.weight"].numpy()
+        want = {"ffn_down_shexp": deltas[f"model.layers.{layer}.shared_mlp.output_linear.weight"].numpy()}
+        if model_type == "granitemoe_swa":
+            want["ffn_up_shexp"] = fused
+        else:
+            want["ffn_gate_shexp"], want["ffn_up_shexp"] = np.split(fused, 2)
+        got = {k.split(".")[2] for k in tensors if k.startswith(f"blk.{layer}.ffn_") and "shexp" in k}
+        assert got == set(want)
+        for kind, delta in want.items():
+            assert np.abs(gguf_delta(tensors, f"blk.{layer}.{kind}.weight", 8.0 / 4) - delta).max() <= TOL, kind
+
+
+def test_split_and_regrouped_rows_are_caught():
+    """Broken controls of converter_layout's oracle: Qwen3-Next's qkvz rows taken as [q; k; v; z] blocks, and
+    Qwen3.5's value heads left grouped, do not give llama.cpp's layout."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=3,
+                             linear_value_head_dim=2)  # fmt: skip
+    delta = np.random.default_rng(0).normal(size=(2 * (3 + 3 + 4 + 4), 5))
+    (_, qkv), (_, z) = converter_layout("qwen3_next", config, "model.layers.0.linear_attn.in_proj_qkvz", delta)
+    assert not np.allclose(qkv, delta[: len(qkv)]) and not np.allclose(z, delta[len(qkv) :])
+    a = np.random.default_rng(1).normal(size=(4, 5))  # a rank-4 LoRA through the export
+    b = np.random.default_rng(2).normal(size=(2 * 2 * 3 + 4 * 2, 4))
+    ((_, want),) = converter_layout("qwen3_5_moe_text", config, "model.layers.0.linear_attn.in_proj_qkv", b @ a)
+    _, got_b = formats.value_heads_tiled("in_proj_qkv", torch.tensor(a), torch.tensor(b), config)
+    assert np.allclose(got_b.numpy() @ a, want)
+    assert not np.allclose(b @ a, want)  # grouped as transformers holds them
 
 
 FUSABLE = sorted(t for t, n in formats.FAMILIES.items()
@@ -243,12 +390,13 @@ def test_check_norms_reads_fused_tensors_at_llama_cpps_own_scale(tmp_path):
                                            fuse_gate_up_exps=True)).rows  # fmt: skip
     by = {(r.module, r.expert): r.norm_delta for r in plain}
     for r in fused:
-        if ".attn_qkv." in r.module:
+        if ".attn_qkv." in r.module and (r.module.replace("attn_qkv", "attn_q"), r.expert) in by:  # fused by
+            # --fuse-qkv (the linear-attention layers' own attn_qkv is in both files)
             parts = [by[(r.module.replace("attn_qkv", f"attn_{p}"), r.expert)] for p in "qkv"]
             assert r.norm_delta == pytest.approx(math.sqrt(sum(x * x for x in parts)), rel=1e-5)
         elif "_exps." not in r.module:
             assert r.norm_delta == pytest.approx(by[(r.module, r.expert)], rel=1e-6)
-    assert any(".attn_qkv." in r.module for r in fused)
+    assert any(".attn_qkv." in r.module and (r.module.replace("attn_qkv", "attn_q"), r.expert) in by for r in fused)
     down = [r for r in fused if ".ffn_down_exps." in r.module]
     assert len({r.expert for r in down}) == 8  # one row per expert: the stack split by r, not 3r
     for r in down:
@@ -297,8 +445,8 @@ def test_fuse_gate_up_exps_goes_with_gguf_only(tmp_path):
         ("deepseek2", "self_attn.q_proj", "graph multiplies blk.0.attn_q without applying LoRA"),
         ("kimi-linear", "self_attn.q_proj", "graph multiplies blk.0.attn_q without applying LoRA"),
         ("glm-dsa", "self_attn.kv_a_proj_with_mqa", "without applying LoRA"),
-        ("qwen3next", "linear_attn.in_proj_qkvz", "converter reorders the rows of blk.0.ssm_in"),
-        ("qwen35moe", "linear_attn.in_proj_qkv", "converter reorders the rows of blk.0.attn_qkv"),
+        ("deepseek4", "self_attn.o_a_proj", "graph multiplies blk.0.attn_output_a without applying LoRA"),
+        ("deepseek4", "self_attn.q_proj", "llama.cpp has no tensor for this LoRA target in deepseek4"),
         ("lfm2moe", "conv.in_proj", "shortconv.in_proj .lfm2moe. is not written by this export yet"),
     ],
 )
@@ -408,9 +556,41 @@ def test_vllm_format_is_the_per_expert_layout_where_vllm_reads_2d(exported, tmp_
     vllm = formats.write_vllm(adapter, tmp_path / "v") / "adapter_model.safetensors"
     if model_type in formats.VLLM_FUSED_3D:  # vLLM reads PEFT's fused 3D expert LoRA as written
         assert vllm.read_bytes() == (adapter / "adapter_model.safetensors").read_bytes()
-    else:
+    elif model_type not in formats.VLLM_RENAMED:
         per_expert = formats.write_per_expert(adapter, tmp_path / "pe") / "adapter_model.safetensors"
         assert vllm.read_bytes() == per_expert.read_bytes()
+    else:  # the per-expert layout under vLLM's module names (Granite's router is its block_sparse_moe.gate)
+        from safetensors.torch import load_file
+
+        old, new = formats.VLLM_RENAMED[model_type]
+        per_expert = load_file(str(formats.write_per_expert(adapter, tmp_path / "pe") / "adapter_model.safetensors"))
+        got = load_file(str(vllm))
+        assert not any(old in k for k in got)
+        assert any(new in k for k in got) == any(old in k for k in per_expert)  # Granite's router: trained
+        got = {k.replace(new, old): v for k, v in got.items()}
+        assert got.keys() == per_expert.keys() and all(torch.equal(got[k], per_expert[k]) for k in got)
+
+
+def test_vllm_format_refuses_lora_granite_shared_mlp_would_ignore(tmp_path):
+    """vLLM's Granite-MoE-Shared class (also serving Granite-MoE-SWA) packs no LoRA for the shared MLP's
+    input_linear: refused by name; output_linear is applied, and written."""
+    adapter = family_adapter(tmp_path, "granitemoeshared", shared_intermediate_size=32)
+    formats.write_vllm(adapter, tmp_path / "plain")  # the fixture's targets: attention, router, experts
+    lora = LoraSection(rank=4, alpha=8.0, target_modules=["shared_mlp.input_linear", "shared_mlp.output_linear"])
+    base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    model = attach_adapters(load_model(LoadOptions(base)), lora, seed=0)
+    shared = save_adapter(model, tmp_path / "shared", cfg=lora, base_model_name_or_path=base)
+    with pytest.raises(formats.ExportError, match=r"granitemoeshared: vLLM 0.33.0 does not apply a LoRA to "
+                                                  r"shared_mlp.input_linear .its packed_modules_mapping"):  # fmt: skip
+        formats.write_vllm(shared, tmp_path / "v")
+    assert not (tmp_path / "v").exists()
+    lora = LoraSection(rank=4, alpha=8.0, target_modules=["shared_mlp.output_linear"])
+    model = attach_adapters(load_model(LoadOptions(base)), lora, seed=0)
+    output_only = save_adapter(model, tmp_path / "out", cfg=lora, base_model_name_or_path=base)
+    from safetensors.torch import load_file
+
+    keys = load_file(str(formats.write_vllm(output_only, tmp_path / "v") / "adapter_model.safetensors"))
+    assert any(".shared_mlp.output_linear.lora_B." in k for k in keys)
 
 
 def test_vllm_format_renames_shared_experts_to_vllms_module_names(tmp_path, monkeypatch):
@@ -460,10 +640,8 @@ def render_family_table() -> str:
         refused = []
         if no := sorted(f.GGUF_NO_LORA.get(n.gguf_arch, ())):
             refused.append(f"{', '.join(no)}: multiplied without a LoRA hook")
-        if n.gguf_arch in f.LEGACY_LORA_ARCHS:
+        if n.gguf_arch in f.LEGACY_LORA_ARCHS and f.gguf_name_map(n.gguf_arch, 1) is not None:  # (not DeepSeek-V4's)
             refused.append("the MLA projections: multiplied without a LoRA hook")
-        if reordered := f.GGUF_REORDERED.get(n.gguf_arch):
-            refused.append(f"{', '.join(reordered)}: rows reordered by the converter, not written yet")
         layout = f.vllm_layout(mt)
         if layout == "refused":
             vllm = "refused: " + (f.VLLM_NO_MOE_LORA.get(mt) or f.PER_EXPERT_UNREAD[mt].rsplit(" (", 1)[0])
@@ -476,7 +654,13 @@ def render_family_table() -> str:
         if mt in f.VLLM_IGNORED_ROUTER and not vllm.startswith("refused"):
             vllm += f"; router LoRA refused (vLLM ignores `{f.VLLM_IGNORED_ROUTER[mt][0]}`)"
         extra_kinds = ", ".join(sorted(f.GGUF_EXTRA_LORA_KINDS.get(n.gguf_arch, ())))
-        notes = ((bool(extra_kinds), extra_kinds),
+        laid_out = {"qwen3next": "in_proj_qkvz split into attn_qkv and attn_gate per key head",
+                    "qwen35moe": "linear attention's value heads regrouped as the converter does",
+                    "qwen4exp": "linear attention's value heads regrouped; index_qk_proj split into indexer.q_proj "
+                                "and indexer.k_proj",
+                    "minimax-m3": "fused gate_up_proj split into ffn_gate and ffn_up (and _shexp)",
+                    "bailingmoe2": "q, k and v fused into the one attn_qkv its converter writes"}  # fmt: skip
+        notes = ((bool(extra_kinds), extra_kinds), (n.gguf_arch in laid_out, laid_out.get(n.gguf_arch)),
                  (n.permute_qk, "q/k with rows permuted as the converter permutes the base's"),
                  (n.peft_swapped, "transposed back from (E, in, out)"),
                  (n.interleaved_gate_up, "gate and up de-interleaved (expert biases untouched)"))

@@ -113,34 +113,89 @@ FAMILIES = {
     # Granite-MoE-SWA: its converter keeps input_linear fused (gate's rows first) and permutes q/k (LlamaModel)
     "granitemoe_swa": FamilyNames("granite_swa", "block_sparse_moe.experts", "gate_proj", "up_proj", "down_proj",
                                   permute_qk=True, fused_gate_up=True),
+    # DeepSeek-V4: compressed and sparse attention; tensor names from GGUF_HAND_NAMES
+    "deepseek_v4": FamilyNames("deepseek4", **_QWEN_STYLE),
+    # Sarvam-MoE: GLM-4-MoE's modules in transformers, converted by llama.cpp as Ling's bailingmoe2 with q, k and v
+    # always one attn_qkv (conversion/bailingmoe.py); no q/k permutation
+    "sarvam_moe": FamilyNames("bailingmoe2", **_QWEN_STYLE),
+    # MiniMax-M3: q, k, v apart, experts split; the fused gate_up Linears of its dense and shared MLPs are
+    # llama.cpp's ffn_gate and ffn_up (gguf_pieces)
+    "minimax_m3_vl": FamilyNames("minimax-m3", "block_sparse_moe.experts", "w1", "w3", "w2"),
 }
 # No per-expert export for these: vLLM reads GPT-OSS's expert LoRA only in PEFT's fused layout (VLLM_FUSED_3D);
-# the per-expert names vLLM's Gemma-4 and Granite classes expect are unchecked
+# the others' hub checkpoints name their modules otherwise than transformers, and this layout does not rename them
 PER_EXPERT_UNREAD = {
     "gpt_oss": "vLLM reads GPT-OSS's expert LoRA in PEFT's fused layout only (use --format vllm)",
-    **dict.fromkeys(("gemma4", "gemma4_text"), "the per-expert names vLLM's Gemma-4 class expects are not "
-                    "checked (the run's PEFT adapter, or gguf)"),
-    **dict.fromkeys(("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa"),
-                    "Granite's checkpoints hold fused input_linear stacks, and the per-expert names vLLM's Granite "
-                    "classes expect are not checked (the run's PEFT adapter, or gguf)"),
-}
+    "deepseek_v4": "its hub checkpoints, whose names vLLM reads, name every module otherwise: layers.N.attn.wq_a, "
+                   "ffn.experts.M.w1; this layout does not write them",
+    "minimax_m3_vl": "its hub checkpoints hold the dense and shared MLPs' gate and up apart, which this layout "
+                     "does not write",
+    "sarvam_moe": "its hub checkpoints, whose names vLLM reads, hold q, k and v as one "
+                  "attention.query_key_value, which this layout does not write",
+}  # fmt: skip
 # llama.cpp tensors (blk.N.<kind>) whose product goes through build_lora_mm, so that a LoRA on them is applied:
 # attention, the router, dense MLPs (build_ffn), shared experts and Qwen2-MoE's shared-expert gate.
 GGUF_LORA_KINDS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_gate", "ffn_up", "ffn_down",
                    "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp"}  # fmt: skip
-GGUF_EXTRA_LORA_KINDS = {"laguna": {"attn_gate"}}  # its g_proj through build_lora_mm (src/models/laguna.cpp)
+_GATED_DELTANET_KINDS = {"attn_qkv", "attn_gate", "ssm_out"}  # linear attention, through build_lora_mm
+GGUF_EXTRA_LORA_KINDS = {
+    "laguna": {"attn_gate"},  # its g_proj through build_lora_mm (src/models/laguna.cpp)
+    # src/models/qwen3next.cpp, qwen35moe.cpp, qwen4exp.cpp (and the indexer's q and k), minimax-m3.cpp
+    "qwen3next": _GATED_DELTANET_KINDS | {"ssm_ba"},
+    "qwen35moe": _GATED_DELTANET_KINDS | {"ssm_alpha", "ssm_beta"},
+    "qwen4exp": _GATED_DELTANET_KINDS | {"ssm_alpha", "ssm_beta", "indexer.q_proj", "indexer.k_proj"},
+    "minimax-m3": {"indexer.q_proj", "indexer.k_proj"},
+    # src/models/deepseek4.cpp: every projection but the grouped attn_output_a (a plain ggml_mul_mat)
+    "deepseek4": {"attn_q_a", "attn_q_b", "attn_kv", "attn_output_b", "attn_compressor_kv", "attn_compressor_gate",
+                  "indexer_compressor_kv", "indexer_compressor_gate", "indexer.attn_q_b", "indexer.proj"},
+}
+# Architectures whose converter names the tensors from the original checkpoint's keys, which no TensorNameMap
+# knows: {transformers' module path under layers.N: blk.N.<kind>}. DeepSeek-V4: conversion/deepseek.py
+# (_map_dsv4_tensor_name, keyed by `attn.wq_a`...) through transformers' renames of those keys
+# (conversion_mapping.py: attn -> self_attn, ffn -> mlp, wq_a -> q_a_proj, wkv -> kv_proj, wgate -> gate_proj,
+# wo_a/wo_b -> o_a_proj/o_b_proj, indexer.compressor -> compressor.indexer, w1/w2/w3 -> gate/down/up_proj).
+GGUF_HAND_NAMES = {
+    # (the indexer's q and k: gguf_pieces splits Qwen4-Exp's index_qk_proj into these, as its converter does)
+    "qwen4exp": {"self_attn.indexer.q_proj": "indexer.q_proj", "self_attn.indexer.k_proj": "indexer.k_proj"},
+    # MiniMax-M3's shared experts and dense MLPs, which MiniMax-M2 (whose names it takes) does not have
+    # (gguf-py/gguf/tensor_mapping.py at 0c1e57098; gguf_pieces splits their fused gate_up)
+    "minimax-m3": {"self_attn.indexer.q_proj": "indexer.q_proj", "self_attn.indexer.k_proj": "indexer.k_proj",
+                   "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+                   "mlp.shared_experts.down_proj": "ffn_down_shexp", "mlp.gate_proj": "ffn_gate",
+                   "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"},
+    # Granite's shared MLP: input_linear's gate and up halves (gguf_pieces) as GraniteMoeModel's converter splits
+    # them, fused as they are by Granite-MoE-SWA's (conversion/granite.py)
+    **dict.fromkeys(("granitemoe", "granitehybrid"), {"shared_mlp.gate_proj": "ffn_gate_shexp",
+                                                      "shared_mlp.up_proj": "ffn_up_shexp"}),
+    "granite_swa": {"shared_mlp.input_linear": "ffn_up_shexp"},
+    "deepseek4": {
+        "self_attn.q_a_proj": "attn_q_a", "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_proj": "attn_kv",
+        "self_attn.o_a_proj": "attn_output_a", "self_attn.o_b_proj": "attn_output_b",
+        "self_attn.compressor.kv_proj": "attn_compressor_kv", "self_attn.compressor.gate_proj": "attn_compressor_gate",
+        "self_attn.compressor.indexer.kv_proj": "indexer_compressor_kv",
+        "self_attn.compressor.indexer.gate_proj": "indexer_compressor_gate",
+        "self_attn.compressor.indexer.q_b_proj": "indexer.attn_q_b",
+        "self_attn.compressor.indexer.scorer.weights_proj": "indexer.proj",
+        "mlp.gate": "ffn_gate_inp", "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+        "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp",
+    },
+}  # fmt: skip
 # Architectures newer than the gguf package's (0.19.0 on PyPI lacks them): the one whose TensorNameMap gives
 # the same blk.N names for the family's modules as llama.cpp's own gguf-py at 0c1e57098 (checked name by name,
 # and against the converter's output by tests/test_llamacpp.py); general.architecture is still the real one,
 # which libllama requires of an adapter.
 GGUF_NAMES_FROM = {"cohere2moe": "glm4moe", "deepseek32": "glm-dsa", "dots3note": "glm-dsa", "glm5-next": "kimi-linear",
                    "granite_swa": "granitemoe", "hy_v3": "glm4moe", "hy_v4": "glm-dsa", "laguna": "afmoe",
-                   "mellum": "qwen3moe", "qwen4exp": "qwen35moe"}  # fmt: skip
+                   "mellum": "qwen3moe", "qwen4exp": "qwen35moe", "minimax-m3": "minimax-m2",
+                   # gguf's bailingmoe2 names Ling's checkpoint keys (attention.query_key_value); Sarvam, the one
+                   # family exported as it, has GLM-4-MoE's module names in transformers
+                   "bailingmoe2": "glm4moe"}  # fmt: skip
 # ...except where an architecture's graph multiplies them with a plain ggml_mul_mat: DeepSeek-V2/V3's query
 # (wq, and wq_a / wq_b, like the rest of MLA but the output projection).
 GGUF_NO_LORA = {
     # (the MLA families of DeepSeek-V2's graph alike: a query without a low-rank projection is wq, unhooked)
     **dict.fromkeys(("deepseek2", "mistral4", "deepseek32", "dots3note", "hy_v4"), {"attn_q"}),
+    "deepseek4": {"attn_output_a"},  # grouped, multiplied with ggml_mul_mat
     "glm5-next": {"attn_q", "attn_k", "attn_v", "attn_output"},
     # Kimi-Linear: its delta-attention layers' q/k/v/o and the MLA query (the MLA output is hooked, but shares
     # attn_output with the delta-attention layers, so both are refused)
@@ -148,16 +203,13 @@ GGUF_NO_LORA = {
 }
 # The architectures whose graphs were read whole (llama.cpp's MLA projections have no LoRA hook): there, a kind
 # outside GGUF_LORA_KINDS is known to be multiplied without one.
-LEGACY_LORA_ARCHS = {"deepseek2", "glm-dsa", "mistral4", "deepseek32", "dots3note", "hy_v4", "glm5-next"}
-# Tensors llama.cpp's converter reorders rows of (a LoRA's B would need the same): not written yet.
-GGUF_REORDERED = {
-    "qwen3next": ("ssm_in", "ssm_ba"),  # in_proj_qkvz / in_proj_ba regrouped per key head
-    "qwen35moe": ("attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out"),  # linear attention's value heads
-    "qwen4exp": ("attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out"),  # as Qwen3.5's (conversion/qwen.py)
-}
+LEGACY_LORA_ARCHS = {"deepseek2", "glm-dsa", "mistral4", "deepseek32", "dots3note", "hy_v4", "glm5-next", "deepseek4"}
+# (Tensors whose rows llama.cpp's converter regroups or splits: gguf_pieces lays their LoRA out the same way.)
 # Architectures whose ffn_gate_up_exps llama.cpp's --fuse-gate-up-exps writes (MODEL_TENSORS lists it; for
 # every other one its converter raises): gguf-py/gguf/constants.py at 0c1e57098. Gemma-4's is always fused.
 GGUF_FUSABLE_GATE_UP = {"qwen3next", "qwen35moe", "qwen4exp", "mistral4", "cohere2moe", "granite_swa"}
+# Architectures whose converter always writes one attn_qkv (the export then fuses the q, k and v LoRA itself)
+GGUF_ALWAYS_FUSED_QKV = {"bailingmoe2"}
 # ...and whose attn_qkv --fuse-qkv writes (the converter fuses the layers where q, k and v all exist; Jamba's and
 # Granite-Hybrid's list attn_qkv too, but their converters write q, k and v apart even so: tests/test_llamacpp.py)
 GGUF_FUSABLE_QKV = {"afmoe", "dots1", "ernie4_5-moe", "exaone-moe", "gemma4", "glm4moe", "gpt-oss", "granitemoe",
@@ -173,12 +225,6 @@ NOT_EXPORTED = {
                      "flint", "inkling2", "inkling2_loop", "inkling2_loop_text", "inkling2_text", "inkling_mm_model",
                      "inkling_text", "kolibri1", "lara_mini", "minimax", "zaya", "sarvam_mla", "hy_v4_vl",
                      "qwen3_omni_moe_thinker", "minimax_m3_vl_text"), _NO_CONVERTER),
-    "deepseek_v4": "llama.cpp's deepseek4 converter names its attention from the original checkpoint's keys, "
-                   "which gguf's tensor map does not know: not written yet",
-    "minimax_m3_vl": "its dense and shared-expert MLPs are one fused gate_up Linear that llama.cpp splits into "
-                     "ffn_gate and ffn_up: not written yet",
-    "sarvam_moe": "transformers builds it as GLM-4-MoE while llama.cpp converts its checkpoints as bailingmoe2, "
-                  "with q, k and v fused into attn_qkv: not written yet",
 }  # fmt: skip
 
 EXPERT_KEY = re.compile(r"(?P<prefix>.*?)\.layers\.(?P<layer>\d+)\.(?:(?P<path>.+)\.)?experts\.(?P<inner>base_layer\.)?"
@@ -383,10 +429,27 @@ VLLM_NO_MOE_LORA = {
     **dict.fromkeys(("dots3_note", "dots3_note_text"), "Dots3NoteForCausalLM implements no LoRA"),
     **dict.fromkeys(("hunyuan_v1_moe", "solar_open", "mellum"), _TRANSFORMERS_BACKEND),
     "mistral4": "no vLLM class of its own: its HF checkpoints fall back to the Transformers backend",
+    "minimax_m3_vl": "MiniMaxM3SparseForConditionalGeneration implements no LoRA (models/minimax_m3)",
+    # its model-level expert mapping prefixes the per-expert names with block_sparse_moe., so that vLLM's adapter
+    # check (lora/lora_model.py), which keeps a key's part from `.experts` on, rejects every one
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM's expert mapping (granitemoehybrid.py, get_expert_mapping) "
+                        "names no per-expert key its LoRA check accepts",
 }
+# Non-expert modules vLLM loads a LoRA for but never applies: Granite-MoE-Shared's packed_modules_mapping lacks
+# the shared MLP's input_linear, so no LoRA layer wraps it and model_manager.py logs that it is ignored
+# (GraniteMoeSWAForCausalLM is served by the same class)
+VLLM_IGNORED_MODULE = dict.fromkeys(
+    ("granitemoeshared", "granitemoe_swa"),
+    ("shared_mlp.input_linear", "its packed_modules_mapping lacks input_linear, so no LoRA layer wraps it"),
+)
 # Modules vLLM's class names otherwise than transformers (a LoRA under transformers' name would load unused)
 # (Laguna's is mlp.shared_expert there, but a LoRA on its shared expert does not load in PEFT: refused in training)
-VLLM_RENAMED = {"hy_v3": ("mlp.shared_experts.", "mlp.shared_mlp.")}
+VLLM_RENAMED = {
+    "hy_v3": ("mlp.shared_experts.", "mlp.shared_mlp."),
+    # Granite's router: block_sparse_moe.router in transformers v5, a GateLinear named gate in vLLM
+    **dict.fromkeys(("granitemoe", "granitemoeshared", "granitemoe_swa"),
+                    ("block_sparse_moe.router.", "block_sparse_moe.gate.")),
+}
 
 
 def vllm_layout(model_type: str) -> str:
@@ -415,6 +478,10 @@ def write_vllm(adapter_dir: str | Path, out_dir: str | Path) -> Path:
     if router and any((m := LINEAR_KEY.fullmatch(k)) and f"{m['path']}.{m['proj']}" == router for k in tensors):
         raise ExportError(f"{model_type}: vLLM {VLLM_VERSION} does not apply a LoRA to this family's router "
                           f"({router}: {why}), so it would be ignored; train with lora.router: false")
+    module, why = VLLM_IGNORED_MODULE.get(model_type, (None, ""))
+    if module and any((m := LINEAR_KEY.fullmatch(k)) and f"{m['path']}.{m['proj']}" == module for k in tensors):
+        raise ExportError(f"{model_type}: vLLM {VLLM_VERSION} does not apply a LoRA to {module} ({why}), so it "
+                          f"would be ignored; train without it")
     if vllm_layout(model_type) != "fused-3d":  # per-expert, or its refusal with the reason
         return write_per_expert(adapter_dir, out_dir, rename=VLLM_RENAMED.get(model_type))
     with atomic_dir(out_dir) as tmp:
@@ -432,7 +499,7 @@ def permute_rows_for_rope(b: torch.Tensor, n_head: int) -> torch.Tensor:
     return b.reshape(n_head, 2, b.shape[0] // n_head // 2, *b.shape[1:]).swapaxes(1, 2).reshape(b.shape)
 
 
-def gguf_tensors(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames, heads: tuple[int, int], *,
+def gguf_tensors(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames, base, *,
                  fuse_gate_up_exps: bool = False, fuse_qkv: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
     """{llama.cpp tensor name: fp32 tensor in numpy order} for the adapter. `fuse_gate_up_exps` / `fuse_qkv`:
     the base was converted with llama.cpp's flags of those names, which write one ffn_gate_up_exps per layer
@@ -456,21 +523,84 @@ def gguf_tensors(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames
             out[f"{blk}.ffn_up_exps.weight.lora_b"] = x.gate_up_b
         out[f"{blk}.ffn_down_exps.weight.lora_a"] = x.down_a
         out[f"{blk}.ffn_down_exps.weight.lora_b"] = x.down_b
-    n_head, n_kv = heads
+    n_head = base.num_attention_heads
+    n_kv = getattr(base, "num_key_value_heads", None) or n_head
     tensor_names = gguf_name_map(names.gguf_arch, 1 + max((layer for layer, _, _ in factors), default=0))
     for (layer, path, proj), ab in factors.items():
-        name = gguf_linear_name(tensor_names, names.gguf_arch, layer, path, proj)
-        a, b = ab["A"], ab["B"]
-        if names.permute_qk and name.endswith((".attn_q", ".attn_k")):
-            b = permute_rows_for_rope(b, n_head if name.endswith(".attn_q") else n_kv)
-        out[f"{name}.weight.lora_a"] = a
-        out[f"{name}.weight.lora_b"] = b
-    if fuse_qkv:
-        out = fused_qkv(out)
+        for piece_path, piece_proj, a, b in gguf_pieces(names.gguf_arch, path, proj, ab["A"], ab["B"], base):
+            name = gguf_linear_name(tensor_names, names.gguf_arch, layer, piece_path, piece_proj)
+            if names.permute_qk and name.endswith((".attn_q", ".attn_k")):
+                b = permute_rows_for_rope(b, n_head if name.endswith(".attn_q") else n_kv)
+            out[f"{name}.weight.lora_a"] = a
+            out[f"{name}.weight.lora_b"] = b
+    if fuse_qkv or names.gguf_arch in GGUF_ALWAYS_FUSED_QKV:
+        out = fused_qkv(out, always=names.gguf_arch in GGUF_ALWAYS_FUSED_QKV)
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
-def fused_qkv(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def gguf_pieces(arch: str, path: str, proj: str, a: torch.Tensor, b: torch.Tensor, base
+                ) -> list[tuple[str, str, torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """The LoRA (A (r, in), B (out, r)) of the module `path.proj` as llama.cpp's converter lays out the base's
+    weight: [(path, proj, A, B)], each piece under the transformers name of the tensor it lands on. Where the
+    converter gathers a weight's rows (a split, a regrouping), B's rows are gathered alike, A shared; where it
+    gathers the columns (inputs), A's columns are. Read from llama.cpp 0c1e57098's conversion/qwen.py,
+    qwen4exp.py and minimax.py."""
+    if arch == "qwen3next" and proj == "in_proj_qkvz":  # one [q | k | v | z] group per key head, apart in llama.cpp
+        q, k, v, z = qwen3_next_qkvz_rows(base)
+        return [(path, "in_proj_qkv", a, b[torch.cat([q, k, v])]), (path, "in_proj_z", a, b[z])]
+    if arch in ("qwen35moe", "qwen4exp") and path.endswith("linear_attn"):
+        return [(path, proj, *value_heads_tiled(proj, a, b, base))]
+    split_shared = proj == "input_linear" and path.endswith("shared_mlp") and arch in ("granitemoe", "granitehybrid")
+    if proj == "gate_up_proj" or split_shared:  # MiniMax-M3's dense and shared MLPs, Granite's shared MLP (kept
+        # fused by Granite-MoE-SWA's converter): llama.cpp's ffn_gate and ffn_up, or their _shexp
+        half = b.shape[0] // 2
+        return [(path, "gate_proj", a, b[:half]), (path, "up_proj", a, b[half:])]
+    if proj == "index_qk_proj":  # Qwen4-Exp's indexer: q's rows, then k's (conversion/qwen4exp.py)
+        n_q = base.indexer_n_heads * base.indexer_head_dim
+        return [(path, "q_proj", a, b[:n_q]), (path, "k_proj", a, b[n_q:])]
+    return [(path, proj, a, b)]
+
+
+def qwen3_next_qkvz_rows(base) -> tuple[torch.Tensor, ...]:
+    """Row indices of q, k, v and z in Qwen3-Next's in_proj_qkvz, whose rows are one group per key head g:
+    [q_g (dk) | k_g (dk) | v_g (r dv) | z_g (r dv)], r = value heads per key head; llama.cpp's attn_qkv is
+    [all q; all k; all v] and its attn_gate all z, each in head order (conversion/qwen.py)."""
+    nk, dk, dv = base.linear_num_key_heads, base.linear_key_head_dim, base.linear_value_head_dim
+    rdv = base.linear_num_value_heads // nk * dv
+    group = torch.arange(nk)[:, None] * (2 * dk + 2 * rdv)
+    q, k = group + torch.arange(dk), group + dk + torch.arange(dk)
+    v, z = group + 2 * dk + torch.arange(rdv), group + 2 * dk + rdv + torch.arange(rdv)
+    return q.flatten(), k.flatten(), v.flatten(), z.flatten()
+
+
+def value_heads_tiled(proj: str, a: torch.Tensor, b: torch.Tensor, base) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) of a Qwen3.5 / Qwen4-Exp linear-attention projection in llama.cpp's value-head order.
+
+    transformers groups the value heads by key head (head g r + j serves key head g, repeat_interleave); ggml
+    tiles the key heads instead (ggml_repeat), so the converter moves value head g r + j to j nk + g: in
+    in_proj_qkv's value rows (q and k stay), in_proj_z's rows (dv per head), in_proj_a's and in_proj_b's (one
+    per head), and out_proj's columns, its input. Nothing moves where nk == nv."""
+    nk, nv = base.linear_num_key_heads, base.linear_num_value_heads
+    if nk == nv:
+        return a, b
+
+    def order(head_dim: int) -> torch.Tensor:
+        return torch.arange(nv * head_dim).reshape(nk, nv // nk, head_dim).transpose(0, 1).flatten()
+
+    dv = base.linear_value_head_dim
+    if proj == "in_proj_qkv":
+        qk = 2 * nk * base.linear_key_head_dim
+        return a, b[torch.cat([torch.arange(qk), qk + order(dv)])]
+    if proj == "in_proj_z":
+        return a, b[order(dv)]
+    if proj in ("in_proj_a", "in_proj_b"):
+        return a, b[order(1)]
+    if proj == "out_proj":
+        return a[:, order(dv)], b
+    return a, b
+
+
+def fused_qkv(out: dict[str, torch.Tensor], always: bool = False) -> dict[str, torch.Tensor]:
     """Each layer's q, k and v LoRA as the one attn_qkv LoRA of a base converted with --fuse-qkv: A stacked along
     the rank (3r, in), B block-diagonal (q_out + k_out + v_out, 3r), so that B A = [B_q A_q; B_k A_k; B_v A_v].
     llama.cpp scales each LoRA by alpha over its own rank (B's columns: 3r here), so B is multiplied by 3 to keep
@@ -479,9 +609,10 @@ def fused_qkv(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for layer in layers:
         pieces = [f"blk.{layer}.attn_{p}.weight" for p in "qkv"]
         if missing := [p.split(".")[2] for p in pieces if f"{p}.lora_a" not in out]:
-            raise ExportError(f"layer {layer}: no LoRA on {', '.join(missing)}; a base converted with --fuse-qkv holds "
-                              "one attn_qkv, whose LoRA needs q, k and v all trained (target q_proj, k_proj and "
-                              "v_proj, or convert the base without --fuse-qkv)")  # fmt: skip
+            how = "" if always else ", or convert the base without --fuse-qkv"
+            holds = "this architecture's base always holds" if always else "a base converted with --fuse-qkv holds"
+            raise ExportError(f"layer {layer}: no LoRA on {', '.join(missing)}; {holds} one attn_qkv, whose LoRA needs "
+                              f"q, k and v all trained (target q_proj, k_proj and v_proj{how})")  # fmt: skip
         a = torch.cat([out.pop(f"{p}.lora_a") for p in pieces])
         b = torch.block_diag(*[out.pop(f"{p}.lora_b") for p in pieces]) * len(pieces)
         out[f"blk.{layer}.attn_qkv.weight.lora_a"], out[f"blk.{layer}.attn_qkv.weight.lora_b"] = a, b
@@ -489,22 +620,33 @@ def fused_qkv(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def gguf_name_map(arch: str, layers: int):
-    """gguf's TensorNameMap of llama.cpp architecture `arch`: transformers module names -> blk.N.<kind>."""
+    """gguf's TensorNameMap of llama.cpp architecture `arch`: transformers module names -> blk.N.<kind>
+    (None where only GGUF_HAND_NAMES names the architecture's tensors: DeepSeek-V4)."""
     import gguf
 
     by_name = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
-    return gguf.get_tensor_name_map(by_name[GGUF_NAMES_FROM.get(arch, arch)], layers)
+    arch = GGUF_NAMES_FROM.get(arch, arch)
+    return gguf.get_tensor_name_map(by_name[arch], layers) if arch in by_name else None
 
 
 def gguf_lora_kinds(arch: str) -> set[str]:
     """The blk.N.<kind>s whose LoRA llama.cpp's `arch` graph applies (the experts aside)."""
-    return (GGUF_LORA_KINDS | GGUF_EXTRA_LORA_KINDS.get(arch, set())) - GGUF_NO_LORA.get(arch, set())
+    kinds = (GGUF_LORA_KINDS | GGUF_EXTRA_LORA_KINDS.get(arch, set())) - GGUF_NO_LORA.get(arch, set())
+    if gguf_name_map(arch, 1) is None:  # only the hand-named tensors exist
+        kinds &= set(GGUF_HAND_NAMES[arch].values())
+    return kinds
 
 
 def gguf_linear_name(tensor_names, arch: str, layer: int, path: str, proj: str) -> str:
     """blk.N.<kind> of the non-expert module layers.N.path.proj; an ExportError for a module llama.cpp has no
     tensor for, or one it multiplies without its LoRA (which would then be silently dropped)."""
     module = f"layers.{layer}.{path}.{proj}"
+    hand = GGUF_HAND_NAMES.get(arch, {})
+    if f"{path}.{proj}" in hand:
+        return check_lora_applied(arch, module, f"blk.{layer}.{hand[f'{path}.{proj}']}")
+    if tensor_names is None:
+        raise ExportError(f"{module}: llama.cpp has no tensor for this LoRA target in {arch} (it has one for "
+                          f"{', '.join(sorted(hand))})")
     # the hub checkpoint's root (gguf maps those names): model, or backbone (Nemotron-H, which transformers v5
     # loads as model)
     # (Granite's router, a module of its own in transformers v5, is router.layer in its checkpoints)
@@ -515,14 +657,16 @@ def gguf_linear_name(tensor_names, arch: str, layer: int, path: str, proj: str) 
             raise ExportError(f"{module}: no llama.cpp name known for this LoRA target in {arch} (named as gguf's "
                               f"{GGUF_NAMES_FROM[arch]}): not written by this export yet ({PEFT_KEEPS})")
         raise ExportError(f"{module}: llama.cpp has no tensor for this LoRA target in this architecture")
+    return check_lora_applied(arch, module, name)
+
+
+def check_lora_applied(arch: str, module: str, name: str) -> str:
+    """`name` (blk.N.<kind>), or an ExportError where llama.cpp would ignore or misplace a LoRA on it."""
     kind, kinds = name.split(".", 2)[2], gguf_lora_kinds(arch)
     if kind in GGUF_NO_LORA.get(arch, ()) or (kind not in kinds and arch in LEGACY_LORA_ARCHS):
         raise ExportError(f"{module}: llama.cpp's {arch} graph multiplies {name} without applying LoRA to it, so "
                           f"its LoRA would be ignored (it applies LoRA to the experts and "
                           f"{', '.join(sorted(kinds))})")  # fmt: skip
-    if kind in GGUF_REORDERED.get(arch, ()):
-        raise ExportError(f"{module}: llama.cpp's converter reorders the rows of {name} for {arch}; a LoRA's B "
-                          f"would need the same order, which this export does not write yet ({PEFT_KEEPS})")
     if kind not in kinds:
         raise ExportError(f"{module}: a LoRA on llama.cpp's {name} ({arch}) is not written by this export yet: only "
                           f"{', '.join(sorted(kinds))} and the experts are ({PEFT_KEEPS})")
@@ -543,12 +687,11 @@ def write_gguf(adapter_dir: str | Path, out_file: str | Path, *, fuse_gate_up_ex
         raise ExportError(f"{model_type}: llama.cpp's converter cannot fuse gate and up experts for its "
                           f"{names.gguf_arch} architecture (--fuse-gate-up-exps is for "
                           f"{', '.join(sorted(GGUF_FUSABLE_GATE_UP))}), so no base has ffn_gate_up_exps")  # fmt: skip
-    if fuse_qkv and names.gguf_arch not in GGUF_FUSABLE_QKV:
+    if fuse_qkv and names.gguf_arch not in GGUF_FUSABLE_QKV | GGUF_ALWAYS_FUSED_QKV:
         raise ExportError(f"{model_type}: llama.cpp's converter does not fuse q, k and v for its {names.gguf_arch} "
                           "architecture, so no base has attn_qkv; export without --fuse-qkv")  # fmt: skip
     base = AutoConfig.from_pretrained(resolve_model_path(config["base_model_name_or_path"])).get_text_config()
-    heads = (base.num_attention_heads, getattr(base, "num_key_value_heads", None) or base.num_attention_heads)
-    converted = gguf_tensors(tensors, int(config["r"]), names, heads, fuse_gate_up_exps=fuse_gate_up_exps,
+    converted = gguf_tensors(tensors, int(config["r"]), names, base, fuse_gate_up_exps=fuse_gate_up_exps,
                              fuse_qkv=fuse_qkv)  # fmt: skip
     out_file = Path(out_file)
     out_file.parent.mkdir(parents=True, exist_ok=True)
