@@ -43,21 +43,23 @@ TARGETS = {**dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm_moe_dsa", "glm4_m
                            [*DEFAULT_TARGETS, "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"]),
            # DeepSeek-V4: gate_proj also names the KV compressor's gate
            "deepseek_v4": ["q_a_proj", "q_b_proj", "kv_proj", "o_b_proj", "gate_proj", "up_proj", "down_proj"],
-           "minimax_m3_vl": [*DEFAULT_TARGETS, "gate_up_proj"],  # the shared expert's fused gate and up
+           "minimax_m3_vl": "auto",  # its family's: attention and the shared expert's fused gate_up, kept to the
+           # language model (its vision layers have q_proj too)
            "sarvam_moe": [*DEFAULT_TARGETS, "gate_proj", "up_proj", "down_proj"]}  # fmt: skip
 # routers that are not a weight lora.router can adapt (it refuses them)
 NO_ROUTER_LORA = {"afmoe", "hunyuan_v1_moe", "gemma4", "gemma4_text"}
 
 
-def family_adapter(workdir: Path, model_type: str, *, router: bool | None = None, **config_fields) -> Path:
+def family_adapter(workdir: Path, model_type: str, *, router: bool | None = None, targets: list[str] | None = None,
+                   **config_fields) -> Path:  # fmt: skip
     """A tiny model of `model_type` with random (non-zero) LoRA on its experts, router (unless `router` is False
-    or the family's router takes none) and TARGETS, saved in PEFT's format."""
+    or the family's router takes none) and `targets` (TARGETS by default), saved in PEFT's format."""
     tok = build_byte_tokenizer()
     config = tiny_config_any(model_type, len(tok))
     for key, value in config_fields.items():
         setattr(config, key, value)
     path = save_tiny_model(workdir / model_type, config, tokenizer=tok)
-    targets = TARGETS.get(model_type, DEFAULT_TARGETS)
+    targets = TARGETS.get(model_type, DEFAULT_TARGETS) if targets is None else targets
     lora = LoraSection(rank=4, alpha=8.0, target_modules=targets,
                        router=model_type not in NO_ROUTER_LORA if router is None else router)  # fmt: skip
     model = attach_adapters(load_model(LoadOptions(str(path))), lora, seed=0)
@@ -687,3 +689,25 @@ def test_the_docs_table_is_the_exports_own():
         path.write_text(text[:start] + table + text[end:])
         text = path.read_text()
     assert text[start : text.index("\n\nNot yet:")] == table, "docs/export.md: MOE_QLORA_UPDATE_DOCS=1 rewrites it"
+
+
+def test_vision_tower_lora_is_refused_and_auto_keeps_to_the_language_model(tmp_path):
+    """MiniMax-M3-VL's vision layers have q_proj and k_proj too: their LoRA would have landed on the text
+    layers of the same index (the same blk.N name). The export refuses it by name, and `auto` targets only the
+    decoder layers that hold the experts."""
+    from moe_qlora.model.families import default_targets, modules_matching
+
+    tok = build_byte_tokenizer()
+    path = save_tiny_model(tmp_path / "base", tiny_config_any("minimax_m3_vl", len(tok)), tokenizer=tok)
+    model = load_model(LoadOptions(str(path)))
+    auto = default_targets(model)
+    matched = {n for t in auto for n in modules_matching(model, t)}
+    assert any(".self_attn.q_proj" in n for n in matched)
+    assert all(".language_model.layers." in n for n in matched), sorted(matched)
+    lora = LoraSection(rank=4, alpha=8.0, target_modules=["q_proj", "k_proj"])  # vision layers included
+    both = save_adapter(attach_adapters(model, lora, seed=0), tmp_path / "both", cfg=lora,
+                        base_model_name_or_path=str(path))  # fmt: skip
+    with pytest.raises(formats.ExportError, match=r"vision_tower\.layers\.0\.self_attn\.\w_proj\.lora_[AB]\.weight: a "
+                                                  "LoRA outside the language model's decoder layers"):  # fmt: skip
+        formats.write_gguf(both, tmp_path / "a.gguf")
+    assert not (tmp_path / "a.gguf").exists()

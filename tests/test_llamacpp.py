@@ -74,8 +74,22 @@ LIBLLAMA_RUNS = [("mixtral", "split"), ("mixtral", "fuse-qkv"), ("qwen2_moe", "s
                  ("olmoe", "split"), ("olmoe", "fuse-qkv"), ("qwen3_moe", "split"), ("qwen3_moe", "fuse-qkv"),
                  ("qwen3_next", "split"), ("qwen3_next", "fuse-gate-up-exps"), ("granitemoe", "split"),
                  ("granitemoe", "fuse-qkv"), ("granitemoe_swa", "split"), ("hy_v3", "split"),
-                 ("cohere2_moe", "split")]  # fmt: skip
-LIBLLAMA_FIELDS = {"olmoe": {"num_key_value_heads": 4}}
+                 ("cohere2_moe", "split"), ("qwen3_5_moe_text", "split"), ("sarvam_moe", "split"),
+                 ("granitemoeshared", "split")]  # fmt: skip
+# (Also not these: minimax_m3_vl, whose converter reads hub-only config keys that transformers' config consumes
+# on load (sparse_attention_config, moe_layer_freq) or lacks (n_shared_experts); granitemoehybrid, whose tiny
+# base loads in libllama without the Mamba layers' ssm_in. Their adapters' names and shapes are checked below.)
+LIBLLAMA_FIELDS = {"olmoe": {"num_key_value_heads": 4}, "granitemoeshared": {"shared_intermediate_size": 32},
+                   "granitemoehybrid": {"vocab_size": 264},  # its Mamba-2 converter pads the vocabulary to 8
+                   # room for the special tokens Qwen's tokenizer adds; MRoPE sections within the tiny rotary
+                   # dims (4; llama.cpp's default [11, 11, 10] asserts), the same for text-only positions
+                   "qwen3_5_moe_text": {"vocab_size": 512, "rope_parameters": {
+                       "partial_rotary_factor": 0.25, "rope_theta": 1e4, "rope_type": "default",
+                       "mrope_section": [1, 1, 0]}}}  # fmt: skip
+# targets beyond the fixture's: Granite's shared MLP (its input_linear split into ffn_gate/up_shexp)
+LIBLLAMA_TARGETS = dict.fromkeys(("granitemoeshared", "granitemoehybrid"),
+                                 ["q_proj", "k_proj", "v_proj", "o_proj", "shared_mlp.input_linear",
+                                  "shared_mlp.output_linear"])  # fmt: skip
 # Qwen3-Next: its bare base already differs from transformers by 6.9e-5 (the gated delta net in f32), the adapter
 # run by 1.04e-4
 LIBLLAMA_TOL = {"qwen3_next": 2e-4}
@@ -90,10 +104,19 @@ def requirements() -> str | None:
     return None
 
 
+# Families whose config.json the converter must read as it is: with transformers 5.24 installed, the converter's
+# AutoConfig turns Sarvam's num_experts into n_routed_experts, and its bailingmoe2 code then finds no expert count
+# (so a real Sarvam checkpoint fails to convert beside transformers 5.24 too)
+RAW_CONFIG = {"sarvam_moe"}
+NO_AUTOCONFIG = "import conversion.base; conversion.base.AutoConfig = None  # from_pretrained fails: config.json"
+
+
 def convert_base(model_dir: Path, out: Path, *, names_only: bool = False, extra: tuple[str, ...] = ()) -> Path:
     """The base as llama.cpp's converter writes it; `names_only`: its tensors' names and shapes (JSON in `out`)."""
     args = [str(model_dir), "--outtype", "f32", "--outfile", str(out.with_suffix(".gguf")), *extra]
     patch = NAMES_ONLY.format(out=str(out)) if names_only else ""
+    if model_dir.name in RAW_CONFIG:  # (the tests save a family's tiny base in a folder named after it)
+        patch += "\n" + NO_AUTOCONFIG
     code = CONVERT.format(root=LLAMA_CPP_DIR, args=args, names_only=patch)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "NO_LOCAL_GGUF": ""})  # fmt: skip
@@ -131,8 +154,9 @@ def test_llama_cpp_with_our_gguf_adapter_matches_peft(model_type, conversion, tm
 
     flags, export = CONVERSIONS[conversion]
     fields = {**LIBLLAMA_FIELDS.get(model_type, {}), **CONVERTIBLE.get(model_type, {})}
-    adapter = family_adapter(tmp_path, model_type, **fields)
+    adapter = family_adapter(tmp_path, model_type, targets=LIBLLAMA_TARGETS.get(model_type), **fields)
     base_dir = tmp_path / model_type
+    hub_layout(base_dir, model_type)
     base = convert_base(base_dir, tmp_path / "base.gguf", extra=CONVERT_FLAGS.get(model_type, ()) + flags)
     lora = formats.write_gguf(adapter, tmp_path / "adapter.gguf", **export)
     ids = list(range(10, 42))
@@ -151,6 +175,22 @@ def test_llama_cpp_with_our_gguf_adapter_matches_peft(model_type, conversion, tm
     monkeypatch.setattr(formats, "expert_layers", rolled)
     broken = formats.write_gguf(adapter, tmp_path / "rolled.gguf", **export)
     assert float(np.abs(llama_logprobs(base, broken, ids) - reference).max()) > 10 * tol
+    if model_type in LAYOUT_CONTROLS:  # ...and the linear attention's LoRA rows left as transformers holds them
+        monkeypatch.setattr(formats, "expert_layers", real)
+        monkeypatch.setattr(formats, *LAYOUT_CONTROLS[model_type])
+        broken = formats.write_gguf(adapter, tmp_path / "as-trained.gguf", **export)
+        assert float(np.abs(llama_logprobs(base, broken, ids) - reference).max()) > 10 * tol
+
+
+def qkvz_as_blocks(base) -> tuple[torch.Tensor, ...]:
+    """A broken reading of Qwen3-Next's in_proj_qkvz: all q rows, then all k, v and z (not per key head)."""
+    nk, dk, dv = base.linear_num_key_heads, base.linear_key_head_dim, base.linear_value_head_dim
+    sizes = [nk * dk, nk * dk, base.linear_num_value_heads * dv, base.linear_num_value_heads * dv]
+    return tuple(torch.arange(sum(sizes)).split(sizes))
+
+
+LAYOUT_CONTROLS = {"qwen3_next": ("qwen3_next_qkvz_rows", qkvz_as_blocks),
+                   "qwen3_5_moe_text": ("value_heads_tiled", lambda proj, a, b, base: (a, b))}  # fmt: skip
 
 
 # Config fields that let llama.cpp's converter take a family's tiny config: every layer sparse where the tiny
@@ -170,7 +210,13 @@ NOT_CONVERTIBLE = {
 # none (the tiny configs have none)
 CONVERT_FLAGS = dict.fromkeys(("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"), ("--no-mtp",))
 # the hub checkpoints' class name, where the converter registers that rather than transformers' own
-HUB_ARCHITECTURES = {"phimoe": "PhiMoEForCausalLM", "mistral4": "Mistral3ForConditionalGeneration"}
+HUB_ARCHITECTURES = {"phimoe": "PhiMoEForCausalLM", "mistral4": "Mistral3ForConditionalGeneration",
+                     "sarvam_moe": "SarvamMoEForCausalLM"}  # (transformers saves Sarvam as GLM-4-MoE's class)
+# ...and config keys its hub config.json has under another name than transformers saves (Sarvam's, read by the
+# bailingmoe2 converter)
+HUB_CONFIG_KEYS = {"sarvam_moe": {"num_experts": "n_routed_experts", "num_shared_experts": "n_shared_experts"}}
+# ...and values it states that transformers implies: Sarvam's router is GLM-4-MoE's, a sigmoid
+HUB_CONFIG_VALUES = {"sarvam_moe": {"score_function": "sigmoid"}}
 
 
 def hub_layout(model_dir: Path, model_type: str) -> None:
@@ -184,12 +230,47 @@ def hub_layout(model_dir: Path, model_type: str) -> None:
     config = json.loads(config_file.read_text())
     if model_type in HUB_ARCHITECTURES:
         config["architectures"] = [HUB_ARCHITECTURES[model_type]]
+        for hub_key, key in HUB_CONFIG_KEYS.get(model_type, {}).items():
+            config[hub_key] = config[key]
+        config.update(HUB_CONFIG_VALUES.get(model_type, {}))
         config_file.write_text(json.dumps(config))
     if model_type == "qwen3_vl_moe":
         for f in model_dir.glob("*.safetensors"):
             t = load_file(str(f))
             save_file({k: v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj"))
                        else v for k, v in t.items()}, str(f), metadata={"format": "pt"})  # fmt: skip
+
+
+# DeepSeek-V4's converter repacks the experts from the released checkpoint's MXFP4 blocks and scales, which a
+# tiny fp32 base has not: its base tensors' names come from the converter's own name function instead, applied
+# to the tiny base's keys (the checkpoint's names: transformers saves them so), the experts stacked per layer
+DSV4_NAMES = """
+import json, re, sys
+sys.path[:0] = [{root!r}, {root!r} + "/gguf-py"]
+import gguf
+from safetensors import safe_open
+from conversion.deepseek import DeepseekV4Model
+T, out = gguf.MODEL_TENSOR, {{}}
+with safe_open({weights!r}, "pt") as f:
+    for key in f.keys():
+        shape, name = list(f.get_slice(key).get_shape()), key.removeprefix("model.")
+        if m := re.fullmatch(r"layers\\.(\\d+)\\.ffn\\.experts\\.\\d+\\.(w[123])\\.weight", name):
+            kind = {{"w1": T.FFN_GATE_EXP, "w2": T.FFN_DOWN_EXP, "w3": T.FFN_UP_EXP}}[m[2]]
+            out.setdefault(gguf.TENSOR_NAMES[kind].format(bid=int(m[1])) + ".weight", [0, *shape])[0] += 1
+        elif (m := re.match(r"layers\\.(\\d+)\\.", name)) and not name.endswith("norm.weight"):  # (transformers
+            # saves attn.kv_norm as attn.norm, undoing a rename meant for the compressor's; no LoRA target)
+            kind, suffix = DeepseekV4Model._map_dsv4_tensor_name(None, name, int(m[1]))
+            out[gguf.TENSOR_NAMES[kind].format(bid=int(m[1])) + suffix] = shape
+json.dump({{"arch": gguf.MODEL_ARCH_NAMES[DeepseekV4Model.model_arch], "tensors": out}}, open({out!r}, "w"))
+"""
+
+
+def dsv4_base_names(model_dir: Path, out: Path) -> Path:
+    code = DSV4_NAMES.format(root=LLAMA_CPP_DIR, weights=str(next(model_dir.glob("*.safetensors"))), out=str(out))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "NO_LOCAL_GGUF": ""})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
 
 
 def lora_tensors_llama_cpp_would_reject(lora: dict, base: dict) -> list[str]:
@@ -232,8 +313,11 @@ def test_every_lora_tensor_names_a_base_tensor_of_its_shape(model_type, conversi
     flags, export = CONVERSIONS[conversion]
     adapter = family_adapter(tmp_path, model_type, **CONVERTIBLE.get(model_type, {}))
     hub_layout(tmp_path / model_type, model_type)
-    base = json.loads(convert_base(tmp_path / model_type, tmp_path / "base.json", names_only=True,
-                                   extra=CONVERT_FLAGS.get(model_type, ()) + flags).read_text())  # fmt: skip
+    if model_type == "deepseek_v4":
+        base = json.loads(dsv4_base_names(tmp_path / model_type, tmp_path / "base.json").read_text())
+    else:
+        base = json.loads(convert_base(tmp_path / model_type, tmp_path / "base.json", names_only=True,
+                                       extra=CONVERT_FLAGS.get(model_type, ()) + flags).read_text())  # fmt: skip
     _, fields, lora = read_gguf(formats.write_gguf(adapter, tmp_path / "a.gguf", **export))
     assert field_value(fields["general.architecture"]) == base["arch"]
     assert lora_tensors_llama_cpp_would_reject(lora, base["tensors"]) == []

@@ -337,12 +337,18 @@ def peft_expert_layers(tensors: dict[str, torch.Tensor], rank: int) -> dict[int,
 def linear_factors(tensors: dict[str, torch.Tensor]) -> dict[tuple[int, str, str], dict[str, torch.Tensor]]:
     """{(layer, module path, projection): {"A": (r, in), "B": (out, r)}} of the non-expert LoRA."""
     out: dict = {}
+    decoder = {m["prefix"] for k in tensors if (m := EXPERT_KEY.fullmatch(k))}  # where the experts are
     for key, t in tensors.items():
         if EXPERT_KEY.fullmatch(key):
             continue
         m = LINEAR_KEY.fullmatch(key)
         if m is None:
             raise ExportError(f"{key}: a LoRA tensor outside the decoder layers; these formats cannot place it")
+        if decoder and m["prefix"] not in decoder:  # a vision tower's layers (MiniMax-M3-VL's): would collide
+            raise ExportError(f"{key}: a LoRA outside the language model's decoder layers ({', '.join(decoder)}); "
+                              "llama.cpp keeps vision and audio encoders in a separate mmproj file, which an "
+                              "adapter does not reach (train with lora.target_modules: auto, which keeps to the "
+                              "language model)")
         out.setdefault((int(m["layer"]), m["path"], m["proj"]), {})[m["ab"]] = t.float()
     return out
 

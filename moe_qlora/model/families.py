@@ -38,6 +38,7 @@ FAMILY_TARGETS: dict[str, list[str]] = {
     "qwen3_next": ATTENTION + GATED_DELTANET + DENSE_MLP,
     "qwen3_5_moe_text": ATTENTION + GATED_DELTANET + DENSE_MLP,
     "nemotron_h": ATTENTION + MAMBA + ["up_proj", "down_proj"],  # its shared expert is not gated
+    "minimax_m3_vl": ATTENTION + ["gate_up_proj", "down_proj"],  # shared experts and dense layers: gate and up fused
 }
 GENERIC_TARGETS = ATTENTION + MLA_ATTENTION + DENSE_MLP
 WRAPPED_LINEAR = "linear"  # the Linear's name inside a wrapped projection (Inkling-2's q_proj.linear)
@@ -83,7 +84,25 @@ def default_targets(model: nn.Module) -> list[str]:
             targets += linears_only(model, t)
         if t in wrapped:
             targets += linears_only(model, f"{t}.{WRAPPED_LINEAR}")
-    return list(dict.fromkeys(targets))
+    return language_model_only(model, list(dict.fromkeys(targets)))
+
+
+def language_model_only(model: nn.Module, targets: list[str]) -> list[str]:
+    """`targets` narrowed to the decoder layers that hold the MoE experts, where a name also matches Linears of
+    a vision tower or an audio encoder (MiniMax-M3-VL's vision layers have q_proj too): a text fine-tune has no
+    use for them, and no export writes them (llama.cpp keeps encoders in a separate mmproj file)."""
+    from moe_qlora.moe.experts import experts_modules
+
+    stacks = tuple({n.rsplit(".layers.", 1)[0] + ".layers." for n, _ in experts_modules(model) if ".layers." in n})
+    if not stacks:
+        return targets
+    narrowed = []
+    for target in targets:
+        matched = modules_matching(model, target)
+        text = [n for n in matched if n.startswith(stacks)]
+        others = [n for n in matched if not n.startswith(stacks)]
+        narrowed += [target] if not others else narrowest_loadable(target, text, others) if text else []
+    return list(dict.fromkeys(narrowed))
 
 
 def linears_only(model: nn.Module, target: str) -> list[str]:
