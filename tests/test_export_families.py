@@ -39,8 +39,11 @@ TARGETS = {**dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm_moe_dsa", "glm4_m
            "gemma4": [], "laguna": [*DEFAULT_TARGETS, "g_proj"],
            # linear attention: every projection llama.cpp applies a LoRA to, split or regrouped by its converter
            "qwen3_next": [*DEFAULT_TARGETS, "in_proj_qkvz", "in_proj_ba", "out_proj"],
-           **dict.fromkeys(("qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp", "qwen4_exp_text"),
+           **dict.fromkeys(("qwen3_5_moe", "qwen3_5_moe_text"),
                            [*DEFAULT_TARGETS, "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"]),
+           **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"),  # (and its indexer's one q and k projection)
+                           [*DEFAULT_TARGETS, "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj",
+                            "index_qk_proj"]),
            # DeepSeek-V4: gate_proj also names the KV compressor's gate
            "deepseek_v4": ["q_a_proj", "q_b_proj", "kv_proj", "o_b_proj", "gate_proj", "up_proj", "down_proj"],
            "minimax_m3_vl": "auto",  # its family's: attention and the shared expert's fused gate_up, kept to the
@@ -204,6 +207,9 @@ def converter_layout(model_type: str, config, module: str, delta: np.ndarray) ->
     if proj == "gate_up_proj":  # MiniMax-M3's fused dense / shared MLP: gate's rows, then up's
         gate, up = np.split(delta, 2)
         return [(f"{path}.gate_proj", gate), (f"{path}.up_proj", up)]
+    if proj == "index_qk_proj":  # Qwen4-Exp's indexer: its heads' q rows, then k's (conversion/qwen4exp.py)
+        q, k = np.split(delta, [config.indexer_n_heads * config.indexer_head_dim])
+        return [(f"{path}.q_proj", q), (f"{path}.k_proj", k)]
     return [(module, delta)]
 
 
@@ -245,6 +251,11 @@ def test_every_other_tensor_lands_under_llama_cpp_name_with_peft_delta(exported)
                 want = reference_permute(want, heads[kind])
             want_all.setdefault(name, []).append(want)
     compared = 0
+    assert all(len(p) == 1 for p in want_all.values())  # no two modules on one llama.cpp tensor
+    written = {k.rsplit(".weight.lora_", 1)[0] for k in tensors if "_exps." not in k}
+    fused = {n for n in want_all if n.endswith((".attn_q", ".attn_k", ".attn_v"))}
+    fused = fused if names.gguf_arch in formats.GGUF_ALWAYS_FUSED_QKV else set()
+    assert written == set(want_all) - fused | {f"{n.rsplit('.', 1)[0]}.attn_qkv" for n in fused}  # nothing stray
     for name, pieces in want_all.items():
         if names.gguf_arch in formats.GGUF_ALWAYS_FUSED_QKV and name.endswith((".attn_q", ".attn_k", ".attn_v")):
             continue  # compared as the one attn_qkv below
@@ -308,6 +319,29 @@ def test_split_and_regrouped_rows_are_caught():
     _, got_b = formats.value_heads_tiled("in_proj_qkv", torch.tensor(a), torch.tensor(b), config)
     assert np.allclose(got_b.numpy() @ a, want)
     assert not np.allclose(b @ a, want)  # grouped as transformers holds them
+
+
+def test_the_exports_layouts_match_the_oracles_with_key_and_value_heads_of_other_sizes():
+    """The tiny configs' key and value heads are both 16 wide; here 3 and 2 (and 2 key, 4 value heads), so a
+    mix-up of the two in the export's row indices cannot pass: Qwen3-Next's qkvz split and Qwen3.5's tiled value
+    heads, rows of B and out_proj's columns of A, against converter_layout's views."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=3,
+                             linear_value_head_dim=2, num_attention_heads=1)  # fmt: skip
+    rng = np.random.default_rng(3)
+    a_in, a = rng.normal(size=(4, 5)), rng.normal(size=(4, 4 * 2))  # rank 4; out_proj's input is nv * dv
+    cases = [("qwen3next", "qwen3_next", "in_proj_qkvz", a_in, rng.normal(size=(2 * (3 + 3 + 4 + 4), 4))),
+             ("qwen35moe", "qwen3_5_moe_text", "in_proj_qkv", a_in, rng.normal(size=(2 * 3 * 2 + 4 * 2, 4))),
+             ("qwen35moe", "qwen3_5_moe_text", "in_proj_z", a_in, rng.normal(size=(4 * 2, 4))),
+             ("qwen35moe", "qwen3_5_moe_text", "in_proj_b", a_in, rng.normal(size=(4, 4))),
+             ("qwen35moe", "qwen3_5_moe_text", "out_proj", a, rng.normal(size=(5, 4)))]  # fmt: skip
+    for arch, model_type, proj, lora_a, lora_b in cases:
+        pieces = formats.gguf_pieces(arch, "linear_attn", proj, torch.tensor(lora_a), torch.tensor(lora_b), config)
+        want = converter_layout(model_type, config, f"model.layers.0.linear_attn.{proj}", lora_b @ lora_a)
+        assert [p[1] for p in pieces] == [m.rsplit(".", 1)[1] for m, _ in want], proj
+        for (_, _, pa, pb), (_, delta) in zip(pieces, want, strict=True):
+            assert np.allclose(pb.numpy() @ pa.numpy(), delta), proj
 
 
 FUSABLE = sorted(t for t, n in formats.FAMILIES.items()
@@ -653,6 +687,9 @@ def render_family_table() -> str:
             vllm = f"per-expert `{n.experts}.M.{'/'.join(p for p in (n.gate, n.up, n.down) if p)}`"
             if mt in f.VLLM_RENAMED:
                 vllm += f"; `{f.VLLM_RENAMED[mt][0]}` renamed `{f.VLLM_RENAMED[mt][1]}`"
+            if mt in f.HUB_FUSED_ATTENTION:
+                vllm += (f"; q, k, v as one `{f.HUB_FUSED_ATTENTION[mt][0]}` LoRA of rank 3r (vLLM's "
+                         f"`--max-lora-rank` at least that), o_proj as `{f.HUB_FUSED_ATTENTION[mt][1]}`")
         if mt in f.VLLM_IGNORED_ROUTER and not vllm.startswith("refused"):
             vllm += f"; router LoRA refused (vLLM ignores `{f.VLLM_IGNORED_ROUTER[mt][0]}`)"
         extra_kinds = ", ".join(sorted(f.GGUF_EXTRA_LORA_KINDS.get(n.gguf_arch, ())))
@@ -691,23 +728,33 @@ def test_the_docs_table_is_the_exports_own():
     assert text[start : text.index("\n\nNot yet:")] == table, "docs/export.md: MOE_QLORA_UPDATE_DOCS=1 rewrites it"
 
 
-def test_vision_tower_lora_is_refused_and_auto_keeps_to_the_language_model(tmp_path):
+def test_vision_tower_lora_is_refused_and_auto_keeps_to_the_language_model(tmp_path, caplog):
     """MiniMax-M3-VL's vision layers have q_proj and k_proj too: their LoRA would have landed on the text
-    layers of the same index (the same blk.N name). The export refuses it by name, and `auto` targets only the
-    decoder layers that hold the experts."""
-    from moe_qlora.model.families import default_targets, modules_matching
+    layers of the same index (the same blk.N name). Every format refuses it by name, with or without expert
+    LoRA, and `auto` targets every module of the family's defaults in the decoder layers that hold the experts,
+    and none elsewhere."""
+    from moe_qlora.model import families
 
     tok = build_byte_tokenizer()
     path = save_tiny_model(tmp_path / "base", tiny_config_any("minimax_m3_vl", len(tok)), tokenizer=tok)
     model = load_model(LoadOptions(str(path)))
-    auto = default_targets(model)
-    matched = {n for t in auto for n in modules_matching(model, t)}
-    assert any(".self_attn.q_proj" in n for n in matched)
-    assert all(".language_model.layers." in n for n in matched), sorted(matched)
-    lora = LoraSection(rank=4, alpha=8.0, target_modules=["q_proj", "k_proj"])  # vision layers included
-    both = save_adapter(attach_adapters(model, lora, seed=0), tmp_path / "both", cfg=lora,
-                        base_model_name_or_path=str(path))  # fmt: skip
-    with pytest.raises(formats.ExportError, match=r"vision_tower\.layers\.0\.self_attn\.\w_proj\.lora_[AB]\.weight: a "
-                                                  "LoRA outside the language model's decoder layers"):  # fmt: skip
-        formats.write_gguf(both, tmp_path / "a.gguf")
-    assert not (tmp_path / "a.gguf").exists()
+    auto = {n for t in families.default_targets(model) for n in families.modules_matching(model, t)}
+    wanted = {n for t in families.FAMILY_TARGETS["minimax_m3_vl"] for n in families.modules_matching(model, t)}
+    text = {n for n in wanted if ".language_model.layers." in n}
+    assert text != wanted and {n.rsplit(".", 1)[1] for n in text} == {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                                      "gate_up_proj", "down_proj"}  # fmt: skip
+    assert auto == text
+    for experts in (True, False):
+        lora = LoraSection(rank=4, alpha=8.0, target_modules=["q_proj", "k_proj"], experts=experts, router=False)
+        model = load_model(LoadOptions(str(path)))
+        caplog.clear()
+        both = save_adapter(attach_adapters(model, lora, seed=0), tmp_path / f"both-{experts}", cfg=lora,
+                            base_model_name_or_path=str(path))  # fmt: skip
+        assert "also name modules outside the language model's decoder layers" in caplog.text
+        stray = r"^LoRA (outside the experts'|in several).*vision_tower\.layers\.0\.self_attn\.k_proj\.lora_A\.weight"
+        with pytest.raises(formats.ExportError, match=stray):
+            formats.write_gguf(both, tmp_path / "out")
+        assert not (tmp_path / "out").exists()
+        tensors, config, _, names = formats.read_run_adapter(both)  # (MiniMax-M3 has no per-expert layout: the
+        with pytest.raises(formats.ExportError, match=stray):  # step every per-expert and vLLM writer takes)
+            formats.per_expert_tensors(tensors, 4, names)

@@ -130,8 +130,6 @@ PER_EXPERT_UNREAD = {
                    "ffn.experts.M.w1; this layout does not write them",
     "minimax_m3_vl": "its hub checkpoints hold the dense and shared MLPs' gate and up apart, which this layout "
                      "does not write",
-    "sarvam_moe": "its hub checkpoints, whose names vLLM reads, hold q, k and v as one "
-                  "attention.query_key_value, which this layout does not write",
 }  # fmt: skip
 # llama.cpp tensors (blk.N.<kind>) whose product goes through build_lora_mm, so that a LoRA on them is applied:
 # attention, the router, dense MLPs (build_ffn), shared experts and Qwen2-MoE's shared-expert gate.
@@ -336,21 +334,41 @@ def peft_expert_layers(tensors: dict[str, torch.Tensor], rank: int) -> dict[int,
 
 def linear_factors(tensors: dict[str, torch.Tensor]) -> dict[tuple[int, str, str], dict[str, torch.Tensor]]:
     """{(layer, module path, projection): {"A": (r, in), "B": (out, r)}} of the non-expert LoRA."""
+    check_one_decoder(tensors)
     out: dict = {}
-    decoder = {m["prefix"] for k in tensors if (m := EXPERT_KEY.fullmatch(k))}  # where the experts are
     for key, t in tensors.items():
         if EXPERT_KEY.fullmatch(key):
             continue
         m = LINEAR_KEY.fullmatch(key)
         if m is None:
             raise ExportError(f"{key}: a LoRA tensor outside the decoder layers; these formats cannot place it")
-        if decoder and m["prefix"] not in decoder:  # a vision tower's layers (MiniMax-M3-VL's): would collide
-            raise ExportError(f"{key}: a LoRA outside the language model's decoder layers ({', '.join(decoder)}); "
-                              "llama.cpp keeps vision and audio encoders in a separate mmproj file, which an "
-                              "adapter does not reach (train with lora.target_modules: auto, which keeps to the "
-                              "language model)")
         out.setdefault((int(m["layer"]), m["path"], m["proj"]), {})[m["ab"]] = t.float()
     return out
+
+
+def check_one_decoder(tensors: dict[str, torch.Tensor]) -> str:
+    """The module path of the decoder layers the adapter's LoRA is in (where the experts are), or an
+    ExportError for LoRA in another stack of layers: a vision tower's (MiniMax-M3-VL's has q_proj too) would
+    land on the text layer of the same index, and no format here can hold it (llama.cpp keeps encoders in a
+    separate mmproj file)."""
+    experts = {m["prefix"] for k in tensors if (m := EXPERT_KEY.fullmatch(k))}
+    linears: dict[str, str] = {}  # prefix: its first key
+    for k in sorted(tensors):
+        if (m := LINEAR_KEY.fullmatch(k)) and not EXPERT_KEY.fullmatch(k):
+            linears.setdefault(m["prefix"], k)
+    decoder = experts or set(linears)
+    if len(decoder) == 1 and set(linears) <= decoder:
+        return next(iter(decoder))
+    if not decoder:
+        raise ExportError(f"no LoRA tensor under the decoder layers (keys such as {next(iter(tensors), None)!r})")
+    if experts:
+        found = f"outside the experts' decoder layers ({', '.join(sorted(experts))}): " + ", ".join(
+            sorted(k for p, k in linears.items() if p not in experts))
+    else:
+        found = "in several stacks of layers: " + ", ".join(sorted(linears.values()))
+    raise ExportError(f"LoRA {found}; a vision or audio encoder's LoRA has no place in these formats (llama.cpp "
+                      "keeps encoders in a separate mmproj file). Train with lora.target_modules: auto, which keeps "
+                      "to the language model, or name its modules by a longer suffix (language_model.layers...)")
 
 
 # ------------------------------------------------------------------------------------------ per-expert
@@ -358,9 +376,7 @@ def linear_factors(tensors: dict[str, torch.Tensor]) -> dict[tuple[int, str, str
 
 def per_expert_tensors(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames) -> dict[str, torch.Tensor]:
     """Our PEFT tensors with the expert LoRA rewritten under per-expert module names (attention unchanged)."""
-    prefix = next((m["prefix"] for k in tensors if (m := EXPERT_KEY.fullmatch(k) or LINEAR_KEY.fullmatch(k))), None)
-    if prefix is None:
-        raise ExportError(f"no LoRA tensor under the decoder layers (keys such as {next(iter(tensors), None)!r})")
+    prefix = check_one_decoder(tensors)
     out = {hub_linear_key(k, names): v for k, v in tensors.items() if not EXPERT_KEY.fullmatch(k)}
     for layer, x in expert_layers(tensors, rank, names).items():
         inter = x.gate_up_b.shape[1] // 2
@@ -375,6 +391,37 @@ def per_expert_tensors(tensors: dict[str, torch.Tensor], rank: int, names: Famil
                 out[f"{base}.{proj}.lora_A.weight"] = a.clone(memory_format=torch.contiguous_format)
                 out[f"{base}.{proj}.lora_B.weight"] = b.clone(memory_format=torch.contiguous_format)
     return out
+
+
+# Families whose hub checkpoints (and vLLM's class) hold q, k and v as one Linear: (its path, the output
+# projection's) under a decoder layer. Sarvam-MoE: vLLM's SarvamMoEForCausalLM (a BailingMoeForCausalLM) packs
+# query_key_value as one LoRA and names no q_proj (model_executor/models/bailing_moe.py, packed_modules_mapping)
+HUB_FUSED_ATTENTION = {"sarvam_moe": ("attention.query_key_value", "attention.dense")}
+
+
+def hub_fused_attention(tensors: dict[str, torch.Tensor], qkv: str, out: str) -> dict[str, torch.Tensor]:
+    """q, k and v LoRA as the one LoRA of a fused `qkv` Linear (A stacked along the rank (3r, in), B
+    block-diagonal (q_out + k_out + v_out, 3r), so B A = [B_q A_q; B_k A_k; B_v A_v] at the adapter's alpha / r,
+    which the runtime reads from adapter_config.json), and o_proj's under `out`. A runtime must allow rank 3r
+    (vLLM: --max-lora-rank)."""
+    layers: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    renamed = {}
+    for key, t in tensors.items():
+        m = LINEAR_KEY.fullmatch(key)
+        if m and m["path"] == "self_attn" and m["proj"] in ("q_proj", "k_proj", "v_proj"):
+            layers.setdefault((m["prefix"], m["layer"]), {})[f"{m['proj'][0]}{m['ab']}"] = t
+        elif m and m["path"] == "self_attn" and m["proj"] == "o_proj":
+            renamed[f"{m['prefix']}.layers.{m['layer']}.{out}.lora_{m['ab']}.weight"] = t
+        else:
+            renamed[key] = t
+    for (prefix, layer), f in layers.items():
+        if missing := [p for p in "qkv" if f"{p}A" not in f]:
+            raise ExportError(f"layer {layer}: no LoRA on {', '.join(p + '_proj' for p in missing)}; this family's "
+                              f"checkpoints hold q, k and v as one {qkv}, whose LoRA needs all three trained")
+        base = f"{prefix}.layers.{layer}.{qkv}"
+        renamed[f"{base}.lora_A.weight"] = torch.cat([f["qA"], f["kA"], f["vA"]])
+        renamed[f"{base}.lora_B.weight"] = torch.block_diag(f["qB"], f["kB"], f["vB"])
+    return renamed
 
 
 def hub_linear_key(key: str, names: FamilyNames) -> str:
@@ -396,6 +443,8 @@ def write_per_expert(adapter_dir: str | Path, out_dir: str | Path, *, rename: tu
     if model_type in PER_EXPERT_UNREAD:
         raise ExportError(f"{model_type}: {PER_EXPERT_UNREAD[model_type]}")
     converted = per_expert_tensors(tensors, int(config["r"]), names)
+    if model_type in HUB_FUSED_ATTENTION:
+        converted = hub_fused_attention(converted, *HUB_FUSED_ATTENTION[model_type])
     if rename:
         converted = {k.replace(*rename): v for k, v in converted.items()}
     linears = sorted({m["proj"] for k in converted if (m := LINEAR_KEY.fullmatch(k))})
@@ -537,6 +586,9 @@ def gguf_tensors(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames
             name = gguf_linear_name(tensor_names, names.gguf_arch, layer, piece_path, piece_proj)
             if names.permute_qk and name.endswith((".attn_q", ".attn_k")):
                 b = permute_rows_for_rope(b, n_head if name.endswith(".attn_q") else n_kv)
+            if f"{name}.weight.lora_a" in out:  # two modules on one tensor: never write one over the other
+                raise ExportError(f"layers.{layer}.{path}.{proj}: its LoRA lands on {name}, which another module's "
+                                  "LoRA already fills")
             out[f"{name}.weight.lora_a"] = a
             out[f"{name}.weight.lora_b"] = b
     if fuse_qkv or names.gguf_arch in GGUF_ALWAYS_FUSED_QKV:

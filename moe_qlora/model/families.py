@@ -36,9 +36,11 @@ FAMILY_TARGETS: dict[str, list[str]] = {
     "glm4_moe": ATTENTION + DENSE_MLP,
     "laguna": ATTENTION + DENSE_MLP,  # dense first layer; shared_experts.* only where PEFT loads them back
     "qwen3_next": ATTENTION + GATED_DELTANET + DENSE_MLP,
-    "qwen3_5_moe_text": ATTENTION + GATED_DELTANET + DENSE_MLP,
+    **dict.fromkeys(("qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp", "qwen4_exp_text"),
+                    ATTENTION + GATED_DELTANET + DENSE_MLP),
     "nemotron_h": ATTENTION + MAMBA + ["up_proj", "down_proj"],  # its shared expert is not gated
-    "minimax_m3_vl": ATTENTION + ["gate_up_proj", "down_proj"],  # shared experts and dense layers: gate and up fused
+    # shared experts and dense layers: gate and up fused
+    **dict.fromkeys(("minimax_m3_vl", "minimax_m3_vl_text"), ATTENTION + ["gate_up_proj", "down_proj"]),
 }
 GENERIC_TARGETS = ATTENTION + MLA_ATTENTION + DENSE_MLP
 WRAPPED_LINEAR = "linear"  # the Linear's name inside a wrapped projection (Inkling-2's q_proj.linear)
@@ -211,4 +213,8 @@ def resolve_targets(model: nn.Module, target_modules: list[str] | str) -> list[s
             f"lora.target_modules names no nn.Linear of this model: {missing}; its linears: {sorted(present)}"
         )
     refuse_unloadable_targets(model, list(target_modules))
+    if outside := sorted(set(target_modules) - set(language_model_only(model, list(target_modules)))):
+        log.warning("lora.target_modules %s also name modules outside the language model's decoder layers (a vision "
+                    "or audio encoder's): trained, but no export writes their LoRA (auto keeps to the language "
+                    "model; or name them by a longer suffix, language_model.layers...)", outside)
     return list(target_modules)
