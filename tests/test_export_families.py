@@ -569,6 +569,12 @@ def test_per_expert_keys_carry_every_experts_delta(exported, tmp_path):
                 assert (got[layer, e, proj] - want).abs().max() <= TOL, (key, e, proj)
 
 
+# DeepSeek-V4 for vLLM: without the compressor's projections (the fixture's gate_proj and kv_proj reach them),
+# which vLLM multiplies from their fused weight
+VLLM_TARGETS = {"deepseek_v4": ["q_a_proj", "q_b_proj", "self_attn.kv_proj", "o_b_proj", "shared_experts.gate_proj",
+                                "shared_experts.up_proj", "shared_experts.down_proj"]}  # fmt: skip
+
+
 def test_vllm_format_is_the_per_expert_layout_where_vllm_reads_2d(exported, tmp_path):
     import json
 
@@ -585,6 +591,11 @@ def test_vllm_format_is_the_per_expert_layout_where_vllm_reads_2d(exported, tmp_
             formats.write_vllm(adapter, tmp_path / "v")
         assert not (tmp_path / "v").exists()
         adapter = family_adapter(tmp_path / "no-router", family, router=False)
+    if family in VLLM_TARGETS:  # the fixture trained modules vLLM multiplies without their LoRA: refused, by name
+        with pytest.raises(formats.ExportError, match=f"{model_type}: vLLM 0.33.0 does not apply a LoRA to "):
+            formats.write_vllm(adapter, tmp_path / "v")
+        assert not (tmp_path / "v").exists()
+        adapter = family_adapter(tmp_path / "vllm-targets", family, router=False, targets=VLLM_TARGETS[family])
     if model_type in formats.PER_EXPERT_UNREAD and model_type not in formats.VLLM_FUSED_3D:
         with pytest.raises(formats.ExportError, match=f"{model_type}: "):
             formats.write_vllm(adapter, tmp_path / "v")
@@ -687,6 +698,10 @@ def render_family_table() -> str:
             vllm = f"per-expert `{n.experts}.M.{'/'.join(p for p in (n.gate, n.up, n.down) if p)}`"
             if mt in f.VLLM_RENAMED:
                 vllm += f"; `{f.VLLM_RENAMED[mt][0]}` renamed `{f.VLLM_RENAMED[mt][1]}`"
+            if mt in f.HUB_MODULE_NAMES:
+                vllm += "; every module under the checkpoints' own names (`attn.wq_a` ...)"
+            if mt in f.VLLM_IGNORED_MODULE:
+                vllm += f"; LoRA refused on {', '.join(f'`{m}`' for m in f.VLLM_IGNORED_MODULE[mt])} (vLLM ignores it)"
             if mt in f.HUB_FUSED_ATTENTION:
                 vllm += (f"; q, k, v as one `{f.HUB_FUSED_ATTENTION[mt][0]}` LoRA of rank 3r (vLLM's "
                          f"`--max-lora-rank` at least that), o_proj as `{f.HUB_FUSED_ATTENTION[mt][1]}`")
@@ -721,11 +736,13 @@ def test_the_docs_table_is_the_exports_own():
 
     path = Path(__file__).resolve().parent.parent / "docs" / "export.md"
     text, table = path.read_text(), render_family_table()
-    start, end = text.index("| model type | llama.cpp arch |"), text.index("\n\nNot yet:")
+    start = text.index("| model type | llama.cpp arch |")
+    end = text.index("\n\n", text.index("| model type | why |"))  # the end of the second table
     if os.environ.get("MOE_QLORA_UPDATE_DOCS") == "1":
         path.write_text(text[:start] + table + text[end:])
         text = path.read_text()
-    assert text[start : text.index("\n\nNot yet:")] == table, "docs/export.md: MOE_QLORA_UPDATE_DOCS=1 rewrites it"
+    assert text[start : text.index("\n\n", text.index("| model type | why |"))] == table, (
+        "docs/export.md: MOE_QLORA_UPDATE_DOCS=1 rewrites it")
 
 
 def test_vision_tower_lora_is_refused_and_auto_keeps_to_the_language_model(tmp_path, caplog):
@@ -758,3 +775,40 @@ def test_vision_tower_lora_is_refused_and_auto_keeps_to_the_language_model(tmp_p
         tensors, config, _, names = formats.read_run_adapter(both)  # (MiniMax-M3 has no per-expert layout: the
         with pytest.raises(formats.ExportError, match=stray):  # step every per-expert and vLLM writer takes)
             formats.per_expert_tensors(tensors, 4, names)
+
+
+def test_deepseek_v4_is_written_under_its_hub_checkpoints_names(tmp_path):
+    """DeepSeek-V4's checkpoints (and vLLM) name its modules layers.N.attn.wq_a, ffn.shared_experts.w1 ...:
+    each non-expert LoRA of the per-expert layout, taken back through transformers' own renames of those
+    names, is the PEFT delta of the module it names; the experts are ffn.experts.M.w1/w3/w2 (the generic
+    per-expert test). Broken control: wq_a's and wkv's names exchanged."""
+    from safetensors.torch import load_file
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    adapter = family_adapter(tmp_path, "deepseek_v4")
+    deltas, _ = merged_minus_base(adapter)
+    out = load_file(str(formats.write_per_expert(adapter, tmp_path / "pe") / "adapter_model.safetensors"))
+    renames = [r for r in get_checkpoint_conversion_mapping("deepseek_v4") if type(r) is WeightRenaming]
+
+    def wrong(tensors: dict) -> list[str]:
+        bad, seen = [], 0
+        for key in tensors:
+            if ".experts." in key or not key.endswith("lora_A.weight"):
+                continue
+            assert key.startswith("base_model.model.layers.")  # the checkpoints' root: no model.
+            name = key.removeprefix("base_model.model.").replace(".lora_A", "")
+            for rule in renames:
+                name, _ = rule.rename_source_key(name)
+            got = 8.0 / 4 * tensors[key.replace("lora_A", "lora_B")] @ tensors[key]
+            want = deltas.get(f"model.{name}")
+            seen += 1
+            if want is None or want.shape != got.shape or (got - want).abs().max() > TOL:
+                bad.append(key)
+        assert seen >= 6  # q_a, q_b, kv, o_b, the compressor's, the shared experts', the router
+        return bad
+
+    assert wrong(out) == []
+    swap = {".attn.wq_a.": ".attn.wkv.", ".attn.wkv.": ".attn.wq_a."}
+    swapped = {next((k.replace(a, b) for a, b in swap.items() if a in k), k): v for k, v in out.items()}
+    assert wrong(swapped) != []

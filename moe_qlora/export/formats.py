@@ -114,7 +114,7 @@ FAMILIES = {
     "granitemoe_swa": FamilyNames("granite_swa", "block_sparse_moe.experts", "gate_proj", "up_proj", "down_proj",
                                   permute_qk=True, fused_gate_up=True),
     # DeepSeek-V4: compressed and sparse attention; tensor names from GGUF_HAND_NAMES
-    "deepseek_v4": FamilyNames("deepseek4", **_QWEN_STYLE),
+    "deepseek_v4": FamilyNames("deepseek4", "ffn.experts", "w1", "w3", "w2"),  # (hub names: HUB_MODULE_NAMES)
     # Sarvam-MoE: GLM-4-MoE's modules in transformers, converted by llama.cpp as Ling's bailingmoe2 with q, k and v
     # always one attn_qkv (conversion/bailingmoe.py); no q/k permutation
     "sarvam_moe": FamilyNames("bailingmoe2", **_QWEN_STYLE),
@@ -126,8 +126,6 @@ FAMILIES = {
 # the others' hub checkpoints name their modules otherwise than transformers, and this layout does not rename them
 PER_EXPERT_UNREAD = {
     "gpt_oss": "vLLM reads GPT-OSS's expert LoRA in PEFT's fused layout only (use --format vllm)",
-    "deepseek_v4": "its hub checkpoints, whose names vLLM reads, name every module otherwise: layers.N.attn.wq_a, "
-                   "ffn.experts.M.w1; this layout does not write them",
     "minimax_m3_vl": "its hub checkpoints hold the dense and shared MLPs' gate and up apart, which this layout "
                      "does not write",
 }  # fmt: skip
@@ -374,10 +372,49 @@ def check_one_decoder(tensors: dict[str, torch.Tensor]) -> str:
 # ------------------------------------------------------------------------------------------ per-expert
 
 
-def per_expert_tensors(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames) -> dict[str, torch.Tensor]:
-    """Our PEFT tensors with the expert LoRA rewritten under per-expert module names (attention unchanged)."""
+# Families whose hub checkpoints name every module otherwise than transformers (which renames them on load):
+# (the root the checkpoints have instead of transformers' model., {transformers' module path: the hub's}).
+# DeepSeek-V4: transformers' conversion_mapping.py renames, undone; vLLM 0.33.0 reads these names (its
+# DeepseekV4ForCausalLM's hf_to_vllm_mapper adds the model. root, models/deepseek_v4/nvidia/model.py)
+HUB_MODULE_NAMES = {
+    "deepseek_v4": ("", {
+        "self_attn.q_a_proj": "attn.wq_a", "self_attn.q_b_proj": "attn.wq_b", "self_attn.kv_proj": "attn.wkv",
+        "self_attn.o_a_proj": "attn.wo_a", "self_attn.o_b_proj": "attn.wo_b",
+        "self_attn.compressor.kv_proj": "attn.compressor.wkv", "self_attn.compressor.gate_proj": "attn.compressor.wgate",
+        "self_attn.compressor.indexer.kv_proj": "attn.indexer.compressor.wkv",
+        "self_attn.compressor.indexer.gate_proj": "attn.indexer.compressor.wgate",
+        "self_attn.compressor.indexer.q_b_proj": "attn.indexer.wq_b",
+        "self_attn.compressor.indexer.scorer.weights_proj": "attn.indexer.weights_proj",
+        "mlp.gate": "ffn.gate", "mlp.shared_experts.gate_proj": "ffn.shared_experts.w1",
+        "mlp.shared_experts.up_proj": "ffn.shared_experts.w3", "mlp.shared_experts.down_proj": "ffn.shared_experts.w2",
+    }),
+}  # fmt: skip
+
+
+def hub_module_key(key: str, root: str, modules: dict[str, str]) -> str:
+    """A non-expert LoRA key under the hub checkpoint's root and module names (HUB_MODULE_NAMES)."""
+    m = LINEAR_KEY.fullmatch(key)
+    module = f"{m['path']}.{m['proj']}"
+    if module not in modules:
+        raise ExportError(f"{key}: no hub checkpoint name known for {module} (known: {', '.join(sorted(modules))})")
+    return f"{hub_prefix(m['prefix'], root)}.layers.{m['layer']}.{modules[module]}.lora_{m['ab']}.weight"
+
+
+def hub_prefix(prefix: str, root: str) -> str:
+    """PEFT's prefix of the decoder layers with transformers' root (base_model.model.model) replaced by the hub's."""
+    return prefix.removesuffix(".model") + (f".{root}" if root else "")
+
+
+def per_expert_tensors(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames,
+                       hub: tuple[str, dict[str, str]] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Our PEFT tensors with the expert LoRA rewritten under per-expert module names (attention unchanged, or
+    under `hub`'s root and module names: HUB_MODULE_NAMES)."""
     prefix = check_one_decoder(tensors)
-    out = {hub_linear_key(k, names): v for k, v in tensors.items() if not EXPERT_KEY.fullmatch(k)}
+    if hub is None:
+        out = {hub_linear_key(k, names): v for k, v in tensors.items() if not EXPERT_KEY.fullmatch(k)}
+    else:
+        out = {hub_module_key(k, *hub): v for k, v in tensors.items() if not EXPERT_KEY.fullmatch(k)}
+        prefix = hub_prefix(prefix, hub[0])
     for layer, x in expert_layers(tensors, rank, names).items():
         inter = x.gate_up_b.shape[1] // 2
         for e in range(x.gate_up_a.shape[0]):
@@ -442,7 +479,7 @@ def write_per_expert(adapter_dir: str | Path, out_dir: str | Path, *, rename: tu
     tensors, config, model_type, names = read_run_adapter(adapter_dir)
     if model_type in PER_EXPERT_UNREAD:
         raise ExportError(f"{model_type}: {PER_EXPERT_UNREAD[model_type]}")
-    converted = per_expert_tensors(tensors, int(config["r"]), names)
+    converted = per_expert_tensors(tensors, int(config["r"]), names, HUB_MODULE_NAMES.get(model_type))
     if model_type in HUB_FUSED_ATTENTION:
         converted = hub_fused_attention(converted, *HUB_FUSED_ATTENTION[model_type])
     if rename:
@@ -472,7 +509,7 @@ VLLM_IGNORED_ROUTER = {
     "nemotron_h": ("mixer.gate", "lora/model_manager.py skips it, with only a log line"),
     **dict.fromkeys(("qwen3_moe", "exaone_moe", "deepseek_v2", "deepseek_v3", "glm_moe_dsa", "qwen3_next",
                      "qwen3_5_moe", "qwen3_5_moe_text", "deepseek_v32", "qwen4_exp", "qwen4_exp_text",
-                     "glm5_next"), ("mlp.gate", _RUNNER_GATE)),
+                     "glm5_next", "deepseek_v4"), ("mlp.gate", _RUNNER_GATE)),
 }  # fmt: skip
 _TRANSFORMERS_BACKEND = ("served by vLLM's Transformers backend, whose expert mapping lists both the gate_proj "
                          "and the w1 names, so a per-expert adapter fails its packing assertion (lora_weights.py)")
@@ -493,10 +530,16 @@ VLLM_NO_MOE_LORA = {
 # Non-expert modules vLLM loads a LoRA for but never applies: Granite-MoE-Shared's packed_modules_mapping lacks
 # the shared MLP's input_linear, so no LoRA layer wraps it and model_manager.py logs that it is ignored
 # (GraniteMoeSWAForCausalLM is served by the same class)
-VLLM_IGNORED_MODULE = dict.fromkeys(
-    ("granitemoeshared", "granitemoe_swa"),
-    ("shared_mlp.input_linear", "its packed_modules_mapping lacks input_linear, so no LoRA layer wraps it"),
-)
+_DSV4_FROM_WEIGHT = "multiplied from its weight, not through the LoRA-wrapped module (models/deepseek_v4)"
+VLLM_IGNORED_MODULE = {
+    **dict.fromkeys(("granitemoeshared", "granitemoe_swa"), {
+        "shared_mlp.input_linear": "its packed_modules_mapping lacks input_linear, so no LoRA layer wraps it"}),
+    # DeepSeek-V4: wo_a through a grouped einsum/bmm of wo_a.weight (nvidia/ops/o_proj.py), both compressors'
+    # fused wkv/wgate through torch.mm of the fused weight (attention.py)
+    "deepseek_v4": {m: _DSV4_FROM_WEIGHT for m in (
+        "self_attn.o_a_proj", "self_attn.compressor.kv_proj", "self_attn.compressor.gate_proj",
+        "self_attn.compressor.indexer.kv_proj", "self_attn.compressor.indexer.gate_proj")},
+}  # fmt: skip
 # Modules vLLM's class names otherwise than transformers (a LoRA under transformers' name would load unused)
 # (Laguna's is mlp.shared_expert there, but a LoRA on its shared expert does not load in PEFT: refused in training)
 VLLM_RENAMED = {
@@ -533,10 +576,11 @@ def write_vllm(adapter_dir: str | Path, out_dir: str | Path) -> Path:
     if router and any((m := LINEAR_KEY.fullmatch(k)) and f"{m['path']}.{m['proj']}" == router for k in tensors):
         raise ExportError(f"{model_type}: vLLM {VLLM_VERSION} does not apply a LoRA to this family's router "
                           f"({router}: {why}), so it would be ignored; train with lora.router: false")
-    module, why = VLLM_IGNORED_MODULE.get(model_type, (None, ""))
-    if module and any((m := LINEAR_KEY.fullmatch(k)) and f"{m['path']}.{m['proj']}" == module for k in tensors):
-        raise ExportError(f"{model_type}: vLLM {VLLM_VERSION} does not apply a LoRA to {module} ({why}), so it "
-                          f"would be ignored; train without it")
+    ignored = VLLM_IGNORED_MODULE.get(model_type, {})
+    trained = {f"{m['path']}.{m['proj']}" for k in tensors if (m := LINEAR_KEY.fullmatch(k))}
+    if modules := sorted(trained & set(ignored)):
+        raise ExportError(f"{model_type}: vLLM {VLLM_VERSION} does not apply a LoRA to {', '.join(modules)} "
+                          f"({ignored[modules[0]]}), so it would be ignored; train without it")
     if vllm_layout(model_type) != "fused-3d":  # per-expert, or its refusal with the reason
         return write_per_expert(adapter_dir, out_dir, rename=VLLM_RENAMED.get(model_type))
     with atomic_dir(out_dir) as tmp:
