@@ -812,3 +812,22 @@ def test_deepseek_v4_is_written_under_its_hub_checkpoints_names(tmp_path):
     swap = {".attn.wq_a.": ".attn.wkv.", ".attn.wkv.": ".attn.wq_a."}
     swapped = {next((k.replace(a, b) for a, b in swap.items() if a in k), k): v for k, v in out.items()}
     assert wrong(swapped) != []
+
+
+def test_an_adapter_without_linear_targets_gets_none_when_peft_loads_it(tmp_path):
+    """Experts-only LoRA (Gemma-4's fixture) is saved with target_modules [], not None: given None, PEFT adds
+    zero LoRA on its own default targets for the family (q_proj, v_proj) and warns of missing keys."""
+    import warnings
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter = family_adapter(tmp_path, "gemma4")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["target_modules"] == [] and config["target_parameters"]
+    base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = PeftModel.from_pretrained(base, str(adapter))
+    assert not [w for w in caught if "missing adapter keys" in str(w.message)]
+    assert not [n for n, _ in model.named_modules() if n.endswith(("q_proj.lora_A", "v_proj.lora_A"))]

@@ -185,7 +185,9 @@ def adapter_config(model, cfg: LoraSection, base_model_name_or_path: str) -> Lor
         lora_alpha=cfg.alpha,
         # PEFT refuses to load LoRA on parameters (experts, routers) with dropout; it only matters in training
         lora_dropout=0.0 if target_parameters else cfg.dropout,
-        target_modules=linear_targets or None,
+        # an empty list, not None: given None, PEFT adds LoRA on its own default targets for the family when it
+        # loads the adapter (zero-initialized, reported as missing keys: Gemma-4's q_proj and v_proj)
+        target_modules=linear_targets,
         target_parameters=target_parameters or None,
         base_model_name_or_path=base_model_name_or_path,
         task_type="CAUSAL_LM",
