@@ -145,11 +145,28 @@ GGUF_EXTRA_LORA_KINDS = {
     "deepseek4": {"attn_q_a", "attn_q_b", "attn_kv", "attn_output_b", "attn_compressor_kv", "attn_compressor_gate",
                   "indexer_compressor_kv", "indexer_compressor_gate", "indexer.attn_q_b", "indexer.proj"},
 }
-# Architectures whose converter names the tensors from the original checkpoint's keys, which no TensorNameMap
-# knows: {transformers' module path under layers.N: blk.N.<kind>}. DeepSeek-V4: conversion/deepseek.py
-# (_map_dsv4_tensor_name, keyed by `attn.wq_a`...) through transformers' renames of those keys
-# (conversion_mapping.py: attn -> self_attn, ffn -> mlp, wq_a -> q_a_proj, wkv -> kv_proj, wgate -> gate_proj,
-# wo_a/wo_b -> o_a_proj/o_b_proj, indexer.compressor -> compressor.indexer, w1/w2/w3 -> gate/down/up_proj).
+# DeepSeek-V4's modules: {transformers' module path: (the hub checkpoint's name, llama.cpp's blk.N.<kind>)}.
+# transformers renames the checkpoints' keys on load (conversion_mapping.py: attn -> self_attn, ffn -> mlp,
+# wq_a -> q_a_proj, wkv -> kv_proj, wgate -> gate_proj, wo_a/wo_b -> o_a_proj/o_b_proj, indexer.compressor ->
+# compressor.indexer, w1/w2/w3 -> gate/down/up_proj); llama.cpp's converter names its tensors from those keys
+# (conversion/deepseek.py, _map_dsv4_tensor_name), and vLLM 0.33.0 reads them (HUB_MODULE_NAMES).
+DSV4_MODULES = {
+    "self_attn.q_a_proj": ("attn.wq_a", "attn_q_a"), "self_attn.q_b_proj": ("attn.wq_b", "attn_q_b"),
+    "self_attn.kv_proj": ("attn.wkv", "attn_kv"), "self_attn.o_a_proj": ("attn.wo_a", "attn_output_a"),
+    "self_attn.o_b_proj": ("attn.wo_b", "attn_output_b"),
+    "self_attn.compressor.kv_proj": ("attn.compressor.wkv", "attn_compressor_kv"),
+    "self_attn.compressor.gate_proj": ("attn.compressor.wgate", "attn_compressor_gate"),
+    "self_attn.compressor.indexer.kv_proj": ("attn.indexer.compressor.wkv", "indexer_compressor_kv"),
+    "self_attn.compressor.indexer.gate_proj": ("attn.indexer.compressor.wgate", "indexer_compressor_gate"),
+    "self_attn.compressor.indexer.q_b_proj": ("attn.indexer.wq_b", "indexer.attn_q_b"),
+    "self_attn.compressor.indexer.scorer.weights_proj": ("attn.indexer.weights_proj", "indexer.proj"),
+    "mlp.gate": ("ffn.gate", "ffn_gate_inp"),
+    "mlp.shared_experts.gate_proj": ("ffn.shared_experts.w1", "ffn_gate_shexp"),
+    "mlp.shared_experts.up_proj": ("ffn.shared_experts.w3", "ffn_up_shexp"),
+    "mlp.shared_experts.down_proj": ("ffn.shared_experts.w2", "ffn_down_shexp"),
+}  # fmt: skip
+# Architectures whose converter names tensors no TensorNameMap knows (DeepSeek-V4's, from the original
+# checkpoint's keys), or modules their donor map lacks: {transformers' module path under layers.N: blk.N.<kind>}.
 GGUF_HAND_NAMES = {
     # (the indexer's q and k: gguf_pieces splits Qwen4-Exp's index_qk_proj into these, as its converter does)
     "qwen4exp": {"self_attn.indexer.q_proj": "indexer.q_proj", "self_attn.indexer.k_proj": "indexer.k_proj"},
@@ -164,17 +181,7 @@ GGUF_HAND_NAMES = {
     **dict.fromkeys(("granitemoe", "granitehybrid"), {"shared_mlp.gate_proj": "ffn_gate_shexp",
                                                       "shared_mlp.up_proj": "ffn_up_shexp"}),
     "granite_swa": {"shared_mlp.input_linear": "ffn_up_shexp"},
-    "deepseek4": {
-        "self_attn.q_a_proj": "attn_q_a", "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_proj": "attn_kv",
-        "self_attn.o_a_proj": "attn_output_a", "self_attn.o_b_proj": "attn_output_b",
-        "self_attn.compressor.kv_proj": "attn_compressor_kv", "self_attn.compressor.gate_proj": "attn_compressor_gate",
-        "self_attn.compressor.indexer.kv_proj": "indexer_compressor_kv",
-        "self_attn.compressor.indexer.gate_proj": "indexer_compressor_gate",
-        "self_attn.compressor.indexer.q_b_proj": "indexer.attn_q_b",
-        "self_attn.compressor.indexer.scorer.weights_proj": "indexer.proj",
-        "mlp.gate": "ffn_gate_inp", "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
-        "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp",
-    },
+    "deepseek4": {module: kind for module, (_, kind) in DSV4_MODULES.items()},
 }  # fmt: skip
 # Architectures newer than the gguf package's (0.19.0 on PyPI lacks them): the one whose TensorNameMap gives
 # the same blk.N names for the family's modules as llama.cpp's own gguf-py at 0c1e57098 (checked name by name,
@@ -372,49 +379,31 @@ def check_one_decoder(tensors: dict[str, torch.Tensor]) -> str:
 # ------------------------------------------------------------------------------------------ per-expert
 
 
-# Families whose hub checkpoints name every module otherwise than transformers (which renames them on load):
-# (the root the checkpoints have instead of transformers' model., {transformers' module path: the hub's}).
-# DeepSeek-V4: transformers' conversion_mapping.py renames, undone; vLLM 0.33.0 reads these names (its
+# Families whose hub checkpoints name every module otherwise than transformers (which renames them on load), and
+# have no model. root: {transformers' module path: the hub's}. vLLM 0.33.0 reads DeepSeek-V4's so (its
 # DeepseekV4ForCausalLM's hf_to_vllm_mapper adds the model. root, models/deepseek_v4/nvidia/model.py)
-HUB_MODULE_NAMES = {
-    "deepseek_v4": ("", {
-        "self_attn.q_a_proj": "attn.wq_a", "self_attn.q_b_proj": "attn.wq_b", "self_attn.kv_proj": "attn.wkv",
-        "self_attn.o_a_proj": "attn.wo_a", "self_attn.o_b_proj": "attn.wo_b",
-        "self_attn.compressor.kv_proj": "attn.compressor.wkv", "self_attn.compressor.gate_proj": "attn.compressor.wgate",
-        "self_attn.compressor.indexer.kv_proj": "attn.indexer.compressor.wkv",
-        "self_attn.compressor.indexer.gate_proj": "attn.indexer.compressor.wgate",
-        "self_attn.compressor.indexer.q_b_proj": "attn.indexer.wq_b",
-        "self_attn.compressor.indexer.scorer.weights_proj": "attn.indexer.weights_proj",
-        "mlp.gate": "ffn.gate", "mlp.shared_experts.gate_proj": "ffn.shared_experts.w1",
-        "mlp.shared_experts.up_proj": "ffn.shared_experts.w3", "mlp.shared_experts.down_proj": "ffn.shared_experts.w2",
-    }),
-}  # fmt: skip
+HUB_MODULE_NAMES = {"deepseek_v4": {module: hub for module, (hub, _) in DSV4_MODULES.items()}}
 
 
-def hub_module_key(key: str, root: str, modules: dict[str, str]) -> str:
-    """A non-expert LoRA key under the hub checkpoint's root and module names (HUB_MODULE_NAMES)."""
+def hub_module_key(key: str, modules: dict[str, str]) -> str:
+    """A non-expert LoRA key under the hub checkpoint's module names and root (HUB_MODULE_NAMES)."""
     m = LINEAR_KEY.fullmatch(key)
     module = f"{m['path']}.{m['proj']}"
     if module not in modules:
         raise ExportError(f"{key}: no hub checkpoint name known for {module} (known: {', '.join(sorted(modules))})")
-    return f"{hub_prefix(m['prefix'], root)}.layers.{m['layer']}.{modules[module]}.lora_{m['ab']}.weight"
-
-
-def hub_prefix(prefix: str, root: str) -> str:
-    """PEFT's prefix of the decoder layers with transformers' root (base_model.model.model) replaced by the hub's."""
-    return prefix.removesuffix(".model") + (f".{root}" if root else "")
+    return f"{m['prefix'].removesuffix('.model')}.layers.{m['layer']}.{modules[module]}.lora_{m['ab']}.weight"
 
 
 def per_expert_tensors(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames,
-                       hub: tuple[str, dict[str, str]] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+                       hub: dict[str, str] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     """Our PEFT tensors with the expert LoRA rewritten under per-expert module names (attention unchanged, or
-    under `hub`'s root and module names: HUB_MODULE_NAMES)."""
+    under `hub`'s module names without transformers' model. root: HUB_MODULE_NAMES)."""
     prefix = check_one_decoder(tensors)
     if hub is None:
         out = {hub_linear_key(k, names): v for k, v in tensors.items() if not EXPERT_KEY.fullmatch(k)}
     else:
-        out = {hub_module_key(k, *hub): v for k, v in tensors.items() if not EXPERT_KEY.fullmatch(k)}
-        prefix = hub_prefix(prefix, hub[0])
+        out = {hub_module_key(k, hub): v for k, v in tensors.items() if not EXPERT_KEY.fullmatch(k)}
+        prefix = prefix.removesuffix(".model")
     for layer, x in expert_layers(tensors, rank, names).items():
         inter = x.gate_up_b.shape[1] // 2
         for e in range(x.gate_up_a.shape[0]):
@@ -572,12 +561,12 @@ def write_vllm(adapter_dir: str | Path, out_dir: str | Path) -> Path:
     if model_type in VLLM_NO_MOE_LORA:
         raise ExportError(f"{model_type}: vLLM {VLLM_VERSION} serves no MoE LoRA for it "
                           f"({VLLM_NO_MOE_LORA[model_type]}); use the run's PEFT adapter, or gguf")  # fmt: skip
+    trained = {f"{m['path']}.{m['proj']}" for k in tensors if (m := LINEAR_KEY.fullmatch(k))}
     router, why = VLLM_IGNORED_ROUTER.get(model_type, (None, ""))
-    if router and any((m := LINEAR_KEY.fullmatch(k)) and f"{m['path']}.{m['proj']}" == router for k in tensors):
+    if router in trained:
         raise ExportError(f"{model_type}: vLLM {VLLM_VERSION} does not apply a LoRA to this family's router "
                           f"({router}: {why}), so it would be ignored; train with lora.router: false")
     ignored = VLLM_IGNORED_MODULE.get(model_type, {})
-    trained = {f"{m['path']}.{m['proj']}" for k in tensors if (m := LINEAR_KEY.fullmatch(k))}
     if modules := sorted(trained & set(ignored)):
         raise ExportError(f"{model_type}: vLLM {VLLM_VERSION} does not apply a LoRA to {', '.join(modules)} "
                           f"({ignored[modules[0]]}), so it would be ignored; train without it")
@@ -726,15 +715,23 @@ def gguf_name_map(arch: str, layers: int):
     (None where only GGUF_HAND_NAMES names the architecture's tensors: DeepSeek-V4)."""
     import gguf
 
+    if not has_name_map(arch):
+        return None
     by_name = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
-    arch = GGUF_NAMES_FROM.get(arch, arch)
-    return gguf.get_tensor_name_map(by_name[arch], layers) if arch in by_name else None
+    return gguf.get_tensor_name_map(by_name[GGUF_NAMES_FROM.get(arch, arch)], layers)
+
+
+def has_name_map(arch: str) -> bool:
+    """Whether the gguf package has a TensorNameMap for `arch` (or the architecture it takes names from)."""
+    import gguf
+
+    return GGUF_NAMES_FROM.get(arch, arch) in gguf.MODEL_ARCH_NAMES.values()
 
 
 def gguf_lora_kinds(arch: str) -> set[str]:
     """The blk.N.<kind>s whose LoRA llama.cpp's `arch` graph applies (the experts aside)."""
     kinds = (GGUF_LORA_KINDS | GGUF_EXTRA_LORA_KINDS.get(arch, set())) - GGUF_NO_LORA.get(arch, set())
-    if gguf_name_map(arch, 1) is None:  # only the hand-named tensors exist
+    if not has_name_map(arch):  # only the hand-named tensors exist
         kinds &= set(GGUF_HAND_NAMES[arch].values())
     return kinds
 
