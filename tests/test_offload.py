@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_qlora.common.streams import CheckedStreams, StreamHazard
 from moe_qlora.config.load import validate_config
 from moe_qlora.config.sections import ConfigError, LoraSection, check_shardable
 from moe_qlora.model.adapters import attach_adapters
@@ -41,7 +42,11 @@ def tiny_model(*, checkpointing: bool, kernels: str = "torch"):
 
 
 def offloaded(model, max_resident: int = 2) -> ExpertOffloader:
-    offloader = offload_experts([m for _, m in experts_modules(model)], "cpu", max_resident=max_resident)
+    """Every layer offloaded through CheckedStreams: each run of the schedule is also checked for the orderings
+    a GPU needs (a copy after the compute that read its buffer, a wait before a read, `max_resident` buffers)."""
+    streams = CheckedStreams(max_buffers=max_resident)
+    offloader = offload_experts([m for _, m in experts_modules(model)], "cpu", max_resident=max_resident,
+                                streams=streams)  # fmt: skip
     offloader.log = []
     return offloader
 
@@ -84,6 +89,81 @@ def test_schedule_check_fails_on_a_prefetch_in_the_wrong_direction(monkeypatch):
     step(model)
     misses = [(layer, phase) for layer, phase, _, hit in offloader.log if not hit]
     assert any(phase == "backward" for _, phase in misses)
+
+
+@pytest.mark.parametrize("max_resident", [1, 2, 3])
+def test_device_buffers_are_allocated_once_and_reused(max_resident):
+    """The window is `max_resident` buffers allocated when offload starts; a forward and backward (with
+    recomputes) and a generation copy into them again and again and allocate nothing more."""
+    model = tiny_model(checkpointing=True)
+    offloader = offloaded(model, max_resident=max_resident)
+    step(model)
+    with torch.no_grad():
+        model.generate(input_ids=torch.tensor([[7, 8, 9]]), max_new_tokens=2, do_sample=False)
+    log = offloader.streams.log
+    assert sum(op == "alloc" for op, *_ in log) == max_resident
+    assert sum(op == "pin" for op, *_ in log) == LAYERS  # one page-locked block per layer, never twice
+    copies = [entry for entry in log if entry[0] == "copy"]
+    assert len(copies) > 2 * LAYERS and all(after is not None for _, _, after, _ in copies)
+
+
+def test_checked_streams_catch_a_read_before_the_copy_is_waited_for(monkeypatch):
+    """Broken control: a schedule that forgets to make the compute stream wait for a copy."""
+    from moe_qlora.common.streams import CheckedStreams as Checked
+
+    model = tiny_model(checkpointing=False)
+    offloaded(model)
+    monkeypatch.setattr(Checked, "wait", lambda self, event, buffer: None)
+    with pytest.raises(StreamHazard, match="before the compute stream waited"):
+        step(model)
+
+
+def test_checked_streams_catch_a_copy_over_a_buffer_still_being_read(monkeypatch):
+    """Broken control: a copy not ordered after the compute that read the layer it replaces (what dropping a
+    buffer marked only by record_stream amounts to)."""
+    model = tiny_model(checkpointing=False)
+    offloader = offloaded(model)
+    copy = offloader.streams.copy
+    monkeypatch.setattr(offloader.streams, "copy", lambda dst, src, after=None: copy(dst, src, after=None))
+    with pytest.raises(StreamHazard, match="overwrite data still being read"):
+        step(model)
+
+
+def test_checked_streams_catch_more_buffers_than_the_window():
+    streams = CheckedStreams(max_buffers=2)
+    streams.device_buffer(8), streams.device_buffer(8)
+    with pytest.raises(StreamHazard, match="3 device buffers alive, at most 2"):
+        streams.device_buffer(8)
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_plan_counts_the_host_bytes_offload_takes(double_quant):
+    """plan's host_bytes and window against the blocks and buffers a real offload allocates, on the tiny model."""
+    path = ensure_tiny("mixtral", num_hidden_layers=LAYERS)
+    model = load_model(LoadOptions(str(path), expert_double_quant=double_quant))
+    cfg = validate_config({"model": {"name_or_path": str(path), "expert_offload": "all",
+                                     "expert_double_quant": double_quant},
+                           "data": {"train_files": ["(not read)"]}})  # fmt: skip
+    plan = plan_run(cfg, name_or_path=str(path), device="cuda")
+    offloader = offload_experts([m for _, m in experts_modules(model)], "cpu")
+    assert plan.offload.host_bytes == sum(h.block.numel() for h in offloader.host)
+    assert plan.bytes["experts_resident"] == sum(s.buffer.numel() for s in offloader.slots)
+
+
+def test_expert_lora_lives_where_the_model_computes_not_where_experts_are_stored():
+    """Offloaded experts are stored on the host while the model computes on the GPU; the LoRA, its routed-row
+    counts and gradients must be on the compute device. On a CPU machine the stacks are put on the meta device
+    to stand for "stored elsewhere": the old placement (the stacks' device) puts the LoRA there."""
+    torch.manual_seed(0)
+    model = load_model(LoadOptions(str(ensure_tiny("mixtral", num_hidden_layers=LAYERS))))
+    for _, module in experts_modules(model):
+        for name in ("gate_up_proj", "down_proj"):
+            stored = torch.empty(getattr(module, name).quant_state.shape, device="meta")
+            module._parameters[name] = torch.nn.Parameter(stored, requires_grad=False)
+    model = attach_adapters(model, LoraSection(rank=4, alpha=8.0), seed=0)
+    devices = {p.device.type for _, m in experts_modules(model) for p in m.moe_lora.parameters()}
+    devices |= {m.moe_lora.routed_rows.device.type for _, m in experts_modules(model)}
+    assert devices == {"cpu"}
 
 
 def test_one_resident_layer_means_no_prefetch():
@@ -164,10 +244,11 @@ def test_plan_meets_the_offload_targets(name, target_gib):
     assert plan.total <= target_gib * 2**30 < without.total
     off = plan.offload
     assert off.layers == off.of and plan.bytes["experts_nf4"] == 0
-    # the whole expert stacks move to the host; two layers' worth comes back as the resident window
-    assert off.host_bytes == without.bytes["experts_nf4"]
-    assert 0 < plan.bytes["experts_resident"] <= off.host_bytes * 2 // off.layers + 1
-    assert without.total - plan.total == off.host_bytes - plan.bytes["experts_resident"]
+    # the whole expert stacks move to the host (their blocks: each tensor aligned, the nested code tables, under
+    # 0.01% more); two layers' worth comes back as the resident window
+    assert 0 <= off.host_bytes - without.bytes["experts_nf4"] < 1e-4 * off.host_bytes
+    assert plan.bytes["experts_resident"] == 2 * off.host_bytes // off.layers
+    assert without.total - plan.total == without.bytes["experts_nf4"] - plan.bytes["experts_resident"]
     # copies per step: every layer but the two at each turn, twice (forward, backward)
     assert off.bytes_per_step == pytest.approx(2 * off.host_bytes * (off.layers - 2) / off.layers, rel=1e-9)
     assert any("per optimizer step" in note and "PCIe 4 x16" in note for note in plan.notes)
@@ -193,18 +274,36 @@ def test_offload_is_refused_under_fsdp():
         check_shardable(validate_config(raw))
 
 
-def test_offload_is_refused_when_the_host_lacks_the_memory(monkeypatch):
-    from rich.console import Console
+def offload_cfg(mode: str = "all"):
+    path = str(ROOT / "configs" / "models" / "qwen3-30b-a3b")  # a config.json alone: no weight can be loaded
+    return path, cfg_with(path, expert_offload=mode)
 
+
+def test_offload_is_refused_before_loading_when_the_host_lacks_the_memory(monkeypatch):
+    """Decided from config.json alone, before any weight is read (the folder has none): the check cannot be
+    fooled by blocks already pinned, which MemAvailable no longer counts."""
     from moe_qlora.train import session
 
-    cfg = validate_config({"model": {"name_or_path": "x", "expert_offload": "all"},
-                           "data": {"train_files": ["(not read)"]}})  # fmt: skip
-    model = tiny_model(checkpointing=False)
-    monkeypatch.setattr(session, "available_host_bytes", lambda: 1024)
-    expected = r"needs [0-9.]+ MiB of host memory for 4 MoE layers' experts; this machine has 0\.0 MiB available"
+    path, cfg = offload_cfg()
+    monkeypatch.setattr(session, "available_host_bytes", lambda: 2**30)
+    expected = r"needs 13\.93 GiB of host memory for 48 MoE layers' experts; this machine has 1\.00 GiB available"
     with pytest.raises(ConfigError, match=expected):
-        session.start_expert_offload(model, cfg, "x", "cpu", Console(quiet=True))
+        session.offloaded_layers(cfg, path, "cuda", sharded=False, gpu_gib=80)
+
+
+def test_offloaded_layers_are_the_plans_and_none_off_the_gpu(monkeypatch):
+    from moe_qlora.train import session
+
+    path, cfg = offload_cfg("auto")
+    monkeypatch.setattr(session, "available_host_bytes", lambda: 2**40)
+    names = session.offloaded_layers(cfg, path, "cuda", sharded=False, gpu_gib=16)
+    plan = plan_run(cfg, name_or_path=path, device="cuda", gpu_gib=16)
+    assert names == set(plan.offload.modules) and 0 < len(names) < 48
+    assert names == {f"model.layers.{i}.mlp.experts" for i in range(len(names))}
+    assert session.offloaded_layers(cfg, path, "cpu", sharded=False) == frozenset()
+    every = {f"model.layers.{i}.mlp.experts" for i in range(48)}
+    assert session.offloaded_layers(offload_cfg("all")[1], path, "cpu", sharded=False) == every
+    assert session.offloaded_layers(cfg, path, "cuda", sharded=True, gpu_gib=16) == frozenset()
 
 
 @pytest.mark.slow

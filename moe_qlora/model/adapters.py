@@ -24,8 +24,9 @@ from moe_qlora.moe.layouts import consumer_stack_names
 log = logging.getLogger(__name__)
 
 
-def attach_adapters(model, cfg: LoraSection, *, seed: int):
-    """Freeze the base model, add LoRA; returns the model to train (a PeftModel when linears are targeted)."""
+def attach_adapters(model, cfg: LoraSection, *, seed: int, device=None):
+    """Freeze the base model, add LoRA on `device` (default: where the model computes, which is not where
+    offloaded experts are stored); returns the model to train (a PeftModel when linears are targeted)."""
     for p in model.parameters():
         p.requires_grad_(False)
     targets = resolve_targets(model, cfg.target_modules)
@@ -39,7 +40,7 @@ def attach_adapters(model, cfg: LoraSection, *, seed: int):
     if cfg.experts:
         if not experts_modules(model):
             log.warning("no MoE experts found: training LoRA on the linears only (plain QLoRA)")
-        attach_expert_lora(model, rank=cfg.rank, alpha=cfg.alpha, seed=seed)
+        attach_expert_lora(model, rank=cfg.rank, alpha=cfg.alpha, seed=seed, device=device)
     refuse_parameter_lora_peft_would_drop(model, routers)
     return model
 

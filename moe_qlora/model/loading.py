@@ -57,16 +57,17 @@ class ModelLoadError(ValueError):
 class MoEQLoRAQuantConfig(BitsAndBytesConfig):
     """bitsandbytes NF4 for linears plus NF4 expert stacks; `expert_double_quant` compresses expert scales."""
 
-    def __init__(self, *, expert_double_quant: bool = False, experts_on_host: bool = False, **kwargs):
+    def __init__(self, *, expert_double_quant: bool = False, experts_on_host: frozenset[str] = frozenset(), **kwargs):
         kwargs.setdefault("load_in_4bit", True)
         kwargs.setdefault("bnb_4bit_quant_type", "nf4")
         super().__init__(**kwargs)
         self.expert_double_quant = expert_double_quant
-        self.experts_on_host = experts_on_host  # a loading choice, not part of the saved config
+        self.experts_on_host = experts_on_host  # experts modules stored on the host: a loading choice, not saved
         self.quant_method = QUANT_METHOD
 
     def to_dict(self):
-        return {**super().to_dict(), "expert_double_quant": self.expert_double_quant, "quant_method": QUANT_METHOD}
+        saved = {k: v for k, v in super().to_dict().items() if k != "experts_on_host"}
+        return {**saved, "expert_double_quant": self.expert_double_quant, "quant_method": QUANT_METHOD}
 
 
 class _QuantizeOnLoad(ConversionOps):
@@ -84,8 +85,8 @@ class _QuantizeOnLoad(ConversionOps):
             if param_name in quantized_stack_names(module):
                 double_quant = self.quantizer.quantization_config.expert_double_quant
                 result[name] = quantize_stack(value, double_quant=double_quant)
-                if self.quantizer.quantization_config.experts_on_host:  # the GPU never holds every expert
-                    move_param(result[name], "cpu", pin=torch.cuda.is_available())
+                if name.rsplit(".", 1)[0] in self.quantizer.quantization_config.experts_on_host:
+                    move_param(result[name], "cpu")  # stored on the host: the GPU never holds every expert
                 module._is_hf_initialized = True
                 # Quantizing a stack leaves a heap of freed per-expert temporaries; without handing them back,
                 # glibc's heap grows layer after layer (measured: +1 GB over 6 layers of a 3 GB checkpoint).
@@ -161,7 +162,9 @@ class LoadOptions:
     trust_remote_code: bool = False
     strict: bool = True
     device: str = "cpu"
-    experts_on_host: bool = False  # expert offload: each NF4 stack leaves the device as soon as it is quantized
+    # expert offload: the experts modules (by name) whose NF4 stacks are stored in host memory, each leaving the
+    # compute device as soon as it is quantized; everything else is stored where it is computed (`device`)
+    experts_on_host: frozenset[str] = frozenset()
 
 
 def check_model_path(name_or_path: str) -> None:

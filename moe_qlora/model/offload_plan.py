@@ -1,5 +1,5 @@
 """What `model.expert_offload` changes in a plan (moe/offload.py runs it): the offloaded layers' NF4 experts leave
-the GPU for pinned host memory, a window of `offload_resident_layers` layers stays, and the copies cost PCIe time.
+the GPU for page-locked host memory, a window of `offload_resident_layers` layers stays, and the copies cost PCIe time.
 
 Copies per pass (a forward, or a backward with its recomputes): every offloaded layer but the `resident` ones the
 previous pass ended on, so 2 (k - R) layers per micro-batch for k offloaded layers and a window of R.
@@ -7,6 +7,7 @@ previous pass ended on, so 2 (k - R) layers per micro-batch for k offloaded laye
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torch import nn
@@ -14,6 +15,8 @@ from torch import nn
 from moe_qlora.config.sections import RunConfig
 from moe_qlora.model.budget import Plan, four_bit_bytes
 from moe_qlora.moe.layouts import quantized_stack_names
+from moe_qlora.moe.nf4 import BLOCKSIZE, NESTED_BLOCKSIZE
+from moe_qlora.moe.offload import ALIGN
 
 # Host-to-device bytes/s a pinned copy achieves: PCIe 4.0 x16 (32 GB/s raw) and PCIe 5.0 x16 (64 GB/s raw).
 PCIE_LINKS = {"PCIe 4 x16": 25e9, "PCIe 5 x16": 50e9}
@@ -23,10 +26,11 @@ PCIE_LINKS = {"PCIe 4 x16": 25e9, "PCIe 5 x16": 50e9}
 class OffloadPlan:
     layers: int  # offloaded experts modules
     of: int  # experts modules in the model
-    host_bytes: int  # pinned host memory they need
-    resident_bytes: int  # the window on the GPU: the layer computing and the ones prefetched
+    host_bytes: int  # page-locked host memory they take: one block per layer, as moe/offload.py lays it out
+    resident_bytes: int  # the window on the GPU: offload_resident_layers buffers of the largest layer's block
     bytes_per_step: int  # host-to-device copies per optimizer step
     flops_per_step: float  # the step's compute, to compare the copies with
+    modules: tuple[str, ...] = ()  # the offloaded experts modules, by name
 
     def seconds_per_step(self, link: str) -> float:
         return self.bytes_per_step / PCIE_LINKS[link]
@@ -36,19 +40,36 @@ class OffloadPlan:
         return self.flops_per_step / self.seconds_per_step(link) / 1e12 if self.bytes_per_step else float("inf")
 
 
+def expert_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The experts modules with NF4 stacks, in model order: the unit offload moves."""
+    return [(name, m) for name, m in model.named_modules() if quantized_stack_names(m)]
+
+
 def expert_layer_bytes(model: nn.Module, cfg: RunConfig) -> list[int]:
-    """NF4 bytes of each experts module's stacks, in model order: the unit offload moves."""
+    """Bytes of each experts module's stacks in one offload block (moe/offload.py's LayerLayout: codes, block
+    scales and, with double quantization, their scales and code table, each aligned to ALIGN bytes)."""
     double_quant = cfg.model.expert_double_quant
-    sizes = []
-    for module in model.modules():
-        if names := quantized_stack_names(module):
-            sizes.append(sum(four_bit_bytes(getattr(module, n).numel(), double_quant=double_quant) for n in names))
-    return sizes
+    return [sum(block_bytes(getattr(m, n).numel(), double_quant=double_quant) for n in quantized_stack_names(m))
+            for _, m in expert_layers(model)]  # fmt: skip
+
+
+def nf4_layer_bytes(model: nn.Module, cfg: RunConfig) -> list[int]:
+    """NF4 bytes of each experts module's stacks as the plan's experts_nf4 counts them on the GPU."""
+    double_quant = cfg.model.expert_double_quant
+    return [sum(four_bit_bytes(getattr(m, n).numel(), double_quant=double_quant) for n in quantized_stack_names(m))
+            for _, m in expert_layers(model)]  # fmt: skip
+
+
+def block_bytes(numel: int, *, double_quant: bool) -> int:
+    blocks = numel // BLOCKSIZE
+    parts = [numel // 2, blocks, 4 * math.ceil(blocks / NESTED_BLOCKSIZE), 4 * 256] if double_quant else [
+        numel // 2, 4 * blocks]  # fmt: skip
+    return sum(-(-p // ALIGN) * ALIGN for p in parts)
 
 
 def window_bytes(offloaded: list[int], resident: int) -> int:
-    """The most bytes `resident` offloaded layers take on the GPU at once."""
-    return sum(sorted(offloaded, reverse=True)[:resident])
+    """Device bytes of the window: `resident` buffers (never more than the layers), each the largest layer's."""
+    return min(resident, len(offloaded)) * max(offloaded, default=0)
 
 
 def layers_to_offload(total: int, layers: list[int], resident: int, gpu_bytes: int) -> int | None:
@@ -83,9 +104,11 @@ def offload_plan(model: nn.Module, cfg: RunConfig, layers: list[int], k: int) ->
     tokens = cfg.train.micro_batch_size * cfg.data.max_seq_len
     passes = 4 if cfg.train.gradient_checkpointing else 3  # forward, backward (2x), and the recompute
     flops = 2.0 * active_parameters(model, cfg) * tokens * passes * cfg.train.grad_accum
+    names = tuple(name for name, _ in expert_layers(model))[:k]
     return OffloadPlan(layers=k, of=len(layers), host_bytes=sum(offloaded),
                        resident_bytes=window_bytes(offloaded, resident),
-                       bytes_per_step=int(2 * per_pass * cfg.train.grad_accum), flops_per_step=flops)  # fmt: skip
+                       bytes_per_step=int(2 * per_pass * cfg.train.grad_accum), flops_per_step=flops,
+                       modules=names)  # fmt: skip
 
 
 def apply_expert_offload(plan: Plan, model: nn.Module, cfg: RunConfig, *, device: str, gpu_bytes: int) -> None:
@@ -108,7 +131,7 @@ def apply_expert_offload(plan: Plan, model: nn.Module, cfg: RunConfig, *, device
         return
     off = offload_plan(model, cfg, layers, k)
     plan.offload = off
-    plan.bytes["experts_nf4"] -= off.host_bytes
+    plan.bytes["experts_nf4"] -= sum(nf4_layer_bytes(model, cfg)[:k])
     plan.bytes["experts_resident"] = off.resident_bytes
     gb = off.bytes_per_step / 1e9
     links = "; ".join(f"{off.seconds_per_step(link):,.2f} s at {link}, hidden by compute while the GPU sustains "

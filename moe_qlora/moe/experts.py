@@ -337,8 +337,20 @@ def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if is_experts_module(m)]
 
 
-def attach_expert_lora(model: nn.Module, *, rank: int, alpha: float, seed: int) -> list[str]:
-    """Add an ExpertLoRA to every experts module (checked for a supported layout first). Returns their names."""
+def compute_device(model: nn.Module) -> torch.device:
+    """Where `model` computes: its input embeddings' device. Not its experts' stacks' device, which is the host
+    for offloaded layers (model.expert_offload) while their LoRA, routing and gradients live on the GPU."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embeddings is not None:
+        return embeddings.weight.device
+    return next(model.parameters()).device  # a bare experts module (benchmarks, tests): where its stacks are
+
+
+def attach_expert_lora(model: nn.Module, *, rank: int, alpha: float, seed: int,
+                       device: torch.device | str | None = None) -> list[str]:  # fmt: skip
+    """Add an ExpertLoRA to every experts module (checked for a supported layout first), on `device` (default:
+    where the model computes, compute_device). Returns their names."""
+    device = torch.device(device) if device is not None else compute_device(model)
     names = []
     generator = torch.Generator().manual_seed(seed)
     for name, module in experts_modules(model):
@@ -346,7 +358,7 @@ def attach_expert_lora(model: nn.Module, *, rank: int, alpha: float, seed: int) 
         e, hidden, inter = expert_dims(module)
         lora = ExpertLoRA(num_experts=e, hidden=hidden, intermediate=inter, rank=rank, alpha=alpha,
                           gated=module.has_gate, generator=generator)  # fmt: skip
-        module.moe_lora = lora.to(module.down_proj.device)
+        module.moe_lora = lora.to(device)
         names.append(name)
     return names
 

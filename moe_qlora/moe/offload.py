@@ -23,6 +23,7 @@ import bitsandbytes as bnb
 import torch
 from torch import nn
 
+from moe_qlora.common.streams import HostStreams, streams_for
 from moe_qlora.moe.nf4 import NF4Stack
 
 
@@ -45,61 +46,90 @@ def stack_nbytes(stack: NF4Stack) -> int:
     return sum(t.numel() * t.element_size() for t in stack_tensors(stack))
 
 
-class CopyStream:
-    """Where host-to-device copies run: a CUDA side stream, the consumer waiting on an event (the copy overlaps
-    the compute before it); on the CPU a copy into a new buffer, done at once."""
+ALIGN = 256  # bytes: each tensor of a layer's block starts aligned for wide vector loads
 
-    def __init__(self, device: torch.device):
-        self.device = torch.device(device)
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
-    def copy(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], object]:
-        if self.stream is None:
-            return [t.clone() for t in tensors], None
-        with torch.cuda.stream(self.stream):
-            copies = [t.to(self.device, non_blocking=True) for t in tensors]
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return copies, event
+@dataclass(frozen=True)
+class LayerLayout:
+    """Where each tensor of one layer's stacks sits in its flat block: the same offsets in host memory and in
+    a device buffer, so one copy moves the whole layer."""
 
-    def wait(self, event, tensors: list[torch.Tensor]) -> None:
-        """Make the compute stream wait for the copy; the tensors, allocated on the side stream, are marked as
-        used by the compute stream so the allocator does not hand their memory to another copy too early."""
-        if event is None:
-            return
-        current = torch.cuda.current_stream(self.device)
-        current.wait_event(event)
-        for t in tensors:
-            t.record_stream(current)
+    parts: dict[str, list[tuple[int, torch.dtype, tuple[int, ...]]]]  # stack name -> (offset, dtype, shape) each
+    stacks: dict[str, NF4Stack]  # the stacks as loaded: shapes, blocksize, nested offset
+    nbytes: int
+
+    @classmethod
+    def of(cls, stacks: dict[str, NF4Stack]) -> LayerLayout:
+        parts, offset = {}, 0
+        for name, stack in stacks.items():
+            parts[name] = []
+            for t in stack_tensors(stack):
+                parts[name].append((offset, t.dtype, tuple(t.shape)))
+                offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        return cls(parts, stacks, offset)
+
+    def views(self, block: torch.Tensor) -> dict[str, NF4Stack]:
+        """The stacks as views into `block`, a flat uint8 tensor of at least `nbytes`."""
+        out = {}
+        for name, parts in self.parts.items():
+            tensors = [view_of(block, offset, dtype, shape) for offset, dtype, shape in parts]
+            out[name] = with_tensors(self.stacks[name], tensors)
+        return out
+
+
+def view_of(block: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    return block[offset : offset + nbytes].view(dtype).view(shape)
 
 
 @dataclass
-class Resident:
-    stacks: dict[str, NF4Stack]
-    event: object = None
+class HostLayer:
+    """One offloaded layer in host memory: its stacks packed into one page-locked block."""
+
+    layout: LayerLayout
+    block: torch.Tensor  # (nbytes,) uint8
+
+
+@dataclass
+class Slot:
+    """One of the `max_resident` device buffers, reused by whichever layer is copied into it."""
+
+    buffer: torch.Tensor  # (largest layer's nbytes,) uint8 on the device
+    layer: int | None = None
+    stacks: dict[str, NF4Stack] | None = None
+    copied: object = None  # the copy's event, until the compute stream has waited for it
 
 
 @dataclass
 class ExpertOffloader:
-    """The host copies of every offloaded layer's stacks, and the layers resident on the device."""
+    """The host copies of every offloaded layer's stacks, and `max_resident` device buffers they are copied
+    into: at most that many layers on the device, in memory allocated once.
 
-    host: list[dict[str, NF4Stack]]
-    copier: CopyStream
+    A copy into a buffer is ordered after the compute that read the layer it replaces (an event recorded on the
+    compute stream when the layer is evicted); the compute stream waits for the copy before it first reads."""
+
+    host: list[HostLayer]
+    streams: HostStreams
     max_resident: int = 2
-    resident: OrderedDict = field(default_factory=OrderedDict)  # layer -> Resident, least recently used first
+    slots: list[Slot] = field(default_factory=list)
+    resident: OrderedDict = field(default_factory=OrderedDict)  # layer -> slot index, least recently used first
     current: int | None = None
     log: list | None = None  # (layer, phase, resident layers, was it resident on entering): set by tests
     bytes_copied: int = 0
 
+    def __post_init__(self):
+        size = max((h.layout.nbytes for h in self.host), default=0)
+        self.slots = [Slot(self.streams.device_buffer(size)) for _ in range(min(self.max_resident, len(self.host)))]
+
     def stack(self, layer: int, name: str) -> NF4Stack:
         if layer != self.current:
             self.enter(layer)
-        entry = self.resident[layer]
-        if entry.event is not None:
-            tensors = [t for s in entry.stacks.values() for t in stack_tensors(s)]
-            self.copier.wait(entry.event, tensors)
-            entry.event = None
-        return entry.stacks[name]
+        slot = self.slots[self.resident[layer]]
+        if slot.copied is not None:
+            self.streams.wait(slot.copied, slot.buffer)
+            slot.copied = None
+        self.streams.read(slot.buffer)
+        return slot.stacks[name]
 
     def enter(self, layer: int) -> None:
         """Layer `layer` starts a call: make it resident, then start the copy of the layer used next."""
@@ -123,22 +153,31 @@ class ExpertOffloader:
             return layer + 1
         return 0 if not torch.is_grad_enabled() and n > 1 else None
 
+    def free_slot(self) -> int:
+        """A slot to copy into: an unused one, else the least recently used layer's (never the current one)."""
+        used = set(self.resident.values())
+        for i in range(len(self.slots)):
+            if i not in used:
+                return i
+        oldest = next(k for k in self.resident if k != self.current)
+        return self.resident.pop(oldest)
+
     def load(self, layer: int) -> None:
-        while len(self.resident) >= self.max_resident:
-            oldest = next(k for k in self.resident if k != self.current)
-            del self.resident[oldest]
-        stacks = {}
-        event = None
-        for name, stack in self.host[layer].items():
-            copies, event = self.copier.copy(stack_tensors(stack))
-            stacks[name] = with_tensors(stack, copies)
-            self.bytes_copied += stack_nbytes(stack)
-        self.resident[layer] = Resident(stacks, event)  # one event: the copies were queued in order
+        i = self.free_slot()
+        slot, host = self.slots[i], self.host[layer]
+        # every read of the layer leaving this slot is queued on the compute stream by now
+        after = self.streams.compute_point()
+        slot.copied = self.streams.copy(slot.buffer[: host.layout.nbytes], host.block, after=after)
+        slot.layer, slot.stacks = layer, host.layout.views(slot.buffer)
+        self.resident[layer] = i
+        self.bytes_copied += host.layout.nbytes
 
     def release(self) -> None:
-        """Drop every resident layer (the end of a run, or before evaluation frees memory)."""
+        """Forget every resident layer (the buffers stay allocated: they are the window plan counts)."""
         self.resident.clear()
         self.current = None
+        for slot in self.slots:
+            slot.layer = slot.stacks = slot.copied = None
 
 
 class OffloadedStack:
@@ -148,7 +187,7 @@ class OffloadedStack:
     offloaded = True
 
     def __init__(self, offloader: ExpertOffloader, layer: int, name: str):
-        host = offloader.host[layer][name]
+        host = offloader.host[layer].layout.stacks[name]
         self.offloader, self.layer, self.name = offloader, layer, name
         self.shape, self.blocksize = host.shape, host.blocksize
 
@@ -166,36 +205,57 @@ class OffloadedStack:
         return getattr(self.offloader.stack(self.layer, self.name), attr)
 
 
-def moved(t: torch.Tensor, device, pin: bool) -> torch.Tensor:
-    out = t.detach().to(device, copy=True)
-    return out.pin_memory() if pin and out.device.type == "cpu" else out
+def moved(t: torch.Tensor, device) -> torch.Tensor:
+    return t.detach().to(device, copy=True)
 
 
-def move_param(param: bnb.nn.Params4bit, device, *, pin: bool = False) -> None:
-    """A Params4bit's codes and its quant state's tensors moved to `device` in place (host memory pinned if
-    `pin`)."""
+def move_param(param: bnb.nn.Params4bit, device) -> None:
+    """A Params4bit's codes and its quant state's tensors moved to `device` in place (pageable host memory for
+    the CPU: offload_experts packs and page-locks the offloaded layers' in one block each)."""
     qs = param.quant_state
-    param.data = moved(param.data, device, pin)
-    qs.absmax = moved(qs.absmax, device, pin)
+    param.data = moved(param.data, device)
+    qs.absmax = moved(qs.absmax, device)
     if qs.nested:
-        qs.state2.absmax = moved(qs.state2.absmax, device, pin)
-        qs.state2.code = moved(qs.state2.code, device, pin)
+        qs.state2.absmax = moved(qs.state2.absmax, device)
+        qs.state2.code = moved(qs.state2.code, device)
 
 
-def offload_experts(modules: list[nn.Module], device, *, max_resident: int = 2) -> ExpertOffloader:
+def repoint_param(param: bnb.nn.Params4bit, stack: NF4Stack) -> None:
+    """Make `param` and its quant state read `stack`'s tensors (views into a host block)."""
+    qs = param.quant_state
+    param.data = stack.packed
+    qs.absmax = stack.absmax
+    if qs.nested:
+        qs.state2.absmax, qs.state2.code = stack.nested[0], stack.nested[1]
+
+
+def pack_to_host(module: nn.Module, streams: HostStreams) -> HostLayer:
+    """The NF4 stacks of `module` copied into one host block, page-locked; its parameters now read the block
+    (their previous storage is freed when nothing else holds it)."""
+    params = {n: p for n, p in module.named_parameters(recurse=False) if isinstance(p, bnb.nn.Params4bit)}
+    layout = LayerLayout.of({n: NF4Stack.from_param(p) for n, p in params.items()})
+    block = torch.empty(layout.nbytes, dtype=torch.uint8)
+    for name, stack in layout.views(block).items():
+        for dst, src in zip(stack_tensors(stack), stack_tensors(layout.stacks[name]), strict=True):
+            dst.copy_(src)
+        repoint_param(params[name], stack)
+    layout = LayerLayout(layout.parts, layout.views(block), layout.nbytes)  # hold no reference to the old tensors
+    return HostLayer(layout, streams.pin(block))
+
+
+def host_layer_bytes(stacks: dict[str, NF4Stack]) -> int:
+    """Host bytes one offloaded layer takes: its block, tensors aligned as LayerLayout lays them out."""
+    return LayerLayout.of(stacks).nbytes
+
+
+def offload_experts(modules: list[nn.Module], device, *, max_resident: int = 2,
+                    streams: HostStreams | None = None) -> ExpertOffloader:  # fmt: skip
     """Offload the NF4 stacks of `modules` (experts modules in the order the forward calls them) to host memory
-    and route their reads through one ExpertOffloader; returns it. Pinned memory when `device` is a GPU."""
-    pin = torch.device(device).type == "cuda"
-    host = []
-    for module in modules:
-        stacks = {}
-        for name, param in list(module.named_parameters(recurse=False)):
-            if not isinstance(param, bnb.nn.Params4bit):  # biases stay on the device
-                continue
-            move_param(param, "cpu", pin=pin)
-            stacks[name] = NF4Stack.from_param(param)
-        host.append(stacks)
-    offloader = ExpertOffloader(host, CopyStream(torch.device(device)), max_resident=max_resident)
+    and route their reads through one ExpertOffloader; returns it. `streams` defaults to the device's own
+    (CudaStreams on a GPU: host blocks page-locked, copies on a side stream)."""
+    streams = streams if streams is not None else streams_for(device)
+    host = [pack_to_host(module, streams) for module in modules]
+    offloader = ExpertOffloader(host, streams, max_resident=max_resident)
     for layer, module in enumerate(modules):
         module.moe_offload = (offloader, layer)
     return offloader

@@ -33,7 +33,7 @@ from moe_qlora.model.tiny import resolve_model_path
 from moe_qlora.moe.experts import experts_modules, set_moe_kernels, stack_names
 from moe_qlora.moe.kernels.grouped_mm import has_fused_path
 from moe_qlora.moe.nf4 import NF4Stack
-from moe_qlora.moe.offload import move_param, offload_experts, stack_nbytes
+from moe_qlora.moe.offload import host_layer_bytes, offload_experts
 from moe_qlora.train.checkpoint import (
     CheckpointError,
     RunProgress,
@@ -194,10 +194,10 @@ def load_policy(cfg: RunConfig, model_path: str, console: Console, ranks: Ranks 
         linear_double_quant=cfg.model.linear_double_quant,
         trust_remote_code=cfg.model.trust_remote_code,
         strict=cfg.model.strict_quantization,
-        experts_on_host=cfg.model.expert_offload != "none" and device == "cuda" and not sharded,
+        experts_on_host=offloaded_layers(cfg, model_path, device, sharded),
     )
-    model = attach_adapters(load_model(opts), cfg.lora, seed=cfg.train.seed)
-    start_expert_offload(model, cfg, model_path, device, console)
+    model = attach_adapters(load_model(opts), cfg.lora, seed=cfg.train.seed, device=opts.device)
+    start_expert_offload(model, cfg, opts.experts_on_host, device, console)
     kernels = resolve_kernels(cfg.model.kernels, device, opts.compute_dtype)
     if set_moe_kernels(model, kernels, fused_below_rows=cfg.model.fused_below_rows,
                        dequant_buffer_mb=cfg.model.dequant_buffer_mb,
@@ -230,35 +230,61 @@ def size(n: int) -> str:
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
-def start_expert_offload(model, cfg: RunConfig, model_path: str, device: str, console: Console):
-    """model.expert_offload: the first k experts modules' stacks to (pinned) host memory, fetched as their layer
-    runs (moe/offload.py); the others on `device`. all: every one; auto: as many as `plan` needs to fit this GPU
-    (none on the CPU). Refused when the host lacks the memory. Returns the ExpertOffloader, or None."""
+def offloaded_layers(cfg: RunConfig, model_path: str, device: str, sharded: bool, gpu_gib: float | None = None
+                     ) -> frozenset[str]:  # fmt: skip
+    """model.expert_offload: the experts modules (by name) whose NF4 stacks are stored in host memory. all: every
+    one; auto: the fewest `plan` needs to fit this GPU (`gpu_gib`, default the device's), none on the CPU; none
+    under FSDP (all on the CPU: every one, host to host). Decided, and the host's memory checked, from
+    config.json before any weight is loaded."""
     mode = cfg.model.expert_offload
-    if mode == "none" or (mode == "auto" and device != "cuda"):
-        return None
-    modules = [m for _, m in experts_modules(model)]
-    k = len(modules)
-    if mode == "auto":
-        from moe_qlora.model.plan import plan_run
+    if mode == "none" or sharded or (mode == "auto" and device != "cuda"):
+        return frozenset()
+    from moe_qlora.model.plan import plan_run
 
-        gib = torch.cuda.get_device_properties(device).total_memory / 2**30
-        plan = plan_run(cfg, name_or_path=model_path, device="cuda", gpu_gib=gib)
-        k = plan.offload.layers if plan.offload is not None else 0
-    need = sum(stack_nbytes(NF4Stack.from_param(getattr(m, n))) for m in modules[:k] for n in stack_names(m))
+    if device != "cuda":  # all, on the CPU: the same schedule from host to host (what CPU tests drive)
+        from moe_qlora.model.budget import meta_model
+        from moe_qlora.model.offload_plan import expert_layers
+
+        return frozenset(name for name, _ in expert_layers(meta_model(model_path)))
+
+    gib = gpu_gib if gpu_gib is not None else torch.cuda.get_device_properties(device).total_memory / 2**30
+    plan = plan_run(cfg, name_or_path=model_path, device="cuda", gpu_gib=gib)
+    if plan.offload is None:
+        return frozenset()
+    check_host_memory(plan.offload.host_bytes, plan.offload.layers, mode)
+    return frozenset(plan.offload.modules)
+
+
+def check_host_memory(need: int, layers: int, mode: str) -> None:
+    """Refuse an offload whose host blocks would not fit in the memory the host has available now."""
     if (available := available_host_bytes()) is not None and need > available:
-        raise ConfigError(f"model.expert_offload: {mode} needs {size(need)} of host memory for {k} MoE layers' "
+        raise ConfigError(f"model.expert_offload: {mode} needs {size(need)} of host memory for {layers} MoE layers' "
                           f"experts; this machine has {size(available)} available. Free memory, "
                           "or offload fewer layers (expert_offload: auto)")  # fmt: skip
-    for module in modules[k:]:  # loaded to the host (LoadOptions.experts_on_host): back to the device
-        for name in stack_names(module):
-            move_param(getattr(module, name), device)
-    if not k:
+
+
+def start_expert_offload(model, cfg: RunConfig, on_host: frozenset[str], device: str, console: Console,
+                         streams=None):  # fmt: skip
+    """Route the reads of the experts modules stored on the host (`on_host`, by name) through an
+    ExpertOffloader: each layer's stacks packed into one page-locked block, copied into one of
+    model.offload_resident_layers device buffers when the layer runs (moe/offload.py). Returns it, or None."""
+    modules = [(n, m) for n, m in experts_modules(model) if n in on_host or plain_name(n) in on_host]
+    if not modules:
         return None
-    offloader = offload_experts(modules[:k], device, max_resident=cfg.model.offload_resident_layers)
-    console.print(f"expert offload ({mode}): {k} of {len(modules)} MoE layers' experts ({size(need)}) in "
-                  f"host memory, at most {cfg.model.offload_resident_layers} layers on {device} at once")  # fmt: skip
+    need = sum(host_layer_bytes({s: NF4Stack.from_param(getattr(m, s)) for s in stack_names(m)}) for _, m in modules)
+    offloader = offload_experts([m for _, m in modules], device, max_resident=cfg.model.offload_resident_layers,
+                                streams=streams)  # fmt: skip
+    release_freed_memory()  # the pageable copies the loader left, now in the page-locked blocks
+    total = len(experts_modules(model))
+    console.print(f"expert offload ({cfg.model.expert_offload}): {len(modules)} of {total} MoE layers' experts "
+                  f"({size(need)}) in page-locked host memory, at most {cfg.model.offload_resident_layers} layers "
+                  f"on {device} at once")  # fmt: skip
     return offloader
+
+
+def plain_name(name: str) -> str:
+    """A module's name without PEFT's wrapper prefix: the name it had when it was loaded."""
+    return name.removeprefix("base_model.model.")
 
 
 def move_unsharded_to(model, device: torch.device) -> None:
