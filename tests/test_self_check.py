@@ -115,6 +115,73 @@ def test_out_of_memory_in_the_check_is_not_a_kernel_fault(model, monkeypatch):
         experts_step(model, "grouped_mm")
 
 
+def broken_lora_weight_grads(monkeypatch):
+    """The outer-product results with experts rolled in dB2: output and input gradient untouched."""
+    from moe_qlora.moe import grouped_layer
+
+    real = grouped_layer._lora_weight_grads
+    monkeypatch.setattr(grouped_layer, "_lora_weight_grads",
+                        lambda *a: [*real(*a)[:3], real(*a)[3].roll(1, dims=0)])  # fmt: skip
+
+
+def dropped_routing_weight_grad(monkeypatch):
+    """The routing weights' gradient dropped: output, input and LoRA gradients untouched."""
+    from moe_qlora.moe import grouped_layer
+
+    real = grouped_layer.grouped_backward
+    monkeypatch.setattr(grouped_layer, "grouped_backward",
+                        lambda *a: (lambda g: (g[0], torch.zeros_like(g[1]), *g[2:]))(real(*a)))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("breaks", "gradient"),
+    [(broken_lora_weight_grads, "down_b gradient"),
+     (dropped_routing_weight_grad, "routing-weight gradient")],
+)
+def test_a_path_wrong_only_in_a_weight_gradient_falls_back(model, monkeypatch, caplog, breaks, gradient):
+    """The check compares every gradient the layer gives, not the output and input gradient alone: a path right
+    in both but wrong in the expert LoRA's outer products, or in the routing weights' gradient, is caught."""
+    breaks(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="moe_qlora.moe.self_check"):
+        experts_step(model, "grouped_mm")
+    (why,) = kernel_self_check(model).failed.values()
+    assert why.startswith(f"{gradient} differs from the torch reference")
+
+
+def test_the_unbroken_weight_gradients_pass_the_check(model):
+    """Control for the test above: the same call with the real backward passes (fp32: ~1e-6 of 1e-4)."""
+    experts_step(model, "grouped_mm")
+    assert not kernel_self_check(model).failed
+
+
+def test_a_rows_class_first_seen_without_gradients_is_probed_again_with_them(model, monkeypatch):
+    """GRPO samples under inference_mode first: that probe checks the forward only. The first call with
+    gradients for the same rows class is probed again, backward included (here it finds the broken backward)."""
+    set_moe_kernels(model, "grouped_mm", self_check=True)
+    _, experts = experts_modules(model)[0]
+    idx, weights = ragged_routing(12, 8, 2)
+    x = torch.randn(12, 64, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        experts(x, idx, weights)
+    checker = kernel_self_check(model)
+    assert [key[-2] for key in checker.verdicts] == [False] and not checker.failed
+    broken_lora_weight_grads(monkeypatch)
+    experts(x.clone().requires_grad_(True), idx, weights).sum().backward()
+    assert sorted(key[-2] for key in checker.verdicts) == [False, True]
+    assert [key[-2] for key in checker.failed] == [True]
+
+
+def test_a_device_fault_at_a_probe_stops_with_one_clear_message(model, monkeypatch):
+    """An illegal address poisons the CUDA context: no fallback can run, so the probe raises a message naming the
+    path and shapes and the way out. The stand-in raises what torch raises for it (torch.AcceleratorError)."""
+    monkeypatch.setenv(self_check.FAULT_ENV, "grouped_mm:device")
+    with pytest.raises(self_check.DeviceFaultError) as info:
+        experts_step(model, "grouped_mm")
+    message = str(info.value)
+    assert "the grouped_mm path faulted on the device for experts (8, 256, 64) / (8, 64, 128)" in message
+    assert "rerun with --set model.kernels=torch" in message and "illegal memory access" in message
+
+
 def demo_losses(tmp_path, name, *overrides, fault=None):
     env = {**os.environ, "MOE_QLORA_CACHE": str(tmp_path / "cache")}
     env.pop(self_check.FAULT_ENV, None)

@@ -53,7 +53,7 @@ def injected_fault(path: str) -> str | None:
     """'wrong', 'raise' or None: the fault MOE_QLORA_INJECT_KERNEL_FAULT injects into `path`."""
     for entry in os.environ.get(FAULT_ENV, "").split(","):
         name, _, fault = entry.strip().partition(":")
-        if name == path and fault in ("wrong", "raise"):
+        if name == path and fault in ("wrong", "raise", "device"):
             return fault
     return None
 
@@ -99,7 +99,9 @@ class KernelSelfCheck:
     def key(path: str, x, top_k_index, plan: MoEPlan) -> tuple:
         experts = plan.experts
         rows = rows_class(top_k_index.numel(), experts.gate_up.num_experts)
-        return path, tuple(experts.gate_up.shape), tuple(experts.down.shape), x.dtype, rows
+        # grad mode last but one: a rows class first seen without gradients (GRPO's rollouts) is probed again,
+        # backward included, when gradients flow
+        return path, tuple(experts.gate_up.shape), tuple(experts.down.shape), x.dtype, needs_grads(), rows
 
     @property
     def failed(self) -> dict[tuple, str]:
@@ -107,17 +109,32 @@ class KernelSelfCheck:
 
 
 def probe(path: str, x, top_k_index, top_k_weights, lora, plan: MoEPlan, run: RunPath) -> str | None:
-    """None if `path` matches the fp32 reference on this call's first PROBE_TOKENS tokens (output, and input
-    gradient where autograd runs), else the exception or the relative difference. Out of memory is not a
-    kernel fault: it propagates.
+    """None if `path` matches the fp32 reference on this call's first PROBE_TOKENS tokens, else the exception or
+    the relative difference. Compared: the output and, where autograd runs, every gradient the layer gives: the
+    input's, the routing weights' and the expert LoRA factors' (the outer-product kernel's). Out of memory is not
+    a kernel fault: it propagates; a device-side fault cannot be fallen back from: DeviceFaultError.
 
     Run on a thread of its own: autograd's thread-local state (grad mode, and the saved-tensor hooks that
     non-reentrant activation checkpointing installs around the forward, which the probe's own graph must not
     reach: the recompute would then find fewer tensors saved than the forward) starts clean there."""
-    grads = not torch.is_inference_mode_enabled()
+    grads = needs_grads()
     stream = torch.cuda.current_stream(x.device) if x.device.type == "cuda" else None
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moe-self-check") as pool:
         return pool.submit(_probe, path, x, top_k_index, top_k_weights, lora, plan, run, grads, stream).result()
+
+
+def needs_grads() -> bool:
+    """Whether this call's backward will run, so the probe must check it (not under no_grad or inference_mode:
+    GRPO's rollouts)."""
+    return torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+
+
+class DeviceFaultError(RuntimeError):
+    """A path faulted on the device (an illegal address, say): the CUDA context is lost, no fallback can run."""
+
+
+GRADIENTS = ("input gradient", "routing-weight gradient", "gate_up_a gradient", "gate_up_b gradient",
+             "down_a gradient", "down_b gradient")  # fmt: skip
 
 
 def _probe(path, x, top_k_index, top_k_weights, lora, plan: MoEPlan, run: RunPath, grads: bool, stream):
@@ -125,41 +142,79 @@ def _probe(path, x, top_k_index, top_k_weights, lora, plan: MoEPlan, run: RunPat
     if n == 0:
         return None
     unsaved = dataclasses.replace(plan, deferred=None, lora_params=None)  # the probe's gradients go nowhere
-    frozen_lora = tuple(p.detach() for p in lora) if lora is not None else None
+    inputs = [x.detach(), top_k_weights.detach(), *(p.detach() for p in lora or ())]
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), \
             torch.enable_grad() if grads else torch.no_grad():  # fmt: skip
         try:
-            xs = x.detach().requires_grad_(grads)
-            out = run(path, xs, top_k_weights.detach(), frozen_lora, unsaved)
-            seed = torch.randn(out.shape, generator=torch.Generator(device=out.device).manual_seed(0),
-                               device=out.device, dtype=out.dtype)  # fmt: skip
-            grad = torch.autograd.grad(out, xs, seed)[0] if grads else None
-        except torch.OutOfMemoryError:
+            leaves = [t.requires_grad_(grads) for t in inputs]
+            xs, ws, probe_lora = leaves[0], leaves[1], tuple(leaves[2:]) or None
+            out = run(path, xs, ws, probe_lora, unsaved)
+            seed = probe_seed(out, n)
+            got = [out[:n]]
+            if grads:  # the seed is zero past n tokens, so the LoRA gradients sum the first n tokens' rows alone
+                got += [
+                    g[:n] if i < 2 and g is not None else g
+                    for i, g in enumerate(torch.autograd.grad(out, leaves, seed, allow_unused=True))
+                ]
+            synchronize(path, x)  # a device-side fault surfaces here, inside the try, not at a later call
+        except (torch.OutOfMemoryError, DeviceFaultError):
             raise
         except Exception as exc:  # a compile error, a launch out of resources, an unsupported op: fall back
+            if is_device_fault(exc):
+                raise DeviceFaultError(device_fault_message(path, plan, x, exc)) from exc
             return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-        ref_out, ref_grad = _reference(x[:n], top_k_index[:n], top_k_weights[:n], frozen_lora, plan,
-                                       seed[:n], grads)  # fmt: skip
+        expected = _reference(x[:n], top_k_index[:n], top_k_weights[:n], lora, plan, seed[:n], grads)
     tolerance = TOLERANCE.get(x.dtype, 5e-2)
-    for name, got, expected in (("output", out[:n], ref_out), ("input gradient", grad[:n] if grads else None,
-                                                                  ref_grad)):
-        if got is None:
+    for name, g, e in zip(("output", *GRADIENTS), got, expected, strict=False):
+        if g is None or e is None:
+            if (g is None) != (e is None):
+                return f"{name}: the path gives {'none' if g is None else 'one'}, the torch reference does not"
             continue
-        difference = _relative_difference(got, expected)
+        difference = _relative_difference(g, e)
         if not difference <= tolerance:  # also NaN
             return f"{name} differs from the torch reference by {difference:.3g} of its largest value " \
                    f"(tolerance {tolerance:g})"  # fmt: skip
     return None
 
 
-def _reference(x, top_k_index, top_k_weights, lora, plan: MoEPlan, seed, grads: bool):
-    """(output, input gradient or None) of the per-expert torch reference in fp32 on these tokens."""
+def probe_seed(out: torch.Tensor, n: int) -> torch.Tensor:
+    """The output gradient the probe differentiates with: random on the first n tokens, zero past them."""
+    g = torch.Generator(device=out.device).manual_seed(0)
+    seed = torch.randn(out.shape, generator=g, device=out.device, dtype=out.dtype)
+    seed[n:] = 0
+    return seed
+
+
+def synchronize(path: str, x: torch.Tensor) -> None:
+    """Wait for the probe's kernels (on a GPU), so that an asynchronous fault raises here;
+    MOE_QLORA_INJECT_KERNEL_FAULT=<path>:device raises what such a fault raises (torch.AcceleratorError)."""
+    if injected_fault(path) == "device":
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered (injected)")
+    if x.device.type == "cuda":
+        torch.cuda.synchronize(x.device)
+
+
+def is_device_fault(exc: Exception) -> bool:
+    return isinstance(exc, torch.AcceleratorError) or "illegal memory access" in str(exc) or \
+        "device-side assert" in str(exc)  # fmt: skip
+
+
+def device_fault_message(path: str, plan: MoEPlan, x: torch.Tensor, exc: Exception) -> str:
+    gate_up, down = tuple(plan.experts.gate_up.shape), tuple(plan.experts.down.shape)
+    return (f"MoE self-check: the {path} path faulted on the device for experts {gate_up} / {down}, "
+            f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')} tokens ({str(exc).splitlines()[0]}). The GPU "
+            "context cannot be used after such a fault, so the run stops here; rerun with "
+            "--set model.kernels=torch (the reference path), and please report the shapes above.")  # fmt: skip
+
+
+def _reference(x, top_k_index, top_k_weights, lora, plan: MoEPlan, seed, grads: bool) -> list[torch.Tensor]:
+    """[output, and with `grads` the input, routing-weight and LoRA factor gradients] of the per-expert torch
+    reference in fp32 on these tokens."""
     sub_plan = MoEPlan(plan.experts, route(top_k_index, plan.experts.gate_up.num_experts), plan.lora_scale)
-    xs = x.detach().float().requires_grad_(grads)
-    fp32_lora = tuple(p.float() for p in lora) if lora is not None else None
-    out = moe_lora_experts(xs, top_k_weights.detach().float(), fp32_lora, sub_plan)  # biases cast per expert
-    grad = torch.autograd.grad(out, xs, seed.float())[0] if grads else None
-    return out, grad
+    leaves = [x.detach().float(), top_k_weights.detach().float(), *(p.detach().float() for p in lora or ())]
+    leaves = [t.requires_grad_(grads) for t in leaves]
+    out = moe_lora_experts(leaves[0], leaves[1], tuple(leaves[2:]) or None, sub_plan)  # biases cast per expert
+    return [out, *torch.autograd.grad(out, leaves, seed.float(), allow_unused=True)] if grads else [out]
 
 
 def _relative_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
