@@ -54,7 +54,9 @@ def test_gate_up_with_silu_mul_epilogue_at_qwen3_30b_shape_bf16():
     assert ((h.float() - h_ref.float()).abs() <= bound).all()
     gate, up = h_ref.float().chunk(2, dim=-1)
     dgate, dup = bound.chunk(2, dim=-1)
-    act_bound = 1.1 * up.abs() * dgate + gate.abs() * dup + 2**-6 * act_ref.float().abs() + 1e-5
+    # silu(g')u' - silu(g)u = (silu(g') - silu(g))(u + du) + silu(g) du with |silu'| <= 1.1: the cross term
+    # 1.1 dgate dup counts where gate and up both cancel to near zero (missing here, it failed on an H100)
+    act_bound = 1.1 * (up.abs() + dup) * dgate + gate.abs() * dup + 2**-6 * act_ref.float().abs() + 1e-5
     assert ((act.float() - act_ref.float()).abs() <= act_bound).all()
 
 

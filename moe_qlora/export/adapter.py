@@ -161,7 +161,8 @@ def _peft_prefix(model) -> str:
 
 
 def adapter_state_dict(model) -> dict[str, torch.Tensor]:
-    """Every LoRA tensor of `model` under the key PEFT's `PeftModel.from_pretrained` expects."""
+    """Every LoRA tensor of `model` under the key PEFT's `PeftModel.from_pretrained` expects, in host memory
+    (the file, PEFT's loader and every comparison with a loaded file are on the host; the run may be on a GPU)."""
     state = {}
     if isinstance(model, PeftModel):
         peft_state = get_peft_model_state_dict(model)
@@ -172,7 +173,7 @@ def adapter_state_dict(model) -> dict[str, torch.Tensor]:
         if lora is not None:
             factors = module_lora_to_peft(module, lora)
             state.update({f"{prefix}{name}.{k}": v for k, v in factors.items()})
-    return state
+    return {k: v.detach().to("cpu") for k, v in state.items()}
 
 
 def adapter_config(model, cfg: LoraSection, base_model_name_or_path: str) -> LoraConfig:
