@@ -15,13 +15,14 @@
 # 6 min and `kernels-parity` 4 min (each distinct constexpr variant compiled once by the JIT, ~2-10 s each on 16
 # cores); `checks` 4 min (one Qwen3-30B-A3B layer, 3 backends, 8 candidates x 3 token counts, ~40 compiles);
 # `bench-qwen3` and `bench-mixtral` 3 min each (6 contenders x 4 token counts x 4 steps, plus their compiles and
-# autotuning). About 24 minutes in all.
+# autotuning); `offload` 3 min (scripts/bench_offload.py: 4 short training runs, a real-width model built once);
+# `profile` 1 min (scripts/profile_moe.py: the kernels of one Qwen3-30B-A3B layer step). About 28 minutes in all.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 limit=${STAGE_TIMEOUT:-540}
 declare -A command estimate
-stages=(wheels preflight gpu-tests kernels kernels-parity checks bench-qwen3 bench-mixtral)
+stages=(wheels preflight gpu-tests kernels kernels-parity checks offload bench-qwen3 bench-mixtral profile)
 # CPU-only tests inside the kernel test files (AOT compiles in a subprocess, the launcher run with a stubbed JIT).
 cpu_only="not compiles_for and not mma_kind_is_what and not launchers_run_as_on_a_gpu and not autotuner_is_built"
 command[wheels]='if [ -d .whl ]; then '"$python"' -m pip install -q --no-index --no-deps --no-compile --upgrade --target .gpu-site .whl/*.whl; else echo "no .whl/: using the installed packages"; fi'
@@ -38,6 +39,10 @@ command[kernels-parity]="$python -m pytest -q tests/test_kernels_parity.py tests
 estimate[kernels-parity]=4
 command[checks]="$python scripts/gpu_checks.py --json \$OUT/gpu_checks.json"
 estimate[checks]=4
+command[offload]="$python scripts/bench_offload.py --json \$OUT/offload.json"
+estimate[offload]=3
+command[profile]="$python scripts/profile_moe.py --json \$OUT/profile.json"
+estimate[profile]=1
 command[bench-qwen3]="$python scripts/bench_moe.py --full --shape qwen3-30b-a3b --json \$OUT/bench_qwen3.json"
 estimate[bench-qwen3]=3
 command[bench-mixtral]="$python scripts/bench_moe.py --full --shape mixtral-8x7b --json \$OUT/bench_mixtral.json"
