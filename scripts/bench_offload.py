@@ -88,7 +88,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--models", nargs="*", choices=["demo", "wide"], default=["demo", "wide"])
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--resident", type=int, default=2, help="model.offload_resident_layers")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-offload")
     ap.add_argument("--timeout", type=int, default=500)
@@ -103,6 +103,7 @@ def main() -> None:
             r["bitwise_losses"] = r["losses"] == base["losses"]
             r["bitwise_adapter"] = r.pop("adapter") == base["adapter"]
             results.append(r)
+            print("RESULT " + json.dumps({k: v for k, v in r.items() if k != "losses"}), flush=True)
     print(f"{'model':6} {'offload':7} {'tok/s':>10} {'peak reserved':>14} {'plan':>10} {'peak/plan':>9}  bitwise")
     for r in results:
         reserved = r["peak_reserved"]
