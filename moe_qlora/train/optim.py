@@ -14,6 +14,7 @@ import math
 import bitsandbytes as bnb
 import torch
 
+from moe_qlora.common.device_runtime import CpuRuntime, runtime_for
 from moe_qlora.model.distributed import local_shard
 from moe_qlora.train.position import phase
 
@@ -105,33 +106,43 @@ class StepInBackward:
 
     A step is all-or-nothing under the NaN policy, but a non-finite gradient may show up after other tensors
     were updated. With `undo`, each tensor's weight and optimizer state are copied to the host before its
-    update and put back by `finish()` when the step turns out non-finite (host memory of one more copy of
-    the trainables and their state). Without it (nan_policy: abort), the run stops and writes nothing more,
-    so the saved checkpoints and adapter are untouched either way.
+    update (HostSnapshot) and put back by `finish()` when the step turns out non-finite (host memory of one more
+    copy of the trainables and their state, page-locked on a GPU and kept from step to step). Without it
+    (nan_policy: abort), the run stops and writes nothing more, so the saved checkpoints and adapter are
+    untouched either way.
+
+    The hooks never wait for the device: the copies to the host and the gradient norm are queued, and the host
+    waits once, in `finish()` (twice when it undoes the step). `runtime` (common/device_runtime.py) makes those
+    calls; by default the one for the trainables' device.
 
     Use: `begin()`, one backward, `finish(loss_is_finite)` -> (gradient norm before clipping, skipped).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, undo: bool):
+    def __init__(self, optimizer: torch.optim.Optimizer, *, undo: bool, runtime: CpuRuntime | None = None):
         self.optimizer, self.undo = optimizer, undo
         self._group = {}
         for group in optimizer.param_groups:
             if len(group["params"]) != 1:
                 raise ValueError("StepInBackward needs one param group per tensor (build_optimizer does that)")
             self._group[group["params"][0]] = group
+        params = list(self._group)
+        self.runtime = runtime if runtime is not None else runtime_for(params[0].device if params else "cpu")
+        self._snapshot = HostSnapshot(self.runtime, params) if undo else None
+        self._norm_host = self.runtime.host_block(4).view(torch.float32)  # (1,): the summed squares, read once
         self._handles = [p.register_post_accumulate_grad_hook(self._step_one) for p in self._group]
         self._sq_norm: torch.Tensor | None = None
-        self._saved: dict = {}
 
     def begin(self) -> None:
-        self._sq_norm, self._saved = None, {}
+        self._sq_norm = None
+        if self._snapshot is not None:
+            self._snapshot.prepare(self.optimizer)
 
     @torch.no_grad()
     def _step_one(self, p: torch.Tensor) -> None:
         sq = p.grad.float().pow(2).sum()  # stays on the device: the norm is read once, in finish()
         self._sq_norm = sq if self._sq_norm is None else self._sq_norm + sq
-        if self.undo:
-            self._saved[p] = (p.detach().cpu().clone(), _copy_state(self.optimizer.state.get(p, {}), "cpu"))
+        if self._snapshot is not None:
+            self._snapshot.take(p, self.optimizer.state.get(p, {}))
         everything = self.optimizer.param_groups
         self.optimizer.param_groups = [self._group[p]]
         try:
@@ -143,27 +154,118 @@ class StepInBackward:
 
     @torch.no_grad()
     def finish(self, loss_is_finite: bool) -> tuple[float, bool]:
-        grad_norm = math.sqrt(float(self._sq_norm)) if self._sq_norm is not None else 0.0
+        grad_norm = self._read_norm()
         skipped = not (loss_is_finite and math.isfinite(grad_norm))
-        if skipped and self.undo:
-            for p, (weight, state) in self._saved.items():
-                p.copy_(weight)
-                restore_state(self.optimizer, p, state)
-        self._saved = {}
+        if self._snapshot is not None:
+            if skipped:
+                self._snapshot.restore(self.optimizer)
+            self._snapshot.forget()
         return (grad_norm if loss_is_finite else float("nan")), skipped
+
+    def _read_norm(self) -> float:
+        """The gradient norm, sqrt of the squares summed on the device: queued to the host, then the step's one
+        wait, which also completes the snapshot's copies queued before it. 0 when no tensor was stepped."""
+        if self._sq_norm is None:
+            return 0.0
+        self.runtime.copy(self._norm_host, self._sq_norm.reshape(1))
+        self.runtime.synchronize()
+        return math.sqrt(float(self._norm_host))
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
 
 
-def _copy_state(state: dict, device) -> dict:
-    return {k: v.to(device, copy=True) if torch.is_tensor(v) else v for k, v in state.items()}
+class HostSnapshot:
+    """Host copies of trainable tensors and their optimizer state, each queued just before the tensor's step
+    inside the backward, put back when the step is abandoned; in one host block reused from step to step.
+
+    The block has a slot for each tensor and for each tensor its optimizer state holds (torch's moments and,
+    unless capturable or fused, its host `step`; bitsandbytes' 8-bit states, absmax and code maps). The state's
+    numbers (bitsandbytes' int `step`) are kept as they are. The layout follows the tensors' state, read at each
+    `prepare()`: a new block is allocated at the first step, again at the second once the optimizer has created
+    its state (and when a tensor first gets a gradient later), else the block is reused.
+
+    Between `take()` and the next wait (StepInBackward.finish) the host must not read the slots, nor the next
+    step overwrite them: the copies may still be in flight.
+    """
+
+    def __init__(self, runtime: CpuRuntime, params: list[torch.Tensor]):
+        self.runtime, self.params = runtime, params
+        self._layout: tuple | None = None
+        self._block: torch.Tensor | None = None
+        self._slots: dict = {}  # p -> (weight slot, {state key: slot}), views of _block
+        self._taken: dict = {}  # p -> (weight slot, saved state: slots and numbers), this step's
+
+    def prepare(self, optimizer) -> None:
+        """Start a step: a block for the state as it now is, the previous step's copies forgotten."""
+        if self._taken:  # a step that never reached finish(): its copies may still be in flight
+            self.runtime.synchronize()
+            self._taken = {}
+        layout = tuple((p.shape, p.dtype, _state_layout(optimizer.state.get(p, {}))) for p in self.params)
+        if layout != self._layout:
+            self._allocate(layout)
+
+    def _allocate(self, layout: tuple) -> None:
+        """One host block for every slot: per tensor its own, then its state's, each at a 64-byte boundary (a
+        view of any dtype needs its offset aligned to the dtype's size)."""
+        self._block, self._slots = None, {}  # the old block goes first (a page-locked one is unregistered)
+        shapes = [entry for shape, dtype, state in layout for entry in [(shape, dtype), *state.values()]]
+        block = self.runtime.host_block(sum(_padded(shape, dtype) for shape, dtype in shapes))
+        views, offset = [], 0
+        for shape, dtype in shapes:
+            nbytes = math.prod(shape) * dtype.itemsize
+            views.append(block[offset : offset + nbytes].view(dtype).view(shape))
+            offset += _padded(shape, dtype)
+        views = iter(views)
+        for p, (_, _, state) in zip(self.params, layout, strict=True):
+            self._slots[p] = (next(views), {key: next(views) for key in state})
+        self._block, self._layout = block, layout
+
+    def take(self, p: torch.Tensor, state: dict) -> None:
+        """Queue the copies of p and its optimizer state `state` to the host, before p's step (queued, not
+        waited for; a second call in the same step keeps the first)."""
+        if p in self._taken:
+            return
+        weight, slots = self._slots[p]
+        tensors = {k: v for k, v in state.items() if torch.is_tensor(v)}
+        if _state_layout(tensors) != {k: (s.shape, s.dtype) for k, s in slots.items()}:
+            raise RuntimeError("optimizer state changed between begin() and the tensor's step")
+        self.runtime.copy(weight, p)
+        for key, value in tensors.items():
+            self.runtime.copy(slots[key], value)
+        numbers = {k: v for k, v in state.items() if k not in tensors}
+        self._taken[p] = (weight, {**numbers, **{k: slots[k] for k in tensors}})
+
+    def restore(self, optimizer) -> None:
+        """Put back every tensor stepped since prepare() and its state; waits once, so that the next step may
+        overwrite the slots the copies read (no wait when nothing was stepped)."""
+        if not self._taken:
+            return
+        for p, (weight, state) in self._taken.items():
+            self.runtime.copy(p, weight)
+            restore_state(optimizer, p, state, copy=self.runtime.copy)
+        self.runtime.synchronize()
+
+    def forget(self) -> None:
+        """The step is over (kept or restored): nothing of it is to be put back any more."""
+        self._taken = {}
+
+
+def _padded(shape, dtype: torch.dtype) -> int:
+    """Bytes of a tensor of `shape` and `dtype`, rounded up to a multiple of 64."""
+    return -(-math.prod(shape) * dtype.itemsize // 64) * 64
+
+
+def _state_layout(state: dict) -> dict:
+    """{key: (shape, dtype)} of the tensors in an optimizer state."""
+    return {k: (v.shape, v.dtype) for k, v in state.items() if torch.is_tensor(v)}
 
 
 @torch.no_grad()
-def restore_state(optimizer, p: torch.Tensor, saved: dict) -> None:
-    """Put `saved` (tensors and numbers, e.g. read from a checkpoint) back as p's optimizer state.
+def restore_state(optimizer, p: torch.Tensor, saved: dict, *, copy=torch.Tensor.copy_) -> None:
+    """Put `saved` (tensors and numbers, e.g. read from a checkpoint) back as p's optimizer state; `copy(dst, src)`
+    writes a saved tensor into the state's own (StepInBackward's undo queues it, see CpuRuntime.copy).
 
     bitsandbytes' state is first allocated by the optimizer itself and then overwritten in place, so paged
     buffers stay paged and its integer step stays an int. torch's state is assigned, its step kept on the
@@ -180,7 +282,7 @@ def restore_state(optimizer, p: torch.Tensor, saved: dict) -> None:
     for key, value in saved.items():
         current = state.get(key)
         if torch.is_tensor(current) and torch.is_tensor(value) and current.shape == value.shape:
-            current.copy_(value)
+            copy(current, value)
         elif isinstance(current, int) and not isinstance(current, bool):
             state[key] = int(value)
         elif torch.is_tensor(value) and key != "step":
