@@ -174,7 +174,7 @@ def test_one_resident_layer_means_no_prefetch():
     assert sum(not hit for *_, hit in offloader.log) == 2 * LAYERS - 1  # each layer copied once per pass
 
 
-@pytest.mark.parametrize("kernels", ["torch", "torch-grouped"])
+@pytest.mark.parametrize("kernels", ["torch", "torch-grouped", "triton"])  # triton: in its interpreter here
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_offload_gives_bitwise_the_same_loss_and_gradients(kernels, checkpointing):
     """torch-grouped with offload runs the grouped autograd Function instead of the registered op (whose inputs

@@ -2,16 +2,16 @@
 interface, so that the schedule above it is plain logic a CPU test can drive.
 
 Three implementations:
-  CudaStreams     a CUDA side stream and events; host memory page-locked in place (cudaHostRegister).
+  CudaStreams     a CUDA side stream and events; host blocks page-locked in place (device_runtime.CudaRuntime).
   HostStreams     the CPU: copies done at once, events are nothing (what a CPU run uses).
   CheckedStreams  a CPU stand-in for tests: copies done at once, but it keeps the two streams' order as a GPU
                   would and raises on any of the three hazards of a reused device buffer:
                   a read of a buffer before the compute stream waited for the copy into it; a copy into a buffer
                   not ordered after the compute that last read it; more device buffers alive than allowed.
 
-Why page-locking in place rather than `Tensor.pin_memory()`: torch's pinned allocator rounds every block up to a
-power of two (+33% for a 192 MiB Qwen3-30B-A3B stack) and keeps freed blocks cached for the life of the process;
-registering an exact-size pageable tensor costs its own bytes and gives them back when unregistered.
+Host blocks are page-locked in place, whole pages of their own, rather than by `Tensor.pin_memory()`: torch's
+pinned allocator rounds every block up to a power of two (+33% for a 192 MiB Qwen3-30B-A3B stack) and keeps freed
+blocks cached for the life of the process (device_runtime.py says how).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from moe_qlora.common.device_runtime import CudaRuntime
 
 
 class HostStreams:
@@ -31,12 +33,10 @@ class HostStreams:
         """A flat uint8 buffer of `nbytes` on the device, allocated once by its owner and reused."""
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def pin(self, host: torch.Tensor) -> torch.Tensor:
-        """Make `host` (contiguous, on the CPU) page-locked where it is, so copies from it run asynchronously."""
-        return host
-
-    def unpin(self, host: torch.Tensor) -> None:
-        """Undo `pin` before `host` is freed."""
+    def host_block(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 host tensor of `nbytes` that copies to the device can read asynchronously (page-locked on
+        a GPU, in pages of its own, unlocked when freed)."""
+        return torch.empty(nbytes, dtype=torch.uint8)
 
     def compute_point(self):
         """An event after all the work queued on the compute stream so far."""
@@ -61,19 +61,10 @@ class CudaStreams(HostStreams):
     def __init__(self, device: torch.device | str):
         super().__init__(device)
         self.stream = torch.cuda.Stream(self.device)
-        self.registered: set[int] = set()
+        self.runtime = CudaRuntime(self.device)
 
-    def pin(self, host: torch.Tensor) -> torch.Tensor:
-        nbytes = host.numel() * host.element_size()
-        if nbytes and host.data_ptr() not in self.registered:
-            check_cuda(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0), "cudaHostRegister")
-            self.registered.add(host.data_ptr())
-        return host
-
-    def unpin(self, host: torch.Tensor) -> None:
-        if host.data_ptr() in self.registered:
-            self.registered.discard(host.data_ptr())
-            check_cuda(torch.cuda.cudart().cudaHostUnregister(host.data_ptr()), "cudaHostUnregister")
+    def host_block(self, nbytes: int) -> torch.Tensor:
+        return self.runtime.host_block(nbytes)
 
     def compute_point(self):
         event = torch.cuda.Event()
@@ -94,12 +85,6 @@ class CudaStreams(HostStreams):
     def wait(self, event, buffer: torch.Tensor) -> None:
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
-
-
-def check_cuda(status, call: str) -> None:
-    code = getattr(status, "value", status)
-    if code != 0:
-        raise RuntimeError(f"{call} failed with CUDA error {code}")
 
 
 def streams_for(device: torch.device | str) -> HostStreams:
@@ -128,7 +113,6 @@ class CheckedStreams(HostStreams):
     max_buffers: int | None = None
     log: list = field(default_factory=list)
     buffers: dict = field(default_factory=dict)  # data_ptr -> _BufferState
-    pinned: set = field(default_factory=set)
     position: int = 0
     events: int = 0
 
@@ -143,16 +127,9 @@ class CheckedStreams(HostStreams):
             raise StreamHazard(f"{len(self.buffers)} device buffers alive, at most {self.max_buffers} allowed")
         return buffer
 
-    def pin(self, host: torch.Tensor) -> torch.Tensor:
-        if host.data_ptr() in self.pinned:
-            raise StreamHazard("host memory pinned twice")
-        self.pinned.add(host.data_ptr())
-        self.log.append(("pin", host.numel() * host.element_size()))
-        return host
-
-    def unpin(self, host: torch.Tensor) -> None:
-        self.pinned.discard(host.data_ptr())
-        self.log.append(("unpin", host.numel() * host.element_size()))
+    def host_block(self, nbytes: int) -> torch.Tensor:
+        self.log.append(("pin", nbytes))
+        return super().host_block(nbytes)
 
     def compute_point(self):
         return self.position

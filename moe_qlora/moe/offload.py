@@ -1,17 +1,20 @@
-"""Expert offload: the NF4 expert stacks of every offloaded MoE layer live in host memory (pinned when there is a
-GPU) and are copied to the device when their layer runs, at most `max_resident` layers at a time.
+"""Expert offload: the NF4 expert stacks of every offloaded MoE layer live in host memory, one page-locked block
+per layer, and are copied into one of `max_resident` device buffers (allocated once, reused) when their layer
+runs: at most `max_resident` layers' stacks are on the device, in memory that never grows.
 
 The schedule: entering layer i (its first stack read of a call) makes it resident, waiting for its copy if one is
 in flight, and starts the copy of the layer used next on a side stream: i + 1 in a forward, i - 1 inside the
 backward (where gradient checkpointing recomputes layer i and then differentiates it, last layer first), and
-layer 0 after the last one in a no-grad forward (generation: the next token starts over). Before a copy, least
-recently used layers are dropped, never the one running, so at most `max_resident` layers' stacks are on the
-device. What bounds it: one layer computing while the next arrives needs two; one disables prefetch.
+layer 0 after the last one in a no-grad forward (generation: the next token starts over). A copy goes into the
+buffer of the least recently used layer (never the one running), ordered after every compute queued so far,
+which includes each read of the layer it replaces; the compute stream waits for the copy before its first read.
+What bounds it: one layer computing while the next arrives needs two buffers; one disables prefetch.
 
 The MoE layer never holds the device tensors beyond a call: its plan keeps an OffloadedStack handle, which
 resolves its tensors each time they are read (the backward reads them again, the copy coming back if needed).
 LoRA factors, their gradients and the optimizer state are untouched: they stay on the device.
-On the CPU the "device" copy is a separate buffer and the stream a synchronous copy: the same schedule runs.
+The device calls (stream, events, page-locking) are common/streams.py's: on the CPU a copy is done at once and
+the same schedule runs; CheckedStreams checks its orderings as a GPU needs them.
 """
 
 from __future__ import annotations
@@ -234,13 +237,13 @@ def pack_to_host(module: nn.Module, streams: HostStreams) -> HostLayer:
     (their previous storage is freed when nothing else holds it)."""
     params = {n: p for n, p in module.named_parameters(recurse=False) if isinstance(p, bnb.nn.Params4bit)}
     layout = LayerLayout.of({n: NF4Stack.from_param(p) for n, p in params.items()})
-    block = torch.empty(layout.nbytes, dtype=torch.uint8)
+    block = streams.host_block(layout.nbytes)
     for name, stack in layout.views(block).items():
         for dst, src in zip(stack_tensors(stack), stack_tensors(layout.stacks[name]), strict=True):
             dst.copy_(src)
         repoint_param(params[name], stack)
     layout = LayerLayout(layout.parts, layout.views(block), layout.nbytes)  # hold no reference to the old tensors
-    return HostLayer(layout, streams.pin(block))
+    return HostLayer(layout, block)
 
 
 def host_layer_bytes(stacks: dict[str, NF4Stack]) -> int:
