@@ -477,3 +477,92 @@ def test_a_grpo_checkpoint_of_two_ranks_resumes_in_one_process_on_the_same_promp
                       for r in ("one", "two"))  # fmt: skip
     keep = ("step", "group", "source", "completion", "reward")
     assert [{k: r[k] for k in keep} for r in roll_a] == [{k: r[k] for k in keep} for r in roll_b]
+
+
+# ------------------------------------------------------------------------------------------ a fault on one rank
+
+ON_RANK_1 = """
+import os
+if os.environ.get("RANK") == "1":
+    os.environ.update({k.removeprefix("RANK_1_"): v for k, v in os.environ.items() if k.startswith("RANK_1_")})
+"""
+
+
+def env_on_rank_1(tmp_path, **only_rank_1) -> dict:
+    """The environment of a launch whose rank 1 alone also sees `only_rank_1` (a fault to inject), through a
+    sitecustomize.py that copies RANK_1_X to X on that rank."""
+    (tmp_path / "inject").mkdir(exist_ok=True)
+    (tmp_path / "inject" / "sitecustomize.py").write_text(ON_RANK_1)
+    path = os.pathsep.join([str(tmp_path / "inject"), os.environ.get("PYTHONPATH", "")])
+    return env_for(tmp_path, PYTHONPATH=path, **{f"RANK_1_{k}": v for k, v in only_rank_1.items()})
+
+
+def stopped_together(proc: subprocess.CompletedProcess) -> str:
+    """The one sentence every rank printed: the launch failed, each rank said the same error line and where to resume,
+    with no traceback. (Whichever rank exits first, torchrun may SIGTERM the other while it tears down.)"""
+    said = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(said) == 2, (proc.stdout + proc.stderr)[-3000:]
+    assert said[0] == said[1] and proc.stderr.count("resume with: moe-qlora") == 2
+    assert "moe_qlora/" not in proc.stdout + proc.stderr  # no traceback from the ranks (torchrun prints its own)
+    return said[0]
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "optimizer"])
+def test_out_of_memory_on_one_rank_stops_every_rank_with_one_sentence_and_resumes_exactly(runs, tmp_path, phase):
+    """Issue 43: out of memory on rank 1 alone, at step 4 of 6. Rank 0 meets it after the stretch that failed
+    (before the gradients are summed, or after the optimizer), so neither waits in a collective the other never
+    reaches: both print rank 0's sentence and exit 1, step 3 checkpointed (the weights are not past it) or, in
+    the optimizer, not (they are; step 2's checkpoint is the last). Resumed, the run ends on the uninterrupted
+    2-rank run's adapter, tensor for tensor. A launch that hangs fails on the timeout (dist_timeout_s bounds a
+    collective's wait). Before the fix rank 1 stopped alone, saying it had checkpointed what only rank 0 writes,
+    and torchrun killed rank 0."""
+    _, two, _ = runs
+    out = tmp_path / "run"
+    args = ["train", "--config", str(DEMO), *STEPS, "--set", "train.micro_batch_size=2", "--set", "train.save_every=2",
+            "--set", "train.dist_timeout_s=60", "--set", f"output.dir={out}"]  # fmt: skip
+    said = stopped_together(torchrun(args, env_on_rank_1(tmp_path, MOE_QLORA_INJECT_OOM=f"4:{phase}"), timeout=180))
+    assert said.startswith(f"error: rank 1: out of memory at step 4 ({phase}): peak")
+    kept = sorted(d.name for d in (out / "checkpoints").iterdir())
+    if phase == "optimizer":
+        assert "Not checkpointed: the optimizer had already updated part of the weights" in said
+        assert kept == ["step-00000002"]
+    else:
+        assert f"Step 3, the last completed, is checkpointed in {out / 'checkpoints' / 'step-00000003'}." in said
+        assert kept == ["step-00000002", "step-00000003"]
+    resumed = torchrun([*args, "--resume"], env_for(tmp_path), timeout=180)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert [r["step"] for r in records(out)] == [1, 2, 3, 4, 5, 6]
+    a, b = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in (two, out))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+FLAKY_REWARD = """import os
+calls = []
+def flaky(prompts, completions, **columns):
+    calls.append(len(completions))
+    if len(calls) >= 3 and os.environ.get("FAIL_REWARD"):  # rank 1's third step on: every call fails
+        raise ConnectionError("reward server unreachable from this node")
+    return [float(len(c) % 3) for c in completions]
+"""
+
+
+def test_a_reward_function_failing_on_one_rank_stops_every_rank_after_a_checkpoint_and_resumes_exactly(tmp_path):
+    """Online grpo over 2 ranks (2 + 1 prompts a step); the reward function raises on rank 1 alone from step 3.
+    Rank 0 meets it after sampling and scoring, before the step's first collective: both print rank 0's
+    sentence, naming the function, the step and the prompt, with step 2 checkpointed; resumed, the run ends
+    on the uninterrupted run's adapter."""
+    (tmp_path / "flaky.py").write_text(FLAKY_REWARD)
+    reward = {"rewards": [{"function": f"{tmp_path / 'flaky.py'}:flaky"}], "group_size": 4, "max_new_tokens": 4}
+    cfg = grpo_config(tmp_path, "run", **reward)
+    args = ["grpo", "--config", str(cfg), "--set", "train.dist_timeout_s=60"]
+    reference = torchrun([*args, "--set", f"output.dir={tmp_path / 'reference'}"], env_for(tmp_path), timeout=180)
+    assert reference.returncode == 0, (reference.stdout + reference.stderr)[-3000:]
+    said = stopped_together(torchrun(args, env_on_rank_1(tmp_path, FAIL_REWARD="1"), timeout=180))
+    assert said.startswith(f"error: rank 1: reward '{tmp_path / 'flaky.py'}:flaky' failed on prompt 2 of step 3 (")
+    assert "ConnectionError: reward server unreachable from this node" in said
+    assert f"Step 2, the last completed, is checkpointed in {tmp_path / 'run' / 'checkpoints'}" in said
+    resumed = torchrun([*args, "--resume"], env_for(tmp_path), timeout=180)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert [r["step"] for r in records(tmp_path / "run")] == [1, 2, 3, 4]
+    a, b = (load_file(str(tmp_path / r / "adapter" / "adapter_model.safetensors")) for r in ("reference", "run"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

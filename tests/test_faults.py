@@ -9,14 +9,18 @@ import shutil
 import signal
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
+import torch
 from crash import assert_same_adapter, isolated_env, run_cli
 
 from moe_qlora.common.fileio import DiskFullError
 from moe_qlora.common.reporting import MetricsError, MetricsLog, read_jsonl
+from moe_qlora.model.distributed import SINGLE
 from moe_qlora.train.checkpoint import verify
+from moe_qlora.train.faults import attempt, local_stretch
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 12
@@ -168,7 +172,8 @@ def test_export_to_a_full_disk_is_one_sentence(reference, env, small_disk, tmp_p
         pytest.skip("needs root to mount a tmpfs; the run above covers the stand-in")
     (small_disk / "filler").write_bytes(b"\0" * (1400 * 1024 - 8192))
     proc = subprocess.run([sys.executable, "-m", "moe_qlora", "export", str(reference / "adapter"), "--format",
-                           "gguf", "--out", str(small_disk / "a.gguf")], env=env, capture_output=True, text=True)
+                           "gguf", "--out", str(small_disk / "a.gguf")], env=env, capture_output=True,
+                          text=True)  # fmt: skip
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"no space left on device writing {small_disk / 'a.gguf'}" in proc.stderr.replace("\n", "")
     assert not list(small_disk.glob(".a.gguf.tmp-*"))
@@ -212,10 +217,35 @@ def test_out_of_memory_with_optimizer_in_backward_restores_the_half_stepped_tens
     assert run_cli("train", config, reference, env, *extra).returncode == 0
     out = tmp_path / "oom"
     proc = run_cli("train", config, out, env, *extra,
-                   env_extra={"MOE_QLORA_INJECT_OOM": "7:optimizer (in backward)#3"})  # two tensors already stepped
+                   env_extra={"MOE_QLORA_INJECT_OOM": "7:optimizer (in backward)#3"})  # two stepped  # fmt: skip
     assert proc.returncode == 1 and "Step 6, the last completed, is checkpointed" in proc.stderr.replace("\n", " ")
     assert run_cli("train", config, out, env, *extra, "--resume").returncode == 0
     assert_same_run(out, reference)
+
+
+def failing_step(alive: list):
+    """A step that holds an 'activation' (only its frame refers to it) when it runs out of memory."""
+    activations = torch.ones(1024)
+    alive.append(weakref.ref(activations))
+    raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
+
+
+def test_a_step_that_ran_out_of_memory_leaves_nothing_of_its_frames_to_the_checkpoint():
+    """Issue 43: the checkpoint after a failure ran inside the `except`, so the traceback kept the step's
+    activations alive. The loop now gets the failure back once the step is left: its tensors are gone. Control:
+    the exception kept as it was caught (with its traceback) keeps them."""
+    alive = []
+    result, failure = attempt(SINGLE, local_stretch, SINGLE, failing_step, alive)
+    assert result is None and failure.agreed and isinstance(failure.error, torch.OutOfMemoryError)
+    assert alive[0]() is None
+    try:
+        failing_step(alive)
+    except torch.OutOfMemoryError as exc:
+        kept = exc
+    assert alive[1]() is not None
+    del kept
+    with pytest.raises(ValueError, match="a bug"):  # one process: what is not a fault raises as it is
+        attempt(SINGLE, local_stretch, SINGLE, lambda: int("a bug"))
 
 
 # ------------------------------------------------------------------------------------------------ rewards

@@ -104,6 +104,15 @@ def any_rank(ranks: Ranks, flag: bool) -> bool:
     return bool(sum_scalars(ranks, float(flag))[0]) if ranks.enabled else flag
 
 
+def from_main(ranks: Ranks, value):
+    """Rank 0's `value` (picklable) on every rank: a decision or a sentence all of them must share."""
+    if not ranks.enabled:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def raise_together(ranks: Ranks, error: BaseException | None) -> None:
     """Every rank learns whether any failed before the first collective of the run, and all raise the first
     failure's message (so no rank waits for a peer that is gone)."""

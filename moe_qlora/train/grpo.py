@@ -10,7 +10,6 @@ the plain policy gradient. The reference policy is the same model with the adapt
 
 from __future__ import annotations
 
-import functools
 import math
 import statistics
 import time
@@ -35,11 +34,11 @@ from moe_qlora.model.distributed import (
     sum_scalars,
 )
 from moe_qlora.train.checkpoint import RunProgress, config_hash, save_checkpoint
-from moe_qlora.train.faults import StepFailed, checkpoint_completed, stop_on_out_of_memory
+from moe_qlora.train.faults import FaultStop, attempt, local_stretch
 from moe_qlora.train.losses import completion_logprobs, grpo_token_loss, token_weights
 from moe_qlora.train.optim import build_optimizer
 from moe_qlora.train.position import phase, start_step
-from moe_qlora.train.rewards import RewardFailed, flat_groups, group_advantages
+from moe_qlora.train.rewards import flat_groups, group_advantages
 from moe_qlora.train.rollout import Rollout, RolloutSource
 from moe_qlora.train.runs import CheckpointPolicy, RunSummary, StopSignals, plain_progress_line
 from moe_qlora.train.session import (
@@ -127,11 +126,11 @@ def policy_update(model, optimizer, schedule, examples: list[Example], cfg: RunC
         ranks, local_tokens, len(examples), len(batches), len(active)))  # fmt: skip
     params = [p for group in optimizer.param_groups for p in group["params"]]
     chunk = cfg.train.loss_chunk_tokens
-    none = [None] * len(batches)
-    old = frozen_logprobs(model, batches, g.temperature, reference=False, chunk=chunk) if g.passes > 1 else none
-    ref = frozen_logprobs(model, batches, g.temperature, reference=True, chunk=chunk) if g.kl_coef else none
+    old, ref = local_stretch(ranks, frozen_policies, model, batches, g, chunk)
     record = {"sequences_trained": trained, "passes": 0, "skipped": False, "loss": 0.0, "grad_norm": 0.0}
-    for _ in range(g.passes):
+
+    def backward_pass() -> dict[str, float]:
+        """Forward and backward of every micro-batch against the whole batch's normalisers; the summed stats."""
         sums = dict.fromkeys(("loss", "clip_fraction", *(("kl",) if g.kl_coef else ())), 0.0)
         for batch, old_lp, ref_lp in zip(batches, old, ref, strict=True):
             with phase("forward"):
@@ -146,15 +145,28 @@ def policy_update(model, optimizer, schedule, examples: list[Example], cfg: RunC
                 loss.backward()
             for k, v in stats.items():
                 sums[k] += float(v)
+        return sums
+
+    for _ in range(g.passes):
+        sums = local_stretch(ranks, backward_pass)
         sums = dict(zip(sums, sum_scalars(ranks, *sums.values()), strict=True))
         sum_gradients(ranks, params)
-        grad_norm, skipped = apply_update(optimizer, sums["loss"], cfg.train)
+        grad_norm, skipped = local_stretch(ranks, apply_update, optimizer, sums["loss"], cfg.train)
         record.update({k: v for k, v in sums.items()}, grad_norm=grad_norm, skipped=skipped)
         if skipped:
             break
         record["passes"] += 1
         schedule.step()
     return record
+
+
+def frozen_policies(model, batches, g, chunk: int) -> tuple[list, list]:
+    """Per micro-batch log-probs of the sampling policy (when several passes clip against it) and of the
+    reference (when there is a KL term); Nones otherwise."""
+    none = [None] * len(batches)
+    old = frozen_logprobs(model, batches, g.temperature, reference=False, chunk=chunk) if g.passes > 1 else none
+    ref = frozen_logprobs(model, batches, g.temperature, reference=True, chunk=chunk) if g.kl_coef else none
+    return old, ref
 
 
 # ------------------------------------------------------------------------------------------ the loop
@@ -197,10 +209,6 @@ def rollout_metrics(rollouts, rewards, per_fn, advantages, group_sizes) -> dict:
     return record
 
 
-
-
-
-
 def write_rollouts(log: MetricsLog, step: int, rollouts, rewards, per_fn, advantages) -> None:
     for i, (r, reward, adv) in enumerate(zip(rollouts, rewards, advantages.tolist(), strict=True)):
         log.write({"step": step, "source": r.prompt.source, "group": r.group, "prompt": r.prompt.text,
@@ -227,7 +235,7 @@ def grpo_step(source: RolloutSource, batch: list, training: dict, pad_id: int, r
     cfg, model = source.cfg, training["model"]
     t0 = time.perf_counter()
     lr = training["optimizer"].param_groups[0]["lr"]
-    rollouts, rewards, per_fn, group_sizes = source.collect_share(model, batch, ranks, step)
+    rollouts, rewards, per_fn, group_sizes = local_stretch(ranks, source.collect_share, model, batch, ranks, step)
     t_gen = time.perf_counter() - t0
     advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_sizes,
                                   scale=cfg.grpo.scale_rewards, eps=cfg.grpo.std_eps)  # fmt: skip
@@ -248,12 +256,13 @@ def grpo_step(source: RolloutSource, batch: list, training: dict, pad_id: int, r
 
 
 def run_grpo_steps(source: RolloutSource, training: dict, *, total: int, done: RunProgress, out: Path,
-                   console: Console, checkpoint, stop: StopSignals, on_oom, ranks: Ranks = SINGLE,
+                   console: Console, checkpoint, stop: StopSignals, on_failure, ranks: Ranks = SINGLE,
                    ) -> tuple[list[float], int]:  # fmt: skip
     """The rollout batches after `done`, with a progress bar (plain lines when stdout is not a terminal),
     metrics, rollouts, checkpoints by steps and minutes, and a checkpoint then RunInterrupted on a signal. A
-    step that runs out of memory raises on_oom(last completed progress), a reward function that fails (under
-    grpo.reward_errors: abort) a faults.StepFailed, each after checkpointing the last completed step.
+    step that fails on any rank (out of memory, a reward function under grpo.reward_errors: abort) raises
+    on_failure(last completed progress, failure): a faults.StepFailed on every rank, after checkpointing the last
+    completed step.
     Returns the mean rewards of this invocation and the completion tokens it trained on. Rank 0 alone writes."""
     cfg = source.cfg
     metrics = (Reporters(out, cfg.output.report_to, project=cfg.output.wandb_project,
@@ -273,14 +282,10 @@ def run_grpo_steps(source: RolloutSource, training: dict, *, total: int, done: R
                     continue
                 stop_if_asked(stop, done, checkpoint, ranks)
                 start_step(step + 1)
-                try:
-                    record = grpo_step(source, batch, training, source.tokenizer.pad_token_id, rollout_log, step + 1,
-                                       ranks)  # fmt: skip
-                except torch.OutOfMemoryError:
-                    raise on_oom(done) from None
-                except RewardFailed as exc:  # before any update of this step: the weights are still `done`'s
-                    saved = checkpoint_completed(done, checkpoint, out, consistent=True)
-                    raise StepFailed(f"{exc}. {saved}.") from exc
+                record, failure = attempt(ranks, grpo_step, source, batch, training, source.tokenizer.pad_token_id,
+                                          rollout_log, step + 1, ranks)  # fmt: skip
+                if failure is not None:  # outside the `except`: the failed step's frames are gone
+                    raise on_failure(done, failure)
                 record["epoch"] = epoch
                 try:
                     done = after_step(record, record.pop("sources"), done, cfg, spikes=False)
@@ -354,9 +359,9 @@ def _grpo(cfg: RunConfig, console: Console, ranks: Ranks, *, allow_mismatch: boo
                 save_checkpoint(out, progress=progress, identity=identity, keep=cfg.train.keep_checkpoints,
                                 **training)  # fmt: skip
 
-        on_oom = functools.partial(stop_on_out_of_memory, cfg, model_path, out, training, checkpoint=checkpoint)
+        on_failure = FaultStop(cfg, model_path, out, training, checkpoint, ranks)
         reward_means, tokens = run_grpo_steps(source, training, total=total, done=done, out=out, console=console,
-                                              checkpoint=checkpoint, stop=stop, on_oom=on_oom,
+                                              checkpoint=checkpoint, stop=stop, on_failure=on_failure,
                                               ranks=ranks)  # fmt: skip
         adapter_dir = write_adapter(model, out, cfg, model_path, console) if ranks.main else out / "adapter"
     RunSummary("grpo", len(reward_means), time.perf_counter() - started, tokens,

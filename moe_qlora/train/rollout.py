@@ -232,8 +232,10 @@ class RolloutSource:
                 f"completions each; rewards {', '.join(f'{s.weight:g} x {s.function}' for s in g.rewards)}"
             )
 
-    def collect(self, model, batch: list) -> tuple[list[Rollout], list[float], dict[str, list[float]], list[int]]:
-        """(rollouts, total rewards, rewards per function, group sizes) of one step's prompts."""
+    def collect(self, model, batch: list, first: int = 0
+                ) -> tuple[list[Rollout], list[float], dict[str, list[float]], list[int]]:  # fmt: skip
+        """(rollouts, total rewards, rewards per function, group sizes) of one step's prompts; a failing reward
+        names its prompt as `first` + its place in `batch` (a rank's share starts at `first`)."""
         if self.offline:
             rollouts = offline_rollouts(batch, self.tokenizer, self.cfg.data.max_seq_len)
             return rollouts, [r for grp in batch for r in grp.rewards], {}, [len(grp.completions) for grp in batch]
@@ -244,7 +246,7 @@ class RolloutSource:
         policy = RewardPolicy(on_error=g.reward_errors, timeout_s=g.reward_timeout_s, step=POSITION.step)
         with phase("rewards"):
             rewards, per_fn, self.reward_errors = score(self.functions, prompts, completions, columns_of(rollouts),
-                                                        policy=policy, groups=[r.group for r in rollouts],
+                                                        policy=policy, groups=[first + r.group for r in rollouts],
                                                         sources=[r.prompt.source for r in rollouts])  # fmt: skip
         return rollouts, rewards, per_fn, [g.group_size] * len(batch)
 
@@ -257,5 +259,5 @@ class RolloutSource:
             return self.collect(model, mine)
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
             torch.manual_seed(hash((self.cfg.train.seed, step, ranks.rank)) % 2**63)
-            rollouts, rewards, per_fn, sizes = self.collect(model, mine) if mine else ([], [], {}, [])
+            rollouts, rewards, per_fn, sizes = self.collect(model, mine, first) if mine else ([], [], {}, [])
         return [replace(r, group=r.group + first) for r in rollouts], rewards, per_fn, sizes

@@ -6,7 +6,6 @@ number of target tokens in the whole step, so the step's gradient equals that of
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
@@ -37,7 +36,7 @@ from moe_qlora.train.checkpoint import (
     dataset_fingerprint,
     save_checkpoint,
 )
-from moe_qlora.train.faults import stop_on_out_of_memory
+from moe_qlora.train.faults import FaultStop, attempt, local_stretch
 from moe_qlora.train.losses import token_logprobs
 from moe_qlora.train.optim import StepInBackward, build_optimizer
 from moe_qlora.train.packing import packed
@@ -97,20 +96,6 @@ def token_loss_sum(
     return loss, int((targets != IGNORE).sum()), None if aux is None else float(aux.detach())
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def accumulate_gradients(
     model, batches: list[dict[str, torch.Tensor]], *, loss_chunk: int = 0, ranks: Ranks = SINGLE
 ) -> tuple[float, int, float | None]:
@@ -119,6 +104,19 @@ def accumulate_gradients(
     gradients are then summed across them. Returns (mean loss, N, mean aux loss)."""
     local = sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in batches)
     n_targets = int(sum_scalars(ranks, local)[0])
+    if ranks.sharded:  # FSDP gathers and reduces inside them: a rank that fails there cannot meet the others
+        total, aux = backward_over(model, batches, n_targets, loss_chunk)
+    else:
+        total, aux = local_stretch(ranks, backward_over, model, batches, n_targets, loss_chunk)
+    if ranks.enabled:
+        (total,) = sum_scalars(ranks, total)
+        sum_gradients(ranks, [p for p in model.parameters() if p.requires_grad])
+    return total / n_targets, n_targets, (sum(aux) / len(aux) if aux else None)
+
+
+def backward_over(model, batches: list[dict[str, torch.Tensor]], n_targets: int, loss_chunk: int
+                  ) -> tuple[float, list[float]]:  # fmt: skip
+    """Forward and backward of each micro-batch, its loss sum scaled by 1/n_targets; (summed loss, aux losses)."""
     total, aux = 0.0, []
     for batch in batches:
         with phase("forward"):
@@ -128,10 +126,7 @@ def accumulate_gradients(
         total += float(loss_sum.detach())
         if aux_loss is not None:
             aux.append(aux_loss)
-    if ranks.enabled:
-        (total,) = sum_scalars(ranks, total)
-        sum_gradients(ranks, [p for p in model.parameters() if p.requires_grad])
-    return total / n_targets, n_targets, (sum(aux) / len(aux) if aux else None)
+    return total, aux
 
 
 def backward_with_updates(model, stepper: StepInBackward, batch: dict[str, torch.Tensor], *, loss_chunk: int = 0):
@@ -166,7 +161,7 @@ def train_step(model, optimizer, group, pad_id: int, train_cfg, stepper: StepInB
     else:
         loss, n_targets, aux_loss = accumulate_gradients(model, batches, loss_chunk=train_cfg.loss_chunk_tokens,
                                                          ranks=ranks)  # fmt: skip
-        grad_norm, skipped = apply_update(optimizer, loss, train_cfg)
+        grad_norm, skipped = local_stretch(ranks, apply_update, optimizer, loss, train_cfg)
     trained = sum(len(e.input_ids) for mb in group for e in mb if not e.source.endswith(IDLE))
     tokens = int(sum_scalars(ranks, trained)[0])
     return {"loss": loss, "grad_norm": grad_norm, "target_tokens": n_targets, "tokens": tokens, "skipped": skipped,
@@ -207,14 +202,6 @@ def held_out_examples(cfg: RunConfig, tokenizer, examples: list[Example], consol
     return examples, held
 
 
-
-
-
-
-
-
-
-
 @torch.no_grad()
 def eval_loss(model, examples: list[Example], pad_id: int, train_cfg) -> float:
     """Mean token loss over `examples` (unweighted, the training masking and chunked loss), in eval mode
@@ -242,11 +229,12 @@ def best_eval_so_far(metrics_path: Path) -> float:
 
 def run_steps(cfg: RunConfig, examples, pad_id: int, training: dict, *, total: int, done: RunProgress,
               metrics: Reporters, console: Console, checkpoint, stop: StopSignals,
-              on_oom, stepper: StepInBackward | None = None, evaluate=None, ranks: Ranks = SINGLE,
+              on_failure, stepper: StepInBackward | None = None, evaluate=None, ranks: Ranks = SINGLE,
               ) -> tuple[list[float], int]:  # fmt: skip
     """The optimizer steps after `done`, with a progress bar (plain lines when stdout is not a terminal),
-    metrics, checkpoints by steps and minutes, and a checkpoint then RunInterrupted on SIGINT/SIGTERM; out of
-    memory in a step raises on_oom(last completed progress, stepper), a faults.StepFailed after its checkpoint.
+    metrics, checkpoints by steps and minutes, and a checkpoint then RunInterrupted on SIGINT/SIGTERM; a step that
+    fails (out of memory, on any rank) raises on_failure(last completed progress, failure, stepper), a
+    faults.StepFailed after its checkpoint, on every rank.
     Returns the losses of this invocation and the tokens it trained on."""
     model, optimizer, schedule = training["model"], training["optimizer"], training["scheduler"]
     losses, tokens, start, first = [], 0, time.perf_counter(), done.step
@@ -264,10 +252,9 @@ def run_steps(cfg: RunConfig, examples, pad_id: int, training: dict, *, total: i
             t0 = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
             start_step(step + 1)
-            try:
-                record = train_step(model, optimizer, group, pad_id, cfg.train, stepper, ranks)
-            except torch.OutOfMemoryError:
-                raise on_oom(done, stepper=stepper) from None
+            record, failure = attempt(ranks, train_step, model, optimizer, group, pad_id, cfg.train, stepper, ranks)
+            if failure is not None:  # outside the `except`: the failed step's frames are gone
+                raise on_failure(done, failure, stepper=stepper)
             dt = time.perf_counter() - t0
             record.update(step=step + 1, epoch=epoch, lr=lr, step_time_s=dt, tokens_per_s=record["tokens"] / dt,
                           elapsed_s=time.perf_counter() - start, router_load=router_load(model))  # fmt: skip
@@ -376,8 +363,8 @@ def _train(cfg: RunConfig, console: Console, out: Path, ranks: Ranks, *, allow_m
             losses, tokens = run_steps(cfg, examples, tokenizer.pad_token_id, training, total=total, done=done,
                                        metrics=metrics, console=console, checkpoint=checkpoint, stop=stop,
                                        stepper=stepper, evaluate=evaluate if held_out else None, ranks=ranks,
-                                       on_oom=functools.partial(stop_on_out_of_memory, cfg, model_path, out,
-                                                                training, checkpoint=checkpoint))  # fmt: skip
+                                       on_failure=FaultStop(cfg, model_path, out, training, checkpoint,
+                                                            ranks))  # fmt: skip
         finally:
             metrics.close()
         with whole_trainable(model, ranks):
