@@ -262,7 +262,7 @@ KERNELS = ("torch", "triton", "grouped_mm", "auto", "torch-grouped")
 # model (H100): decoding costs ~4 extra bytes of HBM traffic per weight (read 0.5, write 2, read 2 again vs
 # 0.5), 1.2e-12 s at 3.35 TB/s; the fused kernel's slower MMA loop (~10% of bf16 peak vs ~60% for CUTLASS)
 # costs 2m flops x 8.4e-15 s per weight at m rows. Break-even near m = 70; 64 until measured on a GPU.
-FUSED_BELOW_ROWS = 64
+FUSED_BELOW_ROWS = 16  # config.sections' default: see its description
 
 
 def auto_kernels(num_rows: int, num_experts: int, fused_below_rows: int) -> str:
