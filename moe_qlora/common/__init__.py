@@ -1,5 +1,5 @@
-"""What every layer uses: atomic writes and full-disk errors, memory readings, the hub-or-path rule, and metrics
-written as JSONL (with TensorBoard and W&B beside them).
+"""What every layer uses: atomic writes and full-disk errors, the lock that keeps one process per run folder,
+memory readings, the hub-or-path rule, and metrics written as JSONL (with TensorBoard and W&B beside them).
 
 May import nothing from moe_qlora.
 """

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from moe_qlora.common.lock import LOCK_NAME
 from moe_qlora.config.sections import ConfigError
 from moe_qlora.train.checkpoint import checkpoint_dirs
 
@@ -46,8 +47,9 @@ def previous_run(out: Path) -> list[str]:
 
 
 def claim_output_dir(out: Path, *, resuming: bool, overwrite: bool, console) -> None:
-    """Make `out` this run's folder. A folder holding another run is refused unless the run resumes it, or
-    `overwrite` moves it aside to `<out>.old-<UTC time>` (nothing is deleted)."""
+    """Make `out` this run's folder (its lock already held: common/lock.py). A folder holding another run is
+    refused unless the run resumes it, or `overwrite` moves it aside to `<out>.old-<UTC time>` (nothing is
+    deleted)."""
     found = previous_run(out)
     if found and not resuming:
         if not overwrite:
@@ -56,9 +58,20 @@ def claim_output_dir(out: Path, *, resuming: bool, overwrite: bool, console) -> 
                 f"--overwrite (moves it aside to {out.name}.old-<time>, deletes nothing)"
             )
         aside = out.with_name(f"{out.name}.old-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}")
-        os.rename(out, aside)
+        move_run_aside(out, aside)
         console.print(f"moved the previous run in {out} aside to {aside}")
     out.mkdir(parents=True, exist_ok=True)
+
+
+def move_run_aside(out: Path, aside: Path) -> None:
+    """Move everything in `out` but its lock file into the new folder `aside`, by renames (nothing copied or
+    deleted). The lock file stays: renaming the whole folder would take this run's lock along with it, and a
+    process starting in the new `out` would find it free."""
+    aside.mkdir()
+    os.chmod(aside, out.stat().st_mode & 0o7777)  # what the folder had, as a rename of it kept
+    for entry in out.iterdir():
+        if entry.name != LOCK_NAME:
+            os.rename(entry, aside / entry.name)
 
 
 class StopSignals:

@@ -22,6 +22,7 @@ from rich.console import Console
 from transformers import AutoTokenizer
 
 from moe_qlora.common.fileio import atomic_write_text
+from moe_qlora.common.lock import LockUnsupported, RunLock
 from moe_qlora.common.memory import available_host_bytes, release_freed_memory
 from moe_qlora.common.reporting import jsonl_lines
 from moe_qlora.config.sections import ConfigError, RunConfig, check_shardable, resolve_compute_dtype
@@ -130,6 +131,27 @@ def launched(cfg: RunConfig, console: Console | None) -> Iterator[tuple[Ranks, C
         leave(ranks, together=False)
         raise
     leave(ranks)
+
+
+@contextmanager
+def output_dir_locked(out: Path, ranks: Ranks, console: Console) -> Iterator[None]:
+    """Within the block rank 0 holds the lock of `out` (common/lock.py), taken before anything in it is read;
+    when another process holds it, every rank stops with rank 0's sentence naming that process. A filesystem
+    that cannot lock gets a warning and an unlocked run."""
+    lock, failure = None, None
+    if ranks.main:
+        try:
+            lock = RunLock.acquire(out)
+        except LockUnsupported as exc:
+            console.print(f"warning: {exc}; nothing stops a second run from writing into it", highlight=False)
+        except Exception as exc:
+            failure = exc
+    try:
+        raise_together(ranks, failure)
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def claim_output_dir_together(out: Path, cfg: RunConfig, ranks: Ranks, console: Console, *, overwrite: bool) -> None:
