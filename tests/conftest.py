@@ -1,6 +1,10 @@
-"""Shared fixtures: tiny MoE checkpoints generated with a fixed seed, saved in HF format."""
+"""Shared fixtures: tiny MoE checkpoints generated with a fixed seed, saved in HF format; the demo trained once."""
 
 import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 # Without a GPU the Triton kernels run in Triton's interpreter. The switch is read when triton is first
 # imported (its own jitted helpers are built then), so it is set here, before anything imports triton;
@@ -56,3 +60,25 @@ def tiny_mixtral_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-mixtral")
     tok = build_byte_tokenizer()
     return save_tiny_model(path, tiny_mixtral_config(len(tok)), seed=0, tokenizer=tok)
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """configs/demo.yaml trained from the CLI: its output.dir, the finished process, the environment it ran in."""
+
+    out: Path
+    proc: subprocess.CompletedProcess
+    env: dict
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory) -> DemoRun:
+    """The README's demo command run as a user would (a subprocess of the installed CLI, all 30 epochs: minutes on
+    2 CPU cores), once a session for every test that needs the trained demo."""
+    tmp = tmp_path_factory.mktemp("demo")
+    env = {**os.environ, "MOE_QLORA_CACHE": str(tmp / "cache")}
+    run = [sys.executable, "-m", "moe_qlora", "train", "--config", "configs/demo.yaml",
+           "--set", f"output.dir={tmp / 'run'}"]  # fmt: skip
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(run, cwd=root, env=env, capture_output=True, text=True, timeout=1800)
+    return DemoRun(tmp / "run", proc, env)

@@ -1,7 +1,6 @@
 """Training: accumulation and checkpointing change no gradient; the demo runs from the CLI and learns."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -68,21 +67,17 @@ def test_gradient_checkpointing_changes_no_gradient(tiny_mixtral_dir):
         torch.testing.assert_close(ckpt[name], plain[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
-def test_demo_trains_from_the_cli_loss_falls_and_adapter_is_healthy(tmp_path):
-    """The README's demo command, run as a user would (a subprocess of the installed CLI)."""
-    env = {**os.environ, "MOE_QLORA_CACHE": str(tmp_path / "cache")}
-    run = [sys.executable, "-m", "moe_qlora", "train", "--config", "configs/demo.yaml",
-           "--set", f"output.dir={tmp_path / 'run'}"]  # fmt: skip
-    proc = subprocess.run(run, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+def test_demo_trains_from_the_cli_loss_falls_and_adapter_is_healthy(demo_run):
+    """The README's demo command, run as a user would (conftest's demo_run: a subprocess of the installed CLI)."""
+    assert demo_run.proc.returncode == 0, demo_run.proc.stderr[-2000:]
+    records = [json.loads(line) for line in (demo_run.out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records]
     assert len(losses) == records[-1]["step"] == 210
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last < 0.3 * first, (first, last)
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "epoch"} <= set(records[0])
-    check = subprocess.run([sys.executable, "-m", "moe_qlora", "check-norms", str(tmp_path / "run" / "adapter")],
-                           cwd=ROOT, env=env, capture_output=True, text=True)  # fmt: skip
+    check = subprocess.run([sys.executable, "-m", "moe_qlora", "check-norms", str(demo_run.out / "adapter")],
+                           cwd=ROOT, env=demo_run.env, capture_output=True, text=True)  # fmt: skip
     assert check.returncode == 0, check.stdout[-3000:]
 
 

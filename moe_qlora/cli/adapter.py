@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import typer
 
@@ -53,10 +54,36 @@ def check_norms_cmd(
 
 EXPORT_EPILOG = """Examples:
 
-  moe-qlora export runs/demo/adapter --format gguf --out runs/demo/adapter.gguf
+  moe-qlora export runs/demo/adapter --format gguf      # writes runs/demo/adapter.gguf
 
-  moe-qlora export runs/demo/adapter --format vllm --out runs/demo/adapter-vllm
+  moe-qlora export runs/demo/adapter --format vllm --out served/demo-lora --force     # replace what is there
 """
+# --out by default: beside the adapter folder, named after it (runs/demo/adapter -> runs/demo/adapter.gguf).
+DEFAULT_OUT_SUFFIX = {"gguf": ".gguf", "vllm": "-vllm", "per-expert": "-per-expert"}
+
+
+def default_export_path(adapter: str, fmt: str) -> Path:
+    """Where `export` writes without --out: beside the adapter folder, named after it with the format's suffix."""
+    folder = Path(adapter).resolve()
+    return folder.with_name(folder.name + DEFAULT_OUT_SUFFIX[fmt])
+
+
+def check_export_target(adapter: str, out: Path, fmt: str, force: bool) -> None:
+    """Refuse to replace what is at `out` without --force, a target of the wrong kind (a folder for a .gguf file,
+    a file for a folder) even with it, and the adapter folder itself; then check that `out` can be written."""
+    from moe_qlora.common.fileio import check_writable
+    from moe_qlora.config.sections import ConfigError
+
+    kind = "file" if fmt == "gguf" else "folder"
+    if out.resolve() == Path(adapter).resolve():
+        raise ConfigError(f"{out} is the adapter folder itself; give --out another path")
+    if out.exists() and out.is_dir() != (kind == "folder"):
+        raise ConfigError(f"{out} is a {'folder' if out.is_dir() else 'file'}, and --format {fmt} writes a {kind}; "
+                          "give --out another path")  # fmt: skip
+    if out.exists() and not force:
+        raise ConfigError(f"{out} already exists; pass --force to replace it (the new one is written beside it, "
+                          "then renamed over it)")  # fmt: skip
+    check_writable(out)
 
 
 def export(
@@ -64,7 +91,14 @@ def export(
     fmt: str = typer.Option(
         ..., "--format", "-f", help="vllm (the layout vLLM loads for the family) | per-expert | gguf (llama.cpp)"
     ),
-    out: str = typer.Option(..., "--out", "-o", help="folder (vllm, per-expert) or .gguf file to write"),
+    out: str = typer.Option(
+        None,
+        "--out",
+        "-o",
+        help="folder (vllm, per-expert) or .gguf file to write (default: beside ADAPTER, named ADAPTER.gguf, "
+        "ADAPTER-vllm or ADAPTER-per-expert)",
+    ),
+    force: bool = typer.Option(False, "--force", help="replace what --out names (atomically: written, then renamed)"),
     fuse_gate_up_exps: bool = typer.Option(
         False, "--fuse-gate-up-exps", help="gguf: for a base converted with llama.cpp's --fuse-gate-up-exps"
     ),
@@ -88,7 +122,9 @@ def export(
         for flag, on in (("--fuse-gate-up-exps", fuse_gate_up_exps), ("--fuse-qkv", fuse_qkv)):
             if on and fmt != "gguf":
                 raise ConfigError(f"{flag} names llama.cpp's tensors: it goes with --format gguf, not {fmt}")
-        path = writers[fmt](adapter, out)
+        target = Path(out) if out else default_export_path(adapter, fmt)
+        check_export_target(adapter, target, fmt, force)
+        path = writers[fmt](adapter, target)
     except user_errors() as exc:
         fail(exc, debug)
     console.print(f"{fmt}: {path}", highlight=False)
@@ -130,9 +166,11 @@ def merge(
 ):
     """A full Hugging Face checkpoint: every 4-bit weight dequantized plus its LoRA update (never into 4-bit)."""
     quiet_libraries()
+    from moe_qlora.common.fileio import check_writable
     from moe_qlora.inference.merge import MergeError, merge_adapter
 
     try:
+        check_writable(out)  # before minutes of loading and merging
         report = merge_adapter(adapter, out, dtype=dtype, max_shard_bytes=parse_size(max_shard_size),
                                device=device, console=err_console)  # fmt: skip
     except (*user_errors(), MergeError) as exc:
@@ -143,39 +181,3 @@ def merge(
         f"{report.out} ({report.shards} shard{'s' * (report.shards > 1)}, {human_bytes(report.bytes)}, {dtype})",
         highlight=False,
     )
-
-
-GENERATE_EPILOG = """Examples:
-
-  moe-qlora generate --adapter runs/demo/adapter "Add: 3+5"
-
-  moe-qlora generate --adapter runs/demo/adapter --no-adapter "Add: 3+5"     # the base model, to compare
-
-  moe-qlora generate --adapter runs/chat/adapter --chat --temperature 0.7 "Hello"
-"""
-
-
-def generate_cmd(
-    prompt: str = typer.Argument(..., help="the prompt (with --chat: the user message)"),
-    adapter: str = typer.Option(..., "--adapter", "-a", help="the adapter folder a run wrote"),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1),
-    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0: greedy"),
-    top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0),
-    top_k: int = typer.Option(0, "--top-k", min=0, help="0: off"),
-    seed: int = typer.Option(0, "--seed"),
-    chat: bool = typer.Option(False, "--chat", help="wrap the prompt in the tokenizer's chat template"),
-    no_adapter: bool = typer.Option(False, "--no-adapter", help="generate with the base model (adapters off)"),
-    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
-    debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
-):
-    """Generate with the 4-bit model and a run's adapter (as trained), streaming the tokens."""
-    quiet_libraries()
-    from moe_qlora.inference.generate import Sampling, generate, load_for_generation
-
-    try:
-        model, tokenizer = load_for_generation(adapter, err_console, device=device)
-    except user_errors() as exc:
-        fail(exc, debug)
-    sampling = Sampling(max_new_tokens, temperature, top_p, top_k, seed)
-    generate(model, tokenizer, prompt, sampling, chat=chat, adapter=not no_adapter)
-    console.print()

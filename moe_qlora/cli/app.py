@@ -10,7 +10,7 @@ import sys
 
 import typer
 
-from moe_qlora.cli import adapter, plan_plot, run
+from moe_qlora.cli import adapter, generate, plan_plot, run
 from moe_qlora.cli.common import console, err_console
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
@@ -21,7 +21,7 @@ app.command("check-norms")(adapter.check_norms_cmd)
 app.command("plot")(plan_plot.plot_cmd)
 app.command(epilog=adapter.EXPORT_EPILOG)(adapter.export)
 app.command(epilog=adapter.MERGE_EPILOG)(adapter.merge)
-app.command("generate", epilog=adapter.GENERATE_EPILOG)(adapter.generate_cmd)
+app.command("generate", epilog=generate.GENERATE_EPILOG)(generate.generate_cmd)
 
 
 def _version(value: bool) -> None:
@@ -55,13 +55,14 @@ def with_resume_path(argv: list[str]) -> list[str]:
 
 def main() -> None:
     """The console entry point. A full disk in any command (export, merge, plot, ...; train and grpo also name
-    their last checkpoint) is one sentence and exit code 1, its traceback only with --debug."""
-    from moe_qlora.common.fileio import DiskFullError
+    their last checkpoint) is one sentence and exit code 1; a folder the filesystem will not let it write (no
+    permission, read-only, a file in the way) one sentence and exit code 2; tracebacks only with --debug."""
+    from moe_qlora.common.fileio import DiskFullError, UnwritableError
 
     try:
         app(args=with_resume_path(sys.argv[1:]), prog_name="moe-qlora")
-    except DiskFullError as exc:
+    except (DiskFullError, UnwritableError) as exc:
         if "--debug" in sys.argv:
             raise
         err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
-        sys.exit(1)
+        sys.exit(1 if isinstance(exc, DiskFullError) else 2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 
 import typer
@@ -30,43 +31,100 @@ def plan(
     parallel: str | None = typer.Option(
         None, "--parallel", help="auto, ddp or fsdp (default: train.parallel); auto: ddp if the run fits one GPU"
     ),
-    gpu_gb: float = typer.Option(80.0, "--gpu-gb", min=0.0, help="memory of one GPU in GiB (2^30 bytes)"),
+    gpu_gb: float = typer.Option(
+        80.0, "--gpu-gb", min=0.0, help="memory of one GPU in GiB (2^30 bytes); exit 1 when the run does not fit it"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
     debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
 ):
     """Memory a run needs, by kind, from the model's config.json alone (no weights are read); with --gpus, one
-    GPU's share under ddp or fsdp and the bytes each GPU sends per optimizer step."""
-    quiet_libraries()
-    from moe_qlora.config.load import deep_merge, load_config, parse_overrides, validate_config
+    GPU's share under ddp or fsdp and the bytes each GPU sends per optimizer step. Says whether it fits one GPU of
+    --gpu-gb GiB and, when not, the settings of largest planned saving that make it fit (exit code 1)."""
     from moe_qlora.config.sections import ConfigError
-    from moe_qlora.model.plan import PARALLEL_MODES, plan_run
-    from moe_qlora.model.tiny import resolve_model_path
 
     try:
+        cfg = plan_config(config, model, set_)
+        check_hub_config(model or cfg.model.name_or_path)
+    except ConfigError as exc:  # before the heavy imports of plan and of user_errors(): at once
+        fail(exc, debug)
+    quiet_libraries()
+    try:
+        from moe_qlora.model.plan import PARALLEL_MODES, plan_run
+        from moe_qlora.model.tiny import resolve_model_path
+
         if parallel is not None and parallel not in PARALLEL_MODES:
             raise ConfigError(f"--parallel {parallel}: give one of {', '.join(PARALLEL_MODES)}")
-        if config:
-            cfg = load_config(config, set_)
-        elif model:
-            raw = {"model": {"name_or_path": model}, "data": {"train_files": ["(not read by plan)"]}}
-            cfg = validate_config(deep_merge(raw, parse_overrides(set_)))
-        else:
-            raise ConfigError("give --config or --model")
-        result = plan_run(cfg, name_or_path=resolve_model_path(model or cfg.model.name_or_path), device=device,
-                          gpus=gpus, parallel=parallel, gpu_gib=gpu_gb)  # fmt: skip
+        name_or_path = resolve_model_path(model or cfg.model.name_or_path)
+        result = plan_run(cfg, name_or_path=name_or_path, device=device, gpus=gpus, parallel=parallel,
+                          gpu_gib=gpu_gb)  # fmt: skip
     except (*user_errors(), OSError) as exc:
         fail(exc, debug)
-    if as_json:
-        import json
+    to_fit = None
+    if not result.fits:
+        from moe_qlora.train.faults import settings_to_fit
 
-        sys.stdout.write(json.dumps({"model_type": result.model_type, "params": result.params, "bytes": result.bytes,
-                                     "total": result.total, "notes": result.notes, "gpus": result.gpus,
-                                     "parallel": result.parallel, "per_gpu_total": result.total, "fits": result.fits,
-                                     "communication_bytes_per_step": result.communication_bytes_per_step,
-                                     "offload": dataclasses.asdict(result.offload) if result.offload else None})
-                         + "\n")  # fmt: skip
+        to_fit = settings_to_fit(cfg, name_or_path, device, gpu_gib=gpu_gb, gpus=gpus, parallel=parallel)
+    if as_json:
+        print_plan_json(result, gpu_gb, to_fit)
     else:
         render_plan(result, console)
+        console.print(fit_verdict(result, gpu_gb, to_fit), highlight=False)
+    if not result.fits:
+        raise typer.Exit(1)
+
+
+def plan_config(config: str | None, model: str | None, overrides: list[str]):
+    """The run config plan reads: --config with --set, or --model alone with --set."""
+    from moe_qlora.config.load import deep_merge, load_config, parse_overrides, validate_config
+    from moe_qlora.config.sections import ConfigError
+
+    if config:
+        return load_config(config, overrides)
+    if model:
+        raw = {"model": {"name_or_path": model}, "data": {"train_files": ["(not read by plan)"]}}
+        return validate_config(deep_merge(raw, parse_overrides(overrides)))
+    raise ConfigError("give --config or --model")
+
+
+def check_hub_config(name: str) -> None:
+    """A hub id must be cached or answered for: asked once, briefly; offline, one sentence (ConfigError) naming the
+    model and the configs/models/ copy to give --model instead of transformers' retries and its own message."""
+    from moe_qlora.common.hub import check_hub_model, config_only_advice, is_hub_model
+    from moe_qlora.config.sections import ConfigError
+
+    if is_hub_model(name):
+        check_hub_model(name, ConfigError, config_only_advice(name, "plan"))
+
+
+def print_plan_json(result, gpu_gb: float, to_fit: tuple[list[str], float] | None) -> None:
+    import json
+
+    fit = None if to_fit is None else {"settings": to_fit[0], "total_gib": to_fit[1]}
+    sys.stdout.write(json.dumps({"model_type": result.model_type, "params": result.params, "bytes": result.bytes,
+                                 "total": result.total, "notes": result.notes, "gpus": result.gpus,
+                                 "parallel": result.parallel, "per_gpu_total": result.total, "gpu_gib": gpu_gb,
+                                 "fits": result.fits, "to_fit": fit,
+                                 "communication_bytes_per_step": result.communication_bytes_per_step,
+                                 "offload": dataclasses.asdict(result.offload) if result.offload else None})
+                     + "\n")  # fmt: skip
+
+
+def fit_verdict(result, gpu_gb: float, to_fit: tuple[list[str], float] | None) -> str:
+    """'fits' with the room left, or 'does not fit' with the settings that would make it (settings_to_fit)."""
+    total = result.total / 2**30
+    per_gpu = " per GPU" if result.gpus > 1 or result.parallel == "fsdp" else ""
+    if result.fits:
+        return f"fits: {total:,.2f} GiB{per_gpu} in a {gpu_gb:g} GiB GPU ({gpu_gb - total:,.2f} GiB to spare)"
+    verdict = f"does not fit: {total:,.2f} GiB{per_gpu} is {total - gpu_gb:,.2f} GiB over a {gpu_gb:g} GiB GPU"
+    settings, planned = to_fit or ([], float("nan"))
+    flags = " ".join(f"--set {s}" for s in settings)
+    if len(settings) == 1:
+        return f"{verdict}\nto fit: {flags} (plan: {planned:,.2f} GiB), the largest planned saving that fits alone"
+    if settings:
+        return f"{verdict}\nto fit, together: {flags} (plan: {planned:,.2f} GiB), the largest planned savings"
+    together = "" if math.isnan(planned) else f" (with all of them: {planned:,.2f} GiB)"
+    return (f"{verdict}\nno setting plan knows of makes it fit{together}: a larger GPU, or more GPUs "
+            "(--gpus N --parallel fsdp)")  # fmt: skip
 
 
 def render_plan(plan, console) -> None:

@@ -4,6 +4,10 @@ MoE kernels), streaming tokens to the terminal. `--no-adapter` gives the base mo
 The LoRA layout comes from the adapter's adapter_config.json (rank, alpha, linear targets, expert and router
 targets), so the adapter loads into exactly the modules it was trained in (export.load_adapter refuses
 anything else by name).
+
+The prompt is rendered as the run's rows were (Rendering): inside the prefix and suffix its prompt rows shared (the
+demo's end in a newline), or through the chat template after its system turn when it trained mostly on messages;
+the run records which in the adapter's moe_qlora.json (train.prompt_format). --chat and --raw choose instead.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from rich.console import Console
 from transformers import GenerationConfig, TextStreamer
 
 from moe_qlora.config.load import validate_config
-from moe_qlora.config.sections import RunConfig
+from moe_qlora.config.sections import ConfigError, RunConfig
 from moe_qlora.export.norms import AdapterReadError
 from moe_qlora.model.adapters import adapters_disabled
 
@@ -81,27 +85,99 @@ def load_for_generation(adapter_dir: str | Path, console: Console, *, device: st
     return model, tokenizer
 
 
-def prompt_ids(tokenizer, prompt: str, *, chat: bool) -> torch.Tensor:
-    if chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)  # fmt: skip
+@dataclass(frozen=True)
+class Rendering:
+    """How a typed prompt becomes tokens. mode: `raw` (as typed), `prompt` (inside the run's prompt prefix and
+    suffix, as its prompt rows were), `chat` (a user turn after the run's system turn, through the chat template
+    with the generation prompt, as its messages rows were). `source`: why this one, said to the user."""
+
+    mode: str = "raw"
+    prefix: str = ""
+    suffix: str = ""
+    system: str | None = None
+    source: str = "as typed"
+
+    def text(self, prompt: str) -> str:
+        """The prompt inside the prefix and suffix, each added unless the prompt already has it (a suffix in part:
+        a prompt ending in the first lines of the suffix gets the rest)."""
+        if self.mode != "prompt":
+            return prompt
+        head = "" if prompt.startswith(self.prefix) else self.prefix
+        kept = max(k for k in range(len(self.suffix) + 1) if prompt.endswith(self.suffix[:k]))
+        return head + prompt + self.suffix[kept:]
+
+    def messages(self, prompt: str) -> list[dict]:
+        system = [{"role": "system", "content": self.system}] if self.system is not None else []
+        return [*system, {"role": "user", "content": prompt}]
+
+    def ids(self, tokenizer, prompt: str) -> torch.Tensor:
+        """(1, L) token ids, tokenized as training tokenized its rows (data.examples)."""
+        if self.mode != "chat":
+            return tokenizer(self.text(prompt), return_tensors="pt").input_ids
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError("--chat: the base model's tokenizer has no chat template; leave --chat out (the prompt "
+                              "as the run trained) or give --raw")  # fmt: skip
+        ids = tokenizer.apply_chat_template(self.messages(prompt), add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)  # fmt: skip
         ids = ids["input_ids"] if isinstance(ids, dict) else ids
         return torch.tensor([ids])
-    return tokenizer(prompt, return_tensors="pt").input_ids
+
+    def stop_ids(self, tokenizer) -> list[int]:
+        """Ids that end the answer beside EOS. In chat: the added token that closes an assistant turn in the
+        template (Qwen's <|im_end|>, the builtin's <|end|>), which a model trained on messages emits, not EOS."""
+        if self.mode != "chat":
+            return []
+        mark = "\x00answer\x00"  # no template writes it, so the text after it is what closes the turn
+        turn = [*self.messages("?"), {"role": "assistant", "content": mark}]
+        closing = tokenizer.apply_chat_template(turn, tokenize=False).split(mark, 1)[-1]
+        ids = tokenizer(closing, add_special_tokens=False).input_ids
+        return ids[:1] if ids and ids[0] in tokenizer.get_added_vocab().values() else []
+
+    def describe(self, prompt: str) -> str:
+        """One line for the user: what the model is given, and where that rendering came from."""
+        if self.mode == "chat":
+            return f"prompt: the chat template around {self.messages(prompt)}, {self.source}"
+        return f"prompt: {self.text(prompt)!r}, {self.source}"
+
+
+def rendering_for(adapter_dir: str | Path, *, chat: bool = False, raw: bool = False) -> Rendering:
+    """The rendering asked for (--chat, --raw), else the one the adapter's run trained with (moe_qlora.json's
+    prompt_format: its most common row kind), else the prompt as typed for adapters that do not record it."""
+    from moe_qlora.export.adapter import TRAINED_ON
+    from moe_qlora.train.prompt_format import read_prompt_format
+
+    if chat and raw:
+        raise ConfigError("give --chat or --raw, not both")
+    if raw:
+        return Rendering(source="as typed (--raw)")
+    trained = read_prompt_format(adapter_dir)
+    system = trained.system if trained else None
+    if chat:
+        return Rendering("chat", system=system, source="--chat" + (" with the run's system turn" if system else ""))
+    if trained is None:
+        return Rendering(source=f"as typed: {Path(adapter_dir) / TRAINED_ON} does not record how the run rendered "
+                         "its prompts (--chat: the chat template)")  # fmt: skip
+    rows = f"{trained.rows.get(trained.kind, 0)} of its {sum(trained.rows.values())} sampled rows"
+    if trained.kind == "chat":
+        return Rendering("chat", system=system, source=f"as the run's messages rows were ({rows}; --raw: as typed)")
+    if trained.kind == "text":
+        return Rendering(source=f"as typed: the run trained on text rows ({rows}; --chat: the chat template)")
+    return Rendering("prompt", trained.prefix, trained.suffix, source=f"as the run's prompt rows were ({rows}; "
+                     "--raw: as typed, --chat: the chat template)")  # fmt: skip
 
 
 @torch.inference_mode()
-def generate(model, tokenizer, prompt: str, sampling: Sampling, *, chat: bool = False, adapter: bool = True,
-             stream: bool = True) -> str:  # fmt: skip
-    """The completion of `prompt` (printed as it comes when `stream`)."""
+def generate(model, tokenizer, prompt: str, sampling: Sampling, *, rendering: Rendering = Rendering(),
+             adapter: bool = True, stream: bool = True) -> str:  # fmt: skip
+    """The completion of `prompt`, rendered as `rendering` says (printed as it comes when `stream`)."""
     torch.manual_seed(sampling.seed)
-    ids = prompt_ids(tokenizer, prompt, chat=chat).to(next(model.parameters()).device)
+    ids = rendering.ids(tokenizer, prompt).to(next(model.parameters()).device)
     greedy = sampling.temperature == 0
     gen = GenerationConfig(
         do_sample=not greedy, temperature=None if greedy else sampling.temperature,
         top_p=None if greedy else sampling.top_p, top_k=None if greedy else sampling.top_k,
         max_new_tokens=sampling.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, use_cache=True,
+        eos_token_id=[tokenizer.eos_token_id, *rendering.stop_ids(tokenizer)], use_cache=True,
     )  # fmt: skip
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     off = adapters_disabled(model) if not adapter else contextlib.nullcontext()
