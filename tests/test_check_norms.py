@@ -109,7 +109,7 @@ def test_the_default_view_is_one_row_per_module_and_layer_naming_the_bad_expert(
     assert down.norm_b == (0.0, sorted(r.norm_b for r in rows)[E // 2], max(r.norm_b for r in rows))
     short, full = run(adapter), run(adapter, "--per-expert")
     assert short.exit_code == full.exit_code == 1
-    assert short.output.count("expert 3") == 1 and "min / median / max" in short.output
+    assert short.output.count("expert 3") == 1 and "the median over experts, min-max below" in short.output
     assert len(full.output.splitlines()) > len(short.output.splitlines())
 
 

@@ -109,7 +109,7 @@ def cli_problem(args: list[str]) -> str | None:
 
 def missing_configs(args: list[str]) -> list[str]:
     """The shipped files a command names (`--config configs/...`, `--model configs/models/...`) that are not there."""
-    named = [b for a, b in zip(args, args[1:]) if a in ("--config", "-c", "--model")]
+    named = [b for a, b in zip(args, args[1:], strict=False) if a in ("--config", "-c", "--model")]
     named += [a.split("=", 1)[1] for a in args if a.startswith(("--config=", "--model="))]
     return [n for n in named if n.startswith("configs/") and not (ROOT / n).exists()]
 
@@ -147,7 +147,7 @@ BROKEN = """\
 ```bash
 pip install -e . && moe-qlora train --config configs/demo.yaml --learning-rate 1e-4   # --bogus in a comment is fine
 moe-qlora fine-tune --config configs/demo.yaml
-python -m moe_qlora export runs/demo/adapter --format gguf        # no --out
+python -m moe_qlora merge runs/demo/adapter --dtype float32        # no --out
 moe-qlora plan --config configs/demo.yaml \\
     --gpu 2 --set data.max_seq_len=4096
 moe-qlora generate --adapter runs/demo/adapter "a prompt" "another prompt"

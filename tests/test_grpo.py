@@ -41,8 +41,8 @@ def policy(tiny_mixtral_dir):
 
 
 def test_demo_reward_rises_from_the_cli(tmp_path):
-    """The GRPO demo of docs/training.md as a user runs it: the reward it trains on, exact_match, goes from ~0 to well over
-    what any constant reply scores (0.5: half the numbers are odd), so the answer depends on the prompt."""
+    """The GRPO demo of docs/training.md as a user runs it: the reward it trains on, exact_match, goes from ~0 to
+    well over what any constant reply scores (0.5: half the numbers are odd), so the answer depends on the prompt."""
     env = {**os.environ, "MOE_QLORA_CACHE": str(tmp_path / "cache")}
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "moe_qlora", "grpo", "--config", "configs/grpo-demo.yaml", "--set",

@@ -196,7 +196,8 @@ LAYOUT_CONTROLS = {"qwen3_next": ("qwen3_next_qkvz_rows", qkvz_as_blocks),
 # Config fields that let llama.cpp's converter take a family's tiny config: every layer sparse where the tiny
 # config has a dense first layer its arch's tensor map lacks; Phi-MoE's converter reads the rope's original
 # context length
-CONVERTIBLE = {"qwen3_moe": {"mlp_only_layers": []}, "qwen3_next": {"mlp_only_layers": []}, "kimi_linear": {"mlp_layer_types": ["sparse", "sparse"]},
+CONVERTIBLE = {"qwen3_moe": {"mlp_only_layers": []}, "qwen3_next": {"mlp_only_layers": []},
+               "kimi_linear": {"mlp_layer_types": ["sparse", "sparse"]},
                "phimoe": {"rope_parameters": {"rope_theta": 1e6, "rope_type": "default",
                                               "original_max_position_embeddings": 512}}}  # fmt: skip
 # Families whose tiny base llama.cpp's converter does not take, and why

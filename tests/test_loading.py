@@ -56,7 +56,7 @@ def test_missing_model_path_is_refused(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_model(LoadOptions(str(tmp_path / "nothing")))
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ModelLoadError, match="no .safetensors weights"):
+    with pytest.raises(ModelLoadError, match="no weight files"):
         load_model(LoadOptions(str(tmp_path)))
 
 

@@ -108,6 +108,7 @@ def test_resuming_with_another_config_is_refused_unless_asked(config, env, tmp_p
     proc = run(config, tmp_path, env, "--resume", "--set", "train.lr=1e-3")
     assert proc.returncode == 2
     assert "configuration differs" in proc.stderr and "Traceback" not in proc.stderr
+    assert "(train.lr 0.005 -> 0.001)" in " ".join(proc.stderr.split())  # the key that changed, old -> new
     proc = run(config, tmp_path, env, "--resume-anyway", "--set", "train.lr=1e-3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout

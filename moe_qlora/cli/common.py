@@ -30,6 +30,8 @@ def quiet_libraries() -> None:
 
 
 def user_errors() -> tuple[type[Exception], ...]:
+    from moe_qlora.common.fileio import UnwritableError
+    from moe_qlora.common.lock import RunDirLocked
     from moe_qlora.config.sections import ConfigError
     from moe_qlora.data.sources import DataError
     from moe_qlora.export.adapter import AdapterMismatchError
@@ -43,7 +45,8 @@ def user_errors() -> tuple[type[Exception], ...]:
 
     return (
         AdapterMismatchError, CheckpointError, ConfigError, DataError, AdapterReadError, ModelLoadError,
-        UnsupportedExpertsError, QuantizationLayoutError, RewardError, FileNotFoundError, RankFailed,
+        UnsupportedExpertsError, QuantizationLayoutError, RewardError, FileNotFoundError, RankFailed, RunDirLocked,
+        UnwritableError,
     )  # fmt: skip
 
 

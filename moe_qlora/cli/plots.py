@@ -4,7 +4,8 @@
 - lr.png, grad_norm.png;
 - router_load.png: per MoE layer, each expert's share of the routed rows, averaged over the run (a heatmap:
   a dead expert is a dark column, a collapsed router a single bright one);
-- GRPO runs: reward.png (total and per reward function), kl.png, completion_length.png.
+- GRPO runs: reward.png (total and per reward function), kl.png (a note instead of a line when the run had
+  no KL term: grpo.kl_coef 0 logs none), completion_length.png.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from moe_qlora.common.fileio import unwritable_named
 from moe_qlora.common.reporting import MetricsError, read_jsonl
 
 
@@ -63,7 +65,14 @@ def mean_router_load(records: list[dict]) -> list[list[float]] | None:
     return [[sum(load[i][e] for load in loads) / len(loads) for e in range(experts)] for i in range(layers)]
 
 
-def line_plot(path: Path, title: str, lines: dict[str, tuple[list, list]], ylabel: str, *, log: bool = False) -> None:
+NOT_LOGGED = "not logged by this run"
+KL_NOT_LOGGED = "KL not computed: grpo.kl_coef is 0 (no KL term), so the run logged none"
+
+
+def line_plot(path: Path, title: str, lines: dict[str, tuple[list, list]], ylabel: str, *, log: bool = False,
+              empty_note: str = NOT_LOGGED) -> None:  # fmt: skip
+    """One line per series against the step; `empty_note` written across the axes when no series has a point
+    (an empty frame would look like a plotting bug)."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -71,7 +80,9 @@ def line_plot(path: Path, title: str, lines: dict[str, tuple[list, list]], ylabe
         if xs:
             ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
     ax.set(title=title, xlabel="step", ylabel=ylabel)
-    if log:
+    if not any(xs for xs, _ in lines.values()):
+        ax.text(0.5, 0.5, empty_note, transform=ax.transAxes, ha="center", va="center", wrap=True, color="0.35")
+    elif log:
         ax.set_yscale("log")
     if len([v for v in lines.values() if v[0]]) > 1:
         ax.legend()
@@ -80,11 +91,15 @@ def line_plot(path: Path, title: str, lines: dict[str, tuple[list, list]], ylabe
 
 
 def heatmap(path: Path, load: list[list[float]]) -> None:
+    """Layers down, experts across; ticks on whole layers and experts only (counts, never 0.5)."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(max(6, len(load[0]) * 0.25 + 2), max(3, len(load) * 0.3 + 1.5)))
     image = ax.imshow(load, aspect="auto", cmap="viridis", interpolation="nearest")
     ax.set(title="router load: share of routed rows per expert (mean over steps)", xlabel="expert", ylabel="MoE layer")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     fig.colorbar(image, ax=ax)
     save(fig, path)
 
@@ -94,7 +109,8 @@ def save(fig, path: Path) -> None:
 
     from moe_qlora.common.fileio import current_umask, disk_full_named
 
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
+    with unwritable_named(path):
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
     os.close(fd)
     os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes it 0600
     try:
@@ -115,7 +131,8 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
     out = Path(out_dir) if out_dir else (run_dir if run_dir.is_dir() else run_dir.parent) / "plots"
-    out.mkdir(parents=True, exist_ok=True)
+    with unwritable_named(out):
+        out.mkdir(parents=True, exist_ok=True)
     written = []
 
     def plot(name: str, *args, **kwargs) -> None:
@@ -131,7 +148,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         functions = sorted({k for r in records for k in r if k.startswith("reward/")})
         rewards = {"total": series(records, "reward_mean")} | {k[7:]: series(records, f"{k}/mean") for k in functions}
         plot("reward.png", "reward (mean over completions)", rewards, "reward")
-        plot("kl.png", "KL to the base model", {"kl": series(records, "kl")}, "kl")
+        plot("kl.png", "KL to the base model", {"kl": series(records, "kl")}, "kl", empty_note=KL_NOT_LOGGED)
         plot("completion_length.png", "completion length", {"mean": series(records, "completion_tokens/mean")},
              "tokens")  # fmt: skip
     if (load := mean_router_load(records)) is not None:

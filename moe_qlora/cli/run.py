@@ -41,16 +41,16 @@ def train(
          overwrite=overwrite, debug=debug)  # fmt: skip
 
 
-def check_paths_before_loading(cfg) -> None:
+def check_paths_before_loading(cfg, *, hub: bool = True) -> None:
     """What would otherwise fail after seconds of imports or minutes of loading: a hub id neither cached nor
-    reachable, data files that are not there, an output.dir that is a file or cannot be written. Raises
-    ConfigError naming the model or the absolute path."""
+    reachable (unless not `hub`: --dry-run reads no weights), data files that are not there, an output.dir that is
+    a file or cannot be written. Raises ConfigError naming the model or the absolute path."""
     from moe_qlora.common.hub import check_hub_model
     from moe_qlora.config.sections import ConfigError
 
     name = cfg.model.name_or_path
     local = os.path.isabs(name) or name.startswith((".", "~")) or os.path.exists(name)
-    if not local and not name.startswith("builtin:"):
+    if hub and not local and not name.startswith("builtin:"):
         check_hub_model(name, ConfigError)
     from moe_qlora.common.hub import looks_local
     from moe_qlora.data.sources import entry_path
@@ -90,7 +90,7 @@ def _run(command: str, config: str, overrides: list[str], *, dry_run, resume, re
             raise ConfigError(f"{config}: no `grpo:` section; moe-qlora grpo needs at least grpo.rewards")
         if cfg.train.parallel == "fsdp" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             check_shardable(cfg, generates=command == "grpo")
-        check_paths_before_loading(cfg)
+        check_paths_before_loading(cfg, hub=not dry_run)
     except ConfigError as exc:  # (its subclasses too) before the heavy imports _user_errors makes
         fail(exc, debug)
     quiet_libraries()
@@ -98,6 +98,10 @@ def _run(command: str, config: str, overrides: list[str], *, dry_run, resume, re
         import yaml
 
         console.print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), highlight=False)
+        from moe_qlora.common.hub import dry_run_note
+
+        if note := dry_run_note(cfg.model.name_or_path):
+            err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
         return
     from moe_qlora.common.fileio import DiskFullError
     from moe_qlora.export.adapter import AdapterVerificationError
@@ -109,8 +113,11 @@ def _run(command: str, config: str, overrides: list[str], *, dry_run, resume, re
         from moe_qlora.train.grpo import grpo as run
     else:
         from moe_qlora.train.sft import train as run
+    from moe_qlora.common.fileio import removed_if_left_unused  # a run refused at its start leaves no empty folder
+
     try:
-        run(cfg, console, allow_mismatch=resume_anyway, overwrite=overwrite)
+        with removed_if_left_unused(cfg.output.dir):
+            run(cfg, console, allow_mismatch=resume_anyway, overwrite=overwrite)
     except user_errors() as exc:
         fail(exc, debug)
     except (TrainingAborted, AdapterVerificationError) as exc:

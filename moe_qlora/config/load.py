@@ -81,11 +81,20 @@ def nearest_key(key: str, valid: list[str]) -> str | None:
     return near[0] if near else None
 
 
-def _describe(err: dict, source: str, text: str | None) -> str:
+def _where(path: tuple, source: str, text: str | None, sets: dict[tuple, str]) -> str:
+    """What a bad key is blamed on: the `--set KEY=VALUE` that gave it (or a section holding it), else its line
+    in the config file."""
+    given = [k for k in sets if tuple(map(str, path[: len(k)])) == k]
+    if given:
+        return f"--set {sets[max(given, key=len)]}"
+    line = _yaml_line(text, path)
+    return f"{source}:{line}" if line else source
+
+
+def _describe(err: dict, source: str, text: str | None, sets: dict[tuple, str]) -> str:
     path = tuple(err["loc"])
     key = ".".join(str(p) for p in path)
-    line = _yaml_line(text, path)
-    where = f"{source}:{line}" if line else source
+    where = _where(path, source, text, sets)
     if err["type"] == "extra_forbidden":
         section = _section_at(path)
         valid = list(section.model_fields) if section else []
@@ -146,14 +155,17 @@ def _numbers_in(obj):
     return obj
 
 
-def validate_config(raw: dict, *, source: str = "<config>", text: str | None = None) -> RunConfig:
-    """Validate a raw mapping; all problems are reported at once, one line each."""
+def validate_config(raw: dict, *, source: str = "<config>", text: str | None = None,
+                    overrides: list[str] | None = None) -> RunConfig:  # fmt: skip
+    """Validate a raw mapping; all problems are reported at once, one line each, a key `overrides` (--set
+    KEY=VALUE) gave blamed on that --set."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping of sections (model, lora, data, train, output)")
     try:
         return RunConfig.model_validate(_numbers_in(raw))
     except ValidationError as exc:
-        lines = [_describe(e, source, text) for e in exc.errors()]
+        sets = {tuple(pair.partition("=")[0].strip().split(".")): pair for pair in overrides or ()}
+        lines = [_describe(e, source, text, sets) for e in exc.errors()]
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
 
 
@@ -173,7 +185,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     raw = resolve_paths(raw, path.resolve().parent)
     if overrides:
         raw = deep_merge(raw, resolve_paths(parse_overrides(overrides), Path.cwd()))
-    return validate_config(raw, source=str(path), text=text)
+    return validate_config(raw, source=str(path), text=text, overrides=overrides)
 
 
 # Keys that name files or folders: relative ones are relative to the config file (as in torchtune and

@@ -12,7 +12,10 @@ A `data.train_files` entry is a string (a path, or a hub id when it is not a pat
 from __future__ import annotations
 
 import json
+import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from moe_qlora.common.hub import DATA_SUFFIXES, looks_local
@@ -34,7 +37,7 @@ def first_bad_json_line(path: Path) -> str | None:
         for n, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    if not isinstance(json.loads(line), dict):
+                    if not isinstance(json.loads(line.strip()), dict):  # (a torn last line: "Unterminated")
                         return f"{path}:{n}: expected a JSON object per line"
                 except json.JSONDecodeError as exc:
                     return f"{path}:{n}: not valid JSON ({exc.msg})"
@@ -77,11 +80,40 @@ def read_file(path: Path):
     reader = DATA_SUFFIXES.get(path.suffix.lower())
     if reader is None:
         raise DataError(f"{path}: unsupported file type {path.suffix!r} (expected .jsonl, .json or .parquet)")
+    if is_empty(path, text=reader == "json"):
+        raise DataError(f"{path}: the file is empty: it holds no rows")
     try:
-        return load_dataset(reader, data_files=str(path), split="train")
+        with library_errors_silenced():
+            return load_dataset(reader, data_files=str(path), split="train")
     except Exception as exc:  # datasets wraps parse errors in several types; find the line ourselves
         bad = first_bad_json_line(path) if path.suffix.lower() == ".jsonl" else None
         raise DataError(bad or f"{path}: cannot be read as {reader}: {exc}") from None
+
+
+def is_empty(path: Path, *, text: bool) -> bool:
+    """No bytes, or (`text`: JSON and JSONL) only whitespace, read no further than the first other character."""
+    if path.stat().st_size == 0:
+        return True
+    if not text:
+        return False
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+@contextmanager
+def library_errors_silenced() -> Iterator[None]:
+    """`datasets` logs a parse failure itself (pyarrow's message, its row counted from 0) before raising; the
+    DataError read_file raises names the line instead, so that log is held back while it reads."""
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def read_folder(path: Path, source):

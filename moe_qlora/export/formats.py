@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from moe_qlora.common.fileio import atomic_dir, disk_full_named
+from moe_qlora.common.fileio import atomic_dir, disk_full_named, unwritable_named
 from moe_qlora.config.sections import ConfigError
 from moe_qlora.export.norms import read_adapter
 
@@ -793,7 +793,8 @@ def write_gguf(adapter_dir: str | Path, out_file: str | Path, *, fuse_gate_up_ex
     converted = gguf_tensors(tensors, int(config["r"]), names, base, fuse_gate_up_exps=fuse_gate_up_exps,
                              fuse_qkv=fuse_qkv)  # fmt: skip
     out_file = Path(out_file)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
+    with unwritable_named(out_file):
+        out_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_file.with_name(f".{out_file.name}.tmp-{os.getpid()}")
     writer = gguf.GGUFWriter(str(tmp), names.gguf_arch)
     writer.add_string("general.type", "adapter")
@@ -802,7 +803,7 @@ def write_gguf(adapter_dir: str | Path, out_file: str | Path, *, fuse_gate_up_ex
     for name, t in converted.items():
         writer.add_tensor(name, t.numpy())
     try:
-        with disk_full_named(out_file, sum(t.numel() * 4 for t in converted.values())):
+        with disk_full_named(out_file, sum(t.numel() * 4 for t in converted.values())), unwritable_named(out_file):
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
             writer.write_tensors_to_file()

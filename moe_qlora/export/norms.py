@@ -12,6 +12,7 @@ import json
 import math
 import re
 import statistics
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -267,20 +268,56 @@ def summarize(report: NormReport) -> list[ModuleSummary]:
     return out
 
 
-def render_summary(report: NormReport, console) -> None:
-    """The default view at MoE scale: one row per module and layer (not 12,288 rows for Qwen3-30B-A3B)."""
+LAYER_IN_NAME = re.compile(r"^(?:(?P<prefix>.*?)\.)?(?P<layer>\d+)\.(?P<rest>.+)$")
+
+
+def split_layers(modules: list[str]) -> tuple[str, dict[str, tuple[str, str]]]:
+    """(prefix, {module: (layer, name under the layer)}) for the prefix most modules share before their layer
+    number ('model.layers'); a module under another prefix, or under none, keeps its whole name and no layer.
+    The tables show the layer in a column of its own, so that a name fits one line of an 80-column terminal."""
+    found = {m: match for m in modules if (match := LAYER_IN_NAME.match(m))}
+    prefixes = Counter(match["prefix"] or "" for match in found.values())
+    prefix = prefixes.most_common(1)[0][0] if prefixes else ""
+    return prefix, {m: (found[m]["layer"], found[m]["rest"]) if m in found and (found[m]["prefix"] or "") == prefix
+                    else ("", m) for m in modules}  # fmt: skip
+
+
+def norms_table(title: str, columns: tuple[str, ...]):
+    """A table without vertical rules or padding, one space between columns, so that at 80 columns the layer and
+    module name keep their line (never wrapped) and only the problems text wraps."""
+    from rich import box
     from rich.table import Table
 
-    def fmt(spread):
-        lo, mid, hi = spread
-        return f"{mid:.4g}" if lo == hi else f"{lo:.3g} / {mid:.3g} / {hi:.3g}"
+    table = Table(title=title, box=box.SIMPLE_HEAD, padding=0, show_edge=False)
+    for col in columns:
+        left = col in ("module", "problems", "issues")
+        table.add_column(col, justify="left" if left else "right", no_wrap=col in ("layer", "module", "expert"),
+                         overflow="fold")  # fmt: skip
+    return table
 
-    table = Table(title=f"LoRA norms: {report.adapter} (min / median / max over experts)")
-    for col in ("module", "experts", "||A||", "||B||", "||scale*BA||", "problems"):
-        table.add_column(col, justify="left" if col in ("module", "problems") else "right", overflow="fold")
-    for m in summarize(report):
+
+def under_prefix(report: NormReport, prefix: str) -> str:
+    return f"{report.adapter}, modules under {prefix}.N" if prefix else report.adapter
+
+
+def render_summary(report: NormReport, console) -> None:
+    """The default view at MoE scale: one row per module and layer (not 12,288 rows for Qwen3-30B-A3B)."""
+
+    def fmt(spread):  # the median, and below it the range over the experts
+        lo, mid, hi = spread
+        return f"{mid:.4g}" if lo == hi else f"{mid:.3g}\n[dim]{lo:.2g}-{hi:.2g}"
+
+    summary = summarize(report)
+    prefix, names = split_layers([m.module for m in summary])
+    table = norms_table(
+        f"LoRA norms: {under_prefix(report, prefix)} (expert stacks: the median over experts, min-max below)",
+        ("layer", "module", "||A||", "||B||", "||scale*BA||", "problems"),
+    )
+    for m in summary:
         shown = "; ".join(m.problems[:3]) + (f"; and {len(m.problems) - 3} more" if len(m.problems) > 3 else "")
-        table.add_row(m.module, str(m.experts or ""), fmt(m.norm_a), fmt(m.norm_b), fmt(m.norm_delta),
+        layer, name = names[m.module]
+        name += f"\n[dim]{m.experts} experts" if m.experts else ""  # under the name: a column of its own is too wide
+        table.add_row(layer, name, fmt(m.norm_a), fmt(m.norm_b), fmt(m.norm_delta),
                       f"[red]{shown}" if m.problems else "[green]ok")  # fmt: skip
     console.print(table)
     _render_verdict(report, console)
@@ -295,14 +332,12 @@ def _render_verdict(report: NormReport, console) -> None:
 
 def render_table(report: NormReport, console) -> None:
     """Every row: one per expert of every expert stack (--per-expert)."""
-    from rich.table import Table
-
-    table = Table(title=f"LoRA norms: {report.adapter}", show_lines=False)
-    for col in ("module", "expert", "||A||", "||B||", "||scale*BA||", "issues"):
-        table.add_column(col, justify="left" if col in ("module", "issues") else "right", overflow="fold")
+    prefix, names = split_layers(list(dict.fromkeys(r.module for r in report.rows)))
+    table = norms_table(f"LoRA norms: {under_prefix(report, prefix)}",
+                        ("layer", "module", "expert", "||A||", "||B||", "||scale*BA||", "issues"))  # fmt: skip
     for r in report.rows:
         table.add_row(
-            r.module, "" if r.expert is None else str(r.expert), f"{r.norm_a:.4g}", f"{r.norm_b:.4g}",
+            *names[r.module], "" if r.expert is None else str(r.expert), f"{r.norm_a:.4g}", f"{r.norm_b:.4g}",
             f"{r.norm_delta:.4g}", "[red]" + "; ".join(r.issues) if r.issues else "[green]ok",
         )  # fmt: skip
     console.print(table)

@@ -167,17 +167,42 @@ class LoadOptions:
     experts_on_host: frozenset[str] = frozenset()
 
 
-def check_model_path(name_or_path: str) -> None:
-    """A local-looking path must exist and hold a config (weights: checkpoint_files); else it is a hub id."""
+# Files a tokenizer is read from (fast, sentencepiece, BPE, WordPiece, tiktoken; a remote-code tokenizer's config)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt",
+                   "tokenizer_config.json", "*.tiktoken")  # fmt: skip
+NO_TOKENIZER = "no tokenizer files (tokenizer.json, tokenizer.model or vocab.json: save the tokenizer beside the model)"
+NO_WEIGHTS = "no weight files (*.safetensors; .bin weights are not read)"
+
+
+def check_model_path(name_or_path: str, *, tokenizer: bool = True) -> None:
+    """A local-looking path must exist and hold a config, weight files and (`tokenizer`) tokenizer files, all
+    named in one sentence before any data or weight is read; else it is a hub id."""
     looks_local = os.path.isabs(name_or_path) or name_or_path.startswith((".", "~")) or os.path.exists(name_or_path)
     if not looks_local:
         check_hub_model(name_or_path, ModelLoadError)
         return
-    path = os.path.expanduser(name_or_path)
-    if not os.path.isdir(path):
+    path = Path(os.path.expanduser(name_or_path))
+    if not path.is_dir():
         raise ModelLoadError(f"model path {name_or_path!r} does not exist")
-    if not os.path.exists(os.path.join(path, "config.json")):
+    if not (path / "config.json").exists():
         raise ModelLoadError(f"model path {name_or_path!r} has no config.json")
+    missing = [NO_TOKENIZER] if tokenizer and not has_any(path, TOKENIZER_FILES) else []
+    if not has_weights(path):
+        missing.append(NO_WEIGHTS)
+    if missing:
+        raise ModelLoadError(f"model path {name_or_path!r} has {' and '.join(missing)}")
+
+
+def has_any(folder: Path, patterns: tuple[str, ...]) -> bool:
+    """Whether a file of `folder` matches one of the glob `patterns`."""
+    return any(next(folder.glob(p), None) is not None for p in patterns)
+
+
+def has_weights(folder: Path) -> bool:
+    """Whether `folder` holds a checkpoint's safetensors (an index, or a weights file that is not an adapter)."""
+    if (folder / "model.safetensors.index.json").exists():
+        return True
+    return any(not f.name.startswith("adapter_") for f in folder.glob("*.safetensors"))
 
 
 def local_checkpoint(name_or_path: str) -> Path:
@@ -202,7 +227,7 @@ def checkpoint_files(folder: Path) -> list[Path]:
         return [folder / s for s in shards]
     files = sorted(f for f in folder.glob("*.safetensors") if not f.name.startswith("adapter_"))
     if not files:
-        raise ModelLoadError(f"{folder} has no .safetensors weights (only safetensors are loaded)")
+        raise ModelLoadError(f"{folder} has {NO_WEIGHTS}")
     return files
 
 
@@ -281,7 +306,7 @@ def load_model(opts: LoadOptions):
     Tensors are quantized from the dtype they are stored in (no whole-model upcast); what stays
     unquantized (norms, router, embeddings) is then cast to the compute dtype.
     """
-    check_model_path(opts.name_or_path)
+    check_model_path(opts.name_or_path, tokenizer=False)
     folder = local_checkpoint(opts.name_or_path)
     files = checkpoint_files(folder)
     config = AutoConfig.from_pretrained(str(folder), trust_remote_code=opts.trust_remote_code)

@@ -90,13 +90,47 @@ BOOKKEEPING = {
 }
 
 
-def config_hash(resolved: dict) -> str:
-    """sha256 of the resolved config, without what may change between a run and its resume (output and
-    bookkeeping)."""
+def resumable_config(resolved: dict) -> dict:
+    """The resolved config without what may change between a run and its resume (output and bookkeeping)."""
     relevant = {k: v for k, v in resolved.items() if k != "output"}
     relevant["train"] = {k: v for k, v in relevant.get("train", {}).items() if k not in BOOKKEEPING}
     relevant["model"] = {k: v for k, v in relevant.get("model", {}).items() if k not in PLACEMENT}
-    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()
+    return relevant
+
+
+def config_hash(resolved: dict) -> str:
+    """sha256 of the resolved config's resumable_config."""
+    return hashlib.sha256(json.dumps(resumable_config(resolved), sort_keys=True).encode()).hexdigest()
+
+
+def config_identity(resolved: dict) -> dict:
+    """What a checkpoint records of the config: its hash, which a resume compares, and the resumable config
+    itself, so that a refused resume can name the keys that changed."""
+    return {"config_hash": config_hash(resolved), "config": resumable_config(resolved)}
+
+
+def flat_keys(tree: dict, prefix: str = "") -> dict[str, object]:
+    """{'train.lr': 2e-4, ...}: the leaves of nested sections under dotted keys (lists are leaves)."""
+    out = {}
+    for k, v in tree.items():
+        out.update(flat_keys(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
+    return out
+
+
+UNSET = "(not set)"  # a key one side has and the other has not (a key added or removed since)
+
+
+def config_changes(old: dict, new: dict, shown: int = 4) -> str:
+    """'train.lr 0.005 -> 0.001, lora.rank 8 -> 16': the keys whose value differs, the first `shown` of them."""
+    before, after = flat_keys(old), flat_keys(new)
+    keys = sorted(k for k in before.keys() | after.keys() if before.get(k, UNSET) != after.get(k, UNSET))
+    parts = [f"{k} {_value(before.get(k, UNSET))} -> {_value(after.get(k, UNSET))}" for k in keys[:shown]]
+    return ", ".join(parts) + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
+
+
+def _value(v) -> str:
+    text = v if v is UNSET else json.dumps(v)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def dataset_fingerprint(examples) -> str:
@@ -160,7 +194,8 @@ def _versions() -> dict[str, str]:
 
 def save_checkpoint(run_dir: Path, *, model, optimizer, scheduler, progress: RunProgress, identity: dict,
                     keep: int, tensors: dict | None = None) -> Path:  # fmt: skip
-    """Write a complete checkpoint atomically; keep the newest `keep`. `identity`: config hash, dataset fp.
+    """Write a complete checkpoint atomically; keep the newest `keep`. `identity`: config hash (and the config:
+    config_identity), dataset fp.
     `tensors`: checkpoint_tensors(model, optimizer), when already gathered (sharded runs)."""
     target = Path(run_dir) / "checkpoints" / f"step-{progress.step:08d}"
     scheduler_state = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
@@ -222,17 +257,29 @@ def latest_valid_checkpoint(run_dir: Path) -> Path | None:
     return None
 
 
+def check_same_run(checkpoint: Path, state: dict, identity: dict) -> None:
+    """CheckpointError when the config or the dataset differs from the checkpoint's, naming the changed keys
+    where both sides recorded their config (checkpoints written before they did only have its hash)."""
+    for key, label in (("config_hash", "configuration"), ("dataset_fingerprint", "dataset")):
+        if state.get(key) == identity.get(key):
+            continue
+        changed = ""
+        if key == "config_hash" and "config" in state and "config" in identity:
+            changed = config_changes(state["config"], identity["config"])
+        raise CheckpointError(
+            f"{checkpoint}: the {label} differs from the one this checkpoint was trained with"
+            f"{f' ({changed})' if changed else ''}; resuming would not continue the same run (pass --resume-anyway "
+            "to do it regardless)"
+        )
+
+
 def load_checkpoint(
     checkpoint: Path, *, model, optimizer, scheduler, identity: dict, allow_mismatch: bool
 ) -> RunProgress:
     """Restore trainable tensors, optimizer, scheduler and RNG from `checkpoint`; returns where to go on."""
     state = json.loads((checkpoint / "state.json").read_text())
-    for key, label in (("config_hash", "configuration"), ("dataset_fingerprint", "dataset")):
-        if state.get(key) != identity.get(key) and not allow_mismatch:
-            raise CheckpointError(
-                f"{checkpoint}: the {label} differs from the one this checkpoint was trained with; "
-                "resuming would not continue the same run (pass --resume-anyway to do it regardless)"
-            )
+    if not allow_mismatch:
+        check_same_run(checkpoint, state, identity)
     params = _trainable(model)
     saved = load_file(str(checkpoint / "trainable.safetensors"))
     if saved.keys() != params.keys():

@@ -33,11 +33,12 @@ from moe_qlora.model.distributed import (
     sum_gradients,
     sum_scalars,
 )
-from moe_qlora.train.checkpoint import RunProgress, config_hash, save_checkpoint
+from moe_qlora.train.checkpoint import RunProgress, config_identity, save_checkpoint
 from moe_qlora.train.faults import FaultStop, attempt, local_stretch
 from moe_qlora.train.losses import completion_logprobs, grpo_token_loss, token_weights
 from moe_qlora.train.optim import build_optimizer
 from moe_qlora.train.position import phase, start_step
+from moe_qlora.train.prompt_format import write_prompt_format
 from moe_qlora.train.rewards import flat_groups, group_advantages
 from moe_qlora.train.rollout import Rollout, RolloutSource
 from moe_qlora.train.runs import CheckpointPolicy, RunSummary, StopSignals, plain_progress_line
@@ -49,6 +50,7 @@ from moe_qlora.train.session import (
     launched,
     load_policy,
     load_tokenizer,
+    output_dir_locked,
     resume_if_asked,
     router_load,
     seed_everything,
@@ -313,7 +315,8 @@ def run_grpo_steps(source: RolloutSource, training: dict, *, total: int, done: R
 def grpo(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool = False,
          overwrite: bool = False) -> GrpoResult:  # fmt: skip
     """Run GRPO as configured (online sampling, or offline scored completions). Under torchrun each process is
-    a data-parallel rank: the prompts of a step are split across the ranks by whole groups; rank 0 writes."""
+    a data-parallel rank: the prompts of a step are split across the ranks by whole groups; rank 0 writes, and
+    holds output.dir's lock for the run (RunDirLocked while another process holds it)."""
     if cfg.grpo is None:
         raise ConfigError("moe-qlora grpo needs a `grpo:` section in the config (reward functions, group size...)")
     if cfg.train.optimizer_in_backward:
@@ -321,7 +324,7 @@ def grpo(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool
             "train.optimizer_in_backward is for `train` only: a GRPO step sums the gradients of all its rollout "
             "micro-batches (and of several passes) before it can update"
         )
-    with launched(cfg, console) as (ranks, console):
+    with launched(cfg, console) as (ranks, console), output_dir_locked(Path(cfg.output.dir), ranks, console):
         return _grpo(cfg, console, ranks, allow_mismatch=allow_mismatch, overwrite=overwrite)
 
 
@@ -346,7 +349,7 @@ def _grpo(cfg: RunConfig, console: Console, ranks: Ranks, *, allow_mismatch: boo
         total = count_grpo_steps(len(source.items), cfg)
         training = {"model": model, "optimizer": optimizer,
                     "scheduler": build_schedule(optimizer, total * cfg.grpo.passes, cfg.train)}  # fmt: skip
-        identity = {"config_hash": config_hash(cfg.model_dump(mode="json")), "dataset_fingerprint": source.identity}
+        identity = {**config_identity(cfg.model_dump(mode="json")), "dataset_fingerprint": source.identity}
         done = resume_if_asked(cfg, out, console, allow_mismatch=allow_mismatch, identity=identity,
                                logs=("metrics.jsonl", "rollouts.jsonl"), writer=ranks.main, **training)  # fmt: skip
         if ranks.enabled:
@@ -364,6 +367,10 @@ def _grpo(cfg: RunConfig, console: Console, ranks: Ranks, *, allow_mismatch: boo
                                               checkpoint=checkpoint, stop=stop, on_failure=on_failure,
                                               ranks=ranks)  # fmt: skip
         adapter_dir = write_adapter(model, out, cfg, model_path, console) if ranks.main else out / "adapter"
+        if ranks.main:  # how generate renders a prompt as this run did: its prompt rows, or its scored completions
+            offline = cfg.grpo.offline_file
+            data = cfg.data.model_copy(update={"train_files": [offline]}) if offline else cfg.data
+            write_prompt_format(adapter_dir, data)
     RunSummary("grpo", len(reward_means), time.perf_counter() - started, tokens,
                reward_means[-1] if reward_means else None, max(reward_means) if reward_means else None,
                adapter_dir, out / "metrics.jsonl").print(console)  # fmt: skip

@@ -32,7 +32,7 @@ from moe_qlora.model.distributed import (
 from moe_qlora.train.checkpoint import (
     RunProgress,
     checkpoint_tensors,
-    config_hash,
+    config_identity,
     dataset_fingerprint,
     save_checkpoint,
 )
@@ -41,6 +41,7 @@ from moe_qlora.train.losses import token_logprobs
 from moe_qlora.train.optim import StepInBackward, build_optimizer
 from moe_qlora.train.packing import packed
 from moe_qlora.train.position import phase, start_step
+from moe_qlora.train.prompt_format import write_prompt_format
 from moe_qlora.train.runs import CheckpointPolicy, RunSummary, StopSignals, plain_progress_line
 from moe_qlora.train.session import (
     after_step,
@@ -50,6 +51,7 @@ from moe_qlora.train.session import (
     launched,
     load_policy,
     load_tokenizer,
+    output_dir_locked,
     resume_if_asked,
     router_load,
     save_verified_adapter,
@@ -289,9 +291,11 @@ def train(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: boo
           overwrite: bool = False) -> TrainResult:  # fmt: skip
     """Run SFT as configured: returns the per-step losses (of this invocation) and where the outputs went.
     Raises RunInterrupted after checkpointing when SIGINT or SIGTERM arrives. Under torchrun (WORLD_SIZE > 1)
-    each process is a data-parallel rank (distributed.py); rank 0 alone writes."""
-    with launched(cfg, console) as (ranks, console):
-        return _train(cfg, console, Path(cfg.output.dir), ranks, allow_mismatch=allow_mismatch, overwrite=overwrite)
+    each process is a data-parallel rank (distributed.py); rank 0 alone writes, and holds output.dir's lock for
+    the run (RunDirLocked while another process holds it)."""
+    out = Path(cfg.output.dir)
+    with launched(cfg, console) as (ranks, console), output_dir_locked(out, ranks, console):
+        return _train(cfg, console, out, ranks, allow_mismatch=allow_mismatch, overwrite=overwrite)
 
 
 def _train(cfg: RunConfig, console: Console, out: Path, ranks: Ranks, *, allow_mismatch: bool,
@@ -318,7 +322,7 @@ def _train(cfg: RunConfig, console: Console, out: Path, ranks: Ranks, *, allow_m
         optimizer = build_optimizer(params, cfg.train)
         total = count_steps(len(examples), cfg, ranks.world)
         schedule = build_schedule(optimizer, total, cfg.train)
-        identity = {"config_hash": config_hash(cfg.model_dump(mode="json")),
+        identity = {**config_identity(cfg.model_dump(mode="json")),
                     "dataset_fingerprint": dataset_fingerprint(examples), "world": ranks.world}  # fmt: skip
         training = {"model": model, "optimizer": optimizer, "scheduler": schedule}
         done = resume_if_asked(cfg, out, console, allow_mismatch=allow_mismatch, identity=identity,
@@ -357,6 +361,7 @@ def _train(cfg: RunConfig, console: Console, out: Path, ranks: Ranks, *, allow_m
                 with whole_trainable(model, ranks):
                     if ranks.main:
                         save_verified_adapter(model, out / "adapter-best", cfg, model_path)
+                        write_prompt_format(out / "adapter-best", cfg.data)
             return fields
 
         try:
@@ -369,6 +374,8 @@ def _train(cfg: RunConfig, console: Console, out: Path, ranks: Ranks, *, allow_m
             metrics.close()
         with whole_trainable(model, ranks):
             adapter_dir = write_adapter(model, out, cfg, model_path, console) if ranks.main else out / "adapter"
+            if ranks.main:
+                write_prompt_format(adapter_dir, cfg.data)  # how generate renders a prompt as this run did
     finite = [x for x in losses if math.isfinite(x)]
     RunSummary("train", len(losses), time.perf_counter() - started, tokens, finite[-1] if finite else None,
                min(finite) if finite else None, adapter_dir, metrics.path).print(console)  # fmt: skip
