@@ -127,6 +127,27 @@ def test_bnpo_divides_by_the_tokens_of_each_micro_batch():
     torch.testing.assert_close(lp2.grad, -torch.tensor([[1 / 2, 0.0, 0.0]]))
 
 
+def test_bnpo_keeps_every_row_in_its_place_of_the_split_as_trl():
+    """12 rows in micro-batches of 3, rows 1, 4 and 5 without targets (masked truncated completions): TRL still
+    forms 4 micro-batches, each row where it was, so a token of the 3-token row 6 weighs 1 / (5 * 4): its
+    micro-batch (rows 6-8) holds 5 target tokens, and there are 4 micro-batches. The old selection dropped the
+    3 rows: 3 micro-batches, row 6 moved into the second, a weight of 1 / (5 * 3)."""
+    from moe_qlora.data.examples import IGNORE, Example
+    from moe_qlora.train.grpo import micro_batch_indices, rows_to_run
+
+    masked = {1, 4, 5}
+    labels = {i: [IGNORE] * 4 if i in masked else [IGNORE, 5, 6, 7] if i == 6 else [IGNORE, IGNORE, IGNORE, 7]
+              for i in range(12)}  # fmt: skip
+    examples = [Example([1, 2, 3, 4], labels[i], f"r:{i}", weight=1.5 if i == 6 else 0.5) for i in range(12)]
+    groups = micro_batch_indices(rows_to_run(examples, "bnpo", 0.0), 3)
+    assert groups == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    third = torch.tensor([[labels[i][j + 1] != IGNORE for j in range(3)] for i in groups[2]])  # 3 + 1 + 1 tokens
+    weights = token_weights(third, "bnpo", total_tokens=0, total_sequences=12, micro_batches=len(groups))
+    assert weights[0, 0].item() == pytest.approx(1 / (5 * 4))
+    # control: the loss types without a split-dependent normaliser still leave zero-gradient rows out
+    assert micro_batch_indices(rows_to_run(examples, "dapo", 0.0), 3) == [[0, 2, 3], [6, 7, 8], [9, 10, 11]]
+
+
 def test_dapo_and_grpo_are_the_token_and_sequence_means():
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.bool)
     adv = torch.tensor([1.0, -0.5])

@@ -156,6 +156,32 @@ def test_check_writable_creates_nothing(tmp_path):
 # ------------------------------------------------------------------------------ export: --out and --force
 
 
+def test_export_and_merge_into_a_live_runs_folder_are_refused(adapter, tmp_path):
+    """The run writing beside this adapter still holds its folder's lock (another process here): export and
+    merge into it are refused with the holder's PID, exit 2, and write nothing; elsewhere they are not."""
+    import subprocess
+    import sys
+
+    hold = "import sys, time; from moe_qlora.common.lock import RunLock; RunLock.acquire(sys.argv[1]); " \
+           "print('held', flush=True); time.sleep(120)"  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", hold, str(adapter.parent)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "held\n"
+        runner, target = CliRunner(), adapter.with_name("locked.gguf")
+        result = runner.invoke(app, ["export", str(adapter), "--format", "gguf", "--out", str(target)])
+        message = " ".join(result.output.split())
+        assert result.exit_code == 2 and f"is in use by another moe-qlora process (PID {proc.pid})" in message
+        assert not target.exists()
+        merged = runner.invoke(app, ["merge", str(adapter), "--out", str(adapter.with_name("merged"))])
+        assert merged.exit_code == 2 and f"(PID {proc.pid})" in " ".join(merged.output.split())
+        assert not adapter.with_name("merged").exists()
+        elsewhere = runner.invoke(app, ["export", str(adapter), "--format", "gguf", "--out", str(tmp_path / "a.gguf")])
+        assert elsewhere.exit_code == 0, elsewhere.output  # control: outside the run nothing is locked
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_export_writes_beside_the_adapter_and_replaces_only_with_force(adapter):
     runner, gguf = CliRunner(), adapter.with_name("adapter.gguf")
     result = runner.invoke(app, ["export", str(adapter), "--format", "gguf"])

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import typer
 
 from moe_qlora.cli.common import console, err_console, fail, quiet_libraries, user_errors
+from moe_qlora.common.lock import run_lock_for
 
 
 def check_norms_cmd(
@@ -124,7 +126,8 @@ def export(
                 raise ConfigError(f"{flag} names llama.cpp's tensors: it goes with --format gguf, not {fmt}")
         target = Path(out) if out else default_export_path(adapter, fmt)
         check_export_target(adapter, target, fmt, force)
-        path = writers[fmt](adapter, target)
+        with run_lock_for(target) or nullcontext():  # beside a live run's adapter: refused, nothing written
+            path = writers[fmt](adapter, target)
     except user_errors() as exc:
         fail(exc, debug)
     console.print(f"{fmt}: {path}", highlight=False)
@@ -171,8 +174,9 @@ def merge(
 
     try:
         check_writable(out)  # before minutes of loading and merging
-        report = merge_adapter(adapter, out, dtype=dtype, max_shard_bytes=parse_size(max_shard_size),
-                               device=device, console=err_console)  # fmt: skip
+        with run_lock_for(out) or nullcontext():  # into a live run's folder: refused before any loading
+            report = merge_adapter(adapter, out, dtype=dtype, max_shard_bytes=parse_size(max_shard_size),
+                                   device=device, console=err_console)  # fmt: skip
     except (*user_errors(), MergeError) as exc:
         fail(exc, debug)
     experts = sum(len(v) for v in report.delta_norms.values() if len(v) > 1)

@@ -89,6 +89,17 @@ def has_targets(example: Example) -> bool:
     return any(t != IGNORE for t in example.labels)
 
 
+def rows_to_run(examples: list[Example], loss_type: str, kl_coef: float) -> list[int]:
+    """The rollout rows the policy update runs, in order. bnpo divides by the tokens of each micro-batch and by
+    their count, so, as in TRL, every row keeps its place in the split, rows without targets (masked truncated
+    completions) included: dropping them would move later rows up and shrink the count (3 micro-batches of 3
+    where TRL has 4, a gradient 4/3 of TRL's). For the other loss types no normaliser depends on the split, so
+    rows whose loss and gradient are exactly zero are left out: no targets, or advantage 0 without a KL term."""
+    if loss_type == "bnpo":
+        return list(range(len(examples)))
+    return [i for i, e in enumerate(examples) if (e.weight != 0 or kl_coef) and has_targets(e)]
+
+
 def micro_batch_indices(active: list[int], size: int) -> list[list[int]]:
     return [active[i : i + size] for i in range(0, len(active), size)]
 
@@ -118,14 +129,12 @@ def policy_update(model, optimizer, schedule, examples: list[Example], cfg: RunC
     ranks before each update, so every rank takes the one-process step.
     """
     g, device = cfg.grpo, next(model.parameters()).device
-    # bnpo normalises per micro-batch, so every sequence keeps its place in the split, as in TRL.
-    keep_all = g.kl_coef or g.loss_type == "bnpo"
-    active = [i for i, e in enumerate(examples) if (e.weight != 0 or keep_all) and has_targets(e)]
+    active = rows_to_run(examples, g.loss_type, g.kl_coef)
     groups = micro_batch_indices(active, cfg.train.micro_batch_size)
     batches = [{k: v.to(device) for k, v in collate([examples[i] for i in idx], pad_id).items()} for idx in groups]
     local_tokens = sum(sum(t != IGNORE for t in e.labels[1:]) for e in examples)
     total_tokens, total_sequences, total_batches, trained = map(int, sum_scalars(
-        ranks, local_tokens, len(examples), len(batches), len(active)))  # fmt: skip
+        ranks, local_tokens, len(examples), len(batches), sum(has_targets(examples[i]) for i in active)))  # fmt: skip
     params = [p for group in optimizer.param_groups for p in group["params"]]
     chunk = cfg.train.loss_chunk_tokens
     old, ref = local_stretch(ranks, frozen_policies, model, batches, g, chunk)
