@@ -10,13 +10,14 @@
 # Nothing a CPU can do runs here: the ahead-of-time compiles and SASS readings (scripts/kernel_report.py,
 # tests/test_kernel_report.py), torch.compile (tests/test_compile.py) and the interpreter tests run in CI.
 #
-# Estimated GPU-machine time per stage, from the operation counts (H100, 16 cores): `wheels` 1 min (12 wheels,
-# ~37 MB, --no-deps); `gpu-tests` 3 min (tests/test_gpu.py: a few tiny training runs, Triton compiles); `kernels`
-# 6 min and `kernels-parity` 4 min (each distinct constexpr variant compiled once by the JIT, ~2-10 s each on 16
-# cores); `checks` 4 min (one Qwen3-30B-A3B layer, 3 backends, 8 candidates x 3 token counts, ~40 compiles);
-# `bench-qwen3` and `bench-mixtral` 3 min each (6 contenders x 4 token counts x 4 steps, plus their compiles and
-# autotuning); `offload` 3 min (scripts/bench_offload.py: 4 short training runs, a real-width model built once);
-# `profile` 1 min (scripts/profile_moe.py: the kernels of one Qwen3-30B-A3B layer step). About 28 minutes in all.
+# Estimated GPU-machine time per stage (H100, 16 cores; measured on 2026-11-26 where said): `wheels` and
+# `preflight` 1 min each (measured together: 15 s); `gpu-tests` 2 min (measured: 63 s); `kernels` 6 min (each
+# distinct constexpr variant compiled once by the JIT, ~2-10 s each); `kernels-parity` 2 min (measured with the
+# self-check tests: 75 s); `checks` 4 min (one Qwen3-30B-A3B layer, 3 backends, 8 candidates x 3 token counts,
+# ~40 compiles); `offload` 3 min (scripts/bench_offload.py: 6 short training runs, a real-width model built once;
+# the demo's three took about 60 s); `bench-qwen3` and `bench-mixtral` 3 min each (6 contenders x 4 token counts;
+# 2 token counts measured: about 60 s); `profile` 1 min (scripts/profile_moe.py: measured 30 s). About 26 minutes
+# in all: more than one session's device time (15 minutes), so a session runs the stages it needs most.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
@@ -32,11 +33,11 @@ assert torch.cuda.is_available(), \"no CUDA device\"
 print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__, \"bitsandbytes\", bitsandbytes.__version__, \"on\", torch.cuda.get_device_name())"'
 estimate[preflight]=1
 command[gpu-tests]="$python -m pytest -q -m gpu tests/test_gpu.py"
-estimate[gpu-tests]=3
+estimate[gpu-tests]=2
 command[kernels]="$python -m pytest -q tests/test_kernels.py -k '$cpu_only'"
 estimate[kernels]=6
 command[kernels-parity]="$python -m pytest -q tests/test_kernels_parity.py tests/test_self_check.py"
-estimate[kernels-parity]=4
+estimate[kernels-parity]=2
 command[checks]="$python scripts/gpu_checks.py --json \$OUT/gpu_checks.json"
 estimate[checks]=4
 command[offload]="$python scripts/bench_offload.py --json \$OUT/offload.json"
