@@ -98,7 +98,6 @@ class Slot:
     """One of the `max_resident` device buffers, reused by whichever layer is copied into it."""
 
     buffer: torch.Tensor  # (largest layer's nbytes,) uint8 on the device
-    layer: int | None = None
     stacks: dict[str, NF4Stack] | None = None
     copied: object = None  # the copy's event, until the compute stream has waited for it
 
@@ -171,7 +170,7 @@ class ExpertOffloader:
         # every read of the layer leaving this slot is queued on the compute stream by now
         after = self.streams.compute_point()
         slot.copied = self.streams.copy(slot.buffer[: host.layout.nbytes], host.block, after=after)
-        slot.layer, slot.stacks = layer, host.layout.views(slot.buffer)
+        slot.stacks = host.layout.views(slot.buffer)
         self.resident[layer] = i
         self.bytes_copied += host.layout.nbytes
 
@@ -180,7 +179,7 @@ class ExpertOffloader:
         self.resident.clear()
         self.current = None
         for slot in self.slots:
-            slot.layer = slot.stacks = slot.copied = None
+            slot.stacks = slot.copied = None
 
 
 class OffloadedStack:
