@@ -3,11 +3,13 @@
     python scripts/bench_train.py                       # issue preset: Mixtral arch, seq 512
     python scripts/bench_train.py --preset qwen3 --seq 1024 --json out.json
     python scripts/bench_train.py --preset qwen3 --seq 1024 --packing   # tokens/s padded vs packed rows
+    python scripts/bench_train.py --device cuda --preset qwen3-30b-a3b --seq 4096   # GPU: tokens/s, peak vs plan
 
 Each contender runs in its own subprocess (so its peak RSS is its own) on the same generated checkpoint,
 the same tokens and the same loss code: a step is forward + backward + AdamW, batch 1, expert LoRA r8,
 gradient checkpointing on every layer. Reports median step time, peak RSS (VmHWM, loading included)
-and parameter bytes by kind, as a table and as JSON.
+and parameter bytes by kind, as a table and as JSON. With --device cuda every contender computes in bf16, and
+tokens/s and peak torch.cuda.max_memory_reserved are shown against `moe-qlora plan`'s total for the same step.
 """
 
 from __future__ import annotations
@@ -32,21 +34,32 @@ PRESETS = {
     "mixtral": dict(arch="mixtral", hidden=1024, layers=4, experts=32, top_k=4, inter=512, vocab=4096),
     # The brief's CPU bar: a Qwen3-MoE-like model of the same size.
     "qwen3": dict(arch="qwen3_moe", hidden=1024, layers=4, experts=32, top_k=4, inter=512, vocab=4096),
+    # GPU: two layers of Qwen3-30B-A3B at full width (128 experts, top-8, expert intermediate 768, 32 heads of 128)
+    "qwen3-30b-a3b": dict(arch="qwen3_moe", hidden=2048, layers=2, experts=128, top_k=8, inter=768, vocab=32000,
+                          heads=32, kv_heads=4, head_dim=128),
 }
 CONTENDERS = ["moe-qlora", "moe-qlora-bf16", "transformers+bnb+peft"]
 
 
 def build_config(p):
-    common = dict(vocab_size=p["vocab"], hidden_size=p["hidden"], num_hidden_layers=p["layers"], num_attention_heads=16,
-                  num_key_value_heads=4, max_position_embeddings=4096, num_experts_per_tok=p["top_k"])  # fmt: skip
+    common = dict(vocab_size=p["vocab"], hidden_size=p["hidden"], num_hidden_layers=p["layers"],
+                  num_attention_heads=p.get("heads", 16), num_key_value_heads=p.get("kv_heads", 4),
+                  max_position_embeddings=4096, num_experts_per_tok=p["top_k"])  # fmt: skip
     if p["arch"] == "mixtral":
         from transformers import MixtralConfig
 
         return MixtralConfig(num_local_experts=p["experts"], intermediate_size=p["inter"], **common)
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(num_experts=p["experts"], moe_intermediate_size=p["inter"], intermediate_size=4 * p["inter"],
-                          head_dim=64, norm_topk_prob=True, decoder_sparse_step=1, **common)  # fmt: skip
+    return Qwen3MoeConfig(
+        num_experts=p["experts"],
+        moe_intermediate_size=p["inter"],
+        intermediate_size=4 * p["inter"],
+        head_dim=p.get("head_dim", 64),
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        **common,
+    )
 
 
 def ensure_checkpoint(preset: str) -> Path:
@@ -65,21 +78,29 @@ def ensure_checkpoint(preset: str) -> Path:
     return path
 
 
-def setup_moe_qlora(path, dtype, double_quant):
+def setup_moe_qlora(path, dtype, double_quant, device="cpu"):
     from moe_qlora.config.sections import LoraSection
     from moe_qlora.model.adapters import attach_adapters, configure_checkpointing
     from moe_qlora.model.loading import LoadOptions, load_model
+    from moe_qlora.moe.experts import set_moe_kernels
+    from moe_qlora.train.session import resolve_kernels
 
     opts = LoadOptions(
-        str(path), compute_dtype=dtype, expert_double_quant=double_quant, linear_double_quant=double_quant
+        str(path),
+        compute_dtype=dtype,
+        expert_double_quant=double_quant,
+        linear_double_quant=double_quant,
+        device=device,
     )
     model = load_model(opts)
     model = attach_adapters(model, LoraSection(rank=8, alpha=16, experts=True, target_modules=[]), seed=0)
+    # the kernels a run with model.kernels: auto gets (the torch reference on the CPU, Triton / grouped_mm on CUDA)
+    set_moe_kernels(model, resolve_kernels("auto", device, dtype))
     configure_checkpointing(model, enabled=True, interval=1)
     return model
 
 
-def setup_peft(path, dtype, double_quant):
+def setup_peft(path, dtype, double_quant, device="cpu"):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -89,8 +110,9 @@ def setup_peft(path, dtype, double_quant):
         bnb_4bit_compute_dtype=dtype,
         bnb_4bit_use_double_quant=double_quant,
     )
+    placement = {"device_map": {"": device}} if device != "cpu" else {}
     model = AutoModelForCausalLM.from_pretrained(str(path), quantization_config=quant, dtype=dtype,
-                                                 experts_implementation="grouped_mm")  # fmt: skip
+                                                 experts_implementation="grouped_mm", **placement)  # fmt: skip
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=[],
                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
     model = get_peft_model(model, lora)
@@ -109,7 +131,20 @@ def bytes_by_kind(model):
     return kinds
 
 
-def worker(name: str, preset: str, seq: int, steps: int, double_quant: bool, loss_chunk: int) -> dict:
+def device_peaks(device: str) -> dict:
+    """Peak device memory of this process (CUDA allocator statistics); nothing on the CPU, where RSS says it."""
+    if device == "cpu":
+        return {}
+    return {"peak_reserved_mib": round(torch.cuda.max_memory_reserved() / 2**20, 1),
+            "peak_allocated_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1)}  # fmt: skip
+
+
+def synchronize(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+def worker(name: str, preset: str, seq: int, steps: int, double_quant: bool, loss_chunk: int, device: str) -> dict:
     """Runs in the subprocess: load, then time `steps` training steps after one warm-up step."""
     from moe_qlora.common.memory import peak_rss_mib, release_freed_memory
     from moe_qlora.train.sft import token_loss_sum
@@ -117,31 +152,36 @@ def worker(name: str, preset: str, seq: int, steps: int, double_quant: bool, los
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1)))
     path = ensure_checkpoint(preset)
     t0 = time.perf_counter()
-    dtype = torch.bfloat16 if name in ("moe-qlora-bf16", "transformers+bnb+peft") else torch.float32
+    bf16 = device != "cpu" or name in ("moe-qlora-bf16", "transformers+bnb+peft")
+    dtype = torch.bfloat16 if bf16 else torch.float32
     setup = setup_peft if name == "transformers+bnb+peft" else setup_moe_qlora
-    model = setup(path, dtype, double_quant)
+    model = setup(path, dtype, double_quant, device)
     load_s = time.perf_counter() - t0
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(10, PRESETS[preset]["vocab"], (1, seq), generator=g)
+    ids = ids.to(device)
     batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
     times, losses = [], []
     for i in range(steps + 1):
+        synchronize(device)
         t = time.perf_counter()
         loss, n, _ = token_loss_sum(model, batch, loss_chunk=loss_chunk)  # the same loss code for every contender
         (loss / n).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         release_freed_memory()  # what the trainer does after every step, for every contender
+        synchronize(device)
         if i:
             times.append(time.perf_counter() - t)
         losses.append(float(loss) / n)
     return {
         "contender": name, "compute_dtype": str(dtype).removeprefix("torch."), "load_s": round(load_s, 2),
         "step_s": round(statistics.median(times), 3), "step_s_all": [round(t, 3) for t in times],
-        "peak_rss_mib": round(peak_rss_mib(), 1),
+        "tokens_per_s": round(seq / statistics.median(times), 1),
+        "peak_rss_mib": round(peak_rss_mib(), 1), **device_peaks(device),
         "param_mib": {k: round(v / 2**20, 1) for k, v in bytes_by_kind(model).items()},
         "trainable_params": sum(p.numel() for p in params), "first_loss": round(losses[0], 4),
     }  # fmt: skip
@@ -237,13 +277,35 @@ def run_contender(name, args) -> dict:
         str(args.loss_chunk),
     ]
     cmd += ["--single-quant"] if args.single_quant else []
+    cmd += ["--device", args.device]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         return {"contender": name, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def print_table(results, args):
+def planned_bytes(path: Path, args) -> int:
+    """`moe-qlora plan`'s total for the step this script times: bf16, batch 1, expert LoRA r8 only, AdamW,
+    checkpointing every layer."""
+    from moe_qlora.config.load import load_config
+    from moe_qlora.model.plan import plan_run
+
+    sets = {"model.name_or_path": str(path), "model.compute_dtype": "bfloat16", "model.device": args.device,
+            "model.expert_double_quant": not args.single_quant, "model.linear_double_quant": not args.single_quant,
+            "lora.target_modules": "[]", "data.max_seq_len": args.seq, "train.micro_batch_size": 1,
+            "train.grad_accum": 1, "train.loss_chunk_tokens": args.loss_chunk}  # fmt: skip
+    cfg = load_config(ROOT / "configs" / "demo.yaml", [f"{k}={v}" for k, v in sets.items()])
+    return plan_run(cfg, name_or_path=str(path), device=args.device).total
+
+
+def device_columns(r: dict, plan: int | None, device: str) -> tuple[str, ...]:
+    if device == "cpu":
+        return ()
+    reserved = r["peak_reserved_mib"]
+    return f"{r['tokens_per_s']:,.0f}", f"{reserved:,.0f}", f"{reserved * 2**20 / plan:.2f}" if plan else "-"
+
+
+def print_table(results, args, plan=None):
     from rich.console import Console
     from rich.table import Table
 
@@ -251,11 +313,13 @@ def print_table(results, args):
     title = (f"{p['arch']}: {p['layers']} layers, {p['experts']} experts top-{p['top_k']}, hidden {p['hidden']}, "
              f"expert intermediate {p['inter']}; seq {args.seq}, batch 1, expert LoRA r8, checkpointing")  # fmt: skip
     table = Table(title=title)
-    for col in ("contender", "dtype", "step s", "peak RSS MiB", "experts MiB", "other 4-bit MiB", "LoRA MiB", "load s"):
+    device_cols = ("tokens/s", "peak reserved MiB", "reserved / plan") if args.device != "cpu" else ()
+    for col in ("contender", "dtype", "step s", *device_cols, "peak RSS MiB", "experts MiB", "other 4-bit MiB",
+                "LoRA MiB", "load s"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in results:
         if "error" in r:
-            table.add_row(r["contender"], "", "error: " + r["error"][:60], "", "", "", "", "")
+            table.add_row(r["contender"], "", "error: " + r["error"][:60], *[""] * (5 + len(device_cols)))
             continue
         pm = r["param_mib"]
         experts = pm.get("experts_nf4") or pm.get("experts_dense", 0)
@@ -264,6 +328,7 @@ def print_table(results, args):
             r["contender"],
             r["compute_dtype"],
             f"{r['step_s']:.3f}",
+            *device_columns(r, plan, args.device),
             f"{r['peak_rss_mib']:.0f}",
             f"{experts:.1f} {kind}",
             f"{pm['linear_4bit']:.1f}",
@@ -287,6 +352,7 @@ def main():
     ap.add_argument("--packing", action="store_true", help="tokens/s of padded against packed rows (moe-qlora)")
     ap.add_argument("--rows", type=int, default=48, help="--packing: rows in the dataset")
     ap.add_argument("--batch-rows", type=int, default=4, help="--packing: rows per padded micro-batch")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: bf16, peak device memory")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--packing-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -311,15 +377,19 @@ def main():
 
         logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
         print(
-            json.dumps(worker(args.worker, args.preset, args.seq, args.steps, not args.single_quant, args.loss_chunk))
+            json.dumps(worker(args.worker, args.preset, args.seq, args.steps, not args.single_quant, args.loss_chunk,
+                              args.device))  # fmt: skip
         )
         return
-    ensure_checkpoint(args.preset)
+    path = ensure_checkpoint(args.preset)
+    if args.device != "cpu" and "moe-qlora-bf16" in args.only:  # on a GPU "moe-qlora" already computes in bf16
+        args.only = [name for name in args.only if name != "moe-qlora-bf16"]
     results = [run_contender(name, args) for name in args.only]
-    print_table(results, args)
+    plan = planned_bytes(path, args) if args.device != "cpu" else None
+    print_table(results, args, plan)
     payload = {"preset": args.preset, "config": PRESETS[args.preset], "seq": args.seq, "threads": os.cpu_count(),
-               "double_quant": not args.single_quant, "loss_chunk": args.loss_chunk,
-               "torch": torch.__version__, "results": results}  # fmt: skip
+               "double_quant": not args.single_quant, "loss_chunk": args.loss_chunk, "device": args.device,
+               "plan_mib": plan and round(plan / 2**20, 1), "torch": torch.__version__, "results": results}  # fmt: skip
     print(json.dumps(payload))
     if args.json:
         Path(args.json).write_text(json.dumps(payload, indent=2))

@@ -15,15 +15,18 @@
 # distinct constexpr variant compiled once by the JIT, ~2-10 s each); `kernels-parity` 2 min (measured with the
 # self-check tests: 75 s); `checks` 4 min (one Qwen3-30B-A3B layer, 3 backends, 8 candidates x 3 token counts,
 # ~40 compiles); `offload` 3 min (scripts/bench_offload.py: 6 short training runs, a real-width model built once;
-# the demo's three took about 60 s); `bench-qwen3` and `bench-mixtral` 3 min each (6 contenders x 4 token counts;
-# 2 token counts measured: about 60 s); `profile` 1 min (scripts/profile_moe.py: measured 30 s). About 26 minutes
-# in all: more than one session's device time (15 minutes), so a session runs the stages it needs most.
+# the demo's and the real-width model's six runs: measured 220 s on an H200); `train-bench` 2 min
+# (scripts/bench_train.py: two Qwen3-30B-A3B-wide layers against transformers + bitsandbytes + PEFT, 4096 tokens:
+# measured 80 s with the checkpoint built); `bench-qwen3` and `bench-mixtral` 3 min each (6 contenders x 4 token
+# counts; Mixtral at 3 token counts measured: about 150 s); `profile` 1 min (scripts/profile_moe.py: measured
+# 30 s). About 28 minutes in all: more than one session's device time (15 minutes), so a session runs the
+# stages it needs most.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 limit=${STAGE_TIMEOUT:-540}
 declare -A command estimate
-stages=(wheels preflight gpu-tests kernels kernels-parity checks offload bench-qwen3 bench-mixtral profile)
+stages=(wheels preflight gpu-tests kernels kernels-parity checks offload train-bench bench-qwen3 bench-mixtral profile)
 # CPU-only tests inside the kernel test files (AOT compiles in a subprocess, the launcher run with a stubbed JIT).
 cpu_only="not compiles_for and not mma_kind_is_what and not launchers_run_as_on_a_gpu and not autotuner_is_built"
 command[wheels]='if [ -d .whl ]; then '"$python"' -m pip install -q --no-index --no-deps --no-compile --upgrade --target .gpu-site .whl/*.whl; else echo "no .whl/: using the installed packages"; fi'
@@ -42,6 +45,8 @@ command[checks]="$python scripts/gpu_checks.py --json \$OUT/gpu_checks.json"
 estimate[checks]=4
 command[offload]="$python scripts/bench_offload.py --json \$OUT/offload.json"
 estimate[offload]=3
+command[train-bench]="$python scripts/bench_train.py --device cuda --preset qwen3-30b-a3b --seq 4096 --json \$OUT/bench_train.json"
+estimate[train-bench]=2
 command[profile]="$python scripts/profile_moe.py --json \$OUT/profile.json"
 estimate[profile]=1
 command[bench-qwen3]="$python scripts/bench_moe.py --full --shape qwen3-30b-a3b --json \$OUT/bench_qwen3.json"
