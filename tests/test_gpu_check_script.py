@@ -1,6 +1,6 @@
 """scripts/gpu_check.sh fits a lent GPU machine: stages listed with their commands, each bounded by `timeout`,
-about 26 minutes in all by the script's estimate (no more than 30), nothing that a CPU does (AOT compiles, SASS readings, torch.compile),
-and a stage that fails says FAIL (here: the pre-flight, which needs CUDA)."""
+about 28 minutes in all by the script's estimate (no more than 30), nothing that a CPU does (AOT compiles, SASS
+readings, torch.compile), and a stage that fails says FAIL (here: the pre-flight, which needs CUDA)."""
 
 import os
 import re

@@ -36,13 +36,23 @@ def attach_adapters(model, cfg: LoraSection, *, seed: int, device=None):
     if targets or routers:
         peft_config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                                  target_modules=targets or None, target_parameters=routers or None)  # fmt: skip
-        model = get_peft_model(model, peft_config)
+        model = seeded_peft_model(model, peft_config, seed)
     if cfg.experts:
         if not experts_modules(model):
             log.warning("no MoE experts found: training LoRA on the linears only (plain QLoRA)")
         attach_expert_lora(model, rank=cfg.rank, alpha=cfg.alpha, seed=seed, device=device)
     refuse_parameter_lora_peft_would_drop(model, routers)
     return model
+
+
+def seeded_peft_model(model, peft_config: LoraConfig, seed: int):
+    """get_peft_model with its LoRA A matrices drawn from `seed` alone. PEFT draws them from the global RNG,
+    whose state by then depends on what loading did: on CUDA `plan` builds a probe adapter to choose the
+    offloaded layers, which a run without offload never does, so the two runs started from different LoRA
+    (equal first loss, since B is zero; different from the second step on). The caller's RNG is left as it was."""
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+        torch.manual_seed(seed)
+        return get_peft_model(model, peft_config)
 
 
 def refuse_parameter_lora_peft_would_drop(model, routers: list[str]) -> None:

@@ -306,7 +306,7 @@ def _train(cfg: RunConfig, console: Console, out: Path, ranks: Ranks, *, allow_m
     claim_output_dir_together(out, cfg, ranks, console, overwrite=overwrite)
     started = time.perf_counter()
     with StopSignals(console) as stop:
-        seed_everything(cfg.train.seed)  # LoRA initialisation (PEFT draws from the global RNG)
+        seed_everything(cfg.train.seed)  # the run draws from its seed (attach_adapters seeds LoRA on its own)
         failure = None
         try:
             model_path, tokenizer, examples, model, params, ranks = prepare(cfg, console, ranks)
