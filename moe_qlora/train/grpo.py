@@ -35,11 +35,19 @@ from moe_qlora.model.distributed import (
 )
 from moe_qlora.train.checkpoint import RunProgress, config_identity, save_checkpoint
 from moe_qlora.train.faults import FaultStop, attempt, local_stretch
-from moe_qlora.train.losses import completion_logprobs, grpo_token_loss, token_weights
+from moe_qlora.train.losses import (
+    PolicyTerm,
+    completion_logprobs,
+    completion_logprobs_and_entropy,
+    entropy_weights,
+    grpo_token_loss,
+    token_weights,
+    top_entropy_mask,
+)
 from moe_qlora.train.optim import build_optimizer
 from moe_qlora.train.position import phase, start_step
 from moe_qlora.train.prompt_format import write_prompt_format
-from moe_qlora.train.rewards import flat_groups, group_advantages
+from moe_qlora.train.rewards import flat_groups, group_advantages, nan_std, normalized_then_summed, whitened
 from moe_qlora.train.rollout import Rollout, RolloutSource
 from moe_qlora.train.runs import CheckpointPolicy, RunSummary, StopSignals, plain_progress_line
 from moe_qlora.train.session import (
@@ -89,13 +97,21 @@ def has_targets(example: Example) -> bool:
     return any(t != IGNORE for t in example.labels)
 
 
-def rows_to_run(examples: list[Example], loss_type: str, kl_coef: float) -> list[int]:
-    """The rollout rows the policy update runs, in order. bnpo divides by the tokens of each micro-batch and by
-    their count, so, as in TRL, every row keeps its place in the split, rows without targets (masked truncated
-    completions) included: dropping them would move later rows up and shrink the count (3 micro-batches of 3
-    where TRL has 4, a gradient 4/3 of TRL's). For the other loss types no normaliser depends on the split, so
-    rows whose loss and gradient are exactly zero are left out: no targets, or advantage 0 without a KL term."""
-    if loss_type == "bnpo":
+def split_matters(g) -> bool:
+    """Does the result depend on how the rollout batch is split into micro-batches? bnpo divides by each
+    micro-batch's tokens, the entropy quantile is taken per micro-batch and the bonus of the per-completion
+    loss types averages per micro-batch, as in TRL."""
+    return g.loss_type == "bnpo" or g.top_entropy_quantile < 1 or bool(g.entropy_coef)
+
+
+def rows_to_run(examples: list[Example], loss_type: str, kl_coef: float, *, whole_split: bool = False) -> list[int]:
+    """The rollout rows the policy update runs, in order. Where the split matters (bnpo, the entropy quantile
+    or bonus: `whole_split`, split_matters), every row keeps its place in the split, as in TRL, rows without
+    targets (masked truncated completions) and with advantage 0 included: dropping them would move later rows
+    up and shrink the count (bnpo: 3 micro-batches of 3 where TRL has 4, a gradient 4/3 of TRL's). Otherwise no
+    normaliser depends on the split, so rows whose loss and gradient are exactly zero are left out: no
+    targets, or advantage 0 without a KL term."""
+    if whole_split or loss_type == "bnpo":
         return list(range(len(examples)))
     return [i for i, e in enumerate(examples) if (e.weight != 0 or kl_coef) and has_targets(e)]
 
@@ -129,7 +145,7 @@ def policy_update(model, optimizer, schedule, examples: list[Example], cfg: RunC
     ranks before each update, so every rank takes the one-process step.
     """
     g, device = cfg.grpo, next(model.parameters()).device
-    active = rows_to_run(examples, g.loss_type, g.kl_coef)
+    active = rows_to_run(examples, g.loss_type, g.kl_coef, whole_split=split_matters(g))
     groups = micro_batch_indices(active, cfg.train.micro_batch_size)
     batches = [{k: v.to(device) for k, v in collate([examples[i] for i in idx], pad_id).items()} for idx in groups]
     local_tokens = sum(sum(t != IGNORE for t in e.labels[1:]) for e in examples)
@@ -140,27 +156,31 @@ def policy_update(model, optimizer, schedule, examples: list[Example], cfg: RunC
     old, ref = local_stretch(ranks, frozen_policies, model, batches, g, chunk)
     record = {"sequences_trained": trained, "passes": 0, "skipped": False, "loss": 0.0, "grad_norm": 0.0}
 
+    term, entropy = PolicyTerm.of(g), g.top_entropy_quantile < 1 or bool(g.entropy_coef)
+
     def backward_pass() -> dict[str, float]:
         """Forward and backward of every micro-batch against the whole batch's normalisers; the summed stats."""
-        sums = dict.fromkeys(("loss", "clip_fraction", *(("kl",) if g.kl_coef else ())), 0.0)
+        sums = dict.fromkeys(("loss", "clip_fraction", *(("kl",) if g.kl_coef else ())), 0.0)  # no rows: zeros
         for batch, old_lp, ref_lp in zip(batches, old, ref, strict=True):
             with phase("forward"):
-                logp, mask = completion_logprobs(model, batch, g.temperature, chunk=chunk)
-            weights = token_weights(mask, g.loss_type, total_tokens=max(total_tokens, 1),
-                                    total_sequences=total_sequences, max_new_tokens=g.max_new_tokens,
-                                    micro_batches=total_batches)  # fmt: skip
-            loss, stats = grpo_token_loss(logp, old_lp, ref_lp, batch["weights"], weights, clip_eps=g.clip_eps,
-                                          clip_eps_high=g.clip_eps_high or g.clip_eps, kl_coef=g.kl_coef,
-                                          level=g.importance_sampling_level)  # fmt: skip
+                if entropy:
+                    logp, mask, entropies = completion_logprobs_and_entropy(model, batch, g.temperature, chunk=chunk)
+                else:
+                    (logp, mask), entropies = completion_logprobs(model, batch, g.temperature, chunk=chunk), None
+            loss, stats = micro_batch_loss(logp, mask, entropies, old_lp, ref_lp, batch["weights"], g, term,
+                                           total_tokens=max(total_tokens, 1), total_sequences=total_sequences,
+                                           micro_batches=total_batches)  # fmt: skip
             with phase("backward"):
                 loss.backward()
             for k, v in stats.items():
-                sums[k] += float(v)
+                sums[k] = sums.get(k, 0.0) + float(v)
         return sums
 
     for _ in range(g.passes):
         sums = local_stretch(ranks, backward_pass)
         sums = dict(zip(sums, sum_scalars(ranks, *sums.values()), strict=True))
+        if "entropy_sum" in sums:
+            sums["entropy"] = sums.pop("entropy_sum") / max(total_tokens, 1)
         sum_gradients(ranks, params)
         grad_norm, skipped = local_stretch(ranks, apply_update, optimizer, sums["loss"], cfg.train)
         record.update({k: v for k, v in sums.items()}, grad_norm=grad_norm, skipped=skipped)
@@ -169,6 +189,52 @@ def policy_update(model, optimizer, schedule, examples: list[Example], cfg: RunC
         record["passes"] += 1
         schedule.step()
     return record
+
+
+def micro_batch_loss(logp, mask, entropies, old_lp, ref_lp, advantages, g, term: PolicyTerm, *, total_tokens: int,
+                     total_sequences: int, micro_batches: int) -> tuple[torch.Tensor, dict]:  # fmt: skip
+    """One micro-batch's share of the rollout batch's GRPO loss, with its statistics. logp, mask, entropies:
+    (B, T) (entropies None unless the quantile or the bonus needs them); advantages: (B,)."""
+    weights = token_weights(mask, g.loss_type, total_tokens=total_tokens, total_sequences=total_sequences,
+                            max_new_tokens=g.max_new_tokens, micro_batches=micro_batches)  # fmt: skip
+    keep = top_entropy_mask(entropies, mask, g.top_entropy_quantile) if g.top_entropy_quantile < 1 else None
+    bonus = None
+    if g.entropy_coef:
+        covered = mask if keep is None else keep
+        bonus = entropy_weights(covered, g.loss_type, total_tokens=total_tokens, micro_batches=micro_batches)
+    return grpo_token_loss(logp, old_lp, ref_lp, advantages, weights, kl_coef=g.kl_coef,
+                           level=g.importance_sampling_level, term=term,
+                           bias_correction_kl=g.use_bias_correction_kl,
+                           off_policy_threshold=g.off_policy_mask_threshold, keep=keep, entropies=entropies,
+                           bonus_weights=bonus, entropy_coef=g.entropy_coef)  # fmt: skip
+
+
+def batch_moments(values: torch.Tensor, ranks: Ranks = SINGLE) -> tuple[float, float]:
+    """Mean and unbiased std of the non-NaN values over every rank's share of the rollout batch (NaN std with
+    fewer than two values)."""
+    finite = values[~values.isnan()].double()
+    n, total, squares = sum_scalars(ranks, finite.numel(), float(finite.sum()), float((finite**2).sum()))
+    if n == 0:
+        return math.nan, math.nan
+    mean = total / n
+    if n < 2:
+        return mean, math.nan
+    if not ranks.enabled:  # one process: the two-pass std, as TRL's nanstd computes it
+        return mean, nan_std(finite)
+    return mean, math.sqrt(max(squares - total * total / n, 0.0) / (n - 1))
+
+
+def rollout_advantages(rewards: list[float], per_fn: dict[str, list[float]], group_sizes: list[int], g,
+                       weights: dict[str, float], ranks: Ranks = SINGLE) -> torch.Tensor:  # fmt: skip
+    """Each completion's advantage from its rewards (NaN: scored by no function), as TRL's
+    multi_objective_aggregation and scale_rewards define it; the batch's statistics over all ranks."""
+    if g.multi_objective_aggregation == "normalize_then_sum":
+        summed = normalized_then_summed(per_fn, weights, group_sizes, eps=g.std_eps)
+        mean, std = batch_moments(summed, ranks)
+        return whitened(summed, mean, std, g.std_eps)
+    r = torch.tensor(rewards, dtype=torch.float64)
+    batch_std = batch_moments(r, ranks)[1] if g.scale_rewards == "batch" else None
+    return group_advantages(r, group_sizes, scale=g.scale_rewards, eps=g.std_eps, batch_std=batch_std)
 
 
 def frozen_policies(model, batches, g, chunk: int) -> tuple[list, list]:
@@ -202,12 +268,24 @@ def _spread(values: list[float]) -> dict[str, float]:
             "max": max(values)}  # fmt: skip
 
 
+def scored(values: list[float]) -> list[float]:
+    """The values a reward function gave (NaN: it did not score that sample)."""
+    return [v for v in values if not math.isnan(v)]
+
+
+def _mean_std(values: list[float]) -> dict[str, float | None]:
+    values = scored(values)
+    return {"mean": statistics.fmean(values) if values else None, "std": statistics.pstdev(values) if values else None}
+
+
 def rollout_metrics(rollouts, rewards, per_fn, advantages, group_sizes) -> dict:
-    """Reward (total and per function), advantage and completion-length statistics of a batch."""
+    """Reward (total and per function, over the samples scored), advantage and completion-length statistics."""
     lengths = [len(r.completion_ids) for r in rollouts]
+    totals = _mean_std(rewards)
     record = {
-        "reward_mean": statistics.fmean(rewards),
-        "reward_std": statistics.pstdev(rewards),
+        "reward_mean": totals["mean"],
+        "reward_std": totals["std"],
+        "unscored": len(rewards) - len(scored(rewards)),
         "advantage": _spread(advantages.tolist()),
         "completion_tokens": _spread(lengths),
         "completion_tokens_total": sum(lengths),
@@ -216,16 +294,20 @@ def rollout_metrics(rollouts, rewards, per_fn, advantages, group_sizes) -> dict:
         "truncated_fraction": sum(r.truncated for r in rollouts) / len(rollouts),
     }
     for name, values in per_fn.items():
-        record[f"reward/{name}"] = {"mean": statistics.fmean(values), "std": statistics.pstdev(values)}
+        record[f"reward/{name}"] = _mean_std(values)
     return record
+
+
+def _json_number(v: float) -> float | None:
+    return None if math.isnan(v) else v
 
 
 def write_rollouts(log: MetricsLog, step: int, rollouts, rewards, per_fn, advantages) -> None:
     for i, (r, reward, adv) in enumerate(zip(rollouts, rewards, advantages.tolist(), strict=True)):
         log.write({"step": step, "source": r.prompt.source, "group": r.group, "prompt": r.prompt.text,
                    "completion": r.text, "completion_tokens": len(r.completion_ids), "truncated": r.truncated,
-                   "reward": reward,
-                   "rewards": {k: v[i] for k, v in per_fn.items()}, "advantage": adv})  # fmt: skip
+                   "reward": _json_number(reward),
+                   "rewards": {k: _json_number(v[i]) for k, v in per_fn.items()}, "advantage": adv})  # fmt: skip
 
 
 def whole_batch(shares: list[tuple]) -> tuple:
@@ -248,8 +330,8 @@ def grpo_step(source: RolloutSource, batch: list, training: dict, pad_id: int, r
     lr = training["optimizer"].param_groups[0]["lr"]
     rollouts, rewards, per_fn, group_sizes = local_stretch(ranks, source.collect_share, model, batch, ranks, step)
     t_gen = time.perf_counter() - t0
-    advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_sizes,
-                                  scale=cfg.grpo.scale_rewards, eps=cfg.grpo.std_eps)  # fmt: skip
+    weights = {f.name: f.weight for f in getattr(source, "functions", [])}  # offline: totals only
+    advantages = rollout_advantages(rewards, per_fn, group_sizes, cfg.grpo, weights, ranks)
     examples = rollout_examples(rollouts, advantages, mask_truncated=cfg.grpo.mask_truncated_completions)
     record = policy_update(model, training["optimizer"], training["scheduler"], examples, cfg, pad_id, ranks)
     if ranks.enabled:
@@ -339,6 +421,9 @@ def grpo(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool
 
 def _grpo(cfg: RunConfig, console: Console, ranks: Ranks, *, allow_mismatch: bool, overwrite: bool) -> GrpoResult:
     out = Path(cfg.output.dir)
+    if ranks.enabled and cfg.grpo.top_entropy_quantile < 1:
+        raise ConfigError("grpo.top_entropy_quantile < 1 runs in one process for now: TRL takes the quantile over "
+                          "the micro-batches of every rank together, which moe-qlora does not gather")  # fmt: skip
     claim_output_dir_together(out, cfg, ranks, console, overwrite=overwrite)
     started = time.perf_counter()
     with StopSignals(console) as stop:

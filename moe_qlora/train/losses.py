@@ -18,7 +18,9 @@ the full logits, saying why, if they differ.
 from __future__ import annotations
 
 import logging
+import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +61,45 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
             if ctx.scale != 1.0:
                 dz.mul_(ctx.scale)
             grad_hidden[start : start + ctx.chunk] = dz.to(weight.dtype) @ weight
+        return grad_hidden, None, None, None, None, None
+
+
+class ChunkedTokenLogProbsAndEntropy(torch.autograd.Function):
+    """As ChunkedTokenLogProbs, and each position's entropy H = -sum_v p_v log p_v of the s-scaled
+    distribution, both differentiable (GRPO's entropy bonus): (N,) fp32 each.
+
+    With q = log softmax(z), p = exp(q): dH/dz_v = -p_v (q_v + H), so a chunk's logit gradient is
+    dz = onehot(y) g - p (g + g_H (q + H)), one (chunk, V) fp32 buffer for q and p."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, scale: float, chunk: int):
+        n = hidden.shape[0]
+        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty_like(logp)
+        for start in range(0, n, chunk):
+            q = torch.log_softmax(_chunk_logits(hidden[start : start + chunk], weight, bias, scale), dim=1)
+            logp[start : start + chunk] = q.gather(1, targets[start : start + chunk, None]).squeeze(1)
+            entropy[start : start + chunk] = -(q.exp() * q).sum(dim=1)
+        ctx.save_for_backward(hidden, weight, bias, targets, entropy)
+        ctx.scale, ctx.chunk = scale, chunk
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets, entropy = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden)
+        n = hidden.shape[0]
+        grad_logp = grad_logp if grad_logp is not None else torch.zeros(n, device=hidden.device)
+        grad_entropy = grad_entropy if grad_entropy is not None else torch.zeros(n, device=hidden.device)
+        for start in range(0, n, ctx.chunk):
+            rows = slice(start, start + ctx.chunk)
+            q = torch.log_softmax(_chunk_logits(hidden[rows], weight, bias, ctx.scale), dim=1)
+            g, g_h = grad_logp[rows, None], grad_entropy[rows, None]
+            dz = q.add(entropy[rows, None]).mul_(g_h).add_(g).mul_(q.exp()).neg_()
+            dz.scatter_add_(1, targets[rows, None], g)
+            if ctx.scale != 1.0:
+                dz.mul_(ctx.scale)
+            grad_hidden[rows] = dz.to(weight.dtype) @ weight
         return grad_hidden, None, None, None, None, None
 
 
@@ -113,9 +154,10 @@ def chunked_loss_matches(model, batch) -> str | None:
     return None if err <= CHECK_TOL else f"its logits differ from the head's output by {err:.3g} (a logit transform?)"
 
 
-def token_logprobs(model, batch, *, scale: float = 1.0, chunk: int = 0, **model_kwargs):
+def token_logprobs(model, batch, *, scale: float = 1.0, chunk: int = 0, entropy: bool = False, **model_kwargs):
     """log p(labels[t+1] | ..t) * s-scaled logits for every position, (B, L-1) fp32, 0 where ignored; the mask;
-    and the model output (for its auxiliary loss). chunk > 0: through the head `chunk` tokens at a time."""
+    and the model output (for its auxiliary loss). chunk > 0: through the head `chunk` tokens at a time.
+    entropy: the output also carries `token_entropy`, (B, L-1) fp32, each position's differentiable entropy."""
     targets = batch["labels"][:, 1:]
     mask = targets != IGNORE
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask"), "use_cache": False}
@@ -129,11 +171,19 @@ def token_logprobs(model, batch, *, scale: float = 1.0, chunk: int = 0, **model_
             out = model(**inputs, **model_kwargs)
         hidden = out.logits[:, :-1].reshape(-1, out.logits.shape[-1])
         flat_targets = targets.clamp(min=0).reshape(-1)
-        logp = ChunkedTokenLogProbs.apply(hidden, head.weight, head.bias, flat_targets, scale, chunk)
+        if entropy:
+            logp, ent = ChunkedTokenLogProbsAndEntropy.apply(hidden, head.weight, head.bias, flat_targets, scale,
+                                                             chunk)  # fmt: skip
+            out.token_entropy = ent.view(targets.shape)
+        else:
+            logp = ChunkedTokenLogProbs.apply(hidden, head.weight, head.bias, flat_targets, scale, chunk)
         logp = logp.view(targets.shape)
     else:
         out = model(**inputs, **model_kwargs)
         logp = _full_logprobs(out.logits[:, :-1], targets.clamp(min=0), scale)
+        if entropy:
+            q = torch.log_softmax(out.logits[:, :-1].float() * scale, dim=-1)
+            out.token_entropy = -(q.exp() * q).sum(dim=-1)
     return logp * mask, mask, out
 
 
@@ -162,25 +212,54 @@ def completion_logprobs(model, batch: dict[str, torch.Tensor], temperature: floa
     return logp, mask
 
 
+def completion_logprobs_and_entropy(model, batch: dict[str, torch.Tensor], temperature: float, *, chunk: int = 0):
+    """completion_logprobs, and the entropy of each position's temperature-scaled next-token distribution
+    (B, L-1), differentiable (the entropy bonus) and taken at every position (masked by the caller)."""
+    logp, mask, out = token_logprobs(model, batch, scale=1.0 / temperature, chunk=chunk, entropy=True)
+    return logp, mask, out.token_entropy
+
+
+# Loss types whose token losses are summed over the whole rollout batch's completion tokens (TRL: divided by the
+# generation batch's token count), and those averaged per completion first.
+TOKEN_MEAN_TYPES = ("dapo", "cispo", "vespo")
+SEQUENCE_MEAN_TYPES = ("grpo", "sapo")
+# Loss types with PPO's clipped surrogate (and so `delta`); the others weight log pi by a detached factor
+# (cispo, vespo) or a soft gate (sapo).
+CLIPPED_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
 def token_weights(mask: torch.Tensor, loss_type: str, *, total_tokens: int, total_sequences: int,
                   max_new_tokens: int = 0, micro_batches: int = 1) -> torch.Tensor:  # fmt: skip
     """Each completion token's share of the rollout batch's loss, as TRL's loss types define it. mask: (B, T).
 
-    dapo: 1 / (completion tokens of the whole batch); grpo: 1 / (tokens of its completion * completions of
-    the batch); dr_grpo: 1 / (completions * max_new_tokens), a constant, so long completions are not
-    discounted; bnpo: 1 / (completion tokens of this micro-batch * micro-batches), which depends on how the
-    batch is split, as in TRL. Totals are over the whole rollout batch: except for bnpo, splitting it into
-    micro-batches does not change the gradient."""
+    dapo, cispo, vespo: 1 / (completion tokens of the whole batch); grpo, sapo: 1 / (tokens of its completion *
+    completions of the batch); dr_grpo: 1 / (completions * max_new_tokens), a constant, so long completions are
+    not discounted; bnpo: 1 / (completion tokens of this micro-batch * micro-batches), which depends on how the
+    batch is split, as in TRL; luspo: 1 / completions, so a completion's (sequence-level) loss counts once per
+    token, i.e. times its length (LUSPO). Totals are over the whole rollout batch: except for bnpo, splitting it
+    into micro-batches does not change the gradient."""
     mask = mask.float()
-    if loss_type == "dapo":
+    if loss_type in TOKEN_MEAN_TYPES:
         return mask / total_tokens
-    if loss_type == "grpo":
+    if loss_type in SEQUENCE_MEAN_TYPES:
         return mask / (mask.sum(dim=1, keepdim=True).clamp(min=1) * total_sequences)
     if loss_type == "dr_grpo":
         return mask / (total_sequences * max_new_tokens)
     if loss_type == "bnpo":
         return mask / (mask.sum().clamp(min=1) * micro_batches)
+    if loss_type == "luspo":
+        return mask / total_sequences
     raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def entropy_weights(mask: torch.Tensor, loss_type: str, *, total_tokens: int, micro_batches: int) -> torch.Tensor:
+    """Each kept token's share of the entropy bonus, as TRL normalises it: the batch's token mean for dapo, cispo
+    and vespo (divided by every completion token, kept or not); else this micro-batch's mean over its kept
+    tokens, averaged over micro-batches. mask: (B, T), the completion tokens the bonus covers."""
+    mask = mask.float()
+    if loss_type in TOKEN_MEAN_TYPES:
+        return mask / total_tokens
+    return mask / (mask.sum().clamp(min=1) * micro_batches)
 
 
 def log_ratios(logp, old, weights, level: str) -> torch.Tensor:
@@ -194,28 +273,125 @@ def log_ratios(logp, old, weights, level: str) -> torch.Tensor:
     return per_sequence.expand_as(logp)
 
 
-def grpo_token_loss(logp, old_logp, ref_logp, advantages, weights, *, clip_eps: float, clip_eps_high: float,
-                    kl_coef: float, level: str = "token") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
-    """The clipped GRPO objective of a micro-batch as a loss to minimise, and its statistics (summed over
-    tokens with the same weights: add them up over micro-batches).
+@dataclass(frozen=True)
+class PolicyTerm:
+    """The loss type's per-token policy term and its knobs (grpo section keys, TRL's names)."""
 
-    logp: (B, T) current policy, with grad. old_logp, ref_logp: (B, T) or None. advantages: (B,).
-    weights: (B, T) from `token_weights` (0 off the completions). level: importance sampling per token or
-    per sequence (GSPO).
+    loss_type: str = "dapo"
+    clip_eps: float = 0.2
+    clip_eps_high: float = 0.2  # cispo: the absolute cap of its importance weight
+    delta: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+
+    @classmethod
+    def of(cls, g) -> PolicyTerm:
+        """From a GrpoSection."""
+        return cls(g.loss_type, g.clip_eps, g.clip_eps_high or g.clip_eps, g.delta, g.sapo_temperature_pos,
+                   g.sapo_temperature_neg, g.vespo_k_pos, g.vespo_lambda_pos, g.vespo_k_neg,
+                   g.vespo_lambda_neg)  # fmt: skip
+
+
+def vespo_weights(log_ratio: torch.Tensor, mask: torch.Tensor, a: torch.Tensor, term: PolicyTerm) -> torch.Tensor:
+    """VESPO's per-completion weight phi(W) = W^k exp(lambda (1 - W)), W the sequence's likelihood ratio
+    (the product over its tokens, log clamped to [ln 1e-8, 20]); (k, lambda) by the advantage's sign. phi(1) = 1.
+    log_ratio, mask: (B, T); a: (B, 1). Returns (B, 1), no gradient."""
+    with torch.no_grad():
+        log_w = (log_ratio.clamp(-20.0, 20.0) * mask).sum(dim=1, keepdim=True).clamp(math.log(1e-8), 20.0)
+        nonneg = a >= 0
+        k = torch.where(nonneg, term.vespo_k_pos, term.vespo_k_neg)
+        lam = torch.where(nonneg, term.vespo_lambda_pos, term.vespo_lambda_neg).clamp(min=1e-4)
+        return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def policy_term(logp, old, ratio, a, mask, term: PolicyTerm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token policy loss (B, T), tokens whose ratio was clipped (B, T) bool).
+
+    ratio: pi / pi_old per token (B, T), with grad (token or sequence level); a: (B, 1) advantages.
+    clipped types: -min(min(r, delta) A, clip(r, 1 - eps, 1 + eps_high) A) (delta: INTELLECT-2's cap);
+    cispo: -sg(min(r, eps_high)) A log pi (MiniMax-M1); sapo: -sigmoid(tau (r - 1)) 4 / tau A, tau by the sign
+    of A (SAPO); vespo: -sg(phi(W)) A log pi (VESPO)."""
+    if term.loss_type in CLIPPED_TYPES:
+        clipped = torch.clamp(ratio, 1 - term.clip_eps, 1 + term.clip_eps_high) * a
+        capped = ratio.clamp(max=term.delta) if term.delta is not None else ratio
+        unclipped = capped * a
+        # A token is clipped where the clipped term is the smaller one: its gradient is zero there.
+        return -torch.minimum(unclipped, clipped), clipped < unclipped
+    if term.loss_type == "cispo":
+        weight = ratio.clamp(max=term.clip_eps_high).detach()
+        return -weight * a * logp, (ratio > term.clip_eps_high) & (a > 0)
+    if term.loss_type == "sapo":
+        tau = torch.where(a > 0, term.sapo_temperature_pos, term.sapo_temperature_neg)
+        return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * a, torch.zeros_like(mask)
+    if term.loss_type == "vespo":
+        phi = vespo_weights(logp.detach() - old, mask.to(logp), a, term)
+        return -phi * a * logp, torch.zeros_like(mask)
+    raise ValueError(f"unknown loss_type {term.loss_type!r}")
+
+
+def off_policy_keep(logp, sampled, a, mask, threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask, (B, 1): a completion with a negative advantage whose mean
+    log(pi_sampled / pi) over its tokens exceeds `threshold` leaves the policy term."""
+    kl = (sampled - logp.detach()) * mask
+    mean_kl = kl.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
+    return ((a >= 0) | (mean_kl <= threshold)).to(logp)
+
+
+def grpo_token_loss(logp, old_logp, ref_logp, advantages, weights, *, clip_eps: float = 0.2,
+                    clip_eps_high: float | None = None, kl_coef: float = 0.0, level: str = "token",
+                    term: PolicyTerm | None = None, bias_correction_kl: bool = False,
+                    off_policy_threshold: float | None = None, keep: torch.Tensor | None = None,
+                    entropies: torch.Tensor | None = None, bonus_weights: torch.Tensor | None = None,
+                    entropy_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+    """The GRPO objective of a micro-batch as a loss to minimise, and its statistics (summed over tokens with the
+    same weights: add them up over micro-batches). In TRL's order: the policy term, the off-policy mask, the
+    entropy mask (`keep`), then + kl_coef * KL (masked by neither), summed with `weights`; minus the entropy bonus.
+
+    logp: (B, T) current policy, with grad. old_logp (the sampling policy), ref_logp: (B, T) or None.
+    advantages: (B,). weights: (B, T) from `token_weights` (0 off the completions). level: importance sampling
+    per token or per sequence (GSPO). term: the loss type (default: the clipped objective with clip_eps,
+    clip_eps_high). bias_correction_kl: the KL times the ratio (DeepSeek-V3.2's unbiased estimate).
+    keep: (B, T) bool, the tokens of the top entropy quantile. entropies: (B, T), with grad when entropy_coef is
+    set; bonus_weights: from `entropy_weights`.
     """
+    if term is None:
+        term = PolicyTerm(clip_eps=clip_eps, clip_eps_high=clip_eps_high if clip_eps_high is not None else clip_eps)
     a = advantages.to(logp)[:, None]
+    mask = weights != 0
     old = logp.detach() if old_logp is None else old_logp
     ratio = torch.exp(log_ratios(logp, old, weights, level))
-    unclipped = ratio * a
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high) * a
-    per_token = -torch.minimum(unclipped, clipped)
-    # A token is clipped where the clipped term is the smaller one: its gradient is zero there.
-    stats = {"clip_fraction": (weights * (clipped < unclipped).float()).sum().detach()}
+    per_token, clipped = policy_term(logp, old, ratio, a, mask, term)
+    stats = {"clip_fraction": (weights * clipped.float()).sum().detach()}
+    if off_policy_threshold is not None and old_logp is not None:
+        per_token = per_token * off_policy_keep(logp, old_logp, a, mask.to(logp), off_policy_threshold)
+    if keep is not None:
+        per_token = per_token * keep.to(logp)
     if kl_coef and ref_logp is not None:
         delta = ref_logp - logp
         kl = torch.exp(delta) - delta - 1
+        if bias_correction_kl:
+            kl = kl * ratio
         per_token = per_token + kl_coef * kl
         stats["kl"] = (weights * kl).sum().detach()
     loss = (per_token * weights).sum()
+    if entropies is not None:
+        stats["entropy_sum"] = (entropies.detach() * mask).sum()
+    if entropy_coef and entropies is not None:
+        stats["policy_loss"] = loss.detach()
+        loss = loss - entropy_coef * (entropies * bonus_weights).sum()
     stats["loss"] = loss.detach()
     return loss, stats
+
+
+def top_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """The completion tokens whose entropy is at or above the (1 - quantile) quantile of this micro-batch's
+    completion tokens (Beyond the 80/20 Rule; TRL's top_entropy_quantile): (B, T) bool, ties kept."""
+    active = entropies.detach()[mask].float()
+    if active.numel() == 0:
+        return torch.zeros_like(mask)
+    threshold = torch.quantile(active, 1 - quantile)
+    return ((entropies.detach() * mask) >= threshold) & mask

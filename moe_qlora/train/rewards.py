@@ -162,8 +162,10 @@ def score(functions: Sequence[RewardFunction], prompts: list[str], completions: 
           columns: dict[str, list], *, policy: RewardPolicy = RewardPolicy(), groups: list[int] | None = None,
           sources: list[str] | None = None) -> tuple[list[float], dict[str, list[float]], int]:  # fmt: skip
     """(total reward per completion, each function's rewards, samples scored 0 after an error). Every value
-    must be a finite number. `groups`: each completion's prompt index in the step (named when a call fails),
-    `sources`: each completion's prompt row (file:line)."""
+    must be a finite number, or None where the function does not score that sample (TRL's convention): the
+    total is then the weighted sum of the others, and NaN where no function scored it (its advantage is 0).
+    `groups`: each completion's prompt index in the step (named when a call fails), `sources`: each
+    completion's prompt row (file:line). Unscored values are NaN in the lists returned."""
     per_fn, errors = {}, 0
     for f in functions:
         try:
@@ -175,8 +177,17 @@ def score(functions: Sequence[RewardFunction], prompts: list[str], completions: 
             values, failed = _score_around_failure(f, prompts, completions, columns, policy, groups, sources, exc)
             errors += failed
         per_fn[f.name] = values
-    totals = [sum(f.weight * per_fn[f.name][i] for f in functions) for i in range(len(completions))]
-    return totals, per_fn, errors
+    return weighted_totals(per_fn, {f.name: f.weight for f in functions}), per_fn, errors
+
+
+def weighted_totals(per_fn: dict[str, list[float]], weights: dict[str, float]) -> list[float]:
+    """Each sample's weighted sum over the functions that scored it (NaN: unscored); NaN if none did."""
+    n = len(next(iter(per_fn.values()), []))
+    totals = []
+    for i in range(n):
+        scored = [weights[name] * values[i] for name, values in per_fn.items() if not math.isnan(values[i])]
+        totals.append(math.fsum(scored) if scored else math.nan)
+    return totals
 
 
 def _checked_values(f: RewardFunction, values, n: int) -> list[float]:
@@ -184,10 +195,15 @@ def _checked_values(f: RewardFunction, values, n: int) -> list[float]:
         got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
         raise RewardError(f"reward {f.name!r} returned {got} for {n} completions; "
                           "expected a list with one float per completion")  # fmt: skip
-    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
+    bad = [v for v in values if v is not None and not _finite_number(v)]
     if bad:
-        raise RewardError(f"reward {f.name!r} returned non-finite or non-numeric values, e.g. {bad[0]!r}")
-    return [float(v) for v in values]
+        raise RewardError(f"reward {f.name!r} returned non-finite or non-numeric values, e.g. {bad[0]!r} "
+                          "(None: this function does not score that sample)")  # fmt: skip
+    return [math.nan if v is None else float(v) for v in values]
+
+
+def _finite_number(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
 
 def _score_around_failure(f: RewardFunction, prompts, completions, columns, policy: RewardPolicy, groups, sources,
@@ -222,23 +238,66 @@ def _score_around_failure(f: RewardFunction, prompts, completions, columns, poli
     return values, failed
 
 
-def group_advantages(rewards: torch.Tensor, group_sizes: list[int], *, scale: bool, eps: float) -> torch.Tensor:
-    """A_i = (r_i - mean_g) / (std_g + eps) within each group g (std unbiased, as TRL), or r_i - mean_g.
+def nan_std(values: torch.Tensor) -> float:
+    """The unbiased std of the non-NaN values (TRL's nanstd); NaN with fewer than two."""
+    finite = values[~values.isnan()].double()
+    return float(finite.std(unbiased=True)) if finite.numel() > 1 else math.nan
 
-    rewards: (N,) in group order, N = sum(group_sizes). A group whose rewards are all equal gets A = 0
-    exactly: its completions carry no learning signal (r - mean is 0 before any division).
+
+def group_advantages(rewards: torch.Tensor, group_sizes: list[int], *, scale: str | bool, eps: float,
+                     batch_std: float | None = None) -> torch.Tensor:  # fmt: skip
+    """A_i = (r_i - mean_g) / (std + eps) within each group g, as TRL's scale_rewards: group: the group's std
+    (unbiased); batch: `batch_std`, the whole rollout batch's (all ranks); none: r_i - mean_g (True / False:
+    group / none).
+
+    rewards: (N,) in group order, N = sum(group_sizes); NaN for a sample no reward function scored, which is
+    left out of its group's mean and std and gets A = 0, as does every sample of a group with one scored
+    sample under group scaling. A group whose rewards are all equal gets A = 0 exactly: its completions carry
+    no learning signal (r - mean is 0 before any division).
     """
-    out = torch.empty_like(rewards, dtype=torch.float64)
+    scale = {True: "group", False: "none"}.get(scale, scale)
+    out = torch.zeros_like(rewards, dtype=torch.float64)
     start = 0
     for size in group_sizes:
         r = rewards[start : start + size].double()
-        if bool((r == r[0]).all()):
-            out[start : start + size] = 0.0  # exactly 0: no mean-rounding noise, no 0/0 when eps is 0
-        else:
-            centred = r - r.mean()
-            out[start : start + size] = centred / (r.std(unbiased=True) + eps) if scale else centred
+        scored = ~r.isnan()
+        values = r[scored]
+        if values.numel() and not bool((values == values[0]).all()):
+            centred = values - values.mean()
+            std = {"group": nan_std(values), "batch": batch_std, "none": None}[scale]
+            if std is not None:
+                centred = centred / (std + eps)
+            out[start : start + size][scored] = centred.nan_to_num(nan=0.0)
         start += size
     return out.float()
+
+
+def normalized_then_summed(per_fn: dict[str, list[float]], weights: dict[str, float], group_sizes: list[int], *,
+                           eps: float) -> torch.Tensor:  # fmt: skip
+    """GDPO's aggregation (TRL's normalize_then_sum) before its batch whitening: each function's rewards z-scored
+    within each group (unbiased std + eps; NaN where unscored, or the group has one scored value), then the
+    weighted sum over the functions that have a value; NaN where none has. (N,) float64."""
+    columns = []
+    for name, values in per_fn.items():
+        r = torch.tensor(values, dtype=torch.float64)
+        z, start = torch.full_like(r, math.nan), 0
+        for size in group_sizes:
+            g = r[start : start + size]
+            scored = g[~g.isnan()]
+            if scored.numel():
+                z[start : start + size] = (g - scored.mean()) / (nan_std(g) + eps)
+            start += size
+        columns.append(weights[name] * z)
+    stacked = torch.stack(columns, dim=1)
+    summed = stacked.nansum(dim=1)
+    summed[stacked.isnan().all(dim=1)] = math.nan
+    return summed
+
+
+def whitened(values: torch.Tensor, mean: float, std: float, eps: float) -> torch.Tensor:
+    """(v - mean) / (std + eps), 0 where v is NaN or the std is undefined: normalize_then_sum's last step, with
+    the whole batch's mean and std (all ranks)."""
+    return ((values - mean) / (std + eps)).nan_to_num(nan=0.0).float()
 
 
 def flat_groups(group_sizes: list[int], advantages: torch.Tensor) -> int:

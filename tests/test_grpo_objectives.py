@@ -1,0 +1,359 @@
+"""GRPO's objectives and options at parity with TRL's GRPOTrainer (read at TRL main f2cd577, = v1.9.0's trainer):
+loss types cispo, sapo, luspo and vespo, delta, use_bias_correction_kl, the off-policy mask, the entropy quantile
+and bonus, scale_rewards, multi_objective_aggregation and rewards that abstain (None).
+
+The oracle: TRL's `_compute_loss` for one micro-batch, written out below in plain torch from its definitions
+(one process, gradient accumulation over the micro-batches, TRL's order of masks and normalisers), against
+moe-qlora's micro-batch losses summed over the same split. Inputs are random, with rows of length 1, a fully
+masked row, a row of advantage 0 and a policy that has moved since sampling (ratios away from 1). Tolerance:
+1e-6 relative, fp32 sums of ~30 terms in another order. Each case names a broken control: the same config with
+one option changed, which must not match (so the comparison can fail).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from moe_qlora.config.sections import GrpoSection
+from moe_qlora.train.grpo import batch_moments, micro_batch_loss, rollout_advantages, rows_to_run, split_matters
+from moe_qlora.train.losses import ChunkedTokenLogProbsAndEntropy, PolicyTerm, completion_logprobs_and_entropy
+from moe_qlora.train.rewards import RewardFunction, group_advantages, score
+
+ROWS, TOKENS, MICRO = 6, 5, 3  # two micro-batches of three rows
+LENGTHS = [5, 1, 0, 3, 5, 2]  # a row of one token, a fully masked row
+MAX_NEW = 6
+
+
+def section(**options) -> GrpoSection:
+    return GrpoSection(rewards=[{"function": "exact_match"}], max_new_tokens=MAX_NEW, **options)
+
+
+def inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.arange(TOKENS)[None, :] < torch.tensor(LENGTHS)[:, None]
+    logp = (-torch.rand(ROWS, TOKENS, generator=g) * 3).requires_grad_()
+    old = logp.detach() + 0.4 * torch.randn(ROWS, TOKENS, generator=g)  # the policy moved since sampling
+    ref = logp.detach() + 0.3 * torch.randn(ROWS, TOKENS, generator=g)
+    adv = torch.randn(ROWS, generator=g)
+    adv[4] = 0.0  # a group whose rewards were all equal
+    adv[0] = -abs(adv[0])
+    old[0] = logp.detach()[0] - 0.8  # a completion now 2.2x likelier, advantage negative: where delta caps
+    entropies = (torch.rand(ROWS, TOKENS, generator=g) * 4).requires_grad_()
+    return logp, old, ref, adv, mask, entropies
+
+
+# ----------------------------------------------------------------------------------- TRL's loss, written out
+
+
+def trl_micro_loss(logp, old, ref, a, mask, ent, g: GrpoSection, *, n_glob: float, ga: int) -> torch.Tensor:
+    """TRL GRPOTrainer._compute_loss of one micro-batch (num_processes 1), term by term."""
+    mask = mask.float()
+    eps_low, eps_high = g.clip_eps, g.clip_eps_high if g.clip_eps_high is not None else g.clip_eps
+    entropy_mask = None
+    if g.top_entropy_quantile < 1.0:
+        threshold = torch.quantile(ent.detach()[mask.bool()].float(), 1 - g.top_entropy_quantile)
+        entropy_mask = ((ent.detach() * mask) >= threshold) & mask.bool()
+    log_ratio = logp - old
+    if g.importance_sampling_level == "token":
+        log_iw = log_ratio
+    else:
+        log_iw = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_iw)
+    a = a.unsqueeze(1)
+    if g.kl_coef:
+        per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
+        if g.use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
+    if g.loss_type == "cispo":
+        per_token_loss = -torch.clamp(coef_1, max=eps_high).detach() * a * logp
+    elif g.loss_type == "sapo":
+        t = torch.where(a > 0, g.sapo_temperature_pos, g.sapo_temperature_neg)
+        per_token_loss = -torch.sigmoid(t * (coef_1 - 1)) * 4 / t * a
+    elif g.loss_type == "vespo":
+        with torch.no_grad():
+            seq = torch.sum(torch.clamp(log_ratio, -20.0, 20.0) * mask, dim=-1, keepdim=True)
+            log_w = torch.clamp(seq, math.log(1e-8), 20.0)
+            pos = a >= 0
+            k = torch.where(pos, g.vespo_k_pos, g.vespo_k_neg)
+            lam = torch.where(pos, g.vespo_lambda_pos, g.vespo_lambda_neg).clamp(min=1e-4)
+            phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        per_token_loss = -phi * a * logp
+    else:
+        coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+        if g.delta is not None:
+            coef_1 = torch.clamp(coef_1, max=g.delta)
+        per_token_loss = -torch.min(coef_1 * a, coef_2 * a)
+    if g.off_policy_mask_threshold is not None:
+        kl_div = old - logp.detach()
+        avg = (kl_div * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
+        per_token_loss = per_token_loss * ((a >= 0) | (avg <= g.off_policy_mask_threshold)).float()
+    if entropy_mask is not None:
+        per_token_loss = per_token_loss * entropy_mask
+    if g.kl_coef:
+        per_token_loss = per_token_loss + g.kl_coef * per_token_kl
+    b = per_token_loss.size(0)
+    if g.loss_type in ("grpo", "sapo"):
+        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / ga
+    elif g.loss_type == "bnpo":
+        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0) / ga
+    elif g.loss_type == "dr_grpo":
+        loss = (per_token_loss * mask).sum() / (b * g.max_new_tokens) / ga
+    elif g.loss_type in ("cispo", "dapo", "vespo"):
+        loss = (per_token_loss * mask).sum() / max(n_glob, 1.0)
+    else:  # luspo, at the sequence level: per_token_loss is one value a row
+        loss = (per_token_loss[:, :1] * mask.sum(1, keepdim=True)).mean() / ga
+    if g.entropy_coef:
+        effective = mask if entropy_mask is None else mask * entropy_mask
+        if g.loss_type in ("cispo", "dapo", "vespo"):
+            bonus = (ent * effective).sum() / max(n_glob, 1.0)
+        else:
+            bonus = (ent * effective).sum() / effective.sum().clamp(min=1.0) / ga
+        loss = loss - g.entropy_coef * bonus
+    return loss
+
+
+def split(*tensors):
+    return [[t[i : i + MICRO] for t in tensors] for i in range(0, ROWS, MICRO)]
+
+
+def trl_loss(g: GrpoSection):
+    logp, old, ref, adv, mask, ent = inputs()
+    n_glob = float(mask.sum())
+    total = sum(trl_micro_loss(*part, g, n_glob=n_glob, ga=ROWS // MICRO) for part in split(logp, old, ref, adv,
+                                                                                               mask, ent))  # fmt: skip
+    total.backward()
+    return total.detach(), logp.grad, ent.grad
+
+
+def our_loss(g: GrpoSection):
+    logp, old, ref, adv, mask, ent = inputs()
+    total = 0.0
+    for lp, o, r, a, m, e in split(logp, old, ref, adv, mask, ent):
+        loss, _ = micro_batch_loss(lp * m, m, e, o, r if g.kl_coef else None, a, g, PolicyTerm.of(g),
+                                   total_tokens=int(mask.sum()), total_sequences=ROWS,
+                                   micro_batches=ROWS // MICRO)  # fmt: skip
+        total = total + loss
+    total.backward()
+    return total.detach(), logp.grad, ent.grad
+
+
+CASES = {  # id: (options, the broken control's change)
+    "dapo": ({}, {"loss_type": "grpo"}),
+    "grpo": ({"loss_type": "grpo"}, {"loss_type": "dapo"}),
+    "dr_grpo": ({"loss_type": "dr_grpo"}, {"loss_type": "dapo"}),
+    "bnpo": ({"loss_type": "bnpo"}, {"loss_type": "dapo"}),
+    "cispo": ({"loss_type": "cispo", "clip_eps_high": 1.1}, {"clip_eps_high": 3.0}),
+    "cispo-default-cap": ({"loss_type": "cispo"}, {"clip_eps_high": 0.2}),
+    "sapo": ({"loss_type": "sapo"}, {"sapo_temperature_neg": 2.0}),
+    "luspo": ({"loss_type": "luspo", "importance_sampling_level": "sequence"}, {"loss_type": "grpo"}),
+    "vespo": ({"loss_type": "vespo"}, {"vespo_k_neg": 1.0}),
+    "gspo": ({"loss_type": "grpo", "importance_sampling_level": "sequence"}, {"importance_sampling_level": "token"}),
+    "delta": ({"delta": 1.5}, {"delta": None}),
+    "delta-grpo-sequence": ({"loss_type": "grpo", "delta": 1.4, "importance_sampling_level": "sequence"},
+                            {"delta": None}),  # fmt: skip
+    "kl": ({"kl_coef": 0.1}, {"kl_coef": 0.2}),
+    "kl-bias-corrected": ({"kl_coef": 0.1, "use_bias_correction_kl": True}, {"use_bias_correction_kl": False}),
+    "kl-bias-corrected-sequence": (
+        {"kl_coef": 0.1, "use_bias_correction_kl": True, "loss_type": "grpo", "importance_sampling_level": "sequence"},
+        {"use_bias_correction_kl": False},
+    ),
+    "off-policy-mask": ({"off_policy_mask_threshold": 0.05}, {"off_policy_mask_threshold": None}),
+    "entropy-quantile": ({"top_entropy_quantile": 0.4}, {"top_entropy_quantile": 1.0}),
+    "entropy-quantile-grpo-kl": ({"loss_type": "grpo", "top_entropy_quantile": 0.4, "kl_coef": 0.1},
+                                 {"top_entropy_quantile": 1.0}),  # fmt: skip
+    "entropy-bonus": ({"entropy_coef": 0.05}, {"entropy_coef": 0.0}),
+    "entropy-bonus-grpo-quantile": ({"loss_type": "grpo", "entropy_coef": 0.05, "top_entropy_quantile": 0.4},
+                                    {"entropy_coef": 0.0}),  # fmt: skip
+    "entropy-bonus-dapo-quantile": ({"entropy_coef": 0.05, "top_entropy_quantile": 0.4}, {"entropy_coef": 0.0}),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_loss_and_gradients_match_trls_compute_loss(case):
+    options, broken = CASES[case]
+    g = section(**options)
+    loss, grad, ent_grad = our_loss(g)
+    ref_loss, ref_grad, ref_ent_grad = trl_loss(g)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-7)
+    if g.entropy_coef:
+        torch.testing.assert_close(ent_grad, ref_ent_grad, rtol=1e-6, atol=1e-7)
+    # the broken control: one option changed on our side, and the two must part
+    control_loss, control_grad, _ = our_loss(section(**{**options, **broken}))
+    assert not torch.allclose(control_grad, ref_grad, rtol=1e-4, atol=1e-6) or not torch.allclose(
+        control_loss, ref_loss, rtol=1e-4
+    )
+
+
+def test_the_inputs_exercise_every_branch():
+    """Guards the cases above: clipping at both ends, delta, the off-policy mask and the quantile all act on
+    these inputs (else a case could pass with its option doing nothing)."""
+    logp, old, _, adv, mask, ent = inputs()
+    ratio = torch.exp(logp.detach() - old)
+    assert (ratio[mask] > 1.5).any() and (ratio[mask] < 0.8).any()
+    assert ((ratio > 1.5) & mask & (adv[:, None] < 0)).any()  # delta acts
+    seq_kl = ((old - logp.detach()) * mask).sum(1) / mask.sum(1).clamp(min=1)
+    assert ((adv < 0) & (seq_kl > 0.05)).any() and ((adv < 0) & (seq_kl <= 0.05)).any()
+    assert (adv == 0).any() and (mask.sum(1) == 1).any() and (mask.sum(1) == 0).any()
+
+
+def test_rows_keep_their_place_in_the_split_where_it_matters():
+    """The quantile and the bonus are per micro-batch in TRL, zero-advantage rows included: every row runs."""
+    from moe_qlora.data.examples import IGNORE, Example
+
+    rows = [Example([1, 2, 3], [IGNORE, 2, 3], "a", 0.0), Example([1, 2], [IGNORE, 2], "b", 1.0)]
+    assert rows_to_run(rows, "dapo", 0.0) == [1]  # control: a zero row leaves when the split does not matter
+    for options in ({"top_entropy_quantile": 0.2}, {"entropy_coef": 0.01}, {"loss_type": "bnpo"}):
+        g = section(**options)
+        assert split_matters(g) and rows_to_run(rows, g.loss_type, 0.0, whole_split=split_matters(g)) == [0, 1]
+
+
+# ------------------------------------------------------------------------------ the entropy through the head
+
+
+def test_chunked_logprobs_and_entropy_match_autograd_on_full_logits():
+    """The chunked head's log p(target) and entropy, and both gradients, against autograd on the full softmax
+    (fp32; 1e-5: logsumexp in another order). Control: the wrong temperature must not match."""
+    g = torch.Generator().manual_seed(0)
+    n, h, v, scale = 11, 8, 37, 1 / 0.7
+    hidden = torch.randn(n, h, generator=g, requires_grad=True)
+    weight, targets = torch.randn(v, h, generator=g), torch.randint(0, v, (n,), generator=g)
+    g_logp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+    def reference(s):
+        q = torch.log_softmax((hidden @ weight.t()) * s, dim=1)
+        return q.gather(1, targets[:, None]).squeeze(1), -(q.exp() * q).sum(1)
+
+    logp, ent = ChunkedTokenLogProbsAndEntropy.apply(hidden, weight, None, targets, scale, 4)
+    (grad,) = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), hidden)
+    ref_logp, ref_ent = reference(scale)
+    (ref_grad,) = torch.autograd.grad((ref_logp * g_logp).sum() + (ref_ent * g_ent).sum(), hidden)
+    for ours, theirs in ((logp, ref_logp), (ent, ref_ent), (grad, ref_grad)):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(ent, reference(1.0)[1], atol=1e-3)
+
+
+def test_a_model_gives_the_same_entropy_chunked_and_whole(tiny_policy):
+    model, batch = tiny_policy
+    whole = completion_logprobs_and_entropy(model, batch, 0.8, chunk=0)
+    chunked = completion_logprobs_and_entropy(model, batch, 0.8, chunk=16)
+    for a, b in zip(whole, chunked, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-4, atol=1e-4)
+    assert (whole[2][whole[1]] > 0).all()
+
+
+@pytest.fixture(scope="module")
+def tiny_policy():
+    from moe_qlora.model.loading import LoadOptions, load_model
+    from moe_qlora.model.tiny import ensure_tiny
+
+    model = load_model(LoadOptions(str(ensure_tiny("mixtral"))))
+    ids = torch.randint(5, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[:, :10] = -100
+    return model, {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+
+
+# ----------------------------------------------------------------------------------- rewards and advantages
+
+
+def nanstd(x: torch.Tensor) -> torch.Tensor:
+    """TRL's trainer/utils.nanstd: the unbiased std of the non-NaN values."""
+    variance = torch.nanmean((x - torch.nanmean(x, keepdim=True)) ** 2)
+    count = torch.sum(~torch.isnan(x))
+    return torch.sqrt(variance * (count / (count - 1)))
+
+
+def trl_advantages(per_fn: torch.Tensor, weights: torch.Tensor, group: int, scale: str, aggregation: str):
+    """TRL's advantages from rewards_per_func (N, K) with NaN for None, written out."""
+    unscorable = torch.isnan(per_fn).all(dim=1)
+    if aggregation == "sum_then_normalize":
+        rewards = (per_fn * weights[None]).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        mean = torch.nanmean(rewards.view(-1, group), dim=1).repeat_interleave(group)
+        if scale in ("group", "none"):
+            std = torch.stack([nanstd(r) for r in rewards.view(-1, group)]).repeat_interleave(group)
+        else:
+            std = nanstd(rewards).expand_as(rewards)
+        advantages = rewards - mean
+        if scale != "none":
+            advantages = advantages / (std + 1e-4)
+    else:
+        grouped = per_fn.view(-1, group, per_fn.shape[1])
+        mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+        std_k = torch.stack([torch.stack([nanstd(grouped[i, :, k]) for k in range(grouped.shape[2])])
+                             for i in range(grouped.shape[0])])[:, None, :]  # fmt: skip
+        reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, per_fn.shape[1])
+        rewards = (reward_k * weights[None]).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        advantages = (rewards - torch.nanmean(rewards)) / (nanstd(rewards) + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+NAN = math.nan
+PER_FN = {  # three groups of four; None (NaN) for samples a function does not score
+    "format": [1.0, 0.0, NAN, 1.0, 0.5, 0.5, 0.5, 0.5, NAN, 1.0, 0.0, 0.25],
+    "answer": [0.0, 1.0, NAN, 2.0, 1.0, NAN, 3.0, 0.0, NAN, 0.5, 0.5, NAN],
+}
+WEIGHTS = {"format": 0.5, "answer": 2.0}
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])
+def test_advantages_match_trls_with_rewards_that_abstain(scale, aggregation):
+    g = section(scale_rewards=scale, multi_objective_aggregation=aggregation)
+    per_fn = torch.tensor([PER_FN["format"], PER_FN["answer"]]).t()
+    expected = trl_advantages(per_fn, torch.tensor([0.5, 2.0]), 4, scale, aggregation)
+    functions = [RewardFunction(name, lambda p, c, vals=vals, **k: [None if math.isnan(v) else v for v in vals], w, {})
+                 for (name, vals), w in zip(PER_FN.items(), WEIGHTS.values(), strict=True)]  # fmt: skip
+    totals, scored, errors = score(functions, ["p"] * 12, ["c"] * 12, {})
+    assert errors == 0 and math.isnan(totals[2]) and math.isnan(totals[8])  # no function scored them
+    ours = rollout_advantages(totals, scored, [4, 4, 4], g, WEIGHTS)
+    torch.testing.assert_close(ours.double(), expected.double(), rtol=1e-5, atol=1e-6)
+    assert ours[2] == 0 and ours[8] == 0
+    # broken control: scoring None as 0 (what moe-qlora did before) moves the advantages
+    zeros = {k: [0.0 if math.isnan(v) else v for v in vals] for k, vals in scored.items()}
+    as_zero = rollout_advantages([sum(WEIGHTS[k] * zeros[k][i] for k in zeros) for i in range(12)], zeros,
+                                 [4, 4, 4], g, WEIGHTS)  # fmt: skip
+    assert not torch.allclose(as_zero.double(), expected.double(), atol=1e-3)
+
+
+def test_scale_rewards_takes_trls_old_booleans_and_batch_uses_the_whole_batchs_std():
+    assert section(scale_rewards=True).scale_rewards == "group"
+    assert section(scale_rewards=False).scale_rewards == "none"
+    r = torch.tensor([1.0, 2.0, 3.0, 10.0, 30.0, 20.0], dtype=torch.float64)
+    mean, std = batch_moments(r)
+    assert mean == pytest.approx(11.0) and std == pytest.approx(float(r.std(unbiased=True)))
+    batch = group_advantages(r, [3, 3], scale="batch", eps=1e-4, batch_std=std)
+    group = group_advantages(r, [3, 3], scale="group", eps=1e-4)
+    torch.testing.assert_close(batch[:3].double(), torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64) / (std + 1e-4))
+    assert not torch.allclose(batch, group)  # control: the group's std gives other advantages
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"delta": 1.2}, r"must be above 1 \+ clip_eps_high"),
+        ({"loss_type": "sapo", "delta": 2.0}, "has none"),
+        ({"loss_type": "vespo", "importance_sampling_level": "sequence"}, "must be token"),
+        ({"loss_type": "luspo"}, "importance_sampling_level: sequence"),
+        ({"use_bias_correction_kl": True}, "kl_coef: 0"),
+        ({"top_entropy_quantile": 0.0}, "greater than 0"),
+    ],
+)
+def test_options_an_objective_would_ignore_are_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        section(**options)
+
+
+def test_defaults_are_trls_but_cispos_cap():
+    g = section()
+    assert (g.loss_type, g.scale_rewards, g.multi_objective_aggregation, g.use_bias_correction_kl) == (
+        "dapo", "group", "sum_then_normalize", False)  # fmt: skip
+    assert (g.delta, g.off_policy_mask_threshold, g.top_entropy_quantile, g.entropy_coef) == (None, None, 1.0, 0.0)
+    assert (g.sapo_temperature_pos, g.sapo_temperature_neg) == (1.0, 1.05)
+    assert (g.vespo_k_pos, g.vespo_lambda_pos, g.vespo_k_neg, g.vespo_lambda_neg) == (2.0, 3.0, 3.0, 2.0)
+    assert section(loss_type="cispo").clip_eps_high == 5.0  # TRL falls back to epsilon (0.2)
