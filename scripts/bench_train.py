@@ -132,7 +132,8 @@ def bytes_by_kind(model):
 
 
 def device_peaks(device: str) -> dict:
-    """Peak device memory of this process (CUDA allocator statistics); nothing on the CPU, where RSS says it."""
+    """Peak device memory of this process since the last reset (CUDA allocator statistics); nothing on the CPU,
+    where RSS says it."""
     if device == "cpu":
         return {}
     return {"peak_reserved_mib": round(torch.cuda.max_memory_reserved() / 2**20, 1),
@@ -157,6 +158,9 @@ def worker(name: str, preset: str, seq: int, steps: int, double_quant: bool, los
     setup = setup_peft if name == "transformers+bnb+peft" else setup_moe_qlora
     model = setup(path, dtype, double_quant, device)
     load_s = time.perf_counter() - t0
+    load_peaks = device_peaks(device)
+    if device != "cpu":  # the steps' own peak from here (loading's is reported apart)
+        torch.cuda.reset_peak_memory_stats()
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
@@ -182,6 +186,7 @@ def worker(name: str, preset: str, seq: int, steps: int, double_quant: bool, los
         "step_s": round(statistics.median(times), 3), "step_s_all": [round(t, 3) for t in times],
         "tokens_per_s": round(seq / statistics.median(times), 1),
         "peak_rss_mib": round(peak_rss_mib(), 1), **device_peaks(device),
+        **{f"load_{k}": v for k, v in load_peaks.items()},
         "param_mib": {k: round(v / 2**20, 1) for k, v in bytes_by_kind(model).items()},
         "trainable_params": sum(p.numel() for p in params), "first_loss": round(losses[0], 4),
     }  # fmt: skip
@@ -302,7 +307,8 @@ def device_columns(r: dict, plan: int | None, device: str) -> tuple[str, ...]:
     if device == "cpu":
         return ()
     reserved = r["peak_reserved_mib"]
-    return f"{r['tokens_per_s']:,.0f}", f"{reserved:,.0f}", f"{reserved * 2**20 / plan:.2f}" if plan else "-"
+    ratio = f"{reserved * 2**20 / plan:.2f}" if plan else "-"
+    return f"{r['tokens_per_s']:,.0f}", f"{reserved:,.0f}", ratio, f"{r['load_peak_reserved_mib']:,.0f}"
 
 
 def print_table(results, args, plan=None):
@@ -313,7 +319,8 @@ def print_table(results, args, plan=None):
     title = (f"{p['arch']}: {p['layers']} layers, {p['experts']} experts top-{p['top_k']}, hidden {p['hidden']}, "
              f"expert intermediate {p['inter']}; seq {args.seq}, batch 1, expert LoRA r8, checkpointing")  # fmt: skip
     table = Table(title=title)
-    device_cols = ("tokens/s", "peak reserved MiB", "reserved / plan") if args.device != "cpu" else ()
+    device_cols = ("tokens/s", "step peak reserved MiB", "reserved / plan", "load peak reserved MiB")
+    device_cols = device_cols if args.device != "cpu" else ()
     for col in ("contender", "dtype", "step s", *device_cols, "peak RSS MiB", "experts MiB", "other 4-bit MiB",
                 "LoRA MiB", "load s"):  # fmt: skip
         table.add_column(col, justify="right")

@@ -334,6 +334,11 @@ def load_model(opts: LoadOptions):
     fuse_gate_up(model, lambda stack: quantize_stack(stack, double_quant=opts.expert_double_quant))
     cast_unquantized(model, opts.compute_dtype)
     release_freed_memory()
+    if torch.device(opts.device).type == "cuda":
+        # the bf16 stacks quantized while loading leave freed blocks of their size in the caching allocator: hand
+        # them back, so that what stays reserved is what training uses (on an H200 a run's peak reserved was
+        # 1.6-1.8x its peak allocated; how much of that came from loading is not measured yet)
+        torch.cuda.empty_cache()
     if opts.compute_dtype != torch.bfloat16:
         keep_linears_in_compute_dtype(model)
     if (reason := unsupported_layout(model)) is not None:
