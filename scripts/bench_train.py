@@ -4,6 +4,7 @@
     python scripts/bench_train.py --preset qwen3 --seq 1024 --json out.json
     python scripts/bench_train.py --preset qwen3 --seq 1024 --packing   # tokens/s padded vs packed rows
     python scripts/bench_train.py --device cuda --preset qwen3-30b-a3b --seq 4096   # GPU: tokens/s, peak vs plan
+    python scripts/bench_train.py --preset qwen3 --seq 1024 --roofline   # CPU: GFLOP/s against torch.mm's, a profile
 
 Each contender runs in its own subprocess (so its peak RSS is its own) on the same generated checkpoint,
 the same tokens and the same loss code: a step is forward + backward + AdamW, batch 1, expert LoRA r8,
@@ -28,6 +29,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))  # step_roofline
 
 PRESETS = {
     # Issue 2: Mixtral architecture, 4 layers, 32 experts, top-4, hidden 1024, expert intermediate 512.
@@ -145,8 +147,25 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def worker(name: str, preset: str, seq: int, steps: int, double_quant: bool, loss_chunk: int, device: str) -> dict:
-    """Runs in the subprocess: load, then time `steps` training steps after one warm-up step."""
+def profiled_step(model, batch, loss_chunk: int, optimizer_s: float) -> dict:
+    """One more forward and backward under torch.profiler: seconds of self CPU time by category
+    (step_roofline.CATEGORIES), and `optimizer_s`, the timed steps' median optimizer step."""
+    from step_roofline import categorized
+
+    from moe_qlora.train.sft import token_loss_sum
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss, n, _ = token_loss_sum(model, batch, loss_chunk=loss_chunk)
+        (loss / n).backward()
+    model.zero_grad(set_to_none=True)
+    split = {**categorized(prof.key_averages()), "optimizer": optimizer_s}
+    return {k: round(v, 3) for k, v in sorted(split.items(), key=lambda kv: -kv[1])}
+
+
+def worker(name: str, preset: str, seq: int, steps: int, double_quant: bool, loss_chunk: int, device: str,
+           profile: bool = False) -> dict:  # fmt: skip
+    """Runs in the subprocess: load, then time `steps` training steps after one warm-up step (and, `profile`,
+    where one more step's time goes)."""
     from moe_qlora.common.memory import peak_rss_mib, release_freed_memory
     from moe_qlora.train.sft import token_loss_sum
 
@@ -168,20 +187,24 @@ def worker(name: str, preset: str, seq: int, steps: int, double_quant: bool, los
     ids = torch.randint(10, PRESETS[preset]["vocab"], (1, seq), generator=g)
     ids = ids.to(device)
     batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
-    times, losses = [], []
+    times, losses, opt_times = [], [], []
     for i in range(steps + 1):
         synchronize(device)
         t = time.perf_counter()
         loss, n, _ = token_loss_sum(model, batch, loss_chunk=loss_chunk)  # the same loss code for every contender
         (loss / n).backward()
+        t_opt = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        opt_times.append(time.perf_counter() - t_opt)
         release_freed_memory()  # what the trainer does after every step, for every contender
         synchronize(device)
         if i:
             times.append(time.perf_counter() - t)
         losses.append(float(loss) / n)
+    where = {"profile_s": profiled_step(model, batch, loss_chunk, statistics.median(opt_times[1:]))} if profile else {}
     return {
+        **where,
         "contender": name, "compute_dtype": str(dtype).removeprefix("torch."), "load_s": round(load_s, 2),
         "step_s": round(statistics.median(times), 3), "step_s_all": [round(t, 3) for t in times],
         "tokens_per_s": round(seq / statistics.median(times), 1),
@@ -266,7 +289,9 @@ def run_packing(args) -> list[dict]:
 
 
 def run_contender(name, args) -> dict:
-    env = {**os.environ, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "TOKENIZERS_PARALLELISM": "false"}
+    # the environment a user's run has: oneDNN keeps its primitive cache (turned off here until 2026-11-26, which
+    # cost bf16 steps ~1.8x their time, as every bf16 GEMM rebuilt its kernel, and saved ~400 MiB of peak RSS)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     cmd = [
         sys.executable,
         __file__,
@@ -282,7 +307,7 @@ def run_contender(name, args) -> dict:
         str(args.loss_chunk),
     ]
     cmd += ["--single-quant"] if args.single_quant else []
-    cmd += ["--device", args.device]
+    cmd += ["--device", args.device] + (["--roofline"] if args.roofline else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         return {"contender": name, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
@@ -345,6 +370,32 @@ def print_table(results, args, plan=None):
     Console(width=150).print(table)
 
 
+def roofline(results: list[dict], args) -> dict:
+    """The step's limit per dtype (step_roofline.step_limit, in a process of its own), each contender's GFLOP/s
+    and time against it, and where its profiled step went; printed, and returned for the JSON."""
+    limits = {}
+    for dtype in sorted({r["compute_dtype"] for r in results if "error" not in r}):
+        cmd = [sys.executable, __file__, "--limit-worker", dtype, "--preset", args.preset, "--seq", str(args.seq),
+               "--loss-chunk", str(args.loss_chunk)]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        limits[dtype] = json.loads(proc.stdout.strip().splitlines()[-1])
+    first = next(iter(limits.values()))
+    print(f"step: {first['flops'] / 1e9:.1f} GFLOP (forward, recompute, backward; step_roofline.py counts them)")
+    for dtype, lim in limits.items():
+        rates = ", ".join(f"{r['kind']} {r['gflops_per_s']:.0f}" for r in lim["products"])
+        print(f"{dtype} limit {lim['limit_s']:.3f} s at torch.mm's GFLOP/s per product: {rates}")
+    for r in results:
+        if "error" in r:
+            continue
+        lim = limits[r["compute_dtype"]]
+        r["gflops_per_s"] = round(lim["flops"] / r["step_s"] / 1e9, 1)
+        r["x_limit"] = round(r["step_s"] / lim["limit_s"], 2)
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in r["profile_s"].items())
+        print(f"{r['contender']:22} {r['compute_dtype']:9} {r['gflops_per_s']:7.1f} GFLOP/s, {r['x_limit']:.2f}x the "
+              f"limit; profiled step (s): {parts}")  # fmt: skip
+    return limits
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="mixtral")
@@ -360,6 +411,10 @@ def main():
     ap.add_argument("--rows", type=int, default=48, help="--packing: rows in the dataset")
     ap.add_argument("--batch-rows", type=int, default=4, help="--packing: rows per padded micro-batch")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: bf16, peak device memory")
+    ap.add_argument(
+        "--roofline", action="store_true", help="CPU: GFLOP/s against torch.mm's at the step's shapes, and a profile"
+    )
+    ap.add_argument("--limit-worker", help=argparse.SUPPRESS)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--packing-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -379,13 +434,20 @@ def main():
         if args.json:
             Path(args.json).write_text(json.dumps(payload, indent=2))
         return
+    if args.limit_worker:
+        from step_roofline import step_limit
+
+        torch.set_num_threads(int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1)))
+        limit = step_limit(PRESETS[args.preset], args.seq, getattr(torch, args.limit_worker), chunk=args.loss_chunk)
+        print(json.dumps(limit))
+        return
     if args.worker:
         import logging
 
         logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
         print(
             json.dumps(worker(args.worker, args.preset, args.seq, args.steps, not args.single_quant, args.loss_chunk,
-                              args.device))  # fmt: skip
+                              args.device, profile=args.roofline))  # fmt: skip
         )
         return
     path = ensure_checkpoint(args.preset)
@@ -394,9 +456,11 @@ def main():
     results = [run_contender(name, args) for name in args.only]
     plan = planned_bytes(path, args) if args.device != "cpu" else None
     print_table(results, args, plan)
+    limits = roofline(results, args) if args.roofline else {}
     payload = {"preset": args.preset, "config": PRESETS[args.preset], "seq": args.seq, "threads": os.cpu_count(),
                "double_quant": not args.single_quant, "loss_chunk": args.loss_chunk, "device": args.device,
-               "plan_mib": plan and round(plan / 2**20, 1), "torch": torch.__version__, "results": results}  # fmt: skip
+               "plan_mib": plan and round(plan / 2**20, 1), "torch": torch.__version__, "results": results,
+               "roofline": limits}  # fmt: skip
     print(json.dumps(payload))
     if args.json:
         Path(args.json).write_text(json.dumps(payload, indent=2))
