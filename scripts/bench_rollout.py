@@ -75,11 +75,18 @@ def bench_config(args):
     """configs/grpo-demo.yaml with this benchmark's model, device, prompts and group shape."""
     from moe_qlora.config.load import load_config
 
-    sets = {"model.name_or_path": args.model, "model.device": args.device, "data.train_files": f"[{args.prompts_file}]",
-            "data.max_seq_len": args.max_new_tokens + 64, "grpo.prompts_per_step": args.prompts,
-            "grpo.group_size": args.group_size, "grpo.max_new_tokens": args.max_new_tokens,
-            "train.micro_batch_size": args.prompts * args.group_size,
-            "grpo.rewards": REWARDS, "output.dir": str(Path(args.prompts_file).parent / "out")}  # fmt: skip
+    sets = {
+        "model.name_or_path": args.model,
+        "model.device": args.device,
+        "data.train_files": f"[{args.prompts_file}]",
+        "data.max_seq_len": args.max_new_tokens + 64,
+        "grpo.prompts_per_step": args.prompts,
+        "grpo.group_size": args.group_size,
+        "grpo.max_new_tokens": args.max_new_tokens,
+        "train.micro_batch_size": args.prompts * args.group_size,
+        "grpo.rewards": REWARDS,
+        "output.dir": str(Path(args.prompts_file).parent / "out"),
+    }
     return load_config(ROOT / "configs" / "grpo-demo.yaml", [f"{k}={v}" for k, v in sets.items()])
 
 
@@ -102,8 +109,9 @@ def bytes_by_kind(model) -> dict[str, float]:
 
     kinds = parameter_bytes_by_kind(model)
     if not kinds["experts_nf4"]:
-        dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                    if p.dim() == 3 and "lora" not in n)  # fmt: skip
+        dense = sum(
+            p.numel() * p.element_size() for n, p in model.named_parameters() if p.dim() == 3 and "lora" not in n
+        )
         kinds["experts_dense"], kinds["other"] = dense, kinds["other"] - dense
     return {k: round(v / 2**20, 2) for k, v in kinds.items()}
 
@@ -113,12 +121,20 @@ def median_index(values: list[float]) -> int:
     return sorted(range(len(values)), key=values.__getitem__)[(len(values) - 1) // 2]
 
 
-def generation_record(name: str, seconds: list[float], tokens: list[int], i: int, sequences: int,
-                      decode_steps: int) -> dict:  # fmt: skip
+def generation_record(
+    name: str, seconds: list[float], tokens: list[int], i: int, sequences: int, decode_steps: int
+) -> dict:
     """Generation figures of one contender: call `i` of its timed calls (seconds, completion tokens), all listed."""
-    return {"contender": name, "sequences": sequences, "tokens": tokens[i], "decode_steps": decode_steps,
-            "generation_s": round(seconds[i], 4), "tokens_per_s": round(tokens[i] / seconds[i], 1),
-            "tokens_all": tokens, "generation_s_all": [round(s, 4) for s in seconds]}  # fmt: skip
+    return {
+        "contender": name,
+        "sequences": sequences,
+        "tokens": tokens[i],
+        "decode_steps": decode_steps,
+        "generation_s": round(seconds[i], 4),
+        "tokens_per_s": round(tokens[i] / seconds[i], 1),
+        "tokens_all": tokens,
+        "generation_s_all": [round(s, 4) for s in seconds],
+    }
 
 
 # ------------------------------------------------------------------------------------------ moe-qlora
@@ -163,8 +179,11 @@ class PolicyBench:
         self.load_s = time.perf_counter() - t
         seed_everything(cfg.train.seed)
         optimizer = build_optimizer(params, cfg.train)
-        self.training = {"model": model, "optimizer": optimizer,
-                         "scheduler": build_schedule(optimizer, (steps + 1) * cfg.grpo.passes, cfg.train)}  # fmt: skip
+        self.training = {
+            "model": model,
+            "optimizer": optimizer,
+            "scheduler": build_schedule(optimizer, (steps + 1) * cfg.grpo.passes, cfg.train),
+        }
         self.rewards = RewardClock(self.source)
         self.batch, self.device, self.steps_done = self.source.items[: cfg.grpo.prompts_per_step], cfg.model.device, 0
         model.train()
@@ -180,12 +199,16 @@ class PolicyBench:
         start_step(self.steps_done)
         self.rewards.seconds = 0.0
         t0 = clock(self.device)
-        record = grpo_step(self.source, self.batch, self.training, self.source.tokenizer.pad_token_id, None,
-                           self.steps_done)  # fmt: skip
+        record = grpo_step(
+            self.source, self.batch, self.training, self.source.tokenizer.pad_token_id, None, self.steps_done
+        )
         step_s = clock(self.device) - t0
         scoring = self.rewards.seconds
-        phases = {"generation": record["generation_s"] - scoring, "scoring": scoring,
-                  "update": step_s - record["generation_s"]}  # fmt: skip
+        phases = {
+            "generation": record["generation_s"] - scoring,
+            "scoring": scoring,
+            "update": step_s - record["generation_s"],
+        }
         return {**phases, "step": step_s}, record
 
 
@@ -206,12 +229,19 @@ def policy_worker(cfg, steps: int) -> dict:
     decode = int(record["completion_tokens"]["max"])
     step_s = split["step"]
     phases = {k: {"s": round(split[k], 6), "share": round(split[k] / step_s, 4)} for k in PHASES}
-    return {**generation_record("moe-qlora", times["generation"], tokens, m, sequences, decode),
-            "compute_dtype": str(compute_dtype(cfg)).removeprefix("torch."), "load_s": round(bench.load_s, 2),
-            "kernels": resolve_kernels(cfg.model.kernels, cfg.model.device, compute_dtype(cfg)),
-            "step_s": round(step_s, 6), "step_s_all": [round(s, 6) for s in times["step"]], "phases": phases,
-            "sequences_trained": record["sequences_trained"], "reward_mean": record["reward_mean"],
-            "param_mib": bytes_by_kind(bench.training["model"]), "peak_rss_mib": round(peak_rss_mib(), 1)}  # fmt: skip
+    return {
+        **generation_record("moe-qlora", times["generation"], tokens, m, sequences, decode),
+        "compute_dtype": str(compute_dtype(cfg)).removeprefix("torch."),
+        "load_s": round(bench.load_s, 2),
+        "kernels": resolve_kernels(cfg.model.kernels, cfg.model.device, compute_dtype(cfg)),
+        "step_s": round(step_s, 6),
+        "step_s_all": [round(s, 6) for s in times["step"]],
+        "phases": phases,
+        "sequences_trained": record["sequences_trained"],
+        "reward_mean": record["reward_mean"],
+        "param_mib": bytes_by_kind(bench.training["model"]),
+        "peak_rss_mib": round(peak_rss_mib(), 1),
+    }
 
 
 # ------------------------------------------------------------------------------------------ transformers
@@ -225,20 +255,29 @@ def load_transformers(cfg, model_path: str, dtype: torch.dtype, *, lora: bool, e
 
     from moe_qlora.model.families import resolve_targets
 
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
-                               bnb_4bit_use_double_quant=cfg.model.linear_double_quant)  # fmt: skip
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_use_double_quant=cfg.model.linear_double_quant,
+    )
     placement = {"device_map": {"": cfg.model.device}} if cfg.model.device != "cpu" else {}
     chosen = {"experts_implementation": experts} if experts else {}
-    model = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=quant, dtype=dtype, **placement,
-                                                 **chosen)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, quantization_config=quant, dtype=dtype, **placement, **chosen
+    )
     implementation = getattr(model.config, "_experts_implementation", None) or "eager"
     model.requires_grad_(False)  # frozen, as under PEFT (and parameter_bytes_by_kind counts trainables as LoRA)
     if not lora:
         return model, implementation
     stacks = sorted({re.sub(r"^.*\.layers\.\d+\.", "", n) for n, p in model.named_parameters() if p.dim() == 3})
-    config = LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                        target_modules=resolve_targets(model, cfg.lora.target_modules) or [],
-                        target_parameters=stacks if cfg.lora.experts else None)  # fmt: skip
+    config = LoraConfig(
+        r=cfg.lora.rank,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        target_modules=resolve_targets(model, cfg.lora.target_modules) or [],
+        target_parameters=stacks if cfg.lora.experts else None,
+    )
     torch.manual_seed(cfg.train.seed)
     return get_peft_model(model, config), implementation
 
@@ -273,10 +312,14 @@ def transformers_worker(cfg, name: str, steps: int, experts: str | None) -> dict
             tokens.append(sum(completion_end(row, tokenizer, tokenizer.eos_token_id, g.stop) for row in generated))
             widths.append(len(generated[0]))
     m = median_index(seconds)
-    return {**generation_record(name, seconds, tokens, m, len(generated), widths[m]),
-            "compute_dtype": str(dtype).removeprefix("torch."), "load_s": round(load_s, 2),
-            "experts_implementation": implementation, "param_mib": bytes_by_kind(model),
-            "peak_rss_mib": round(peak_rss_mib(), 1)}  # fmt: skip
+    return {
+        **generation_record(name, seconds, tokens, m, len(generated), widths[m]),
+        "compute_dtype": str(dtype).removeprefix("torch."),
+        "load_s": round(load_s, 2),
+        "experts_implementation": implementation,
+        "param_mib": bytes_by_kind(model),
+        "peak_rss_mib": round(peak_rss_mib(), 1),
+    }
 
 
 # ------------------------------------------------------------------------------------------ the driver
@@ -284,10 +327,28 @@ def transformers_worker(cfg, name: str, steps: int, experts: str | None) -> dict
 
 def run_contender(name: str, args) -> dict:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, __file__, "--worker", name, "--prompts-file", str(args.prompts_file), "--model", args.model,
-           "--device", args.device, "--prompts", str(args.prompts), "--group-size", str(args.group_size),
-           "--max-new-tokens", str(args.max_new_tokens), "--steps", str(args.steps),
-           "--threads", str(args.threads)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        name,
+        "--prompts-file",
+        str(args.prompts_file),
+        "--model",
+        args.model,
+        "--device",
+        args.device,
+        "--prompts",
+        str(args.prompts),
+        "--group-size",
+        str(args.group_size),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--steps",
+        str(args.steps),
+        "--threads",
+        str(args.threads),
+    ]
     cmd += ["--hf-experts", args.hf_experts] if args.hf_experts else []
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
@@ -309,12 +370,25 @@ def print_tables(results: list[dict], args) -> None:
     from rich.table import Table
 
     console = Console(width=150)
-    title = (f"{args.model} on {args.device}, {args.threads} threads: generation of {args.prompts} prompts x "
-             f"{args.group_size} completions, max_new_tokens {args.max_new_tokens}; the median of {args.steps} calls "
-             "after a warm-up")  # fmt: skip
+    title = (
+        f"{args.model} on {args.device}, {args.threads} threads: generation of {args.prompts} prompts x "
+        f"{args.group_size} completions, max_new_tokens {args.max_new_tokens}; the median of {args.steps} calls "
+        "after a warm-up"
+    )
     table = Table(title=title)
-    for col in ("contender", "dtype", "holds", "sequences", "tokens", "decode steps", "gen s / call", "tokens/s",
-                "vs ours", "peak RSS MiB", "load s"):  # fmt: skip
+    for col in (
+        "contender",
+        "dtype",
+        "holds",
+        "sequences",
+        "tokens",
+        "decode steps",
+        "gen s / call",
+        "tokens/s",
+        "vs ours",
+        "peak RSS MiB",
+        "load s",
+    ):
         table.add_column(col, justify="right")
     ours = next((r for r in results if r["contender"] == "moe-qlora" and "error" not in r), None)
     for r in results:
@@ -322,9 +396,19 @@ def print_tables(results: list[dict], args) -> None:
             table.add_row(r["contender"], "", "error: " + r["error"][:100], *[""] * 8)
             continue
         ratio = f"{r['tokens_per_s'] / ours['tokens_per_s']:.2f}x" if ours else "-"
-        table.add_row(r["contender"], r["compute_dtype"], holds(r), str(r["sequences"]), str(r["tokens"]),
-                      str(r["decode_steps"]), f"{r['generation_s']:.3f}", f"{r['tokens_per_s']:,.0f}", ratio,
-                      f"{r['peak_rss_mib']:.0f}", f"{r['load_s']:.1f}")  # fmt: skip
+        table.add_row(
+            r["contender"],
+            r["compute_dtype"],
+            holds(r),
+            str(r["sequences"]),
+            str(r["tokens"]),
+            str(r["decode_steps"]),
+            f"{r['generation_s']:.3f}",
+            f"{r['tokens_per_s']:,.0f}",
+            ratio,
+            f"{r['peak_rss_mib']:.0f}",
+            f"{r['load_s']:.1f}",
+        )
     console.print(table)
     if ours is None:
         return
@@ -346,13 +430,20 @@ def parse_args():
     ap.add_argument("--group-size", type=int, default=8, help="completions sampled per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--steps", type=int, default=3, help="timed steps (generate calls) after one warm-up")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads of each contender. 1: the tiny model's ops gain nothing from more, and on a "
-                    "busy machine a second thread makes every op wait for a core (10-100x slower); raise it for a "
-                    "real checkpoint on a quiet machine")  # fmt: skip
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of each contender. 1: the tiny model's ops gain nothing from more, and on a "
+        "busy machine a second thread makes every op wait for a core (10-100x slower); raise it for a "
+        "real checkpoint on a quiet machine",
+    )
     ap.add_argument("--only", nargs="*", choices=CONTENDERS, default=CONTENDERS)
-    ap.add_argument("--hf-experts", choices=["eager", "grouped_mm", "batched_mm"],
-                    help="transformers' experts_implementation (default: its own choice)")  # fmt: skip
+    ap.add_argument(
+        "--hf-experts",
+        choices=["eager", "grouped_mm", "batched_mm"],
+        help="transformers' experts_implementation (default: its own choice)",
+    )
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--prompts-file", type=Path, help=argparse.SUPPRESS)
@@ -367,17 +458,28 @@ def main() -> None:
         logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
         torch.set_num_threads(args.threads)
         cfg = bench_config(args)
-        run = policy_worker(cfg, args.steps) if args.worker == "moe-qlora" else \
-            transformers_worker(cfg, args.worker, args.steps, args.hf_experts)  # fmt: skip
+        run = (
+            policy_worker(cfg, args.steps)
+            if args.worker == "moe-qlora"
+            else transformers_worker(cfg, args.worker, args.steps, args.hf_experts)
+        )
         print(json.dumps(run))
         return
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp:
         args.prompts_file = write_prompts(Path(tmp) / "prompts.jsonl", args.prompts)
         results = [run_contender(name, args) for name in args.only]
     print_tables(results, args)
-    payload = {"model": args.model, "device": args.device, "prompts": args.prompts, "group_size": args.group_size,
-               "max_new_tokens": args.max_new_tokens, "steps": args.steps, "threads": args.threads,
-               "torch": torch.__version__, "results": results}  # fmt: skip
+    payload = {
+        "model": args.model,
+        "device": args.device,
+        "prompts": args.prompts,
+        "group_size": args.group_size,
+        "max_new_tokens": args.max_new_tokens,
+        "steps": args.steps,
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "results": results,
+    }
     print(json.dumps(payload))
     if args.json:
         args.json.write_text(json.dumps(payload, indent=2))

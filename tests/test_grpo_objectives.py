@@ -122,8 +122,9 @@ def split(*tensors):
 def trl_loss(g: GrpoSection):
     logp, old, ref, adv, mask, ent = inputs()
     n_glob = float(mask.sum())
-    total = sum(trl_micro_loss(*part, g, n_glob=n_glob, ga=ROWS // MICRO) for part in split(logp, old, ref, adv,
-                                                                                               mask, ent))  # fmt: skip
+    total = sum(
+        trl_micro_loss(*part, g, n_glob=n_glob, ga=ROWS // MICRO) for part in split(logp, old, ref, adv, mask, ent)
+    )
     total.backward()
     return total.detach(), logp.grad, ent.grad
 
@@ -132,9 +133,19 @@ def our_loss(g: GrpoSection):
     logp, old, ref, adv, mask, ent = inputs()
     total = 0.0
     for lp, o, r, a, m, e in split(logp, old, ref, adv, mask, ent):
-        loss, _ = micro_batch_loss(lp * m, m, e, o, r if g.kl_coef else None, a, g, PolicyTerm.of(g),
-                                   total_tokens=int(mask.sum()), total_sequences=ROWS,
-                                   micro_batches=ROWS // MICRO)  # fmt: skip
+        loss, _ = micro_batch_loss(
+            lp * m,
+            m,
+            e,
+            o,
+            r if g.kl_coef else None,
+            a,
+            g,
+            PolicyTerm.of(g),
+            total_tokens=int(mask.sum()),
+            total_sequences=ROWS,
+            micro_batches=ROWS // MICRO,
+        )
         total = total + loss
     total.backward()
     return total.detach(), logp.grad, ent.grad
@@ -152,8 +163,10 @@ CASES = {  # id: (options, the broken control's change)
     "vespo": ({"loss_type": "vespo"}, {"vespo_k_neg": 1.0}),
     "gspo": ({"loss_type": "grpo", "importance_sampling_level": "sequence"}, {"importance_sampling_level": "token"}),
     "delta": ({"delta": 1.5}, {"delta": None}),
-    "delta-grpo-sequence": ({"loss_type": "grpo", "delta": 1.4, "importance_sampling_level": "sequence"},
-                            {"delta": None}),  # fmt: skip
+    "delta-grpo-sequence": (
+        {"loss_type": "grpo", "delta": 1.4, "importance_sampling_level": "sequence"},
+        {"delta": None},
+    ),
     "kl": ({"kl_coef": 0.1}, {"kl_coef": 0.2}),
     "kl-bias-corrected": ({"kl_coef": 0.1, "use_bias_correction_kl": True}, {"use_bias_correction_kl": False}),
     "kl-bias-corrected-sequence": (
@@ -162,11 +175,15 @@ CASES = {  # id: (options, the broken control's change)
     ),
     "off-policy-mask": ({"off_policy_mask_threshold": 0.05}, {"off_policy_mask_threshold": None}),
     "entropy-quantile": ({"top_entropy_quantile": 0.4}, {"top_entropy_quantile": 1.0}),
-    "entropy-quantile-grpo-kl": ({"loss_type": "grpo", "top_entropy_quantile": 0.4, "kl_coef": 0.1},
-                                 {"top_entropy_quantile": 1.0}),  # fmt: skip
+    "entropy-quantile-grpo-kl": (
+        {"loss_type": "grpo", "top_entropy_quantile": 0.4, "kl_coef": 0.1},
+        {"top_entropy_quantile": 1.0},
+    ),
     "entropy-bonus": ({"entropy_coef": 0.05}, {"entropy_coef": 0.0}),
-    "entropy-bonus-grpo-quantile": ({"loss_type": "grpo", "entropy_coef": 0.05, "top_entropy_quantile": 0.4},
-                                    {"entropy_coef": 0.0}),  # fmt: skip
+    "entropy-bonus-grpo-quantile": (
+        {"loss_type": "grpo", "entropy_coef": 0.05, "top_entropy_quantile": 0.4},
+        {"entropy_coef": 0.0},
+    ),
     "entropy-bonus-dapo-quantile": ({"entropy_coef": 0.05, "top_entropy_quantile": 0.4}, {"entropy_coef": 0.0}),
 }
 
@@ -284,8 +301,9 @@ def trl_advantages(per_fn: torch.Tensor, weights: torch.Tensor, group: int, scal
     else:
         grouped = per_fn.view(-1, group, per_fn.shape[1])
         mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
-        std_k = torch.stack([torch.stack([nanstd(grouped[i, :, k]) for k in range(grouped.shape[2])])
-                             for i in range(grouped.shape[0])])[:, None, :]  # fmt: skip
+        std_k = torch.stack(
+            [torch.stack([nanstd(grouped[i, :, k]) for k in range(grouped.shape[2])]) for i in range(grouped.shape[0])]
+        )[:, None, :]
         reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, per_fn.shape[1])
         rewards = (reward_k * weights[None]).nansum(dim=1)
         rewards[unscorable] = torch.nan
@@ -307,8 +325,10 @@ def test_advantages_match_trls_with_rewards_that_abstain(scale, aggregation):
     g = section(scale_rewards=scale, multi_objective_aggregation=aggregation)
     per_fn = torch.tensor([PER_FN["format"], PER_FN["answer"]]).t()
     expected = trl_advantages(per_fn, torch.tensor([0.5, 2.0]), 4, scale, aggregation)
-    functions = [RewardFunction(name, lambda p, c, vals=vals, **k: [None if math.isnan(v) else v for v in vals], w, {})
-                 for (name, vals), w in zip(PER_FN.items(), WEIGHTS.values(), strict=True)]  # fmt: skip
+    functions = [
+        RewardFunction(name, lambda p, c, vals=vals, **k: [None if math.isnan(v) else v for v in vals], w, {})
+        for (name, vals), w in zip(PER_FN.items(), WEIGHTS.values(), strict=True)
+    ]
     totals, scored, errors = score(functions, ["p"] * 12, ["c"] * 12, {})
     assert errors == 0 and math.isnan(totals[2]) and math.isnan(totals[8])  # no function scored them
     ours = rollout_advantages(totals, scored, [4, 4, 4], g, WEIGHTS)
@@ -316,8 +336,9 @@ def test_advantages_match_trls_with_rewards_that_abstain(scale, aggregation):
     assert ours[2] == 0 and ours[8] == 0
     # broken control: scoring None as 0 (what moe-qlora did before) moves the advantages
     zeros = {k: [0.0 if math.isnan(v) else v for v in vals] for k, vals in scored.items()}
-    as_zero = rollout_advantages([sum(WEIGHTS[k] * zeros[k][i] for k in zeros) for i in range(12)], zeros,
-                                 [4, 4, 4], g, WEIGHTS)  # fmt: skip
+    as_zero = rollout_advantages(
+        [sum(WEIGHTS[k] * zeros[k][i] for k in zeros) for i in range(12)], zeros, [4, 4, 4], g, WEIGHTS
+    )
     assert not torch.allclose(as_zero.double(), expected.double(), atol=1e-3)
 
 
@@ -352,7 +373,11 @@ def test_options_an_objective_would_ignore_are_refused(options, message):
 def test_defaults_are_trls_but_cispos_cap():
     g = section()
     assert (g.loss_type, g.scale_rewards, g.multi_objective_aggregation, g.use_bias_correction_kl) == (
-        "dapo", "group", "sum_then_normalize", False)  # fmt: skip
+        "dapo",
+        "group",
+        "sum_then_normalize",
+        False,
+    )
     assert (g.delta, g.off_policy_mask_threshold, g.top_entropy_quantile, g.entropy_coef) == (None, None, 1.0, 0.0)
     assert (g.sapo_temperature_pos, g.sapo_temperature_neg) == (1.0, 1.05)
     assert (g.vespo_k_pos, g.vespo_lambda_pos, g.vespo_k_neg, g.vespo_lambda_neg) == (2.0, 3.0, 3.0, 2.0)

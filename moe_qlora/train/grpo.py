@@ -167,9 +167,19 @@ def policy_update(model, optimizer, schedule, examples: list[Example], cfg: RunC
                     logp, mask, entropies = completion_logprobs_and_entropy(model, batch, g.temperature, chunk=chunk)
                 else:
                     (logp, mask), entropies = completion_logprobs(model, batch, g.temperature, chunk=chunk), None
-            loss, stats = micro_batch_loss(logp, mask, entropies, old_lp, ref_lp, batch["weights"], g, term,
-                                           total_tokens=max(total_tokens, 1), total_sequences=total_sequences,
-                                           micro_batches=total_batches)  # fmt: skip
+            loss, stats = micro_batch_loss(
+                logp,
+                mask,
+                entropies,
+                old_lp,
+                ref_lp,
+                batch["weights"],
+                g,
+                term,
+                total_tokens=max(total_tokens, 1),
+                total_sequences=total_sequences,
+                micro_batches=total_batches,
+            )
             with phase("backward"):
                 loss.backward()
             for k, v in stats.items():
@@ -191,22 +201,51 @@ def policy_update(model, optimizer, schedule, examples: list[Example], cfg: RunC
     return record
 
 
-def micro_batch_loss(logp, mask, entropies, old_lp, ref_lp, advantages, g, term: PolicyTerm, *, total_tokens: int,
-                     total_sequences: int, micro_batches: int) -> tuple[torch.Tensor, dict]:  # fmt: skip
+def micro_batch_loss(
+    logp,
+    mask,
+    entropies,
+    old_lp,
+    ref_lp,
+    advantages,
+    g,
+    term: PolicyTerm,
+    *,
+    total_tokens: int,
+    total_sequences: int,
+    micro_batches: int,
+) -> tuple[torch.Tensor, dict]:
     """One micro-batch's share of the rollout batch's GRPO loss, with its statistics. logp, mask, entropies:
     (B, T) (entropies None unless the quantile or the bonus needs them); advantages: (B,)."""
-    weights = token_weights(mask, g.loss_type, total_tokens=total_tokens, total_sequences=total_sequences,
-                            max_new_tokens=g.max_new_tokens, micro_batches=micro_batches)  # fmt: skip
+    weights = token_weights(
+        mask,
+        g.loss_type,
+        total_tokens=total_tokens,
+        total_sequences=total_sequences,
+        max_new_tokens=g.max_new_tokens,
+        micro_batches=micro_batches,
+    )
     keep = top_entropy_mask(entropies, mask, g.top_entropy_quantile) if g.top_entropy_quantile < 1 else None
     bonus = None
     if g.entropy_coef:
         covered = mask if keep is None else keep
         bonus = entropy_weights(covered, g.loss_type, total_tokens=total_tokens, micro_batches=micro_batches)
-    return grpo_token_loss(logp, old_lp, ref_lp, advantages, weights, kl_coef=g.kl_coef,
-                           level=g.importance_sampling_level, term=term,
-                           bias_correction_kl=g.use_bias_correction_kl,
-                           off_policy_threshold=g.off_policy_mask_threshold, keep=keep, entropies=entropies,
-                           bonus_weights=bonus, entropy_coef=g.entropy_coef)  # fmt: skip
+    return grpo_token_loss(
+        logp,
+        old_lp,
+        ref_lp,
+        advantages,
+        weights,
+        kl_coef=g.kl_coef,
+        level=g.importance_sampling_level,
+        term=term,
+        bias_correction_kl=g.use_bias_correction_kl,
+        off_policy_threshold=g.off_policy_mask_threshold,
+        keep=keep,
+        entropies=entropies,
+        bonus_weights=bonus,
+        entropy_coef=g.entropy_coef,
+    )
 
 
 def batch_moments(values: torch.Tensor, ranks: Ranks = SINGLE) -> tuple[float, float]:
@@ -224,8 +263,14 @@ def batch_moments(values: torch.Tensor, ranks: Ranks = SINGLE) -> tuple[float, f
     return mean, math.sqrt(max(squares - total * total / n, 0.0) / (n - 1))
 
 
-def rollout_advantages(rewards: list[float], per_fn: dict[str, list[float]], group_sizes: list[int], g,
-                       weights: dict[str, float], ranks: Ranks = SINGLE) -> torch.Tensor:  # fmt: skip
+def rollout_advantages(
+    rewards: list[float],
+    per_fn: dict[str, list[float]],
+    group_sizes: list[int],
+    g,
+    weights: dict[str, float],
+    ranks: Ranks = SINGLE,
+) -> torch.Tensor:
     """Each completion's advantage from its rewards (NaN: scored by no function), as TRL's
     multi_objective_aggregation and scale_rewards define it; the batch's statistics over all ranks."""
     if g.multi_objective_aggregation == "normalize_then_sum":
@@ -304,10 +349,20 @@ def _json_number(v: float) -> float | None:
 
 def write_rollouts(log: MetricsLog, step: int, rollouts, rewards, per_fn, advantages) -> None:
     for i, (r, reward, adv) in enumerate(zip(rollouts, rewards, advantages.tolist(), strict=True)):
-        log.write({"step": step, "source": r.prompt.source, "group": r.group, "prompt": r.prompt.text,
-                   "completion": r.text, "completion_tokens": len(r.completion_ids), "truncated": r.truncated,
-                   "reward": _json_number(reward),
-                   "rewards": {k: _json_number(v[i]) for k, v in per_fn.items()}, "advantage": adv})  # fmt: skip
+        log.write(
+            {
+                "step": step,
+                "source": r.prompt.source,
+                "group": r.group,
+                "prompt": r.prompt.text,
+                "completion": r.text,
+                "completion_tokens": len(r.completion_ids),
+                "truncated": r.truncated,
+                "reward": _json_number(reward),
+                "rewards": {k: _json_number(v[i]) for k, v in per_fn.items()},
+                "advantage": adv,
+            }
+        )
 
 
 def whole_batch(shares: list[tuple]) -> tuple:
@@ -422,8 +477,10 @@ def grpo(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool
 def _grpo(cfg: RunConfig, console: Console, ranks: Ranks, *, allow_mismatch: bool, overwrite: bool) -> GrpoResult:
     out = Path(cfg.output.dir)
     if ranks.enabled and cfg.grpo.top_entropy_quantile < 1:
-        raise ConfigError("grpo.top_entropy_quantile < 1 runs in one process for now: TRL takes the quantile over "
-                          "the micro-batches of every rank together, which moe-qlora does not gather")  # fmt: skip
+        raise ConfigError(
+            "grpo.top_entropy_quantile < 1 runs in one process for now: TRL takes the quantile over "
+            "the micro-batches of every rank together, which moe-qlora does not gather"
+        )
     claim_output_dir_together(out, cfg, ranks, console, overwrite=overwrite)
     started = time.perf_counter()
     with StopSignals(console) as stop:

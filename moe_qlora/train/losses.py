@@ -172,8 +172,7 @@ def token_logprobs(model, batch, *, scale: float = 1.0, chunk: int = 0, entropy:
         hidden = out.logits[:, :-1].reshape(-1, out.logits.shape[-1])
         flat_targets = targets.clamp(min=0).reshape(-1)
         if entropy:
-            logp, ent = ChunkedTokenLogProbsAndEntropy.apply(hidden, head.weight, head.bias, flat_targets, scale,
-                                                             chunk)  # fmt: skip
+            logp, ent = ChunkedTokenLogProbsAndEntropy.apply(hidden, head.weight, head.bias, flat_targets, scale, chunk)
             out.token_entropy = ent.view(targets.shape)
         else:
             logp = ChunkedTokenLogProbs.apply(hidden, head.weight, head.bias, flat_targets, scale, chunk)
@@ -291,9 +290,18 @@ class PolicyTerm:
     @classmethod
     def of(cls, g) -> PolicyTerm:
         """From a GrpoSection."""
-        return cls(g.loss_type, g.clip_eps, g.clip_eps_high or g.clip_eps, g.delta, g.sapo_temperature_pos,
-                   g.sapo_temperature_neg, g.vespo_k_pos, g.vespo_lambda_pos, g.vespo_k_neg,
-                   g.vespo_lambda_neg)  # fmt: skip
+        return cls(
+            g.loss_type,
+            g.clip_eps,
+            g.clip_eps_high or g.clip_eps,
+            g.delta,
+            g.sapo_temperature_pos,
+            g.sapo_temperature_neg,
+            g.vespo_k_pos,
+            g.vespo_lambda_pos,
+            g.vespo_k_neg,
+            g.vespo_lambda_neg,
+        )
 
 
 def vespo_weights(log_ratio: torch.Tensor, mask: torch.Tensor, a: torch.Tensor, term: PolicyTerm) -> torch.Tensor:
@@ -341,12 +349,25 @@ def off_policy_keep(logp, sampled, a, mask, threshold: float) -> torch.Tensor:
     return ((a >= 0) | (mean_kl <= threshold)).to(logp)
 
 
-def grpo_token_loss(logp, old_logp, ref_logp, advantages, weights, *, clip_eps: float = 0.2,
-                    clip_eps_high: float | None = None, kl_coef: float = 0.0, level: str = "token",
-                    term: PolicyTerm | None = None, bias_correction_kl: bool = False,
-                    off_policy_threshold: float | None = None, keep: torch.Tensor | None = None,
-                    entropies: torch.Tensor | None = None, bonus_weights: torch.Tensor | None = None,
-                    entropy_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+def grpo_token_loss(
+    logp,
+    old_logp,
+    ref_logp,
+    advantages,
+    weights,
+    *,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    kl_coef: float = 0.0,
+    level: str = "token",
+    term: PolicyTerm | None = None,
+    bias_correction_kl: bool = False,
+    off_policy_threshold: float | None = None,
+    keep: torch.Tensor | None = None,
+    entropies: torch.Tensor | None = None,
+    bonus_weights: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO objective of a micro-batch as a loss to minimise, and its statistics (summed over tokens with the
     same weights: add them up over micro-batches). In TRL's order: the policy term, the off-policy mask, the
     entropy mask (`keep`), then + kl_coef * KL (masked by neither), summed with `weights`; minus the entropy bonus.

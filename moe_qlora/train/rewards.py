@@ -197,8 +197,10 @@ def _checked_values(f: RewardFunction, values, n: int) -> list[float]:
                           "expected a list with one float per completion")  # fmt: skip
     bad = [v for v in values if v is not None and not _finite_number(v)]
     if bad:
-        raise RewardError(f"reward {f.name!r} returned non-finite or non-numeric values, e.g. {bad[0]!r} "
-                          "(None: this function does not score that sample)")  # fmt: skip
+        raise RewardError(
+            f"reward {f.name!r} returned non-finite or non-numeric values, e.g. {bad[0]!r} "
+            "(None: this function does not score that sample)"
+        )
     return [math.nan if v is None else float(v) for v in values]
 
 
@@ -244,8 +246,9 @@ def nan_std(values: torch.Tensor) -> float:
     return float(finite.std(unbiased=True)) if finite.numel() > 1 else math.nan
 
 
-def group_advantages(rewards: torch.Tensor, group_sizes: list[int], *, scale: str | bool, eps: float,
-                     batch_std: float | None = None) -> torch.Tensor:  # fmt: skip
+def group_advantages(
+    rewards: torch.Tensor, group_sizes: list[int], *, scale: str | bool, eps: float, batch_std: float | None = None
+) -> torch.Tensor:
     """A_i = (r_i - mean_g) / (std + eps) within each group g, as TRL's scale_rewards: group: the group's std
     (unbiased); batch: `batch_std`, the whole rollout batch's (all ranks); none: r_i - mean_g (True / False:
     group / none).
@@ -272,8 +275,9 @@ def group_advantages(rewards: torch.Tensor, group_sizes: list[int], *, scale: st
     return out.float()
 
 
-def normalized_then_summed(per_fn: dict[str, list[float]], weights: dict[str, float], group_sizes: list[int], *,
-                           eps: float) -> torch.Tensor:  # fmt: skip
+def normalized_then_summed(
+    per_fn: dict[str, list[float]], weights: dict[str, float], group_sizes: list[int], *, eps: float
+) -> torch.Tensor:
     """GDPO's aggregation (TRL's normalize_then_sum) before its batch whitening: each function's rewards z-scored
     within each group (unbiased std + eps; NaN where unscored, or the group has one scored value), then the
     weighted sum over the functions that have a value; NaN where none has. (N,) float64."""
