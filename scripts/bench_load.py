@@ -22,9 +22,19 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SHAPE = dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=6, num_attention_heads=16, num_key_value_heads=4,
-             head_dim=128, num_experts=48, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=4096,
-             max_position_embeddings=4096)  # fmt: skip
+SHAPE = dict(
+    vocab_size=32000,
+    hidden_size=2048,
+    num_hidden_layers=6,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=48,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+    intermediate_size=4096,
+    max_position_embeddings=4096,
+)
 SHARD_BYTES = 400 * 2**20
 
 
@@ -59,8 +69,9 @@ def generate(path: Path) -> Path:
             flush()
     flush()
     total = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                   "weight_map": weight_map}))  # fmt: skip
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     config.save_pretrained(path)
     build_byte_tokenizer().save_pretrained(path)
     return path
@@ -82,8 +93,9 @@ def worker(name: str, path: str) -> dict:
     if name == "moe-qlora":
         model = load_model(LoadOptions(path, compute_dtype=torch.bfloat16))
     else:
-        quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
+        quant = transformers.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+        )
         model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, dtype=torch.bfloat16)
     seconds = time.perf_counter() - t
     peak_load = peak_rss_mib()
@@ -121,17 +133,29 @@ def main():
     shard_mib = max(f.stat().st_size for f in shards) / 2**20
     results = []
     for name in args.only:
-        proc = subprocess.run([sys.executable, __file__, "--worker", name, "--path", str(path)],
-                              capture_output=True, text=True)  # fmt: skip
-        results.append(json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0
-                       else {"loader": name, "error": proc.stderr.strip().splitlines()[-1]})  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, __file__, "--worker", name, "--path", str(path)], capture_output=True, text=True
+        )
+        results.append(
+            json.loads(proc.stdout.strip().splitlines()[-1])
+            if proc.returncode == 0
+            else {"loader": name, "error": proc.stderr.strip().splitlines()[-1]}
+        )
 
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"{len(shards)} bf16 shards, {ckpt_mib:,.0f} MiB (largest {shard_mib:,.0f} MiB)")
-    columns = ("loader", "peak RSS MiB", "peak - baseline", "<= model + shard?", "RSS once weights touched",
-               "model MiB", "of which dense experts", "load s")  # fmt: skip
+    columns = (
+        "loader",
+        "peak RSS MiB",
+        "peak - baseline",
+        "<= model + shard?",
+        "RSS once weights touched",
+        "model MiB",
+        "of which dense experts",
+        "load s",
+    )
     for col in columns:
         table.add_column(col, justify="right")
     for r in results:
@@ -151,8 +175,12 @@ def main():
             f"{r['seconds']:.1f}",
         )
     Console(width=150).print(table)
-    payload = {"checkpoint_mib": round(ckpt_mib, 1), "largest_shard_mib": round(shard_mib, 1), "shape": SHAPE,
-               "results": results}  # fmt: skip
+    payload = {
+        "checkpoint_mib": round(ckpt_mib, 1),
+        "largest_shard_mib": round(shard_mib, 1),
+        "shape": SHAPE,
+        "results": results,
+    }
     print(json.dumps(payload))
     if args.json:
         Path(args.json).write_text(json.dumps(payload, indent=2))

@@ -47,9 +47,13 @@ def worker(kind: str, args) -> dict:
         loss = -ChunkedTokenLogProbs.apply(hidden, weight, None, targets, 1.0, args.chunk).sum()
     loss.backward()
     seconds = time.perf_counter() - t
-    return {"kind": kind, "loss": round(float(loss) / args.seq, 5), "seconds": round(seconds, 2),
-            "peak_mib": round(_rss_mib("VmHWM") - base, 1),
-            "grad_norm": round(float(hidden.grad.float().norm()), 5)}  # fmt: skip
+    return {
+        "kind": kind,
+        "loss": round(float(loss) / args.seq, 5),
+        "seconds": round(seconds, 2),
+        "peak_mib": round(_rss_mib("VmHWM") - base, 1),
+        "grad_norm": round(float(hidden.grad.float().norm()), 5),
+    }
 
 
 def main():
@@ -74,8 +78,18 @@ def main():
     print(f"{'':10} {'peak MiB':>10} {'s':>8} {'loss':>10} {'|grad h|':>10}")
     for r in results:
         print(f"{r['kind']:10} {r['peak_mib']:>10,.1f} {r['seconds']:>8.2f} {r['loss']:>10.5f} {r['grad_norm']:>10.5f}")
-    print(json.dumps({"seq": args.seq, "vocab": args.vocab, "hidden": args.hidden, "dtype": args.dtype,
-                      "chunk": args.chunk, "results": results}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "seq": args.seq,
+                "vocab": args.vocab,
+                "hidden": args.hidden,
+                "dtype": args.dtype,
+                "chunk": args.chunk,
+                "results": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

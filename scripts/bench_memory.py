@@ -66,10 +66,17 @@ def run_config(model: Path, seq: int, train: dict, out: Path) -> dict:
         "model": {"name_or_path": str(model), "compute_dtype": "auto"},
         "lora": {"rank": 16, "alpha": 32, "experts": True, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
         "data": {"train_files": [str(data)], "format": "text", "max_seq_len": seq},
-        "train": {"micro_batch_size": 1, "epochs": 2, "max_steps": 2, "lr": 1e-4, "warmup_steps": 0,
-                  "gradient_checkpointing": True, **train},
+        "train": {
+            "micro_batch_size": 1,
+            "epochs": 2,
+            "max_steps": 2,
+            "lr": 1e-4,
+            "warmup_steps": 0,
+            "gradient_checkpointing": True,
+            **train,
+        },
         "output": {"dir": str(out / "run")},
-    }  # fmt: skip
+    }
 
 
 def reset_peak_rss() -> None:
@@ -101,8 +108,11 @@ def worker(model: str, seq: int, label: str) -> dict:
 
     trainer.train_step = measured_step
     trainer.train(cfg, Console(quiet=True))
-    return {"measured_peak_mib": round(max(p for p, _ in peaks), 1), "rss_after_load_mib": round(loaded["rss"], 1),
-            "step_s": round(peaks[-1][1], 1)}  # fmt: skip
+    return {
+        "measured_peak_mib": round(max(p for p, _ in peaks), 1),
+        "rss_after_load_mib": round(loaded["rss"], 1),
+        "step_s": round(peaks[-1][1], 1),
+    }
 
 
 def planned(model: Path, seq: int, label: str) -> tuple[int, dict]:
@@ -140,13 +150,21 @@ def main() -> None:
     for seq in args.seqs:
         for label in args.configs:
             total, rows = planned(model, seq, label)
-            row = {"config": label, "layers": args.layers, "seq": seq, **measure(model, seq, label),
-                   "planned_mib": round(total / 2**20, 1), "plan_rows_mib": rows}  # fmt: skip
+            row = {
+                "config": label,
+                "layers": args.layers,
+                "seq": seq,
+                **measure(model, seq, label),
+                "planned_mib": round(total / 2**20, 1),
+                "plan_rows_mib": rows,
+            }
             row["ratio"] = round(row["measured_peak_mib"] / row["planned_mib"], 3)
             results.append(row)
-            print(f"{label:<38} seq {seq:>5}: measured {row['measured_peak_mib']:>9,.0f} MiB, planned "
-                  f"{row['planned_mib']:>9,.0f} MiB, ratio {row['ratio']:.3f}, step {row['step_s']} s",
-                  flush=True)  # fmt: skip
+            print(
+                f"{label:<38} seq {seq:>5}: measured {row['measured_peak_mib']:>9,.0f} MiB, planned "
+                f"{row['planned_mib']:>9,.0f} MiB, ratio {row['ratio']:.3f}, step {row['step_s']} s",
+                flush=True,
+            )
     from rich.console import Console
     from rich.table import Table
 
@@ -154,11 +172,15 @@ def main() -> None:
     for col in ("configuration", "seq", "measured MiB", "planned MiB", "measured / planned"):
         table.add_column(col, justify="left" if col == "configuration" else "right")
     for r in results:
-        table.add_row(r["config"], str(r["seq"]), f"{r['measured_peak_mib']:,.0f}", f"{r['planned_mib']:,.0f}",
-                      f"{r['ratio']:.3f}")  # fmt: skip
+        table.add_row(
+            r["config"],
+            str(r["seq"]),
+            f"{r['measured_peak_mib']:,.0f}",
+            f"{r['planned_mib']:,.0f}",
+            f"{r['ratio']:.3f}",
+        )
     Console().print(table)
-    payload = {"model": "qwen3-30b-a3b layers", "device": "cpu", "threads": torch.get_num_threads(),
-               "results": results}  # fmt: skip
+    payload = {"model": "qwen3-30b-a3b layers", "device": "cpu", "threads": torch.get_num_threads(), "results": results}
     print(json.dumps(payload))
     if args.json:
         args.json.write_text(json.dumps(payload, indent=2) + "\n")

@@ -112,8 +112,11 @@ def main():
         shutil.rmtree(out, ignore_errors=True)
         command = [sys.executable, __file__, "--worker", name, "--adapter", str(adapter), "--out", str(out)]
         proc = subprocess.run(command, capture_output=True, text=True)
-        results.append(json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0
-                       else {"merger": name, "error": proc.stderr.strip().splitlines()[-1]})  # fmt: skip
+        results.append(
+            json.loads(proc.stdout.strip().splitlines()[-1])
+            if proc.returncode == 0
+            else {"merger": name, "error": proc.stderr.strip().splitlines()[-1]}
+        )
         shutil.rmtree(out, ignore_errors=True)
 
     from rich.console import Console
@@ -127,8 +130,14 @@ def main():
         if "error" in r:
             table.add_row(r["merger"], "error: " + r["error"][:80], *[""] * (len(columns) - 2))
             continue
-        table.add_row(r["merger"], f"{r['peak_rss_mib']:,.0f}", f"{r['peak_rss_mib'] - r['baseline_mib']:,.0f}",
-                      f"{r['written_mib']:,.0f}", str(r["shards"]), f"{r['seconds']:.1f}")  # fmt: skip
+        table.add_row(
+            r["merger"],
+            f"{r['peak_rss_mib']:,.0f}",
+            f"{r['peak_rss_mib'] - r['baseline_mib']:,.0f}",
+            f"{r['written_mib']:,.0f}",
+            str(r["shards"]),
+            f"{r['seconds']:.1f}",
+        )
     Console(width=150).print(table)
     payload = {"checkpoint_mib": round(ckpt_mib, 1), "shard": SHARD, "results": results}
     print(json.dumps(payload))

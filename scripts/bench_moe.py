@@ -38,8 +38,9 @@ def experts_module(hidden, inter, num_experts, top_k, dtype, device="cpu"):
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-    cfg = MixtralConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=num_experts,
-                        num_experts_per_tok=top_k)  # fmt: skip
+    cfg = MixtralConfig(
+        hidden_size=hidden, intermediate_size=inter, num_local_experts=num_experts, num_experts_per_tok=top_k
+    )
     torch.manual_seed(0)
     with torch.device(device):
         module = MixtralExperts(cfg).to(dtype)
@@ -78,8 +79,13 @@ def set_kernels(module, kernels, *, self_check=True):
     from moe_qlora.moe.experts import set_moe_kernels
 
     defaults = ModelSection.model_fields
-    set_moe_kernels(module, kernels, fused_below_rows=defaults["fused_below_rows"].default,
-                    dequant_buffer_mb=defaults["dequant_buffer_mb"].default, self_check=self_check)  # fmt: skip
+    set_moe_kernels(
+        module,
+        kernels,
+        fused_below_rows=defaults["fused_below_rows"].default,
+        dequant_buffer_mb=defaults["dequant_buffer_mb"].default,
+        self_check=self_check,
+    )
 
 
 def peft(module, cfg, implementation, rank):
@@ -109,9 +115,12 @@ def expert_bytes(layer) -> float:
     """Bytes one expert's weights take as stored (NF4 codes, block scales and nested scales; or 16-bit)."""
     from moe_qlora.moe.nf4 import stack_nbytes
 
-    total = sum(stack_nbytes(p) if hasattr(p, "quant_state") else p.numel() * p.element_size()
-                for n, p in layer.named_parameters() if n.split(".")[-1] in ("gate_up_proj", "down_proj")
-                or n.endswith(("gate_up_proj.base_layer", "down_proj.base_layer")))  # fmt: skip
+    total = sum(
+        stack_nbytes(p) if hasattr(p, "quant_state") else p.numel() * p.element_size()
+        for n, p in layer.named_parameters()
+        if n.split(".")[-1] in ("gate_up_proj", "down_proj")
+        or n.endswith(("gate_up_proj.base_layer", "down_proj.base_layer"))
+    )
     return total / experts_config(layer).num_local_experts
 
 
@@ -193,22 +202,28 @@ def stored_mib(layer) -> float:
 
 def print_table(results, rooflines):
     """One block per (shape, tokens): its roofline line, then a row per contender."""
-    print(f"{'contender':34s} {'wall':>9s} {'GPU':>9s} {'x ideal':>8s} {'max rel err':>11s} {'stored MiB':>10s} "
-          f"{'step peak MiB':>13s}  check")  # fmt: skip
+    print(
+        f"{'contender':34s} {'wall':>9s} {'GPU':>9s} {'x ideal':>8s} {'max rel err':>11s} {'stored MiB':>10s} "
+        f"{'step peak MiB':>13s}  check"
+    )
     case = None
     for r in results:
         if (r["shape"], r["tokens"]) != case:
             case = r["shape"], r["tokens"]
             rl = rooflines[case]
-            print(f"{case[0]} x {case[1]} tokens: must read {rl['bytes'] / 2**20:.1f} MiB and do "
-                  f"{rl['flops'] / 1e9:.1f} GFLOP; H100 ideal {rl['h100_ideal_s'] * 1e6:.1f} us ({rl['bound']}-bound)")
+            print(
+                f"{case[0]} x {case[1]} tokens: must read {rl['bytes'] / 2**20:.1f} MiB and do "
+                f"{rl['flops'] / 1e9:.1f} GFLOP; H100 ideal {rl['h100_ideal_s'] * 1e6:.1f} us ({rl['bound']}-bound)"
+            )
         if "skipped" in r:
             print(f"  {r['contender']:32s} skipped: {r['skipped']}")
             continue
         gpu = f"{r['gpu_seconds'] * 1e3:7.2f}ms" if r["gpu_seconds"] is not None else f"{'-':>9s}"
-        print(f"  {r['contender']:32s} {r['seconds'] * 1e3:7.2f}ms {gpu} {r['x_over_ideal']:8.1f} "
-              f"{r['max_relative_error']:11.2e} {r['stored_mib']:10.1f} {r['step_peak_mib']:13.1f}  "
-              f"{'PASS' if r['correct'] else 'FAIL'}")  # fmt: skip
+        print(
+            f"  {r['contender']:32s} {r['seconds'] * 1e3:7.2f}ms {gpu} {r['x_over_ideal']:8.1f} "
+            f"{r['max_relative_error']:11.2e} {r['stored_mib']:10.1f} {r['step_peak_mib']:13.1f}  "
+            f"{'PASS' if r['correct'] else 'FAIL'}"
+        )
 
 
 # max |contender - reference| / max |reference| over the output and every gradient, the reference in fp32 on the
@@ -217,10 +232,14 @@ def print_table(results, rooflines):
 # in bf16, compounding through two projections and the gate); fp32 ones differ in summation order only. A wrong
 # kernel (gate and up swapped, a routing weight dropped, experts rolled) is off by O(1).
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
-CONTENDERS = [("moe-qlora triton", "ours", "triton"), ("moe-qlora grouped_mm", "ours", "grouped_mm"),
-              ("moe-qlora auto", "ours", "auto"), ("moe-qlora torch", "ours", "torch"),
-              ("transformers grouped_mm + PEFT", "peft", "grouped_mm"),
-              ("transformers eager + PEFT", "peft", "eager")]  # fmt: skip
+CONTENDERS = [
+    ("moe-qlora triton", "ours", "triton"),
+    ("moe-qlora grouped_mm", "ours", "grouped_mm"),
+    ("moe-qlora auto", "ours", "auto"),
+    ("moe-qlora torch", "ours", "torch"),
+    ("transformers grouped_mm + PEFT", "peft", "grouped_mm"),
+    ("transformers eager + PEFT", "peft", "eager"),
+]
 
 
 def bench_shape(shape_name, dims, token_counts, *, device, dtype, rank, repeats):
@@ -246,14 +265,20 @@ def bench_shape(shape_name, dims, token_counts, *, device, dtype, rank, repeats)
         seed = torch.randn(tokens, hidden, generator=g).to(device)
         active = int(torch.unique(idx).numel())
         per_expert = expert_bytes(ours_layer)
-        nbytes, flops, ideal = roofline(tokens, hidden, inter, top_k, rank, active, per_expert,
-                                        torch.finfo(dtype).bits // 8)  # fmt: skip
-        rooflines[shape_name, tokens] = {"bytes": nbytes, "flops": flops, "h100_ideal_s": ideal,
-                                         "bound": "memory" if nbytes / H100_BYTES_PER_S > flops / H100_FLOPS
-                                         else "compute"}  # fmt: skip
+        nbytes, flops, ideal = roofline(
+            tokens, hidden, inter, top_k, rank, active, per_expert, torch.finfo(dtype).bits // 8
+        )
+        rooflines[shape_name, tokens] = {
+            "bytes": nbytes,
+            "flops": flops,
+            "h100_ideal_s": ideal,
+            "bound": "memory" if nbytes / H100_BYTES_PER_S > flops / H100_FLOPS else "compute",
+        }
         set_kernels(ours_layer, "torch")
-        expected = {"ours": step(ours_layer, x.float(), idx, weights.float(), seed),
-                    "peft": step(peft_reference, x.float(), idx, weights.float(), seed)}  # fmt: skip
+        expected = {
+            "ours": step(ours_layer, x.float(), idx, weights.float(), seed),
+            "peft": step(peft_reference, x.float(), idx, weights.float(), seed),
+        }
         for name, owner, kind in CONTENDERS:
             row = {"shape": shape_name, "hidden": hidden, "intermediate": inter, "tokens": tokens, "contender": name}
             if kind in ("triton", "auto") and owner == "ours" and not cuda:
@@ -272,16 +297,29 @@ def bench_shape(shape_name, dims, token_counts, *, device, dtype, rank, repeats)
                 rows.append(row | {"skipped": f"{type(exc).__name__}: {exc}"[:200]})
                 continue
             checker = kernel_self_check(layer) if owner == "ours" else None
-            fell_back = [f"{key[0]} at {key[-1]} rows/expert: {why}" for key, why in
-                         (checker.failed.items() if checker else [])]  # fmt: skip
+            fell_back = [
+                f"{key[0]} at {key[-1]} rows/expert: {why}" for key, why in (checker.failed.items() if checker else [])
+            ]
             correct = error <= TOLERANCE[dtype] and not fell_back
             best = gpu_seconds if gpu_seconds is not None else seconds
-            rows.append(row | {"seconds": seconds, "gpu_seconds": gpu_seconds, "step_peak_mib": peak,
-                               "stored_mib": stored_mib(layer), "bytes": nbytes, "flops": flops,
-                               "expert_bytes": per_expert if owner == "ours" else expert_bytes(layer),
-                               "h100_ideal_s": ideal, "x_over_ideal": best / ideal, "max_relative_error": error,
-                               "tolerance": TOLERANCE[dtype], "self_check_fallbacks": fell_back,
-                               "correct": correct})  # fmt: skip
+            rows.append(
+                row
+                | {
+                    "seconds": seconds,
+                    "gpu_seconds": gpu_seconds,
+                    "step_peak_mib": peak,
+                    "stored_mib": stored_mib(layer),
+                    "bytes": nbytes,
+                    "flops": flops,
+                    "expert_bytes": per_expert if owner == "ours" else expert_bytes(layer),
+                    "h100_ideal_s": ideal,
+                    "x_over_ideal": best / ideal,
+                    "max_relative_error": error,
+                    "tolerance": TOLERANCE[dtype],
+                    "self_check_fallbacks": fell_back,
+                    "correct": correct,
+                }
+            )
     del ours_layer, peft_layer, peft_reference
     return rows, rooflines
 
@@ -303,8 +341,9 @@ def main():
     for shape_name in args.shape or list(SHAPES):
         hidden, inter, num_experts, top_k = SHAPES[shape_name]
         dims = (hidden // shrink, inter // shrink, num_experts, top_k)
-        rows, lines = bench_shape(shape_name, dims, token_counts, device=device, dtype=dtype, rank=args.rank,
-                                  repeats=args.repeats)  # fmt: skip
+        rows, lines = bench_shape(
+            shape_name, dims, token_counts, device=device, dtype=dtype, rank=args.rank, repeats=args.repeats
+        )
         results += rows
         rooflines |= lines
     print_table(results, rooflines)
@@ -314,11 +353,15 @@ def main():
             json.dump(results, f, indent=1)
     # Every contender that ran must match its reference; on a GPU every case of ours must also run (one that
     # raised is a failure, not a skipped contender).
-    failed = [r for r in results if (not r.get("correct", True))
-              or (cuda and "skipped" in r and r["contender"].startswith("moe-qlora"))]  # fmt: skip
+    failed = [
+        r
+        for r in results
+        if (not r.get("correct", True)) or (cuda and "skipped" in r and r["contender"].startswith("moe-qlora"))
+    ]
     for r in failed:
-        why = r.get("skipped") or f"max relative error {r['max_relative_error']:.3g} (tolerance {r['tolerance']:g})" \
-            + (f"; self-check fell back: {r['self_check_fallbacks']}" if r["self_check_fallbacks"] else "")
+        why = r.get("skipped") or f"max relative error {r['max_relative_error']:.3g} (tolerance {r['tolerance']:g})" + (
+            f"; self-check fell back: {r['self_check_fallbacks']}" if r["self_check_fallbacks"] else ""
+        )
         print(f"FAIL  {r['contender']} at {r['shape']}, {r['tokens']} tokens: {why}")
     sys.exit(1 if failed else 0)
 

@@ -21,8 +21,15 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-WIDE = {"hidden_size": 2048, "intermediate_size": 768, "num_local_experts": 32, "num_experts_per_tok": 4,
-        "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 4}  # fmt: skip
+WIDE = {
+    "hidden_size": 2048,
+    "intermediate_size": 768,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+}
 
 
 def model_path(name: str) -> str:
@@ -34,9 +41,15 @@ def model_path(name: str) -> str:
 
 
 def overrides(args, model: str, offload: str, out: Path) -> list[str]:
-    sets = {"model.name_or_path": model, "model.expert_offload": offload, "model.device": args.device,
-            "train.max_steps": args.steps, "train.warmup_steps": 1, "output.dir": str(out),
-            "model.offload_resident_layers": args.resident}  # fmt: skip
+    sets = {
+        "model.name_or_path": model,
+        "model.expert_offload": offload,
+        "model.device": args.device,
+        "train.max_steps": args.steps,
+        "train.warmup_steps": 1,
+        "output.dir": str(out),
+        "model.offload_resident_layers": args.resident,
+    }
     return [item for k, v in sets.items() for item in ("--set", f"{k}={v}")]
 
 
@@ -50,8 +63,10 @@ def worker(argv: list[str]) -> None:
         app(["train", "--config", str(ROOT / "configs" / "demo.yaml"), *argv], standalone_mode=False)
     finally:
         cuda = torch.cuda.is_available()
-        peaks = {"peak_reserved": torch.cuda.max_memory_reserved() if cuda else None,
-                 "peak_allocated": torch.cuda.max_memory_allocated() if cuda else None}  # fmt: skip
+        peaks = {
+            "peak_reserved": torch.cuda.max_memory_reserved() if cuda else None,
+            "peak_allocated": torch.cuda.max_memory_allocated() if cuda else None,
+        }
         print("BENCH " + json.dumps(peaks), flush=True)
 
 
@@ -68,8 +83,13 @@ def planned_bytes(args, model: str, offload: str, out: Path) -> int:
 
 def run_one(args, name: str, offload: str, out: Path) -> dict:
     model = model_path(name)
-    proc = subprocess.run([sys.executable, __file__, "--worker", *overrides(args, model, offload, out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=args.timeout)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, __file__, "--worker", *overrides(args, model, offload, out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=args.timeout,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"{name} offload={offload} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     peaks = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("BENCH "))[6:])
@@ -77,12 +97,15 @@ def run_one(args, name: str, offload: str, out: Path) -> dict:
     steps = [r for r in rows if "loss" in r]
     timed = steps[2:] or steps
     return {
-        "model": name, "offload": offload, "losses": [r["loss"] for r in steps],
+        "model": name,
+        "offload": offload,
+        "losses": [r["loss"] for r in steps],
         "tokens_per_s": sum(r["tokens"] for r in timed) / sum(r["step_time_s"] for r in timed),
-        "plan_bytes": planned_bytes(args, model, offload, out), **peaks,
+        "plan_bytes": planned_bytes(args, model, offload, out),
+        **peaks,
         "adapter": (out / "adapter" / "adapter_model.safetensors").read_bytes(),
         "offload_line": next((line for line in proc.stdout.splitlines() if "expert offload" in line), ""),
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -113,9 +136,11 @@ def main() -> None:
         reserved = r["peak_reserved"]
         ratio = f"{reserved / r['plan_bytes']:.2f}" if reserved else "-"
         shown = f"{reserved / 2**20:,.0f} MiB" if reserved else "-"
-        print(f"{r['model']:6} {r['offload']:10} {r['tokens_per_s']:>10,.0f} {shown:>14} "
-              f"{r['plan_bytes'] / 2**20:>6,.0f} MiB {ratio:>9}  losses {r['bitwise_losses']}, "
-              f"adapter {r['bitwise_adapter']}  {r['offload_line'].strip()[:90]}")  # fmt: skip
+        print(
+            f"{r['model']:6} {r['offload']:10} {r['tokens_per_s']:>10,.0f} {shown:>14} "
+            f"{r['plan_bytes'] / 2**20:>6,.0f} MiB {ratio:>9}  losses {r['bitwise_losses']}, "
+            f"adapter {r['bitwise_adapter']}  {r['offload_line'].strip()[:90]}"
+        )
     print(json.dumps(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

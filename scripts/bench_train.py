@@ -37,16 +37,32 @@ PRESETS = {
     # The brief's CPU bar: a Qwen3-MoE-like model of the same size.
     "qwen3": dict(arch="qwen3_moe", hidden=1024, layers=4, experts=32, top_k=4, inter=512, vocab=4096),
     # GPU: two layers of Qwen3-30B-A3B at full width (128 experts, top-8, expert intermediate 768, 32 heads of 128)
-    "qwen3-30b-a3b": dict(arch="qwen3_moe", hidden=2048, layers=2, experts=128, top_k=8, inter=768, vocab=32000,
-                          heads=32, kv_heads=4, head_dim=128),
+    "qwen3-30b-a3b": dict(
+        arch="qwen3_moe",
+        hidden=2048,
+        layers=2,
+        experts=128,
+        top_k=8,
+        inter=768,
+        vocab=32000,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+    ),
 }
 CONTENDERS = ["moe-qlora", "moe-qlora-bf16", "transformers+bnb+peft"]
 
 
 def build_config(p):
-    common = dict(vocab_size=p["vocab"], hidden_size=p["hidden"], num_hidden_layers=p["layers"],
-                  num_attention_heads=p.get("heads", 16), num_key_value_heads=p.get("kv_heads", 4),
-                  max_position_embeddings=4096, num_experts_per_tok=p["top_k"])  # fmt: skip
+    common = dict(
+        vocab_size=p["vocab"],
+        hidden_size=p["hidden"],
+        num_hidden_layers=p["layers"],
+        num_attention_heads=p.get("heads", 16),
+        num_key_value_heads=p.get("kv_heads", 4),
+        max_position_embeddings=4096,
+        num_experts_per_tok=p["top_k"],
+    )
     if p["arch"] == "mixtral":
         from transformers import MixtralConfig
 
@@ -113,10 +129,12 @@ def setup_peft(path, dtype, double_quant, device="cpu"):
         bnb_4bit_use_double_quant=double_quant,
     )
     placement = {"device_map": {"": device}} if device != "cpu" else {}
-    model = AutoModelForCausalLM.from_pretrained(str(path), quantization_config=quant, dtype=dtype,
-                                                 experts_implementation="grouped_mm", **placement)  # fmt: skip
-    lora = LoraConfig(r=8, lora_alpha=16, target_modules=[],
-                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), quantization_config=quant, dtype=dtype, experts_implementation="grouped_mm", **placement
+    )
+    lora = LoraConfig(
+        r=8, lora_alpha=16, target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    )
     model = get_peft_model(model, lora)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -127,8 +145,9 @@ def bytes_by_kind(model):
 
     kinds = parameter_bytes_by_kind(model)
     if not kinds["experts_nf4"]:  # transformers + PEFT: experts stay dense 3D parameters
-        dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                    if p.dim() == 3 and "lora" not in n)  # fmt: skip
+        dense = sum(
+            p.numel() * p.element_size() for n, p in model.named_parameters() if p.dim() == 3 and "lora" not in n
+        )
         kinds["experts_dense"], kinds["other"] = dense, kinds["other"] - dense
     return kinds
 
@@ -138,8 +157,10 @@ def device_peaks(device: str) -> dict:
     where RSS says it."""
     if device == "cpu":
         return {}
-    return {"peak_reserved_mib": round(torch.cuda.max_memory_reserved() / 2**20, 1),
-            "peak_allocated_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1)}  # fmt: skip
+    return {
+        "peak_reserved_mib": round(torch.cuda.max_memory_reserved() / 2**20, 1),
+        "peak_allocated_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1),
+    }
 
 
 def synchronize(device: str) -> None:
@@ -162,8 +183,16 @@ def profiled_step(model, batch, loss_chunk: int, optimizer_s: float) -> dict:
     return {k: round(v, 3) for k, v in sorted(split.items(), key=lambda kv: -kv[1])}
 
 
-def worker(name: str, preset: str, seq: int, steps: int, double_quant: bool, loss_chunk: int, device: str,
-           profile: bool = False) -> dict:  # fmt: skip
+def worker(
+    name: str,
+    preset: str,
+    seq: int,
+    steps: int,
+    double_quant: bool,
+    loss_chunk: int,
+    device: str,
+    profile: bool = False,
+) -> dict:
     """Runs in the subprocess: load, then time `steps` training steps after one warm-up step (and, `profile`,
     where one more step's time goes)."""
     from moe_qlora.common.memory import peak_rss_mib, release_freed_memory
@@ -205,14 +234,19 @@ def worker(name: str, preset: str, seq: int, steps: int, double_quant: bool, los
     where = {"profile_s": profiled_step(model, batch, loss_chunk, statistics.median(opt_times[1:]))} if profile else {}
     return {
         **where,
-        "contender": name, "compute_dtype": str(dtype).removeprefix("torch."), "load_s": round(load_s, 2),
-        "step_s": round(statistics.median(times), 3), "step_s_all": [round(t, 3) for t in times],
+        "contender": name,
+        "compute_dtype": str(dtype).removeprefix("torch."),
+        "load_s": round(load_s, 2),
+        "step_s": round(statistics.median(times), 3),
+        "step_s_all": [round(t, 3) for t in times],
         "tokens_per_s": round(seq / statistics.median(times), 1),
-        "peak_rss_mib": round(peak_rss_mib(), 1), **device_peaks(device),
+        "peak_rss_mib": round(peak_rss_mib(), 1),
+        **device_peaks(device),
         **{f"load_{k}": v for k, v in load_peaks.items()},
         "param_mib": {k: round(v / 2**20, 1) for k, v in bytes_by_kind(model).items()},
-        "trainable_params": sum(p.numel() for p in params), "first_loss": round(losses[0], 4),
-    }  # fmt: skip
+        "trainable_params": sum(p.numel() for p in params),
+        "first_loss": round(losses[0], 4),
+    }
 
 
 def spread_rows(seq: int, count: int, vocab: int):
@@ -255,35 +289,66 @@ def packing_worker(mode: str, preset: str, seq: int, rows_count: int, batch_rows
         release_freed_memory()
     seconds = time.perf_counter() - t
     computed = sum(b["input_ids"].numel() for b in batches)
-    return {"mode": mode, "rows": len(rows), "micro_batches": len(batches), "real_tokens": real,
-            "computed_tokens": computed, "padding_share": round(1 - real / computed, 3),
-            "seconds": round(seconds, 1), "tokens_per_s": round(real / seconds, 1),
-            "peak_rss_mib": round(peak_rss_mib(), 1)}  # fmt: skip
+    return {
+        "mode": mode,
+        "rows": len(rows),
+        "micro_batches": len(batches),
+        "real_tokens": real,
+        "computed_tokens": computed,
+        "padding_share": round(1 - real / computed, 3),
+        "seconds": round(seconds, 1),
+        "tokens_per_s": round(real / seconds, 1),
+        "peak_rss_mib": round(peak_rss_mib(), 1),
+    }
 
 
 def run_packing(args) -> list[dict]:
     results = []
     for mode in ("padded", "packed"):
-        cmd = [sys.executable, __file__, "--packing-worker", mode, "--preset", args.preset, "--seq", str(args.seq),
-               "--rows", str(args.rows), "--batch-rows", str(args.batch_rows),
-               "--loss-chunk", str(args.loss_chunk)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            __file__,
+            "--packing-worker",
+            mode,
+            "--preset",
+            args.preset,
+            "--seq",
+            str(args.seq),
+            "--rows",
+            str(args.rows),
+            "--batch-rows",
+            str(args.batch_rows),
+            "--loss-chunk",
+            str(args.loss_chunk),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        results.append(json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0
-                       else {"mode": mode, "error": proc.stderr.strip().splitlines()[-1]})  # fmt: skip
+        results.append(
+            json.loads(proc.stdout.strip().splitlines()[-1])
+            if proc.returncode == 0
+            else {"mode": mode, "error": proc.stderr.strip().splitlines()[-1]}
+        )
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{args.preset}: {args.rows} rows, log-normal lengths 16..{args.seq} (median "
-                        f"{args.seq // 5}); padded: {args.batch_rows} rows a micro-batch; packed: {args.seq}-token "
-                        "sequences")  # fmt: skip
+    table = Table(
+        title=f"{args.preset}: {args.rows} rows, log-normal lengths 16..{args.seq} (median "
+        f"{args.seq // 5}); padded: {args.batch_rows} rows a micro-batch; packed: {args.seq}-token "
+        "sequences"
+    )
     for col in ("mode", "micro-batches", "padding", "s / epoch", "tokens/s", "peak RSS MiB"):
         table.add_column(col, justify="right")
     for r in results:
         if "error" in r:
             table.add_row(r["mode"], "error: " + r["error"][:80], "", "", "", "")
             continue
-        table.add_row(r["mode"], str(r["micro_batches"]), f"{r['padding_share']:.0%}", f"{r['seconds']:.1f}",
-                      f"{r['tokens_per_s']:.0f}", f"{r['peak_rss_mib']:.0f}")  # fmt: skip
+        table.add_row(
+            r["mode"],
+            str(r["micro_batches"]),
+            f"{r['padding_share']:.0%}",
+            f"{r['seconds']:.1f}",
+            f"{r['tokens_per_s']:.0f}",
+            f"{r['peak_rss_mib']:.0f}",
+        )
     Console(width=150).print(table)
     return results
 
@@ -320,10 +385,18 @@ def planned_bytes(path: Path, args) -> int:
     from moe_qlora.config.load import load_config
     from moe_qlora.model.plan import plan_run
 
-    sets = {"model.name_or_path": str(path), "model.compute_dtype": "bfloat16", "model.device": args.device,
-            "model.expert_double_quant": not args.single_quant, "model.linear_double_quant": not args.single_quant,
-            "lora.target_modules": "[]", "data.max_seq_len": args.seq, "train.micro_batch_size": 1,
-            "train.grad_accum": 1, "train.loss_chunk_tokens": args.loss_chunk}  # fmt: skip
+    sets = {
+        "model.name_or_path": str(path),
+        "model.compute_dtype": "bfloat16",
+        "model.device": args.device,
+        "model.expert_double_quant": not args.single_quant,
+        "model.linear_double_quant": not args.single_quant,
+        "lora.target_modules": "[]",
+        "data.max_seq_len": args.seq,
+        "train.micro_batch_size": 1,
+        "train.grad_accum": 1,
+        "train.loss_chunk_tokens": args.loss_chunk,
+    }
     cfg = load_config(ROOT / "configs" / "demo.yaml", [f"{k}={v}" for k, v in sets.items()])
     return plan_run(cfg, name_or_path=str(path), device=args.device).total
 
@@ -341,13 +414,24 @@ def print_table(results, args, plan=None):
     from rich.table import Table
 
     p = PRESETS[args.preset]
-    title = (f"{p['arch']}: {p['layers']} layers, {p['experts']} experts top-{p['top_k']}, hidden {p['hidden']}, "
-             f"expert intermediate {p['inter']}; seq {args.seq}, batch 1, expert LoRA r8, checkpointing")  # fmt: skip
+    title = (
+        f"{p['arch']}: {p['layers']} layers, {p['experts']} experts top-{p['top_k']}, hidden {p['hidden']}, "
+        f"expert intermediate {p['inter']}; seq {args.seq}, batch 1, expert LoRA r8, checkpointing"
+    )
     table = Table(title=title)
     device_cols = ("tokens/s", "step peak reserved MiB", "reserved / plan", "load peak reserved MiB")
     device_cols = device_cols if args.device != "cpu" else ()
-    for col in ("contender", "dtype", "step s", *device_cols, "peak RSS MiB", "experts MiB", "other 4-bit MiB",
-                "LoRA MiB", "load s"):  # fmt: skip
+    for col in (
+        "contender",
+        "dtype",
+        "step s",
+        *device_cols,
+        "peak RSS MiB",
+        "experts MiB",
+        "other 4-bit MiB",
+        "LoRA MiB",
+        "load s",
+    ):
         table.add_column(col, justify="right")
     for r in results:
         if "error" in r:
@@ -375,8 +459,18 @@ def roofline(results: list[dict], args) -> dict:
     and time against it, and where its profiled step went; printed, and returned for the JSON."""
     limits = {}
     for dtype in sorted({r["compute_dtype"] for r in results if "error" not in r}):
-        cmd = [sys.executable, __file__, "--limit-worker", dtype, "--preset", args.preset, "--seq", str(args.seq),
-               "--loss-chunk", str(args.loss_chunk)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            __file__,
+            "--limit-worker",
+            dtype,
+            "--preset",
+            args.preset,
+            "--seq",
+            str(args.seq),
+            "--loss-chunk",
+            str(args.loss_chunk),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
         limits[dtype] = json.loads(proc.stdout.strip().splitlines()[-1])
     first = next(iter(limits.values()))
@@ -391,8 +485,10 @@ def roofline(results: list[dict], args) -> dict:
         r["gflops_per_s"] = round(lim["flops"] / r["step_s"] / 1e9, 1)
         r["x_limit"] = round(r["step_s"] / lim["limit_s"], 2)
         parts = ", ".join(f"{k} {v:.2f}" for k, v in r["profile_s"].items())
-        print(f"{r['contender']:22} {r['compute_dtype']:9} {r['gflops_per_s']:7.1f} GFLOP/s, {r['x_limit']:.2f}x the "
-              f"limit; profiled step (s): {parts}")  # fmt: skip
+        print(
+            f"{r['contender']:22} {r['compute_dtype']:9} {r['gflops_per_s']:7.1f} GFLOP/s, {r['x_limit']:.2f}x the "
+            f"limit; profiled step (s): {parts}"
+        )
     return limits
 
 
@@ -422,14 +518,22 @@ def main():
         import logging
 
         logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-        print(json.dumps(packing_worker(args.packing_worker, args.preset, args.seq, args.rows, args.batch_rows,
-                                        args.loss_chunk)))  # fmt: skip
+        print(
+            json.dumps(
+                packing_worker(args.packing_worker, args.preset, args.seq, args.rows, args.batch_rows, args.loss_chunk)
+            )
+        )
         return
     if args.packing:
         ensure_checkpoint(args.preset)
         results = run_packing(args)
-        payload = {"preset": args.preset, "seq": args.seq, "rows": args.rows, "batch_rows": args.batch_rows,
-                   "packing": results}  # fmt: skip
+        payload = {
+            "preset": args.preset,
+            "seq": args.seq,
+            "rows": args.rows,
+            "batch_rows": args.batch_rows,
+            "packing": results,
+        }
         print(json.dumps(payload))
         if args.json:
             Path(args.json).write_text(json.dumps(payload, indent=2))
@@ -446,8 +550,18 @@ def main():
 
         logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
         print(
-            json.dumps(worker(args.worker, args.preset, args.seq, args.steps, not args.single_quant, args.loss_chunk,
-                              args.device, profile=args.roofline))  # fmt: skip
+            json.dumps(
+                worker(
+                    args.worker,
+                    args.preset,
+                    args.seq,
+                    args.steps,
+                    not args.single_quant,
+                    args.loss_chunk,
+                    args.device,
+                    profile=args.roofline,
+                )
+            )
         )
         return
     path = ensure_checkpoint(args.preset)
@@ -457,10 +571,19 @@ def main():
     plan = planned_bytes(path, args) if args.device != "cpu" else None
     print_table(results, args, plan)
     limits = roofline(results, args) if args.roofline else {}
-    payload = {"preset": args.preset, "config": PRESETS[args.preset], "seq": args.seq, "threads": os.cpu_count(),
-               "double_quant": not args.single_quant, "loss_chunk": args.loss_chunk, "device": args.device,
-               "plan_mib": plan and round(plan / 2**20, 1), "torch": torch.__version__, "results": results,
-               "roofline": limits}  # fmt: skip
+    payload = {
+        "preset": args.preset,
+        "config": PRESETS[args.preset],
+        "seq": args.seq,
+        "threads": os.cpu_count(),
+        "double_quant": not args.single_quant,
+        "loss_chunk": args.loss_chunk,
+        "device": args.device,
+        "plan_mib": plan and round(plan / 2**20, 1),
+        "torch": torch.__version__,
+        "results": results,
+        "roofline": limits,
+    }
     print(json.dumps(payload))
     if args.json:
         Path(args.json).write_text(json.dumps(payload, indent=2))

@@ -121,9 +121,17 @@ def live_kernel_figures() -> list[dict]:
         for device_cache in kernel.device_caches.values():
             for key, compiled in device_cache[0].items():
                 compiled._init_handles()
-                rows.append({"kernel": name, "key": str(key)[:120], "regs": compiled.n_regs,
-                             "spills": compiled.n_spills, "smem_bytes": compiled.metadata.shared,
-                             "warps": compiled.metadata.num_warps, "stages": compiled.metadata.num_stages})  # fmt: skip
+                rows.append(
+                    {
+                        "kernel": name,
+                        "key": str(key)[:120],
+                        "regs": compiled.n_regs,
+                        "spills": compiled.n_spills,
+                        "smem_bytes": compiled.metadata.shared,
+                        "warps": compiled.metadata.num_warps,
+                        "stages": compiled.metadata.num_stages,
+                    }
+                )
     return rows
 
 
@@ -158,8 +166,10 @@ def main() -> None:
     for kernels, verdict in results["self_check"].items():
         print(f"self-check {kernels}: {'kept' if verdict is None else verdict}")
     for row in results["kernels"]:
-        print(f"  {row['kernel']:<32} regs {row['regs']:>4} spills {row['spills']:>4} smem {row['smem_bytes']:>7} "
-              f"warps {row['warps']} stages {row['stages']}")  # fmt: skip
+        print(
+            f"  {row['kernel']:<32} regs {row['regs']:>4} spills {row['spills']:>4} smem {row['smem_bytes']:>7} "
+            f"warps {row['warps']} stages {row['stages']}"
+        )
     # grouped_mm under the default buffer budget decodes Qwen3's 768 MiB gate_up stack in chunks: one sync
     # per chunked projection call (3 per forward + backward) is by design; triton must have none.
     verdicts = {

@@ -49,8 +49,9 @@ def sass_of(cubin: bytes) -> tuple[list[str], dict[str, int]]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([nvidia_tool("nvdisasm"), "-c", f.name], check=True, capture_output=True,
-                              text=True).stdout  # fmt: skip
+        text = subprocess.run(
+            [nvidia_tool("nvdisasm"), "-c", f.name], check=True, capture_output=True, text=True
+        ).stdout
     instructions, labels = [], {}
     for line in text.splitlines():
         if m := re.match(r"^\s*(\.L_x_\d+):", line):
@@ -108,8 +109,9 @@ def _packed_load_bytes(ttgir: str) -> int | None:
     return min(widths, default=None)
 
 
-def report(archs: list[int], shapes: list[str], *, candidates: bool = False, tokens: int = TOKENS,
-           dtype: str = "bf16") -> list[dict]:
+def report(
+    archs: list[int], shapes: list[str], *, candidates: bool = False, tokens: int = TOKENS, dtype: str = "bf16"
+) -> list[dict]:
     """One row per launch, shape and arch with the config it takes when not autotuned (its class's default:
     tiles.launch_candidates); with `candidates`, one per autotune candidate the autotuner times for the launch
     (named launch@BLOCK_MxBLOCK_NxBLOCK_K/warps/stages; tiles.MatmulConfig.serves) instead. `dtype`: the
@@ -148,8 +150,16 @@ def _report_config(shape: str, arch: int, config, tokens: int, dtype: str = "bf1
 
     hidden, inter, experts, top_k = SHAPES[shape]
     with tiles.pinned_config(arch, config):
-        launches = capture_launches(hidden=hidden, inter=inter, experts=experts, top_k=top_k, tokens=tokens,
-                                    rank=RANK, arch=arch, dtype=getattr(torch, DTYPES[dtype]))  # fmt: skip
+        launches = capture_launches(
+            hidden=hidden,
+            inter=inter,
+            experts=experts,
+            top_k=top_k,
+            tokens=tokens,
+            rank=RANK,
+            arch=arch,
+            dtype=getattr(torch, DTYPES[dtype]),
+        )
     rows = []
     for launch in launches:
         tall = tiles.takes_tall_tiles(tokens * top_k, experts, bool(launch.constexprs.get("SWAP_AB")))
@@ -169,14 +179,20 @@ def _report_config(shape: str, arch: int, config, tokens: int, dtype: str = "bf1
         decoded = c["BLOCK_K"] * c["BLOCK_N"] * (2 if c.get("GLU") else 1) if nf4 else 0
         per_thread = decoded / (32 * meta.num_warps)
         row = {
-            "name": f"{shape}/{launch.name}{tag}", "arch": str(arch), "regs": regs,
-            "spills": spilled, "smem_bytes": meta.shared, "warps": meta.num_warps,
-            "stages": meta.num_stages, "mma_per_kstep": mma, "loop_instructions": len(loop),
+            "name": f"{shape}/{launch.name}{tag}",
+            "arch": str(arch),
+            "regs": regs,
+            "spills": spilled,
+            "smem_bytes": meta.shared,
+            "warps": meta.num_warps,
+            "stages": meta.num_stages,
+            "mma_per_kstep": mma,
+            "loop_instructions": len(loop),
             "instr_per_weight_element": round(non_mma / per_thread, 1) if decoded else None,
             "widest_packed_load_bytes": _packed_load_bytes(compiled.asm["ttgir"]) if nf4 else None,
             "blocks": [c["BLOCK_M"], c["BLOCK_N"], c.get("BLOCK_K", c.get("BLOCK_S"))],
             "swap_ab": bool(c.get("SWAP_AB")),
-        }  # fmt: skip
+        }
         rows.append(row | implied_ceilings(c, len(loop), meta.num_warps, arch))
     return rows
 
@@ -213,8 +229,9 @@ def resource_usage(compiled) -> tuple[int, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        text = subprocess.run([nvidia_tool("cuobjdump"), "-res-usage", f.name], check=True, capture_output=True,
-                              text=True).stdout  # fmt: skip
+        text = subprocess.run(
+            [nvidia_tool("cuobjdump"), "-res-usage", f.name], check=True, capture_output=True, text=True
+        ).stdout
 
     def figure(name):
         m = re.search(rf"{name}:(\d+)", text)
@@ -229,12 +246,21 @@ def main() -> None:
     ap.add_argument("--shape", action="append", choices=list(SHAPES))
     ap.add_argument("--json", action="store_true", help="print only the JSON list")
     ap.add_argument("--candidates", action="store_true", help="also every autotune candidate, not only defaults")
-    ap.add_argument("--tokens", type=int, default=TOKENS, help="tokens per layer call (few rows per expert: the "
-                    "packed paths' swapped tiles)")  # fmt: skip
+    ap.add_argument(
+        "--tokens",
+        type=int,
+        default=TOKENS,
+        help="tokens per layer call (few rows per expert: the packed paths' swapped tiles)",
+    )
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="activations (fp32: exact IEEE products)")
     args = ap.parse_args()
-    rows = report(args.arch or [80, 90], args.shape or list(SHAPES), candidates=args.candidates, tokens=args.tokens,
-                  dtype=args.dtype)  # fmt: skip
+    rows = report(
+        args.arch or [80, 90],
+        args.shape or list(SHAPES),
+        candidates=args.candidates,
+        tokens=args.tokens,
+        dtype=args.dtype,
+    )
     if args.json:
         print(json.dumps(rows))
         return
@@ -244,9 +270,11 @@ def main() -> None:
     for r in rows:
         per = "-" if r["instr_per_weight_element"] is None else f"{r['instr_per_weight_element']:.1f}"
         ld = "-" if r["widest_packed_load_bytes"] is None else str(r["widest_packed_load_bytes"])
-        print(f"{r['name']:<52}{r['arch']:>5}{r['regs']:>6}{r['spills']:>6}{r['smem_bytes']:>8}"
-              f"{str(r['warps']) + '/' + str(r['stages']):>6}{r['mma_per_kstep']:>7}{per:>10}{ld:>6}"
-              f"{r['tensor_core_ceiling_pct']:>7.1f}{r['hbm_ceiling_pct']:>7.1f}")  # fmt: skip
+        print(
+            f"{r['name']:<52}{r['arch']:>5}{r['regs']:>6}{r['spills']:>6}{r['smem_bytes']:>8}"
+            f"{str(r['warps']) + '/' + str(r['stages']):>6}{r['mma_per_kstep']:>7}{per:>10}{ld:>6}"
+            f"{r['tensor_core_ceiling_pct']:>7.1f}{r['hbm_ceiling_pct']:>7.1f}"
+        )
     print(json.dumps(rows))
 
 

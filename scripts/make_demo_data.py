@@ -28,11 +28,15 @@ def sft_rows(rng):
 def chat_rows(rng):
     rows = []
     for w in rng.sample(WORDS, 16):
-        rows.append({"messages": [
-            {"role": "system", "content": "Answer briefly."},
-            {"role": "user", "content": f"First letter of {w}?"},
-            {"role": "assistant", "content": w[0]},
-        ]})  # fmt: skip
+        rows.append(
+            {
+                "messages": [
+                    {"role": "system", "content": "Answer briefly."},
+                    {"role": "user", "content": f"First letter of {w}?"},
+                    {"role": "assistant", "content": w[0]},
+                ]
+            }
+        )
     return rows
 
 

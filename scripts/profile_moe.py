@@ -28,14 +28,28 @@ def profile_path(layer, kernels_arg, x, idx, weights, seed, top):
         layer(x.clone().requires_grad_(True), idx, weights).backward(seed)
         torch.cuda.synchronize()
     events = prof.key_averages()
-    kernels = sorted((e for e in events if e.device_time_total > 0 and e.device_type.name == "CUDA"),
-                     key=lambda e: -e.device_time_total)  # fmt: skip
+    kernels = sorted(
+        (e for e in events if e.device_time_total > 0 and e.device_type.name == "CUDA"),
+        key=lambda e: -e.device_time_total,
+    )
     gpu_us = sum(e.device_time_total for e in kernels)
     syncs = {e.key: e.count for e in events if e.key in CUDA_SYNC_EVENTS}
-    rows = [{"kernel": e.key[:90], "calls": e.count, "us": round(e.device_time_total, 1),
-             "share": round(e.device_time_total / gpu_us, 3)} for e in kernels[:top]]  # fmt: skip
-    return {"path": kernels_arg, "gpu_us": round(gpu_us, 1), "launches": sum(e.count for e in kernels), "syncs": syncs,
-            "top": rows}  # fmt: skip
+    rows = [
+        {
+            "kernel": e.key[:90],
+            "calls": e.count,
+            "us": round(e.device_time_total, 1),
+            "share": round(e.device_time_total / gpu_us, 3),
+        }
+        for e in kernels[:top]
+    ]
+    return {
+        "path": kernels_arg,
+        "gpu_us": round(gpu_us, 1),
+        "launches": sum(e.count for e in kernels),
+        "syncs": syncs,
+        "top": rows,
+    }
 
 
 def main() -> None:
@@ -57,8 +71,10 @@ def main() -> None:
     results = {}
     for kernels in args.kernels:
         r = results[kernels] = profile_path(layer, kernels, x, idx, weights, seed, args.top)
-        print(f"== {args.shape} x {args.tokens} tokens, {kernels}: GPU {r['gpu_us'] / 1e3:.2f} ms in "
-              f"{r['launches']} launches; host syncs {r['syncs']}")  # fmt: skip
+        print(
+            f"== {args.shape} x {args.tokens} tokens, {kernels}: GPU {r['gpu_us'] / 1e3:.2f} ms in "
+            f"{r['launches']} launches; host syncs {r['syncs']}"
+        )
         for row in r["top"]:
             print(f"  {row['us'] / 1e3:8.3f} ms {row['share']:6.1%} x{row['calls']:<5} {row['kernel']}")
     if args.json:

@@ -30,12 +30,23 @@ OPTIMIZERS = {
     "adamw_8bit, kernels: triton": ({"optimizer": "adamw_8bit"}, {"kernels": "triton"}),
     "adamw_8bit, in backward": ({"optimizer": "adamw_8bit", "optimizer_in_backward": True}, {}),
     # every MoE layer's experts in pinned host memory, two layers on the GPU at a time (moe/offload.py)
-    "adamw_8bit, in backward, expert_offload: all": ({"optimizer": "adamw_8bit", "optimizer_in_backward": True},
-                                                     {"expert_offload": "all"}),
+    "adamw_8bit, in backward, expert_offload: all": (
+        {"optimizer": "adamw_8bit", "optimizer_in_backward": True},
+        {"expert_offload": "all"},
+    ),
 }
 # NVIDIA's "GB" on a card is GiB (an RTX 3060 12GB has 12,288 MiB)
-GPUS_GIB = {"6 GB": 6, "8 GB": 8, "10 GB": 10, "12 GB": 12, "16 GB": 16, "24 GB": 24, "40 GB": 40, "48 GB": 48,
-            "80 GB": 80}
+GPUS_GIB = {
+    "6 GB": 6,
+    "8 GB": 8,
+    "10 GB": 10,
+    "12 GB": 12,
+    "16 GB": 16,
+    "24 GB": 24,
+    "40 GB": 40,
+    "48 GB": 48,
+    "80 GB": 80,
+}
 HEADROOM_GIB = 0.5
 
 
@@ -51,12 +62,14 @@ def plans(seqs: list[int]) -> list[dict]:
         for seq in seqs:
             row = {"model": name, "seq": seq}
             for label, (train, model_keys) in OPTIMIZERS.items():
-                cfg = validate_config({
-                    "model": {"name_or_path": path, **model_keys},
-                    "lora": {"rank": 16, "alpha": 32},  # the automatic targets: attention projections
-                    "data": {"train_files": ["(not read by plan)"], "max_seq_len": seq},
-                    "train": {"micro_batch_size": 1, **train},
-                })  # fmt: skip
+                cfg = validate_config(
+                    {
+                        "model": {"name_or_path": path, **model_keys},
+                        "lora": {"rank": 16, "alpha": 32},  # the automatic targets: attention projections
+                        "data": {"train_files": ["(not read by plan)"], "max_seq_len": seq},
+                        "train": {"micro_batch_size": 1, **train},
+                    }
+                )
                 row[label] = round(plan_run(cfg, name_or_path=path, device="cuda", model=model).total / 2**30, 2)
             rows.append(row)
     return rows

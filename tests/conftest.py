@@ -34,8 +34,10 @@ def pytest_collection_modifyitems(config, items):
     """`gpu` tests need CUDA: on a machine without it they are skipped, saying so."""
     if torch.cuda.is_available():
         return
-    reason = ("needs a CUDA GPU (none here); on CPU the kernels are checked in Triton's interpreter "
-              "(tests/test_kernels*.py) and compiled ahead of time for sm_80/sm_90")  # fmt: skip
+    reason = (
+        "needs a CUDA GPU (none here); on CPU the kernels are checked in Triton's interpreter "
+        "(tests/test_kernels*.py) and compiled ahead of time for sm_80/sm_90"
+    )
     skip = pytest.mark.skip(reason=reason)
     for item in items:
         if "gpu" in item.keywords:
@@ -77,8 +79,16 @@ def demo_run(tmp_path_factory) -> DemoRun:
     2 CPU cores), once a session for every test that needs the trained demo."""
     tmp = tmp_path_factory.mktemp("demo")
     env = {**os.environ, "MOE_QLORA_CACHE": str(tmp / "cache")}
-    run = [sys.executable, "-m", "moe_qlora", "train", "--config", "configs/demo.yaml",
-           "--set", f"output.dir={tmp / 'run'}"]  # fmt: skip
+    run = [
+        sys.executable,
+        "-m",
+        "moe_qlora",
+        "train",
+        "--config",
+        "configs/demo.yaml",
+        "--set",
+        f"output.dir={tmp / 'run'}",
+    ]
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run(run, cwd=root, env=env, capture_output=True, text=True, timeout=1800)
     return DemoRun(tmp / "run", proc, env)

@@ -18,16 +18,26 @@ def isolated_env(tmp_path_factory) -> dict:
 
 
 def cli_command(subcommand: str, config: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "moe_qlora", subcommand, "--config", str(config), "--set", f"output.dir={out}",
-            *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "moe_qlora",
+        subcommand,
+        "--config",
+        str(config),
+        "--set",
+        f"output.dir={out}",
+        *extra,
+    ]
 
 
 def run_cli(subcommand, config, out, env, *extra, failpoint=None, env_extra=None) -> subprocess.CompletedProcess:
     """Run to the end (or to the failpoint, MOE_QLORA_FAILPOINT, e.g. "checkpoint-write@8"); `env_extra`: more
     environment variables (a fault to inject)."""
     env = {**env, **({"MOE_QLORA_FAILPOINT": failpoint} if failpoint else {}), **(env_extra or {})}
-    return subprocess.run(cli_command(subcommand, config, out, *extra), env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    return subprocess.run(
+        cli_command(subcommand, config, out, *extra), env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def kill_after_steps(command: list[str], env: dict, out: Path, steps: int) -> int:
@@ -51,8 +61,9 @@ def assert_same_adapter(out: Path, reference: Path) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
-def signal_after_steps(command: list[str], env: dict, out: Path, steps: int, sig: int, *, repeat: int = 1,
-                       gap: float = 0.05) -> subprocess.CompletedProcess:  # fmt: skip
+def signal_after_steps(
+    command: list[str], env: dict, out: Path, steps: int, sig: int, *, repeat: int = 1, gap: float = 0.05
+) -> subprocess.CompletedProcess:
     """Start `command`, send `sig` (`repeat` times, `gap` seconds apart) once metrics.jsonl has `steps` lines,
     and let it finish on its own; returns the finished process with its output."""
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -155,6 +155,10 @@ def render_table(rows: list[SweepRow], transformers_version: str) -> str:
     supported = sum(r.status == "supported" for r in rows)
     refused = sum(r.status == "refused" for r in rows)
     untested = sum(r.status == "no tiny config" for r in rows)
-    lines += ["", f"{supported} of {len(rows)} supported, {refused} refused with their reason, {untested} untested "
-              "(no tiny config: the reason is the sweep's, not the family's).", TABLE_END]  # fmt: skip
+    lines += [
+        "",
+        f"{supported} of {len(rows)} supported, {refused} refused with their reason, {untested} untested "
+        "(no tiny config: the reason is the sweep's, not the family's).",
+        TABLE_END,
+    ]
     return "\n".join(lines)

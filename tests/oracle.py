@@ -117,8 +117,15 @@ def assert_close_scaled(name, a, b):
     assert scale > 0 and err <= REL_TOL * scale, f"{name}: max error {err:.3g} over {REL_TOL:g} * {scale:.3g}"
 
 
-PAIR_NAMES = ["output", "grad x", "grad routing weights", "grad A gate_up", "grad B gate_up", "grad A down",
-              "grad B down"]  # fmt: skip
+PAIR_NAMES = [
+    "output",
+    "grad x",
+    "grad routing weights",
+    "grad A gate_up",
+    "grad B gate_up",
+    "grad A down",
+    "grad B down",
+]
 
 
 def assert_all_close(ours, ref, names=PAIR_NAMES):

@@ -159,8 +159,9 @@ def test_init_from_refuses_an_adapter_peft_would_load_partly(laguna_dir, tmp_pat
 def mixtral_adapter(tiny_mixtral_dir, tmp_path_factory):
     lora = LoraSection(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
     model = with_random_lora(attach_adapters(load_model(LoadOptions(str(tiny_mixtral_dir))), lora, seed=0))
-    adapter = save_adapter(model, tmp_path_factory.mktemp("a") / "adapter", cfg=lora,
-                           base_model_name_or_path=str(tiny_mixtral_dir))  # fmt: skip
+    adapter = save_adapter(
+        model, tmp_path_factory.mktemp("a") / "adapter", cfg=lora, base_model_name_or_path=str(tiny_mixtral_dir)
+    )
     return model, adapter, lora
 
 

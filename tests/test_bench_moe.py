@@ -15,9 +15,25 @@ def bench(tmp_path, fault=None):
     if fault:
         env["MOE_QLORA_INJECT_KERNEL_FAULT"] = fault
     out = tmp_path / f"bench-{fault or 'clean'}.json"
-    proc = subprocess.run([sys.executable, "scripts/bench_moe.py", "--shape", "qwen3-30b-a3b", "--tokens", "64",
-                           "--repeats", "1", "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "scripts/bench_moe.py",
+            "--shape",
+            "qwen3-30b-a3b",
+            "--tokens",
+            "64",
+            "--repeats",
+            "1",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return proc, {r["contender"]: r for r in json.loads(out.read_text())}
 
 
@@ -25,8 +41,12 @@ def test_bench_moe_checks_every_contender_and_fails_on_a_wrong_one(tmp_path):
     proc, rows = bench(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     ran = {name: r for name, r in rows.items() if "skipped" not in r}
-    assert set(ran) == {"moe-qlora grouped_mm", "moe-qlora torch", "transformers grouped_mm + PEFT",
-                        "transformers eager + PEFT"}  # fmt: skip
+    assert set(ran) == {
+        "moe-qlora grouped_mm",
+        "moe-qlora torch",
+        "transformers grouped_mm + PEFT",
+        "transformers eager + PEFT",
+    }
     assert all(r["correct"] and r["max_relative_error"] <= r["tolerance"] == 1e-4 for r in ran.values())
     # The roofline reads the stored bytes: nested scales, one byte per 64 weights plus fp32 per 256 blocks.
     hidden, inter = 256, 96

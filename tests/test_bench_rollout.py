@@ -15,10 +15,29 @@ PROMPTS, GROUP, NEW_TOKENS = 2, 4, 8
 @pytest.mark.slow
 def test_bench_rollout_splits_a_step_and_counts_generated_tokens(tmp_path):
     out = tmp_path / "rollout.json"
-    proc = subprocess.run([sys.executable, "scripts/bench_rollout.py", "--prompts", str(PROMPTS), "--group-size",
-                           str(GROUP), "--max-new-tokens", str(NEW_TOKENS), "--steps", "1", "--only", "moe-qlora",
-                           "transformers+bnb+peft", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "scripts/bench_rollout.py",
+            "--prompts",
+            str(PROMPTS),
+            "--group-size",
+            str(GROUP),
+            "--max-new-tokens",
+            str(NEW_TOKENS),
+            "--steps",
+            "1",
+            "--only",
+            "moe-qlora",
+            "transformers+bnb+peft",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     payload = json.loads(out.read_text())
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == payload  # the JSON line is what --json wrote

@@ -23,10 +23,11 @@ def make_adapter(tmp_path, *, layers=2, mutate=None, config=True):
         shapes = {
             f"{experts}.base_layer.lora_A.weight": (R * E, H),
             f"{experts}.base_layer.lora_B.weight": (2 * INTER, R * E),
-            f"{experts}.lora_A.weight": (R * E, INTER), f"{experts}.lora_B.weight": (H, R * E),
+            f"{experts}.lora_A.weight": (R * E, INTER),
+            f"{experts}.lora_B.weight": (H, R * E),
             f"{PREFIX}.{layer}.self_attn.q_proj.lora_A.weight": (R, H),
             f"{PREFIX}.{layer}.self_attn.q_proj.lora_B.weight": (H, R),
-        }  # fmt: skip
+        }
         tensors.update({k: torch.randn(s, generator=g) * 0.1 for k, s in shapes.items()})
     if mutate:
         mutate(tensors)
@@ -98,8 +99,9 @@ def test_the_default_view_is_one_row_per_module_and_layer_naming_the_bad_expert(
     (min / median / max over its experts) and names the experts with problems; --per-expert shows all."""
     from moe_qlora.export.norms import summarize
 
-    adapter = make_adapter(tmp_path, mutate=lambda t: t[f"{PREFIX}.1.mlp.experts.lora_B.weight"].view(H, R, E)[:, :, 3]
-                           .zero_())  # fmt: skip
+    adapter = make_adapter(
+        tmp_path, mutate=lambda t: t[f"{PREFIX}.1.mlp.experts.lora_B.weight"].view(H, R, E)[:, :, 3].zero_()
+    )
     report = check_norms(adapter)
     summary = {m.module: m for m in summarize(report)}
     assert len(summary) == 6  # 2 layers x (gate_up, down, q_proj)
@@ -120,8 +122,12 @@ def test_reads_an_adapter_made_by_peft_itself(tiny_mixtral_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(str(tiny_mixtral_dir), dtype=torch.float32)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
-                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
     model = get_peft_model(base, config)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -147,10 +153,12 @@ def test_reads_an_adapter_made_by_peft_itself(tiny_mixtral_dir, tmp_path):
 def write_run(run_dir, loads):
     """A run folder as train writes it: router_layers.json and metrics.jsonl with one router_load per step."""
     run_dir.mkdir(exist_ok=True)
-    (run_dir / "router_layers.json").write_text(json.dumps([f"base_model.model.model.layers.{i}.mlp.experts"
-                                                            for i in range(len(loads[0]))]))  # fmt: skip
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s + 1, "loss": 1.0, "router_load": load})
-                                                   + "\n" for s, load in enumerate(loads)))  # fmt: skip
+    (run_dir / "router_layers.json").write_text(
+        json.dumps([f"base_model.model.model.layers.{i}.mlp.experts" for i in range(len(loads[0]))])
+    )
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s + 1, "loss": 1.0, "router_load": load}) + "\n" for s, load in enumerate(loads))
+    )
 
 
 def test_router_load_cross_check_names_dead_and_unreached_experts(tmp_path):
@@ -178,12 +186,19 @@ def test_router_load_cross_check_names_dead_and_unreached_experts(tmp_path):
     steps = cross_check_router(report, run)
     assert steps == 2
     problems = report.problems
-    assert ("model.layers.0.mlp.experts.down_proj expert 1: never routed a token in the 2 logged steps: the router "
-            "never chose it") in problems  # fmt: skip
-    assert ("model.layers.1.mlp.experts.down_proj expert 2: routed 30.00% of rows on average, yet lora_B is all "
-            "zero: its gradient never reached it") in problems  # fmt: skip
-    assert any(p.startswith("model.layers.1.mlp.experts.gate_up_proj expert 0: never routed a token") and
-               "yet its LoRA is not zero" in p for p in problems)  # fmt: skip
+    assert (
+        "model.layers.0.mlp.experts.down_proj expert 1: never routed a token in the 2 logged steps: the router "
+        "never chose it"
+    ) in problems
+    assert (
+        "model.layers.1.mlp.experts.down_proj expert 2: routed 30.00% of rows on average, yet lora_B is all "
+        "zero: its gradient never reached it"
+    ) in problems
+    assert any(
+        p.startswith("model.layers.1.mlp.experts.gate_up_proj expert 0: never routed a token")
+        and "yet its LoRA is not zero" in p
+        for p in problems
+    )
     # The CLI finds the run beside the adapter by itself and says so.
     result = run_cli(adapter)
     assert result.exit_code == 1 and f"router load: 2 logged steps of {run}" in result.output

@@ -26,8 +26,13 @@ print(json.dumps({"code": code, "torch": "torch" in sys.modules}))
 
 
 def cli(args: list[str], **env) -> tuple[int, bool, str]:
-    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(args)], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=300,
+    )
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     return result["code"], result["torch"], " ".join(proc.stderr.split())
 
@@ -35,8 +40,10 @@ def cli(args: list[str], **env) -> tuple[int, bool, str]:
 @pytest.fixture
 def config(tmp_path):
     path = tmp_path / "cfg.yaml"
-    path.write_text(f"model: {{name_or_path: 'builtin:tiny-mixtral'}}\ndata: {{train_files: [{DATA}]}}\n"
-                    f"output: {{dir: {tmp_path / 'out'}}}\n")  # fmt: skip
+    path.write_text(
+        f"model: {{name_or_path: 'builtin:tiny-mixtral'}}\ndata: {{train_files: [{DATA}]}}\n"
+        f"output: {{dir: {tmp_path / 'out'}}}\n"
+    )
     return path
 
 
@@ -53,8 +60,9 @@ def test_a_missing_data_file_is_named_before_any_heavy_import(config, tmp_path):
 
 
 def test_a_hub_id_while_offline_fails_at_once_in_one_sentence(config):
-    code, torch_imported, err = cli(["train", "--config", str(config), "--set", "model.name_or_path=someorg/no-moe"],
-                                    HF_HUB_OFFLINE="1")  # fmt: skip
+    code, torch_imported, err = cli(
+        ["train", "--config", str(config), "--set", "model.name_or_path=someorg/no-moe"], HF_HUB_OFFLINE="1"
+    )
     assert code == 2 and not torch_imported and "Traceback" not in err
     assert "'someorg/no-moe' is not in the Hugging Face cache and HF_HUB_OFFLINE is set" in err
     assert "local folder" in err

@@ -40,12 +40,22 @@ def test_the_registered_ops_pass_opcheck(quantized, dtype):
     idx, weights = routing_case("ragged", 7, 8, 2)
     x = torch.randn(7, 64, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_(True)
     args = _op_args(module, x, idx, weights.to(dtype).requires_grad_(True))
-    torch.library.opcheck(grouped_experts_op, args, test_utils=("test_schema", "test_faketensor",
-                                                                "test_autograd_registration"))  # fmt: skip
+    torch.library.opcheck(
+        grouped_experts_op, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration")
+    )
     x, weights, lora, frozen, floats, ints, kernels, _ = args
     _, h, p1, p2 = grouped_experts_op(*args)
-    backward_args = (torch.randn_like(x), x.detach(), weights.detach(), [h, p1, p2], lora, frozen, floats, ints,
-                     kernels)  # fmt: skip
+    backward_args = (
+        torch.randn_like(x),
+        x.detach(),
+        weights.detach(),
+        [h, p1, p2],
+        lora,
+        frozen,
+        floats,
+        ints,
+        kernels,
+    )
     torch.library.opcheck(grouped_experts_backward_op, backward_args, test_utils=("test_schema", "test_faketensor"))
 
 

@@ -100,8 +100,10 @@ def test_a_missing_data_file_is_named_by_the_absolute_path_tried(tmp_path, monke
 
     (tmp_path / "cfg").mkdir()
     path = tmp_path / "cfg" / "run.yaml"
-    path.write_text("model: {name_or_path: 'builtin:tiny-mixtral'}\ndata: {train_files: [good.jsonl]}\n"
-                    f"output: {{dir: {tmp_path / 'out'}}}\n")  # fmt: skip
+    path.write_text(
+        "model: {name_or_path: 'builtin:tiny-mixtral'}\ndata: {train_files: [good.jsonl]}\n"
+        f"output: {{dir: {tmp_path / 'out'}}}\n"
+    )
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(app, ["train", "--config", "cfg/run.yaml"])
     assert result.exit_code == 2

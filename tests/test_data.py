@@ -36,10 +36,14 @@ def test_train_on_prompt_keeps_every_label():
     assert ex.labels == ex.input_ids
 
 
-MESSAGES = {"messages": [
-    {"role": "user", "content": "hi"}, {"role": "assistant", "content": "one"},
-    {"role": "user", "content": "again"}, {"role": "assistant", "content": "two"},
-]}  # fmt: skip
+MESSAGES = {
+    "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "one"},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": "two"},
+    ]
+}
 
 
 def test_messages_train_on_last_assistant_turn_only():
@@ -65,8 +69,10 @@ def test_truncation_is_counted_and_fully_masked_rows_are_dropped():
     assert len(kept.input_ids) == 10 and dropped is None
     assert (stats.truncated, stats.dropped_no_target) == (2, 1)
     stats = DataStats()
-    assert tokenize_row({"prompt": "a" * 20, "completion": "b"}, TOK, cfg(max_seq_len=10, overlength="drop"),
-                        "f:3", stats) is None  # fmt: skip
+    assert (
+        tokenize_row({"prompt": "a" * 20, "completion": "b"}, TOK, cfg(max_seq_len=10, overlength="drop"), "f:3", stats)
+        is None
+    )
     assert stats.dropped_overlength == 1
 
 

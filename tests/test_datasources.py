@@ -20,10 +20,19 @@ from moe_qlora.model.tiny import build_byte_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TOK = build_byte_tokenizer()
-ALPACA = [{"instruction": "Add the numbers", "input": "2+3", "output": "5"},
-          {"instruction": "Say hi", "input": "", "output": "hi"}]  # fmt: skip
-SHAREGPT = [{"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi?"},
-                               {"from": "gpt", "value": "Hello."}]}]  # fmt: skip
+ALPACA = [
+    {"instruction": "Add the numbers", "input": "2+3", "output": "5"},
+    {"instruction": "Say hi", "input": "", "output": "hi"},
+]
+SHAREGPT = [
+    {
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "Hi?"},
+            {"from": "gpt", "value": "Hello."},
+        ]
+    }
+]
 
 
 def decoded_target(example) -> str:
@@ -51,8 +60,9 @@ def test_save_to_disk_folders_dataset_and_datasetdict(tmp_path):
     assert len(examples) == 2 and stats.formats == {"prompt_completion": 2}
     assert decoded_target(examples[0]) == "5" and examples[0].source == f"{tmp_path / 'alpaca'}:1"
 
-    splits = datasets.DatasetDict({"train": datasets.Dataset.from_list(ALPACA),
-                                   "validation": datasets.Dataset.from_list(SHAREGPT)})  # fmt: skip
+    splits = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(ALPACA), "validation": datasets.Dataset.from_list(SHAREGPT)}
+    )
     splits.save_to_disk(str(tmp_path / "dict"))
     rows = load_rows([DataSource(path=str(tmp_path / "dict"), split="validation")])
     assert len(rows) == 1 and rows[0][1]["messages"][1]["content"] == "Hi?"
@@ -95,23 +105,33 @@ def run_offline(code: str, cache: Path) -> subprocess.CompletedProcess:
 def test_a_hub_id_is_read_from_the_offline_cache_and_a_missing_one_is_one_sentence(tmp_path):
     cache = tmp_path / "cache"
     fill_offline_cache(cache, "someorg/alpaca_mini", ALPACA, tmp_path)
-    code = ("from moe_qlora.data.sources import load_rows\n"
-            "rows = load_rows(['someorg/alpaca_mini'])\n"
-            "print(rows[0][0], '|', rows[0][1]['completion'], '|', len(rows))")  # fmt: skip
+    code = (
+        "from moe_qlora.data.sources import load_rows\n"
+        "rows = load_rows(['someorg/alpaca_mini'])\n"
+        "print(rows[0][0], '|', rows[0][1]['completion'], '|', len(rows))"
+    )
     proc = run_offline(code, cache)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "someorg/alpaca_mini[train]:1 | 5 | 2"
 
     config = tmp_path / "cfg.yaml"
-    config.write_text(f"model: {{name_or_path: builtin:tiny-mixtral}}\ndata: {{train_files: [someorg/not_cached]}}\n"
-                      f"output: {{dir: {tmp_path / 'out'}}}\n")  # fmt: skip
+    config.write_text(
+        f"model: {{name_or_path: builtin:tiny-mixtral}}\ndata: {{train_files: [someorg/not_cached]}}\n"
+        f"output: {{dir: {tmp_path / 'out'}}}\n"
+    )
     cmd = [sys.executable, "-m", "moe_qlora", "train", "--config", str(config)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(cache),
-           "MOE_QLORA_CACHE": str(tmp_path / "moe-cache")}  # fmt: skip
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(cache),
+        "MOE_QLORA_CACHE": str(tmp_path / "moe-cache"),
+    }
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
-    assert ("error: dataset 'someorg/not_cached' is not in the datasets cache and HF_HUB_OFFLINE is set: download "
-            "it where there is a network") in " ".join(proc.stderr.split())  # fmt: skip
+    assert (
+        "error: dataset 'someorg/not_cached' is not in the datasets cache and HF_HUB_OFFLINE is set: download "
+        "it where there is a network"
+    ) in " ".join(proc.stderr.split())
     assert "Traceback" not in proc.stderr
 
 
@@ -119,11 +139,13 @@ def test_config_paths_resolve_but_hub_ids_stay(tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "a.jsonl").write_text('{"text": "x"}\n')
     config = tmp_path / "cfg.yaml"
-    config.write_text("model: {name_or_path: builtin:tiny-mixtral}\n"
-                      "data:\n  train_files:\n    - data/a.jsonl\n    - someorg/alpaca_mini\n"
-                      "    - {path: data, split: train}\n"
-                      "    - {path: otherorg/chat, name: en, columns: {messages: turns}}\n"
-                      "  eval_files: [missing.jsonl]\n")  # fmt: skip
+    config.write_text(
+        "model: {name_or_path: builtin:tiny-mixtral}\n"
+        "data:\n  train_files:\n    - data/a.jsonl\n    - someorg/alpaca_mini\n"
+        "    - {path: data, split: train}\n"
+        "    - {path: otherorg/chat, name: en, columns: {messages: turns}}\n"
+        "  eval_files: [missing.jsonl]\n"
+    )
     cfg = load_config(config)
     a, hub, folder, mapped = cfg.data.train_files
     assert a == str(tmp_path / "data" / "a.jsonl") and hub == "someorg/alpaca_mini"

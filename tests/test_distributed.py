@@ -28,8 +28,22 @@ def env_for(tmp_path, **extra) -> dict:
 
 
 def torchrun(args: list[str], env: dict, timeout: int = 600) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "moe_qlora", *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "moe_qlora",
+        *args,
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -41,12 +55,39 @@ def records(run: Path) -> list[dict]:
 def runs(tmp_path_factory):
     """The demo for 6 steps: one process with micro-batch 4, and 2 ranks with micro-batch 2 each."""
     tmp = tmp_path_factory.mktemp("ddp")
-    single = subprocess.run([sys.executable, "-m", "moe_qlora", "train", "--config", str(DEMO), *STEPS,
-                             "--set", "train.micro_batch_size=4", "--set", f"output.dir={tmp / 'single'}"],
-                            env=env_for(tmp), capture_output=True, text=True, timeout=600)  # fmt: skip
+    single = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_qlora",
+            "train",
+            "--config",
+            str(DEMO),
+            *STEPS,
+            "--set",
+            "train.micro_batch_size=4",
+            "--set",
+            f"output.dir={tmp / 'single'}",
+        ],
+        env=env_for(tmp),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert single.returncode == 0, single.stderr[-2000:]
-    two = torchrun(["train", "--config", str(DEMO), *STEPS, "--set", "train.micro_batch_size=2", "--set",
-                    f"output.dir={tmp / 'two'}"], env_for(tmp))  # fmt: skip
+    two = torchrun(
+        [
+            "train",
+            "--config",
+            str(DEMO),
+            *STEPS,
+            "--set",
+            "train.micro_batch_size=2",
+            "--set",
+            f"output.dir={tmp / 'two'}",
+        ],
+        env_for(tmp),
+    )
     assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
     return tmp / "single", tmp / "two", two
 
@@ -54,9 +95,23 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fsdp_run(runs, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp")
-    proc = torchrun(["train", "--config", str(DEMO), *STEPS, "--set", "train.micro_batch_size=2", "--set",
-                     "train.parallel=fsdp", "--set", "train.save_every=3", "--set", f"output.dir={tmp / 'run'}"],
-                    env_for(tmp))  # fmt: skip
+    proc = torchrun(
+        [
+            "train",
+            "--config",
+            str(DEMO),
+            *STEPS,
+            "--set",
+            "train.micro_batch_size=2",
+            "--set",
+            "train.parallel=fsdp",
+            "--set",
+            "train.save_every=3",
+            "--set",
+            f"output.dir={tmp / 'run'}",
+        ],
+        env_for(tmp),
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return tmp / "run", proc
 
@@ -89,9 +144,25 @@ def test_an_fsdp_checkpoint_resumes_exactly_at_the_same_world_size(fsdp_run, tmp
     its shards of LoRA and of the AdamW moments: the end is the uninterrupted run's adapter, bit for bit."""
     run, _ = fsdp_run
     resumed = Path(shutil.copytree(run, tmp_path / "resumed"))
-    proc = torchrun(["train", "--config", str(DEMO), *STEPS, "--set", "train.micro_batch_size=2", "--set",
-                     "train.parallel=fsdp", "--set", "train.save_every=3", "--set", f"output.dir={resumed}",
-                     "--resume-from", str(resumed / "checkpoints" / "step-00000003")], env_for(tmp_path))  # fmt: skip
+    proc = torchrun(
+        [
+            "train",
+            "--config",
+            str(DEMO),
+            *STEPS,
+            "--set",
+            "train.micro_batch_size=2",
+            "--set",
+            "train.parallel=fsdp",
+            "--set",
+            "train.save_every=3",
+            "--set",
+            f"output.dir={resumed}",
+            "--resume-from",
+            str(resumed / "checkpoints" / "step-00000003"),
+        ],
+        env_for(tmp_path),
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "resumed from" in proc.stdout and "warning" not in proc.stdout
     assert [r["step"] for r in records(resumed)] == [1, 2, 3, 4, 5, 6]
@@ -104,22 +175,61 @@ def test_a_checkpoint_of_two_fsdp_ranks_resumes_in_one_process_from_the_same_glo
     checkpoint step 3 ended at example 24, which is step 6 of the new layout. The steps after it must see the
     data, and the LR, of an uninterrupted one-process run from step 7 on, and the run says what changed."""
     run, _ = fsdp_run
-    args = ["train", "--config", str(DEMO), "--set", "train.max_steps=6", "--set", "train.warmup_steps=2",
-            "--set", "train.micro_batch_size=2", "--set", "train.parallel=fsdp"]  # fmt: skip
+    args = [
+        "train",
+        "--config",
+        str(DEMO),
+        "--set",
+        "train.max_steps=6",
+        "--set",
+        "train.warmup_steps=2",
+        "--set",
+        "train.micro_batch_size=2",
+        "--set",
+        "train.parallel=fsdp",
+    ]
     env = env_for(tmp_path)
-    reference = subprocess.run([sys.executable, "-m", "moe_qlora", *args, "--set", "train.max_steps=12",
-                                "--set", f"output.dir={tmp_path / 'reference'}"], env=env, capture_output=True,
-                               text=True, timeout=600)  # fmt: skip
+    reference = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_qlora",
+            *args,
+            "--set",
+            "train.max_steps=12",
+            "--set",
+            f"output.dir={tmp_path / 'reference'}",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert reference.returncode == 0, reference.stderr[-2000:]
     run = Path(shutil.copytree(run, tmp_path / "resumed"))
-    resumed = subprocess.run([sys.executable, "-m", "moe_qlora", *args, "--set", f"output.dir={run}",
-                              "--resume-from", str(run / "checkpoints" / "step-00000003")], env=env,
-                             capture_output=True, text=True, timeout=600)  # fmt: skip
+    resumed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_qlora",
+            *args,
+            "--set",
+            f"output.dir={run}",
+            "--resume-from",
+            str(run / "checkpoints" / "step-00000003"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     said = " ".join(resumed.stdout.split())
     assert "the checkpoint was written by 2 rank(s), this run has 1: the global batch changes from 8 to 4" in said
-    assert "continues from the same global position (example 24 of the run): step 3 of the checkpoint's run is " \
-           "step 6 here, of 12;" in said  # fmt: skip
+    assert (
+        "continues from the same global position (example 24 of the run): step 3 of the checkpoint's run is "
+        "step 6 here, of 12;" in said
+    )
     after = [r for r in records(run) if r["step"] > 6]
     ref = {r["step"]: r for r in records(tmp_path / "reference")}
     assert [r["step"] for r in after] == list(range(7, 13))
@@ -150,8 +260,21 @@ def test_two_ranks_with_expert_offload_give_bitwise_the_two_rank_run(runs, tmp_p
     those of the same two ranks without offload."""
     _, two, _ = runs
     out = tmp_path / "offload"
-    proc = torchrun(["train", "--config", str(DEMO), *STEPS, "--set", "train.micro_batch_size=2", "--set",
-                     "model.expert_offload=all", "--set", f"output.dir={out}"], env_for(tmp_path))  # fmt: skip
+    proc = torchrun(
+        [
+            "train",
+            "--config",
+            str(DEMO),
+            *STEPS,
+            "--set",
+            "train.micro_batch_size=2",
+            "--set",
+            "model.expert_offload=all",
+            "--set",
+            f"output.dir={out}",
+        ],
+        env_for(tmp_path),
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "expert offload (all): 2 of 2 MoE layers" in proc.stdout
     assert [r["loss"] for r in records(out)] == [r["loss"] for r in records(two)]
@@ -203,11 +326,30 @@ def test_the_summed_gradient_of_two_ranks_is_the_one_process_gradient(tmp_path, 
     script = tmp_path / "grad.py"
     script.write_text(GRADIENT_SCRIPT)
     env = env_for(tmp_path)
-    one = subprocess.run([sys.executable, str(script), str(tmp_path / "one.pt"), "none"], env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    one = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "one.pt"), "none"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert one.returncode == 0, one.stderr[-2000:]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), str(script), str(tmp_path / "two.pt"), parallel]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(script),
+        str(tmp_path / "two.pt"),
+        parallel,
+    ]
     two = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
     a, b = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
@@ -221,8 +363,9 @@ def test_the_summed_gradient_of_two_ranks_is_the_one_process_gradient(tmp_path, 
         err = float((grad - b["grads"][name]).abs().max())
         assert err <= 1e-6 * float(grad.abs().max()) + 1e-12, (name, err)
     # Broken control: a rank that forgot to sum (its own slice only) is far off.
-    assert any(float((g - 0.5 * b["grads"][k]).abs().max()) > 1e-3 * float(g.abs().max())
-               for k, g in a["grads"].items())  # fmt: skip
+    assert any(
+        float((g - 0.5 * b["grads"][k]).abs().max()) > 1e-3 * float(g.abs().max()) for k, g in a["grads"].items()
+    )
 
 
 FAIL_ON_RANK_1 = """
@@ -242,8 +385,20 @@ def test_a_rank_that_fails_to_load_stops_every_rank_with_its_message(tmp_path):
     (tmp_path / "inject").mkdir()
     (tmp_path / "inject" / "sitecustomize.py").write_text(FAIL_ON_RANK_1)
     env = env_for(tmp_path, PYTHONPATH=os.pathsep.join([str(tmp_path / "inject"), os.environ.get("PYTHONPATH", "")]))
-    proc = torchrun(["train", "--config", str(DEMO), *STEPS, "--set", "train.dist_timeout_s=120",
-                     "--set", f"output.dir={tmp_path / 'out'}"], env, timeout=240)  # fmt: skip
+    proc = torchrun(
+        [
+            "train",
+            "--config",
+            str(DEMO),
+            *STEPS,
+            "--set",
+            "train.dist_timeout_s=120",
+            "--set",
+            f"output.dir={tmp_path / 'out'}",
+        ],
+        env,
+        timeout=240,
+    )
     out = " ".join((proc.stdout + proc.stderr).split())
     assert proc.returncode != 0
     assert "error: rank 1 failed (DataError): rows.jsonl:3: unreadable on this node" in out  # rank 0's sentence
@@ -254,14 +409,19 @@ def test_a_rank_that_fails_to_load_stops_every_rank_with_its_message(tmp_path):
 
 def test_fsdp_for_grpo_or_with_an_8bit_optimizer_is_refused_before_loading(tmp_path):
     env = env_for(tmp_path, WORLD_SIZE="2")
-    for args, message in ((["grpo", "--config", str(ROOT / "configs" / "grpo-demo.yaml"), "--set",
-                            "train.parallel=fsdp"],
-                           "train.parallel: fsdp is for `train`: grpo samples on each rank"),
-                          (["train", "--config", str(DEMO), "--set", "train.parallel=fsdp", "--set",
-                            "train.optimizer=adamw_8bit"],
-                           "train.optimizer: adamw_8bit keeps bitsandbytes state FSDP cannot shard")):  # fmt: skip
-        proc = subprocess.run([sys.executable, "-m", "moe_qlora", *args], env=env, capture_output=True, text=True,
-                              timeout=120)  # fmt: skip
+    for args, message in (
+        (
+            ["grpo", "--config", str(ROOT / "configs" / "grpo-demo.yaml"), "--set", "train.parallel=fsdp"],
+            "train.parallel: fsdp is for `train`: grpo samples on each rank",
+        ),
+        (
+            ["train", "--config", str(DEMO), "--set", "train.parallel=fsdp", "--set", "train.optimizer=adamw_8bit"],
+            "train.optimizer: adamw_8bit keeps bitsandbytes state FSDP cannot shard",
+        ),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "moe_qlora", *args], env=env, capture_output=True, text=True, timeout=120
+        )
         assert proc.returncode == 2 and message in " ".join(proc.stderr.split())
 
 
@@ -290,17 +450,44 @@ def test_sigkill_of_one_rank_then_resume_gives_the_uninterrupted_result(tmp_path
     import signal
     import time
 
-    args = ["train", "--config", str(DEMO), "--set", "train.max_steps=8", "--set", "train.warmup_steps=2",
-            "--set", "train.micro_batch_size=2", "--set", "train.save_every=2",
-            "--set", "train.dist_timeout_s=60"]  # fmt: skip
+    args = [
+        "train",
+        "--config",
+        str(DEMO),
+        "--set",
+        "train.max_steps=8",
+        "--set",
+        "train.warmup_steps=2",
+        "--set",
+        "train.micro_batch_size=2",
+        "--set",
+        "train.save_every=2",
+        "--set",
+        "train.dist_timeout_s=60",
+    ]
     env = env_for(tmp_path)
     reference = torchrun([*args, "--set", f"output.dir={tmp_path / 'reference'}"], env)
     assert reference.returncode == 0, reference.stderr[-2000:]
 
     out = tmp_path / "crashed"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "moe_qlora", *args,
-           "--set", f"output.dir={out}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "moe_qlora",
+        *args,
+        "--set",
+        f"output.dir={out}",
+    ]
     launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics, killed = out / "metrics.jsonl", False
     while launcher.poll() is None and not killed:
@@ -340,9 +527,13 @@ def grpo_config(tmp_path, name: str, **grpo) -> Path:
 def test_grpo_over_two_ranks_splits_prompts_by_whole_groups_and_reproduces_one_process(tmp_path):
     offline = {"offline_file": str(ROOT / "data" / "demo_grpo_offline.jsonl")}
     env = env_for(tmp_path)
-    one = subprocess.run([sys.executable, "-m", "moe_qlora", "grpo", "--config",
-                          str(grpo_config(tmp_path, "one", **offline))], env=env, capture_output=True, text=True,
-                         timeout=600)  # fmt: skip
+    one = subprocess.run(
+        [sys.executable, "-m", "moe_qlora", "grpo", "--config", str(grpo_config(tmp_path, "one", **offline))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert one.returncode == 0, one.stderr[-2000:]
     two = torchrun(["grpo", "--config", str(grpo_config(tmp_path, "two", **offline))], env)
     assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
@@ -356,8 +547,10 @@ def test_grpo_over_two_ranks_splits_prompts_by_whole_groups_and_reproduces_one_p
         for key in ("loss", "kl", "clip_fraction"):
             assert abs(x[key] - y[key]) <= 1e-6 * max(1.0, abs(x[key])), (key, x[key], y[key])
         assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-5 * x["grad_norm"]
-    roll_a, roll_b = ([json.loads(line) for line in (tmp_path / r / "rollouts.jsonl").read_text().splitlines()]
-                      for r in ("one", "two"))  # fmt: skip
+    roll_a, roll_b = (
+        [json.loads(line) for line in (tmp_path / r / "rollouts.jsonl").read_text().splitlines()]
+        for r in ("one", "two")
+    )
     strip = ("step", "group", "source", "completion", "advantage", "reward")
     assert [{k: r[k] for k in strip} for r in roll_a] == [{k: r[k] for k in strip} for r in roll_b]
     fa, fb = (load_file(str(tmp_path / r / "adapter" / "adapter_model.safetensors")) for r in ("one", "two"))
@@ -367,8 +560,13 @@ def test_grpo_over_two_ranks_splits_prompts_by_whole_groups_and_reproduces_one_p
 def test_online_grpo_over_two_ranks_samples_every_prompt_of_a_step_once_per_completion(tmp_path):
     """Sampling: each rank samples G completions of its own prompts (seeded by step and rank); rank 0's
     rollouts.jsonl holds the whole batch, every prompt of the step with exactly G completions."""
-    cfg = grpo_config(tmp_path, "online", group_size=4, max_new_tokens=4,
-                      rewards=[{"function": "length", "args": {"target": 2}, "weight": 1.0}])  # fmt: skip
+    cfg = grpo_config(
+        tmp_path,
+        "online",
+        group_size=4,
+        max_new_tokens=4,
+        rewards=[{"function": "length", "args": {"target": 2}, "weight": 1.0}],
+    )
     proc = torchrun(["grpo", "--config", str(cfg), "--set", "train.max_steps=2"], env_for(tmp_path))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "online" / "rollouts.jsonl").read_text().splitlines()]
@@ -386,11 +584,35 @@ def launch_two_nodes(args: list[str], env: dict, timeout: int = 600) -> list[sub
     """Two 'nodes' of one process each on this machine, met through torchrun's c10d rendezvous, as on a cluster
     (each node runs the same command with its own --node-rank)."""
     endpoint = f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
-                               str(node), "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                               endpoint, "--rdzv-id", "moe-qlora-test", "-m", "moe_qlora", *args], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for node in (0, 1)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                endpoint,
+                "--rdzv-id",
+                "moe-qlora-test",
+                "-m",
+                "moe_qlora",
+                *args,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
     results = []
     for p in procs:
         out, err = p.communicate(timeout=timeout)
@@ -403,14 +625,41 @@ def test_accelerate_launch_and_two_nodes_run_the_same_data_parallel_steps(runs, 
     """The CLI reads the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) whoever sets
     it: accelerate launch, and torchrun across two nodes (LOCAL_RANK 0 on both), give the 2-rank run's steps."""
     _, two, _ = runs
-    args = ["train", "--config", str(DEMO), *STEPS, "--set", "train.micro_batch_size=2", "--set",
-            f"output.dir={tmp_path / 'run'}"]  # fmt: skip
+    args = [
+        "train",
+        "--config",
+        str(DEMO),
+        *STEPS,
+        "--set",
+        "train.micro_batch_size=2",
+        "--set",
+        f"output.dir={tmp_path / 'run'}",
+    ]
     env = env_for(tmp_path)
     if launcher == "accelerate":
         accelerate = Path(sys.executable).with_name("accelerate")
-        procs = [subprocess.run([str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
-                                 "1", "--main_process_port", str(free_port()), "-m", "moe_qlora", *args], env=env,
-                                capture_output=True, text=True, timeout=600)]  # fmt: skip
+        procs = [
+            subprocess.run(
+                [
+                    str(accelerate),
+                    "launch",
+                    "--multi_gpu",
+                    "--num_processes",
+                    "2",
+                    "--num_machines",
+                    "1",
+                    "--main_process_port",
+                    str(free_port()),
+                    "-m",
+                    "moe_qlora",
+                    *args,
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+        ]
     else:
         procs = launch_two_nodes(args, env)
     for proc in procs:
@@ -429,16 +678,58 @@ def test_fsdp_with_a_rank_left_without_rows_and_an_eval_that_keeps_the_best(tmp_
     run must neither hang nor change: losses and eval losses within 1e-5 of one process x micro-batch 4. The
     evals with keep_best write adapter-best from rank 0 alone between steps (the root left gathered by the eval
     must not desynchronise the ranks)."""
-    args = ["train", "--config", str(DEMO), "--set", "train.max_steps=0", "--set", "train.epochs=1", "--set",
-            "train.warmup_steps=2", "--set", "data.packing=true", "--set", "data.eval_fraction=0.1", "--set",
-            "train.eval_every=2", "--set", "train.keep_best=true", "--set", "train.dist_timeout_s=60"]  # fmt: skip
+    args = [
+        "train",
+        "--config",
+        str(DEMO),
+        "--set",
+        "train.max_steps=0",
+        "--set",
+        "train.epochs=1",
+        "--set",
+        "train.warmup_steps=2",
+        "--set",
+        "data.packing=true",
+        "--set",
+        "data.eval_fraction=0.1",
+        "--set",
+        "train.eval_every=2",
+        "--set",
+        "train.keep_best=true",
+        "--set",
+        "train.dist_timeout_s=60",
+    ]
     env = env_for(tmp_path)
-    one = subprocess.run([sys.executable, "-m", "moe_qlora", *args, "--set", "train.micro_batch_size=4", "--set",
-                          f"output.dir={tmp_path / 'one'}"], env=env, capture_output=True, text=True,
-                         timeout=600)  # fmt: skip
+    one = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_qlora",
+            *args,
+            "--set",
+            "train.micro_batch_size=4",
+            "--set",
+            f"output.dir={tmp_path / 'one'}",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert one.returncode == 0, one.stderr[-2000:]
-    two = torchrun([*args, "--set", "train.micro_batch_size=2", "--set", "train.parallel=fsdp", "--set",
-                    f"output.dir={tmp_path / 'two'}"], env, timeout=600)  # fmt: skip
+    two = torchrun(
+        [
+            *args,
+            "--set",
+            "train.micro_batch_size=2",
+            "--set",
+            "train.parallel=fsdp",
+            "--set",
+            f"output.dir={tmp_path / 'two'}",
+        ],
+        env,
+        timeout=600,
+    )
     assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
     a, b = records(tmp_path / "one"), records(tmp_path / "two")
     assert [r["step"] for r in a] == [r["step"] for r in b] and [r["tokens"] for r in a] == [r["tokens"] for r in b]
@@ -455,17 +746,36 @@ def test_a_grpo_checkpoint_of_two_ranks_resumes_in_one_process_on_the_same_promp
     and advantages equal, losses within 1e-5: the adapter at the checkpoint was trained over two ranks)."""
     offline = {"offline_file": str(ROOT / "data" / "demo_grpo_offline.jsonl")}
     env = env_for(tmp_path)
-    two = torchrun(["grpo", "--config", str(grpo_config(tmp_path, "two", **offline)), "--set", "train.save_every=2"],
-                   env)  # fmt: skip
+    two = torchrun(
+        ["grpo", "--config", str(grpo_config(tmp_path, "two", **offline)), "--set", "train.save_every=2"], env
+    )
     assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
-    one = subprocess.run([sys.executable, "-m", "moe_qlora", "grpo", "--config",
-                          str(grpo_config(tmp_path, "one", **offline))], env=env, capture_output=True, text=True,
-                         timeout=600)  # fmt: skip
+    one = subprocess.run(
+        [sys.executable, "-m", "moe_qlora", "grpo", "--config", str(grpo_config(tmp_path, "one", **offline))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert one.returncode == 0, one.stderr[-2000:]
-    resumed = subprocess.run([sys.executable, "-m", "moe_qlora", "grpo", "--config", str(tmp_path / "two.yaml"),
-                              "--set", "train.save_every=2", "--resume-from",
-                              str(tmp_path / "two" / "checkpoints" / "step-00000002")], env=env,
-                             capture_output=True, text=True, timeout=600)  # fmt: skip
+    resumed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_qlora",
+            "grpo",
+            "--config",
+            str(tmp_path / "two.yaml"),
+            "--set",
+            "train.save_every=2",
+            "--resume-from",
+            str(tmp_path / "two" / "checkpoints" / "step-00000002"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout and "warning" not in resumed.stdout
     a, b = records(tmp_path / "one"), records(tmp_path / "two")
@@ -473,8 +783,10 @@ def test_a_grpo_checkpoint_of_two_ranks_resumes_in_one_process_on_the_same_promp
     for x, y in zip(a[2:], b[2:], strict=True):
         assert x["advantage"] == y["advantage"] and x["reward_mean"] == y["reward_mean"]
         assert abs(x["loss"] - y["loss"]) <= 1e-5 * max(1.0, abs(x["loss"]))
-    roll_a, roll_b = ([json.loads(line) for line in (tmp_path / r / "rollouts.jsonl").read_text().splitlines()]
-                      for r in ("one", "two"))  # fmt: skip
+    roll_a, roll_b = (
+        [json.loads(line) for line in (tmp_path / r / "rollouts.jsonl").read_text().splitlines()]
+        for r in ("one", "two")
+    )
     keep = ("step", "group", "source", "completion", "reward")
     assert [{k: r[k] for k in keep} for r in roll_a] == [{k: r[k] for k in keep} for r in roll_b]
 
@@ -518,8 +830,20 @@ def test_out_of_memory_on_one_rank_stops_every_rank_with_one_sentence_and_resume
     and torchrun killed rank 0."""
     _, two, _ = runs
     out = tmp_path / "run"
-    args = ["train", "--config", str(DEMO), *STEPS, "--set", "train.micro_batch_size=2", "--set", "train.save_every=2",
-            "--set", "train.dist_timeout_s=60", "--set", f"output.dir={out}"]  # fmt: skip
+    args = [
+        "train",
+        "--config",
+        str(DEMO),
+        *STEPS,
+        "--set",
+        "train.micro_batch_size=2",
+        "--set",
+        "train.save_every=2",
+        "--set",
+        "train.dist_timeout_s=60",
+        "--set",
+        f"output.dir={out}",
+    ]
     said = stopped_together(torchrun(args, env_on_rank_1(tmp_path, MOE_QLORA_INJECT_OOM=f"4:{phase}"), timeout=180))
     assert said.startswith(f"error: rank 1: out of memory at step 4 ({phase}): peak")
     kept = sorted(d.name for d in (out / "checkpoints").iterdir())

@@ -21,13 +21,15 @@ DATA = str(ROOT / "data" / "demo_sft.jsonl")
 
 
 def config(out, data=None, lora=None, **train):
-    return validate_config({
-        "model": {"name_or_path": "builtin:tiny-mixtral"},
-        "lora": {"rank": 4, "dropout": 0.1, "target_modules": ["q_proj"], **(lora or {})},
-        "data": {"train_files": [DATA], "max_seq_len": 48, **(data or {})},
-        "train": {"micro_batch_size": 8, "lr": 5e-3, "max_steps": 6, "warmup_steps": 0, "seed": 1, **train},
-        "output": {"dir": str(out)},
-    })  # fmt: skip
+    return validate_config(
+        {
+            "model": {"name_or_path": "builtin:tiny-mixtral"},
+            "lora": {"rank": 4, "dropout": 0.1, "target_modules": ["q_proj"], **(lora or {})},
+            "data": {"train_files": [DATA], "max_seq_len": 48, **(data or {})},
+            "train": {"micro_batch_size": 8, "lr": 5e-3, "max_steps": 6, "warmup_steps": 0, "seed": 1, **train},
+            "output": {"dir": str(out)},
+        }
+    )
 
 
 def records(out):
@@ -44,8 +46,9 @@ def test_the_split_is_seeded_disjoint_and_complete():
 
 def test_eval_loss_is_logged_equals_a_direct_computation_and_leaves_training_unchanged(tmp_path):
     plain = trainer.train(config(tmp_path / "plain", data={"eval_files": [DATA]}, eval_every=0), Console(quiet=True))
-    evald = trainer.train(config(tmp_path / "eval", data={"eval_files": [DATA]}, eval_every=2, keep_best=True),
-                          Console(quiet=True))  # fmt: skip
+    evald = trainer.train(
+        config(tmp_path / "eval", data={"eval_files": [DATA]}, eval_every=2, keep_best=True), Console(quiet=True)
+    )
     assert plain.losses == evald.losses  # eval in eval mode under no_grad touches neither weights nor RNG
     a, b = (
         load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (tmp_path / "plain", tmp_path / "eval")

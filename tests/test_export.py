@@ -30,8 +30,9 @@ def exported(tiny_mixtral_dir, tmp_path_factory):
     ids = torch.randint(0, 263, (2, 24), generator=g)
     with torch.no_grad():
         logits = model(input_ids=ids).logits
-    out = save_adapter(model, tmp_path_factory.mktemp("export") / "adapter", cfg=LORA,
-                       base_model_name_or_path=str(tiny_mixtral_dir))  # fmt: skip
+    out = save_adapter(
+        model, tmp_path_factory.mktemp("export") / "adapter", cfg=LORA, base_model_name_or_path=str(tiny_mixtral_dir)
+    )
     return model, ids, logits, out
 
 

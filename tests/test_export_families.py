@@ -33,28 +33,49 @@ DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 # projections it multiplies without one, and the export refuses them: test_formats).
 # LFM2's out_proj names its convolution's too; Gemma-4's vision tower has q_proj too, in a wrapper PEFT cannot
 # target.
-TARGETS = {**dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm_moe_dsa", "glm4_moe_lite", "mistral4", "deepseek_v32",
-                             "dots3_note", "dots3_note_text", "hy_v4"), ["o_proj"]),
-           "kimi_linear": [], "glm5_next": [], "lfm2_moe": ["q_proj", "k_proj", "v_proj"],
-           "gemma4": [], "laguna": [*DEFAULT_TARGETS, "g_proj"],
-           # linear attention: every projection llama.cpp applies a LoRA to, split or regrouped by its converter
-           "qwen3_next": [*DEFAULT_TARGETS, "in_proj_qkvz", "in_proj_ba", "out_proj"],
-           **dict.fromkeys(("qwen3_5_moe", "qwen3_5_moe_text"),
-                           [*DEFAULT_TARGETS, "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"]),
-           **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"),  # (and its indexer's one q and k projection)
-                           [*DEFAULT_TARGETS, "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj",
-                            "index_qk_proj"]),
-           # DeepSeek-V4: gate_proj also names the KV compressor's gate
-           "deepseek_v4": ["q_a_proj", "q_b_proj", "kv_proj", "o_b_proj", "gate_proj", "up_proj", "down_proj"],
-           "minimax_m3_vl": "auto",  # its family's: attention and the shared expert's fused gate_up, kept to the
-           # language model (its vision layers have q_proj too)
-           "sarvam_moe": [*DEFAULT_TARGETS, "gate_proj", "up_proj", "down_proj"]}  # fmt: skip
+TARGETS = {
+    **dict.fromkeys(
+        (
+            "deepseek_v2",
+            "deepseek_v3",
+            "glm_moe_dsa",
+            "glm4_moe_lite",
+            "mistral4",
+            "deepseek_v32",
+            "dots3_note",
+            "dots3_note_text",
+            "hy_v4",
+        ),
+        ["o_proj"],
+    ),
+    "kimi_linear": [],
+    "glm5_next": [],
+    "lfm2_moe": ["q_proj", "k_proj", "v_proj"],
+    "gemma4": [],
+    "laguna": [*DEFAULT_TARGETS, "g_proj"],
+    # linear attention: every projection llama.cpp applies a LoRA to, split or regrouped by its converter
+    "qwen3_next": [*DEFAULT_TARGETS, "in_proj_qkvz", "in_proj_ba", "out_proj"],
+    **dict.fromkeys(
+        ("qwen3_5_moe", "qwen3_5_moe_text"),
+        [*DEFAULT_TARGETS, "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"],
+    ),
+    **dict.fromkeys(
+        ("qwen4_exp", "qwen4_exp_text"),  # (and its indexer's one q and k projection)
+        [*DEFAULT_TARGETS, "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj", "index_qk_proj"],
+    ),
+    # DeepSeek-V4: gate_proj also names the KV compressor's gate
+    "deepseek_v4": ["q_a_proj", "q_b_proj", "kv_proj", "o_b_proj", "gate_proj", "up_proj", "down_proj"],
+    "minimax_m3_vl": "auto",  # its family's: attention and the shared expert's fused gate_up, kept to the
+    # language model (its vision layers have q_proj too)
+    "sarvam_moe": [*DEFAULT_TARGETS, "gate_proj", "up_proj", "down_proj"],
+}
 # routers that are not a weight lora.router can adapt (it refuses them)
 NO_ROUTER_LORA = {"afmoe", "hunyuan_v1_moe", "gemma4", "gemma4_text"}
 
 
-def family_adapter(workdir: Path, model_type: str, *, router: bool | None = None, targets: list[str] | None = None,
-                   **config_fields) -> Path:  # fmt: skip
+def family_adapter(
+    workdir: Path, model_type: str, *, router: bool | None = None, targets: list[str] | None = None, **config_fields
+) -> Path:
     """A tiny model of `model_type` with random (non-zero) LoRA on its experts, router (unless `router` is False
     or the family's router takes none) and `targets` (TARGETS by default), saved in PEFT's format."""
     tok = build_byte_tokenizer()
@@ -63,8 +84,9 @@ def family_adapter(workdir: Path, model_type: str, *, router: bool | None = None
         setattr(config, key, value)
     path = save_tiny_model(workdir / model_type, config, tokenizer=tok)
     targets = TARGETS.get(model_type, DEFAULT_TARGETS) if targets is None else targets
-    lora = LoraSection(rank=4, alpha=8.0, target_modules=targets,
-                       router=model_type not in NO_ROUTER_LORA if router is None else router)  # fmt: skip
+    lora = LoraSection(
+        rank=4, alpha=8.0, target_modules=targets, router=model_type not in NO_ROUTER_LORA if router is None else router
+    )
     model = attach_adapters(load_model(LoadOptions(str(path))), lora, seed=0)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -154,14 +176,22 @@ def test_rolled_experts_are_caught(exported):
 # (conversion/deepseek.py, _map_dsv4_tensor_name at 0c1e57098): the oracle reaches transformers' module names
 # through transformers' own renames of these keys, not through the export's table.
 DSV4_CHECKPOINT_NAMES = {
-    "attn.wq_a": "attn_q_a", "attn.wq_b": "attn_q_b", "attn.wkv": "attn_kv", "attn.wo_a": "attn_output_a",
-    "attn.wo_b": "attn_output_b", "attn.compressor.wkv": "attn_compressor_kv",
-    "attn.compressor.wgate": "attn_compressor_gate", "attn.indexer.wq_b": "indexer.attn_q_b",
-    "attn.indexer.weights_proj": "indexer.proj", "attn.indexer.compressor.wkv": "indexer_compressor_kv",
-    "attn.indexer.compressor.wgate": "indexer_compressor_gate", "ffn.gate": "ffn_gate_inp",
-    "ffn.shared_experts.w1": "ffn_gate_shexp", "ffn.shared_experts.w2": "ffn_down_shexp",
+    "attn.wq_a": "attn_q_a",
+    "attn.wq_b": "attn_q_b",
+    "attn.wkv": "attn_kv",
+    "attn.wo_a": "attn_output_a",
+    "attn.wo_b": "attn_output_b",
+    "attn.compressor.wkv": "attn_compressor_kv",
+    "attn.compressor.wgate": "attn_compressor_gate",
+    "attn.indexer.wq_b": "indexer.attn_q_b",
+    "attn.indexer.weights_proj": "indexer.proj",
+    "attn.indexer.compressor.wkv": "indexer_compressor_kv",
+    "attn.indexer.compressor.wgate": "indexer_compressor_gate",
+    "ffn.gate": "ffn_gate_inp",
+    "ffn.shared_experts.w1": "ffn_gate_shexp",
+    "ffn.shared_experts.w2": "ffn_down_shexp",
     "ffn.shared_experts.w3": "ffn_up_shexp",
-}  # fmt: skip
+}
 
 
 def dsv4_names(layer: int) -> dict[str, str]:
@@ -224,8 +254,11 @@ def llama_cpp_name(model_type: str, config, module: str) -> str | None:
         return f"blk.{layer}.indexer.{module.rsplit('.', 1)[1]}"
     tensor_names = formats.gguf_name_map(names.gguf_arch, config.num_hidden_layers)
     # Granite's router is router.layer in its checkpoints; Nemotron-H's root is backbone
-    candidates = [module, module.replace("block_sparse_moe.router", "block_sparse_moe.router.layer"),
-                  module.replace("model.", "backbone.", 1)]  # fmt: skip
+    candidates = [
+        module,
+        module.replace("block_sparse_moe.router", "block_sparse_moe.router.layer"),
+        module.replace("model.", "backbone.", 1),
+    ]
     name = next((n for c in candidates if (n := tensor_names.get_name(c))), None)
     if name is None and names.gguf_arch == "minimax-m3":  # shared experts and dense MLPs, which MiniMax-M2's map
         # lacks: gguf's one table gives them the names DeepSeek-V2's map does
@@ -236,8 +269,10 @@ def llama_cpp_name(model_type: str, config, module: str) -> str | None:
 def test_every_other_tensor_lands_under_llama_cpp_name_with_peft_delta(exported):
     model_type, deltas, config, tensors, _, _ = exported
     names = formats.FAMILIES[model_type]
-    heads = {"attn_q": config.num_attention_heads,
-             "attn_k": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}  # fmt: skip
+    heads = {
+        "attn_q": config.num_attention_heads,
+        "attn_k": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+    }
     want_all: dict[str, list[np.ndarray]] = {}
     for key, delta in deltas.items():
         if ".experts." in key:
@@ -308,8 +343,9 @@ def test_split_and_regrouped_rows_are_caught():
     Qwen3.5's value heads left grouped, do not give llama.cpp's layout."""
     from types import SimpleNamespace
 
-    config = SimpleNamespace(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=3,
-                             linear_value_head_dim=2)  # fmt: skip
+    config = SimpleNamespace(
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=3, linear_value_head_dim=2
+    )
     delta = np.random.default_rng(0).normal(size=(2 * (3 + 3 + 4 + 4), 5))
     (_, qkv), (_, z) = converter_layout("qwen3_next", config, "model.layers.0.linear_attn.in_proj_qkvz", delta)
     assert not np.allclose(qkv, delta[: len(qkv)]) and not np.allclose(z, delta[len(qkv) :])
@@ -327,15 +363,22 @@ def test_the_exports_layouts_match_the_oracles_with_key_and_value_heads_of_other
     heads, rows of B and out_proj's columns of A, against converter_layout's views."""
     from types import SimpleNamespace
 
-    config = SimpleNamespace(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=3,
-                             linear_value_head_dim=2, num_attention_heads=1)  # fmt: skip
+    config = SimpleNamespace(
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=3,
+        linear_value_head_dim=2,
+        num_attention_heads=1,
+    )
     rng = np.random.default_rng(3)
     a_in, a = rng.normal(size=(4, 5)), rng.normal(size=(4, 4 * 2))  # rank 4; out_proj's input is nv * dv
-    cases = [("qwen3next", "qwen3_next", "in_proj_qkvz", a_in, rng.normal(size=(2 * (3 + 3 + 4 + 4), 4))),
-             ("qwen35moe", "qwen3_5_moe_text", "in_proj_qkv", a_in, rng.normal(size=(2 * 3 * 2 + 4 * 2, 4))),
-             ("qwen35moe", "qwen3_5_moe_text", "in_proj_z", a_in, rng.normal(size=(4 * 2, 4))),
-             ("qwen35moe", "qwen3_5_moe_text", "in_proj_b", a_in, rng.normal(size=(4, 4))),
-             ("qwen35moe", "qwen3_5_moe_text", "out_proj", a, rng.normal(size=(5, 4)))]  # fmt: skip
+    cases = [
+        ("qwen3next", "qwen3_next", "in_proj_qkvz", a_in, rng.normal(size=(2 * (3 + 3 + 4 + 4), 4))),
+        ("qwen35moe", "qwen3_5_moe_text", "in_proj_qkv", a_in, rng.normal(size=(2 * 3 * 2 + 4 * 2, 4))),
+        ("qwen35moe", "qwen3_5_moe_text", "in_proj_z", a_in, rng.normal(size=(4 * 2, 4))),
+        ("qwen35moe", "qwen3_5_moe_text", "in_proj_b", a_in, rng.normal(size=(4, 4))),
+        ("qwen35moe", "qwen3_5_moe_text", "out_proj", a, rng.normal(size=(5, 4))),
+    ]
     for arch, model_type, proj, lora_a, lora_b in cases:
         pieces = formats.gguf_pieces(arch, "linear_attn", proj, torch.tensor(lora_a), torch.tensor(lora_b), config)
         want = converter_layout(model_type, config, f"model.layers.0.linear_attn.{proj}", lora_b @ lora_a)
@@ -344,8 +387,9 @@ def test_the_exports_layouts_match_the_oracles_with_key_and_value_heads_of_other
             assert np.allclose(pb.numpy() @ pa.numpy(), delta), proj
 
 
-FUSABLE = sorted(t for t, n in formats.FAMILIES.items()
-                 if n.gguf_arch in formats.GGUF_FUSABLE_GATE_UP and not n.fused_gate_up)  # fmt: skip
+FUSABLE = sorted(
+    t for t, n in formats.FAMILIES.items() if n.gguf_arch in formats.GGUF_FUSABLE_GATE_UP and not n.fused_gate_up
+)
 
 
 @pytest.mark.parametrize("model_type", FUSABLE)
@@ -422,8 +466,9 @@ def test_check_norms_reads_fused_tensors_at_llama_cpps_own_scale(tmp_path):
 
     adapter = family_adapter(tmp_path, "qwen3_next")
     plain = check_norms(formats.write_gguf(adapter, tmp_path / "plain.gguf")).rows
-    fused = check_norms(formats.write_gguf(adapter, tmp_path / "fused.gguf", fuse_qkv=True,
-                                           fuse_gate_up_exps=True)).rows  # fmt: skip
+    fused = check_norms(
+        formats.write_gguf(adapter, tmp_path / "fused.gguf", fuse_qkv=True, fuse_gate_up_exps=True)
+    ).rows
     by = {(r.module, r.expert): r.norm_delta for r in plain}
     for r in fused:
         if ".attn_qkv." in r.module and (r.module.replace("attn_qkv", "attn_q"), r.expert) in by:  # fused by
@@ -466,11 +511,13 @@ def test_fuse_gate_up_exps_goes_with_gguf_only(tmp_path):
     from moe_qlora.cli.app import app
 
     adapter = family_adapter(tmp_path, "qwen3_next")
-    result = CliRunner().invoke(app, ["export", str(adapter), "--format", "vllm", "--out", str(tmp_path / "v"),
-                                      "--fuse-gate-up-exps"])  # fmt: skip
+    result = CliRunner().invoke(
+        app, ["export", str(adapter), "--format", "vllm", "--out", str(tmp_path / "v"), "--fuse-gate-up-exps"]
+    )
     assert result.exit_code == 2 and "goes with --format gguf" in result.output  # bad input: exit 2
-    result = CliRunner().invoke(app, ["export", str(adapter), "--format", "gguf", "--out", str(tmp_path / "a.gguf"),
-                                      "--fuse-gate-up-exps"])  # fmt: skip
+    result = CliRunner().invoke(
+        app, ["export", str(adapter), "--format", "gguf", "--out", str(tmp_path / "a.gguf"), "--fuse-gate-up-exps"]
+    )
     assert result.exit_code == 0, result.output
     assert any(k.endswith(".ffn_gate_up_exps.weight.lora_b") for k in read_gguf(tmp_path / "a.gguf")[2])
 
@@ -498,8 +545,10 @@ def test_a_family_without_known_names_is_refused_by_name(tmp_path, monkeypatch):
     from safetensors.torch import save_file
 
     monkeypatch.setattr(formats, "base_model_type", lambda config, where: "switch_transformers")
-    save_file({"x.lora_A.weight": torch.zeros(1, 1), "x.lora_B.weight": torch.zeros(1, 1)},
-              str(tmp_path / "adapter_model.safetensors"))  # fmt: skip
+    save_file(
+        {"x.lora_A.weight": torch.zeros(1, 1), "x.lora_B.weight": torch.zeros(1, 1)},
+        str(tmp_path / "adapter_model.safetensors"),
+    )
     (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "x", "r": 1}))
     for write in (formats.write_gguf, formats.write_per_expert, formats.write_vllm):
         with pytest.raises(formats.ExportError, match="switch_transformers: no per-expert / GGUF names known"):
@@ -513,8 +562,10 @@ def test_a_family_llama_cpp_cannot_convert_is_refused_with_its_reason(tmp_path, 
     from safetensors.torch import save_file
 
     monkeypatch.setattr(formats, "base_model_type", lambda config, where: "sarvam_mla")
-    save_file({"x.lora_A.weight": torch.zeros(1, 1), "x.lora_B.weight": torch.zeros(1, 1)},
-              str(tmp_path / "adapter_model.safetensors"))  # fmt: skip
+    save_file(
+        {"x.lora_A.weight": torch.zeros(1, 1), "x.lora_B.weight": torch.zeros(1, 1)},
+        str(tmp_path / "adapter_model.safetensors"),
+    )
     (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "x", "r": 1}))
     with pytest.raises(formats.ExportError, match="sarvam_mla: not written as GGUF .llama.cpp 0c1e57098 has no conv"):
         formats.write_gguf(tmp_path, tmp_path / "out.gguf")
@@ -530,8 +581,11 @@ def test_every_trained_family_is_exported_or_refused_with_a_reason():
     trained = re.findall(r"^\| `([a-z0-9_]+)` \| supported", table, flags=re.M)
     assert len(trained) > 70, "the family table was not found"
     known = {*formats.FAMILIES, *formats.NOT_EXPORTED, *formats.WHY_NOT}
-    unplaced = [t for t in trained if t not in known
-                and AutoConfig.for_model(t).get_text_config().model_type not in formats.FAMILIES]  # fmt: skip
+    unplaced = [
+        t
+        for t in trained
+        if t not in known and AutoConfig.for_model(t).get_text_config().model_type not in formats.FAMILIES
+    ]
     assert unplaced == []
 
 
@@ -571,8 +625,17 @@ def test_per_expert_keys_carry_every_experts_delta(exported, tmp_path):
 
 # DeepSeek-V4 for vLLM: without the compressor's projections (the fixture's gate_proj and kv_proj reach them),
 # which vLLM multiplies from their fused weight
-VLLM_TARGETS = {"deepseek_v4": ["q_a_proj", "q_b_proj", "self_attn.kv_proj", "o_b_proj", "shared_experts.gate_proj",
-                                "shared_experts.up_proj", "shared_experts.down_proj"]}  # fmt: skip
+VLLM_TARGETS = {
+    "deepseek_v4": [
+        "q_a_proj",
+        "q_b_proj",
+        "self_attn.kv_proj",
+        "o_b_proj",
+        "shared_experts.gate_proj",
+        "shared_experts.up_proj",
+        "shared_experts.down_proj",
+    ]
+}
 
 
 def test_vllm_format_is_the_per_expert_layout_where_vllm_reads_2d(exported, tmp_path):
@@ -627,8 +690,11 @@ def test_vllm_format_refuses_lora_granite_shared_mlp_would_ignore(tmp_path):
     base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
     model = attach_adapters(load_model(LoadOptions(base)), lora, seed=0)
     shared = save_adapter(model, tmp_path / "shared", cfg=lora, base_model_name_or_path=base)
-    with pytest.raises(formats.ExportError, match=r"granitemoeshared: vLLM 0.33.0 does not apply a LoRA to "
-                                                  r"shared_mlp.input_linear .its packed_modules_mapping"):  # fmt: skip
+    with pytest.raises(
+        formats.ExportError,
+        match=r"granitemoeshared: vLLM 0.33.0 does not apply a LoRA to "
+        r"shared_mlp.input_linear .its packed_modules_mapping",
+    ):
         formats.write_vllm(shared, tmp_path / "v")
     assert not (tmp_path / "v").exists()
     lora = LoraSection(rank=4, alpha=8.0, target_modules=["shared_mlp.output_linear"])
@@ -654,14 +720,17 @@ def test_vllm_format_renames_shared_experts_to_vllms_module_names(tmp_path, monk
     per_expert = load_file(str(formats.write_per_expert(adapter, tmp_path / "pe") / "adapter_model.safetensors"))
     assert any(".mlp.shared_experts.gate_proj." in k for k in per_expert)
     assert not any(".shared_experts." in k for k in vllm)
-    assert {k.replace(".mlp.shared_mlp.", ".mlp.shared_experts."): v for k, v in vllm.items()}.keys() == \
-        per_expert.keys()  # fmt: skip
+    assert {
+        k.replace(".mlp.shared_mlp.", ".mlp.shared_experts."): v for k, v in vllm.items()
+    }.keys() == per_expert.keys()
 
 
 def test_vllm_format_refuses_router_lora_its_fused_moe_runner_would_ignore(tmp_path):
     adapter = family_adapter(tmp_path, "qwen3_moe")  # router LoRA trained
-    with pytest.raises(formats.ExportError, match="qwen3_moe: vLLM 0.33.0 does not apply a LoRA to this family's "
-                                                  "router .mlp.gate: its fused-MoE runner"):  # fmt: skip
+    with pytest.raises(
+        formats.ExportError,
+        match="qwen3_moe: vLLM 0.33.0 does not apply a LoRA to this family's router .mlp.gate: its fused-MoE runner",
+    ):
         formats.write_vllm(adapter, tmp_path / "v")
     assert not (tmp_path / "v").exists()
     formats.write_per_expert(adapter, tmp_path / "pe")  # other runtimes: the per-expert layout is still written
@@ -681,8 +750,10 @@ def test_vllm_format_keeps_peft_fused_layout_where_vllm_reads_3d(tmp_path):
 def render_family_table() -> str:
     """docs/export.md's table, from the export's own tables (MOE_QLORA_UPDATE_DOCS=1 writes it there)."""
     f = formats
-    rows = ["| model type | llama.cpp arch | GGUF: written | GGUF: refused, and why | vLLM (`--format vllm`) |",
-            "|---|---|---|---|---|"]  # fmt: skip
+    rows = [
+        "| model type | llama.cpp arch | GGUF: written | GGUF: refused, and why | vLLM (`--format vllm`) |",
+        "|---|---|---|---|---|",
+    ]
     for mt, n in f.FAMILIES.items():
         refused = []
         if no := sorted(f.GGUF_NO_LORA.get(n.gguf_arch, ())):
@@ -703,30 +774,47 @@ def render_family_table() -> str:
             if mt in f.VLLM_IGNORED_MODULE:
                 vllm += f"; LoRA refused on {', '.join(f'`{m}`' for m in f.VLLM_IGNORED_MODULE[mt])} (vLLM ignores it)"
             if mt in f.HUB_FUSED_ATTENTION:
-                vllm += (f"; q, k, v as one `{f.HUB_FUSED_ATTENTION[mt][0]}` LoRA of rank 3r (vLLM's "
-                         f"`--max-lora-rank` at least that), o_proj as `{f.HUB_FUSED_ATTENTION[mt][1]}`")
+                vllm += (
+                    f"; q, k, v as one `{f.HUB_FUSED_ATTENTION[mt][0]}` LoRA of rank 3r (vLLM's "
+                    f"`--max-lora-rank` at least that), o_proj as `{f.HUB_FUSED_ATTENTION[mt][1]}`"
+                )
         if mt in f.VLLM_IGNORED_ROUTER and not vllm.startswith("refused"):
             vllm += f"; router LoRA refused (vLLM ignores `{f.VLLM_IGNORED_ROUTER[mt][0]}`)"
         extra_kinds = ", ".join(sorted(f.GGUF_EXTRA_LORA_KINDS.get(n.gguf_arch, ())))
-        laid_out = {"qwen3next": "in_proj_qkvz split into attn_qkv and attn_gate per key head",
-                    "qwen35moe": "linear attention's value heads regrouped as the converter does",
-                    "qwen4exp": "linear attention's value heads regrouped; index_qk_proj split into indexer.q_proj "
-                                "and indexer.k_proj",
-                    "minimax-m3": "fused gate_up_proj split into ffn_gate and ffn_up (and _shexp)",
-                    "bailingmoe2": "q, k and v fused into the one attn_qkv its converter writes"}  # fmt: skip
-        notes = ((bool(extra_kinds), extra_kinds), (n.gguf_arch in laid_out, laid_out.get(n.gguf_arch)),
-                 (n.permute_qk, "q/k with rows permuted as the converter permutes the base's"),
-                 (n.peft_swapped, "transposed back from (E, in, out)"),
-                 (n.interleaved_gate_up, "gate and up de-interleaved (expert biases untouched)"))
+        laid_out = {
+            "qwen3next": "in_proj_qkvz split into attn_qkv and attn_gate per key head",
+            "qwen35moe": "linear attention's value heads regrouped as the converter does",
+            "qwen4exp": "linear attention's value heads regrouped; index_qk_proj split into indexer.q_proj "
+            "and indexer.k_proj",
+            "minimax-m3": "fused gate_up_proj split into ffn_gate and ffn_up (and _shexp)",
+            "bailingmoe2": "q, k and v fused into the one attn_qkv its converter writes",
+        }
+        notes = (
+            (bool(extra_kinds), extra_kinds),
+            (n.gguf_arch in laid_out, laid_out.get(n.gguf_arch)),
+            (n.permute_qk, "q/k with rows permuted as the converter permutes the base's"),
+            (n.peft_swapped, "transposed back from (E, in, out)"),
+            (n.interleaved_gate_up, "gate and up de-interleaved (expert biases untouched)"),
+        )
         extra = [text for flag, text in notes if flag]
-        experts = ("experts (gate_up fused, as llama.cpp's ffn_gate_up_exps, and down)" if n.fused_gate_up else
-                   "experts (gate, up, down)" if n.gated else "experts (up, down: no gate)")  # fmt: skip
+        experts = (
+            "experts (gate_up fused, as llama.cpp's ffn_gate_up_exps, and down)"
+            if n.fused_gate_up
+            else "experts (gate, up, down)"
+            if n.gated
+            else "experts (up, down: no gate)"
+        )
         written = f"{experts}, router, " + "".join(x + ", " for x in extra) + "attention, shared experts and dense FFN"
         if n.gguf_arch in f.GGUF_FUSABLE_GATE_UP and not n.fused_gate_up:
             written += "; ffn_gate_up_exps with `--fuse-gate-up-exps`"
         rows.append(f"| `{mt}` | `{n.gguf_arch}` | {written} | {'; '.join(refused) or '-'} | {vllm} |")
-    rows += ["", "Trained, but not exported (the run's own adapter folder, PEFT's format, serves them all):", "",
-             "| model type | why |", "|---|---|"]  # fmt: skip
+    rows += [
+        "",
+        "Trained, but not exported (the run's own adapter folder, PEFT's format, serves them all):",
+        "",
+        "| model type | why |",
+        "|---|---|",
+    ]
     rows += [f"| `{mt}` | {why} |" for mt, why in sorted(f.NOT_EXPORTED.items())]
     return "\n".join(rows)
 
@@ -742,7 +830,8 @@ def test_the_docs_table_is_the_exports_own():
         path.write_text(text[:start] + table + text[end:])
         text = path.read_text()
     assert text[start : text.index("\n\n", text.index("| model type | why |"))] == table, (
-        "docs/export.md: MOE_QLORA_UPDATE_DOCS=1 rewrites it")
+        "docs/export.md: MOE_QLORA_UPDATE_DOCS=1 rewrites it"
+    )
 
 
 def test_vision_tower_lora_is_refused_and_auto_keeps_to_the_language_model(tmp_path, caplog):
@@ -758,15 +847,25 @@ def test_vision_tower_lora_is_refused_and_auto_keeps_to_the_language_model(tmp_p
     auto = {n for t in families.default_targets(model) for n in families.modules_matching(model, t)}
     wanted = {n for t in families.FAMILY_TARGETS["minimax_m3_vl"] for n in families.modules_matching(model, t)}
     text = {n for n in wanted if ".language_model.layers." in n}
-    assert text != wanted and {n.rsplit(".", 1)[1] for n in text} == {"q_proj", "k_proj", "v_proj", "o_proj",
-                                                                      "gate_up_proj", "down_proj"}  # fmt: skip
+    assert text != wanted and {n.rsplit(".", 1)[1] for n in text} == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_up_proj",
+        "down_proj",
+    }
     assert auto == text
     for experts in (True, False):
         lora = LoraSection(rank=4, alpha=8.0, target_modules=["q_proj", "k_proj"], experts=experts, router=False)
         model = load_model(LoadOptions(str(path)))
         caplog.clear()
-        both = save_adapter(attach_adapters(model, lora, seed=0), tmp_path / f"both-{experts}", cfg=lora,
-                            base_model_name_or_path=str(path))  # fmt: skip
+        both = save_adapter(
+            attach_adapters(model, lora, seed=0),
+            tmp_path / f"both-{experts}",
+            cfg=lora,
+            base_model_name_or_path=str(path),
+        )
         assert "also name modules outside the language model's decoder layers" in caplog.text
         stray = r"^LoRA (outside the experts'|in several).*vision_tower\.layers\.0\.self_attn\.k_proj\.lora_A\.weight"
         with pytest.raises(formats.ExportError, match=stray):

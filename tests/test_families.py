@@ -113,8 +113,11 @@ def test_sparse_block_with_router_and_shared_experts_matches(family):
     _, _, model = family
     experts_name, experts = first_experts(model)
     block = _block_of(model, experts_name)
-    router = {n: p for n, p in block.named_parameters() if not n.startswith(("experts.", "shared_expert"))
-              and "lora" not in n and p.is_floating_point()}  # fmt: skip
+    router = {
+        n: p
+        for n, p in block.named_parameters()
+        if not n.startswith(("experts.", "shared_expert")) and "lora" not in n and p.is_floating_point()
+    }
     assert router, "the block should own its router parameters"
     x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(9))
     upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(10))
@@ -168,14 +171,22 @@ LR = {"qwen3_next": 1e-2}
 
 def test_short_training_run_lowers_the_loss(family, tmp_path):
     name, _, _ = family
-    cfg = validate_config({
-        "model": {"name_or_path": f"builtin:tiny-{name.replace('_', '-')}"},
-        "lora": {"rank": 8, "alpha": 16},
-        "data": {"train_files": ["data/demo_sft.jsonl"], "max_seq_len": 48},
-        "train": {"max_steps": 30, "epochs": 10, "micro_batch_size": 8, "lr": LR.get(name, 5e-3), "warmup_steps": 3,
-                  "seed": 0},
-        "output": {"dir": str(tmp_path / "run")},
-    })  # fmt: skip
+    cfg = validate_config(
+        {
+            "model": {"name_or_path": f"builtin:tiny-{name.replace('_', '-')}"},
+            "lora": {"rank": 8, "alpha": 16},
+            "data": {"train_files": ["data/demo_sft.jsonl"], "max_seq_len": 48},
+            "train": {
+                "max_steps": 30,
+                "epochs": 10,
+                "micro_batch_size": 8,
+                "lr": LR.get(name, 5e-3),
+                "warmup_steps": 3,
+                "seed": 0,
+            },
+            "output": {"dir": str(tmp_path / "run")},
+        }
+    )
     losses = train(cfg, Console(quiet=True)).losses
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.7 * first, (name, first, last)
@@ -204,8 +215,15 @@ def test_a_dense_model_trains_as_plain_qlora_with_a_warning(tmp_path, caplog):
     from transformers import LlamaConfig
 
     tok = build_byte_tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.15)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.15,
+    )
     path = save_tiny_model(tmp_path / "llama", cfg, tokenizer=tok)
     with caplog.at_level("WARNING"):
         model = attach_adapters(load_model(LoadOptions(str(path))), LORA, seed=0)
@@ -233,8 +251,9 @@ def test_llama4_picked_rows_are_bounded_by_the_blocks_top_k_and_never_dropped(tm
     experts than that per token fails loudly instead of losing rows."""
     tok = build_byte_tokenizer()
     path = save_tiny_model(tmp_path / "llama4", tiny_config("llama4_text", len(tok)), tokenizer=tok)
-    model = attach_adapters(load_model(LoadOptions(str(path))), LoraSection(rank=4, alpha=8.0, target_modules=[]),
-                            seed=0)  # fmt: skip
+    model = attach_adapters(
+        load_model(LoadOptions(str(path))), LoraSection(rank=4, alpha=8.0, target_modules=[]), seed=0
+    )
     _, experts = first_experts(model)
     assert experts.moe_top_k == model.config.num_experts_per_tok == 1
     e, t = experts.num_experts, 5

@@ -15,10 +15,24 @@ from oracle import run_experts_pair
 FAMILIES_PAGE = ROOT / "docs" / "families.md"
 # The families this tool is named for, and the hybrids that were once refused for the wrong reason.
 MUST_BE_SUPPORTED = {
-    "mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "deepseek_v2", "deepseek_v3", "olmoe",
-    "gpt_oss", "glm4_moe", "nemotron_h", "jamba", "granitemoehybrid", "lfm2_moe", "kimi_linear", "bailing_hybrid",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "qwen3_next",
+    "qwen3_5_moe_text",
+    "deepseek_v2",
+    "deepseek_v3",
+    "olmoe",
+    "gpt_oss",
+    "glm4_moe",
+    "nemotron_h",
+    "jamba",
+    "granitemoehybrid",
+    "lfm2_moe",
+    "kimi_linear",
+    "bailing_hybrid",
     "laguna",
-}  # fmt: skip
+}
 
 
 def test_every_moe_family_is_supported_or_refused_with_a_reason(tmp_path):

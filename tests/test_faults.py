@@ -154,8 +154,19 @@ def test_a_full_disk_stops_the_run_with_one_message_and_keeps_the_last_checkpoin
     command; exit 1, no traceback. Where no tmpfs can be mounted, the failpoint raises what safetensors raises."""
     out = (small_disk or tmp_path) / "run"
     failpoint = None if small_disk else "checkpoint-write:enospc@10"
-    proc = run_cli("train", config, out, env, "--set", "train.save_every=5", "--set", "train.keep_checkpoints=5",
-                   "--set", "train.max_steps=200", failpoint=failpoint)  # fmt: skip
+    proc = run_cli(
+        "train",
+        config,
+        out,
+        env,
+        "--set",
+        "train.save_every=5",
+        "--set",
+        "train.keep_checkpoints=5",
+        "--set",
+        "train.max_steps=200",
+        failpoint=failpoint,
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "error: no space left on device writing" in proc.stderr
     assert "free there" in proc.stderr and "resume with: moe-qlora train --config" in proc.stderr
@@ -171,9 +182,22 @@ def test_export_to_a_full_disk_is_one_sentence(reference, env, small_disk, tmp_p
     if small_disk is None:
         pytest.skip("needs root to mount a tmpfs; the run above covers the stand-in")
     (small_disk / "filler").write_bytes(b"\0" * (1400 * 1024 - 8192))
-    proc = subprocess.run([sys.executable, "-m", "moe_qlora", "export", str(reference / "adapter"), "--format",
-                           "gguf", "--out", str(small_disk / "a.gguf")], env=env, capture_output=True,
-                          text=True)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_qlora",
+            "export",
+            str(reference / "adapter"),
+            "--format",
+            "gguf",
+            "--out",
+            str(small_disk / "a.gguf"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"no space left on device writing {small_disk / 'a.gguf'}" in proc.stderr.replace("\n", "")
     assert not list(small_disk.glob(".a.gguf.tmp-*"))
@@ -216,8 +240,9 @@ def test_out_of_memory_with_optimizer_in_backward_restores_the_half_stepped_tens
     reference = tmp_path / "reference"
     assert run_cli("train", config, reference, env, *extra).returncode == 0
     out = tmp_path / "oom"
-    proc = run_cli("train", config, out, env, *extra,
-                   env_extra={"MOE_QLORA_INJECT_OOM": "7:optimizer (in backward)#3"})  # two stepped  # fmt: skip
+    proc = run_cli(
+        "train", config, out, env, *extra, env_extra={"MOE_QLORA_INJECT_OOM": "7:optimizer (in backward)#3"}
+    )  # two stepped
     assert proc.returncode == 1 and "Step 6, the last completed, is checkpointed" in proc.stderr.replace("\n", " ")
     assert run_cli("train", config, out, env, *extra, "--resume").returncode == 0
     assert_same_run(out, reference)

@@ -46,8 +46,14 @@ def readme_command(prefix: str) -> list[str]:
 def cli(args: list[str], **env) -> tuple[subprocess.CompletedProcess, float]:
     """`python -m moe_qlora ARGS` from the repository root, as a user runs it; (the process, seconds it took)."""
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "moe_qlora", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_qlora", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=600,
+    )
     return proc, time.perf_counter() - start
 
 
@@ -89,9 +95,12 @@ def test_the_demo_run_records_its_prompt_format_and_each_rendering_answers_as_tr
 
 
 def test_prompt_format_of_the_demo_data_is_what_its_rows_share():
-    cfg = validate_config({"model": {"name_or_path": "builtin:tiny-mixtral"},
-                           "data": {"train_files": [str(ROOT / "data" / "demo_sft.jsonl"),
-                                                    str(ROOT / "data" / "demo_chat.jsonl")]}})  # fmt: skip
+    cfg = validate_config(
+        {
+            "model": {"name_or_path": "builtin:tiny-mixtral"},
+            "data": {"train_files": [str(ROOT / "data" / "demo_sft.jsonl"), str(ROOT / "data" / "demo_chat.jsonl")]},
+        }
+    )
     assert prompt_format_of(cfg.data) == PromptFormat({"prompt": 88, "chat": 16}, "", "\n", "Answer briefly.")
     as_text = cfg.data.model_copy(update={"format": "text"})
     assert prompt_format_of(as_text).kind == "text"  # data.format decides over the keys
@@ -108,9 +117,11 @@ def test_a_grpo_run_records_the_prompts_it_trained_on(tmp_path):
 
 
 def test_shared_prompt_text_is_cut_at_line_breaks():
-    alpaca = ["Below is an instruction that describes a task. Write.\n\n### Instruction:\nSay hi.\n\n### Response:\n",
-              "Below is an instruction that describes a task, paired with an input. Write.\n\n### Instruction:\n"
-              "Sum them.\n\n### Input:\n1 2\n\n### Response:\n"]  # fmt: skip
+    alpaca = [
+        "Below is an instruction that describes a task. Write.\n\n### Instruction:\nSay hi.\n\n### Response:\n",
+        "Below is an instruction that describes a task, paired with an input. Write.\n\n### Instruction:\n"
+        "Sum them.\n\n### Input:\n1 2\n\n### Response:\n",
+    ]
     assert shared_suffix(alpaca) == "\n\n### Response:\n"  # not ".\n\n### Response:\n": the instructions' own dot
     assert shared_prefix(alpaca) == ""  # the preambles differ mid-line: no half sentence is prepended
     assert shared_prefix(["Q:\nA\n", "Q:\nB\n"]) == "Q:\n" and shared_suffix(["Q:\nA\n", "Q:\nB\n"]) == "\n"
@@ -167,8 +178,10 @@ def test_plan_of_a_recipe_offline_answers_at_once_naming_the_shipped_config(tmp_
     proc, seconds = cli(["plan", "--config", RECIPE], HF_HUB_CACHE=str(tmp_path))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     said = one_line(proc.stderr)
-    assert "model 'Qwen/Qwen3-30B-A3B': not a local folder, not in the Hugging Face cache, and the hub cannot be " \
-           "reached" in said  # fmt: skip
+    assert (
+        "model 'Qwen/Qwen3-30B-A3B': not a local folder, not in the Hugging Face cache, and the hub cannot be "
+        "reached" in said
+    )
     assert f"add --model {SHIPPED}" in said and "couldn't connect" not in said  # not transformers' message
     assert seconds < 15, seconds  # transformers' retries took 78 s here
 
@@ -177,11 +190,14 @@ def test_plan_when_the_first_connection_is_refused_answers_at_once(tmp_path):
     proc, seconds = cli(["plan", "--config", RECIPE], HF_ENDPOINT=REFUSED, HF_HUB_CACHE=str(tmp_path))
     assert proc.returncode == 2 and seconds < 15, (seconds, proc.stderr[-2000:])
     assert f"(ConnectError): plan reads only its config.json, which ships in {SHIPPED}: add --model {SHIPPED}" in (
-        one_line(proc.stderr))  # fmt: skip
+        one_line(proc.stderr)
+    )
     proc, _ = cli(["plan", "--config", RECIPE], HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path))
     assert proc.returncode == 2
-    assert f"is not in the Hugging Face cache and HF_HUB_OFFLINE is set: plan reads only its config.json, which " \
-           f"ships in {SHIPPED}" in one_line(proc.stderr)  # fmt: skip
+    assert (
+        f"is not in the Hugging Face cache and HF_HUB_OFFLINE is set: plan reads only its config.json, which "
+        f"ships in {SHIPPED}" in one_line(proc.stderr)
+    )
 
 
 def test_dry_run_of_a_recipe_prints_the_config_offline_and_training_refuses_in_one_sentence(tmp_path):
@@ -258,8 +274,13 @@ def test_the_recipe_does_not_fit_16_gib_says_what_would_and_that_does(monkeypatc
 
 def test_settings_to_fit_take_one_knob_then_several_then_say_none(tiny_mixtral_dir):
     path = str(tiny_mixtral_dir)
-    cfg = validate_config({"model": {"name_or_path": path}, "train": {"micro_batch_size": 8},
-                           "data": {"train_files": ["(not read)"], "max_seq_len": 4096}})  # fmt: skip
+    cfg = validate_config(
+        {
+            "model": {"name_or_path": path},
+            "train": {"micro_batch_size": 8},
+            "data": {"train_files": ["(not read)"], "max_seq_len": 4096},
+        }
+    )
     base, savings = knob_savings(cfg, path, "cpu")
     (best, most), (second, _) = savings[:2]
     assert settings_to_fit(cfg, path, "cpu", gpu_gib=base - most / 2) == ([best], pytest.approx(base - most))
@@ -267,8 +288,18 @@ def test_settings_to_fit_take_one_knob_then_several_then_say_none(tiny_mixtral_d
     assert together == [best, second] and planned < base - most
     assert settings_to_fit(cfg, path, "cpu", gpu_gib=0.01)[0] == []
     # From the command line: exit 1, the settings together; with them, it fits (exit 0).
-    args = ["--model", path, "--device", "cpu", "--set", "data.max_seq_len=4096", "--set", "train.micro_batch_size=8",
-            "--gpu-gb", f"{base - most - 1e-4:.6f}"]  # fmt: skip
+    args = [
+        "--model",
+        path,
+        "--device",
+        "cpu",
+        "--set",
+        "data.max_seq_len=4096",
+        "--set",
+        "train.micro_batch_size=8",
+        "--gpu-gb",
+        f"{base - most - 1e-4:.6f}",
+    ]
     result = plan(*args)
     assert result.exit_code == 1 and f"to fit, together: --set {best} --set {second}" in one_line(result.stdout)
     assert json.loads(plan(*args, "--json").stdout)["to_fit"]["settings"] == [best, second]

@@ -29,13 +29,15 @@ TOL = 1e-6
 
 def trained_adapter(out: Path, model: str, targets: list[str], steps: int, **output) -> Path:
     """The adapter of a short run at a high LR (rank 4, alpha 8, router LoRA too): every factor non-zero."""
-    cfg = validate_config({
-        "model": {"name_or_path": model},
-        "lora": {"rank": 4, "alpha": 8, "target_modules": targets, "router": True},
-        "data": {"train_files": [str(ROOT / "data" / "demo_sft.jsonl")], "max_seq_len": 48},
-        "train": {"max_steps": steps, "lr": 2e-2, "warmup_steps": 0},
-        "output": {"dir": str(out), **output},
-    })  # fmt: skip
+    cfg = validate_config(
+        {
+            "model": {"name_or_path": model},
+            "lora": {"rank": 4, "alpha": 8, "target_modules": targets, "router": True},
+            "data": {"train_files": [str(ROOT / "data" / "demo_sft.jsonl")], "max_seq_len": 48},
+            "train": {"max_steps": steps, "lr": 2e-2, "warmup_steps": 0},
+            "output": {"dir": str(out), **output},
+        }
+    )
     trainer.train(cfg, Console(quiet=True))
     return out / "adapter"
 
@@ -81,8 +83,11 @@ def peft_deltas(run):
 class Expert(nn.Module):
     def __init__(self, hidden, inter):
         super().__init__()
-        self.w1, self.w3, self.w2 = nn.Linear(hidden, inter, bias=False), nn.Linear(hidden, inter, bias=False), \
-            nn.Linear(inter, hidden, bias=False)  # fmt: skip
+        self.w1, self.w3, self.w2 = (
+            nn.Linear(hidden, inter, bias=False),
+            nn.Linear(hidden, inter, bias=False),
+            nn.Linear(inter, hidden, bias=False),
+        )
 
 
 class LegacyModel(nn.Module):
@@ -99,10 +104,12 @@ def legacy_mixtral(config) -> nn.Module:
     for _ in range(config.num_hidden_layers):
         layer = nn.Module()
         layer.self_attn = nn.Module()
-        for name, (i, o) in {"q_proj": (config.hidden_size, config.num_attention_heads * head),
-                             "k_proj": (config.hidden_size, config.num_key_value_heads * head),
-                             "v_proj": (config.hidden_size, config.num_key_value_heads * head),
-                             "o_proj": (config.num_attention_heads * head, config.hidden_size)}.items():  # fmt: skip
+        for name, (i, o) in {
+            "q_proj": (config.hidden_size, config.num_attention_heads * head),
+            "k_proj": (config.hidden_size, config.num_key_value_heads * head),
+            "v_proj": (config.hidden_size, config.num_key_value_heads * head),
+            "o_proj": (config.num_attention_heads * head, config.hidden_size),
+        }.items():
             setattr(layer.self_attn, name, nn.Linear(i, o, bias=False))
         layer.block_sparse_moe = nn.Module()
         layer.block_sparse_moe.gate = nn.Linear(config.hidden_size, config.num_local_experts, bias=False)
@@ -141,8 +148,12 @@ def assert_per_expert_matches(got: dict, deltas: dict, config, *, expect_equal: 
             name = f"model.layers.{n}.self_attn.{proj}.weight"
             ok &= bool((got[name] - deltas[name]).abs().max() <= TOL)
         # the router: transformers v5's mlp.gate is the checkpoints' (and vLLM's) block_sparse_moe.gate
-        ok &= bool((got[f"model.layers.{n}.block_sparse_moe.gate.weight"] - deltas[f"model.layers.{n}.mlp.gate.weight"]
-                    ).abs().max() <= TOL)  # fmt: skip
+        ok &= bool(
+            (got[f"model.layers.{n}.block_sparse_moe.gate.weight"] - deltas[f"model.layers.{n}.mlp.gate.weight"])
+            .abs()
+            .max()
+            <= TOL
+        )
     assert ok == expect_equal
 
 
@@ -226,8 +237,13 @@ def test_gguf_reads_back_with_llama_cpp_names_shapes_alpha_and_deltas(run, peft_
 
 
 # transformers v5 module -> llama.cpp tensor of the llama architecture, written out for the oracle
-LLAMA_CPP_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-                   "self_attn.o_proj": "attn_output", "mlp.gate": "ffn_gate_inp"}  # fmt: skip
+LLAMA_CPP_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate": "ffn_gate_inp",
+}
 
 
 def reference_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -240,8 +256,10 @@ def test_unknown_families_and_unwritten_layouts_are_refused_by_name(tmp_path, mo
     (tmp_path / "a").mkdir()
     from safetensors.torch import save_file
 
-    save_file({"x.lora_A.weight": torch.zeros(1, 1), "x.lora_B.weight": torch.zeros(1, 1)},
-              str(tmp_path / "a" / "adapter_model.safetensors"))  # fmt: skip
+    save_file(
+        {"x.lora_A.weight": torch.zeros(1, 1), "x.lora_B.weight": torch.zeros(1, 1)},
+        str(tmp_path / "a" / "adapter_model.safetensors"),
+    )
     (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "x", "r": 1}))
     with pytest.raises(formats.ExportError, match="switch_transformers: no per-expert / GGUF names known"):
         formats.write_gguf(tmp_path / "a", tmp_path / "a.gguf")
@@ -297,11 +315,16 @@ def qwen2_moe_run(tmp_path_factory):
 
 # transformers v5 module of Qwen2-MoE -> llama.cpp tensor of qwen2moe, written out for the oracle
 QWEN2MOE_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
-    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
-}  # fmt: skip
+}
 
 
 def test_gguf_carries_router_shared_expert_and_its_gate_lora_with_peft_deltas(qwen2_moe_run, tmp_path):
@@ -328,8 +351,10 @@ def test_gguf_refuses_lora_llama_cpp_would_ignore_or_cannot_place():
     for proj in ("q_proj", "q_a_proj", "kv_b_proj", "kv_a_proj_with_mqa"):
         with pytest.raises(formats.ExportError, match="without applying LoRA"):
             formats.gguf_linear_name(names, "deepseek2", 1, "self_attn", proj)
-    assert formats.gguf_linear_name(formats.gguf_name_map("qwen2moe", 2), "qwen2moe", 1, "self_attn",
-                                    "q_proj") == "blk.1.attn_q"  # fmt: skip
+    assert (
+        formats.gguf_linear_name(formats.gguf_name_map("qwen2moe", 2), "qwen2moe", 1, "self_attn", "q_proj")
+        == "blk.1.attn_q"
+    )
     with pytest.raises(formats.ExportError, match="no tensor"):
         formats.gguf_linear_name(names, "deepseek2", 1, "self_attn", "rotary_proj")
 

@@ -15,8 +15,12 @@ from moe_qlora.model.tiny import build_byte_tokenizer
 TOK = build_byte_tokenizer()
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.floats(allow_nan=True), st.text(max_size=30))
 message = st.fixed_dictionaries(
-    {}, optional={"role": st.one_of(st.sampled_from(["system", "user", "assistant", "tool", "bot"]), scalars),
-                  "content": scalars})  # fmt: skip
+    {},
+    optional={
+        "role": st.one_of(st.sampled_from(["system", "user", "assistant", "tool", "bot"]), scalars),
+        "content": scalars,
+    },
+)
 rows = st.dictionaries(
     st.sampled_from(["prompt", "completion", "response", "text", "messages", "reward", "extra"]),
     st.one_of(scalars, st.lists(message, max_size=5), st.lists(scalars, max_size=3)),
@@ -62,17 +66,40 @@ def test_any_jsonl_file_loads_or_names_the_bad_line(tmp_path_factory, lines):
 
 
 sections = {
-    "model": st.fixed_dictionaries({"name_or_path": st.one_of(st.text(max_size=10), scalars)},
-                                   optional={"compute_dtype": scalars, "device": scalars, "bogus": scalars}),
-    "lora": st.dictionaries(st.sampled_from(["rank", "alpha", "dropout", "experts", "router", "target_modules", "rnk"]),
-                            st.one_of(scalars, st.lists(st.text(max_size=8), max_size=3))),
-    "data": st.dictionaries(st.sampled_from(["train_files", "max_seq_len", "format", "overlength", "formt"]),
-                            st.one_of(scalars, st.lists(st.text(max_size=8), max_size=2))),
-    "train": st.dictionaries(st.sampled_from(["lr", "epochs", "max_steps", "warmup_steps", "gclip", "save_every",
-                                              "nan_policy", "betas", "schedule", "lrr", "optimizer",
-                                              "optimizer_in_backward", "grad_accum", "max_grad_norm"]),
-                             st.one_of(scalars, st.sampled_from(["adamw", "adamw_8bit", "paged_adamw_8bit"]))),
-}  # fmt: skip
+    "model": st.fixed_dictionaries(
+        {"name_or_path": st.one_of(st.text(max_size=10), scalars)},
+        optional={"compute_dtype": scalars, "device": scalars, "bogus": scalars},
+    ),
+    "lora": st.dictionaries(
+        st.sampled_from(["rank", "alpha", "dropout", "experts", "router", "target_modules", "rnk"]),
+        st.one_of(scalars, st.lists(st.text(max_size=8), max_size=3)),
+    ),
+    "data": st.dictionaries(
+        st.sampled_from(["train_files", "max_seq_len", "format", "overlength", "formt"]),
+        st.one_of(scalars, st.lists(st.text(max_size=8), max_size=2)),
+    ),
+    "train": st.dictionaries(
+        st.sampled_from(
+            [
+                "lr",
+                "epochs",
+                "max_steps",
+                "warmup_steps",
+                "gclip",
+                "save_every",
+                "nan_policy",
+                "betas",
+                "schedule",
+                "lrr",
+                "optimizer",
+                "optimizer_in_backward",
+                "grad_accum",
+                "max_grad_norm",
+            ]
+        ),
+        st.one_of(scalars, st.sampled_from(["adamw", "adamw_8bit", "paged_adamw_8bit"])),
+    ),
+}
 
 
 @settings(max_examples=1500, deadline=None)

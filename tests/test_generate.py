@@ -24,26 +24,35 @@ PROMPT = "Add: 3+5\n"
 @pytest.fixture(scope="module")
 def adapter(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    cfg = validate_config({
-        "model": {"name_or_path": "builtin:tiny-mixtral"},
-        "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
-        "data": {"train_files": [str(ROOT / "data" / "demo_sft.jsonl")], "max_seq_len": 48},
-        "train": {"max_steps": 20, "lr": 1e-2, "warmup_steps": 0},
-        "output": {"dir": str(out)},
-    })  # fmt: skip
+    cfg = validate_config(
+        {
+            "model": {"name_or_path": "builtin:tiny-mixtral"},
+            "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+            "data": {"train_files": [str(ROOT / "data" / "demo_sft.jsonl")], "max_seq_len": 48},
+            "train": {"max_steps": 20, "lr": 1e-2, "warmup_steps": 0},
+            "output": {"dir": str(out)},
+        }
+    )
     trainer.train(cfg, Console(quiet=True))
     return out / "adapter"
 
 
 def peft_greedy(model, adapter: Path, tokenizer, *, with_adapter: bool) -> str:
     """Greedy text from transformers' own model on our dequantized base, with PEFT loading the adapter."""
-    base = AutoModelForCausalLM.from_pretrained(model.peft_config["default"].base_model_name_or_path,
-                                                dtype=torch.float32)  # fmt: skip
+    base = AutoModelForCausalLM.from_pretrained(
+        model.peft_config["default"].base_model_name_or_path, dtype=torch.float32
+    )
     base.load_state_dict(dequantized_base_state_dict(model), strict=True)
     reference = PeftModel.from_pretrained(base, str(adapter)) if with_adapter else base
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
-    out = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    out = reference.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=12,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 

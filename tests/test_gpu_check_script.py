@@ -28,8 +28,14 @@ def test_stages_are_listed_bounded_and_gpu_only():
 
 def test_a_failing_stage_says_fail(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "STAGE_TIMEOUT": "120", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "preflight", str(tmp_path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "preflight", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1 and "no CUDA device" in proc.stdout
     assert (tmp_path / "verdicts.txt").read_text() == "FAIL  preflight\n"
     proc = subprocess.run(["bash", "scripts/gpu_check.sh", "nonsense"], cwd=ROOT, capture_output=True, text=True)

@@ -31,8 +31,9 @@ TOK = build_byte_tokenizer()
 @pytest.fixture(scope="module")
 def policy(tiny_mixtral_dir):
     """Experts and attention with LoRA, B non-zero so the adapters change the model."""
-    model = attach_adapters(load_model(LoadOptions(str(tiny_mixtral_dir))), LoraSection(rank=4, target_modules=[
-        "q_proj", "v_proj"]), seed=0)  # fmt: skip
+    model = attach_adapters(
+        load_model(LoadOptions(str(tiny_mixtral_dir))), LoraSection(rank=4, target_modules=["q_proj", "v_proj"]), seed=0
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.requires_grad and ("lora_B" in name or name.endswith("_b")):
@@ -45,8 +46,16 @@ def test_demo_reward_rises_from_the_cli(tmp_path):
     well over what any constant reply scores (0.5: half the numbers are odd), so the answer depends on the prompt."""
     env = {**os.environ, "MOE_QLORA_CACHE": str(tmp_path / "cache")}
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "moe_qlora", "grpo", "--config", "configs/grpo-demo.yaml", "--set",
-           f"output.dir={out}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_qlora",
+        "grpo",
+        "--config",
+        "configs/grpo-demo.yaml",
+        "--set",
+        f"output.dir={out}",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -56,8 +65,19 @@ def test_demo_reward_rises_from_the_cli(tmp_path):
     assert first < 0.2 and last > 0.65, (first, last)  # measured: 0.00 -> 0.82
     assert [r["reward_mean"] for r in records] == exact  # the format reward has weight 0: logged, not trained on
     step = records[0]
-    assert {"reward_std", "reward/regex", "reward/exact_match", "advantage", "completion_tokens", "flat_groups",
-            "generation_s", "training_s", "grad_norm", "lr", "router_load"} <= set(step)  # fmt: skip
+    assert {
+        "reward_std",
+        "reward/regex",
+        "reward/exact_match",
+        "advantage",
+        "completion_tokens",
+        "flat_groups",
+        "generation_s",
+        "training_s",
+        "grad_norm",
+        "lr",
+        "router_load",
+    } <= set(step)
     assert all("clip_fraction" in r for r in records if r["sequences_trained"])  # (none while every group is flat)
     rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     assert len(rollouts) == 60 * 10 * 16  # steps x prompts x group size
@@ -66,16 +86,22 @@ def test_demo_reward_rises_from_the_cli(tmp_path):
     for start in range(0, 10 * 16, 16):
         group = torch.tensor([r["reward"] for r in rollouts[start : start + 16]], dtype=torch.float64)
         expected = (group - group.mean()) / (group.std() + 1e-4) if group.std() > 0 else torch.zeros_like(group)
-        torch.testing.assert_close(torch.tensor([r["advantage"] for r in rollouts[start : start + 16]],
-                                                dtype=torch.float64), expected, rtol=1e-5, atol=1e-6)  # fmt: skip
+        torch.testing.assert_close(
+            torch.tensor([r["advantage"] for r in rollouts[start : start + 16]], dtype=torch.float64),
+            expected,
+            rtol=1e-5,
+            atol=1e-6,
+        )
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
 
 
 def test_generation_with_the_kv_cache_matches_the_training_forward(policy):
     """The log-probs generate() computes step by step (KV cache, MoE layer in inference mode) equal the
     teacher-forced log-probs of the same tokens in one forward, within fp32 accumulation-order noise (1e-4)."""
-    prompts = [PromptRow("p:1", TOK("Add: 2+3\n")["input_ids"], "Add: 2+3\n"),
-               PromptRow("p:2", TOK("Reverse: stone, please\n")["input_ids"], "Reverse: stone, please\n")]  # fmt: skip
+    prompts = [
+        PromptRow("p:1", TOK("Add: 2+3\n")["input_ids"], "Add: 2+3\n"),
+        PromptRow("p:2", TOK("Reverse: stone, please\n")["input_ids"], "Reverse: stone, please\n"),
+    ]
     cfg = GrpoSection(group_size=3, max_new_tokens=8, rewards=[{"function": "exact_match"}])
     torch.manual_seed(0)
     policy.eval()
@@ -110,8 +136,10 @@ def _rollout(prompt, completion_ids):
 
 
 def test_sample_rollouts_are_grouped_and_end_at_eos_or_stop(policy):
-    prompts = [PromptRow("p:1", TOK("Add: 1+1\n")["input_ids"], "Add: 1+1\n", {"answer": "2"}),
-               PromptRow("p:2", TOK("Add: 2+2\n")["input_ids"], "Add: 2+2\n", {"answer": "4"})]  # fmt: skip
+    prompts = [
+        PromptRow("p:1", TOK("Add: 1+1\n")["input_ids"], "Add: 1+1\n", {"answer": "2"}),
+        PromptRow("p:2", TOK("Add: 2+2\n")["input_ids"], "Add: 2+2\n", {"answer": "4"}),
+    ]
     cfg = GrpoSection(group_size=4, max_new_tokens=5, rewards=[{"function": "exact_match"}])
     torch.manual_seed(1)
     policy.train()
@@ -150,14 +178,16 @@ def test_reference_policy_is_the_base_model_and_adapters_come_back(policy, tiny_
 
 
 def offline_config(tmp_path, epochs):
-    return validate_config({
-        "model": {"name_or_path": "builtin:tiny-mixtral"},
-        "lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]},
-        "data": {"train_files": [str(ROOT / "data" / "demo_grpo.jsonl")], "max_seq_len": 32},
-        "train": {"epochs": epochs, "micro_batch_size": 8, "lr": 5e-3, "seed": 0},
-        "grpo": {"offline_file": str(ROOT / "data" / "demo_grpo_offline.jsonl"), "prompts_per_step": 4},
-        "output": {"dir": str(tmp_path / "offline")},
-    })  # fmt: skip
+    return validate_config(
+        {
+            "model": {"name_or_path": "builtin:tiny-mixtral"},
+            "lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]},
+            "data": {"train_files": [str(ROOT / "data" / "demo_grpo.jsonl")], "max_seq_len": 32},
+            "train": {"epochs": epochs, "micro_batch_size": 8, "lr": 5e-3, "seed": 0},
+            "grpo": {"offline_file": str(ROOT / "data" / "demo_grpo_offline.jsonl"), "prompts_per_step": 4},
+            "output": {"dir": str(tmp_path / "offline")},
+        }
+    )
 
 
 def test_offline_scored_completions_train_towards_the_better_ones(tmp_path):
@@ -210,9 +240,20 @@ def test_cli_grpo_user_errors_exit_2(tmp_path):
     assert "Traceback" not in result.output
     missing_answer = tmp_path / "rows.jsonl"
     missing_answer.write_text('{"prompt": "Add: 1+1\\n", "solution": "2"}\n')
-    result = CliRunner().invoke(app, ["grpo", "--config", str(bad_fn), "--set", f"data.train_files=[{missing_answer}]",
-                                      "--set", "grpo.rewards=[{function: exact_match}]", "--set",
-                                      f"output.dir={tmp_path / 'o2'}"])  # fmt: skip
+    result = CliRunner().invoke(
+        app,
+        [
+            "grpo",
+            "--config",
+            str(bad_fn),
+            "--set",
+            f"data.train_files=[{missing_answer}]",
+            "--set",
+            "grpo.rewards=[{function: exact_match}]",
+            "--set",
+            f"output.dir={tmp_path / 'o2'}",
+        ],
+    )
     assert result.exit_code == 2 and "needs a 'answer' field" in result.output, result.output
 
 
@@ -226,7 +267,7 @@ def test_prompt_rows_strings_messages_and_overlength(tmp_path):
         '{"prompt": "Add: 1+1\\n", "answer": "2"}\n'
         '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "ref"}], "answer": "x"}\n'
         '{"prompt": "' + "long " * 20 + '"}\n'
-    )  # fmt: skip
+    )
     cfg = DataSection(train_files=[str(rows)], max_seq_len=40, overlength="drop")
     prompts, dropped = load_prompts(cfg, TOK, max_new_tokens=8)
     assert dropped == 1 and [p.source for p in prompts] == [f"{rows}:1", f"{rows}:2"]

@@ -90,8 +90,9 @@ def test_micro_batches_sum_to_the_whole_batch(norm):
 
     def part(rows):
         w = token_weights(mask[rows], norm, total_tokens=tokens, total_sequences=6, max_new_tokens=5)
-        return grpo_token_loss(logp[rows], old[rows], ref[rows], adv[rows], w, clip_eps=0.2, clip_eps_high=0.2,
-                               kl_coef=0.05)[0]  # fmt: skip
+        return grpo_token_loss(
+            logp[rows], old[rows], ref[rows], adv[rows], w, clip_eps=0.2, clip_eps_high=0.2, kl_coef=0.05
+        )[0]
 
     whole = part(slice(0, 6))
     split = part(slice(0, 2)) + part(slice(2, 5)) + part(slice(5, 6))
@@ -99,9 +100,14 @@ def test_micro_batches_sum_to_the_whole_batch(norm):
 
 
 def loss_typed(logp, adv, mask, loss_type, *, max_new_tokens=0, micro_batches=1, total_tokens=None, total_seqs=None):
-    weights = token_weights(mask, loss_type, total_tokens=total_tokens or int(mask.sum()),
-                            total_sequences=total_seqs or mask.shape[0], max_new_tokens=max_new_tokens,
-                            micro_batches=micro_batches)  # fmt: skip
+    weights = token_weights(
+        mask,
+        loss_type,
+        total_tokens=total_tokens or int(mask.sum()),
+        total_sequences=total_seqs or mask.shape[0],
+        max_new_tokens=max_new_tokens,
+        micro_batches=micro_batches,
+    )
     return grpo_token_loss(logp, None, None, adv, weights, clip_eps=0.2, clip_eps_high=0.2, kl_coef=0.0)[0]
 
 
@@ -136,8 +142,10 @@ def test_bnpo_keeps_every_row_in_its_place_of_the_split_as_trl():
     from moe_qlora.train.grpo import micro_batch_indices, rows_to_run
 
     masked = {1, 4, 5}
-    labels = {i: [IGNORE] * 4 if i in masked else [IGNORE, 5, 6, 7] if i == 6 else [IGNORE, IGNORE, IGNORE, 7]
-              for i in range(12)}  # fmt: skip
+    labels = {
+        i: [IGNORE] * 4 if i in masked else [IGNORE, 5, 6, 7] if i == 6 else [IGNORE, IGNORE, IGNORE, 7]
+        for i in range(12)
+    }
     examples = [Example([1, 2, 3, 4], labels[i], f"r:{i}", weight=1.5 if i == 6 else 0.5) for i in range(12)]
     groups = micro_batch_indices(rows_to_run(examples, "bnpo", 0.0), 3)
     assert groups == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
@@ -211,8 +219,13 @@ def test_loss_type_defaults_and_the_renamed_key():
     from moe_qlora.config.sections import ConfigError
 
     def grpo(**fields):
-        return validate_config({"model": {"name_or_path": "builtin:tiny-mixtral"}, "data": {"train_files": ["x"]},
-                                "grpo": {"rewards": [{"function": "length"}], **fields}}).grpo  # fmt: skip
+        return validate_config(
+            {
+                "model": {"name_or_path": "builtin:tiny-mixtral"},
+                "data": {"train_files": ["x"]},
+                "grpo": {"rewards": [{"function": "length"}], **fields},
+            }
+        ).grpo
 
     assert grpo().loss_type == "dapo" and grpo().clip_eps_high == 0.28  # DAPO's clip-higher
     assert grpo(loss_type="grpo").clip_eps_high is None  # then clip_eps, symmetric

@@ -50,10 +50,14 @@ def run(config, out, env, *extra, failpoint=None):
 
 def history(out: Path):
     """What must be identical: per-step loss, rewards and KL, and every sampled completion with its advantage."""
-    metrics = [(r["step"], r["loss"], r["reward_mean"], r["kl"], r["grad_norm"])
-               for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]  # fmt: skip
-    rollouts = [(r["step"], r["completion"], r["advantage"])
-                for r in map(json.loads, (out / "rollouts.jsonl").read_text().splitlines())]  # fmt: skip
+    metrics = [
+        (r["step"], r["loss"], r["reward_mean"], r["kl"], r["grad_norm"])
+        for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+    ]
+    rollouts = [
+        (r["step"], r["completion"], r["advantage"])
+        for r in map(json.loads, (out / "rollouts.jsonl").read_text().splitlines())
+    ]
     return metrics, rollouts
 
 

@@ -14,14 +14,17 @@ from moe_qlora.train.session import describe_kernels, resolve_kernels
 BF16, FP32 = torch.bfloat16, torch.float32
 
 
-@pytest.mark.parametrize("capability,dtype,runs", [
-    ((9, 0), BF16, "auto"),  # H100 / H200: CUTLASS grouped GEMM
-    ((10, 0), BF16, "auto"),  # B200
-    ((9, 0), FP32, "triton"),  # fp32 takes the fallback loop even on Hopper
-    ((8, 0), BF16, "triton"),  # A100
-    ((8, 9), BF16, "triton"),  # RTX 4090, the 24 GB card
-    ((12, 0), BF16, "triton"),  # consumer Blackwell
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "capability,dtype,runs",
+    [
+        ((9, 0), BF16, "auto"),  # H100 / H200: CUTLASS grouped GEMM
+        ((10, 0), BF16, "auto"),  # B200
+        ((9, 0), FP32, "triton"),  # fp32 takes the fallback loop even on Hopper
+        ((8, 0), BF16, "triton"),  # A100
+        ((8, 9), BF16, "triton"),  # RTX 4090, the 24 GB card
+        ((12, 0), BF16, "triton"),  # consumer Blackwell
+    ],
+)
 def test_auto_on_cuda_uses_grouped_mm_only_where_it_has_a_fused_kernel(capability, dtype, runs):
     assert has_fused_path(capability, dtype) == (runs == "auto")
     assert resolve_kernels("auto", "cuda", dtype, capability) == runs

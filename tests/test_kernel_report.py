@@ -14,8 +14,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-KEYS = {"name", "arch", "regs", "spills", "smem_bytes", "mma_per_kstep", "instr_per_weight_element",
-        "widest_packed_load_bytes", "tensor_core_ceiling_pct", "hbm_ceiling_pct"}  # fmt: skip
+KEYS = {
+    "name",
+    "arch",
+    "regs",
+    "spills",
+    "smem_bytes",
+    "mma_per_kstep",
+    "instr_per_weight_element",
+    "widest_packed_load_bytes",
+    "tensor_core_ceiling_pct",
+    "hbm_ceiling_pct",
+}
 # sm_80's list also serves sm_86 / sm_89 (99 KiB per block), sm_90's the H100 (227 KiB).
 SHARED_MEMORY_LIMIT = {"80": 99 * 1024, "90": 227 * 1024}
 
@@ -24,9 +34,24 @@ SHARED_MEMORY_LIMIT = {"80": 99 * 1024, "90": 227 * 1024}
 def report():
     """{(arch, launch name): row} of the kernel report at Qwen3-30B-A3B shapes, sm_80 and sm_90."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_QLORA_TRITON_BLOCKS")}
-    proc = subprocess.run([sys.executable, "scripts/kernel_report.py", "--arch", "80", "--arch", "90", "--shape",
-                           "qwen3-30b-a3b", "--json"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "scripts/kernel_report.py",
+            "--arch",
+            "80",
+            "--arch",
+            "90",
+            "--shape",
+            "qwen3-30b-a3b",
+            "--json",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     return {(r["arch"], r["name"].split("/", 1)[1]): r for r in rows}
@@ -51,8 +76,9 @@ def test_kernel_report_reads_the_jit_specialized_sass(report):
 def test_item4_targets_that_are_met(report, arch):
     """No spills and the block fits the GPU's shared memory for every kernel; packed NF4 codes read at least 8
     bytes at a time (sm_90's 64-code K-steps: 16; sm_80's 32-code ones: 8; it was 1 before the rewrites)."""
-    assert all(r["spills"] == 0 and r["smem_bytes"] <= SHARED_MEMORY_LIMIT[arch] for (a, _), r in report.items()
-               if a == arch)  # fmt: skip
+    assert all(
+        r["spills"] == 0 and r["smem_bytes"] <= SHARED_MEMORY_LIMIT[arch] for (a, _), r in report.items() if a == arch
+    )
     assert all(r["widest_packed_load_bytes"] >= 8 for r in nf4_rows(report, arch).values())
     if arch == "90":  # 64-code steps: each thread's run of a column is 4 words, LDGSTS.E.BYPASS.128
         assert all(r["widest_packed_load_bytes"] == 16 for r in nf4_rows(report, arch).values())
@@ -116,9 +142,23 @@ def test_every_autotune_candidate_compiles_without_spills(tokens):
     target and the shared-memory limit, at Qwen3-30B-A3B shapes, for both architectures: 128 rows per expert
     (64-row tiles), 2 (swapped 16-row tiles) and 512 (the tall class's 128-row tiles)."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_QLORA_TRITON_BLOCKS")}
-    proc = subprocess.run([sys.executable, "scripts/kernel_report.py", "--candidates", "--shape", "qwen3-30b-a3b",
-                           "--tokens", str(tokens), "--json"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "scripts/kernel_report.py",
+            "--candidates",
+            "--shape",
+            "qwen3-30b-a3b",
+            "--tokens",
+            str(tokens),
+            "--json",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     from moe_qlora.moe.kernels.tiles import MATMUL_CONFIGS
@@ -127,8 +167,9 @@ def test_every_autotune_candidate_compiles_without_spills(tokens):
     # the down projection in 64- and 128-row tiles, both forward projections in swapped 16-row ones; a tall
     # one in 4 warps not for gate_up (its two 128-row accumulators spill there).
     tall = tokens == 8192
-    narrow = sum(not c.wide and c.tall == tall and not (tall and c.num_warps < 8) for cs in MATMUL_CONFIGS.values()
-                 for c in cs)  # fmt: skip
+    narrow = sum(
+        not c.wide and c.tall == tall and not (tall and c.num_warps < 8) for cs in MATMUL_CONFIGS.values() for c in cs
+    )
     four_warp_tall = sum(c.tall and not c.wide and c.num_warps < 8 for cs in MATMUL_CONFIGS.values() for c in cs)
     wide = {(r["arch"], r["name"].split("/")[1].split("@")[0]) for r in rows if r["blocks"][1] == 128}
     served = ["down_nf4_nested"] + (["gate_up_nf4_nested_silu_mul"] if tokens == 32 else [])
@@ -139,8 +180,11 @@ def test_every_autotune_candidate_compiles_without_spills(tokens):
     assert len(rows) == 5 * narrow + (4 * four_warp_tall if tall else 0) + len(wide) - 4 * other_mma
     assert all(r["blocks"][0] == (128 if tall else 16 if tokens == 32 and "nf4" in r["name"] else 64) for r in rows)
     assert all(r["swap_ab"] == (tokens == 32 and "nf4" in r["name"]) for r in rows)
-    bad = [(r["name"], r["arch"], r["spills"]) for r in rows
-           if r["spills"] or r["smem_bytes"] > SHARED_MEMORY_LIMIT[r["arch"]]]  # fmt: skip
+    bad = [
+        (r["name"], r["arch"], r["spills"])
+        for r in rows
+        if r["spills"] or r["smem_bytes"] > SHARED_MEMORY_LIMIT[r["arch"]]
+    ]
     assert not bad
 
 
@@ -149,9 +193,24 @@ def test_few_rows_per_expert_take_swapped_16_row_tiles():
     compute their tiles transposed with 16 token rows (the MMA's narrow side) instead of 64, without spills;
     sm_90 then reads 8.0-9.1 instructions per decoded element, and the weight tile 64 x 64 in 16-byte loads."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_QLORA_TRITON_BLOCKS")}
-    proc = subprocess.run([sys.executable, "scripts/kernel_report.py", "--arch", "90", "--shape", "qwen3-30b-a3b",
-                           "--tokens", "32", "--json"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "scripts/kernel_report.py",
+            "--arch",
+            "90",
+            "--shape",
+            "qwen3-30b-a3b",
+            "--tokens",
+            "32",
+            "--json",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {r["name"].split("/", 1)[1]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
     nf4 = {n: r for n, r in rows.items() if "nf4" in n}
@@ -166,9 +225,14 @@ def test_many_rows_per_expert_take_128_row_tiles():
     the tall class's 128-row tiles at its default (gate_up in 8 warps), without spills, and the issue-bound
     ceilings rise from 45-53% of tensor peak at 64-row tiles (sm_90) to 77-86%, from 47-56% to 70-82% on sm_80."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_QLORA_TRITON_BLOCKS")}
-    proc = subprocess.run([sys.executable, "scripts/kernel_report.py", "--shape", "qwen3-30b-a3b", "--tokens",
-                           "8192", "--json"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "scripts/kernel_report.py", "--shape", "qwen3-30b-a3b", "--tokens", "8192", "--json"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {(r["arch"], r["name"].split("/", 1)[1]): r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
     grouped = {key: r for key, r in rows.items() if key[1] != "outer_product"}
@@ -210,8 +274,9 @@ print(json.dumps(out))
         "down_input_grad_nf4_nested/split_k_phase1",
         "down_input_grad_nf4_nested/split_k_phase2",
     } <= names
-    assert all(split >= 2 and smem <= SHARED_MEMORY_LIMIT[str(arch)] and spills == 0
-               for arch, _, split, smem, spills in rows)  # fmt: skip
+    assert all(
+        split >= 2 and smem <= SHARED_MEMORY_LIMIT[str(arch)] and spills == 0 for arch, _, split, smem, spills in rows
+    )
     assert {split for arch, name, split, *_ in rows if name.startswith("gate_up_nf4_nested_silu_mul")} == {4}
 
 
@@ -252,13 +317,31 @@ def test_fp32_kernels_compile_without_spills(tokens):
     bytes per thread on sm_90; fp32 launches take tiles.FP32_CONFIG and the outer product OUTER_BLOCKS_FP32, which
     spill nowhere, on either architecture, at 128 and at 2 rows per expert (never swapped in fp32)."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_QLORA_TRITON_BLOCKS")}
-    proc = subprocess.run([sys.executable, "scripts/kernel_report.py", "--dtype", "fp32", "--shape", "qwen3-30b-a3b",
-                           "--tokens", str(tokens), "--json"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "scripts/kernel_report.py",
+            "--dtype",
+            "fp32",
+            "--shape",
+            "qwen3-30b-a3b",
+            "--tokens",
+            str(tokens),
+            "--json",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(rows) == 12 and not any(r["swap_ab"] for r in rows)
     assert all(r["mma_per_kstep"] == 0 for r in rows)  # no tensor cores: exact products
-    bad = [(r["name"], r["arch"], r["regs"], r["spills"]) for r in rows
-           if r["spills"] or r["smem_bytes"] > SHARED_MEMORY_LIMIT[r["arch"]]]  # fmt: skip
+    bad = [
+        (r["name"], r["arch"], r["regs"], r["spills"])
+        for r in rows
+        if r["spills"] or r["smem_bytes"] > SHARED_MEMORY_LIMIT[r["arch"]]
+    ]
     assert not bad

@@ -67,10 +67,12 @@ def rounding_bound(x, stack, offsets, y_ref, *, transpose, rel, gather=None, bia
     dense_abs = GroupedWeight.dense(dequantize_stack(stack).abs(), transpose=transpose)
     abs_lora = None
     if lora is not None:
-        abs_lora = LowRank(lora.p.float().abs(), GroupedWeight.dense(lora.weight.data.abs(), transpose=True),
-                           lora.scale)  # fmt: skip
-    magnitude = grouped_matmul_reference(x.float().abs(), dense_abs, offsets, gather=gather,
-                                         bias=None if bias is None else bias.abs(), lora=abs_lora)  # fmt: skip
+        abs_lora = LowRank(
+            lora.p.float().abs(), GroupedWeight.dense(lora.weight.data.abs(), transpose=True), lora.scale
+        )
+    magnitude = grouped_matmul_reference(
+        x.float().abs(), dense_abs, offsets, gather=gather, bias=None if bias is None else bias.abs(), lora=abs_lora
+    )
     return rel * magnitude + 2 * rel * y_ref.float().abs() + 1e-5
 
 
@@ -108,8 +110,12 @@ def test_grouped_dense_matmul_matches_reference(dev, dtype, atol, rtol, transpos
     w = torch.randn(6, 4, 37, generator=torch.Generator().manual_seed(2)).to(dev, dtype)
     weight = GroupedWeight.dense(w, transpose=transpose)
     x = torch.randn(offsets[-1], weight.k, generator=torch.Generator().manual_seed(3)).to(dev, dtype)
-    torch.testing.assert_close(grouped_matmul(x, weight, offsets).float(),
-                               grouped_matmul_reference(x, weight, offsets).float(), atol=atol, rtol=rtol)  # fmt: skip
+    torch.testing.assert_close(
+        grouped_matmul(x, weight, offsets).float(),
+        grouped_matmul_reference(x, weight, offsets).float(),
+        atol=atol,
+        rtol=rtol,
+    )
 
 
 @pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES)
@@ -266,8 +272,11 @@ def test_packed_nf4_path_matches_reference(dev, dtype, atol, rtol, double_quant,
         bound = rounding_bound(x, stack, offsets, expected, transpose=True, rel=2**-7, gather=gather)
         assert ((got.float() - expected.float()).abs() <= bound).all()
     broken_weight = GroupedWeight.quantized(nibbles_swapped(stack), transpose=True)
-    broken = (grouped_matmul_silu_mul(x, broken_weight, offsets, gather=gather)[0] if glu
-              else grouped_matmul(x, broken_weight, offsets, gather=gather))  # fmt: skip
+    broken = (
+        grouped_matmul_silu_mul(x, broken_weight, offsets, gather=gather)[0]
+        if glu
+        else grouped_matmul(x, broken_weight, offsets, gather=gather)
+    )
     assert (broken.float() - expected.float()).abs().max() > 0.1
 
 
@@ -276,8 +285,9 @@ def test_packed_nf4_path_matches_reference(dev, dtype, atol, rtol, double_quant,
 @pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
 @pytest.mark.parametrize("arch", [80, 90], ids=["sm_80_blocks", "sm_90_blocks"])
 @pytest.mark.parametrize("swap", [False, True], ids=["rows_x_weight", "swapped"])
-def test_column_pair_nf4_path_of_the_input_gradient_matches_reference(dev, dtype, atol, rtol, double_quant, lora,
-                                                                     arch, swap, monkeypatch):  # fmt: skip
+def test_column_pair_nf4_path_of_the_input_gradient_matches_reference(
+    dev, dtype, atol, rtol, double_quant, lora, arch, swap, monkeypatch
+):
     """The input gradient's NF4 path (g W through the transposed experts) at each architecture's default
     blocks: codes read as 4-byte words along the stored `in` dim, which is N here, their nibbles interleaved
     back into column order in registers, one block scale per row (N_PACKED). K = 80 is not a multiple of
@@ -332,8 +342,11 @@ def test_every_autotune_candidate_takes_the_packed_paths():
     from moe_qlora.moe.kernels.tiles import MATMUL_CONFIGS, MatmulConfig
 
     assert all(not cs[0].wide for cs in MATMUL_CONFIGS.values())
-    assert all(c.packs(64, along_n=False) and (c.wide or c.packs(64, along_n=True))
-               for cs in MATMUL_CONFIGS.values() for c in cs)  # fmt: skip
+    assert all(
+        c.packs(64, along_n=False) and (c.wide or c.packs(64, along_n=True))
+        for cs in MATMUL_CONFIGS.values()
+        for c in cs
+    )
     assert not MatmulConfig(128, 64).packs(64, along_n=True) and not MatmulConfig(64, 16).packs(64, along_n=False)
 
 
@@ -351,7 +364,8 @@ def test_wide_candidates_serve_only_the_launches_they_fit(monkeypatch):
     assert tiles.launch_candidates(configs, "cpu", k_packed=True, glu=False, swap=False, tall=False) == short
     assert tiles.launch_candidates(configs, "cpu", k_packed=False, glu=False, swap=False, tall=False) == short[:-1]
     assert tiles.launch_candidates([wide], "cpu", k_packed=False, glu=False, swap=True, tall=False) == [
-        tiles.DEFAULT_CONFIGS[90]]  # fmt: skip
+        tiles.DEFAULT_CONFIGS[90]
+    ]
     assert tiles.path_candidates(configs, "cpu") == [c for c in configs if not c.wide]
 
 
@@ -386,14 +400,18 @@ def test_wide_tiles_match_reference(dev, glu, monkeypatch):
     def run(w):
         return grouped_matmul_silu_mul(x, w, offsets)[0] if glu else grouped_matmul(x, w, offsets)
 
-    expected = (grouped_matmul_silu_mul_reference(x, weight, offsets)[0] if glu
-                else grouped_matmul_reference(x, weight, offsets))  # fmt: skip
+    expected = (
+        grouped_matmul_silu_mul_reference(x, weight, offsets)[0]
+        if glu
+        else grouped_matmul_reference(x, weight, offsets)
+    )
     with tiles.pinned_config(90, tiles.MatmulConfig(128, 64, 4, 3)):
         got = run(weight)
         broken = run(GroupedWeight.quantized(codes_of_experts_rolled(stack), transpose=True))
         g = torch.randn(offsets[-1], 128, generator=torch.Generator().manual_seed(53)).to(dev)
-        input_grad = grouped_matmul(g, GroupedWeight.quantized(nf4_stack(6, 128, 64, seed=54, device=dev),
-                                                               transpose=False), offsets)  # fmt: skip
+        input_grad = grouped_matmul(
+            g, GroupedWeight.quantized(nf4_stack(6, 128, 64, seed=54, device=dev), transpose=False), offsets
+        )
     assert [(f["K_PACKED"], f["BLOCK_N"], f["SWAP_AB"]) for f in launches[:2]] == [(True, 128, glu)] * 2
     assert (launches[2]["N_PACKED"], launches[2]["BLOCK_N"]) == (True, tiles.DEFAULT_CONFIGS[90].block_n)
     assert input_grad.shape == (offsets[-1], 64)
@@ -427,13 +445,20 @@ def test_tall_tiles_match_reference(dev, arch, path, monkeypatch):
         return grouped_matmul_silu_mul(x, w, offsets)[0] if glu else grouped_matmul(x, w, offsets)
 
     weight = GroupedWeight.quantized(stack, transpose=transpose)
-    expected = (grouped_matmul_silu_mul_reference(x, weight, offsets)[0] if glu
-                else grouped_matmul_reference(x, weight, offsets))  # fmt: skip
+    expected = (
+        grouped_matmul_silu_mul_reference(x, weight, offsets)[0]
+        if glu
+        else grouped_matmul_reference(x, weight, offsets)
+    )
     got = run(stack)
     default = next(c for c in tiles.MATMUL_CONFIGS[arch] if c.serves(transpose, glu, False, tall=True))
     flags = launches[0]
     assert (flags["BLOCK_M"], flags["BLOCK_N"], flags["BLOCK_K"], flags["num_warps"]) == (
-        128, default.block_n, default.block_k, 8 if glu else 4)  # fmt: skip
+        128,
+        default.block_n,
+        default.block_k,
+        8 if glu else 4,
+    )
     assert (flags["K_PACKED"], flags["N_PACKED"]) == (transpose, not transpose)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert (run(codes_of_experts_rolled(stack)) - expected).abs().max() > 0.1
@@ -452,7 +477,8 @@ def test_autotuning_is_on_by_default_and_switched_off_by_the_environment(monkeyp
     monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", "90")
     flags = dict(k_packed=True, glu=False, swap=False, tall=False)
     assert tiles.launch_candidates(tiles.matmul_plan("cpu"), "cpu", **flags) == [
-        c for c in tiles.MATMUL_CONFIGS[90] if not c.tall]  # fmt: skip
+        c for c in tiles.MATMUL_CONFIGS[90] if not c.tall
+    ]
     monkeypatch.setenv("MOE_QLORA_AUTOTUNE", "0")
     assert tiles.launch_candidates(tiles.matmul_plan("cpu"), "cpu", **flags) == tiles.MATMUL_CONFIGS[90][:1]
     monkeypatch.setenv("MOE_QLORA_TRITON_BLOCKS", "16,32,16")
@@ -531,8 +557,12 @@ print(json.dumps({"type": type(t).__name__, "keys": t.keys, "fn": t.fn.__name__,
 
 # path: (glu, stored transposed as x W^T, K, N). "bytes": `in` = 392 is not a multiple of the quant block, so
 # the codes are read a byte per element.
-SPLIT_K_CASES = {"k_packed_gate_up": (True, True, 384, 80), "k_packed_swapped_down": (False, True, 384, 64),
-                 "n_packed_input_grad": (False, False, 384, 128), "bytes": (False, True, 392, 72)}  # fmt: skip
+SPLIT_K_CASES = {
+    "k_packed_gate_up": (True, True, 384, 80),
+    "k_packed_swapped_down": (False, True, 384, 64),
+    "n_packed_input_grad": (False, False, 384, 128),
+    "bytes": (False, True, 392, 72),
+}
 
 
 @pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES)
@@ -565,8 +595,12 @@ def test_split_k_matches_reference_and_is_deterministic(dev, dtype, atol, rtol, 
         run = lambda: grouped_matmul(x, weight, offsets, **kwargs)  # noqa: E731
     got = run()
     assert [(f["PHASE"], f["SPLIT_K"]) for f in launches] == [(1, 3), (2, 3)]
-    packed = {"k_packed_gate_up": (True, False), "k_packed_swapped_down": (True, False),
-              "n_packed_input_grad": (False, True), "bytes": (False, False)}[path]  # fmt: skip
+    packed = {
+        "k_packed_gate_up": (True, False),
+        "k_packed_swapped_down": (True, False),
+        "n_packed_input_grad": (False, True),
+        "bytes": (False, False),
+    }[path]
     assert (launches[0]["K_PACKED"], launches[0]["N_PACKED"]) == packed
     assert launches[0]["SWAP_AB"] == (path == "k_packed_swapped_down")
     assert launches[0]["EVEN_K"] == (path != "bytes")  # K = 384: whole 64-wide steps, unmasked; 392 is not
@@ -612,8 +646,13 @@ def compiled_variants():
     """Every kernel variant compiled ahead of time for sm_80 and sm_90 in a subprocess: compiling needs
     the real @triton.jit functions, which an interpreter-mode process (this one, on a CPU) does not have."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "moe_qlora.moe.kernels.aot", "--json"], env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_qlora.moe.kernels.aot", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {r["variant"]: r for r in json.loads(proc.stdout)}
 
@@ -646,7 +685,13 @@ def test_the_autotuner_keys_on_the_rows_per_expert_class(monkeypatch):
 
     assert "rows_class" in ops._MATMUL_TUNE_KEYS and "rows_class" in triton_kernels._grouped_matmul_kernel.arg_names
     assert [tiles.rows_class(rows, 8) for rows in (0, 8 * 16, 8 * 16 + 1, 8 * 64, 8 * 65, 10**7)] == [
-        16, 16, 32, 64, 128, tiles.ROWS_CLASS_MAX]  # fmt: skip
+        16,
+        16,
+        32,
+        64,
+        128,
+        tiles.ROWS_CLASS_MAX,
+    ]
     passed, names = [], triton_kernels._grouped_matmul_kernel.arg_names
 
     class Recorder:
@@ -713,14 +758,18 @@ def test_launchers_run_as_on_a_gpu_through_the_autotuner():
     the autotuner cannot wrap, a meta-parameter passed twice, a key the kernel does not have, a grid lambda
     that fails for a candidate. At 8, 200 and 1024 tokens, the NF4 launches take swapped 16-row tiles, 64-row and
     128-row tiles."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_QLORA_TRITON_BLOCKS",
-                                                            "MOE_QLORA_AUTOTUNE", "MOE_QLORA_TARGET_ARCH")}
-    proc = subprocess.run([sys.executable, "-c", GPU_LIKE_LAYER], env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TRITON_INTERPRET", "MOE_QLORA_TRITON_BLOCKS", "MOE_QLORA_AUTOTUNE", "MOE_QLORA_TARGET_ARCH")
+    }
+    proc = subprocess.run([sys.executable, "-c", GPU_LIKE_LAYER], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    block_m = {tokens: {launch["BLOCK_M"] for launch in launches if launch.get("W_NF4")}
-               for tokens, launches in result["launches"].items()}  # fmt: skip
+    block_m = {
+        tokens: {launch["BLOCK_M"] for launch in launches if launch.get("W_NF4")}
+        for tokens, launches in result["launches"].items()
+    }
     assert block_m == {"8": {16}, "200": {64}, "1024": {128}}
     assert all(len(launches) >= 6 for launches in result["launches"].values())
     assert result["timed"] > 0  # the autotuner timed candidates (more than one served some launch)
@@ -741,8 +790,9 @@ def test_autotune_candidates_share_the_defaults_mma_kind(monkeypatch):
         for swap in (False, True):
             for tall in (False, True) if not swap else (False,):
                 for k_packed, glu in ((True, True), (True, False), (False, False)):
-                    served = tiles.launch_candidates(tiles.MATMUL_CONFIGS[arch], "cpu", k_packed=k_packed, glu=glu,
-                                                   swap=swap, tall=tall)  # fmt: skip
+                    served = tiles.launch_candidates(
+                        tiles.MATMUL_CONFIGS[arch], "cpu", k_packed=k_packed, glu=glu, swap=swap, tall=tall
+                    )
                     kinds = {tiles.mma_kind(c, arch, swap) for c in served}
                     assert kinds == {tiles.mma_kind(served[0], arch, swap)}
                     assert (narrow in served) == (narrow in tiles.MATMUL_CONFIGS[arch] and not swap and not tall)
@@ -775,8 +825,9 @@ def test_mma_kind_is_what_the_compiler_emits_on_sm_90():
     swapped 16-row tiles (32 tokens) and 64-row tiles (2048 tokens). The 32-column candidate in swapped tiles is
     the one that compiles to mma.sync."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_QLORA_TRITON_BLOCKS")}
-    proc = subprocess.run([sys.executable, "-c", MMA_KIND_OF_CANDIDATES], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", MMA_KIND_OF_CANDIDATES], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(rows) >= 6 and {kind for *_, kind in rows} == {"wgmma", "mma.sync"}
@@ -812,8 +863,11 @@ def test_fp32_launches_take_the_one_config_that_does_not_spill(monkeypatch, toke
         grouped_matmul(torch.randn(tokens, 128).bfloat16(), weight, offsets)
     fp32, bf16 = launches[0::2], launches[1::2]
     c = tiles.FP32_CONFIG
-    assert all((f["BLOCK_M"], f["BLOCK_N"], f["BLOCK_K"], f["num_warps"], f["num_stages"], f["SWAP_AB"])
-               == (c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages, False) for f in fp32)  # fmt: skip
+    assert all(
+        (f["BLOCK_M"], f["BLOCK_N"], f["BLOCK_K"], f["num_warps"], f["num_stages"], f["SWAP_AB"])
+        == (c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages, False)
+        for f in fp32
+    )
     assert all(f["SWAP_AB"] == (tokens == 1) for f in bf16)  # control: bf16 swaps its few rows
 
 
@@ -827,9 +881,12 @@ def test_split_k_is_the_same_on_every_gpu():
 
     assert list(inspect.signature(tiles.split_k).parameters) == ["programs", "k_steps"]
     splits = {}
-    for name, (hidden, inter, experts, top_k), tokens in (("mixtral", (4096, 14336, 8, 2), 2048),
-                                                           ("qwen3", (2048, 768, 128, 8), 1)):  # fmt: skip
-        launches = capture_launches(hidden=hidden, inter=inter, experts=experts, top_k=top_k, tokens=tokens,
-                                    rank=16, dtype=torch.bfloat16)  # fmt: skip
+    for name, (hidden, inter, experts, top_k), tokens in (
+        ("mixtral", (4096, 14336, 8, 2), 2048),
+        ("qwen3", (2048, 768, 128, 8), 1),
+    ):
+        launches = capture_launches(
+            hidden=hidden, inter=inter, experts=experts, top_k=top_k, tokens=tokens, rank=16, dtype=torch.bfloat16
+        )
         splits[name] = max(launch.kwargs.get("SPLIT_K", 1) for launch in launches if "lora_a" in launch.name)
     assert splits == {"mixtral": 3, "qwen3": 4}

@@ -184,8 +184,9 @@ def test_grouped_mm_decoding_chunks_of_experts_matches_eager(quantized, case):
         x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(5)).to(module.gate_up_proj.device)
         dev = x.device
         assert_all_close(*run_experts_pair(module, quantized.config, x, idx.to(dev), weights.to(dev)))
-        broken, ref = run_experts_pair(module, quantized.config, x, idx.to(dev), weights.to(dev),
-                                       mutate=BROKEN["experts_rolled"])  # fmt: skip
+        broken, ref = run_experts_pair(
+            module, quantized.config, x, idx.to(dev), weights.to(dev), mutate=BROKEN["experts_rolled"]
+        )
     finally:
         set_moe_kernels(quantized, "grouped_mm", dequant_buffer_mb=None)
     with pytest.raises(AssertionError):  # control: the chunked layer with rolled experts fails the same check

@@ -122,3 +122,22 @@ def test_the_docs_module_table_names_every_package_and_module():
     modules = {p.name for p in PACKAGE.glob("*/*.py") if p.name != "__init__.py"}
     missing = sorted(m for m in modules if f"`{m}`" not in table)
     assert not missing, f"modules the table of docs/moe-layer.md does not name: {missing}"
+
+
+def fmt_skip_markers(root: Path) -> list[str]:
+    """Every `# fmt: skip` line under root's Python files, as path:line."""
+    return [
+        f"{path.relative_to(root)}:{number}"
+        for path in sorted(root.rglob("*.py"))
+        if not {".venv", "build", ".git"} & set(path.relative_to(root).parts)
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if line.rstrip().endswith("# fmt: skip")
+    ]
+
+
+def test_the_formatter_is_used_not_fought(tmp_path):
+    """`ruff format` is the style (CI checks it); `# fmt: skip` only where a table's alignment means something."""
+    markers = fmt_skip_markers(PACKAGE.parent)
+    assert len(markers) <= 20, f"{len(markers)} `# fmt: skip` markers (at most 20): {markers[:10]}"
+    (tmp_path / "a.py").write_text("x = [1,  2]  # fmt: skip\n")  # broken control: the count sees a marker
+    assert fmt_skip_markers(tmp_path) == ["a.py:1"]

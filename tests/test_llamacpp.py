@@ -70,29 +70,54 @@ ModelBase.write = names_only
 # tokens), deepseek_v32 (wants add_bos_token), glm5_next (wants linear_attn_config), ernie4_5_moe (wants a
 # sentencepiece tokenizer.model), exaone_moe (writes no expert_gating_func); laguna converts, but its bare base
 # already differs from transformers by 2.0 in log-prob (as GPT-OSS's by 0.68), so the check says nothing there.
-LIBLLAMA_RUNS = [("mixtral", "split"), ("mixtral", "fuse-qkv"), ("qwen2_moe", "split"), ("qwen2_moe", "fuse-qkv"),
-                 ("olmoe", "split"), ("olmoe", "fuse-qkv"), ("qwen3_moe", "split"), ("qwen3_moe", "fuse-qkv"),
-                 ("qwen3_next", "split"), ("qwen3_next", "fuse-gate-up-exps"), ("granitemoe", "split"),
-                 ("granitemoe", "fuse-qkv"), ("granitemoe_swa", "split"), ("hy_v3", "split"),
-                 ("cohere2_moe", "split"), ("qwen3_5_moe_text", "split"), ("sarvam_moe", "split"),
-                 ("granitemoeshared", "split")]  # fmt: skip
+LIBLLAMA_RUNS = [
+    ("mixtral", "split"),
+    ("mixtral", "fuse-qkv"),
+    ("qwen2_moe", "split"),
+    ("qwen2_moe", "fuse-qkv"),
+    ("olmoe", "split"),
+    ("olmoe", "fuse-qkv"),
+    ("qwen3_moe", "split"),
+    ("qwen3_moe", "fuse-qkv"),
+    ("qwen3_next", "split"),
+    ("qwen3_next", "fuse-gate-up-exps"),
+    ("granitemoe", "split"),
+    ("granitemoe", "fuse-qkv"),
+    ("granitemoe_swa", "split"),
+    ("hy_v3", "split"),
+    ("cohere2_moe", "split"),
+    ("qwen3_5_moe_text", "split"),
+    ("sarvam_moe", "split"),
+    ("granitemoeshared", "split"),
+]
 # (Also not these: minimax_m3_vl, whose converter reads hub-only config keys that transformers' config consumes
 # on load (sparse_attention_config, moe_layer_freq) or lacks (n_shared_experts); granitemoehybrid, whose tiny
 # base loads in libllama without the Mamba layers' ssm_in. Their adapters' names and shapes are checked below.)
-LIBLLAMA_FIELDS = {"olmoe": {"num_key_value_heads": 4}, "granitemoeshared": {"shared_intermediate_size": 32},
-                   "granitemoehybrid": {"vocab_size": 264},  # its Mamba-2 converter pads the vocabulary to 8
-                   # room for the special tokens Qwen's tokenizer adds; MRoPE sections within the tiny rotary
-                   # dims (4; llama.cpp's default [11, 11, 10] asserts), the same for text-only positions
-                   "qwen3_5_moe_text": {"vocab_size": 512, "rope_parameters": {
-                       "partial_rotary_factor": 0.25, "rope_theta": 1e4, "rope_type": "default",
-                       "mrope_section": [1, 1, 0]}}}  # fmt: skip
+LIBLLAMA_FIELDS = {
+    "olmoe": {"num_key_value_heads": 4},
+    "granitemoeshared": {"shared_intermediate_size": 32},
+    "granitemoehybrid": {"vocab_size": 264},  # its Mamba-2 converter pads the vocabulary to 8
+    # room for the special tokens Qwen's tokenizer adds; MRoPE sections within the tiny rotary
+    # dims (4; llama.cpp's default [11, 11, 10] asserts), the same for text-only positions
+    "qwen3_5_moe_text": {
+        "vocab_size": 512,
+        "rope_parameters": {
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 1e4,
+            "rope_type": "default",
+            "mrope_section": [1, 1, 0],
+        },
+    },
+}
 # targets beyond the fixture's: Granite's shared MLP (its input_linear split into ffn_gate/up_shexp)
-LIBLLAMA_TARGETS = dict.fromkeys(("granitemoeshared", "granitemoehybrid"),
-                                 ["q_proj", "k_proj", "v_proj", "o_proj", "shared_mlp.input_linear",
-                                  "shared_mlp.output_linear"])  # fmt: skip
+LIBLLAMA_TARGETS = dict.fromkeys(
+    ("granitemoeshared", "granitemoehybrid"),
+    ["q_proj", "k_proj", "v_proj", "o_proj", "shared_mlp.input_linear", "shared_mlp.output_linear"],
+)
 # Qwen3-Next: its bare base already differs from transformers by 6.9e-5 (the gated delta net in f32), the adapter
 # run by 1.04e-4
 LIBLLAMA_TOL = {"qwen3_next": 2e-4}
+
 
 def requirements() -> str | None:
     try:
@@ -118,8 +143,13 @@ def convert_base(model_dir: Path, out: Path, *, names_only: bool = False, extra:
     if model_dir.name in RAW_CONFIG:  # (the tests save a family's tiny base in a folder named after it)
         patch += "\n" + NO_AUTOCONFIG
     code = CONVERT.format(root=LLAMA_CPP_DIR, args=args, names_only=patch)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "NO_LOCAL_GGUF": ""})  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "NO_LOCAL_GGUF": ""},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -128,8 +158,9 @@ def llama_logprobs(base: Path, lora: Path | None, ids: list[int]) -> np.ndarray:
     from llama_cpp import Llama
 
     kwargs = {"lora_path": str(lora)} if lora else {}
-    llm = Llama(model_path=str(base), n_ctx=64, logits_all=True, verbose=False, n_threads=2, type_k=0, type_v=0,
-                **kwargs)  # fmt: skip  # type 0: f32 KV cache
+    llm = Llama(
+        model_path=str(base), n_ctx=64, logits_all=True, verbose=False, n_threads=2, type_k=0, type_v=0, **kwargs
+    )  # type 0: f32 KV cache
     llm.eval(ids)
     logits = torch.tensor(np.array(llm.scores[: len(ids)]), dtype=torch.float64)
     return torch.log_softmax(logits, -1).numpy()
@@ -139,8 +170,9 @@ def peft_logprobs(base_dir: Path, adapter: Path, ids: list[int]) -> np.ndarray:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
-                                      str(adapter)).eval()  # fmt: skip
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), str(adapter)
+    ).eval()
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids])).logits[0].double()
     return torch.log_softmax(logits, -1).numpy()
@@ -189,30 +221,40 @@ def qkvz_as_blocks(base) -> tuple[torch.Tensor, ...]:
     return tuple(torch.arange(sum(sizes)).split(sizes))
 
 
-LAYOUT_CONTROLS = {"qwen3_next": ("qwen3_next_qkvz_rows", qkvz_as_blocks),
-                   "qwen3_5_moe_text": ("value_heads_tiled", lambda proj, a, b, base: (a, b))}  # fmt: skip
+LAYOUT_CONTROLS = {
+    "qwen3_next": ("qwen3_next_qkvz_rows", qkvz_as_blocks),
+    "qwen3_5_moe_text": ("value_heads_tiled", lambda proj, a, b, base: (a, b)),
+}
 
 
 # Config fields that let llama.cpp's converter take a family's tiny config: every layer sparse where the tiny
 # config has a dense first layer its arch's tensor map lacks; Phi-MoE's converter reads the rope's original
 # context length
-CONVERTIBLE = {"qwen3_moe": {"mlp_only_layers": []}, "qwen3_next": {"mlp_only_layers": []},
-               "kimi_linear": {"mlp_layer_types": ["sparse", "sparse"]},
-               "phimoe": {"rope_parameters": {"rope_theta": 1e6, "rope_type": "default",
-                                              "original_max_position_embeddings": 512}}}  # fmt: skip
+CONVERTIBLE = {
+    "qwen3_moe": {"mlp_only_layers": []},
+    "qwen3_next": {"mlp_only_layers": []},
+    "kimi_linear": {"mlp_layer_types": ["sparse", "sparse"]},
+    "phimoe": {"rope_parameters": {"rope_theta": 1e6, "rope_type": "default", "original_max_position_embeddings": 512}},
+}
 # Families whose tiny base llama.cpp's converter does not take, and why
 NOT_CONVERTIBLE = {
     "hy_v4": "transformers saves the tiny base's hyper-connection weights under names the converter does not map "
-             "(the checkpoints' are renamed on load)",
-    **dict.fromkeys(("dots3_note", "dots3_note_text"), "its converter asks for fields of the released checkpoint "
-                    "the tiny config does not set (sigmoid gating, swa_qk_nope_head_dim, use_dsa)"),
-}  # fmt: skip
+    "(the checkpoints' are renamed on load)",
+    **dict.fromkeys(
+        ("dots3_note", "dots3_note_text"),
+        "its converter asks for fields of the released checkpoint "
+        "the tiny config does not set (sigmoid gating, swa_qk_nope_head_dim, use_dsa)",
+    ),
+}
 # converter flags: the Qwen3-Next family's converter asserts multi-token-prediction layers unless told there are
 # none (the tiny configs have none)
 CONVERT_FLAGS = dict.fromkeys(("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"), ("--no-mtp",))
 # the hub checkpoints' class name, where the converter registers that rather than transformers' own
-HUB_ARCHITECTURES = {"phimoe": "PhiMoEForCausalLM", "mistral4": "Mistral3ForConditionalGeneration",
-                     "sarvam_moe": "SarvamMoEForCausalLM"}  # (transformers saves Sarvam as GLM-4-MoE's class)
+HUB_ARCHITECTURES = {
+    "phimoe": "PhiMoEForCausalLM",
+    "mistral4": "Mistral3ForConditionalGeneration",
+    "sarvam_moe": "SarvamMoEForCausalLM",
+}  # (transformers saves Sarvam as GLM-4-MoE's class)
 # ...and config keys its hub config.json has under another name than transformers saves (Sarvam's, read by the
 # bailingmoe2 converter)
 HUB_CONFIG_KEYS = {"sarvam_moe": {"num_experts": "n_routed_experts", "num_shared_experts": "n_shared_experts"}}
@@ -238,8 +280,16 @@ def hub_layout(model_dir: Path, model_type: str) -> None:
     if model_type == "qwen3_vl_moe":
         for f in model_dir.glob("*.safetensors"):
             t = load_file(str(f))
-            save_file({k: v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj"))
-                       else v for k, v in t.items()}, str(f), metadata={"format": "pt"})  # fmt: skip
+            save_file(
+                {
+                    k: v.transpose(1, 2).contiguous()
+                    if k.endswith(("experts.gate_up_proj", "experts.down_proj"))
+                    else v
+                    for k, v in t.items()
+                },
+                str(f),
+                metadata={"format": "pt"},
+            )
 
 
 # DeepSeek-V4's converter repacks the experts from the released checkpoint's MXFP4 blocks and scales, which a
@@ -268,8 +318,13 @@ json.dump({{"arch": gguf.MODEL_ARCH_NAMES[DeepseekV4Model.model_arch], "tensors"
 
 def dsv4_base_names(model_dir: Path, out: Path) -> Path:
     code = DSV4_NAMES.format(root=LLAMA_CPP_DIR, weights=str(next(model_dir.glob("*.safetensors"))), out=str(out))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "NO_LOCAL_GGUF": ""})  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "NO_LOCAL_GGUF": ""},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -288,8 +343,11 @@ def lora_tensors_llama_cpp_would_reject(lora: dict, base: dict) -> list[str]:
 
 
 # how the base was converted: llama.cpp's flag, and the export's matching keyword
-CONVERSIONS = {"split": ((), {}), "fuse-gate-up-exps": (("--fuse-gate-up-exps",), {"fuse_gate_up_exps": True}),
-               "fuse-qkv": (("--fuse-qkv",), {"fuse_qkv": True})}  # fmt: skip
+CONVERSIONS = {
+    "split": ((), {}),
+    "fuse-gate-up-exps": (("--fuse-gate-up-exps",), {"fuse_gate_up_exps": True}),
+    "fuse-qkv": (("--fuse-qkv",), {"fuse_qkv": True}),
+}
 
 
 @pytest.mark.parametrize("conversion", CONVERSIONS)
@@ -317,16 +375,29 @@ def test_every_lora_tensor_names_a_base_tensor_of_its_shape(model_type, conversi
     if model_type == "deepseek_v4":
         base = json.loads(dsv4_base_names(tmp_path / model_type, tmp_path / "base.json").read_text())
     else:
-        base = json.loads(convert_base(tmp_path / model_type, tmp_path / "base.json", names_only=True,
-                                       extra=CONVERT_FLAGS.get(model_type, ()) + flags).read_text())  # fmt: skip
+        base = json.loads(
+            convert_base(
+                tmp_path / model_type,
+                tmp_path / "base.json",
+                names_only=True,
+                extra=CONVERT_FLAGS.get(model_type, ()) + flags,
+            ).read_text()
+        )
     _, fields, lora = read_gguf(formats.write_gguf(adapter, tmp_path / "a.gguf", **export))
     assert field_value(fields["general.architecture"]) == base["arch"]
     assert lora_tensors_llama_cpp_would_reject(lora, base["tensors"]) == []
     # broken controls: each expert's factors transposed (Llama-4's storage not undone), where that changes a
     # shape; the adapter written for the plain conversion, where this one renamed any of its tensors
-    transposed = {k: np.ascontiguousarray(np.swapaxes(lora[k.replace("lora_a", "lora_b") if k.endswith("lora_a")
-                                                           else k.replace("lora_b", "lora_a")], 1, 2))
-                  if "_exps." in k else v for k, v in lora.items()}  # fmt: skip
+    transposed = {
+        k: np.ascontiguousarray(
+            np.swapaxes(
+                lora[k.replace("lora_a", "lora_b") if k.endswith("lora_a") else k.replace("lora_b", "lora_a")], 1, 2
+            )
+        )
+        if "_exps." in k
+        else v
+        for k, v in lora.items()
+    }
     if any(t.shape != lora[k].shape for k, t in transposed.items()):
         assert lora_tensors_llama_cpp_would_reject(transposed, base["tensors"]) != []
     _, _, plain = read_gguf(formats.write_gguf(adapter, tmp_path / "b.gguf"))

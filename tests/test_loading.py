@@ -21,8 +21,12 @@ def test_experts_nf4_linears_4bit_router_norms_embeddings_full(model):
     assert layer.mlp.experts.gate_up_proj.quant_state.shape == (8, 256, 64)
     assert layer.mlp.experts.down_proj.quant_state.quant_type == "nf4"
     assert isinstance(layer.self_attn.q_proj, bnb.nn.Linear4bit)
-    unquantized = (layer.mlp.gate.weight, layer.input_layernorm.weight, model.model.embed_tokens.weight,
-                   model.lm_head.weight)  # fmt: skip
+    unquantized = (
+        layer.mlp.gate.weight,
+        layer.input_layernorm.weight,
+        model.model.embed_tokens.weight,
+        model.lm_head.weight,
+    )
     for p in unquantized:
         assert p.dtype == torch.float32 and not isinstance(p, bnb.nn.Params4bit)
     assert model.config._experts_implementation == EXPERTS_IMPLEMENTATION

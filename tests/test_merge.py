@@ -44,13 +44,15 @@ def adapted(request, tmp_path_factory):
     """(base dir, 4-bit model with every LoRA factor random, its adapter dir, token ids)."""
     family, lora = request.param, FAMILIES[request.param]
     tok = build_byte_tokenizer()
-    base = save_tiny_model(tmp_path_factory.mktemp(f"base-{family}"), tiny_config(family, len(tok)), seed=0,
-                           tokenizer=tok)  # fmt: skip
+    base = save_tiny_model(
+        tmp_path_factory.mktemp(f"base-{family}"), tiny_config(family, len(tok)), seed=0, tokenizer=tok
+    )
     model = attach_adapters(load_model(LoadOptions(str(base))), lora, seed=0)
     randomize_trainables(model)
     model.eval()
-    adapter = save_adapter(model, tmp_path_factory.mktemp("adapter") / "adapter", cfg=lora,
-                           base_model_name_or_path=str(base))  # fmt: skip
+    adapter = save_adapter(
+        model, tmp_path_factory.mktemp("adapter") / "adapter", cfg=lora, base_model_name_or_path=str(base)
+    )
     ids = torch.randint(0, len(tok), (2, 20), generator=torch.Generator().manual_seed(1))
     return base, model, adapter, ids
 
@@ -114,8 +116,9 @@ def test_every_expert_delta_is_reported(adapted, merged):
     _, model, _, _ = adapted
     _, report = merged
     stacks = [k for k, v in report.delta_norms.items() if len(v) > 1]
-    expected = [n for _, m in model.named_modules() if getattr(m, "moe_lora", None) is not None
-                for n in consumer_stack_names(m)]  # fmt: skip
+    expected = [
+        n for _, m in model.named_modules() if getattr(m, "moe_lora", None) is not None for n in consumer_stack_names(m)
+    ]
     assert len(stacks) == len(expected) > 0
     assert all(min(report.delta_norms[k]) > 0 for k in stacks)
 

@@ -18,14 +18,23 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def config(out, **train):
-    return validate_config({
-        "model": {"name_or_path": "builtin:tiny-mixtral"},
-        "lora": {"rank": 4, "target_modules": ["q_proj"]},
-        "data": {"train_files": [str(ROOT / "data" / "demo_sft.jsonl")], "max_seq_len": 48},
-        "train": {"micro_batch_size": 4, "lr": 5e-3, "schedule": "constant", "seed": 0, "save_every": 1,
-                  "keep_checkpoints": 10, **train},
-        "output": {"dir": str(out)},
-    })  # fmt: skip
+    return validate_config(
+        {
+            "model": {"name_or_path": "builtin:tiny-mixtral"},
+            "lora": {"rank": 4, "target_modules": ["q_proj"]},
+            "data": {"train_files": [str(ROOT / "data" / "demo_sft.jsonl")], "max_seq_len": 48},
+            "train": {
+                "micro_batch_size": 4,
+                "lr": 5e-3,
+                "schedule": "constant",
+                "seed": 0,
+                "save_every": 1,
+                "keep_checkpoints": 10,
+                **train,
+            },
+            "output": {"dir": str(out)},
+        }
+    )
 
 
 def poison(monkeypatch, nan_steps):

@@ -103,8 +103,9 @@ def test_a_shardable_linear4bit_computes_what_the_bitsandbytes_linear_did(nested
     from moe_qlora.moe.nf4 import ShardableLinear4bit, make_linears_shardable
 
     torch.manual_seed(0)
-    linear = bnb.nn.Linear4bit(128, 48, bias=True, compute_dtype=torch.float32, compress_statistics=nested,
-                               quant_type="nf4")  # fmt: skip
+    linear = bnb.nn.Linear4bit(
+        128, 48, bias=True, compute_dtype=torch.float32, compress_statistics=nested, quant_type="nf4"
+    )
     linear.load_state_dict(nn.Linear(128, 48).state_dict())
     linear = linear.to("cpu")  # quantizes
     linear.weight.requires_grad_(False)

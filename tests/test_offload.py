@@ -45,8 +45,9 @@ def offloaded(model, max_resident: int = 2) -> ExpertOffloader:
     """Every layer offloaded through CheckedStreams: each run of the schedule is also checked for the orderings
     a GPU needs (a copy after the compute that read its buffer, a wait before a read, `max_resident` buffers)."""
     streams = CheckedStreams(max_buffers=max_resident)
-    offloader = offload_experts([m for _, m in experts_modules(model)], "cpu", max_resident=max_resident,
-                                streams=streams)  # fmt: skip
+    offloader = offload_experts(
+        [m for _, m in experts_modules(model)], "cpu", max_resident=max_resident, streams=streams
+    )
     offloader.log = []
     return offloader
 
@@ -141,9 +142,12 @@ def test_plan_counts_the_host_bytes_offload_takes(double_quant):
     """plan's host_bytes and window against the blocks and buffers a real offload allocates, on the tiny model."""
     path = ensure_tiny("mixtral", num_hidden_layers=LAYERS)
     model = load_model(LoadOptions(str(path), expert_double_quant=double_quant))
-    cfg = validate_config({"model": {"name_or_path": str(path), "expert_offload": "all",
-                                     "expert_double_quant": double_quant},
-                           "data": {"train_files": ["(not read)"]}})  # fmt: skip
+    cfg = validate_config(
+        {
+            "model": {"name_or_path": str(path), "expert_offload": "all", "expert_double_quant": double_quant},
+            "data": {"train_files": ["(not read)"]},
+        }
+    )
     plan = plan_run(cfg, name_or_path=str(path), device="cuda")
     offloader = offload_experts([m for _, m in experts_modules(model)], "cpu")
     assert plan.offload.host_bytes == sum(h.block.numel() for h in offloader.host)
@@ -204,10 +208,27 @@ def test_generation_with_offload_wraps_to_the_first_layer_and_matches():
 
 def run_demo(out: Path, offload: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "moe_qlora", "train", "--config", "configs/demo.yaml", "--set", f"output.dir={out}",
-         "--set", "train.max_steps=6", "--set", "train.warmup_steps=2", "--set", f"model.expert_offload={offload}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "moe_qlora",
+            "train",
+            "--config",
+            "configs/demo.yaml",
+            "--set",
+            f"output.dir={out}",
+            "--set",
+            "train.max_steps=6",
+            "--set",
+            "train.warmup_steps=2",
+            "--set",
+            f"model.expert_offload={offload}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_lora_init_does_not_depend_on_what_loading_drew_from_the_global_rng():
@@ -246,12 +267,14 @@ def test_a_run_with_offload_writes_the_same_losses_and_adapter(tmp_path):
 
 
 def cfg_with(model_path: str, **model_keys):
-    return validate_config({
-        "model": {"name_or_path": model_path, **model_keys},
-        "lora": {"rank": 16, "alpha": 32},
-        "data": {"train_files": ["(not read by plan)"], "max_seq_len": 2048},
-        "train": {"micro_batch_size": 1, "optimizer": "adamw_8bit", "optimizer_in_backward": True},
-    })  # fmt: skip
+    return validate_config(
+        {
+            "model": {"name_or_path": model_path, **model_keys},
+            "lora": {"rank": 16, "alpha": 32},
+            "data": {"train_files": ["(not read by plan)"], "max_seq_len": 2048},
+            "train": {"micro_batch_size": 1, "optimizer": "adamw_8bit", "optimizer_in_backward": True},
+        }
+    )
 
 
 @pytest.mark.parametrize(("name", "target_gib"), [("qwen3-30b-a3b", 9), ("mixtral-8x7b", 8), ("deepseek-v2-lite", 6)])
@@ -279,8 +302,13 @@ def test_auto_offloads_the_fewest_layers_that_fit():
     plan = plan_run(cfg_with(path, expert_offload="auto"), name_or_path=path, device="cuda", model=model, gpu_gib=16)
     k = plan.offload.layers
     assert 0 < k < plan.offload.of and plan.total <= 16 * 2**30
-    fewer = plan_run(cfg_with(path, expert_offload="auto"), name_or_path=path, device="cuda", model=model,
-                     gpu_gib=plan.total / 2**30 + 0.01)  # fmt: skip
+    fewer = plan_run(
+        cfg_with(path, expert_offload="auto"),
+        name_or_path=path,
+        device="cuda",
+        model=model,
+        gpu_gib=plan.total / 2**30 + 0.01,
+    )
     assert fewer.offload.layers == k
     roomy = plan_run(cfg_with(path, expert_offload="auto"), name_or_path=path, device="cuda", model=model, gpu_gib=80)
     assert roomy.offload is None and any("fits without offloading" in n for n in roomy.notes)
@@ -333,10 +361,25 @@ def test_grpo_with_offload_samples_scores_and_trains_the_same(tmp_path):
     for offload in ("none", "all"):
         out = outs[offload] = tmp_path / offload
         proc = subprocess.run(
-            [sys.executable, "-m", "moe_qlora", "grpo", "--config", "configs/grpo-demo.yaml", "--set",
-             f"output.dir={out}", "--set", "train.max_steps=3", "--set", f"model.expert_offload={offload}"],
-            cwd=ROOT, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "moe_qlora",
+                "grpo",
+                "--config",
+                "configs/grpo-demo.yaml",
+                "--set",
+                f"output.dir={out}",
+                "--set",
+                "train.max_steps=3",
+                "--set",
+                f"model.expert_offload={offload}",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
     rollouts = [(outs[o] / "rollouts.jsonl").read_text().splitlines() for o in ("none", "all")]
     strip = [[{k: v for k, v in json.loads(line).items() if not k.endswith("_s")} for line in r] for r in rollouts]

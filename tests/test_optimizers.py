@@ -22,14 +22,25 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def config(out, **train):
-    return validate_config({
-        "model": {"name_or_path": "builtin:tiny-mixtral"},
-        "lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]},
-        "data": {"train_files": [str(ROOT / "data" / "demo_sft.jsonl")], "max_seq_len": 48},
-        "train": {"micro_batch_size": 4, "lr": 5e-3, "schedule": "cosine", "warmup_steps": 1, "seed": 0,
-                  "max_steps": 4, "save_every": 1, "keep_checkpoints": 10, **train},
-        "output": {"dir": str(out)},
-    })  # fmt: skip
+    return validate_config(
+        {
+            "model": {"name_or_path": "builtin:tiny-mixtral"},
+            "lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]},
+            "data": {"train_files": [str(ROOT / "data" / "demo_sft.jsonl")], "max_seq_len": 48},
+            "train": {
+                "micro_batch_size": 4,
+                "lr": 5e-3,
+                "schedule": "cosine",
+                "warmup_steps": 1,
+                "seed": 0,
+                "max_steps": 4,
+                "save_every": 1,
+                "keep_checkpoints": 10,
+                **train,
+            },
+            "output": {"dir": str(out)},
+        }
+    )
 
 
 def adapter(out: Path) -> dict[str, torch.Tensor]:
@@ -130,8 +141,13 @@ def chain(undo: bool):
     """y = w2 * (w1 * x); w2's gradient completes first in the backward, w1's last (poisoned with NaN)."""
     w1 = torch.nn.Parameter(torch.ones(4))
     w2 = torch.nn.Parameter(torch.full((4,), 2.0))
-    cfg = validate_config({"model": {"name_or_path": "x"}, "data": {"train_files": ["x"]},
-                           "train": {"optimizer_in_backward": True, "lr": 0.1}}).train  # fmt: skip
+    cfg = validate_config(
+        {
+            "model": {"name_or_path": "x"},
+            "data": {"train_files": ["x"]},
+            "train": {"optimizer_in_backward": True, "lr": 0.1},
+        }
+    ).train
     opt = build_optimizer([w1, w2], cfg)
     stepper = StepInBackward(opt, undo=undo)
     x = torch.arange(4.0)
@@ -169,8 +185,14 @@ def test_optimizer_in_backward_refuses_accumulation_and_global_norm_clipping():
 def test_grpo_refuses_optimizer_in_backward(tmp_path):
     from moe_qlora.train import grpo
 
-    cfg = validate_config({"model": {"name_or_path": "builtin:tiny-mixtral"}, "data": {"train_files": ["x"]},
-                           "train": {"optimizer_in_backward": True}, "output": {"dir": str(tmp_path)},
-                           "grpo": {"rewards": [{"function": "exact_match"}]}})  # fmt: skip
+    cfg = validate_config(
+        {
+            "model": {"name_or_path": "builtin:tiny-mixtral"},
+            "data": {"train_files": ["x"]},
+            "train": {"optimizer_in_backward": True},
+            "output": {"dir": str(tmp_path)},
+            "grpo": {"rewards": [{"function": "exact_match"}]},
+        }
+    )
     with pytest.raises(ConfigError, match="for `train` only"):
         grpo.grpo(cfg, Console(quiet=True))

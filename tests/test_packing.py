@@ -33,8 +33,10 @@ def row(ids, prompt_len, weight=1.0, source="r"):
 def test_packing_places_every_row_once_with_its_own_positions_labels_and_weight():
     g = torch.Generator().manual_seed(0)
     lengths = [30, 5, 17, 12, 28, 3, 9, 22]
-    rows = [row(torch.randint(3, 200, (n,), generator=g).tolist(), n // 3, weight=0.5 + i, source=f"f:{i}")
-            for i, n in enumerate(lengths)]  # fmt: skip
+    rows = [
+        row(torch.randint(3, 200, (n,), generator=g).tolist(), n // 3, weight=0.5 + i, source=f"f:{i}")
+        for i, n in enumerate(lengths)
+    ]
     packs = pack_examples(rows, max_len=32)
     assert all(len(p.input_ids) <= 32 for p in packs)
     assert sorted(s for p in packs for s in p.source.split("+")) == sorted(r.source for r in rows)
@@ -55,8 +57,9 @@ def test_packing_places_every_row_once_with_its_own_positions_labels_and_weight(
 @pytest.fixture(scope="module", params=FAMILIES)
 def model(request, tmp_path_factory):
     tok = build_byte_tokenizer()
-    path = save_tiny_model(tmp_path_factory.mktemp(request.param), tiny_config(request.param, len(tok)), seed=0,
-                           tokenizer=tok)  # fmt: skip
+    path = save_tiny_model(
+        tmp_path_factory.mktemp(request.param), tiny_config(request.param, len(tok)), seed=0, tokenizer=tok
+    )
     model = attach_adapters(load_model(LoadOptions(str(path))), LoraSection(rank=4, target_modules=["q_proj"]), seed=0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -67,8 +70,10 @@ def model(request, tmp_path_factory):
 
 def rows_for(model):
     g = torch.Generator().manual_seed(1)
-    return [row(torch.randint(3, 250, (n,), generator=g).tolist(), p, weight=w, source=f"f:{i}")
-            for i, (n, p, w) in enumerate([(37, 10, 1.0), (11, 4, 2.0), (20, 0, 0.5)])]  # fmt: skip
+    return [
+        row(torch.randint(3, 250, (n,), generator=g).tolist(), p, weight=w, source=f"f:{i}")
+        for i, (n, p, w) in enumerate([(37, 10, 1.0), (11, 4, 2.0), (20, 0, 0.5)])
+    ]
 
 
 def per_row_logprobs(model, batch, rows):
@@ -119,8 +124,9 @@ def test_rows_weights_stay_with_their_tokens(model):
     (pack,) = pack_examples(rows, max_len=128)
     loss, n_targets, _ = token_loss_sum(model, collate([pack], pad_id=0))
     unweighted = [dataclasses.replace(r, weight=1.0) for r in rows]
-    expected = sum(r.weight * token_loss_sum(model, collate([u], pad_id=0))[0]
-                   for r, u in zip(rows, unweighted, strict=True))  # fmt: skip
+    expected = sum(
+        r.weight * token_loss_sum(model, collate([u], pad_id=0))[0] for r, u in zip(rows, unweighted, strict=True)
+    )
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
     assert n_targets == sum(sum(t != IGNORE for t in r.labels[1:]) for r in rows)
 
@@ -132,8 +138,10 @@ def test_models_where_packed_rows_would_leak_are_refused(tmp_path):
     from types import SimpleNamespace
 
     tok = build_byte_tokenizer()
-    for family, why in (("gpt_oss", "GptOssForCausalLM a packed row sees the rows before it"),
-                        ("inkling_text", "InklingForCausalLM a packed row sees the rows before it")):  # fmt: skip
+    for family, why in (
+        ("gpt_oss", "GptOssForCausalLM a packed row sees the rows before it"),
+        ("inkling_text", "InklingForCausalLM a packed row sees the rows before it"),
+    ):
         path = save_tiny_model(tmp_path / family, tiny_config(family, len(tok)), seed=0, tokenizer=tok)
         assert why in packing_unsupported(load_model(LoadOptions(str(path))))
     stub = SimpleNamespace(config=tiny_config("qwen3_next", len(tok)))
@@ -149,10 +157,27 @@ def test_packing_from_the_cli(tmp_path):
 
     root = Path(__file__).resolve().parent.parent
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "moe_qlora", "train", "--config", str(root / "configs" / "demo.yaml"), "--set",
-           "data.packing=true", "--set", "train.epochs=3", "--set", f"output.dir={out}"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**__import__("os").environ,
-                          "MOE_QLORA_CACHE": str(tmp_path / "cache")})  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_qlora",
+        "train",
+        "--config",
+        str(root / "configs" / "demo.yaml"),
+        "--set",
+        "data.packing=true",
+        "--set",
+        "train.epochs=3",
+        "--set",
+        f"output.dir={out}",
+    ]
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**__import__("os").environ, "MOE_QLORA_CACHE": str(tmp_path / "cache")},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     import re
 

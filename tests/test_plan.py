@@ -21,11 +21,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_config(path, **model):
-    return validate_config({
-        "model": {"name_or_path": str(path), **model},
-        "lora": {"rank": 4, "router": True},
-        "data": {"train_files": ["unused.jsonl"], "max_seq_len": 32},
-    })  # fmt: skip
+    return validate_config(
+        {
+            "model": {"name_or_path": str(path), **model},
+            "lora": {"rank": 4, "router": True},
+            "data": {"train_files": ["unused.jsonl"], "max_seq_len": 32},
+        }
+    )
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v2", "gpt_oss"])
@@ -67,16 +69,26 @@ def test_planned_optimizer_state_equals_the_state_after_a_step(tmp_path, optimiz
 
     tok = build_byte_tokenizer()
     path = save_tiny_model(tmp_path / "mixtral", tiny_config("mixtral", len(tok)), tokenizer=tok)
-    cfg = validate_config({"model": {"name_or_path": str(path)}, "lora": {"rank": 4, "target_modules": ["q_proj"]},
-                           "data": {"train_files": ["unused.jsonl"]}, "train": {"optimizer": optimizer}})  # fmt: skip
+    cfg = validate_config(
+        {
+            "model": {"name_or_path": str(path)},
+            "lora": {"rank": 4, "target_modules": ["q_proj"]},
+            "data": {"train_files": ["unused.jsonl"]},
+            "train": {"optimizer": optimizer},
+        }
+    )
     model = attach_adapters(load_model(LoadOptions(str(path))), cfg.lora, seed=0)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(params, cfg.train)
     for p in params:
         p.grad = torch.ones_like(p)
     opt.step()
-    held = sum(v.nbytes for s in opt.state.values() for k, v in s.items()
-               if torch.is_tensor(v) and k not in ("step", "qmap1", "qmap2"))  # fmt: skip
+    held = sum(
+        v.nbytes
+        for s in opt.state.values()
+        for k, v in s.items()
+        if torch.is_tensor(v) and k not in ("step", "qmap1", "qmap2")
+    )
     sizes = [p.numel() for p in params]
     assert min(sizes) < 4096 <= max(sizes)
     assert plan_run(cfg, name_or_path=str(path), device="cpu").bytes["optimizer"] == held
@@ -158,12 +170,14 @@ def tiny_mixtral(tmp_path_factory):
 
 
 def several_gpus_config(path, **train):
-    return validate_config({
-        "model": {"name_or_path": str(path)},
-        "lora": {"rank": 4, "router": True},
-        "data": {"train_files": ["unused.jsonl"], "max_seq_len": 32},
-        "train": train,
-    })  # fmt: skip
+    return validate_config(
+        {
+            "model": {"name_or_path": str(path)},
+            "lora": {"rank": 4, "router": True},
+            "data": {"train_files": ["unused.jsonl"], "max_seq_len": 32},
+            "train": train,
+        }
+    )
 
 
 def layer_of(name: str) -> int | None:
@@ -181,8 +195,10 @@ def row_bytes(shape: tuple[int, ...], elem_bytes: int) -> int:
 def test_fsdp_shards_each_tensor_on_dim_0_with_the_4bit_linears_by_row(tiny_mixtral, gpus):
     path, lora = tiny_mixtral
     cfg = several_gpus_config(path)
-    one = plan_run(cfg.model_copy(update={"model": cfg.model.model_copy(update={"expert_double_quant": False})}),
-                   name_or_path=str(path)).bytes  # fmt: skip
+    one = plan_run(
+        cfg.model_copy(update={"model": cfg.model.model_copy(update={"expert_double_quant": False})}),
+        name_or_path=str(path),
+    ).bytes
     sharded = plan_run(cfg, name_or_path=str(path), gpus=gpus, parallel="fsdp").bytes
     # Experts: codes and fp32 scales per 64 weights (never double-quantized under fsdp), ceil(8 / N) experts a rank.
     assert sharded["experts_nf4"] == one["experts_nf4"] * -(-8 // gpus) // 8
@@ -228,8 +244,9 @@ def test_fsdp_communication_and_gather_buffers_from_the_layers_parameters(tiny_m
     assert root == 2 * 264 * 64 * 2 + 64 * 2  # vocab 263 padded to 264 rows, embeddings and head; the final norm
     per_micro_batch = (gpus - 1) * (2 * sum(layers) + root + lora_bytes) // gpus
 
-    planned = plan_run(several_gpus_config(path, grad_accum=grad_accum), name_or_path=str(path), gpus=gpus,
-                       parallel="fsdp")  # fmt: skip
+    planned = plan_run(
+        several_gpus_config(path, grad_accum=grad_accum), name_or_path=str(path), gpus=gpus, parallel="fsdp"
+    )
     assert planned.communication_bytes_per_step == grad_accum * per_micro_batch
     assert planned.bytes["all_gather_buffers"] == 2 * max(layers)  # the layer computing and the one prefetched
     assert planned.bytes["root_unsharded"] == root
@@ -292,12 +309,14 @@ def test_large_shipped_configs_fit_80_gib_gpus_under_fsdp(name, model_type, para
     `fewest_gpus` GPUs of 80 GiB."""
     path = str(ROOT / "configs/models" / name)
     model = meta_model(path)
-    cfg = validate_config({
-        "model": {"name_or_path": path},
-        "lora": {"rank": 16, "alpha": 32},
-        "data": {"train_files": ["(not read by plan)"], "max_seq_len": 4096},
-        "train": {"micro_batch_size": 1},
-    })  # fmt: skip
+    cfg = validate_config(
+        {
+            "model": {"name_or_path": path},
+            "lora": {"rank": 16, "alpha": 32},
+            "data": {"train_files": ["(not read by plan)"], "max_seq_len": 4096},
+            "train": {"micro_batch_size": 1},
+        }
+    )
     one = plan_run(cfg, name_or_path=path, model=model)
     assert (one.model_type, round(one.params / 1e9)) == (model_type, params_b)
     for gpus in (fewest_gpus - 1, fewest_gpus):

@@ -22,13 +22,15 @@ def readme_python_block(containing: str) -> str:
 
 
 def test_the_readme_peft_snippet_runs_as_written(tmp_path, capsys):
-    cfg = validate_config({
-        "model": {"name_or_path": "builtin:tiny-mixtral"},
-        "lora": {"rank": 4, "target_modules": ["q_proj"]},
-        "data": {"train_files": [str(ROOT / "data" / "demo_sft.jsonl")], "max_seq_len": 48},
-        "train": {"max_steps": 2, "lr": 5e-3, "warmup_steps": 0},
-        "output": {"dir": str(tmp_path / "run")},
-    })  # fmt: skip
+    cfg = validate_config(
+        {
+            "model": {"name_or_path": "builtin:tiny-mixtral"},
+            "lora": {"rank": 4, "target_modules": ["q_proj"]},
+            "data": {"train_files": [str(ROOT / "data" / "demo_sft.jsonl")], "max_seq_len": 48},
+            "train": {"max_steps": 2, "lr": 5e-3, "warmup_steps": 0},
+            "output": {"dir": str(tmp_path / "run")},
+        }
+    )
     trainer.train(cfg, Console(quiet=True))
     code = readme_python_block("PeftModel.from_pretrained")
     assert '"runs/demo/adapter"' in code

@@ -41,8 +41,14 @@ SHIPPED_CONFIGS = {
 }
 
 # Total parameters as the model cards give them, in billions: the shipped config.json must build that model.
-PUBLISHED_PARAMS_B = {"qwen3-30b-a3b": 30.5, "mixtral-8x7b": 46.7, "deepseek-v2-lite": 15.7, "gpt-oss-20b": 20.9,
-                      "qwen3-next-80b-a3b": 80, "olmoe-1b-7b": 6.9}  # fmt: skip
+PUBLISHED_PARAMS_B = {
+    "qwen3-30b-a3b": 30.5,
+    "mixtral-8x7b": 46.7,
+    "deepseek-v2-lite": 15.7,
+    "gpt-oss-20b": 20.9,
+    "qwen3-next-80b-a3b": 80,
+    "olmoe-1b-7b": 6.9,
+}
 
 FIT_LINE = re.compile(r"^# (GPU|CPU): (\d+) GB[^(]*\(plan: (\d+\.\d\d) GiB; `(moe-qlora plan [^`]+)`\)$", re.M)
 KV_LINE = re.compile(r"^# KV cache: (\d+\.\d\d) GiB", re.M)
@@ -70,8 +76,9 @@ def check_fit(claim: FitClaim, total_bytes: int, extra_bytes: int = 0) -> None:
         raise AssertionError(f"header says plan: {claim.plan_gib} GiB, `{claim.command}` prints {printed} GiB")
     need = (total_bytes + extra_bytes) / 2**30
     if need > claim.gb - HEADROOM_GIB:
-        raise AssertionError(f"{need:.2f} GiB does not fit a {claim.gb} GB {claim.device} with "
-                             f"{HEADROOM_GIB} GiB to spare")  # fmt: skip
+        raise AssertionError(
+            f"{need:.2f} GiB does not fit a {claim.gb} GB {claim.device} with {HEADROOM_GIB} GiB to spare"
+        )
 
 
 @functools.cache
@@ -109,8 +116,15 @@ def at_root(monkeypatch):
 
 def test_the_seven_recipes_are_there():
     names = {p.stem for p in RECIPES}
-    assert names == {"qwen3-30b-a3b-sft", "qwen3-30b-a3b-grpo", "mixtral-8x7b-sft", "deepseek-v2-lite-sft",
-                     "gpt-oss-20b-sft", "qwen3-next-80b-a3b-sft", "olmoe-1b-7b-sft"}  # fmt: skip
+    assert names == {
+        "qwen3-30b-a3b-sft",
+        "qwen3-30b-a3b-grpo",
+        "mixtral-8x7b-sft",
+        "deepseek-v2-lite-sft",
+        "gpt-oss-20b-sft",
+        "qwen3-next-80b-a3b-sft",
+        "olmoe-1b-7b-sft",
+    }
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
@@ -156,9 +170,15 @@ def tiny_run_overrides(cfg: RunConfig, family: str, out: Path) -> list[str]:
     data, short sequences, 2 steps. The rest needs no change for the CPU: compute_dtype and kernels `auto` resolve
     to float32 and the torch reference there, and bitsandbytes' 8-bit AdamW runs on the CPU too."""
     data = ROOT / "data" / ("demo_grpo.jsonl" if cfg.grpo else "demo_sft.jsonl")
-    sets = [f"model.name_or_path=builtin:tiny-{family.replace('_', '-')}", "model.device=cpu",
-            f"data.train_files=[{data}]", "data.max_seq_len=32", "train.max_steps=2", "train.warmup_steps=1",
-            f"output.dir={out}"]  # fmt: skip
+    sets = [
+        f"model.name_or_path=builtin:tiny-{family.replace('_', '-')}",
+        "model.device=cpu",
+        f"data.train_files=[{data}]",
+        "data.max_seq_len=32",
+        "train.max_steps=2",
+        "train.warmup_steps=1",
+        f"output.dir={out}",
+    ]
     if cfg.train.save_every > 2:
         sets.append("train.save_every=2")
     if cfg.model.expert_offload == "auto":
@@ -207,8 +227,11 @@ def test_the_grpo_recipes_reward_scores_gsm8k_answers():
 
     cfg = load_config(ROOT / "configs" / "recipes" / "qwen3-30b-a3b-grpo.yaml")
     fn = resolve_reward(cfg.grpo.rewards[0], 0).fn
-    answer = ["Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72", "She earns 1,234.50 a week.\n#### 1,234.5",
-              "#### -3"]  # fmt: skip
+    answer = [
+        "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72",
+        "She earns 1,234.50 a week.\n#### 1,234.5",
+        "#### -3",
+    ]
     completions = ["48 + 24 = 72, so the answer is 72.", "That is 1234.50 dollars", "The answer is 3."]
     # the third is a broken control: 3 where GSM8K says -3; and GSM8K's working (the 24) is not the answer
     assert fn(["p"] * 3, completions, answer=answer) == [1.0, 1.0, 0.0]

@@ -22,9 +22,24 @@ def reported_run(tmp_path_factory):
     """The demo for 6 steps with eval every 3 steps, reporting to jsonl, TensorBoard and W&B (offline)."""
     tmp = tmp_path_factory.mktemp("reported")
     out = tmp / "run"
-    cmd = [sys.executable, "-m", "moe_qlora", "train", "--config", str(ROOT / "configs" / "demo.yaml"),
-           "--set", "train.max_steps=6", "--set", "train.eval_every=3", "--set", "data.eval_fraction=0.1",
-           "--set", "output.report_to=[jsonl, tensorboard, wandb]", "--set", f"output.dir={out}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_qlora",
+        "train",
+        "--config",
+        str(ROOT / "configs" / "demo.yaml"),
+        "--set",
+        "train.max_steps=6",
+        "--set",
+        "train.eval_every=3",
+        "--set",
+        "data.eval_fraction=0.1",
+        "--set",
+        "output.report_to=[jsonl, tensorboard, wandb]",
+        "--set",
+        f"output.dir={out}",
+    ]
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "MOE_QLORA_CACHE": str(tmp / "cache")}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -33,8 +48,15 @@ def reported_run(tmp_path_factory):
 
 
 def test_flatten_keeps_finite_numbers_by_path():
-    record = {"step": 3, "loss": 1.5, "skipped": False, "advantage": {"mean": 0.1, "std": float("nan")},
-              "reward/regex": {"mean": 0.5}, "router_load": [[0.5, 0.5]], "sources": ["a"]}  # fmt: skip
+    record = {
+        "step": 3,
+        "loss": 1.5,
+        "skipped": False,
+        "advantage": {"mean": 0.1, "std": float("nan")},
+        "reward/regex": {"mean": 0.5},
+        "router_load": [[0.5, 0.5]],
+        "sources": ["a"],
+    }
     assert flatten_scalars(record) == {"step": 3.0, "loss": 1.5, "advantage/mean": 0.1, "reward/regex/mean": 0.5}
 
 
@@ -84,7 +106,8 @@ def test_wandb_offline_run_holds_every_step(reported_run):
     assert [h["_step"] for h in history] == [r["step"] for r in records]
     assert [h["loss"] for h in history] == pytest.approx([r["loss"] for r in records], rel=1e-9)
     assert [h["eval_loss"] for h in history if "eval_loss" in h] == pytest.approx(
-        [r["eval_loss"] for r in records if "eval_loss" in r], rel=1e-9)  # fmt: skip
+        [r["eval_loss"] for r in records if "eval_loss" in r], rel=1e-9
+    )
 
 
 def test_plot_writes_the_run_pngs_from_its_records(reported_run, tmp_path):
@@ -103,9 +126,19 @@ def test_plot_writes_the_run_pngs_from_its_records(reported_run, tmp_path):
 
 
 def test_plot_of_a_grpo_run_and_bad_input(tmp_path):
-    records = [{"step": s, "lr": 1e-3, "grad_norm": 0.5, "reward_mean": s / 10, "kl": 0.01 * s,
-                "reward/exact_match": {"mean": s / 20, "std": 0.1}, "completion_tokens": {"mean": 5.0 + s},
-                "router_load": [[0.25, 0.75]]} for s in range(1, 4)]  # fmt: skip
+    records = [
+        {
+            "step": s,
+            "lr": 1e-3,
+            "grad_norm": 0.5,
+            "reward_mean": s / 10,
+            "kl": 0.01 * s,
+            "reward/exact_match": {"mean": s / 20, "std": 0.1},
+            "completion_tokens": {"mean": 5.0 + s},
+            "router_load": [[0.25, 0.75]],
+        }
+        for s in range(1, 4)
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     written = sorted(p.name for p in plot_run(tmp_path))
     assert written == ["completion_length.png", "grad_norm.png", "kl.png", "lr.png", "reward.png", "router_load.png"]
@@ -123,4 +156,5 @@ def test_a_reporter_whose_package_is_missing_is_named_before_loading(monkeypatch
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     assert missing_reporters(["jsonl", "tensorboard", "wandb"]) == [
-        "output.report_to: wandb needs the wandb package (pip install wandb)"]  # fmt: skip
+        "output.report_to: wandb needs the wandb package (pip install wandb)"
+    ]

@@ -213,8 +213,17 @@ def test_an_output_dir_holding_another_run_is_refused_then_moved_aside_with_over
 
 
 def test_a_run_without_a_terminal_prints_plain_progress_lines_and_a_summary(config, env, tmp_path):
-    proc = run(config, tmp_path, env, "--set", "train.max_steps=4", "--set", "train.warmup_steps=0",
-               "--set", "train.log_every=2")  # fmt: skip
+    proc = run(
+        config,
+        tmp_path,
+        env,
+        "--set",
+        "train.max_steps=4",
+        "--set",
+        "train.warmup_steps=0",
+        "--set",
+        "train.log_every=2",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("train step ")]
     assert [line.split()[2] for line in lines] == ["2/4", "4/4"]

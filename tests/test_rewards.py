@@ -45,7 +45,11 @@ def test_builtin_rewards_by_hand():
     completions = ["  Eleven ", "11", "a1b2", ""]
     answers = ["eleven", "11", "12", "x"]
     assert resolve_reward(RewardFunctionSpec(function="exact_match"), 0).fn(prompts, completions, answer=answers) == [
-        1.0, 1.0, 0.0, 0.0]  # fmt: skip
+        1.0,
+        1.0,
+        0.0,
+        0.0,
+    ]
     rx = resolve_reward(RewardFunctionSpec(function="regex", args={"pattern": "[0-9]", "mode": "share"}), 0)
     assert rx.fn(prompts, completions, **rx.args) == [0.0, 1.0, 0.5, 0.0]
     assert resolve_reward(RewardFunctionSpec(function="regex"), 0).fn(prompts, ["ab1"], pattern=r"^\d") == [0.0]
@@ -59,8 +63,10 @@ def test_weighted_total_and_user_function(monkeypatch):
     module = types.ModuleType("my_rewards")
     module.count_a = lambda prompts, completions, **columns: [float(c.count("a")) for c in completions]
     monkeypatch.setitem(sys.modules, "my_rewards", module)
-    functions = [resolve_reward(RewardFunctionSpec(function="my_rewards:count_a", weight=0.5), 0),
-                 resolve_reward(RewardFunctionSpec(function="exact_match", weight=2.0), 1)]  # fmt: skip
+    functions = [
+        resolve_reward(RewardFunctionSpec(function="my_rewards:count_a", weight=0.5), 0),
+        resolve_reward(RewardFunctionSpec(function="exact_match", weight=2.0), 1),
+    ]
     totals, per_fn, errors = score(functions, ["p", "p"], ["aa", "b"], {"answer": ["aa", "c"]})
     assert per_fn == {"my_rewards:count_a": [2.0, 0.0], "exact_match": [1.0, 0.0]} and errors == 0
     assert totals == [0.5 * 2 + 2.0 * 1, 0.0]
@@ -68,9 +74,13 @@ def test_weighted_total_and_user_function(monkeypatch):
 
 @pytest.mark.parametrize(
     ("returned", "message"),
-    [([1.0], "returned 1 for 2 completions"), ([1.0, float("nan")], "non-finite"), (None, "returned NoneType"),
-     (["1", 2.0], "non-numeric")],
-)  # fmt: skip
+    [
+        ([1.0], "returned 1 for 2 completions"),
+        ([1.0, float("nan")], "non-finite"),
+        (None, "returned NoneType"),
+        (["1", 2.0], "non-numeric"),
+    ],
+)
 def test_bad_reward_values_are_named(monkeypatch, returned, message):
     module = types.ModuleType("bad_rewards")
     module.fn = lambda prompts, completions, **columns: returned
@@ -108,8 +118,11 @@ def test_a_raising_reward_function_is_isolated_to_its_prompt(monkeypatch):
     f = resolve_reward(RewardFunctionSpec(function="picky_rewards:picky"), 0)
     args = (["p"] * 4, ["ok", "ok", "bad", "ok"], {})
     where = dict(groups=[0, 0, 1, 1], sources=["a.jsonl:1", "a.jsonl:1", "a.jsonl:2", "a.jsonl:2"])
-    with pytest.raises(RewardFailed, match=r"'picky_rewards:picky' failed on prompt 1 of step 7 \(a.jsonl:2\): "
-                                           "ValueError: reward server unreachable"):  # fmt: skip
+    with pytest.raises(
+        RewardFailed,
+        match=r"'picky_rewards:picky' failed on prompt 1 of step 7 \(a.jsonl:2\): "
+        "ValueError: reward server unreachable",
+    ):
         score([f], *args, policy=RewardPolicy(step=7), **where)
     totals, _, errors = score([f], *args, policy=RewardPolicy(on_error="zero", step=7), **where)
     assert totals == [1.0, 1.0, 0.0, 0.0] and errors == 2

@@ -27,8 +27,9 @@ TOK = build_byte_tokenizer()
 
 @pytest.fixture(scope="module")
 def model(tiny_mixtral_dir):
-    m = attach_adapters(load_model(LoadOptions(str(tiny_mixtral_dir))), LoraSection(rank=4, target_modules=["q_proj"]),
-                        seed=0)  # fmt: skip
+    m = attach_adapters(
+        load_model(LoadOptions(str(tiny_mixtral_dir))), LoraSection(rank=4, target_modules=["q_proj"]), seed=0
+    )
     with torch.no_grad():  # non-zero B: every LoRA factor gets a gradient
         for name, p in m.named_parameters():
             if p.requires_grad and ("lora_B" in name or name.endswith("_b")):
@@ -74,8 +75,11 @@ def test_weights_stay_with_their_samples_through_shuffling_and_batching():
     examples = [sample(i, float(i) / 10) for i in range(13)]
     for seed in (0, 1):
         for epoch in (0, 1, 2):
-            seen = [(e.source, w) for mb in micro_batches(examples, epoch_order(13, seed=seed, epoch=epoch), 4)
-                    for e, w in zip(mb, collate(mb, 0)["weights"].tolist(), strict=True)]  # fmt: skip
+            seen = [
+                (e.source, w)
+                for mb in micro_batches(examples, epoch_order(13, seed=seed, epoch=epoch), 4)
+                for e, w in zip(mb, collate(mb, 0)["weights"].tolist(), strict=True)
+            ]
             assert sorted(seen) == sorted((e.source, pytest.approx(e.weight)) for e in examples)
 
 
@@ -85,8 +89,14 @@ def write_rows(tmp_path, rows):
     return path
 
 
-@pytest.mark.parametrize("bad,message", [({}, "needs a numeric 'reward'"), ({"reward": "high"}, "'reward' must be"),
-                                         ({"score": float("nan")}, "'score' must be a finite number")])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        ({}, "needs a numeric 'reward'"),
+        ({"reward": "high"}, "'reward' must be"),
+        ({"score": float("nan")}, "'score' must be a finite number"),
+    ],
+)
 def test_a_missing_or_non_numeric_reward_names_the_file_and_line(tmp_path, bad, message):
     path = write_rows(
         tmp_path, [{"prompt": "p", "completion": "c", "reward": 1}, {"prompt": "p", "completion": "c", **bad}]

@@ -120,8 +120,7 @@ def broken_lora_weight_grads(monkeypatch):
     from moe_qlora.moe import grouped_layer
 
     real = grouped_layer._lora_weight_grads
-    monkeypatch.setattr(grouped_layer, "_lora_weight_grads",
-                        lambda *a: [*real(*a)[:3], real(*a)[3].roll(1, dims=0)])  # fmt: skip
+    monkeypatch.setattr(grouped_layer, "_lora_weight_grads", lambda *a: [*real(*a)[:3], real(*a)[3].roll(1, dims=0)])
 
 
 def dropped_routing_weight_grad(monkeypatch):
@@ -129,14 +128,14 @@ def dropped_routing_weight_grad(monkeypatch):
     from moe_qlora.moe import grouped_layer
 
     real = grouped_layer.grouped_backward
-    monkeypatch.setattr(grouped_layer, "grouped_backward",
-                        lambda *a: (lambda g: (g[0], torch.zeros_like(g[1]), *g[2:]))(real(*a)))  # fmt: skip
+    monkeypatch.setattr(
+        grouped_layer, "grouped_backward", lambda *a: (lambda g: (g[0], torch.zeros_like(g[1]), *g[2:]))(real(*a))
+    )
 
 
 @pytest.mark.parametrize(
     ("breaks", "gradient"),
-    [(broken_lora_weight_grads, "down_b gradient"),
-     (dropped_routing_weight_grad, "routing-weight gradient")],
+    [(broken_lora_weight_grads, "down_b gradient"), (dropped_routing_weight_grad, "routing-weight gradient")],
 )
 def test_a_path_wrong_only_in_a_weight_gradient_falls_back(model, monkeypatch, caplog, breaks, gradient):
     """The check compares every gradient the layer gives, not the output and input gradient alone: a path right
@@ -187,8 +186,19 @@ def demo_losses(tmp_path, name, *overrides, fault=None):
     env.pop(self_check.FAULT_ENV, None)
     if fault:
         env[self_check.FAULT_ENV] = fault
-    run = [sys.executable, "-m", "moe_qlora", "train", "--config", "configs/demo.yaml", "--set",
-           f"output.dir={tmp_path / name}", "--set", "train.max_steps=12", *overrides]  # fmt: skip
+    run = [
+        sys.executable,
+        "-m",
+        "moe_qlora",
+        "train",
+        "--config",
+        "configs/demo.yaml",
+        "--set",
+        f"output.dir={tmp_path / name}",
+        "--set",
+        "train.max_steps=12",
+        *overrides,
+    ]
     proc = subprocess.run(run, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
@@ -207,6 +217,13 @@ def test_demo_with_a_broken_grouped_mm_falls_back_and_trains_as_the_reference(tm
     healthy, log = demo_losses(tmp_path, "healthy", "--set", "model.kernels=grouped_mm")
     assert "MoE self-check" not in log and len(healthy) == 12
     # Control: the injected fault, unchecked, changes the training.
-    broken, _ = demo_losses(tmp_path, "unchecked", "--set", "model.kernels=grouped_mm", "--set",
-                            "model.kernel_self_check=false", fault="grouped_mm:wrong")  # fmt: skip
+    broken, _ = demo_losses(
+        tmp_path,
+        "unchecked",
+        "--set",
+        "model.kernels=grouped_mm",
+        "--set",
+        "model.kernel_self_check=false",
+        fault="grouped_mm:wrong",
+    )
     assert max(abs(a - b) for a, b in zip(broken, reference, strict=True)) > 1e-2

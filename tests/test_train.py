@@ -76,8 +76,13 @@ def test_demo_trains_from_the_cli_loss_falls_and_adapter_is_healthy(demo_run):
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last < 0.3 * first, (first, last)
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "epoch"} <= set(records[0])
-    check = subprocess.run([sys.executable, "-m", "moe_qlora", "check-norms", str(demo_run.out / "adapter")],
-                           cwd=ROOT, env=demo_run.env, capture_output=True, text=True)  # fmt: skip
+    check = subprocess.run(
+        [sys.executable, "-m", "moe_qlora", "check-norms", str(demo_run.out / "adapter")],
+        cwd=ROOT,
+        env=demo_run.env,
+        capture_output=True,
+        text=True,
+    )
     assert check.returncode == 0, check.stdout[-3000:]
 
 
@@ -103,13 +108,15 @@ def test_same_seed_same_adapter_and_losses_other_seed_differs(tmp_path):
     from moe_qlora.train.sft import train
 
     def run(seed, name):
-        cfg = validate_config({
-            "model": {"name_or_path": "builtin:tiny-mixtral"},
-            "lora": {"rank": 4, "dropout": 0.1, "target_modules": ["q_proj"]},
-            "data": {"train_files": [str(ROOT / "data" / "demo_sft.jsonl")], "max_seq_len": 48},
-            "train": {"max_steps": 5, "micro_batch_size": 4, "lr": 5e-3, "seed": seed},
-            "output": {"dir": str(tmp_path / name)},
-        })  # fmt: skip
+        cfg = validate_config(
+            {
+                "model": {"name_or_path": "builtin:tiny-mixtral"},
+                "lora": {"rank": 4, "dropout": 0.1, "target_modules": ["q_proj"]},
+                "data": {"train_files": [str(ROOT / "data" / "demo_sft.jsonl")], "max_seq_len": 48},
+                "train": {"max_steps": 5, "micro_batch_size": 4, "lr": 5e-3, "seed": seed},
+                "output": {"dir": str(tmp_path / name)},
+            }
+        )
         result = train(cfg, Console(quiet=True))
         return result.losses, load_file(str(result.adapter_dir / "adapter_model.safetensors"))
 

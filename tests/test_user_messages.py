@@ -28,8 +28,13 @@ NOBODY = 65534
 
 def cli(*args, env: dict | None = None, prefix: tuple = ()) -> subprocess.CompletedProcess:
     """`python -m moe_qlora ARGS` in a fresh process, as a user runs it (so a traceback would show)."""
-    return subprocess.run([*prefix, sys.executable, "-m", "moe_qlora", *map(str, args)], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, **(env or {})})  # fmt: skip
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "moe_qlora", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def one_error(proc: subprocess.CompletedProcess, code: int = 2) -> str:
@@ -63,8 +68,11 @@ def adapter(tiny_mixtral_dir, tmp_path_factory):
 # ------------------------------------------------------------------------------ export / merge: unwritable
 
 
-WRITES = {"gguf": ("export", "--format", "gguf", "--out"), "vllm": ("export", "--format", "vllm", "--out"),
-          "merge": ("merge", "--out")}  # fmt: skip
+WRITES = {
+    "gguf": ("export", "--format", "gguf", "--out"),
+    "vllm": ("export", "--format", "vllm", "--out"),
+    "merge": ("merge", "--out"),
+}
 
 
 def write_args(adapter: Path, kind: str, folder: Path) -> list[str]:
@@ -162,8 +170,10 @@ def test_export_and_merge_into_a_live_runs_folder_are_refused(adapter, tmp_path)
     import subprocess
     import sys
 
-    hold = "import sys, time; from moe_qlora.common.lock import RunLock; RunLock.acquire(sys.argv[1]); " \
-           "print('held', flush=True); time.sleep(120)"  # fmt: skip
+    hold = (
+        "import sys, time; from moe_qlora.common.lock import RunLock; RunLock.acquire(sys.argv[1]); "
+        "print('held', flush=True); time.sleep(120)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", hold, str(adapter.parent)], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline() == "held\n"
@@ -199,7 +209,8 @@ def test_export_writes_beside_the_adapter_and_replaces_only_with_force(adapter):
     assert vllm.exit_code == 0 and (adapter.with_name("adapter-vllm") / "adapter_config.json").is_file()
     wrong = runner.invoke(app, ["export", str(adapter), "--format", "vllm", "--out", str(gguf), "--force"])
     assert wrong.exit_code == 2 and f"{gguf} is a file, and --format vllm writes a folder" in " ".join(
-        wrong.output.split())  # fmt: skip
+        wrong.output.split()
+    )
 
 
 # ------------------------------------------------------------------------------ train: model folder and data
@@ -207,8 +218,10 @@ def test_export_writes_beside_the_adapter_and_replaces_only_with_force(adapter):
 
 def config_file(tmp_path: Path, model: str, data: Path = DATA) -> Path:
     path = tmp_path / "cfg.yaml"
-    path.write_text(f"model: {{name_or_path: '{model}'}}\ndata: {{train_files: ['{data}'], max_seq_len: 48}}\n"
-                    f"train: {{max_steps: 1}}\noutput: {{dir: '{tmp_path / 'runs' / 'out'}'}}\n")  # fmt: skip
+    path.write_text(
+        f"model: {{name_or_path: '{model}'}}\ndata: {{train_files: ['{data}'], max_seq_len: 48}}\n"
+        f"train: {{max_steps: 1}}\noutput: {{dir: '{tmp_path / 'runs' / 'out'}'}}\n"
+    )
     return path
 
 
@@ -337,8 +350,17 @@ def figures_of(monkeypatch, records: list[dict], tmp_path: Path) -> dict:
 
 def test_kl_of_a_run_without_kl_says_so_and_router_load_ticks_whole_layers(monkeypatch, tmp_path):
     load = [[0.25, 0.75], [0.5, 0.5], [0.9, 0.1]]  # 3 layers: matplotlib would tick 0, 0.5, 1, ...
-    records = [{"step": s, "lr": 1e-3, "grad_norm": 0.5, "reward_mean": s / 10, "router_load": load,
-                "completion_tokens": {"mean": 5.0}} for s in range(1, 4)]  # fmt: skip
+    records = [
+        {
+            "step": s,
+            "lr": 1e-3,
+            "grad_norm": 0.5,
+            "reward_mean": s / 10,
+            "router_load": load,
+            "completion_tokens": {"mean": 5.0},
+        }
+        for s in range(1, 4)
+    ]
     drawn = figures_of(monkeypatch, records, tmp_path)
     texts = [t.get_text() for t in drawn["kl.png"].axes[0].texts]
     assert texts == ["KL not computed: grpo.kl_coef is 0 (no KL term), so the run logged none"]

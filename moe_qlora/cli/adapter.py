@@ -21,7 +21,7 @@ def check_norms_cmd(
         "--run",
         help="the run's output.dir: cross-check experts with its router load "
         "(default: the adapter's parent folder, when it holds a run)",
-    ),  # fmt: skip
+    ),
     debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
 ):
     """Norms of every LoRA factor, summarised per module and layer over experts (--per-expert: every one);
@@ -44,8 +44,11 @@ def check_norms_cmd(
     except AdapterReadError as exc:
         fail(exc, debug)
     if steps is not None and not as_json:
-        checked = (f"{report.router_rows_checked} expert rows checked" if report.router_rows_checked else
-                   "no expert module of this adapter is among its router layers: not cross-checked")  # fmt: skip
+        checked = (
+            f"{report.router_rows_checked} expert rows checked"
+            if report.router_rows_checked
+            else "no expert module of this adapter is among its router layers: not cross-checked"
+        )
         console.print(f"router load: {steps} logged steps of {run}; {checked}", highlight=False)
     if as_json:
         sys.stdout.write(report_json(report) + "\n")
@@ -80,11 +83,14 @@ def check_export_target(adapter: str, out: Path, fmt: str, force: bool) -> None:
     if out.resolve() == Path(adapter).resolve():
         raise ConfigError(f"{out} is the adapter folder itself; give --out another path")
     if out.exists() and out.is_dir() != (kind == "folder"):
-        raise ConfigError(f"{out} is a {'folder' if out.is_dir() else 'file'}, and --format {fmt} writes a {kind}; "
-                          "give --out another path")  # fmt: skip
+        raise ConfigError(
+            f"{out} is a {'folder' if out.is_dir() else 'file'}, and --format {fmt} writes a {kind}; "
+            "give --out another path"
+        )
     if out.exists() and not force:
-        raise ConfigError(f"{out} already exists; pass --force to replace it (the new one is written beside it, "
-                          "then renamed over it)")  # fmt: skip
+        raise ConfigError(
+            f"{out} already exists; pass --force to replace it (the new one is written beside it, then renamed over it)"
+        )
     check_writable(out)
 
 
@@ -114,8 +120,11 @@ def export(
     from moe_qlora.config.sections import ConfigError
     from moe_qlora.export.formats import write_gguf, write_per_expert, write_vllm
 
-    writers = {"vllm": write_vllm, "per-expert": write_per_expert,
-               "gguf": partial(write_gguf, fuse_gate_up_exps=fuse_gate_up_exps, fuse_qkv=fuse_qkv)}  # fmt: skip
+    writers = {
+        "vllm": write_vllm,
+        "per-expert": write_per_expert,
+        "gguf": partial(write_gguf, fuse_gate_up_exps=fuse_gate_up_exps, fuse_qkv=fuse_qkv),
+    }
     try:
         if fmt not in writers:
             raise ConfigError(
@@ -175,8 +184,14 @@ def merge(
     try:
         check_writable(out)  # before minutes of loading and merging
         with run_lock_for(out) or nullcontext():  # into a live run's folder: refused before any loading
-            report = merge_adapter(adapter, out, dtype=dtype, max_shard_bytes=parse_size(max_shard_size),
-                                   device=device, console=err_console)  # fmt: skip
+            report = merge_adapter(
+                adapter,
+                out,
+                dtype=dtype,
+                max_shard_bytes=parse_size(max_shard_size),
+                device=device,
+                console=err_console,
+            )
     except (*user_errors(), MergeError) as exc:
         fail(exc, debug)
     experts = sum(len(v) for v in report.delta_norms.values() if len(v) > 1)

@@ -44,10 +44,20 @@ def user_errors() -> tuple[type[Exception], ...]:
     from moe_qlora.train.rewards import RewardError
 
     return (
-        AdapterMismatchError, CheckpointError, ConfigError, DataError, AdapterReadError, ModelLoadError,
-        UnsupportedExpertsError, QuantizationLayoutError, RewardError, FileNotFoundError, RankFailed, RunDirLocked,
+        AdapterMismatchError,
+        CheckpointError,
+        ConfigError,
+        DataError,
+        AdapterReadError,
+        ModelLoadError,
+        UnsupportedExpertsError,
+        QuantizationLayoutError,
+        RewardError,
+        FileNotFoundError,
+        RankFailed,
+        RunDirLocked,
         UnwritableError,
-    )  # fmt: skip
+    )
 
 
 def fail(exc: Exception, debug: bool, code: int = 2) -> None:

@@ -55,8 +55,7 @@ def plan(
         if parallel is not None and parallel not in PARALLEL_MODES:
             raise ConfigError(f"--parallel {parallel}: give one of {', '.join(PARALLEL_MODES)}")
         name_or_path = resolve_model_path(model or cfg.model.name_or_path)
-        result = plan_run(cfg, name_or_path=name_or_path, device=device, gpus=gpus, parallel=parallel,
-                          gpu_gib=gpu_gb)  # fmt: skip
+        result = plan_run(cfg, name_or_path=name_or_path, device=device, gpus=gpus, parallel=parallel, gpu_gib=gpu_gb)
     except (*user_errors(), OSError) as exc:
         fail(exc, debug)
     to_fit = None
@@ -100,13 +99,26 @@ def print_plan_json(result, gpu_gb: float, to_fit: tuple[list[str], float] | Non
     import json
 
     fit = None if to_fit is None else {"settings": to_fit[0], "total_gib": to_fit[1]}
-    sys.stdout.write(json.dumps({"model_type": result.model_type, "params": result.params, "bytes": result.bytes,
-                                 "total": result.total, "notes": result.notes, "gpus": result.gpus,
-                                 "parallel": result.parallel, "per_gpu_total": result.total, "gpu_gib": gpu_gb,
-                                 "fits": result.fits, "to_fit": fit,
-                                 "communication_bytes_per_step": result.communication_bytes_per_step,
-                                 "offload": dataclasses.asdict(result.offload) if result.offload else None})
-                     + "\n")  # fmt: skip
+    sys.stdout.write(
+        json.dumps(
+            {
+                "model_type": result.model_type,
+                "params": result.params,
+                "bytes": result.bytes,
+                "total": result.total,
+                "notes": result.notes,
+                "gpus": result.gpus,
+                "parallel": result.parallel,
+                "per_gpu_total": result.total,
+                "gpu_gib": gpu_gb,
+                "fits": result.fits,
+                "to_fit": fit,
+                "communication_bytes_per_step": result.communication_bytes_per_step,
+                "offload": dataclasses.asdict(result.offload) if result.offload else None,
+            }
+        )
+        + "\n"
+    )
 
 
 def fit_verdict(result, gpu_gb: float, to_fit: tuple[list[str], float] | None) -> str:
@@ -123,8 +135,10 @@ def fit_verdict(result, gpu_gb: float, to_fit: tuple[list[str], float] | None) -
     if settings:
         return f"{verdict}\nto fit, together: {flags} (plan: {planned:,.2f} GiB), the largest planned savings"
     together = "" if math.isnan(planned) else f" (with all of them: {planned:,.2f} GiB)"
-    return (f"{verdict}\nno setting plan knows of makes it fit{together}: a larger GPU, or more GPUs "
-            "(--gpus N --parallel fsdp)")  # fmt: skip
+    return (
+        f"{verdict}\nno setting plan knows of makes it fit{together}: a larger GPU, or more GPUs "
+        "(--gpus N --parallel fsdp)"
+    )
 
 
 def render_plan(plan, console) -> None:

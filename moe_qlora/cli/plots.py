@@ -69,8 +69,15 @@ NOT_LOGGED = "not logged by this run"
 KL_NOT_LOGGED = "KL not computed: grpo.kl_coef is 0 (no KL term), so the run logged none"
 
 
-def line_plot(path: Path, title: str, lines: dict[str, tuple[list, list]], ylabel: str, *, log: bool = False,
-              empty_note: str = NOT_LOGGED) -> None:  # fmt: skip
+def line_plot(
+    path: Path,
+    title: str,
+    lines: dict[str, tuple[list, list]],
+    ylabel: str,
+    *,
+    log: bool = False,
+    empty_note: str = NOT_LOGGED,
+) -> None:
     """One line per series against the step; `empty_note` written across the axes when no series has a point
     (an empty frame would look like a plotting bug)."""
     import matplotlib.pyplot as plt
@@ -149,8 +156,9 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         rewards = {"total": series(records, "reward_mean")} | {k[7:]: series(records, f"{k}/mean") for k in functions}
         plot("reward.png", "reward (mean over completions)", rewards, "reward")
         plot("kl.png", "KL to the base model", {"kl": series(records, "kl")}, "kl", empty_note=KL_NOT_LOGGED)
-        plot("completion_length.png", "completion length", {"mean": series(records, "completion_tokens/mean")},
-             "tokens")  # fmt: skip
+        plot(
+            "completion_length.png", "completion length", {"mean": series(records, "completion_tokens/mean")}, "tokens"
+        )
     if (load := mean_router_load(records)) is not None:
         heatmap(out / "router_load.png", load)
         written.append(out / "router_load.png")

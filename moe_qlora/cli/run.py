@@ -37,8 +37,17 @@ def train(
     debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
 ):
     """Fine-tune a MoE model with QLoRA (experts frozen in NF4, per-expert LoRA)."""
-    _run("train", config, set_, dry_run=dry_run, resume=resume, resume_from=resume_from, resume_anyway=resume_anyway,
-         overwrite=overwrite, debug=debug)  # fmt: skip
+    _run(
+        "train",
+        config,
+        set_,
+        dry_run=dry_run,
+        resume=resume,
+        resume_from=resume_from,
+        resume_anyway=resume_anyway,
+        overwrite=overwrite,
+        debug=debug,
+    )
 
 
 def check_paths_before_loading(cfg, *, hub: bool = True) -> None:
@@ -71,8 +80,9 @@ def check_paths_before_loading(cfg, *, hub: bool = True) -> None:
         raise ConfigError(f"output.dir: {out} cannot be written ({existing} is not writable by this user)")
 
 
-def _run(command: str, config: str, overrides: list[str], *, dry_run, resume, resume_from, resume_anyway, overwrite,
-         debug) -> None:  # fmt: skip
+def _run(
+    command: str, config: str, overrides: list[str], *, dry_run, resume, resume_from, resume_anyway, overwrite, debug
+) -> None:
     """Load and validate the config, then print it (--dry-run) or run `train` or `grpo` on it, turning
     user errors into one sentence and exit code 2, an aborted run into exit code 1, and a run stopped by
     SIGINT / SIGTERM into 130 / 143 with the command that resumes it."""
@@ -125,15 +135,21 @@ def _run(command: str, config: str, overrides: list[str], *, dry_run, resume, re
     except StepFailed as exc:
         if debug:
             raise
-        err_console.print(f"[red]error:[/red] {exc}\nresume with: {resume_command(command, config, overrides)}",
-                          highlight=False, soft_wrap=True)  # fmt: skip
+        err_console.print(
+            f"[red]error:[/red] {exc}\nresume with: {resume_command(command, config, overrides)}",
+            highlight=False,
+            soft_wrap=True,
+        )
         raise typer.Exit(1) from None
     except DiskFullError as exc:
         if debug:
             raise
-        err_console.print(f"[red]error:[/red] {exc}. {last_good_checkpoint(cfg)}; free some space, then resume "
-                          f"with: {resume_command(command, config, overrides)}", highlight=False,
-                          soft_wrap=True)  # fmt: skip
+        err_console.print(
+            f"[red]error:[/red] {exc}. {last_good_checkpoint(cfg)}; free some space, then resume "
+            f"with: {resume_command(command, config, overrides)}",
+            highlight=False,
+            soft_wrap=True,
+        )
         raise typer.Exit(1) from None
     except RunInterrupted as exc:
         again = resume_command(command, config, overrides)
@@ -141,8 +157,7 @@ def _run(command: str, config: str, overrides: list[str], *, dry_run, resume, re
         err_console.print(f"interrupted at step {exc.step}; {saved}", highlight=False, soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
-        err_console.print("stopped at once (second signal): nothing written since the last checkpoint",
-                          highlight=False)  # fmt: skip
+        err_console.print("stopped at once (second signal): nothing written since the last checkpoint", highlight=False)
         raise typer.Exit(130) from None
 
 
@@ -187,5 +202,14 @@ def grpo(
     debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
 ):
     """Online GRPO on the 4-bit model: sample groups, score them with reward functions, train on advantages."""
-    _run("grpo", config, set_, dry_run=dry_run, resume=resume, resume_from=resume_from, resume_anyway=resume_anyway,
-         overwrite=overwrite, debug=debug)  # fmt: skip
+    _run(
+        "grpo",
+        config,
+        set_,
+        dry_run=dry_run,
+        resume=resume,
+        resume_from=resume_from,
+        resume_anyway=resume_anyway,
+        overwrite=overwrite,
+        debug=debug,
+    )

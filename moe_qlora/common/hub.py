@@ -20,8 +20,12 @@ SHIPPED_MODELS = Path(__file__).resolve().parents[2] / "configs" / "models"
 
 def looks_local(path: str) -> bool:
     """A path rather than a hub id: absolute, ./ or ~, present on disk, or named like a data file."""
-    return (os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path)
-            or Path(path).suffix.lower() in DATA_SUFFIXES)  # fmt: skip
+    return (
+        os.path.isabs(path)
+        or path.startswith((".", "~"))
+        or os.path.exists(path)
+        or Path(path).suffix.lower() in DATA_SUFFIXES
+    )
 
 
 def is_hub_model(name: str) -> bool:
@@ -54,8 +58,10 @@ def config_only_advice(repo_id: str, command: str) -> str:
     if shipped is not None:
         folder = shown_path(shipped)
         return f"{command} reads only its config.json, which ships in {folder}: add --model {folder}"
-    return (f"{command} reads only its config.json: download it where there is a network "
-            f"(hf download {repo_id} config.json) or give --model a folder holding it")  # fmt: skip
+    return (
+        f"{command} reads only its config.json: download it where there is a network "
+        f"(hf download {repo_id} config.json) or give --model a folder holding it"
+    )
 
 
 def offline_reason() -> str:
@@ -93,14 +99,18 @@ def check_hub_model(repo_id: str, error: type[Exception], how: str | None = None
     except (RepositoryNotFoundError, GatedRepoError) as exc:
         if cached:
             return
-        raise error(f"model {repo_id!r}: not a local folder, and the hub says: {type(exc).__name__} "
-                    "(a typo, a private or gated repo: log in with `hf auth login`)") from None  # fmt: skip
+        raise error(
+            f"model {repo_id!r}: not a local folder, and the hub says: {type(exc).__name__} "
+            "(a typo, a private or gated repo: log in with `hf auth login`)"
+        ) from None
     except Exception as exc:  # network errors come from several libraries; all mean the same here
         go_offline()
         if cached:
             return
-        raise error(f"model {repo_id!r}: not a local folder, not in the Hugging Face cache, and the hub cannot be "
-                    f"reached ({type(exc).__name__}): {how}") from None  # fmt: skip
+        raise error(
+            f"model {repo_id!r}: not a local folder, not in the Hugging Face cache, and the hub cannot be "
+            f"reached ({type(exc).__name__}): {how}"
+        ) from None
 
 
 class ModelUnavailable(Exception):

@@ -53,8 +53,10 @@ def jsonl_lines(path: Path) -> list[tuple[str, dict]]:
             if number == last:
                 log.warning("%s, line %d: torn (%s), dropped: the run stopped while writing it", path, number, why)
                 break
-            raise MetricsError(f"{path}, line {number}: not a JSON object ({why}); only the last line of a log can "
-                               "be torn by a crash, so this file was changed by hand or is corrupt") from None
+            raise MetricsError(
+                f"{path}, line {number}: not a JSON object ({why}); only the last line of a log can "
+                "be torn by a crash, so this file was changed by hand or is corrupt"
+            ) from None
         records.append((line, record))
     return records
 
@@ -93,8 +95,11 @@ def drop_torn_tail(path: Path) -> None:
 
 def missing_reporters(report_to: list[str]) -> list[str]:
     """The install hints for reporters whose package is not installed (checked before any model loads)."""
-    return [f"output.report_to: {name} needs the {PACKAGES[name]} package (pip install {PACKAGES[name]})"
-            for name in report_to if name in PACKAGES and importlib.util.find_spec(PACKAGES[name]) is None]  # fmt: skip
+    return [
+        f"output.report_to: {name} needs the {PACKAGES[name]} package (pip install {PACKAGES[name]})"
+        for name in report_to
+        if name in PACKAGES and importlib.util.find_spec(PACKAGES[name]) is None
+    ]
 
 
 def flatten_scalars(record: dict, prefix: str = "") -> dict[str, float]:

@@ -143,8 +143,10 @@ class CheckedStreams(HostStreams):
     def copy(self, dst: torch.Tensor, src: torch.Tensor, *, after=None):
         state = self._state(dst)
         if state.last_read >= 0 and (after is None or after < state.last_read):
-            raise StreamHazard(f"a copy into a buffer last read at compute position {state.last_read}, ordered "
-                               f"only after position {after}: it would overwrite data still being read")  # fmt: skip
+            raise StreamHazard(
+                f"a copy into a buffer last read at compute position {state.last_read}, ordered "
+                f"only after position {after}: it would overwrite data still being read"
+            )
         dst.copy_(src)
         self.events += 1
         state.copy_seq, state.waited = self.events, False

@@ -62,14 +62,31 @@ def _yaml_line(text: str | None, path: tuple) -> int | None:
 
 # What users of TRL, PEFT, axolotl and torchtune type for our keys.
 KEY_ALIASES = {
-    "learning_rate": "lr", "learning_rat": "lr", "lr_scheduler_type": "schedule", "lr_scheduler": "schedule",
-    "num_epochs": "epochs", "num_train_epochs": "epochs", "batch_size": "micro_batch_size",
-    "per_device_train_batch_size": "micro_batch_size", "gradient_accumulation_steps": "grad_accum",
-    "max_grad_norm_": "max_grad_norm", "warmup": "warmup_steps", "r": "rank", "lora_r": "rank",
-    "lora_alpha": "alpha", "lora_dropout": "dropout", "max_length": "max_seq_len", "sequence_len": "max_seq_len",
-    "max_seq_length": "max_seq_len", "output_dir": "dir", "optim": "optimizer", "save_steps": "save_every",
-    "logging_steps": "log_every", "model_name_or_path": "name_or_path", "base_model": "name_or_path",
-}  # fmt: skip
+    "learning_rate": "lr",
+    "learning_rat": "lr",
+    "lr_scheduler_type": "schedule",
+    "lr_scheduler": "schedule",
+    "num_epochs": "epochs",
+    "num_train_epochs": "epochs",
+    "batch_size": "micro_batch_size",
+    "per_device_train_batch_size": "micro_batch_size",
+    "gradient_accumulation_steps": "grad_accum",
+    "max_grad_norm_": "max_grad_norm",
+    "warmup": "warmup_steps",
+    "r": "rank",
+    "lora_r": "rank",
+    "lora_alpha": "alpha",
+    "lora_dropout": "dropout",
+    "max_length": "max_seq_len",
+    "sequence_len": "max_seq_len",
+    "max_seq_length": "max_seq_len",
+    "output_dir": "dir",
+    "optim": "optimizer",
+    "save_steps": "save_every",
+    "logging_steps": "log_every",
+    "model_name_or_path": "name_or_path",
+    "base_model": "name_or_path",
+}
 
 
 def nearest_key(key: str, valid: list[str]) -> str | None:
@@ -155,8 +172,9 @@ def _numbers_in(obj):
     return obj
 
 
-def validate_config(raw: dict, *, source: str = "<config>", text: str | None = None,
-                    overrides: list[str] | None = None) -> RunConfig:  # fmt: skip
+def validate_config(
+    raw: dict, *, source: str = "<config>", text: str | None = None, overrides: list[str] | None = None
+) -> RunConfig:
     """Validate a raw mapping; all problems are reported at once, one line each, a key `overrides` (--set
     KEY=VALUE) gave blamed on that --set."""
     if not isinstance(raw, dict):
@@ -190,8 +208,14 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
 
 # Keys that name files or folders: relative ones are relative to the config file (as in torchtune and
 # axolotl), or to the current directory for --set values.
-PATH_KEYS = (("data", "train_files"), ("data", "eval_files"), ("output", "dir"), ("lora", "init_from"),
-             ("grpo", "offline_file"), ("train", "resume"))  # fmt: skip
+PATH_KEYS = (
+    ("data", "train_files"),
+    ("data", "eval_files"),
+    ("output", "dir"),
+    ("lora", "init_from"),
+    ("grpo", "offline_file"),
+    ("train", "resume"),
+)
 NOT_PATHS = {("train", "resume"): ("never", "auto")}
 
 
@@ -205,8 +229,11 @@ def resolve_paths(raw, base: Path):
         holder = out.get(section)
         if isinstance(holder, dict) and key in holder and holder[key] not in NOT_PATHS.get((section, key), ()):
             value, hub_ids = holder[key], section == "data"
-            holder[key] = ([_absolute(v, base, hub_ids=hub_ids) for v in value] if isinstance(value, list)
-                           else _absolute(value, base, hub_ids=hub_ids))  # fmt: skip
+            holder[key] = (
+                [_absolute(v, base, hub_ids=hub_ids) for v in value]
+                if isinstance(value, list)
+                else _absolute(value, base, hub_ids=hub_ids)
+            )
     grpo = out.get("grpo")
     if isinstance(grpo, dict) and isinstance(grpo.get("rewards"), list):
         grpo["rewards"] = [_absolute_reward_file(r, base) for r in grpo["rewards"]]

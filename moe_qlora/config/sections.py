@@ -36,8 +36,10 @@ class ModelSection(Section):
         "below model.fused_below_rows rows per expert and grouped_mm above, the torch reference on the CPU",
     )
     fused_below_rows: int = Field(
-        16, ge=0, description="kernels: auto picks the fused NF4 kernel below this many rows per expert (measured "
-        "on an H100 at Qwen3-30B-A3B's layer: grouped_mm was faster at 32 and 256 rows per expert)"
+        16,
+        ge=0,
+        description="kernels: auto picks the fused NF4 kernel below this many rows per expert (measured "
+        "on an H100 at Qwen3-30B-A3B's layer: grouped_mm was faster at 32 and 256 rows per expert)",
     )
     kernel_self_check: bool = Field(
         True,
@@ -52,7 +54,9 @@ class ModelSection(Section):
         "(none on the CPU). LoRA, its gradients and optimizer state stay on the GPU",
     )
     offload_resident_layers: int = Field(
-        2, ge=1, description="expert_offload: most MoE layers whose experts are on the GPU at once (2: the one "
+        2,
+        ge=1,
+        description="expert_offload: most MoE layers whose experts are on the GPU at once (2: the one "
         "computing and the next arriving; 1: no prefetch)",
     )
     dequant_buffer_mb: float | None = Field(
@@ -259,7 +263,9 @@ class GrpoSection(Section):
         "(LUSPO, 2602.05261); vespo: log pi times a detached weight of the sequence ratio (VESPO, 2602.10693)",
     )
     delta: float | None = Field(
-        None, gt=1, description="cap the ratio at delta for negative advantages too (INTELLECT-2's two-sided "
+        None,
+        gt=1,
+        description="cap the ratio at delta for negative advantages too (INTELLECT-2's two-sided "
         "clipping, 2505.07291); above 1 + clip_eps_high; clipped loss types only",
     )
     sapo_temperature_pos: float = Field(1.0, gt=0, description="sapo: the gate's temperature for positive advantages")
@@ -269,14 +275,18 @@ class GrpoSection(Section):
     vespo_k_neg: float = Field(3.0, description="vespo: k, advantage < 0")
     vespo_lambda_neg: float = Field(2.0, description="vespo: lambda, advantage < 0")
     top_entropy_quantile: float = Field(
-        1.0, gt=0, le=1, description="train only the completion tokens in this top fraction of entropy, per "
+        1.0,
+        gt=0,
+        le=1,
+        description="train only the completion tokens in this top fraction of entropy, per "
         "micro-batch (Beyond the 80/20 Rule, 2506.01939; 0.2 there); 1: all",
     )
     entropy_coef: float = Field(
         0.0, ge=0, description="entropy bonus: loss - entropy_coef * the mean token entropy of the completions"
     )
     off_policy_mask_threshold: float | None = Field(
-        None, description="leave out of the policy term a completion with a negative advantage whose mean "
+        None,
+        description="leave out of the policy term a completion with a negative advantage whose mean "
         "log(pi_sampled / pi) exceeds this (DeepSeek-V3.2's off-policy sequence masking; 0.5 suggested); acts "
         "from the second pass on (passes > 1), where the policy has moved",
     )
@@ -324,21 +334,29 @@ class GrpoSection(Section):
             raise ValueError(f"delta caps the clipped objective's ratio; loss_type {self.loss_type} has none")
         if self.delta is not None and self.delta <= 1 + (self.clip_eps_high or self.clip_eps):
             bound = 1 + (self.clip_eps_high or self.clip_eps)
-            raise ValueError(f"delta ({self.delta:g}) must be above 1 + clip_eps_high ({bound:g}), or it caps "
-                             "positive advantages too")  # fmt: skip
+            raise ValueError(
+                f"delta ({self.delta:g}) must be above 1 + clip_eps_high ({bound:g}), or it caps "
+                "positive advantages too"
+            )
         if self.multi_objective_aggregation == "normalize_then_sum" and self.offline_file is not None:
-            raise ValueError("multi_objective_aggregation normalize_then_sum needs each reward function's scores; "
-                             "an offline_file holds only the total")  # fmt: skip
+            raise ValueError(
+                "multi_objective_aggregation normalize_then_sum needs each reward function's scores; "
+                "an offline_file holds only the total"
+            )
         if self.use_bias_correction_kl and not self.kl_coef:
             raise ValueError("use_bias_correction_kl corrects the KL term, which is off (kl_coef: 0)")
         if self.loss_type == "vespo" and self.importance_sampling_level != "token":
-            raise ValueError("loss_type vespo weights by the product of the token ratios: "
-                             "importance_sampling_level must be token")  # fmt: skip
-        if self.loss_type == "luspo" and (self.importance_sampling_level != "sequence" or self.kl_coef
-                                          or self.top_entropy_quantile < 1):  # fmt: skip
-            raise ValueError("loss_type luspo is GSPO's sequence loss times the length: it needs "
-                             "importance_sampling_level: sequence, without kl_coef or top_entropy_quantile "
-                             "(TRL then averages over padding positions too)")  # fmt: skip
+            raise ValueError(
+                "loss_type vespo weights by the product of the token ratios: importance_sampling_level must be token"
+            )
+        if self.loss_type == "luspo" and (
+            self.importance_sampling_level != "sequence" or self.kl_coef or self.top_entropy_quantile < 1
+        ):
+            raise ValueError(
+                "loss_type luspo is GSPO's sequence loss times the length: it needs "
+                "importance_sampling_level: sequence, without kl_coef or top_entropy_quantile "
+                "(TRL then averages over padding positions too)"
+            )
         return self
 
     @model_validator(mode="after")
@@ -405,13 +423,19 @@ def resolve_compute_dtype(choice: str, device: str) -> str:
 def check_shardable(cfg: RunConfig, *, generates: bool = False) -> None:
     """Refuse what a sharded (train.parallel: fsdp) run cannot do: grpo (`generates`), 8-bit optimizers."""
     if generates:
-        raise ConfigError("train.parallel: fsdp is for `train`: grpo samples on each rank, and each rank's "
-                          "completions end after a different number of forwards, each of which FSDP would "
-                          "make every rank join; use ddp (the whole 4-bit model on each GPU)")  # fmt: skip
+        raise ConfigError(
+            "train.parallel: fsdp is for `train`: grpo samples on each rank, and each rank's "
+            "completions end after a different number of forwards, each of which FSDP would "
+            "make every rank join; use ddp (the whole 4-bit model on each GPU)"
+        )
     if cfg.model.expert_offload != "none":
-        raise ConfigError(f"model.expert_offload: {cfg.model.expert_offload} with train.parallel: fsdp: FSDP already "
-                          "splits the experts over the GPUs and gathers each layer's when it runs; offload is for "
-                          "one GPU or ddp (set model.expert_offload: none, or train.parallel: ddp)")  # fmt: skip
+        raise ConfigError(
+            f"model.expert_offload: {cfg.model.expert_offload} with train.parallel: fsdp: FSDP already "
+            "splits the experts over the GPUs and gathers each layer's when it runs; offload is for "
+            "one GPU or ddp (set model.expert_offload: none, or train.parallel: ddp)"
+        )
     if cfg.train.optimizer != "adamw":
-        raise ConfigError(f"train.optimizer: {cfg.train.optimizer} keeps bitsandbytes state FSDP cannot shard; "
-                          "use adamw with train.parallel: fsdp (its moments are sharded too)")  # fmt: skip
+        raise ConfigError(
+            f"train.optimizer: {cfg.train.optimizer} keeps bitsandbytes state FSDP cannot shard; "
+            "use adamw with train.parallel: fsdp (its moments are sharded too)"
+        )

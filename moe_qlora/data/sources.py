@@ -20,8 +20,16 @@ from pathlib import Path
 
 from moe_qlora.common.hub import DATA_SUFFIXES, looks_local
 
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
-                  "tool": "tool", "observation": "tool", "function_response": "tool"}  # fmt: skip
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "observation": "tool",
+    "function_response": "tool",
+}
 ALPACA_PREAMBLE = (
     "Below is an instruction that describes a task{context}. Write a response that appropriately completes the "
     "request.\n\n### Instruction:\n{instruction}\n\n{input}### Response:\n"
@@ -140,16 +148,19 @@ def read_hub(source):
     import datasets
     from huggingface_hub import constants
 
-    how = (f"download it where there is a network (datasets.load_dataset({source.path!r}) fills the cache) or point "
-           "data.train_files at a local file or save_to_disk folder")  # fmt: skip
+    how = (
+        f"download it where there is a network (datasets.load_dataset({source.path!r}) fills the cache) or point "
+        "data.train_files at a local file or save_to_disk folder"
+    )
     if not constants.HF_HUB_OFFLINE:
         check_hub_dataset(source, how)
     try:
         return datasets.load_dataset(source.path, source.name, split=source.split, revision=source.revision)
     except (ConnectionError, FileNotFoundError) as exc:
         if constants.HF_HUB_OFFLINE:
-            raise DataError(f"dataset {source.path!r} is not in the datasets cache and HF_HUB_OFFLINE is set: "
-                             f"{how}") from None  # fmt: skip
+            raise DataError(
+                f"dataset {source.path!r} is not in the datasets cache and HF_HUB_OFFLINE is set: {how}"
+            ) from None
         raise DataError(f"dataset {source.path!r}: {type(exc).__name__}: {exc}") from None
     except ValueError as exc:  # a split or config the dataset does not have
         raise DataError(f"dataset {source.path!r}: {exc}") from None
@@ -162,12 +173,16 @@ def check_hub_dataset(source, how: str) -> None:
     try:
         HfApi().dataset_info(source.path, revision=source.revision, timeout=10)
     except (RepositoryNotFoundError, GatedRepoError) as exc:
-        raise DataError(f"dataset {source.path!r}: not a local path, and the hub says {type(exc).__name__} (a typo, "
-                         "or a private or gated dataset: log in with `hf auth login`)") from None  # fmt: skip
+        raise DataError(
+            f"dataset {source.path!r}: not a local path, and the hub says {type(exc).__name__} (a typo, "
+            "or a private or gated dataset: log in with `hf auth login`)"
+        ) from None
     except Exception as exc:  # network errors come from several libraries; all mean the same here
-        raise DataError(f"dataset {source.path!r}: not a local path and the hub cannot be reached "
-                         f"({type(exc).__name__}); with a cached copy set HF_HUB_OFFLINE=1, or "
-                         f"{how}") from None  # fmt: skip
+        raise DataError(
+            f"dataset {source.path!r}: not a local path and the hub cannot be reached "
+            f"({type(exc).__name__}); with a cached copy set HF_HUB_OFFLINE=1, or "
+            f"{how}"
+        ) from None
 
 
 def rename_columns(row: dict, columns: dict[str, str], where: str) -> dict:
@@ -188,9 +203,11 @@ def standard_columns(row: dict, where: str) -> dict:
         return {**row, "messages": [sharegpt_turn(t, where, i) for i, t in enumerate(row["conversations"])]}
     if row.get("prompt") is None and isinstance(row.get("instruction"), str) and isinstance(row.get("output"), str):
         extra = row.get("input") or ""
-        prompt = ALPACA_PREAMBLE.format(context=", paired with an input that provides further context" if extra
-                                        else "", instruction=row["instruction"],
-                                        input=f"### Input:\n{extra}\n\n" if extra else "")  # fmt: skip
+        prompt = ALPACA_PREAMBLE.format(
+            context=", paired with an input that provides further context" if extra else "",
+            instruction=row["instruction"],
+            input=f"### Input:\n{extra}\n\n" if extra else "",
+        )
         return {**row, "prompt": prompt, "completion": row["output"]}
     return row
 
@@ -200,6 +217,7 @@ def sharegpt_turn(turn, where: str, i: int) -> dict:
         raise DataError(f"{where}: conversations[{i}] must be {{from, value}}, got {turn!r}")
     role = SHAREGPT_ROLES.get(turn.get("from"))
     if role is None:
-        raise DataError(f"{where}: conversations[{i}] from {turn.get('from')!r}: expected one of "
-                         f"{', '.join(SHAREGPT_ROLES)}")  # fmt: skip
+        raise DataError(
+            f"{where}: conversations[{i}] from {turn.get('from')!r}: expected one of {', '.join(SHAREGPT_ROLES)}"
+        )
     return {"role": role, "content": turn["value"]}

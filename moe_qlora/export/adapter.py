@@ -128,8 +128,10 @@ def peft_to_split_lora(tensors: dict[str, torch.Tensor], lora: ExpertLoRA, where
 
     (a_gate, b_gate), (a_up, b_up), (a_down, b_down) = factors("gate"), factors("up"), factors("down")
     if not torch.equal(a_gate, a_up):
-        raise AdapterMismatchError(f"{where}: gate_proj and up_proj have different LoRA A factors; moe-qlora's fused "
-                                   "gate_up LoRA shares one A, so it cannot hold this adapter")  # fmt: skip
+        raise AdapterMismatchError(
+            f"{where}: gate_proj and up_proj have different LoRA A factors; moe-qlora's fused "
+            "gate_up LoRA shares one A, so it cannot hold this adapter"
+        )
     with torch.no_grad():
         values = (a_gate, torch.cat([b_gate, b_up], dim=1), a_down, b_down)
         for param, value in zip(lora.factors(), values, strict=True):
@@ -282,8 +284,10 @@ def load_adapter(model, adapter_dir: str | Path, cfg: LoraSection) -> int:
         raise AdapterMismatchError(f"{adapter_dir}: not a readable adapter ({exc})") from None
     other_scaling = {k: config[k] for k in ("use_rslora", "alpha_pattern", "rank_pattern") if config.get(k)}
     if other_scaling:  # PEFT would scale these by alpha/sqrt(r) or per module; this run's LoRA uses alpha/r
-        raise AdapterMismatchError(f"{adapter_dir}: adapter_config.json sets {other_scaling}; this tool trains and "
-                                   "loads one rank and alpha for every module, scaled by alpha/r")  # fmt: skip
+        raise AdapterMismatchError(
+            f"{adapter_dir}: adapter_config.json sets {other_scaling}; this tool trains and "
+            "loads one rank and alpha for every module, scaled by alpha/r"
+        )
     if (config.get("r"), config.get("lora_alpha")) != (cfg.rank, cfg.alpha):
         raise AdapterMismatchError(
             f"{adapter_dir}: trained with r={config.get('r')}, lora_alpha={config.get('lora_alpha')}; "
@@ -324,16 +328,19 @@ def untracked_trainables(model) -> list[str]:
     exported = {
         id(p) for _, m in experts_modules(model) if (lora := getattr(m, "moe_lora", None)) for p in lora.factors()
     }
-    return sorted(n for n, p in model.named_parameters()
-                  if p.requires_grad and ".lora_" not in n and id(p) not in exported)  # fmt: skip
+    return sorted(
+        n for n, p in model.named_parameters() if p.requires_grad and ".lora_" not in n and id(p) not in exported
+    )
 
 
 def check_adapter_keys(adapter_dir: Path, saved: dict, expected: dict) -> None:
     """The file must hold exactly this model's LoRA tensors, shapes included; every mismatch is named."""
     missing = sorted(expected.keys() - saved.keys())
     if missing:
-        raise AdapterMismatchError(f"{adapter_dir}: has no {first_few(missing)} ({len(missing)} tensor(s) this model's "
-                                   "LoRA needs; an adapter for another model or targets?)")  # fmt: skip
+        raise AdapterMismatchError(
+            f"{adapter_dir}: has no {first_few(missing)} ({len(missing)} tensor(s) this model's "
+            "LoRA needs; an adapter for another model or targets?)"
+        )
     for key, tensor in expected.items():
         if saved[key].shape != tensor.shape:
             raise AdapterMismatchError(

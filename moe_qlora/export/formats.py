@@ -78,22 +78,28 @@ FAMILIES = {
     # stored (E, in, out): llama.cpp's converter transposes them back; Llama-4's gate and up are halves, GPT-OSS's
     # alternate (and it has expert biases, which a LoRA leaves alone)
     "llama4": FamilyNames("llama4", "feed_forward.experts", "gate_proj", "up_proj", "down_proj", peft_swapped=True),
-    "llama4_text": FamilyNames("llama4", "feed_forward.experts", "gate_proj", "up_proj", "down_proj",
-                               peft_swapped=True),
+    "llama4_text": FamilyNames(
+        "llama4", "feed_forward.experts", "gate_proj", "up_proj", "down_proj", peft_swapped=True
+    ),
     "gpt_oss": FamilyNames("gpt-oss", "mlp.experts", "gate_proj", "up_proj", "down_proj", interleaved_gate_up=True),
     "qwen3_vl_moe": FamilyNames("qwen3vlmoe", **_QWEN_STYLE),
     # Granite: llama.cpp's converter splits input_linear into gate and up halves and permutes q/k (LlamaModel)
-    **dict.fromkeys(("granitemoe", "granitemoeshared"), FamilyNames("granitemoe", "block_sparse_moe.experts",
-                                                                     "gate_proj", "up_proj", "down_proj",
-                                                                     permute_qk=True)),
-    "granitemoehybrid": FamilyNames("granitehybrid", "block_sparse_moe.experts", "gate_proj", "up_proj", "down_proj",
-                                    permute_qk=True),
+    **dict.fromkeys(
+        ("granitemoe", "granitemoeshared"),
+        FamilyNames("granitemoe", "block_sparse_moe.experts", "gate_proj", "up_proj", "down_proj", permute_qk=True),
+    ),
+    "granitemoehybrid": FamilyNames(
+        "granitehybrid", "block_sparse_moe.experts", "gate_proj", "up_proj", "down_proj", permute_qk=True
+    ),
     # Gemma-4: experts beside the dense MLP in the decoder layer; llama.cpp keeps gate_up fused
-    **dict.fromkeys(("gemma4", "gemma4_text"), FamilyNames("gemma4", "experts", "gate_proj", "up_proj", "down_proj",
-                                                           fused_gate_up=True)),
+    **dict.fromkeys(
+        ("gemma4", "gemma4_text"),
+        FamilyNames("gemma4", "experts", "gate_proj", "up_proj", "down_proj", fused_gate_up=True),
+    ),
     # no gate; llama.cpp's converter permutes its q/k rows like Llama's (it inherits the Granite converter)
-    "nemotron_h": FamilyNames("nemotron_h_moe", "mixer.experts", "", "up_proj", "down_proj", permute_qk=True,
-                              gated=False),
+    "nemotron_h": FamilyNames(
+        "nemotron_h_moe", "mixer.experts", "", "up_proj", "down_proj", permute_qk=True, gated=False
+    ),
     # MLA (DeepSeek-V2's graph and its LoRA hooks): GLM-4.7-Flash, Mistral-Small-4 (whose checkpoints hold the
     # experts fused, which its converter keeps), DeepSeek-V3.2, dots3-note, Hunyuan-V4
     "glm4_moe_lite": FamilyNames("deepseek2", **_QWEN_STYLE),
@@ -111,8 +117,15 @@ FAMILIES = {
     # every attention projection of its graph (delta attention and MLA) is multiplied without a LoRA hook
     "glm5_next": FamilyNames("glm5-next", **_QWEN_STYLE),
     # Granite-MoE-SWA: its converter keeps input_linear fused (gate's rows first) and permutes q/k (LlamaModel)
-    "granitemoe_swa": FamilyNames("granite_swa", "block_sparse_moe.experts", "gate_proj", "up_proj", "down_proj",
-                                  permute_qk=True, fused_gate_up=True),
+    "granitemoe_swa": FamilyNames(
+        "granite_swa",
+        "block_sparse_moe.experts",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        permute_qk=True,
+        fused_gate_up=True,
+    ),
     # DeepSeek-V4: compressed and sparse attention; tensor names from GGUF_HAND_NAMES
     "deepseek_v4": FamilyNames("deepseek4", "ffn.experts", "w1", "w3", "w2"),  # (hub names: HUB_MODULE_NAMES)
     # Sarvam-MoE: GLM-4-MoE's modules in transformers, converted by llama.cpp as Ling's bailingmoe2 with q, k and v
@@ -127,12 +140,24 @@ FAMILIES = {
 PER_EXPERT_UNREAD = {
     "gpt_oss": "vLLM reads GPT-OSS's expert LoRA in PEFT's fused layout only (use --format vllm)",
     "minimax_m3_vl": "its hub checkpoints hold the dense and shared MLPs' gate and up apart, which this layout "
-                     "does not write",
-}  # fmt: skip
+    "does not write",
+}
 # llama.cpp tensors (blk.N.<kind>) whose product goes through build_lora_mm, so that a LoRA on them is applied:
 # attention, the router, dense MLPs (build_ffn), shared experts and Qwen2-MoE's shared-expert gate.
-GGUF_LORA_KINDS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_gate", "ffn_up", "ffn_down",
-                   "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp"}  # fmt: skip
+GGUF_LORA_KINDS = {
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_output",
+    "ffn_gate_inp",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+    "ffn_gate_shexp",
+    "ffn_up_shexp",
+    "ffn_down_shexp",
+    "ffn_gate_inp_shexp",
+}
 _GATED_DELTANET_KINDS = {"attn_qkv", "attn_gate", "ssm_out"}  # linear attention, through build_lora_mm
 GGUF_EXTRA_LORA_KINDS = {
     "laguna": {"attn_gate"},  # its g_proj through build_lora_mm (src/models/laguna.cpp)
@@ -142,8 +167,18 @@ GGUF_EXTRA_LORA_KINDS = {
     "qwen4exp": _GATED_DELTANET_KINDS | {"ssm_alpha", "ssm_beta", "indexer.q_proj", "indexer.k_proj"},
     "minimax-m3": {"indexer.q_proj", "indexer.k_proj"},
     # src/models/deepseek4.cpp: every projection but the grouped attn_output_a (a plain ggml_mul_mat)
-    "deepseek4": {"attn_q_a", "attn_q_b", "attn_kv", "attn_output_b", "attn_compressor_kv", "attn_compressor_gate",
-                  "indexer_compressor_kv", "indexer_compressor_gate", "indexer.attn_q_b", "indexer.proj"},
+    "deepseek4": {
+        "attn_q_a",
+        "attn_q_b",
+        "attn_kv",
+        "attn_output_b",
+        "attn_compressor_kv",
+        "attn_compressor_gate",
+        "indexer_compressor_kv",
+        "indexer_compressor_gate",
+        "indexer.attn_q_b",
+        "indexer.proj",
+    },
 }
 # DeepSeek-V4's modules: {transformers' module path: (the hub checkpoint's name, llama.cpp's blk.N.<kind>)}.
 # transformers renames the checkpoints' keys on load (conversion_mapping.py: attn -> self_attn, ffn -> mlp,
@@ -151,8 +186,10 @@ GGUF_EXTRA_LORA_KINDS = {
 # compressor.indexer, w1/w2/w3 -> gate/down/up_proj); llama.cpp's converter names its tensors from those keys
 # (conversion/deepseek.py, _map_dsv4_tensor_name), and vLLM 0.33.0 reads them (HUB_MODULE_NAMES).
 DSV4_MODULES = {
-    "self_attn.q_a_proj": ("attn.wq_a", "attn_q_a"), "self_attn.q_b_proj": ("attn.wq_b", "attn_q_b"),
-    "self_attn.kv_proj": ("attn.wkv", "attn_kv"), "self_attn.o_a_proj": ("attn.wo_a", "attn_output_a"),
+    "self_attn.q_a_proj": ("attn.wq_a", "attn_q_a"),
+    "self_attn.q_b_proj": ("attn.wq_b", "attn_q_b"),
+    "self_attn.kv_proj": ("attn.wkv", "attn_kv"),
+    "self_attn.o_a_proj": ("attn.wo_a", "attn_output_a"),
     "self_attn.o_b_proj": ("attn.wo_b", "attn_output_b"),
     "self_attn.compressor.kv_proj": ("attn.compressor.wkv", "attn_compressor_kv"),
     "self_attn.compressor.gate_proj": ("attn.compressor.wgate", "attn_compressor_gate"),
@@ -164,7 +201,7 @@ DSV4_MODULES = {
     "mlp.shared_experts.gate_proj": ("ffn.shared_experts.w1", "ffn_gate_shexp"),
     "mlp.shared_experts.up_proj": ("ffn.shared_experts.w3", "ffn_up_shexp"),
     "mlp.shared_experts.down_proj": ("ffn.shared_experts.w2", "ffn_down_shexp"),
-}  # fmt: skip
+}
 # Architectures whose converter names tensors no TensorNameMap knows (DeepSeek-V4's, from the original
 # checkpoint's keys), or modules their donor map lacks: {transformers' module path under layers.N: blk.N.<kind>}.
 GGUF_HAND_NAMES = {
@@ -172,27 +209,45 @@ GGUF_HAND_NAMES = {
     "qwen4exp": {"self_attn.indexer.q_proj": "indexer.q_proj", "self_attn.indexer.k_proj": "indexer.k_proj"},
     # MiniMax-M3's shared experts and dense MLPs, which MiniMax-M2 (whose names it takes) does not have
     # (gguf-py/gguf/tensor_mapping.py at 0c1e57098; gguf_pieces splits their fused gate_up)
-    "minimax-m3": {"self_attn.indexer.q_proj": "indexer.q_proj", "self_attn.indexer.k_proj": "indexer.k_proj",
-                   "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
-                   "mlp.shared_experts.down_proj": "ffn_down_shexp", "mlp.gate_proj": "ffn_gate",
-                   "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"},
+    "minimax-m3": {
+        "self_attn.indexer.q_proj": "indexer.q_proj",
+        "self_attn.indexer.k_proj": "indexer.k_proj",
+        "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+        "mlp.shared_experts.up_proj": "ffn_up_shexp",
+        "mlp.shared_experts.down_proj": "ffn_down_shexp",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    },
     # Granite's shared MLP: input_linear's gate and up halves (gguf_pieces) as GraniteMoeModel's converter splits
     # them, fused as they are by Granite-MoE-SWA's (conversion/granite.py)
-    **dict.fromkeys(("granitemoe", "granitehybrid"), {"shared_mlp.gate_proj": "ffn_gate_shexp",
-                                                      "shared_mlp.up_proj": "ffn_up_shexp"}),
+    **dict.fromkeys(
+        ("granitemoe", "granitehybrid"),
+        {"shared_mlp.gate_proj": "ffn_gate_shexp", "shared_mlp.up_proj": "ffn_up_shexp"},
+    ),
     "granite_swa": {"shared_mlp.input_linear": "ffn_up_shexp"},
     "deepseek4": {module: kind for module, (_, kind) in DSV4_MODULES.items()},
-}  # fmt: skip
+}
 # Architectures newer than the gguf package's (0.19.0 on PyPI lacks them): the one whose TensorNameMap gives
 # the same blk.N names for the family's modules as llama.cpp's own gguf-py at 0c1e57098 (checked name by name,
 # and against the converter's output by tests/test_llamacpp.py); general.architecture is still the real one,
 # which libllama requires of an adapter.
-GGUF_NAMES_FROM = {"cohere2moe": "glm4moe", "deepseek32": "glm-dsa", "dots3note": "glm-dsa", "glm5-next": "kimi-linear",
-                   "granite_swa": "granitemoe", "hy_v3": "glm4moe", "hy_v4": "glm-dsa", "laguna": "afmoe",
-                   "mellum": "qwen3moe", "qwen4exp": "qwen35moe", "minimax-m3": "minimax-m2",
-                   # gguf's bailingmoe2 names Ling's checkpoint keys (attention.query_key_value); Sarvam, the one
-                   # family exported as it, has GLM-4-MoE's module names in transformers
-                   "bailingmoe2": "glm4moe"}  # fmt: skip
+GGUF_NAMES_FROM = {
+    "cohere2moe": "glm4moe",
+    "deepseek32": "glm-dsa",
+    "dots3note": "glm-dsa",
+    "glm5-next": "kimi-linear",
+    "granite_swa": "granitemoe",
+    "hy_v3": "glm4moe",
+    "hy_v4": "glm-dsa",
+    "laguna": "afmoe",
+    "mellum": "qwen3moe",
+    "qwen4exp": "qwen35moe",
+    "minimax-m3": "minimax-m2",
+    # gguf's bailingmoe2 names Ling's checkpoint keys (attention.query_key_value); Sarvam, the one
+    # family exported as it, has GLM-4-MoE's module names in transformers
+    "bailingmoe2": "glm4moe",
+}
 # ...except where an architecture's graph multiplies them with a plain ggml_mul_mat: DeepSeek-V2/V3's query
 # (wq, and wq_a / wq_b, like the rest of MLA but the output projection).
 GGUF_NO_LORA = {
@@ -215,25 +270,75 @@ GGUF_FUSABLE_GATE_UP = {"qwen3next", "qwen35moe", "qwen4exp", "mistral4", "coher
 GGUF_ALWAYS_FUSED_QKV = {"bailingmoe2"}
 # ...and whose attn_qkv --fuse-qkv writes (the converter fuses the layers where q, k and v all exist; Jamba's and
 # Granite-Hybrid's list attn_qkv too, but their converters write q, k and v apart even so: tests/test_llamacpp.py)
-GGUF_FUSABLE_QKV = {"afmoe", "dots1", "ernie4_5-moe", "exaone-moe", "gemma4", "glm4moe", "gpt-oss", "granitemoe",
-                    "hunyuan-moe", "kimi-linear", "lfm2moe", "llama", "llama4", "mimo2", "minimax-m2", "nemotron_h_moe",
-                    "olmoe", "phimoe", "qwen2moe", "qwen35moe", "qwen3moe", "qwen3next", "qwen3vlmoe",
-                    "qwen4exp"}  # fmt: skip
+GGUF_FUSABLE_QKV = {
+    "afmoe",
+    "dots1",
+    "ernie4_5-moe",
+    "exaone-moe",
+    "gemma4",
+    "glm4moe",
+    "gpt-oss",
+    "granitemoe",
+    "hunyuan-moe",
+    "kimi-linear",
+    "lfm2moe",
+    "llama",
+    "llama4",
+    "mimo2",
+    "minimax-m2",
+    "nemotron_h_moe",
+    "olmoe",
+    "phimoe",
+    "qwen2moe",
+    "qwen35moe",
+    "qwen3moe",
+    "qwen3next",
+    "qwen3vlmoe",
+    "qwen4exp",
+}
 WHY_NOT: dict[str, str] = {}  # families refused by every layout, with the reason a user needs
 # Families moe-qlora trains that these formats do not write, with the reason (read from llama.cpp 0c1e57098's
 # converters and graphs); the run's own adapter folder (PEFT's format) serves them all
 _NO_CONVERTER = "llama.cpp 0c1e57098 has no converter for its checkpoints, so no base GGUF exists to apply a LoRA to"
 NOT_EXPORTED = {
-    **dict.fromkeys(("aria", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "ernie4_5_vl_moe", "flex_olmo",
-                     "flint", "inkling2", "inkling2_loop", "inkling2_loop_text", "inkling2_text", "inkling_mm_model",
-                     "inkling_text", "kolibri1", "lara_mini", "minimax", "zaya", "sarvam_mla", "hy_v4_vl",
-                     "qwen3_omni_moe_thinker", "minimax_m3_vl_text"), _NO_CONVERTER),
-}  # fmt: skip
+    **dict.fromkeys(
+        (
+            "aria",
+            "aria_text",
+            "axk1",
+            "axk2",
+            "bailing_hybrid",
+            "beam",
+            "ernie4_5_vl_moe",
+            "flex_olmo",
+            "flint",
+            "inkling2",
+            "inkling2_loop",
+            "inkling2_loop_text",
+            "inkling2_text",
+            "inkling_mm_model",
+            "inkling_text",
+            "kolibri1",
+            "lara_mini",
+            "minimax",
+            "zaya",
+            "sarvam_mla",
+            "hy_v4_vl",
+            "qwen3_omni_moe_thinker",
+            "minimax_m3_vl_text",
+        ),
+        _NO_CONVERTER,
+    ),
+}
 
-EXPERT_KEY = re.compile(r"(?P<prefix>.*?)\.layers\.(?P<layer>\d+)\.(?:(?P<path>.+)\.)?experts\.(?P<inner>base_layer\.)?"
-                        r"lora_(?P<ab>[AB])\.weight")  # fmt: skip  # path: none for Gemma-4 (layers.N.experts)
-LINEAR_KEY = re.compile(r"(?P<prefix>.*?)\.layers\.(?P<layer>\d+)\.(?P<path>.+)\.(?P<proj>[a-z_0-9]+)\.lora_"
-                        r"(?P<ab>[AB])\.weight")  # fmt: skip
+EXPERT_KEY = re.compile(
+    r"(?P<prefix>.*?)\.layers\.(?P<layer>\d+)\.(?:(?P<path>.+)\.)?experts\.(?P<inner>base_layer\.)?"
+    r"lora_(?P<ab>[AB])\.weight"
+)  # path: none for Gemma-4 (layers.N.experts)
+LINEAR_KEY = re.compile(
+    r"(?P<prefix>.*?)\.layers\.(?P<layer>\d+)\.(?P<path>.+)\.(?P<proj>[a-z_0-9]+)\.lora_"
+    r"(?P<ab>[AB])\.weight"
+)
 
 
 PEFT_AS_IS = "the run's adapter folder is in PEFT's format, which loads as it is"
@@ -271,11 +376,15 @@ def read_run_adapter(adapter_dir: str | Path) -> tuple[dict[str, torch.Tensor], 
     if model_type in WHY_NOT:
         raise ExportError(f"{model_type}: {WHY_NOT[model_type]}")
     if model_type in NOT_EXPORTED:
-        raise ExportError(f"{model_type}: not written as GGUF ({NOT_EXPORTED[model_type]}), nor per-expert or for "
-                          f"vLLM (names unchecked); {PEFT_AS_IS}")  # fmt: skip
+        raise ExportError(
+            f"{model_type}: not written as GGUF ({NOT_EXPORTED[model_type]}), nor per-expert or for "
+            f"vLLM (names unchecked); {PEFT_AS_IS}"
+        )
     if model_type not in FAMILIES:
-        raise ExportError(f"{model_type}: no per-expert / GGUF names known for this family (known: "
-                          f"{', '.join(sorted(FAMILIES))}); {PEFT_AS_IS}")  # fmt: skip
+        raise ExportError(
+            f"{model_type}: no per-expert / GGUF names known for this family (known: "
+            f"{', '.join(sorted(FAMILIES))}); {PEFT_AS_IS}"
+        )
     if config.get("use_rslora") or config.get("rank_pattern") or config.get("alpha_pattern"):
         raise ExportError(f"{adapter_dir}: rsLoRA or per-module ranks/alphas are not written by these formats")
     return tensors, config, model_type, FAMILIES[model_type]
@@ -299,8 +408,9 @@ def base_model_type(config: dict, where: Path) -> str:
     return base_config.get_text_config().model_type  # a multimodal model's text model
 
 
-def expert_layers(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames | None = None
-                  ) -> dict[int, ExpertLayer]:  # fmt: skip
+def expert_layers(
+    tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames | None = None
+) -> dict[int, ExpertLayer]:
     """Expert LoRA per layer, (E, ...) factors, from our PEFT keys, as the math sees them: B's outputs are the
     projection's rows, gate's first and then up's (Llama-4's swapped roles and GPT-OSS's interleaving undone)."""
     layers = peft_expert_layers(tensors, rank)
@@ -311,11 +421,11 @@ def expert_layers(tensors: dict[str, torch.Tensor], rank: int, names: FamilyName
 
 def canonical(x: ExpertLayer, names: FamilyNames) -> ExpertLayer:
     if names.peft_swapped:  # PEFT's delta is ours transposed: (B A)^T = A^T B^T, its A our B^T, its B our A^T
-        x = ExpertLayer(x.gate_up_b.transpose(1, 2), x.gate_up_a.transpose(1, 2), x.down_b.transpose(1, 2),
-                        x.down_a.transpose(1, 2))  # fmt: skip
+        x = ExpertLayer(
+            x.gate_up_b.transpose(1, 2), x.gate_up_a.transpose(1, 2), x.down_b.transpose(1, 2), x.down_a.transpose(1, 2)
+        )
     if names.interleaved_gate_up:  # output 2j is gate j, 2j + 1 is up j
-        x = ExpertLayer(x.gate_up_a, torch.cat([x.gate_up_b[:, 0::2], x.gate_up_b[:, 1::2]], dim=1), x.down_a,
-                        x.down_b)  # fmt: skip
+        x = ExpertLayer(x.gate_up_a, torch.cat([x.gate_up_b[:, 0::2], x.gate_up_b[:, 1::2]], dim=1), x.down_a, x.down_b)
     return x
 
 
@@ -332,8 +442,12 @@ def peft_expert_layers(tensors: dict[str, torch.Tensor], rank: int) -> dict[int,
         if set(p) != {"gate_up_a", "gate_up_b", "down_a", "down_b"}:
             raise ExportError(f"layer {layer}: expert LoRA has {sorted(p)}, expected gate_up and down A and B")
         e = p["gate_up_a"].shape[0] // rank
-        layers[layer] = ExpertLayer(unflatten_a(p["gate_up_a"], e), unflatten_b(p["gate_up_b"], e),
-                                    unflatten_a(p["down_a"], e), unflatten_b(p["down_b"], e))  # fmt: skip
+        layers[layer] = ExpertLayer(
+            unflatten_a(p["gate_up_a"], e),
+            unflatten_b(p["gate_up_b"], e),
+            unflatten_a(p["down_a"], e),
+            unflatten_b(p["down_b"], e),
+        )
     return layers
 
 
@@ -368,12 +482,15 @@ def check_one_decoder(tensors: dict[str, torch.Tensor]) -> str:
         raise ExportError(f"no LoRA tensor under the decoder layers (keys such as {next(iter(tensors), None)!r})")
     if experts:
         found = f"outside the experts' decoder layers ({', '.join(sorted(experts))}): " + ", ".join(
-            sorted(k for p, k in linears.items() if p not in experts))
+            sorted(k for p, k in linears.items() if p not in experts)
+        )
     else:
         found = "in several stacks of layers: " + ", ".join(sorted(linears.values()))
-    raise ExportError(f"LoRA {found}; a vision or audio encoder's LoRA has no place in these formats (llama.cpp "
-                      "keeps encoders in a separate mmproj file). Train with lora.target_modules: auto, which keeps "
-                      "to the language model, or name its modules by a longer suffix (language_model.layers...)")
+    raise ExportError(
+        f"LoRA {found}; a vision or audio encoder's LoRA has no place in these formats (llama.cpp "
+        "keeps encoders in a separate mmproj file). Train with lora.target_modules: auto, which keeps "
+        "to the language model, or name its modules by a longer suffix (language_model.layers...)"
+    )
 
 
 # ------------------------------------------------------------------------------------------ per-expert
@@ -394,8 +511,9 @@ def hub_module_key(key: str, modules: dict[str, str]) -> str:
     return f"{m['prefix'].removesuffix('.model')}.layers.{m['layer']}.{modules[module]}.lora_{m['ab']}.weight"
 
 
-def per_expert_tensors(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames,
-                       hub: dict[str, str] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+def per_expert_tensors(
+    tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames, hub: dict[str, str] | None = None
+) -> dict[str, torch.Tensor]:
     """Our PEFT tensors with the expert LoRA rewritten under per-expert module names (attention unchanged, or
     under `hub`'s module names without transformers' model. root: HUB_MODULE_NAMES)."""
     prefix = check_one_decoder(tensors)
@@ -408,10 +526,15 @@ def per_expert_tensors(tensors: dict[str, torch.Tensor], rank: int, names: Famil
         inter = x.gate_up_b.shape[1] // 2
         for e in range(x.gate_up_a.shape[0]):
             base = f"{prefix}.layers.{layer}.{names.experts}.{e}"
-            pieces = {names.gate: (x.gate_up_a[e], x.gate_up_b[e, :inter]),
-                      names.up: (x.gate_up_a[e], x.gate_up_b[e, inter:]),
-                      names.down: (x.down_a[e], x.down_b[e])} if names.gated else {
-                      names.up: (x.gate_up_a[e], x.gate_up_b[e]), names.down: (x.down_a[e], x.down_b[e])}  # fmt: skip
+            pieces = (
+                {
+                    names.gate: (x.gate_up_a[e], x.gate_up_b[e, :inter]),
+                    names.up: (x.gate_up_a[e], x.gate_up_b[e, inter:]),
+                    names.down: (x.down_a[e], x.down_b[e]),
+                }
+                if names.gated
+                else {names.up: (x.gate_up_a[e], x.gate_up_b[e]), names.down: (x.down_a[e], x.down_b[e])}
+            )
             for proj, (a, b) in pieces.items():
                 # gate and up share A: one copy each, contiguous (Llama-4's factors are transposed views)
                 out[f"{base}.{proj}.lora_A.weight"] = a.clone(memory_format=torch.contiguous_format)
@@ -442,8 +565,10 @@ def hub_fused_attention(tensors: dict[str, torch.Tensor], qkv: str, out: str) ->
             renamed[key] = t
     for (prefix, layer), f in layers.items():
         if missing := [p for p in "qkv" if f"{p}A" not in f]:
-            raise ExportError(f"layer {layer}: no LoRA on {', '.join(p + '_proj' for p in missing)}; this family's "
-                              f"checkpoints hold q, k and v as one {qkv}, whose LoRA needs all three trained")
+            raise ExportError(
+                f"layer {layer}: no LoRA on {', '.join(p + '_proj' for p in missing)}; this family's "
+                f"checkpoints hold q, k and v as one {qkv}, whose LoRA needs all three trained"
+            )
         base = f"{prefix}.layers.{layer}.{qkv}"
         renamed[f"{base}.lora_A.weight"] = torch.cat([f["qA"], f["kA"], f["vA"]])
         renamed[f"{base}.lora_B.weight"] = torch.block_diag(f["qB"], f["kB"], f["vB"])
@@ -461,8 +586,7 @@ def hub_linear_key(key: str, names: FamilyNames) -> str:
     return f"{m['prefix']}.layers.{m['layer']}.{path}.{m['proj']}.lora_{m['ab']}.weight"
 
 
-def write_per_expert(adapter_dir: str | Path, out_dir: str | Path, *, rename: tuple[str, str] | None = None
-                     ) -> Path:  # fmt: skip
+def write_per_expert(adapter_dir: str | Path, out_dir: str | Path, *, rename: tuple[str, str] | None = None) -> Path:
     """The per-expert PEFT adapter of `adapter_dir` in `out_dir` (atomically); `rename`: (old, new) module path
     fragment of the runtime's own names."""
     tensors, config, model_type, names = read_run_adapter(adapter_dir)
@@ -496,12 +620,29 @@ VLLM_FUSED_3D = {"gpt_oss", "qwen3_5_moe", "qwen3_vl_moe", "qwen3_omni_moe"}
 _RUNNER_GATE = "its fused-MoE runner computes the router logits with the gate it holds, not the LoRA-wrapped one"
 VLLM_IGNORED_ROUTER = {
     "nemotron_h": ("mixer.gate", "lora/model_manager.py skips it, with only a log line"),
-    **dict.fromkeys(("qwen3_moe", "exaone_moe", "deepseek_v2", "deepseek_v3", "glm_moe_dsa", "qwen3_next",
-                     "qwen3_5_moe", "qwen3_5_moe_text", "deepseek_v32", "qwen4_exp", "qwen4_exp_text",
-                     "glm5_next", "deepseek_v4"), ("mlp.gate", _RUNNER_GATE)),
-}  # fmt: skip
-_TRANSFORMERS_BACKEND = ("served by vLLM's Transformers backend, whose expert mapping lists both the gate_proj "
-                         "and the w1 names, so a per-expert adapter fails its packing assertion (lora_weights.py)")
+    **dict.fromkeys(
+        (
+            "qwen3_moe",
+            "exaone_moe",
+            "deepseek_v2",
+            "deepseek_v3",
+            "glm_moe_dsa",
+            "qwen3_next",
+            "qwen3_5_moe",
+            "qwen3_5_moe_text",
+            "deepseek_v32",
+            "qwen4_exp",
+            "qwen4_exp_text",
+            "glm5_next",
+            "deepseek_v4",
+        ),
+        ("mlp.gate", _RUNNER_GATE),
+    ),
+}
+_TRANSFORMERS_BACKEND = (
+    "served by vLLM's Transformers backend, whose expert mapping lists both the gate_proj "
+    "and the w1 names, so a per-expert adapter fails its packing assertion (lora_weights.py)"
+)
 VLLM_NO_MOE_LORA = {
     "kimi_linear": "KimiLinearForCausalLM implements no LoRA",
     "mimo_v2_flash": "MiMoV2FlashForCausalLM implements no LoRA",
@@ -514,28 +655,38 @@ VLLM_NO_MOE_LORA = {
     # its model-level expert mapping prefixes the per-expert names with block_sparse_moe., so that vLLM's adapter
     # check (lora/lora_model.py), which keeps a key's part from `.experts` on, rejects every one
     "granitemoehybrid": "GraniteMoeHybridForCausalLM's expert mapping (granitemoehybrid.py, get_expert_mapping) "
-                        "names no per-expert key its LoRA check accepts",
+    "names no per-expert key its LoRA check accepts",
 }
 # Non-expert modules vLLM loads a LoRA for but never applies: Granite-MoE-Shared's packed_modules_mapping lacks
 # the shared MLP's input_linear, so no LoRA layer wraps it and model_manager.py logs that it is ignored
 # (GraniteMoeSWAForCausalLM is served by the same class)
 _DSV4_FROM_WEIGHT = "multiplied from its weight, not through the LoRA-wrapped module (models/deepseek_v4)"
 VLLM_IGNORED_MODULE = {
-    **dict.fromkeys(("granitemoeshared", "granitemoe_swa"), {
-        "shared_mlp.input_linear": "its packed_modules_mapping lacks input_linear, so no LoRA layer wraps it"}),
+    **dict.fromkeys(
+        ("granitemoeshared", "granitemoe_swa"),
+        {"shared_mlp.input_linear": "its packed_modules_mapping lacks input_linear, so no LoRA layer wraps it"},
+    ),
     # DeepSeek-V4: wo_a through a grouped einsum/bmm of wo_a.weight (nvidia/ops/o_proj.py), both compressors'
     # fused wkv/wgate through torch.mm of the fused weight (attention.py)
-    "deepseek_v4": {m: _DSV4_FROM_WEIGHT for m in (
-        "self_attn.o_a_proj", "self_attn.compressor.kv_proj", "self_attn.compressor.gate_proj",
-        "self_attn.compressor.indexer.kv_proj", "self_attn.compressor.indexer.gate_proj")},
-}  # fmt: skip
+    "deepseek_v4": {
+        m: _DSV4_FROM_WEIGHT
+        for m in (
+            "self_attn.o_a_proj",
+            "self_attn.compressor.kv_proj",
+            "self_attn.compressor.gate_proj",
+            "self_attn.compressor.indexer.kv_proj",
+            "self_attn.compressor.indexer.gate_proj",
+        )
+    },
+}
 # Modules vLLM's class names otherwise than transformers (a LoRA under transformers' name would load unused)
 # (Laguna's is mlp.shared_expert there, but a LoRA on its shared expert does not load in PEFT: refused in training)
 VLLM_RENAMED = {
     "hy_v3": ("mlp.shared_experts.", "mlp.shared_mlp."),
     # Granite's router: block_sparse_moe.router in transformers v5, a GateLinear named gate in vLLM
-    **dict.fromkeys(("granitemoe", "granitemoeshared", "granitemoe_swa"),
-                    ("block_sparse_moe.router.", "block_sparse_moe.gate.")),
+    **dict.fromkeys(
+        ("granitemoe", "granitemoeshared", "granitemoe_swa"), ("block_sparse_moe.router.", "block_sparse_moe.gate.")
+    ),
 }
 
 
@@ -559,17 +710,23 @@ def write_vllm(adapter_dir: str | Path, out_dir: str | Path) -> Path:
         raise ExportError(f"{adapter_dir}: no adapter_config.json")
     model_type = base_model_type(config, Path(adapter_dir))
     if model_type in VLLM_NO_MOE_LORA:
-        raise ExportError(f"{model_type}: vLLM {VLLM_VERSION} serves no MoE LoRA for it "
-                          f"({VLLM_NO_MOE_LORA[model_type]}); use the run's PEFT adapter, or gguf")  # fmt: skip
+        raise ExportError(
+            f"{model_type}: vLLM {VLLM_VERSION} serves no MoE LoRA for it "
+            f"({VLLM_NO_MOE_LORA[model_type]}); use the run's PEFT adapter, or gguf"
+        )
     trained = {f"{m['path']}.{m['proj']}" for k in tensors if (m := LINEAR_KEY.fullmatch(k))}
     router, why = VLLM_IGNORED_ROUTER.get(model_type, (None, ""))
     if router in trained:
-        raise ExportError(f"{model_type}: vLLM {VLLM_VERSION} does not apply a LoRA to this family's router "
-                          f"({router}: {why}), so it would be ignored; train with lora.router: false")
+        raise ExportError(
+            f"{model_type}: vLLM {VLLM_VERSION} does not apply a LoRA to this family's router "
+            f"({router}: {why}), so it would be ignored; train with lora.router: false"
+        )
     ignored = VLLM_IGNORED_MODULE.get(model_type, {})
     if modules := sorted(trained & set(ignored)):
-        raise ExportError(f"{model_type}: vLLM {VLLM_VERSION} does not apply a LoRA to {', '.join(modules)} "
-                          f"({ignored[modules[0]]}), so it would be ignored; train without it")
+        raise ExportError(
+            f"{model_type}: vLLM {VLLM_VERSION} does not apply a LoRA to {', '.join(modules)} "
+            f"({ignored[modules[0]]}), so it would be ignored; train without it"
+        )
     if vllm_layout(model_type) != "fused-3d":  # per-expert, or its refusal with the reason
         return write_per_expert(adapter_dir, out_dir, rename=VLLM_RENAMED.get(model_type))
     with atomic_dir(out_dir) as tmp:
@@ -587,8 +744,15 @@ def permute_rows_for_rope(b: torch.Tensor, n_head: int) -> torch.Tensor:
     return b.reshape(n_head, 2, b.shape[0] // n_head // 2, *b.shape[1:]).swapaxes(1, 2).reshape(b.shape)
 
 
-def gguf_tensors(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames, base, *,
-                 fuse_gate_up_exps: bool = False, fuse_qkv: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
+def gguf_tensors(
+    tensors: dict[str, torch.Tensor],
+    rank: int,
+    names: FamilyNames,
+    base,
+    *,
+    fuse_gate_up_exps: bool = False,
+    fuse_qkv: bool = False,
+) -> dict[str, torch.Tensor]:
     """{llama.cpp tensor name: fp32 tensor in numpy order} for the adapter. `fuse_gate_up_exps` / `fuse_qkv`:
     the base was converted with llama.cpp's flags of those names, which write one ffn_gate_up_exps per layer
     (gate's rows, then up's) and one attn_qkv per attention layer (q's rows, k's, v's; conversion/base.py,
@@ -620,8 +784,9 @@ def gguf_tensors(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames
             if names.permute_qk and name.endswith((".attn_q", ".attn_k")):
                 b = permute_rows_for_rope(b, n_head if name.endswith(".attn_q") else n_kv)
             if f"{name}.weight.lora_a" in out:  # two modules on one tensor: never write one over the other
-                raise ExportError(f"layers.{layer}.{path}.{proj}: its LoRA lands on {name}, which another module's "
-                                  "LoRA already fills")
+                raise ExportError(
+                    f"layers.{layer}.{path}.{proj}: its LoRA lands on {name}, which another module's LoRA already fills"
+                )
             out[f"{name}.weight.lora_a"] = a
             out[f"{name}.weight.lora_b"] = b
     if fuse_qkv or names.gguf_arch in GGUF_ALWAYS_FUSED_QKV:
@@ -629,8 +794,9 @@ def gguf_tensors(tensors: dict[str, torch.Tensor], rank: int, names: FamilyNames
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
-def gguf_pieces(arch: str, path: str, proj: str, a: torch.Tensor, b: torch.Tensor, base
-                ) -> list[tuple[str, str, torch.Tensor, torch.Tensor]]:  # fmt: skip
+def gguf_pieces(
+    arch: str, path: str, proj: str, a: torch.Tensor, b: torch.Tensor, base
+) -> list[tuple[str, str, torch.Tensor, torch.Tensor]]:
     """The LoRA (A (r, in), B (out, r)) of the module `path.proj` as llama.cpp's converter lays out the base's
     weight: [(path, proj, A, B)], each piece under the transformers name of the tensor it lands on. Where the
     converter gathers a weight's rows (a split, a regrouping), B's rows are gathered alike, A shared; where it
@@ -702,8 +868,10 @@ def fused_qkv(out: dict[str, torch.Tensor], always: bool = False) -> dict[str, t
         if missing := [p.split(".")[2] for p in pieces if f"{p}.lora_a" not in out]:
             how = "" if always else ", or convert the base without --fuse-qkv"
             holds = "this architecture's base always holds" if always else "a base converted with --fuse-qkv holds"
-            raise ExportError(f"layer {layer}: no LoRA on {', '.join(missing)}; {holds} one attn_qkv, whose LoRA needs "
-                              f"q, k and v all trained (target q_proj, k_proj and v_proj{how})")  # fmt: skip
+            raise ExportError(
+                f"layer {layer}: no LoRA on {', '.join(missing)}; {holds} one attn_qkv, whose LoRA needs "
+                f"q, k and v all trained (target q_proj, k_proj and v_proj{how})"
+            )
         a = torch.cat([out.pop(f"{p}.lora_a") for p in pieces])
         b = torch.block_diag(*[out.pop(f"{p}.lora_b") for p in pieces]) * len(pieces)
         out[f"blk.{layer}.attn_qkv.weight.lora_a"], out[f"blk.{layer}.attn_qkv.weight.lora_b"] = a, b
@@ -744,8 +912,10 @@ def gguf_linear_name(tensor_names, arch: str, layer: int, path: str, proj: str) 
     if f"{path}.{proj}" in hand:
         return check_lora_applied(arch, module, f"blk.{layer}.{hand[f'{path}.{proj}']}")
     if tensor_names is None:
-        raise ExportError(f"{module}: llama.cpp has no tensor for this LoRA target in {arch} (it has one for "
-                          f"{', '.join(sorted(hand))})")
+        raise ExportError(
+            f"{module}: llama.cpp has no tensor for this LoRA target in {arch} (it has one for "
+            f"{', '.join(sorted(hand))})"
+        )
     # the hub checkpoint's root (gguf maps those names): model, or backbone (Nemotron-H, which transformers v5
     # loads as model)
     # (Granite's router, a module of its own in transformers v5, is router.layer in its checkpoints)
@@ -753,8 +923,10 @@ def gguf_linear_name(tensor_names, arch: str, layer: int, path: str, proj: str) 
     name = next((n for c in candidates if (n := tensor_names.get_name(c))), None)
     if name is None:
         if arch in GGUF_NAMES_FROM:
-            raise ExportError(f"{module}: no llama.cpp name known for this LoRA target in {arch} (named as gguf's "
-                              f"{GGUF_NAMES_FROM[arch]}): not written by this export yet ({PEFT_KEEPS})")
+            raise ExportError(
+                f"{module}: no llama.cpp name known for this LoRA target in {arch} (named as gguf's "
+                f"{GGUF_NAMES_FROM[arch]}): not written by this export yet ({PEFT_KEEPS})"
+            )
         raise ExportError(f"{module}: llama.cpp has no tensor for this LoRA target in this architecture")
     return check_lora_applied(arch, module, name)
 
@@ -763,17 +935,22 @@ def check_lora_applied(arch: str, module: str, name: str) -> str:
     """`name` (blk.N.<kind>), or an ExportError where llama.cpp would ignore or misplace a LoRA on it."""
     kind, kinds = name.split(".", 2)[2], gguf_lora_kinds(arch)
     if kind in GGUF_NO_LORA.get(arch, ()) or (kind not in kinds and arch in LEGACY_LORA_ARCHS):
-        raise ExportError(f"{module}: llama.cpp's {arch} graph multiplies {name} without applying LoRA to it, so "
-                          f"its LoRA would be ignored (it applies LoRA to the experts and "
-                          f"{', '.join(sorted(kinds))})")  # fmt: skip
+        raise ExportError(
+            f"{module}: llama.cpp's {arch} graph multiplies {name} without applying LoRA to it, so "
+            f"its LoRA would be ignored (it applies LoRA to the experts and "
+            f"{', '.join(sorted(kinds))})"
+        )
     if kind not in kinds:
-        raise ExportError(f"{module}: a LoRA on llama.cpp's {name} ({arch}) is not written by this export yet: only "
-                          f"{', '.join(sorted(kinds))} and the experts are ({PEFT_KEEPS})")
+        raise ExportError(
+            f"{module}: a LoRA on llama.cpp's {name} ({arch}) is not written by this export yet: only "
+            f"{', '.join(sorted(kinds))} and the experts are ({PEFT_KEEPS})"
+        )
     return name
 
 
-def write_gguf(adapter_dir: str | Path, out_file: str | Path, *, fuse_gate_up_exps: bool = False,
-               fuse_qkv: bool = False) -> Path:  # fmt: skip
+def write_gguf(
+    adapter_dir: str | Path, out_file: str | Path, *, fuse_gate_up_exps: bool = False, fuse_qkv: bool = False
+) -> Path:
     """A llama.cpp LoRA GGUF (fp32 tensors) of `adapter_dir`, written atomically to `out_file`;
     `fuse_gate_up_exps` / `fuse_qkv` for a base converted with llama.cpp's flags of those names."""
     import gguf
@@ -783,15 +960,20 @@ def write_gguf(adapter_dir: str | Path, out_file: str | Path, *, fuse_gate_up_ex
 
     tensors, config, model_type, names = read_run_adapter(adapter_dir)
     if fuse_gate_up_exps and not names.fused_gate_up and names.gguf_arch not in GGUF_FUSABLE_GATE_UP:
-        raise ExportError(f"{model_type}: llama.cpp's converter cannot fuse gate and up experts for its "
-                          f"{names.gguf_arch} architecture (--fuse-gate-up-exps is for "
-                          f"{', '.join(sorted(GGUF_FUSABLE_GATE_UP))}), so no base has ffn_gate_up_exps")  # fmt: skip
+        raise ExportError(
+            f"{model_type}: llama.cpp's converter cannot fuse gate and up experts for its "
+            f"{names.gguf_arch} architecture (--fuse-gate-up-exps is for "
+            f"{', '.join(sorted(GGUF_FUSABLE_GATE_UP))}), so no base has ffn_gate_up_exps"
+        )
     if fuse_qkv and names.gguf_arch not in GGUF_FUSABLE_QKV | GGUF_ALWAYS_FUSED_QKV:
-        raise ExportError(f"{model_type}: llama.cpp's converter does not fuse q, k and v for its {names.gguf_arch} "
-                          "architecture, so no base has attn_qkv; export without --fuse-qkv")  # fmt: skip
+        raise ExportError(
+            f"{model_type}: llama.cpp's converter does not fuse q, k and v for its {names.gguf_arch} "
+            "architecture, so no base has attn_qkv; export without --fuse-qkv"
+        )
     base = AutoConfig.from_pretrained(resolve_model_path(config["base_model_name_or_path"])).get_text_config()
-    converted = gguf_tensors(tensors, int(config["r"]), names, base, fuse_gate_up_exps=fuse_gate_up_exps,
-                             fuse_qkv=fuse_qkv)  # fmt: skip
+    converted = gguf_tensors(
+        tensors, int(config["r"]), names, base, fuse_gate_up_exps=fuse_gate_up_exps, fuse_qkv=fuse_qkv
+    )
     out_file = Path(out_file)
     with unwritable_named(out_file):
         out_file.parent.mkdir(parents=True, exist_ok=True)

@@ -52,8 +52,11 @@ class NormReport:
 
     @property
     def problems(self) -> list[str]:
-        return [f"{r.module}{'' if r.expert is None else f' expert {r.expert}'}: {issue}"
-                for r in self.rows for issue in r.issues]  # fmt: skip
+        return [
+            f"{r.module}{'' if r.expert is None else f' expert {r.expert}'}: {issue}"
+            for r in self.rows
+            for issue in r.issues
+        ]
 
     @property
     def healthy(self) -> bool:
@@ -189,11 +192,16 @@ def module_rows(label: str, a, b, *, rank: int | None, scale: float) -> list[Nor
     for e in range(experts):
         ae = a[e * rank : (e + 1) * rank] if experts > 1 else a
         be = b.view(b.shape[0], rank, experts)[:, :, e] if experts > 1 else b  # columns j*E + e
-        rows.append(NormRow(
-            module=label, expert=e if experts > 1 else None,
-            norm_a=float(ae.norm()), norm_b=float(be.norm()), norm_delta=scale * _frobenius_delta(ae, be),
-            issues=_factor_issues(ae, be),
-        ))  # fmt: skip
+        rows.append(
+            NormRow(
+                module=label,
+                expert=e if experts > 1 else None,
+                norm_a=float(ae.norm()),
+                norm_b=float(be.norm()),
+                norm_delta=scale * _frobenius_delta(ae, be),
+                issues=_factor_issues(ae, be),
+            )
+        )
     return rows
 
 
@@ -231,10 +239,16 @@ def report_json(report: NormReport) -> str:
 
     rows = [{k: finite(v) for k, v in asdict(r).items()} for r in report.rows]
     return json.dumps(
-        {"adapter": report.adapter, "scale": report.scale, "scale_known": report.scale_known,
-         "healthy": report.healthy, "problems": report.problems, "rows": rows},
+        {
+            "adapter": report.adapter,
+            "scale": report.scale,
+            "scale_known": report.scale_known,
+            "healthy": report.healthy,
+            "problems": report.problems,
+            "rows": rows,
+        },
         indent=2,
-    )  # fmt: skip
+    )
 
 
 @dataclass
@@ -262,9 +276,16 @@ def summarize(report: NormReport) -> list[ModuleSummary]:
     out = []
     for module, rows in groups.items():
         problems = [f"{'' if r.expert is None else f'expert {r.expert}: '}{issue}" for r in rows for issue in r.issues]
-        out.append(ModuleSummary(module, len(rows) if rows[0].expert is not None else 0,
-                                 _spread([r.norm_a for r in rows]), _spread([r.norm_b for r in rows]),
-                                 _spread([r.norm_delta for r in rows]), problems))  # fmt: skip
+        out.append(
+            ModuleSummary(
+                module,
+                len(rows) if rows[0].expert is not None else 0,
+                _spread([r.norm_a for r in rows]),
+                _spread([r.norm_b for r in rows]),
+                _spread([r.norm_delta for r in rows]),
+                problems,
+            )
+        )
     return out
 
 
@@ -278,8 +299,10 @@ def split_layers(modules: list[str]) -> tuple[str, dict[str, tuple[str, str]]]:
     found = {m: match for m in modules if (match := LAYER_IN_NAME.match(m))}
     prefixes = Counter(match["prefix"] or "" for match in found.values())
     prefix = prefixes.most_common(1)[0][0] if prefixes else ""
-    return prefix, {m: (found[m]["layer"], found[m]["rest"]) if m in found and (found[m]["prefix"] or "") == prefix
-                    else ("", m) for m in modules}  # fmt: skip
+    return prefix, {
+        m: (found[m]["layer"], found[m]["rest"]) if m in found and (found[m]["prefix"] or "") == prefix else ("", m)
+        for m in modules
+    }
 
 
 def norms_table(title: str, columns: tuple[str, ...]):
@@ -291,8 +314,9 @@ def norms_table(title: str, columns: tuple[str, ...]):
     table = Table(title=title, box=box.SIMPLE_HEAD, padding=0, show_edge=False)
     for col in columns:
         left = col in ("module", "problems", "issues")
-        table.add_column(col, justify="left" if left else "right", no_wrap=col in ("layer", "module", "expert"),
-                         overflow="fold")  # fmt: skip
+        table.add_column(
+            col, justify="left" if left else "right", no_wrap=col in ("layer", "module", "expert"), overflow="fold"
+        )
     return table
 
 
@@ -317,8 +341,9 @@ def render_summary(report: NormReport, console) -> None:
         shown = "; ".join(m.problems[:3]) + (f"; and {len(m.problems) - 3} more" if len(m.problems) > 3 else "")
         layer, name = names[m.module]
         name += f"\n[dim]{m.experts} experts" if m.experts else ""  # under the name: a column of its own is too wide
-        table.add_row(layer, name, fmt(m.norm_a), fmt(m.norm_b), fmt(m.norm_delta),
-                      f"[red]{shown}" if m.problems else "[green]ok")  # fmt: skip
+        table.add_row(
+            layer, name, fmt(m.norm_a), fmt(m.norm_b), fmt(m.norm_delta), f"[red]{shown}" if m.problems else "[green]ok"
+        )
     console.print(table)
     _render_verdict(report, console)
 
@@ -333,13 +358,19 @@ def _render_verdict(report: NormReport, console) -> None:
 def render_table(report: NormReport, console) -> None:
     """Every row: one per expert of every expert stack (--per-expert)."""
     prefix, names = split_layers(list(dict.fromkeys(r.module for r in report.rows)))
-    table = norms_table(f"LoRA norms: {under_prefix(report, prefix)}",
-                        ("layer", "module", "expert", "||A||", "||B||", "||scale*BA||", "issues"))  # fmt: skip
+    table = norms_table(
+        f"LoRA norms: {under_prefix(report, prefix)}",
+        ("layer", "module", "expert", "||A||", "||B||", "||scale*BA||", "issues"),
+    )
     for r in report.rows:
         table.add_row(
-            *names[r.module], "" if r.expert is None else str(r.expert), f"{r.norm_a:.4g}", f"{r.norm_b:.4g}",
-            f"{r.norm_delta:.4g}", "[red]" + "; ".join(r.issues) if r.issues else "[green]ok",
-        )  # fmt: skip
+            *names[r.module],
+            "" if r.expert is None else str(r.expert),
+            f"{r.norm_a:.4g}",
+            f"{r.norm_b:.4g}",
+            f"{r.norm_delta:.4g}",
+            "[red]" + "; ".join(r.issues) if r.issues else "[green]ok",
+        )
     console.print(table)
     _render_verdict(report, console)
 
@@ -409,9 +440,13 @@ def cross_check_router(report: NormReport, run_dir: str | Path) -> int:
         if shares[row.expert] == 0 and untrained:
             row.issues.append(f"never routed a token in the {steps} logged steps: the router never chose it")
         elif shares[row.expert] == 0:
-            row.issues.append(f"never routed a token in the {steps} logged steps, yet its LoRA is not zero "
-                              "(an adapter from another run?)")  # fmt: skip
+            row.issues.append(
+                f"never routed a token in the {steps} logged steps, yet its LoRA is not zero "
+                "(an adapter from another run?)"
+            )
         elif untrained:
-            row.issues.append(f"routed {shares[row.expert] / steps:.2%} of rows on average, yet lora_B is all "
-                              "zero: its gradient never reached it")  # fmt: skip
+            row.issues.append(
+                f"routed {shares[row.expert] / steps:.2%} of rows on average, yet lora_B is all "
+                "zero: its gradient never reached it"
+            )
     return steps

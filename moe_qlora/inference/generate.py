@@ -46,17 +46,28 @@ def run_config_for(adapter_dir: Path, *, device: str, kernels: str) -> RunConfig
         raise AdapterReadError(f"{config_path}: not a readable adapter config ({exc})") from None
     parameters = config.get("target_parameters") or []
     targets = config.get("target_modules") or []
-    return validate_config({
-        "model": {"name_or_path": config["base_model_name_or_path"], "device": device, "kernels": kernels,
-                  **trained_quantization(adapter_dir)},
-        "lora": {"rank": config["r"], "alpha": config["lora_alpha"], "dropout": 0.0,
-                 "experts": any(not p.endswith("weight") for p in parameters),
-                 "router": any(p.endswith("weight") for p in parameters),
-                 "target_modules": sorted(targets) if isinstance(targets, list) else [targets],
-                 "init_from": str(adapter_dir)},
-        "data": {"train_files": ["(not read by generate)"]},
-        "train": {"gradient_checkpointing": False},
-    }, source=str(config_path))  # fmt: skip
+    return validate_config(
+        {
+            "model": {
+                "name_or_path": config["base_model_name_or_path"],
+                "device": device,
+                "kernels": kernels,
+                **trained_quantization(adapter_dir),
+            },
+            "lora": {
+                "rank": config["r"],
+                "alpha": config["lora_alpha"],
+                "dropout": 0.0,
+                "experts": any(not p.endswith("weight") for p in parameters),
+                "router": any(p.endswith("weight") for p in parameters),
+                "target_modules": sorted(targets) if isinstance(targets, list) else [targets],
+                "init_from": str(adapter_dir),
+            },
+            "data": {"train_files": ["(not read by generate)"]},
+            "train": {"gradient_checkpointing": False},
+        },
+        source=str(config_path),
+    )
 
 
 def trained_quantization(adapter_dir: Path) -> dict[str, bool]:
@@ -115,10 +126,13 @@ class Rendering:
         if self.mode != "chat":
             return tokenizer(self.text(prompt), return_tensors="pt").input_ids
         if not getattr(tokenizer, "chat_template", None):
-            raise ConfigError("--chat: the base model's tokenizer has no chat template; leave --chat out (the prompt "
-                              "as the run trained) or give --raw")  # fmt: skip
-        ids = tokenizer.apply_chat_template(self.messages(prompt), add_generation_prompt=True, tokenize=True,
-                                            return_dict=False)  # fmt: skip
+            raise ConfigError(
+                "--chat: the base model's tokenizer has no chat template; leave --chat out (the prompt "
+                "as the run trained) or give --raw"
+            )
+        ids = tokenizer.apply_chat_template(
+            self.messages(prompt), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         ids = ids["input_ids"] if isinstance(ids, dict) else ids
         return torch.tensor([ids])
 
@@ -155,33 +169,52 @@ def rendering_for(adapter_dir: str | Path, *, chat: bool = False, raw: bool = Fa
     if chat:
         return Rendering("chat", system=system, source="--chat" + (" with the run's system turn" if system else ""))
     if trained is None:
-        return Rendering(source=f"as typed: {Path(adapter_dir) / TRAINED_ON} does not record how the run rendered "
-                         "its prompts (--chat: the chat template)")  # fmt: skip
+        return Rendering(
+            source=f"as typed: {Path(adapter_dir) / TRAINED_ON} does not record how the run rendered "
+            "its prompts (--chat: the chat template)"
+        )
     rows = f"{trained.rows.get(trained.kind, 0)} of its {sum(trained.rows.values())} sampled rows"
     if trained.kind == "chat":
         return Rendering("chat", system=system, source=f"as the run's messages rows were ({rows}; --raw: as typed)")
     if trained.kind == "text":
         return Rendering(source=f"as typed: the run trained on text rows ({rows}; --chat: the chat template)")
-    return Rendering("prompt", trained.prefix, trained.suffix, source=f"as the run's prompt rows were ({rows}; "
-                     "--raw: as typed, --chat: the chat template)")  # fmt: skip
+    return Rendering(
+        "prompt",
+        trained.prefix,
+        trained.suffix,
+        source=f"as the run's prompt rows were ({rows}; --raw: as typed, --chat: the chat template)",
+    )
 
 
 @torch.inference_mode()
-def generate(model, tokenizer, prompt: str, sampling: Sampling, *, rendering: Rendering = Rendering(),
-             adapter: bool = True, stream: bool = True) -> str:  # fmt: skip
+def generate(
+    model,
+    tokenizer,
+    prompt: str,
+    sampling: Sampling,
+    *,
+    rendering: Rendering = Rendering(),
+    adapter: bool = True,
+    stream: bool = True,
+) -> str:
     """The completion of `prompt`, rendered as `rendering` says (printed as it comes when `stream`)."""
     torch.manual_seed(sampling.seed)
     ids = rendering.ids(tokenizer, prompt).to(next(model.parameters()).device)
     greedy = sampling.temperature == 0
     gen = GenerationConfig(
-        do_sample=not greedy, temperature=None if greedy else sampling.temperature,
-        top_p=None if greedy else sampling.top_p, top_k=None if greedy else sampling.top_k,
-        max_new_tokens=sampling.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=[tokenizer.eos_token_id, *rendering.stop_ids(tokenizer)], use_cache=True,
-    )  # fmt: skip
+        do_sample=not greedy,
+        temperature=None if greedy else sampling.temperature,
+        top_p=None if greedy else sampling.top_p,
+        top_k=None if greedy else sampling.top_k,
+        max_new_tokens=sampling.max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=[tokenizer.eos_token_id, *rendering.stop_ids(tokenizer)],
+        use_cache=True,
+    )
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     off = adapters_disabled(model) if not adapter else contextlib.nullcontext()
     with off:
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen,
-                             streamer=streamer)  # fmt: skip
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen, streamer=streamer
+        )
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)

@@ -108,10 +108,17 @@ def merged_tensors(model, dtype: torch.dtype, report: MergeReport) -> Iterator[t
     from moe_qlora.moe.nf4 import dequantize_param
 
     deltas = linear_deltas(model)
-    stacks = {f"{plain_key(name)}.{stack}": (module, stack) for name, module in experts_modules(model)
-              if getattr(module, "moe_lora", None) is not None for stack in stack_names(module)}  # fmt: skip
-    split_modules = {f"{plain_key(name)}.gate_up_proj": module for name, module in experts_modules(model)
-                     if getattr(module, "moe_split_gate_up", False)}  # fmt: skip
+    stacks = {
+        f"{plain_key(name)}.{stack}": (module, stack)
+        for name, module in experts_modules(model)
+        if getattr(module, "moe_lora", None) is not None
+        for stack in stack_names(module)
+    }
+    split_modules = {
+        f"{plain_key(name)}.gate_up_proj": module
+        for name, module in experts_modules(model)
+        if getattr(module, "moe_split_gate_up", False)
+    }
     for name, p in model.named_parameters():
         if ".lora_" in name or ".moe_lora." in name:
             continue
@@ -239,9 +246,15 @@ def copy_base_files(base: Path, out: Path, dtype: torch.dtype) -> None:
                 shutil.copy2(f, out / f.name)
 
 
-def merge_adapter(adapter_dir: str | Path, out_dir: str | Path, *, dtype: str = "bfloat16",
-                  max_shard_bytes: int = 5 * 10**9, device: str = "cpu",
-                  console: Console | None = None) -> MergeReport:  # fmt: skip
+def merge_adapter(
+    adapter_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: str = "bfloat16",
+    max_shard_bytes: int = 5 * 10**9,
+    device: str = "cpu",
+    console: Console | None = None,
+) -> MergeReport:
     """Write the merged checkpoint to `out_dir` (atomically); the report holds each merged delta's norms."""
     console = console or Console(stderr=True)
     if dtype not in DTYPES:

@@ -34,8 +34,13 @@ def attach_adapters(model, cfg: LoraSection, *, seed: int, device=None):
     if cfg.router and not routers:
         raise ConfigError("lora.router: true, but this model has no MoE router weight to adapt")
     if targets or routers:
-        peft_config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                                 target_modules=targets or None, target_parameters=routers or None)  # fmt: skip
+        peft_config = LoraConfig(
+            r=cfg.rank,
+            lora_alpha=cfg.alpha,
+            lora_dropout=cfg.dropout,
+            target_modules=targets or None,
+            target_parameters=routers or None,
+        )
         model = seeded_peft_model(model, peft_config, seed)
     if cfg.experts:
         if not experts_modules(model):
@@ -66,8 +71,9 @@ def refuse_parameter_lora_peft_would_drop(model, routers: list[str]) -> None:
     if not parameters:
         return
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    report, _ = target_modules_failing_round_trip(clean_base_config(base.config), None,
-                                                  target_parameters=parameters, model_class=type(base))  # fmt: skip
+    report, _ = target_modules_failing_round_trip(
+        clean_base_config(base.config), None, target_parameters=parameters, model_class=type(base)
+    )
     if not report.ok:
         raise UnsupportedExpertsError(
             f"LoRA on {first_few(parameters)} would not load as trained in PEFT {peft.__version__}: "

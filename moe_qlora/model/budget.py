@@ -196,8 +196,9 @@ def dequant_buffer_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> in
     dtype = resolve_compute_dtype(m.compute_dtype, device)
     # auto takes grouped_mm only where torch has its fused kernel: bf16 on sm_90/sm_100. The plan does not know
     # the GPU, so in bf16 it counts the buffer (an H100's case; on other GPUs auto runs triton and needs none).
-    grouped = m.kernels == "grouped_mm" or (m.kernels == "auto" and device == "cuda" and dtype == "bfloat16"
-                                            and rows_per_expert >= m.fused_below_rows)  # fmt: skip
+    grouped = m.kernels == "grouped_mm" or (
+        m.kernels == "auto" and device == "cuda" and dtype == "bfloat16" and rows_per_expert >= m.fused_below_rows
+    )
     if not grouped:
         return 0
     d = DTYPE_BYTES[dtype]
@@ -240,9 +241,15 @@ def one_device_plan(cfg: RunConfig, model: nn.Module, targets: list[str], *, dev
         plan.notes.append("no MoE experts in this model: it would train as plain QLoRA")
     plan.notes.append(f"targets: experts={cfg.lora.experts}, linears={targets}")
     t = cfg.train
-    plan.notes.append(f"optimizer: {t.optimizer}" + (", stepped in the backward" if t.optimizer_in_backward else "")
-                      + (f"; loss through the head {t.loss_chunk_tokens} tokens at a time" if t.loss_chunk_tokens
-                         else "; full logits"))  # fmt: skip
+    plan.notes.append(
+        f"optimizer: {t.optimizer}"
+        + (", stepped in the backward" if t.optimizer_in_backward else "")
+        + (
+            f"; loss through the head {t.loss_chunk_tokens} tokens at a time"
+            if t.loss_chunk_tokens
+            else "; full logits"
+        )
+    )
     if t.optimizer == "paged_adamw_8bit" and device == "cuda":
         plan.notes.append("paged_adamw_8bit: its state can page out to host memory under pressure (not counted)")
     return plan

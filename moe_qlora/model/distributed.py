@@ -167,8 +167,10 @@ def shard_model(model, ranks: Ranks) -> Ranks:
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
     if not layers:
-        raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules): cannot shard "
-                         "it layer by layer; use train.parallel: ddp")  # fmt: skip
+        raise ValueError(
+            f"{type(model).__name__} names no decoder layer class (_no_split_modules): cannot shard "
+            "it layer by layer; use train.parallel: ddp"
+        )
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True, ignored_params=whole)
     fully_shard(model, mesh=mesh, ignored_params=whole)

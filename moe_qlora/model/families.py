@@ -36,8 +36,9 @@ FAMILY_TARGETS: dict[str, list[str]] = {
     "glm4_moe": ATTENTION + DENSE_MLP,
     "laguna": ATTENTION + DENSE_MLP,  # dense first layer; shared_experts.* only where PEFT loads them back
     "qwen3_next": ATTENTION + GATED_DELTANET + DENSE_MLP,
-    **dict.fromkeys(("qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp", "qwen4_exp_text"),
-                    ATTENTION + GATED_DELTANET + DENSE_MLP),
+    **dict.fromkeys(
+        ("qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp", "qwen4_exp_text"), ATTENTION + GATED_DELTANET + DENSE_MLP
+    ),
     "nemotron_h": ATTENTION + MAMBA + ["up_proj", "down_proj"],  # its shared expert is not gated
     # shared experts and dense layers: gate and up fused
     **dict.fromkeys(("minimax_m3_vl", "minimax_m3_vl_text"), ATTENTION + ["gate_up_proj", "down_proj"]),
@@ -214,7 +215,10 @@ def resolve_targets(model: nn.Module, target_modules: list[str] | str) -> list[s
         )
     refuse_unloadable_targets(model, list(target_modules))
     if outside := sorted(set(target_modules) - set(language_model_only(model, list(target_modules)))):
-        log.warning("lora.target_modules %s also name modules outside the language model's decoder layers (a vision "
-                    "or audio encoder's): trained, but no export writes their LoRA (auto keeps to the language "
-                    "model; or name them by a longer suffix, language_model.layers...)", outside)
+        log.warning(
+            "lora.target_modules %s also name modules outside the language model's decoder layers (a vision "
+            "or audio encoder's): trained, but no export writes their LoRA (auto keeps to the language "
+            "model; or name them by a longer suffix, language_model.layers...)",
+            outside,
+        )
     return list(target_modules)

@@ -104,8 +104,12 @@ def cpu_unsafe_linears(model) -> list[str]:
     """
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m.in_features % BLOCKSIZE]
     if names:
-        log.warning("keeping %d linear(s) unquantized on CPU (in_features not a multiple of %d): %s",
-                    len(names), BLOCKSIZE, ", ".join(names[:6]) + (" ..." if len(names) > 6 else ""))  # fmt: skip
+        log.warning(
+            "keeping %d linear(s) unquantized on CPU (in_features not a multiple of %d): %s",
+            len(names),
+            BLOCKSIZE,
+            ", ".join(names[:6]) + (" ..." if len(names) > 6 else ""),
+        )
     return names
 
 
@@ -116,8 +120,11 @@ def linears_outside_the_text_model(model) -> list[str]:
     prefix = next((n for n, m in model.named_modules() if m is decoder), "")
     if decoder is None or not prefix or prefix == getattr(model, "base_model_prefix", None):
         return []
-    return [n for n, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and not n.startswith(prefix + ".") and n != "lm_head"]  # fmt: skip
+    return [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and not n.startswith(prefix + ".") and n != "lm_head"
+    ]
 
 
 def linears_not_quantized(model, *, on_cpu: bool) -> set[str]:
@@ -168,8 +175,15 @@ class LoadOptions:
 
 
 # Files a tokenizer is read from (fast, sentencepiece, BPE, WordPiece, tiktoken; a remote-code tokenizer's config)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt",
-                   "tokenizer_config.json", "*.tiktoken")  # fmt: skip
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "vocab.txt",
+    "tokenizer_config.json",
+    "*.tiktoken",
+)
 NO_TOKENIZER = "no tokenizer files (tokenizer.json, tokenizer.model or vocab.json: save the tokenizer beside the model)"
 NO_WEIGHTS = "no weight files (*.safetensors; .bin weights are not read)"
 
@@ -232,10 +246,19 @@ def checkpoint_files(folder: Path) -> list[Path]:
 
 
 TORCH_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}  # fmt: skip
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
 class LazyTensor:
@@ -281,8 +304,10 @@ def read_safetensors_index(path: Path) -> dict[str, LazyTensor]:
     unknown = {v["dtype"] for v in header.values()} - TORCH_DTYPES.keys()
     if unknown:
         raise ModelLoadError(f"{path}: tensors of dtype {sorted(unknown)} are not supported")
-    return {k: LazyTensor(path, v["dtype"], v["shape"], base + v["data_offsets"][0], base + v["data_offsets"][1])
-            for k, v in header.items()}  # fmt: skip
+    return {
+        k: LazyTensor(path, v["dtype"], v["shape"], base + v["data_offsets"][0], base + v["data_offsets"][1])
+        for k, v in header.items()
+    }
 
 
 @contextmanager
@@ -318,8 +343,10 @@ def load_model(opts: LoadOptions):
     )
     model_class = causal_lm_class(config, folder, opts.trust_remote_code)
     if "Diffusion" in model_class.__name__:
-        raise ModelLoadError(f"{model_class.__name__}: not supported: a diffusion language model, trained to denoise "
-                             "masked tokens; moe-qlora trains next-token prediction, the wrong objective for it")
+        raise ModelLoadError(
+            f"{model_class.__name__}: not supported: a diffusion language model, trained to denoise "
+            "masked tokens; moe-qlora trains next-token prediction, the wrong objective for it"
+        )
     with lazy_state_dict(files) as state:
         model = model_class.from_pretrained(
             None,

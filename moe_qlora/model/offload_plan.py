@@ -49,21 +49,28 @@ def expert_layer_bytes(model: nn.Module, cfg: RunConfig) -> list[int]:
     """Bytes of each experts module's stacks in one offload block (moe/offload.py's LayerLayout: codes, block
     scales and, with double quantization, their scales and code table, each aligned to ALIGN bytes)."""
     double_quant = cfg.model.expert_double_quant
-    return [sum(block_bytes(getattr(m, n).numel(), double_quant=double_quant) for n in quantized_stack_names(m))
-            for _, m in expert_layers(model)]  # fmt: skip
+    return [
+        sum(block_bytes(getattr(m, n).numel(), double_quant=double_quant) for n in quantized_stack_names(m))
+        for _, m in expert_layers(model)
+    ]
 
 
 def nf4_layer_bytes(model: nn.Module, cfg: RunConfig) -> list[int]:
     """NF4 bytes of each experts module's stacks as the plan's experts_nf4 counts them on the GPU."""
     double_quant = cfg.model.expert_double_quant
-    return [sum(four_bit_bytes(getattr(m, n).numel(), double_quant=double_quant) for n in quantized_stack_names(m))
-            for _, m in expert_layers(model)]  # fmt: skip
+    return [
+        sum(four_bit_bytes(getattr(m, n).numel(), double_quant=double_quant) for n in quantized_stack_names(m))
+        for _, m in expert_layers(model)
+    ]
 
 
 def block_bytes(numel: int, *, double_quant: bool) -> int:
     blocks = numel // BLOCKSIZE
-    parts = [numel // 2, blocks, 4 * math.ceil(blocks / NESTED_BLOCKSIZE), 4 * 256] if double_quant else [
-        numel // 2, 4 * blocks]  # fmt: skip
+    parts = (
+        [numel // 2, blocks, 4 * math.ceil(blocks / NESTED_BLOCKSIZE), 4 * 256]
+        if double_quant
+        else [numel // 2, 4 * blocks]
+    )
     return sum(-(-p // ALIGN) * ALIGN for p in parts)
 
 
@@ -105,10 +112,15 @@ def offload_plan(model: nn.Module, cfg: RunConfig, layers: list[int], k: int) ->
     passes = 4 if cfg.train.gradient_checkpointing else 3  # forward, backward (2x), and the recompute
     flops = 2.0 * active_parameters(model, cfg) * tokens * passes * cfg.train.grad_accum
     names = tuple(name for name, _ in expert_layers(model))[:k]
-    return OffloadPlan(layers=k, of=len(layers), host_bytes=sum(offloaded),
-                       resident_bytes=window_bytes(offloaded, resident),
-                       bytes_per_step=int(2 * per_pass * cfg.train.grad_accum), flops_per_step=flops,
-                       modules=names)  # fmt: skip
+    return OffloadPlan(
+        layers=k,
+        of=len(layers),
+        host_bytes=sum(offloaded),
+        resident_bytes=window_bytes(offloaded, resident),
+        bytes_per_step=int(2 * per_pass * cfg.train.grad_accum),
+        flops_per_step=flops,
+        modules=names,
+    )
 
 
 def apply_expert_offload(plan: Plan, model: nn.Module, cfg: RunConfig, *, device: str, gpu_bytes: int) -> None:
@@ -121,8 +133,11 @@ def apply_expert_offload(plan: Plan, model: nn.Module, cfg: RunConfig, *, device
         plan.notes.append(f"model.expert_offload: {mode} has nothing to do on the CPU (host memory is the device's)")
         return
     layers = expert_layer_bytes(model, cfg)
-    k = len(layers) if mode == "all" else layers_to_offload(plan.total, layers, cfg.model.offload_resident_layers,
-                                                            gpu_bytes)  # fmt: skip
+    k = (
+        len(layers)
+        if mode == "all"
+        else layers_to_offload(plan.total, layers, cfg.model.offload_resident_layers, gpu_bytes)
+    )
     if k is None:
         k = len(layers)
         plan.notes.append("expert_offload auto: even with every MoE layer offloaded the run does not fit")
@@ -134,10 +149,15 @@ def apply_expert_offload(plan: Plan, model: nn.Module, cfg: RunConfig, *, device
     plan.bytes["experts_nf4"] -= sum(nf4_layer_bytes(model, cfg)[:k])
     plan.bytes["experts_resident"] = off.resident_bytes
     gb = off.bytes_per_step / 1e9
-    links = "; ".join(f"{off.seconds_per_step(link):,.2f} s at {link}, hidden by compute while the GPU sustains "
-                      f"under {off.break_even_tflops(link):,.0f} TFLOPS" for link in PCIE_LINKS)  # fmt: skip
+    links = "; ".join(
+        f"{off.seconds_per_step(link):,.2f} s at {link}, hidden by compute while the GPU sustains "
+        f"under {off.break_even_tflops(link):,.0f} TFLOPS"
+        for link in PCIE_LINKS
+    )
     window = cfg.model.offload_resident_layers
-    plan.notes.append(f"expert_offload {mode}: {k} of {len(layers)} MoE layers' experts in pinned host memory "
-                      f"({off.host_bytes / 2**30:,.2f} GiB of host RAM), at most {window} on the GPU "
-                      f"({off.resident_bytes / 2**30:,.2f} GiB)")  # fmt: skip
+    plan.notes.append(
+        f"expert_offload {mode}: {k} of {len(layers)} MoE layers' experts in pinned host memory "
+        f"({off.host_bytes / 2**30:,.2f} GiB of host RAM), at most {window} on the GPU "
+        f"({off.resident_bytes / 2**30:,.2f} GiB)"
+    )
     plan.notes.append(f"expert_offload copies {gb:,.2f} GB host-to-GPU per optimizer step: {links}")

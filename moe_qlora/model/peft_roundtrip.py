@@ -90,10 +90,16 @@ class LoadReport:
             cause = "PEFT's load renames these keys"
             if self.renamed_to:
                 cause += f" (e.g. to {first_few(self.renamed_to)}), so they match no module"
-            cause += (f": the checkpoint-conversion renamings transformers defines for {model_type!r}, which PEFT "
-                      "applies to adapter keys too" if model_type else "")  # fmt: skip
-            parts.append(f"{len(self.not_loaded)} tensor(s) stay at their initial value: {first_few(self.not_loaded)}; "
-                         f"likely cause: {cause}")  # fmt: skip
+            cause += (
+                f": the checkpoint-conversion renamings transformers defines for {model_type!r}, which PEFT "
+                "applies to adapter keys too"
+                if model_type
+                else ""
+            )
+            parts.append(
+                f"{len(self.not_loaded)} tensor(s) stay at their initial value: {first_few(self.not_loaded)}; "
+                f"likely cause: {cause}"
+            )
         if self.changed:
             parts.append(f"{len(self.changed)} tensor(s) load with other values or shapes: {first_few(self.changed)}")
         if self.no_module:
@@ -113,8 +119,9 @@ def load_like_peft(adapter_dir: Path, config, **skeleton_kwargs) -> LoadReport:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PEFT's own missing-keys warning: the report below says it with a cause
         try:
-            peft_model = PeftModel.from_pretrained(skeleton(config, **skeleton_kwargs), str(adapter_dir),
-                                                   low_cpu_mem_usage=True)  # fmt: skip
+            peft_model = PeftModel.from_pretrained(
+                skeleton(config, **skeleton_kwargs), str(adapter_dir), low_cpu_mem_usage=True
+            )
         except (ValueError, RuntimeError, KeyError, TypeError) as exc:
             return LoadReport(refused=f"{type(exc).__name__}: {exc}")
         loaded = get_peft_model_state_dict(peft_model)
@@ -138,16 +145,21 @@ def _keys_peft_could_not_place(peft_model: PeftModel, adapter_dir: Path) -> list
     return sorted(k for k in result.unexpected_keys if ".lora_" in k)
 
 
-def target_modules_failing_round_trip(config, target_modules: list[str] | None, *,
-                                      target_parameters: list[str] | None = None, **skeleton_kwargs):  # fmt: skip
+def target_modules_failing_round_trip(
+    config, target_modules: list[str] | None, *, target_parameters: list[str] | None = None, **skeleton_kwargs
+):
     """Modules matched by `target_modules` (or holding `target_parameters`, e.g. 'mlp.experts.down_proj') whose
     LoRA would not load as trained: (report, failing module names).
 
     A rank-1 adapter on a skeleton, with a distinct value per tensor, is written as our export writes adapters
     and loaded back by PEFT. Done before training, so it follows whatever the installed PEFT does.
     """
-    lora = LoraConfig(r=1, lora_alpha=1, target_modules=list(target_modules) if target_modules else None,
-                      target_parameters=list(target_parameters) if target_parameters else None)  # fmt: skip
+    lora = LoraConfig(
+        r=1,
+        lora_alpha=1,
+        target_modules=list(target_modules) if target_modules else None,
+        target_parameters=list(target_parameters) if target_parameters else None,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         peft_model = get_peft_model(skeleton(config, **skeleton_kwargs), lora)

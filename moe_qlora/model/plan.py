@@ -182,8 +182,11 @@ def shard_plan(plan: Plan, tensors: list[ShardedTensor], cfg: RunConfig, model: 
     n = plan.gpus
     kinds = ("experts_nf4", "linear_4bit", "other")
     shard = {kind: sum(t.shard_bytes(n) for t in tensors if t.kind == kind) for kind in kinds}
-    whole_linears = [p.numel() for _, kind, p in classified_weights(model, device=device)
-                     if kind == "linear_4bit" and p.shape[1] % BLOCKSIZE]  # fmt: skip
+    whole_linears = [
+        p.numel()
+        for _, kind, p in classified_weights(model, device=device)
+        if kind == "linear_4bit" and p.shape[1] % BLOCKSIZE
+    ]
     lora = [t for t in tensors if t.kind == "lora"]
     lora_numel = sum(t.shard_numel(n) for t in lora)
     groups = unsharded_group_bytes(tensors, n)
@@ -208,19 +211,28 @@ def add_parallel_notes(plan: Plan, why: str, cfg: RunConfig, *, gpu_gib: float) 
     gpus = f"{n} GPU" + ("s" if n > 1 else "")
     plan.notes.append(why)
     if plan.parallel == "ddp":
-        plan.notes.append(f"ddp over {gpus}: each holds all of the above; the fp32 LoRA gradients are all-reduced "
-                          "once a step")  # fmt: skip
+        plan.notes.append(
+            f"ddp over {gpus}: each holds all of the above; the fp32 LoRA gradients are all-reduced once a step"
+        )
     else:
-        plan.notes.append(f"fsdp over {gpus}, one FSDP group a decoder layer: 4-bit experts and linears (4.5 bits "
-                          "a weight: fp32 scales, not double-quantized), compute-dtype weights, LoRA, gradients and "
-                          "optimizer state sharded")  # fmt: skip
-        plan.notes.append("all_gather_buffers: two decoder layers unsharded (one prefetched); root_unsharded: "
-                          "embeddings, final norm and head, whole from the forward to the backward's end")  # fmt: skip
+        plan.notes.append(
+            f"fsdp over {gpus}, one FSDP group a decoder layer: 4-bit experts and linears (4.5 bits "
+            "a weight: fp32 scales, not double-quantized), compute-dtype weights, LoRA, gradients and "
+            "optimizer state sharded"
+        )
+        plan.notes.append(
+            "all_gather_buffers: two decoder layers unsharded (one prefetched); root_unsharded: "
+            "embeddings, final norm and head, whole from the forward to the backward's end"
+        )
         if cfg.train.optimizer != "adamw":
-            plan.notes.append(f"train refuses train.optimizer: {cfg.train.optimizer} under fsdp (bitsandbytes state "
-                              "is not sharded): use adamw")  # fmt: skip
+            plan.notes.append(
+                f"train refuses train.optimizer: {cfg.train.optimizer} under fsdp (bitsandbytes state "
+                "is not sharded): use adamw"
+            )
     verdict = "fits" if plan.fits else "does not fit"
     plan.notes.append(f"per GPU {plan.total / 2**30:,.2f} GiB: {verdict} in {gpu_gib:g} GiB")
-    seconds = ", ".join(f"{plan.communication_bytes_per_step / rate:,.3f} s at {link} ({rate / 1e9:g} GB/s)"
-                        for link, rate in LINKS.items())  # fmt: skip
+    seconds = ", ".join(
+        f"{plan.communication_bytes_per_step / rate:,.3f} s at {link} ({rate / 1e9:g} GB/s)"
+        for link, rate in LINKS.items()
+    )
     plan.notes.append(f"communication per optimizer step: {gb:,.2f} GB sent by each GPU; {seconds}")

@@ -42,9 +42,17 @@ class ExpertLoRA(nn.Module):
     """
 
     def __init__(
-        self, *, num_experts: int, hidden: int, intermediate: int, rank: int, alpha: float, gated: bool = True,
-        device=None, generator=None,
-    ):  # fmt: skip
+        self,
+        *,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        rank: int,
+        alpha: float,
+        gated: bool = True,
+        device=None,
+        generator=None,
+    ):
         super().__init__()
         shapes = {
             "gate_up_a": (num_experts, rank, hidden),
@@ -202,15 +210,23 @@ def moe_qlora_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     if lora is not None and not lora.active:
         lora = None
     deferred = getattr(self, "moe_deferred_grads", None) if lora is not None else None
-    plan = MoEPlan(frozen, route(top_k_index, frozen.gate_up.num_experts), lora.scale if lora is not None else 0.0,
-                   deferred=deferred, lora_params=lora.factors() if deferred is not None else None)  # fmt: skip
+    plan = MoEPlan(
+        frozen,
+        route(top_k_index, frozen.gate_up.num_experts),
+        lora.scale if lora is not None else 0.0,
+        deferred=deferred,
+        lora_params=lora.factors() if deferred is not None else None,
+    )
     if lora is not None and self.training:
         lora.routed_rows += plan.routing.counts
     factors = lora.factors() if lora is not None else None
     kernels = getattr(self, "moe_kernels", "torch")
     if kernels == "auto":
-        kernels = auto_kernels(hidden_states.shape[0] * top_k_index.shape[1], frozen.gate_up.num_experts,
-                               getattr(self, "moe_fused_below_rows", FUSED_BELOW_ROWS))  # fmt: skip
+        kernels = auto_kernels(
+            hidden_states.shape[0] * top_k_index.shape[1],
+            frozen.gate_up.num_experts,
+            getattr(self, "moe_fused_below_rows", FUSED_BELOW_ROWS),
+        )
     budget = getattr(self, "moe_dequant_budget", None)
 
     def run(path, x, weights, lora_factors, call_plan):
@@ -228,28 +244,6 @@ def run_moe_path(path: str, x, weights, lora, plan: MoEPlan, dequant_budget: int
     if path == "torch":
         return with_injected_fault(path, lambda: moe_lora_experts(x, weights, lora, plan))
     return with_injected_fault(path, lambda: moe_lora_experts_grouped(x, weights, lora, plan, path, dequant_budget))
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 # torch: the per-expert reference (CPU); triton: grouped Triton kernels decoding NF4 in registers (CUDA, or
@@ -271,8 +265,14 @@ def auto_kernels(num_rows: int, num_experts: int, fused_below_rows: int) -> str:
     return "triton" if num_rows < fused_below_rows * num_experts else "grouped_mm"
 
 
-def set_moe_kernels(model, kernels: str, *, fused_below_rows: int = FUSED_BELOW_ROWS,
-                    dequant_buffer_mb: float | None = None, self_check: bool = False) -> int:  # fmt: skip
+def set_moe_kernels(
+    model,
+    kernels: str,
+    *,
+    fused_below_rows: int = FUSED_BELOW_ROWS,
+    dequant_buffer_mb: float | None = None,
+    self_check: bool = False,
+) -> int:
     """Run every experts module of `model` with `kernels`; returns how many modules were set.
     dequant_buffer_mb bounds grouped_mm's decoded stack (decoded a chunk of experts at a time above it);
     self_check: check each non-reference path against the torch reference at its first call per layer shape,
@@ -346,8 +346,9 @@ def compute_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device  # a bare experts module (benchmarks, tests): where its stacks are
 
 
-def attach_expert_lora(model: nn.Module, *, rank: int, alpha: float, seed: int,
-                       device: torch.device | str | None = None) -> list[str]:  # fmt: skip
+def attach_expert_lora(
+    model: nn.Module, *, rank: int, alpha: float, seed: int, device: torch.device | str | None = None
+) -> list[str]:
     """Add an ExpertLoRA to every experts module (checked for a supported layout first), on `device` (default:
     where the model computes, compute_device). Returns their names."""
     device = torch.device(device) if device is not None else compute_device(model)
@@ -356,10 +357,15 @@ def attach_expert_lora(model: nn.Module, *, rank: int, alpha: float, seed: int,
     for name, module in experts_modules(model):
         check_supported_layout(module, name)
         e, hidden, inter = expert_dims(module)
-        lora = ExpertLoRA(num_experts=e, hidden=hidden, intermediate=inter, rank=rank, alpha=alpha,
-                          gated=module.has_gate, generator=generator)  # fmt: skip
+        lora = ExpertLoRA(
+            num_experts=e,
+            hidden=hidden,
+            intermediate=inter,
+            rank=rank,
+            alpha=alpha,
+            gated=module.has_gate,
+            generator=generator,
+        )
         module.moe_lora = lora.to(device)
         names.append(name)
     return names
-
-

@@ -38,14 +38,15 @@ def grouped_ops(kind: str, dequant_budget: int | None = None) -> GroupedOps:
     from moe_qlora.moe.kernels import ops
 
     if kind == "triton":
-        return GroupedOps(ops.grouped_matmul, ops.grouped_matmul_silu_mul, ops.grouped_outer_product,
-                          fused_gather=True)  # fmt: skip
+        return GroupedOps(ops.grouped_matmul, ops.grouped_matmul_silu_mul, ops.grouped_outer_product, fused_gather=True)
     if kind == "grouped_mm":
         from moe_qlora.moe.kernels import grouped_mm as gmm
 
-        return GroupedOps(functools.partial(gmm.grouped_matmul, budget=dequant_budget),
-                          functools.partial(gmm.grouped_matmul_silu_mul, budget=dequant_budget),
-                          gmm.grouped_outer_product)  # fmt: skip
+        return GroupedOps(
+            functools.partial(gmm.grouped_matmul, budget=dequant_budget),
+            functools.partial(gmm.grouped_matmul_silu_mul, budget=dequant_budget),
+            gmm.grouped_outer_product,
+        )
     return GroupedOps(
         ops.grouped_matmul_reference,
         ops.grouped_matmul_silu_mul_reference,
@@ -178,8 +179,9 @@ def _lora_weight_grads(ops: GroupedOps, t: dict, rt: RoutedTokens, c: float) -> 
     return [d_a1, d_b1, d_a2, d_b2]
 
 
-def moe_lora_experts_grouped(x, routing_weights, lora, plan: MoEPlan, kernels: str,
-                             dequant_budget: int | None = None) -> torch.Tensor:  # fmt: skip
+def moe_lora_experts_grouped(
+    x, routing_weights, lora, plan: MoEPlan, kernels: str, dequant_budget: int | None = None
+) -> torch.Tensor:
     """moe_lora_experts through grouped operations (`kernels`: triton, grouped_mm or torch-grouped;
     dequant_budget: grouped_mm's decoded-stack limit in bytes, None for none).
 
@@ -215,8 +217,13 @@ def op_inputs(x, routing_weights, lora, plan: MoEPlan, kernels: str, dequant_bud
     (routing 6, gate_up 4, down 4, biases 2), floats (2 nested offsets, LoRA scale), ints (both stack
     shapes, blocksize, transposed, the decode budget or 0), kernels, keep_h)."""
     ex, rt = plan.experts, plan.routing
-    frozen = [*(getattr(rt, f) for f in _ROUTING_FIELDS), *_stack_tensors(ex.gate_up), *_stack_tensors(ex.down),
-              ex.gate_up_bias, ex.down_bias]  # fmt: skip
+    frozen = [
+        *(getattr(rt, f) for f in _ROUTING_FIELDS),
+        *_stack_tensors(ex.gate_up),
+        *_stack_tensors(ex.down),
+        ex.gate_up_bias,
+        ex.down_bias,
+    ]
     offsets = [s.nested[2] if s.nested is not None else 0.0 for s in (ex.gate_up, ex.down)]
     ints = [*ex.gate_up.shape, *ex.down.shape, ex.gate_up.blocksize, int(ex.transposed), dequant_budget or 0]
     return x, routing_weights, list(lora), frozen, [*offsets, float(plan.lora_scale)], ints, kernels, keep_h
@@ -231,15 +238,22 @@ def _plan_from(frozen, floats, ints, top_k: int) -> MoEPlan:
 
     def stack(tensors, offset, shape):
         packed, absmax, absmax2, code2 = tensors
-        return NF4Stack(packed, absmax, (absmax2, code2, offset) if absmax2 is not None else None, tuple(shape),
-                        blocksize)  # fmt: skip
+        return NF4Stack(
+            packed, absmax, (absmax2, code2, offset) if absmax2 is not None else None, tuple(shape), blocksize
+        )
 
     frozen_experts = FrozenExperts(
-        gate_up=stack(frozen[6:10], floats[0], ints[0:3]), down=stack(frozen[10:14], floats[1], ints[3:6]),
-        gate=silu_mul, transposed=transposed, gate_up_bias=frozen[14], down_bias=frozen[15], gate_is_silu_mul=True,
-    )  # fmt: skip
-    rt = RoutedTokens(order=order, token=token, expert=expert, inverse=inverse, counts=counts,
-                      offsets_device=offsets, top_k=top_k)  # fmt: skip
+        gate_up=stack(frozen[6:10], floats[0], ints[0:3]),
+        down=stack(frozen[10:14], floats[1], ints[3:6]),
+        gate=silu_mul,
+        transposed=transposed,
+        gate_up_bias=frozen[14],
+        down_bias=frozen[15],
+        gate_is_silu_mul=True,
+    )
+    rt = RoutedTokens(
+        order=order, token=token, expert=expert, inverse=inverse, counts=counts, offsets_device=offsets, top_k=top_k
+    )
     return MoEPlan(frozen_experts, rt, floats[2])
 
 
@@ -249,9 +263,15 @@ def _ops_from(kernels: str, ints) -> GroupedOps:
 
 @torch.library.custom_op("moe_qlora::grouped_experts", mutates_args=())
 def grouped_experts_op(
-    x: torch.Tensor, routing_weights: torch.Tensor, lora: list[torch.Tensor | None], frozen: list[torch.Tensor | None],
-    floats: list[float], ints: list[int], kernels: str, keep_h: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    x: torch.Tensor,
+    routing_weights: torch.Tensor,
+    lora: list[torch.Tensor | None],
+    frozen: list[torch.Tensor | None],
+    floats: list[float],
+    ints: list[int],
+    kernels: str,
+    keep_h: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out (T, H), h (S, 2I) or (0, 2I), p1 (S, r), p2 (S, r)); r = 0 without LoRA."""
     plan = _plan_from(frozen, floats, ints, routing_weights.shape[1])
     out, h, p1, p2 = grouped_forward(x, routing_weights, tuple(lora), plan, _ops_from(kernels, ints), keep_h=keep_h)
@@ -273,30 +293,52 @@ def _grouped_experts_fake(x, routing_weights, lora, frozen, floats, ints, kernel
     rows, transposed = routing_weights.numel(), bool(ints[7])
     width = ints[2] if transposed else ints[1]
     rank = lora[0].shape[1] if lora[0] is not None else 0
-    return (x.new_empty(x.shape), x.new_empty(rows if keep_h else 0, width), x.new_empty(rows, rank),
-            x.new_empty(rows, rank))  # fmt: skip
+    return (
+        x.new_empty(x.shape),
+        x.new_empty(rows if keep_h else 0, width),
+        x.new_empty(rows, rank),
+        x.new_empty(rows, rank),
+    )
 
 
 @torch.library.custom_op("moe_qlora::grouped_experts_backward", mutates_args=())
 def grouped_experts_backward_op(
-    grad_out: torch.Tensor, x: torch.Tensor, routing_weights: torch.Tensor, saved: list[torch.Tensor],
-    lora: list[torch.Tensor | None], frozen: list[torch.Tensor | None], floats: list[float], ints: list[int],
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    routing_weights: torch.Tensor,
+    saved: list[torch.Tensor],
+    lora: list[torch.Tensor | None],
+    frozen: list[torch.Tensor | None],
+    floats: list[float],
+    ints: list[int],
     kernels: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad x, grad routing weights, dA1, dB1, dA2, dB2) from the forward's saved (h, p1, p2); the last four
     (0,) without LoRA."""
     plan = _plan_from(frozen, floats, ints, routing_weights.shape[1])
     h, p1, p2 = saved
     has_lora = lora[0] is not None
-    grads = grouped_backward(grad_out, x, routing_weights, h, p1 if has_lora else None, p2 if has_lora else None,
-                             tuple(lora), plan, _ops_from(kernels, ints))  # fmt: skip
+    grads = grouped_backward(
+        grad_out,
+        x,
+        routing_weights,
+        h,
+        p1 if has_lora else None,
+        p2 if has_lora else None,
+        tuple(lora),
+        plan,
+        _ops_from(kernels, ints),
+    )
     return tuple(_as_faked(g) if g is not None else x.new_empty(0) for g in grads)
 
 
 @grouped_experts_backward_op.register_fake
 def _grouped_experts_backward_fake(grad_out, x, routing_weights, saved, lora, frozen, floats, ints, kernels):
-    return (x.new_empty(x.shape), routing_weights.new_empty(routing_weights.shape),
-            *(p.new_empty(p.shape) if p is not None else x.new_empty(0) for p in lora))  # fmt: skip
+    return (
+        x.new_empty(x.shape),
+        routing_weights.new_empty(routing_weights.shape),
+        *(p.new_empty(p.shape) if p is not None else x.new_empty(0) for p in lora),
+    )
 
 
 def _setup_context(ctx, inputs, output):
@@ -309,8 +351,9 @@ def _setup_context(ctx, inputs, output):
 def _grouped_experts_backward(ctx, grad_out, _grad_h, _grad_p1, _grad_p2):
     x, routing_weights, h, p1, p2, *rest = ctx.saved_tensors
     lora, frozen = rest[:4], rest[4:]
-    grads = grouped_experts_backward_op(grad_out, x, routing_weights, [h, p1, p2], lora, frozen, ctx.floats,
-                                        ctx.ints, ctx.kernels)  # fmt: skip
+    grads = grouped_experts_backward_op(
+        grad_out, x, routing_weights, [h, p1, p2], lora, frozen, ctx.floats, ctx.ints, ctx.kernels
+    )
     lora_grads = [g if p is not None else None for g, p in zip(grads[2:], lora, strict=True)]
     return grads[0], grads[1], lora_grads, None, None, None, None, None
 

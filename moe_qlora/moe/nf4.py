@@ -26,11 +26,23 @@ NESTED_BLOCKSIZE = 256
 # The 16 NF4 levels (QLoRA, Dettmers et al. 2023, appendix E): quantiles of N(0, 1) scaled to [-1, 1].
 # Written out here rather than read from bitsandbytes so the torch decoder is an independent oracle.
 NF4_LEVELS = (
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
-)  # fmt: skip
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+)
 
 
 class QuantizationLayoutError(ValueError):
@@ -139,8 +151,13 @@ def quantize_stack(weight: torch.Tensor, *, double_quant: bool = False) -> bnb.n
 
 def _stack_state(absmax: torch.Tensor, shape: tuple[int, ...], double_quant: bool) -> bnbF.QuantState:
     """bitsandbytes' QuantState for fp32 block scales, nesting them as quantize_4bit does when asked."""
-    common = dict(shape=torch.Size(shape), dtype=torch.float32, blocksize=BLOCKSIZE, quant_type="nf4",
-                  code=bnbF.get_4bit_type("nf4", device=absmax.device))  # fmt: skip
+    common = dict(
+        shape=torch.Size(shape),
+        dtype=torch.float32,
+        blocksize=BLOCKSIZE,
+        quant_type="nf4",
+        code=bnbF.get_4bit_type("nf4", device=absmax.device),
+    )
     if not double_quant:
         return bnbF.QuantState(absmax=absmax, **common)
     offset = absmax.mean()
@@ -262,16 +279,18 @@ class ShardableLinear4bit(nn.Module):
         stack = NF4Stack(data.reshape(-1), state.absmax, nested, (1, out_features, in_features), state.blocksize)
         self.in_features, self.out_features = in_features, out_features
         self.weight_nf4 = nn.Parameter(data.reshape(out_features, in_features // 2).clone(), requires_grad=False)
-        self.weight_absmax = nn.Parameter(stack.experts_absmax(0, 1).view(out_features, -1).clone(),
-                                          requires_grad=False)  # fmt: skip
+        self.weight_absmax = nn.Parameter(
+            stack.experts_absmax(0, 1).view(out_features, -1).clone(), requires_grad=False
+        )
         self.bias = linear.bias
         self.compute_dtype = linear.compute_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.compute_dtype or x.dtype
         bias = None if self.bias is None else self.bias.to(dtype)
-        out = _NF4LinearFunction.apply(x.to(dtype), self.weight_nf4, self.weight_absmax, bias,
-                                       (self.out_features, self.in_features))  # fmt: skip
+        out = _NF4LinearFunction.apply(
+            x.to(dtype), self.weight_nf4, self.weight_absmax, bias, (self.out_features, self.in_features)
+        )
         return out.to(x.dtype)
 
 
@@ -284,8 +303,12 @@ def shardable_by_rows(linear: nn.Module) -> bool:
 def make_linears_shardable(model: nn.Module) -> int:
     """Replace every bitsandbytes 4-bit linear that shardable_by_rows by a ShardableLinear4bit (FSDP2 cannot
     shard a Params4bit: its scales live in a quant_state beside it). Returns how many."""
-    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if shardable_by_rows(child)]  # fmt: skip
+    swaps = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if shardable_by_rows(child)
+    ]
     for parent, name, child in swaps:
         setattr(parent, name, ShardableLinear4bit(child))
     return len(swaps)

@@ -250,8 +250,9 @@ def host_layer_bytes(stacks: dict[str, NF4Stack]) -> int:
     return LayerLayout.of(stacks).nbytes
 
 
-def offload_experts(modules: list[nn.Module], device, *, max_resident: int = 2,
-                    streams: HostStreams | None = None) -> ExpertOffloader:  # fmt: skip
+def offload_experts(
+    modules: list[nn.Module], device, *, max_resident: int = 2, streams: HostStreams | None = None
+) -> ExpertOffloader:
     """Offload the NF4 stacks of `modules` (experts modules in the order the forward calls them) to host memory
     and route their reads through one ExpertOffloader; returns it. `streams` defaults to the device's own
     (CudaStreams on a GPU: host blocks page-locked, copies on a side stream)."""

@@ -81,5 +81,6 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> RoutedTokens:
     # Stable sort keeps tokens in their original order inside each expert: deterministic accumulation.
     expert, order = torch.sort(flat, stable=True)
     inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.shape[0], device=order.device))
-    return RoutedTokens(order=order, token=order // k, expert=expert, inverse=inverse, counts=counts,
-                        offsets_device=offsets, top_k=k)  # fmt: skip
+    return RoutedTokens(
+        order=order, token=order // k, expert=expert, inverse=inverse, counts=counts, offsets_device=offsets, top_k=k
+    )

@@ -85,11 +85,17 @@ class KernelSelfCheck:
                 self.verdicts[key] = probe(path, x, top_k_index, top_k_weights, lora, plan, run)
                 if self.verdicts[key] is not None and key[:4] not in self.warned:  # once, not per rows class
                     self.warned.add(key[:4])
-                    log.warning("MoE self-check: %s failed on experts %s / %s, %s, %s rows per expert: %s; "
-                                "this layer shape runs %s instead (model.kernel_self_check)", path,
-                                tuple(plan.experts.gate_up.shape), tuple(plan.experts.down.shape),
-                                str(x.dtype).removeprefix("torch."), key[-1], self.verdicts[key],
-                                FALLBACK[path])  # fmt: skip
+                    log.warning(
+                        "MoE self-check: %s failed on experts %s / %s, %s, %s rows per expert: %s; "
+                        "this layer shape runs %s instead (model.kernel_self_check)",
+                        path,
+                        tuple(plan.experts.gate_up.shape),
+                        tuple(plan.experts.down.shape),
+                        str(x.dtype).removeprefix("torch."),
+                        key[-1],
+                        self.verdicts[key],
+                        FALLBACK[path],
+                    )
             if self.verdicts[key] is None:
                 return path
             path = FALLBACK[path]
@@ -133,8 +139,14 @@ class DeviceFaultError(RuntimeError):
     """A path faulted on the device (an illegal address, say): the CUDA context is lost, no fallback can run."""
 
 
-GRADIENTS = ("input gradient", "routing-weight gradient", "gate_up_a gradient", "gate_up_b gradient",
-             "down_a gradient", "down_b gradient")  # fmt: skip
+GRADIENTS = (
+    "input gradient",
+    "routing-weight gradient",
+    "gate_up_a gradient",
+    "gate_up_b gradient",
+    "down_a gradient",
+    "down_b gradient",
+)
 
 
 def _probe(path, x, top_k_index, top_k_weights, lora, plan: MoEPlan, run: RunPath, grads: bool, stream):
@@ -143,8 +155,10 @@ def _probe(path, x, top_k_index, top_k_weights, lora, plan: MoEPlan, run: RunPat
         return None
     unsaved = dataclasses.replace(plan, deferred=None, lora_params=None)  # the probe's gradients go nowhere
     inputs = [x.detach(), top_k_weights.detach(), *(p.detach() for p in lora or ())]
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), \
-            torch.enable_grad() if grads else torch.no_grad():  # fmt: skip
+    with (
+        torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(),
+        torch.enable_grad() if grads else torch.no_grad(),
+    ):
         try:
             leaves = [t.requires_grad_(grads) for t in inputs]
             xs, ws, probe_lora = leaves[0], leaves[1], tuple(leaves[2:]) or None
@@ -172,8 +186,10 @@ def _probe(path, x, top_k_index, top_k_weights, lora, plan: MoEPlan, run: RunPat
             continue
         difference = _relative_difference(g, e)
         if not difference <= tolerance:  # also NaN
-            return f"{name} differs from the torch reference by {difference:.3g} of its largest value " \
-                   f"(tolerance {tolerance:g})"  # fmt: skip
+            return (
+                f"{name} differs from the torch reference by {difference:.3g} of its largest value "
+                f"(tolerance {tolerance:g})"
+            )
     return None
 
 
@@ -195,16 +211,21 @@ def synchronize(path: str, x: torch.Tensor) -> None:
 
 
 def is_device_fault(exc: Exception) -> bool:
-    return isinstance(exc, torch.AcceleratorError) or "illegal memory access" in str(exc) or \
-        "device-side assert" in str(exc)  # fmt: skip
+    return (
+        isinstance(exc, torch.AcceleratorError)
+        or "illegal memory access" in str(exc)
+        or "device-side assert" in str(exc)
+    )
 
 
 def device_fault_message(path: str, plan: MoEPlan, x: torch.Tensor, exc: Exception) -> str:
     gate_up, down = tuple(plan.experts.gate_up.shape), tuple(plan.experts.down.shape)
-    return (f"MoE self-check: the {path} path faulted on the device for experts {gate_up} / {down}, "
-            f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')} tokens ({str(exc).splitlines()[0]}). The GPU "
-            "context cannot be used after such a fault, so the run stops here; rerun with "
-            "--set model.kernels=torch (the reference path), and please report the shapes above.")  # fmt: skip
+    return (
+        f"MoE self-check: the {path} path faulted on the device for experts {gate_up} / {down}, "
+        f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')} tokens ({str(exc).splitlines()[0]}). The GPU "
+        "context cannot be used after such a fault, so the run stops here; rerun with "
+        "--set model.kernels=torch (the reference path), and please report the shapes above."
+    )
 
 
 def _reference(x, top_k_index, top_k_weights, lora, plan: MoEPlan, seed, grads: bool) -> list[torch.Tensor]:

@@ -135,8 +135,9 @@ def _value(v) -> str:
 
 def dataset_fingerprint(examples) -> str:
     """sha256 of the tokenized training data (source, ids, labels, weight; packed rows' token weights) in order."""
-    return fingerprint([e.source, e.input_ids, e.labels, e.weight, *([e.token_weights] if e.token_weights else [])]
-                       for e in examples)  # fmt: skip
+    return fingerprint(
+        [e.source, e.input_ids, e.labels, e.weight, *([e.token_weights] if e.token_weights else [])] for e in examples
+    )
 
 
 def fingerprint(records) -> str:
@@ -154,8 +155,10 @@ def _trainable(model) -> dict[str, torch.nn.Parameter]:
 def checkpoint_tensors(model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
     """The trainable tensors and the optimizer state, whole and on the CPU. Sharded (FSDP) tensors are gathered:
     a collective, so every rank calls it; the checkpoint then does not depend on the world size."""
-    return {"trainable": {n: full_tensor(p.detach()).cpu().contiguous() for n, p in _trainable(model).items()},
-            "optimizer": _optimizer_tensors(model, optimizer)}  # fmt: skip
+    return {
+        "trainable": {n: full_tensor(p.detach()).cpu().contiguous() for n, p in _trainable(model).items()},
+        "optimizer": _optimizer_tensors(model, optimizer),
+    }
 
 
 def _optimizer_tensors(model, optimizer) -> dict[str, torch.Tensor]:
@@ -188,12 +191,26 @@ def _versions() -> dict[str, str]:
 
     from moe_qlora import __version__
 
-    return {"moe_qlora": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-            "peft": peft.__version__, "bitsandbytes": bitsandbytes.__version__}  # fmt: skip
+    return {
+        "moe_qlora": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "bitsandbytes": bitsandbytes.__version__,
+    }
 
 
-def save_checkpoint(run_dir: Path, *, model, optimizer, scheduler, progress: RunProgress, identity: dict,
-                    keep: int, tensors: dict | None = None) -> Path:  # fmt: skip
+def save_checkpoint(
+    run_dir: Path,
+    *,
+    model,
+    optimizer,
+    scheduler,
+    progress: RunProgress,
+    identity: dict,
+    keep: int,
+    tensors: dict | None = None,
+) -> Path:
     """Write a complete checkpoint atomically; keep the newest `keep`. `identity`: config hash (and the config:
     config_identity), dataset fp.
     `tensors`: checkpoint_tensors(model, optimizer), when already gathered (sharded runs)."""
@@ -208,9 +225,13 @@ def save_checkpoint(run_dir: Path, *, model, optimizer, scheduler, progress: Run
         failpoint("checkpoint-write", progress.step)
         _, _, pos, has_gauss, cached = np.random.get_state()
         state = {
-            "progress": asdict(progress), "scheduler": scheduler_state, "python_rng": random.getstate(),
-            "numpy_rng": [int(pos), int(has_gauss), float(cached)], **identity, "versions": _versions(),
-        }  # fmt: skip
+            "progress": asdict(progress),
+            "scheduler": scheduler_state,
+            "python_rng": random.getstate(),
+            "numpy_rng": [int(pos), int(has_gauss), float(cached)],
+            **identity,
+            "versions": _versions(),
+        }
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
         files = sorted(f.name for f in tmp.iterdir())
         (tmp / MANIFEST).write_text(json.dumps({f: sha256_file(tmp / f) for f in files}, indent=1))

@@ -107,9 +107,12 @@ KNOBS: list[tuple[str, Callable, Callable]] = [
     ("train.optimizer_in_backward", lambda c: "true", lambda c: not c.train.optimizer_in_backward),
     ("train.loss_chunk_tokens", lambda c: 1024, lambda c: c.train.loss_chunk_tokens == 0),
     ("train.gradient_checkpointing", lambda c: "true", lambda c: not c.train.gradient_checkpointing),
-    ("model.expert_offload", lambda c: "auto",
-     lambda c: c.model.expert_offload == "none" and c.train.parallel != "fsdp"),
-]  # fmt: skip
+    (
+        "model.expert_offload",
+        lambda c: "auto",
+        lambda c: c.model.expert_offload == "none" and c.train.parallel != "fsdp",
+    ),
+]
 
 
 class Replan:
@@ -190,8 +193,10 @@ def settings_to_fit(cfg, model_path: str, device: str, *, gpu_gib: float, **plan
 def out_of_memory_head(device: torch.device, plan_text: str) -> str:
     """What ran out, where and when: the step and phase, the peak and total memory, and what `plan` predicted."""
     peak, total, what = device_memory(device)
-    return (f"out of memory at step {POSITION.step} ({POSITION.phase}): peak {peak:.2f} GiB of {total:.2f} GiB "
-            f"({what}){plan_text}")  # fmt: skip
+    return (
+        f"out of memory at step {POSITION.step} ({POSITION.phase}): peak {peak:.2f} GiB of {total:.2f} GiB "
+        f"({what}){plan_text}"
+    )
 
 
 def knob_lines(savings: list[tuple[str, float]]) -> str:
@@ -279,8 +284,9 @@ class FaultStop:
         if not first.fault:
             own = failure.error
             return own if own is not None else RankFailed(f"rank {first.rank} failed ({first.kind}): {first.head}")
-        saved = checkpoint_completed(done, self.checkpoint, self.out, consistent=all(r.consistent for r in reports),
-                                     exists=reports[0].exists)  # fmt: skip
+        saved = checkpoint_completed(
+            done, self.checkpoint, self.out, consistent=all(r.consistent for r in reports), exists=reports[0].exists
+        )
         also = f" (rank(s) {', '.join(str(r.rank) for r in failed[1:])} failed too)" if failed[1:] else ""
         return self.failed(from_main(self.ranks, f"{first.head}{also}. {saved}." + first.tail), failure)
 

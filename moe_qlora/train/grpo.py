@@ -80,8 +80,9 @@ class GrpoResult:
 # ------------------------------------------------------------------------------------------ one step
 
 
-def rollout_examples(rollouts: list[Rollout], advantages: torch.Tensor, *, mask_truncated: bool = False
-                     ) -> list[Example]:  # fmt: skip
+def rollout_examples(
+    rollouts: list[Rollout], advantages: torch.Tensor, *, mask_truncated: bool = False
+) -> list[Example]:
     """prompt + completion as a training sequence, labels only on the completion, weight = advantage. With
     `mask_truncated`, a completion cut by max_new_tokens keeps no labels: it adds nothing to the loss nor to
     the token counts (TRL's mask_truncated_completions)."""
@@ -134,8 +135,9 @@ def frozen_logprobs(model, batches, temperature: float, *, reference: bool, chun
         model.train(was_training)
 
 
-def policy_update(model, optimizer, schedule, examples: list[Example], cfg: RunConfig, pad_id: int,
-                  ranks: Ranks = SINGLE) -> dict:  # fmt: skip
+def policy_update(
+    model, optimizer, schedule, examples: list[Example], cfg: RunConfig, pad_id: int, ranks: Ranks = SINGLE
+) -> dict:
     """`grpo.passes` optimizer steps on one rollout batch; returns the step's training metrics.
 
     Sequences with advantage 0 are not run when there is no KL term (and the loss type does not normalise per
@@ -149,8 +151,10 @@ def policy_update(model, optimizer, schedule, examples: list[Example], cfg: RunC
     groups = micro_batch_indices(active, cfg.train.micro_batch_size)
     batches = [{k: v.to(device) for k, v in collate([examples[i] for i in idx], pad_id).items()} for idx in groups]
     local_tokens = sum(sum(t != IGNORE for t in e.labels[1:]) for e in examples)
-    total_tokens, total_sequences, total_batches, trained = map(int, sum_scalars(
-        ranks, local_tokens, len(examples), len(batches), sum(has_targets(examples[i]) for i in active)))  # fmt: skip
+    total_tokens, total_sequences, total_batches, trained = map(
+        int,
+        sum_scalars(ranks, local_tokens, len(examples), len(batches), sum(has_targets(examples[i]) for i in active)),
+    )
     params = [p for group in optimizer.param_groups for p in group["params"]]
     chunk = cfg.train.loss_chunk_tokens
     old, ref = local_stretch(ranks, frozen_policies, model, batches, g, chunk)
@@ -309,8 +313,7 @@ def count_grpo_steps(num_items: int, cfg: RunConfig) -> int:
 
 
 def _spread(values: list[float]) -> dict[str, float]:
-    return {"mean": statistics.fmean(values), "std": statistics.pstdev(values), "min": min(values),
-            "max": max(values)}  # fmt: skip
+    return {"mean": statistics.fmean(values), "std": statistics.pstdev(values), "min": min(values), "max": max(values)}
 
 
 def scored(values: list[float]) -> list[float]:
@@ -375,8 +378,15 @@ def whole_batch(shares: list[tuple]) -> tuple:
     return rollouts, rewards, per_fn, sizes, torch.tensor([a for share in shares for a in share[4]])
 
 
-def grpo_step(source: RolloutSource, batch: list, training: dict, pad_id: int, rollout_log: MetricsLog | None,
-              step: int, ranks: Ranks = SINGLE) -> dict:  # fmt: skip
+def grpo_step(
+    source: RolloutSource,
+    batch: list,
+    training: dict,
+    pad_id: int,
+    rollout_log: MetricsLog | None,
+    step: int,
+    ranks: Ranks = SINGLE,
+) -> dict:
     """Collect and score one batch of rollouts, update the policy on their advantages; the step's metrics.
     Data parallel: each rank collects and trains on its share of the prompts, with its groups' advantages;
     the scored rollouts are then gathered, so the metrics (and rank 0's rollouts.jsonl) are the whole batch's."""
@@ -397,15 +407,31 @@ def grpo_step(source: RolloutSource, batch: list, training: dict, pad_id: int, r
         write_rollouts(rollout_log, step, rollouts, rewards, per_fn, advantages)
     if source.reward_errors:
         record["reward_errors"] = source.reward_errors
-    record.update(rollout_metrics(rollouts, rewards, per_fn, advantages, group_sizes), step=step, lr=lr,
-                  generation_s=t_gen, training_s=time.perf_counter() - t0 - t_gen, router_load=router_load(model),
-                  sources=sorted({r.prompt.source for r in rollouts}))  # fmt: skip
+    record.update(
+        rollout_metrics(rollouts, rewards, per_fn, advantages, group_sizes),
+        step=step,
+        lr=lr,
+        generation_s=t_gen,
+        training_s=time.perf_counter() - t0 - t_gen,
+        router_load=router_load(model),
+        sources=sorted({r.prompt.source for r in rollouts}),
+    )
     return record
 
 
-def run_grpo_steps(source: RolloutSource, training: dict, *, total: int, done: RunProgress, out: Path,
-                   console: Console, checkpoint, stop: StopSignals, on_failure, ranks: Ranks = SINGLE,
-                   ) -> tuple[list[float], int]:  # fmt: skip
+def run_grpo_steps(
+    source: RolloutSource,
+    training: dict,
+    *,
+    total: int,
+    done: RunProgress,
+    out: Path,
+    console: Console,
+    checkpoint,
+    stop: StopSignals,
+    on_failure,
+    ranks: Ranks = SINGLE,
+) -> tuple[list[float], int]:
     """The rollout batches after `done`, with a progress bar (plain lines when stdout is not a terminal),
     metrics, rollouts, checkpoints by steps and minutes, and a checkpoint then RunInterrupted on a signal. A
     step that fails on any rank (out of memory, a reward function under grpo.reward_errors: abort) raises
@@ -413,13 +439,21 @@ def run_grpo_steps(source: RolloutSource, training: dict, *, total: int, done: R
     completed step.
     Returns the mean rewards of this invocation and the completion tokens it trained on. Rank 0 alone writes."""
     cfg = source.cfg
-    metrics = (Reporters(out, cfg.output.report_to, project=cfg.output.wandb_project,
-                         config=cfg.model_dump(mode="json")) if ranks.main else NoReporters(out))  # fmt: skip
+    metrics = (
+        Reporters(out, cfg.output.report_to, project=cfg.output.wandb_project, config=cfg.model_dump(mode="json"))
+        if ranks.main
+        else NoReporters(out)
+    )
     rollout_log = MetricsLog(out / "rollouts.jsonl") if ranks.main else None
     reward_means, tokens, start, first = [], 0, time.perf_counter(), done.step
     policy = CheckpointPolicy(cfg.train.save_every, cfg.train.save_every_minutes)
-    columns = [TextColumn("[bold]grpo"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-               TimeRemainingColumn()]  # fmt: skip
+    columns = [
+        TextColumn("[bold]grpo"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeRemainingColumn(),
+    ]
     try:
         with Progress(*columns, console=console, disable=not console.is_terminal) as bar:
             task = bar.add_task("grpo", total=total, info="", completed=done.step)
@@ -430,8 +464,17 @@ def run_grpo_steps(source: RolloutSource, training: dict, *, total: int, done: R
                     continue
                 stop_if_asked(stop, done, checkpoint, ranks)
                 start_step(step + 1)
-                record, failure = attempt(ranks, grpo_step, source, batch, training, source.tokenizer.pad_token_id,
-                                          rollout_log, step + 1, ranks)  # fmt: skip
+                record, failure = attempt(
+                    ranks,
+                    grpo_step,
+                    source,
+                    batch,
+                    training,
+                    source.tokenizer.pad_token_id,
+                    rollout_log,
+                    step + 1,
+                    ranks,
+                )
                 if failure is not None:  # outside the `except`: the failed step's frames are gone
                     raise on_failure(done, failure)
                 record["epoch"] = epoch
@@ -441,12 +484,18 @@ def run_grpo_steps(source: RolloutSource, training: dict, *, total: int, done: R
                     metrics.write(record)
                 reward_means.append(record["reward_mean"])
                 tokens += record["completion_tokens_total"]
-                info = {"reward": f"{record['reward_mean']:.3f}", "kl": f"{record.get('kl', 0):.4f}",
-                        "gen": f"{record['generation_s']:.1f}s", "train": f"{record['training_s']:.1f}s"}  # fmt: skip
+                info = {
+                    "reward": f"{record['reward_mean']:.3f}",
+                    "kl": f"{record.get('kl', 0):.4f}",
+                    "gen": f"{record['generation_s']:.1f}s",
+                    "train": f"{record['training_s']:.1f}s",
+                }
                 bar.update(task, advance=1, info="  ".join(f"{k} {v}" for k, v in info.items()))
                 if not console.is_terminal and ((step + 1) % cfg.train.log_every == 0 or step + 1 == total):
-                    console.print(plain_progress_line("grpo", step + 1, total, info, time.perf_counter() - start,
-                                                      first), highlight=False)  # fmt: skip
+                    console.print(
+                        plain_progress_line("grpo", step + 1, total, info, time.perf_counter() - start, first),
+                        highlight=False,
+                    )
                 if done.step < total and any_rank(ranks, policy.due(done.step)):
                     checkpoint(done)
                     policy.saved()
@@ -458,8 +507,9 @@ def run_grpo_steps(source: RolloutSource, training: dict, *, total: int, done: R
     return reward_means, tokens
 
 
-def grpo(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool = False,
-         overwrite: bool = False) -> GrpoResult:  # fmt: skip
+def grpo(
+    cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool = False, overwrite: bool = False
+) -> GrpoResult:
     """Run GRPO as configured (online sampling, or offline scored completions). Under torchrun each process is
     a data-parallel rank: the prompts of a step are split across the ranks by whole groups; rank 0 writes, and
     holds output.dir's lock for the run (RunDirLocked while another process holds it)."""
@@ -498,32 +548,60 @@ def _grpo(cfg: RunConfig, console: Console, ranks: Ranks, *, allow_mismatch: boo
         seed_everything(cfg.train.seed)  # what loading consumed must not matter
         optimizer = build_optimizer(params, cfg.train)
         total = count_grpo_steps(len(source.items), cfg)
-        training = {"model": model, "optimizer": optimizer,
-                    "scheduler": build_schedule(optimizer, total * cfg.grpo.passes, cfg.train)}  # fmt: skip
+        training = {
+            "model": model,
+            "optimizer": optimizer,
+            "scheduler": build_schedule(optimizer, total * cfg.grpo.passes, cfg.train),
+        }
         identity = {**config_identity(cfg.model_dump(mode="json")), "dataset_fingerprint": source.identity}
-        done = resume_if_asked(cfg, out, console, allow_mismatch=allow_mismatch, identity=identity,
-                               logs=("metrics.jsonl", "rollouts.jsonl"), writer=ranks.main, **training)  # fmt: skip
+        done = resume_if_asked(
+            cfg,
+            out,
+            console,
+            allow_mismatch=allow_mismatch,
+            identity=identity,
+            logs=("metrics.jsonl", "rollouts.jsonl"),
+            writer=ranks.main,
+            **training,
+        )
         if ranks.enabled:
-            console.print(f"data parallel (ddp): {ranks.world} ranks share each step's {cfg.grpo.prompts_per_step} "
-                          "prompts by whole groups")  # fmt: skip
+            console.print(
+                f"data parallel (ddp): {ranks.world} ranks share each step's {cfg.grpo.prompts_per_step} "
+                "prompts by whole groups"
+            )
         model.train()
 
         def checkpoint(progress: RunProgress) -> None:
             if ranks.main:
-                save_checkpoint(out, progress=progress, identity=identity, keep=cfg.train.keep_checkpoints,
-                                **training)  # fmt: skip
+                save_checkpoint(out, progress=progress, identity=identity, keep=cfg.train.keep_checkpoints, **training)
 
         on_failure = FaultStop(cfg, model_path, out, training, checkpoint, ranks)
-        reward_means, tokens = run_grpo_steps(source, training, total=total, done=done, out=out, console=console,
-                                              checkpoint=checkpoint, stop=stop, on_failure=on_failure,
-                                              ranks=ranks)  # fmt: skip
+        reward_means, tokens = run_grpo_steps(
+            source,
+            training,
+            total=total,
+            done=done,
+            out=out,
+            console=console,
+            checkpoint=checkpoint,
+            stop=stop,
+            on_failure=on_failure,
+            ranks=ranks,
+        )
         adapter_dir = write_adapter(model, out, cfg, model_path, console) if ranks.main else out / "adapter"
         if ranks.main:  # how generate renders a prompt as this run did: its prompt rows, or its scored completions
             offline = cfg.grpo.offline_file
             data = cfg.data.model_copy(update={"train_files": [offline]}) if offline else cfg.data
             write_prompt_format(adapter_dir, data)
-    RunSummary("grpo", len(reward_means), time.perf_counter() - started, tokens,
-               reward_means[-1] if reward_means else None, max(reward_means) if reward_means else None,
-               adapter_dir, out / "metrics.jsonl").print(console)  # fmt: skip
+    RunSummary(
+        "grpo",
+        len(reward_means),
+        time.perf_counter() - started,
+        tokens,
+        reward_means[-1] if reward_means else None,
+        max(reward_means) if reward_means else None,
+        adapter_dir,
+        out / "metrics.jsonl",
+    ).print(console)
     console.print(f"rollouts: {out / 'rollouts.jsonl'}", highlight=False)
     return GrpoResult(len(reward_means), reward_means, adapter_dir, out / "metrics.jsonl", out / "rollouts.jsonl")

@@ -148,8 +148,9 @@ def chunked_loss_matches(model, batch) -> str | None:
     if hidden.shape[-1] != head.in_features:
         return "the model does not feed its head's input through as logits"
     with torch.no_grad():
-        chunked = ChunkedTokenLogProbs.apply(hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias,
-                                             targets.reshape(-1), 1.0, 16).view(targets.shape)  # fmt: skip
+        chunked = ChunkedTokenLogProbs.apply(
+            hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias, targets.reshape(-1), 1.0, 16
+        ).view(targets.shape)
     err = float((chunked - full).abs().max())
     return None if err <= CHECK_TOL else f"its logits differ from the head's output by {err:.3g} (a logit transform?)"
 
@@ -227,8 +228,15 @@ SEQUENCE_MEAN_TYPES = ("grpo", "sapo")
 CLIPPED_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
-def token_weights(mask: torch.Tensor, loss_type: str, *, total_tokens: int, total_sequences: int,
-                  max_new_tokens: int = 0, micro_batches: int = 1) -> torch.Tensor:  # fmt: skip
+def token_weights(
+    mask: torch.Tensor,
+    loss_type: str,
+    *,
+    total_tokens: int,
+    total_sequences: int,
+    max_new_tokens: int = 0,
+    micro_batches: int = 1,
+) -> torch.Tensor:
     """Each completion token's share of the rollout batch's loss, as TRL's loss types define it. mask: (B, T).
 
     dapo, cispo, vespo: 1 / (completion tokens of the whole batch); grpo, sapo: 1 / (tokens of its completion *

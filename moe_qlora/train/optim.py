@@ -95,8 +95,15 @@ def build_optimizer(params, train_cfg) -> torch.optim.Optimizer:
     cls = OPTIMIZERS[train_cfg.optimizer]
     groups = [{"params": [p]} for p in params] if train_cfg.optimizer_in_backward else params
     kwargs = {"foreach": False} if cls is ClippedAdamW else {}
-    return cls(groups, lr=train_cfg.lr, betas=tuple(train_cfg.betas), eps=train_cfg.eps,
-               weight_decay=train_cfg.weight_decay, gclip=train_cfg.gclip, **kwargs)  # fmt: skip
+    return cls(
+        groups,
+        lr=train_cfg.lr,
+        betas=tuple(train_cfg.betas),
+        eps=train_cfg.eps,
+        weight_decay=train_cfg.weight_decay,
+        gclip=train_cfg.gclip,
+        **kwargs,
+    )
 
 
 class StepInBackward:
@@ -276,8 +283,9 @@ def restore_state(optimizer, p: torch.Tensor, saved: dict, *, copy=torch.Tensor.
         return
     state = optimizer.state[p]
     if is_bitsandbytes(optimizer) and not state:
-        gindex, pindex = next((gi, pi) for gi, g in enumerate(optimizer.param_groups)
-                              for pi, q in enumerate(g["params"]) if q is p)  # fmt: skip
+        gindex, pindex = next(
+            (gi, pi) for gi, g in enumerate(optimizer.param_groups) for pi, q in enumerate(g["params"]) if q is p
+        )
         optimizer.init_state(optimizer.param_groups[gindex], p, gindex, pindex)
     for key, value in saved.items():
         current = state.get(key)

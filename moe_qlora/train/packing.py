@@ -11,8 +11,9 @@ from moe_qlora.config.sections import ConfigError
 from moe_qlora.data.examples import Example, pack_examples
 
 
-def packed(model, examples: list[Example], held_out: list[Example], max_len: int, console: Console
-           ) -> tuple[list[Example], list[Example]]:  # fmt: skip
+def packed(
+    model, examples: list[Example], held_out: list[Example], max_len: int, console: Console
+) -> tuple[list[Example], list[Example]]:
     """data.packing: training and eval rows each packed into max_seq_len sequences (never mixed)."""
     if (reason := packing_unsupported(model)) is not None:
         raise ConfigError(f"data.packing: {reason}; set data.packing: false for this model")
@@ -38,8 +39,10 @@ def packing_unsupported(model) -> str | None:
     if recurrent:
         return f"{', '.join(recurrent)} layers carry state across packed rows (only attention restarts per row)"
     if rows_leak_when_packed(model):
-        return (f"in {type(model).__name__} a packed row sees the rows before it (its attention masks do not "
-                "restart at the positions, or a convolution or recurrent mixer runs across rows)")  # fmt: skip
+        return (
+            f"in {type(model).__name__} a packed row sees the rows before it (its attention masks do not "
+            "restart at the positions, or a convolution or recurrent mixer runs across rows)"
+        )
     return None
 
 

@@ -95,8 +95,7 @@ def resolve_reward(spec: RewardFunctionSpec, index: int) -> RewardFunction:
             "or `path/to/file.py:function`"
         )
     try:
-        module = _module_from_file(module_name) if module_name.endswith(".py") else importlib.import_module(
-            module_name)  # fmt: skip
+        module = _module_from_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
         fn = getattr(module, attr)
     except (ImportError, AttributeError, OSError) as exc:
         raise ConfigError(f"{key}: cannot load {spec.function!r}: {exc}") from None
@@ -158,9 +157,16 @@ def call_bounded(fn: Callable, timeout_s: float | None, *args, **kwargs):
     return result["value"]
 
 
-def score(functions: Sequence[RewardFunction], prompts: list[str], completions: list[str],
-          columns: dict[str, list], *, policy: RewardPolicy = RewardPolicy(), groups: list[int] | None = None,
-          sources: list[str] | None = None) -> tuple[list[float], dict[str, list[float]], int]:  # fmt: skip
+def score(
+    functions: Sequence[RewardFunction],
+    prompts: list[str],
+    completions: list[str],
+    columns: dict[str, list],
+    *,
+    policy: RewardPolicy = RewardPolicy(),
+    groups: list[int] | None = None,
+    sources: list[str] | None = None,
+) -> tuple[list[float], dict[str, list[float]], int]:
     """(total reward per completion, each function's rewards, samples scored 0 after an error). Every value
     must be a finite number, or None where the function does not score that sample (TRL's convention): the
     total is then the weighted sum of the others, and NaN where no function scored it (its advantage is 0).
@@ -169,8 +175,9 @@ def score(functions: Sequence[RewardFunction], prompts: list[str], completions: 
     per_fn, errors = {}, 0
     for f in functions:
         try:
-            values = _checked_values(f, call_bounded(f.fn, policy.timeout_s, prompts, completions, **columns, **f.args),
-                                     len(completions))  # fmt: skip
+            values = _checked_values(
+                f, call_bounded(f.fn, policy.timeout_s, prompts, completions, **columns, **f.args), len(completions)
+            )
         except RewardError:
             raise
         except Exception as exc:
@@ -193,8 +200,9 @@ def weighted_totals(per_fn: dict[str, list[float]], weights: dict[str, float]) -
 def _checked_values(f: RewardFunction, values, n: int) -> list[float]:
     if not isinstance(values, (list, tuple)) or len(values) != n:
         got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
-        raise RewardError(f"reward {f.name!r} returned {got} for {n} completions; "
-                          "expected a list with one float per completion")  # fmt: skip
+        raise RewardError(
+            f"reward {f.name!r} returned {got} for {n} completions; expected a list with one float per completion"
+        )
     bad = [v for v in values if v is not None and not _finite_number(v)]
     if bad:
         raise RewardError(
@@ -208,8 +216,9 @@ def _finite_number(v) -> bool:
     return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
 
-def _score_around_failure(f: RewardFunction, prompts, completions, columns, policy: RewardPolicy, groups, sources,
-                          exc: Exception) -> tuple[list[float], int]:  # fmt: skip
+def _score_around_failure(
+    f: RewardFunction, prompts, completions, columns, policy: RewardPolicy, groups, sources, exc: Exception
+) -> tuple[list[float], int]:
     """After a call of `f` on the whole batch failed with `exc`: find the prompt whose completions make it fail
     (each prompt's completions scored alone; a timeout is not retried, every prompt is taken as failing), then
     abort naming it, or score its samples 0. Returns (values, samples scored 0)."""
@@ -222,8 +231,14 @@ def _score_around_failure(f: RewardFunction, prompts, completions, columns, poli
         error = exc
         if not isinstance(exc, RewardTimeout):
             try:
-                sub = call_bounded(f.fn, policy.timeout_s, [prompts[i] for i in rows], [completions[i] for i in rows],
-                                   **{k: [v[i] for i in rows] for k, v in columns.items()}, **f.args)  # fmt: skip
+                sub = call_bounded(
+                    f.fn,
+                    policy.timeout_s,
+                    [prompts[i] for i in rows],
+                    [completions[i] for i in rows],
+                    **{k: [v[i] for i in rows] for k, v in columns.items()},
+                    **f.args,
+                )
                 for i, v in zip(rows, _checked_values(f, sub, len(rows)), strict=True):
                     values[i] = v
                 continue

@@ -55,8 +55,12 @@ def _prompt_ids(row: dict, tokenizer, source: str) -> tuple[list[int], str]:
     messages = row.get("messages")
     if messages is None:
         raise DataError(f"{source}: a GRPO prompt row needs 'prompt' (a string) or 'messages'; it has {sorted(row)}")
-    if isinstance(messages, list) and messages and isinstance(messages[-1], dict) and \
-            messages[-1].get("role") == "assistant":  # fmt: skip
+    if (
+        isinstance(messages, list)
+        and messages
+        and isinstance(messages[-1], dict)
+        and messages[-1].get("role") == "assistant"
+    ):
         messages = messages[:-1]  # a reference answer in the row is not part of the prompt
     if not isinstance(messages, list) or not messages or messages[-1].get("role") != "user":
         raise DataError(f"{source}: 'messages' of a GRPO prompt must end with a user turn")
@@ -71,15 +75,19 @@ def load_prompts(cfg: DataSection, tokenizer, max_new_tokens: int) -> tuple[list
     (truncate keeps the prompt's end, which holds the question)."""
     room = cfg.max_seq_len - max_new_tokens
     if room < 1:
-        raise DataError(f"data.max_seq_len ({cfg.max_seq_len}) leaves no room for a prompt beside "
-                        f"grpo.max_new_tokens ({max_new_tokens})")  # fmt: skip
+        raise DataError(
+            f"data.max_seq_len ({cfg.max_seq_len}) leaves no room for a prompt beside "
+            f"grpo.max_new_tokens ({max_new_tokens})"
+        )
     prompts, dropped = [], 0
     for source, row in load_rows(cfg.train_files):
         ids, text = _prompt_ids(row, tokenizer, source)
         if len(ids) > room:
             if cfg.overlength == "error":
-                raise DataError(f"{source}: prompt of {len(ids)} tokens, over data.max_seq_len - grpo.max_new_tokens "
-                                f"= {room} (overlength: error)")  # fmt: skip
+                raise DataError(
+                    f"{source}: prompt of {len(ids)} tokens, over data.max_seq_len - grpo.max_new_tokens "
+                    f"= {room} (overlength: error)"
+                )
             if cfg.overlength == "drop":
                 dropped += 1
                 continue
@@ -94,11 +102,18 @@ def load_prompts(cfg: DataSection, tokenizer, max_new_tokens: int) -> tuple[list
 def generation_config(cfg: GrpoSection, tokenizer) -> GenerationConfig:
     """Sampling settings, all explicit (a checkpoint's own generation_config must not add top-k etc.)."""
     return GenerationConfig(
-        do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-        max_new_tokens=cfg.max_new_tokens, num_return_sequences=cfg.group_size, use_cache=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id, stop_strings=cfg.stop or None,
-    )  # fmt: skip
+        do_sample=True,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        max_new_tokens=cfg.max_new_tokens,
+        num_return_sequences=cfg.group_size,
+        use_cache=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        stop_strings=cfg.stop or None,
+    )
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,8 +161,12 @@ def sample_rollouts(model, tokenizer, prompts: list[PromptRow], cfg: GrpoSection
     was_training = model.training
     model.eval()  # no dropout while sampling; checkpointed layers keep the KV cache only in eval mode
     try:
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                             generation_config=generation_config(cfg, tokenizer), tokenizer=tokenizer)  # fmt: skip
+        out = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            generation_config=generation_config(cfg, tokenizer),
+            tokenizer=tokenizer,
+        )
     finally:
         model.train(was_training)
     generated = out[:, ids.shape[1] :].tolist()
@@ -178,8 +197,11 @@ def load_offline_groups(path: str, data_cfg: DataSection, tokenizer) -> list[Off
         ids, text = _prompt_ids(row, tokenizer, source)
         completions = row.get("completions")
         rewards = row.get("rewards", row.get("scores"))
-        if not isinstance(completions, list) or len(completions) < 2 or \
-                not all(isinstance(c, str) and c for c in completions):  # fmt: skip
+        if (
+            not isinstance(completions, list)
+            or len(completions) < 2
+            or not all(isinstance(c, str) and c for c in completions)
+        ):
             raise DataError(f"{source}: 'completions' must be a list of at least 2 non-empty strings")
         if not isinstance(rewards, list) or len(rewards) != len(completions):
             raise DataError(f"{source}: 'rewards' (or 'scores') must be a list with one number per completion")
@@ -221,8 +243,10 @@ class RolloutSource:
         if self.offline:
             self.items = load_offline_groups(g.offline_file, cfg.data, tokenizer)
             self.identity = fingerprint([x.prompt.source, x.prompt.ids, x.completions, x.rewards] for x in self.items)
-            console.print(f"grpo offline: {len(self.items)} prompts with "
-                          f"{sum(len(x.completions) for x in self.items)} scored completions")  # fmt: skip
+            console.print(
+                f"grpo offline: {len(self.items)} prompts with "
+                f"{sum(len(x.completions) for x in self.items)} scored completions"
+            )
         else:
             self.items, dropped = load_prompts(cfg.data, tokenizer, g.max_new_tokens)
             self.identity = fingerprint([p.source, p.ids, p.columns] for p in self.items)
@@ -232,8 +256,9 @@ class RolloutSource:
                 f"completions each; rewards {', '.join(f'{s.weight:g} x {s.function}' for s in g.rewards)}"
             )
 
-    def collect(self, model, batch: list, first: int = 0
-                ) -> tuple[list[Rollout], list[float], dict[str, list[float]], list[int]]:  # fmt: skip
+    def collect(
+        self, model, batch: list, first: int = 0
+    ) -> tuple[list[Rollout], list[float], dict[str, list[float]], list[int]]:
         """(rollouts, total rewards, rewards per function, group sizes) of one step's prompts; a failing reward
         names its prompt as `first` + its place in `batch` (a rank's share starts at `first`)."""
         if self.offline:
@@ -245,9 +270,15 @@ class RolloutSource:
         g = self.cfg.grpo
         policy = RewardPolicy(on_error=g.reward_errors, timeout_s=g.reward_timeout_s, step=POSITION.step)
         with phase("rewards"):
-            rewards, per_fn, self.reward_errors = score(self.functions, prompts, completions, columns_of(rollouts),
-                                                        policy=policy, groups=[first + r.group for r in rollouts],
-                                                        sources=[r.prompt.source for r in rollouts])  # fmt: skip
+            rewards, per_fn, self.reward_errors = score(
+                self.functions,
+                prompts,
+                completions,
+                columns_of(rollouts),
+                policy=policy,
+                groups=[first + r.group for r in rollouts],
+                sources=[r.prompt.source for r in rollouts],
+            )
         return rollouts, rewards, per_fn, [g.group_size] * len(batch)
 
     def collect_share(self, model, batch: list, ranks: Ranks, step: int):

@@ -104,8 +104,10 @@ class StopSignals:
         if self.requested is not None:
             raise KeyboardInterrupt
         self.requested = signum
-        self.console.print(f"\n{signal.Signals(signum).name}: stopping after this step and writing a checkpoint "
-                           "(send it again to stop at once, without one)")  # fmt: skip
+        self.console.print(
+            f"\n{signal.Signals(signum).name}: stopping after this step and writing a checkpoint "
+            "(send it again to stop at once, without one)"
+        )
 
 
 class CheckpointPolicy:
@@ -150,9 +152,11 @@ class RunSummary:
 
     def print(self, console) -> None:
         what = "loss" if self.command == "train" else "mean reward"
-        console.print(f"done: {self.steps} steps in {_duration(self.seconds)}, {self.tokens:,} tokens"
-                      + (f"; {what} {self.final:.4f} at the end, best {self.best:.4f}" if self.final is not None
-                         else ""), highlight=False)  # fmt: skip
+        console.print(
+            f"done: {self.steps} steps in {_duration(self.seconds)}, {self.tokens:,} tokens"
+            + (f"; {what} {self.final:.4f} at the end, best {self.best:.4f}" if self.final is not None else ""),
+            highlight=False,
+        )
         console.print(f"adapter: {self.adapter}\nmetrics: {self.metrics}", highlight=False)
         console.print(
             "next:\n"

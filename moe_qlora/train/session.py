@@ -80,8 +80,13 @@ def after_step(record: dict, sources: list[str], done: RunProgress, cfg, *, spik
             raise TrainingAborted(f"non-finite loss or gradient at {where} (nan_policy: abort)")
         if consecutive >= t.max_consecutive_skips:
             raise TrainingAborted(f"{consecutive} non-finite steps in a row, the last at {where}")
-        return RunProgress(step=record["step"], epoch=record["epoch"], skipped_steps=done.skipped_steps + 1,
-                           consecutive_skips=consecutive, loss_ema=done.loss_ema)  # fmt: skip
+        return RunProgress(
+            step=record["step"],
+            epoch=record["epoch"],
+            skipped_steps=done.skipped_steps + 1,
+            consecutive_skips=consecutive,
+            loss_ema=done.loss_ema,
+        )
     ema = done.loss_ema
     if spikes and t.spike_factor and ema is not None and record["step"] > 10 and record["loss"] > t.spike_factor * ema:
         record["event"] = "loss_spike"
@@ -176,8 +181,9 @@ def load_tokenizer(cfg: RunConfig):
     return model_path, tokenizer
 
 
-def sharding_chosen(cfg: RunConfig, ranks: Ranks, model_path: str, console: Console, *, generates: bool = False
-                    ) -> bool:  # fmt: skip
+def sharding_chosen(
+    cfg: RunConfig, ranks: Ranks, model_path: str, console: Console, *, generates: bool = False
+) -> bool:
     """train.parallel under several ranks: fsdp as asked, ddp as asked, and auto = ddp when `plan` says the run
     fits one device (always on the CPU, and for a run that `generates`: grpo), fsdp otherwise. What a sharded
     run cannot do is refused here (config.check_shardable), before loading."""
@@ -193,16 +199,17 @@ def sharding_chosen(cfg: RunConfig, ranks: Ranks, model_path: str, console: Cons
 
         need = plan_run(cfg, name_or_path=model_path, device="cuda").total
         have = torch.cuda.get_device_properties(device).total_memory
-        console.print(f"train.parallel auto: the run needs {need / 2**30:.1f} GiB on one GPU of "
-                      f"{have / 2**30:.1f} GiB (moe-qlora plan) -> {'fsdp' if need > have else 'ddp'}")  # fmt: skip
+        console.print(
+            f"train.parallel auto: the run needs {need / 2**30:.1f} GiB on one GPU of "
+            f"{have / 2**30:.1f} GiB (moe-qlora plan) -> {'fsdp' if need > have else 'ddp'}"
+        )
         if need <= have:
             return False
     check_shardable(cfg, generates=generates)
     return True
 
 
-def load_policy(cfg: RunConfig, model_path: str, console: Console, ranks: Ranks = SINGLE, *,
-                generates: bool = False):  # fmt: skip
+def load_policy(cfg: RunConfig, model_path: str, console: Console, ranks: Ranks = SINGLE, *, generates: bool = False):
     """The quantized model with its adapters (new, or from lora.init_from) and checkpointing, sharded with FSDP2
     when the run is (sharding_chosen); (model, params, ranks). A sharded run on CUDA loads on the host and
     moves each rank's shards to its GPU, so no GPU ever holds the whole model."""
@@ -221,9 +228,13 @@ def load_policy(cfg: RunConfig, model_path: str, console: Console, ranks: Ranks 
     model = attach_adapters(load_model(opts), cfg.lora, seed=cfg.train.seed, device=opts.device)
     start_expert_offload(model, cfg, opts.experts_on_host, device, console)
     kernels = resolve_kernels(cfg.model.kernels, device, opts.compute_dtype)
-    if set_moe_kernels(model, kernels, fused_below_rows=cfg.model.fused_below_rows,
-                       dequant_buffer_mb=cfg.model.dequant_buffer_mb,
-                       self_check=cfg.model.kernel_self_check):  # fmt: skip
+    if set_moe_kernels(
+        model,
+        kernels,
+        fused_below_rows=cfg.model.fused_below_rows,
+        dequant_buffer_mb=cfg.model.dequant_buffer_mb,
+        self_check=cfg.model.kernel_self_check,
+    ):
         console.print(f"MoE kernels: {describe_kernels(kernels, cfg.model.fused_below_rows, cfg.model.kernels)}")
     if cfg.lora.init_from:
         n = load_adapter(model, cfg.lora.init_from, cfg.lora)
@@ -234,8 +245,10 @@ def load_policy(cfg: RunConfig, model_path: str, console: Console, ranks: Ranks 
     if sharded:
         ranks = shard_model(model, ranks)
         move_unsharded_to(model, device_of(ranks))
-        console.print(f"fsdp: 4-bit experts and linears, frozen weights, LoRA and optimizer state sharded over "
-                      f"{ranks.world} ranks")  # fmt: skip
+        console.print(
+            f"fsdp: 4-bit experts and linears, frozen weights, LoRA and optimizer state sharded over "
+            f"{ranks.world} ranks"
+        )
     params = trainable_parameters(model)
     if not params:
         raise ValueError("no trainable parameters: lora.target_modules matched nothing and the model has no experts")
@@ -252,8 +265,9 @@ def size(n: int) -> str:
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
-def offloaded_layers(cfg: RunConfig, model_path: str, device: str, sharded: bool, gpu_gib: float | None = None
-                     ) -> frozenset[str]:  # fmt: skip
+def offloaded_layers(
+    cfg: RunConfig, model_path: str, device: str, sharded: bool, gpu_gib: float | None = None
+) -> frozenset[str]:
     """model.expert_offload: the experts modules (by name) whose NF4 stacks are stored in host memory. all: every
     one; auto: the fewest `plan` needs to fit this GPU (`gpu_gib`, default the device's), none on the CPU; none
     under FSDP (all on the CPU: every one, host to host). Decided, and the host's memory checked, from
@@ -280,13 +294,14 @@ def offloaded_layers(cfg: RunConfig, model_path: str, device: str, sharded: bool
 def check_host_memory(need: int, layers: int, mode: str) -> None:
     """Refuse an offload whose host blocks would not fit in the memory the host has available now."""
     if (available := available_host_bytes()) is not None and need > available:
-        raise ConfigError(f"model.expert_offload: {mode} needs {size(need)} of host memory for {layers} MoE layers' "
-                          f"experts; this machine has {size(available)} available. Free memory, "
-                          "or offload fewer layers (expert_offload: auto)")  # fmt: skip
+        raise ConfigError(
+            f"model.expert_offload: {mode} needs {size(need)} of host memory for {layers} MoE layers' "
+            f"experts; this machine has {size(available)} available. Free memory, "
+            "or offload fewer layers (expert_offload: auto)"
+        )
 
 
-def start_expert_offload(model, cfg: RunConfig, on_host: frozenset[str], device: str, console: Console,
-                         streams=None):  # fmt: skip
+def start_expert_offload(model, cfg: RunConfig, on_host: frozenset[str], device: str, console: Console, streams=None):
     """Route the reads of the experts modules stored on the host (`on_host`, by name) through an
     ExpertOffloader: each layer's stacks packed into one page-locked block, copied into one of
     model.offload_resident_layers device buffers when the layer runs (moe/offload.py). Returns it, or None."""
@@ -294,13 +309,16 @@ def start_expert_offload(model, cfg: RunConfig, on_host: frozenset[str], device:
     if not modules:
         return None
     need = sum(host_layer_bytes({s: NF4Stack.from_param(getattr(m, s)) for s in stack_names(m)}) for _, m in modules)
-    offloader = offload_experts([m for _, m in modules], device, max_resident=cfg.model.offload_resident_layers,
-                                streams=streams)  # fmt: skip
+    offloader = offload_experts(
+        [m for _, m in modules], device, max_resident=cfg.model.offload_resident_layers, streams=streams
+    )
     release_freed_memory()  # the pageable copies the loader left, now in the page-locked blocks
     total = len(experts_modules(model))
-    console.print(f"expert offload ({cfg.model.expert_offload}): {len(modules)} of {total} MoE layers' experts "
-                  f"({size(need)}) in page-locked host memory, at most {cfg.model.offload_resident_layers} layers "
-                  f"on {device} at once")  # fmt: skip
+    console.print(
+        f"expert offload ({cfg.model.expert_offload}): {len(modules)} of {total} MoE layers' experts "
+        f"({size(need)}) in page-locked host memory, at most {cfg.model.offload_resident_layers} layers "
+        f"on {device} at once"
+    )
     return offloader
 
 
@@ -350,8 +368,10 @@ def describe_kernels(kernels: str, fused_below_rows: int, choice: str) -> str:
     if kernels == "auto":
         return f"auto per layer call: triton below {fused_below_rows} rows per expert, grouped_mm at or above"
     if choice == "auto" and kernels == "triton":
-        return ("triton (model.kernels: auto; torch._grouped_mm has no fused kernel for this GPU and dtype, only a "
-                "loop over experts with host syncs)")  # fmt: skip
+        return (
+            "triton (model.kernels: auto; torch._grouped_mm has no fused kernel for this GPU and dtype, only a "
+            "loop over experts with host syncs)"
+        )
     return kernels + (" (model.kernels: auto)" if choice == "auto" else "")
 
 
@@ -371,9 +391,16 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 
-def resume_if_asked(cfg: RunConfig, out: Path, console: Console, *, allow_mismatch: bool,
-                    logs: tuple[str, ...] = ("metrics.jsonl",), writer: bool = True,
-                    **training) -> RunProgress:  # fmt: skip
+def resume_if_asked(
+    cfg: RunConfig,
+    out: Path,
+    console: Console,
+    *,
+    allow_mismatch: bool,
+    logs: tuple[str, ...] = ("metrics.jsonl",),
+    writer: bool = True,
+    **training,
+) -> RunProgress:
     """Restore the checkpoint `train.resume` names (auto: the newest valid one in output.dir); a fresh
     RunProgress for `never`. Records of `logs` after the checkpoint's step are dropped, since those steps
     will be done again (all of them when there is no checkpoint yet). Checkpoints newer than a named one
@@ -427,7 +454,7 @@ def build_schedule(optimizer, total_updates: int, train_cfg):
         optimizer,
         lambda s: lr_multiplier(
             s, total_steps=total_updates, warmup_steps=train_cfg.warmup_steps, schedule=train_cfg.schedule
-        ),  # fmt: skip
+        ),
     )
 
 
@@ -446,7 +473,10 @@ def write_adapter(model, out: Path, cfg: RunConfig, model_path: str, console: Co
     for fmt in cfg.output.export_formats:
         from moe_qlora.export.formats import write_gguf, write_per_expert, write_vllm
 
-        writer, name = {"vllm": (write_vllm, "adapter-vllm"), "per-expert": (write_per_expert, "adapter-per-expert"),
-                        "gguf": (write_gguf, "adapter.gguf")}[fmt]  # fmt: skip
+        writer, name = {
+            "vllm": (write_vllm, "adapter-vllm"),
+            "per-expert": (write_per_expert, "adapter-per-expert"),
+            "gguf": (write_gguf, "adapter.gguf"),
+        }[fmt]
         console.print(f"{fmt}: {writer(adapter_dir, out / name)}")
     return adapter_dir

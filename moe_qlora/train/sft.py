@@ -116,8 +116,9 @@ def accumulate_gradients(
     return total / n_targets, n_targets, (sum(aux) / len(aux) if aux else None)
 
 
-def backward_over(model, batches: list[dict[str, torch.Tensor]], n_targets: int, loss_chunk: int
-                  ) -> tuple[float, list[float]]:  # fmt: skip
+def backward_over(
+    model, batches: list[dict[str, torch.Tensor]], n_targets: int, loss_chunk: int
+) -> tuple[float, list[float]]:
     """Forward and backward of each micro-batch, its loss sum scaled by 1/n_targets; (summed loss, aux losses)."""
     total, aux = 0.0, []
     for batch in batches:
@@ -149,8 +150,9 @@ def backward_with_updates(model, stepper: StepInBackward, batch: dict[str, torch
     return loss, n_targets, aux_loss, grad_norm, skipped
 
 
-def train_step(model, optimizer, group, pad_id: int, train_cfg, stepper: StepInBackward | None = None,
-               ranks: Ranks = SINGLE) -> dict:  # fmt: skip
+def train_step(
+    model, optimizer, group, pad_id: int, train_cfg, stepper: StepInBackward | None = None, ranks: Ranks = SINGLE
+) -> dict:
     """One optimizer step over the micro-batches in `group` (inside the backward with `stepper`); returns
     its metrics."""
     device = next(model.parameters()).device
@@ -161,13 +163,20 @@ def train_step(model, optimizer, group, pad_id: int, train_cfg, stepper: StepInB
             model, stepper, batch, loss_chunk=train_cfg.loss_chunk_tokens
         )
     else:
-        loss, n_targets, aux_loss = accumulate_gradients(model, batches, loss_chunk=train_cfg.loss_chunk_tokens,
-                                                         ranks=ranks)  # fmt: skip
+        loss, n_targets, aux_loss = accumulate_gradients(
+            model, batches, loss_chunk=train_cfg.loss_chunk_tokens, ranks=ranks
+        )
         grad_norm, skipped = local_stretch(ranks, apply_update, optimizer, loss, train_cfg)
     trained = sum(len(e.input_ids) for mb in group for e in mb if not e.source.endswith(IDLE))
     tokens = int(sum_scalars(ranks, trained)[0])
-    return {"loss": loss, "grad_norm": grad_norm, "target_tokens": n_targets, "tokens": tokens, "skipped": skipped,
-            "aux_loss": aux_loss}  # fmt: skip
+    return {
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "target_tokens": n_targets,
+        "tokens": tokens,
+        "skipped": skipped,
+        "aux_loss": aux_loss,
+    }
 
 
 def prepare(cfg: RunConfig, console: Console, ranks: Ranks = SINGLE):
@@ -179,8 +188,10 @@ def prepare(cfg: RunConfig, console: Console, ranks: Ranks = SINGLE):
     if rwsft:
         examples = apply_reward_weights(examples, cfg.reward)
         weights = [e.weight for e in examples]
-        console.print(f"rwsft: weights ({cfg.reward.mapping}) from {min(weights):.3g} to {max(weights):.3g}, "
-                      f"mean {sum(weights) / len(weights):.3g}")  # fmt: skip
+        console.print(
+            f"rwsft: weights ({cfg.reward.mapping}) from {min(weights):.3g} to {max(weights):.3g}, "
+            f"mean {sum(weights) / len(weights):.3g}"
+        )
     console.print(
         f"data: {stats.rows} rows -> {len(examples)} examples, {stats.target_tokens} target tokens; "
         f"truncated {stats.truncated}, dropped {stats.dropped_overlength} over max_seq_len and "
@@ -190,8 +201,9 @@ def prepare(cfg: RunConfig, console: Console, ranks: Ranks = SINGLE):
     return model_path, tokenizer, examples, model, params, ranks
 
 
-def held_out_examples(cfg: RunConfig, tokenizer, examples: list[Example], console: Console
-                      ) -> tuple[list[Example], list[Example]]:  # fmt: skip
+def held_out_examples(
+    cfg: RunConfig, tokenizer, examples: list[Example], console: Console
+) -> tuple[list[Example], list[Example]]:
     """(train, eval) examples: data.eval_files tokenized like the training rows, or a seeded
     data.eval_fraction of them held out (never trained on)."""
     if cfg.data.eval_files:
@@ -229,10 +241,23 @@ def best_eval_so_far(metrics_path: Path) -> float:
     return min(values, default=math.inf)
 
 
-def run_steps(cfg: RunConfig, examples, pad_id: int, training: dict, *, total: int, done: RunProgress,
-              metrics: Reporters, console: Console, checkpoint, stop: StopSignals,
-              on_failure, stepper: StepInBackward | None = None, evaluate=None, ranks: Ranks = SINGLE,
-              ) -> tuple[list[float], int]:  # fmt: skip
+def run_steps(
+    cfg: RunConfig,
+    examples,
+    pad_id: int,
+    training: dict,
+    *,
+    total: int,
+    done: RunProgress,
+    metrics: Reporters,
+    console: Console,
+    checkpoint,
+    stop: StopSignals,
+    on_failure,
+    stepper: StepInBackward | None = None,
+    evaluate=None,
+    ranks: Ranks = SINGLE,
+) -> tuple[list[float], int]:
     """The optimizer steps after `done`, with a progress bar (plain lines when stdout is not a terminal),
     metrics, checkpoints by steps and minutes, and a checkpoint then RunInterrupted on SIGINT/SIGTERM; a step that
     fails (out of memory, on any rank) raises on_failure(last completed progress, failure, stepper), a
@@ -241,8 +266,13 @@ def run_steps(cfg: RunConfig, examples, pad_id: int, training: dict, *, total: i
     model, optimizer, schedule = training["model"], training["optimizer"], training["scheduler"]
     losses, tokens, start, first = [], 0, time.perf_counter(), done.step
     policy = CheckpointPolicy(cfg.train.save_every, cfg.train.save_every_minutes)
-    columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-               TimeRemainingColumn()]  # fmt: skip
+    columns = [
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeRemainingColumn(),
+    ]
     with Progress(*columns, console=console, transient=False, disable=not console.is_terminal) as bar:
         task = bar.add_task("train", total=total, info="", completed=done.step)
         for step, (epoch, group) in enumerate(optimizer_steps(examples, cfg, ranks)):
@@ -258,10 +288,18 @@ def run_steps(cfg: RunConfig, examples, pad_id: int, training: dict, *, total: i
             if failure is not None:  # outside the `except`: the failed step's frames are gone
                 raise on_failure(done, failure, stepper=stepper)
             dt = time.perf_counter() - t0
-            record.update(step=step + 1, epoch=epoch, lr=lr, step_time_s=dt, tokens_per_s=record["tokens"] / dt,
-                          elapsed_s=time.perf_counter() - start, router_load=router_load(model))  # fmt: skip
-            if evaluate is not None and (step + 1 == total or (cfg.train.eval_every and
-                                                               (step + 1) % cfg.train.eval_every == 0)):  # fmt: skip
+            record.update(
+                step=step + 1,
+                epoch=epoch,
+                lr=lr,
+                step_time_s=dt,
+                tokens_per_s=record["tokens"] / dt,
+                elapsed_s=time.perf_counter() - start,
+                router_load=router_load(model),
+            )
+            if evaluate is not None and (
+                step + 1 == total or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0)
+            ):
                 record.update(evaluate())
             try:
                 done = after_step(record, [e.source for mb in group for e in mb], done, cfg)
@@ -278,8 +316,10 @@ def run_steps(cfg: RunConfig, examples, pad_id: int, training: dict, *, total: i
                 info["eval"] = f"{record['eval_loss']:.4f}"
             bar.update(task, advance=1, info="  ".join(f"{k} {v}" for k, v in info.items()))
             if not console.is_terminal and ((step + 1) % cfg.train.log_every == 0 or step + 1 == total):
-                console.print(plain_progress_line("train", step + 1, total, info, time.perf_counter() - start, first),
-                              highlight=False)  # fmt: skip
+                console.print(
+                    plain_progress_line("train", step + 1, total, info, time.perf_counter() - start, first),
+                    highlight=False,
+                )
             if done.step < total and any_rank(ranks, policy.due(done.step)):  # by minutes: clocks may disagree
                 checkpoint(done)
                 policy.saved()
@@ -287,8 +327,9 @@ def run_steps(cfg: RunConfig, examples, pad_id: int, training: dict, *, total: i
     return losses, tokens
 
 
-def train(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool = False,
-          overwrite: bool = False) -> TrainResult:  # fmt: skip
+def train(
+    cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool = False, overwrite: bool = False
+) -> TrainResult:
     """Run SFT as configured: returns the per-step losses (of this invocation) and where the outputs went.
     Raises RunInterrupted after checkpointing when SIGINT or SIGTERM arrives. Under torchrun (WORLD_SIZE > 1)
     each process is a data-parallel rank (distributed.py); rank 0 alone writes, and holds output.dir's lock for
@@ -298,11 +339,14 @@ def train(cfg: RunConfig, console: Console | None = None, *, allow_mismatch: boo
         return _train(cfg, console, out, ranks, allow_mismatch=allow_mismatch, overwrite=overwrite)
 
 
-def _train(cfg: RunConfig, console: Console, out: Path, ranks: Ranks, *, allow_mismatch: bool,
-           overwrite: bool) -> TrainResult:  # fmt: skip
+def _train(
+    cfg: RunConfig, console: Console, out: Path, ranks: Ranks, *, allow_mismatch: bool, overwrite: bool
+) -> TrainResult:
     if ranks.enabled and cfg.train.optimizer_in_backward:
-        raise ConfigError("train.optimizer_in_backward steps inside each rank's backward, before the gradients "
-                          "of the ranks are summed: set it false for a data-parallel run")  # fmt: skip
+        raise ConfigError(
+            "train.optimizer_in_backward steps inside each rank's backward, before the gradients "
+            "of the ranks are summed: set it false for a data-parallel run"
+        )
     claim_output_dir_together(out, cfg, ranks, console, overwrite=overwrite)
     started = time.perf_counter()
     with StopSignals(console) as stop:
@@ -322,11 +366,15 @@ def _train(cfg: RunConfig, console: Console, out: Path, ranks: Ranks, *, allow_m
         optimizer = build_optimizer(params, cfg.train)
         total = count_steps(len(examples), cfg, ranks.world)
         schedule = build_schedule(optimizer, total, cfg.train)
-        identity = {**config_identity(cfg.model_dump(mode="json")),
-                    "dataset_fingerprint": dataset_fingerprint(examples), "world": ranks.world}  # fmt: skip
+        identity = {
+            **config_identity(cfg.model_dump(mode="json")),
+            "dataset_fingerprint": dataset_fingerprint(examples),
+            "world": ranks.world,
+        }
         training = {"model": model, "optimizer": optimizer, "scheduler": schedule}
-        done = resume_if_asked(cfg, out, console, allow_mismatch=allow_mismatch, identity=identity,
-                               writer=ranks.main, **training)  # fmt: skip
+        done = resume_if_asked(
+            cfg, out, console, allow_mismatch=allow_mismatch, identity=identity, writer=ranks.main, **training
+        )
         resumed_at = done.step
         done, total = continue_at_world_size(done, ranks, len(examples), cfg, total, console)
         if done.step != resumed_at:
@@ -335,20 +383,31 @@ def _train(cfg: RunConfig, console: Console, out: Path, ranks: Ranks, *, allow_m
                 truncate_metrics(out / "metrics.jsonl", done.step)
         if ranks.enabled:
             batch = ranks.world * cfg.train.micro_batch_size * cfg.train.grad_accum
-            console.print(f"data parallel ({'fsdp' if ranks.sharded else 'ddp'}): {ranks.world} ranks x "
-                          f"micro_batch_size {cfg.train.micro_batch_size}, global batch {batch}")  # fmt: skip
+            console.print(
+                f"data parallel ({'fsdp' if ranks.sharded else 'ddp'}): {ranks.world} ranks x "
+                f"micro_batch_size {cfg.train.micro_batch_size}, global batch {batch}"
+            )
         stepper = None
         if cfg.train.optimizer_in_backward:  # undo: a step abandoned part-way (NaN, out of memory) is put back
             stepper = StepInBackward(optimizer, undo=True)
-        metrics = (Reporters(out, cfg.output.report_to, project=cfg.output.wandb_project,
-                             config=cfg.model_dump(mode="json")) if ranks.main else NoReporters(out))  # fmt: skip
+        metrics = (
+            Reporters(out, cfg.output.report_to, project=cfg.output.wandb_project, config=cfg.model_dump(mode="json"))
+            if ranks.main
+            else NoReporters(out)
+        )
         model.train()
 
         def checkpoint(progress: RunProgress) -> None:
             tensors = checkpoint_tensors(model, optimizer) if ranks.sharded else None  # gathered by every rank
             if ranks.main:
-                save_checkpoint(out, progress=progress, identity=identity, keep=cfg.train.keep_checkpoints,
-                                tensors=tensors, **training)  # fmt: skip
+                save_checkpoint(
+                    out,
+                    progress=progress,
+                    identity=identity,
+                    keep=cfg.train.keep_checkpoints,
+                    tensors=tensors,
+                    **training,
+                )
 
         best = {"loss": best_eval_so_far(metrics.path)}
 
@@ -365,11 +424,22 @@ def _train(cfg: RunConfig, console: Console, out: Path, ranks: Ranks, *, allow_m
             return fields
 
         try:
-            losses, tokens = run_steps(cfg, examples, tokenizer.pad_token_id, training, total=total, done=done,
-                                       metrics=metrics, console=console, checkpoint=checkpoint, stop=stop,
-                                       stepper=stepper, evaluate=evaluate if held_out else None, ranks=ranks,
-                                       on_failure=FaultStop(cfg, model_path, out, training, checkpoint,
-                                                            ranks))  # fmt: skip
+            losses, tokens = run_steps(
+                cfg,
+                examples,
+                tokenizer.pad_token_id,
+                training,
+                total=total,
+                done=done,
+                metrics=metrics,
+                console=console,
+                checkpoint=checkpoint,
+                stop=stop,
+                stepper=stepper,
+                evaluate=evaluate if held_out else None,
+                ranks=ranks,
+                on_failure=FaultStop(cfg, model_path, out, training, checkpoint, ranks),
+            )
         finally:
             metrics.close()
         with whole_trainable(model, ranks):
@@ -377,6 +447,14 @@ def _train(cfg: RunConfig, console: Console, out: Path, ranks: Ranks, *, allow_m
             if ranks.main:
                 write_prompt_format(adapter_dir, cfg.data)  # how generate renders a prompt as this run did
     finite = [x for x in losses if math.isfinite(x)]
-    RunSummary("train", len(losses), time.perf_counter() - started, tokens, finite[-1] if finite else None,
-               min(finite) if finite else None, adapter_dir, metrics.path).print(console)  # fmt: skip
+    RunSummary(
+        "train",
+        len(losses),
+        time.perf_counter() - started,
+        tokens,
+        finite[-1] if finite else None,
+        min(finite) if finite else None,
+        adapter_dir,
+        metrics.path,
+    ).print(console)
     return TrainResult(steps=len(losses), losses=losses, adapter_dir=adapter_dir, metrics_path=metrics.path)

@@ -43,12 +43,16 @@ def step_end_positions(num_examples: int, cfg: RunConfig, world: int) -> list[in
     run's start (epoch after epoch), as optimizer_steps lays them out."""
     t = cfg.train
     per_step = t.micro_batch_size * world * t.grad_accum
-    return [epoch * num_examples + min(num_examples, start + per_step)
-            for epoch in range(t.epochs) for start in range(0, num_examples, per_step)]  # fmt: skip
+    return [
+        epoch * num_examples + min(num_examples, start + per_step)
+        for epoch in range(t.epochs)
+        for start in range(0, num_examples, per_step)
+    ]
 
 
-def continue_at_world_size(done: RunProgress, ranks: Ranks, num_examples: int, cfg: RunConfig, total: int,
-                           console: Console) -> tuple[RunProgress, int]:  # fmt: skip
+def continue_at_world_size(
+    done: RunProgress, ranks: Ranks, num_examples: int, cfg: RunConfig, total: int, console: Console
+) -> tuple[RunProgress, int]:
     """A checkpoint written by another number of ranks: the global batch (micro_batch_size x ranks x grad_accum)
     has changed, so step k no longer names the same data. The run goes on from the same global position in the
     data order, as if it had been launched at this world size: returns the step of the new layout to go on
@@ -62,12 +66,15 @@ def continue_at_world_size(done: RunProgress, ranks: Ranks, num_examples: int, c
     step, total = bisect.bisect_right(ends, position), bisect.bisect_left(ends, end) + 1
     again = position - (ends[step - 1] if step else 0)
     old_batch, new_batch = (cfg.train.micro_batch_size * w * cfg.train.grad_accum for w in (done.world, ranks.world))
-    console.print(f"[yellow]warning:[/] the checkpoint was written by {done.world} rank(s), this run has "
-                  f"{ranks.world}: the global batch changes from {old_batch} to {new_batch} examples. The data order "
-                  f"continues from the same global position (example {position:,} of the run): step {done.step} of "
-                  f"the checkpoint's run is step {step} here, of {total}" + (f", and {again} example(s) before the "
-                  "position are trained on again" if again else "") + "; the LR schedule goes on from the same "
-                  "point. The result will not be bit-identical to an uninterrupted run.")  # fmt: skip
+    console.print(
+        f"[yellow]warning:[/] the checkpoint was written by {done.world} rank(s), this run has "
+        f"{ranks.world}: the global batch changes from {old_batch} to {new_batch} examples. The data order "
+        f"continues from the same global position (example {position:,} of the run): step {done.step} of "
+        f"the checkpoint's run is step {step} here, of {total}"
+        + (f", and {again} example(s) before the position are trained on again" if again else "")
+        + "; the LR schedule goes on from the same "
+        "point. The result will not be bit-identical to an uninterrupted run."
+    )
     return replace(done, step=step, epoch=min(position // num_examples, cfg.train.epochs - 1)), total
 
 

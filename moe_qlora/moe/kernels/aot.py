@@ -41,16 +41,23 @@ def compile_all(archs: list[int]) -> list[dict]:
     results = []
     for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         for arch in archs:
-            launches = {nested: {launch.name: launch for launch in capture_launches(**SHAPE, dtype=dtype,
-                                                                                    nested=nested, arch=arch)}
-                        for nested in (True, False)}  # fmt: skip
+            launches = {
+                nested: {
+                    launch.name: launch for launch in capture_launches(**SHAPE, dtype=dtype, nested=nested, arch=arch)
+                }
+                for nested in (True, False)
+            }
             for name, (launch_name, nested) in VARIANTS.items():
                 compiled = compile_as_jit(launches[nested][launch_name], arch)
-                results.append({"variant": f"{name}/{dtype_name}/sm_{arch}",
-                                "cubin_bytes": len(compiled.asm["cubin"]),
-                                "tensor_core_mma": "mma" in compiled.asm["ptx"],
-                                "shared_bytes": compiled.metadata.shared,
-                                "warps": compiled.metadata.num_warps})  # fmt: skip
+                results.append(
+                    {
+                        "variant": f"{name}/{dtype_name}/sm_{arch}",
+                        "cubin_bytes": len(compiled.asm["cubin"]),
+                        "tensor_core_mma": "mma" in compiled.asm["ptx"],
+                        "shared_bytes": compiled.metadata.shared,
+                        "warps": compiled.metadata.num_warps,
+                    }
+                )
     return results
 
 
@@ -64,8 +71,10 @@ def main(argv=None) -> int:
         sys.stdout.write(json.dumps(results) + "\n")
     else:
         for r in results:
-            print(f"{r['variant']:45s} cubin {r['cubin_bytes']:7d} B  mma {r['tensor_core_mma']}  "
-                  f"warps {r['warps']}  smem {r['shared_bytes']}")  # fmt: skip
+            print(
+                f"{r['variant']:45s} cubin {r['cubin_bytes']:7d} B  mma {r['tensor_core_mma']}  "
+                f"warps {r['warps']}  smem {r['shared_bytes']}"
+            )
     return 0
 
 
@@ -86,8 +95,18 @@ class Launch:
         return {k: v for k, v in self.kwargs.items() if k.isupper()}
 
 
-def capture_launches(*, hidden: int, inter: int, experts: int, top_k: int, tokens: int, rank: int,
-                     dtype=None, nested: bool = True, arch: int = 90) -> list[Launch]:  # fmt: skip
+def capture_launches(
+    *,
+    hidden: int,
+    inter: int,
+    experts: int,
+    top_k: int,
+    tokens: int,
+    rank: int,
+    dtype=None,
+    nested: bool = True,
+    arch: int = 90,
+) -> list[Launch]:
     """The six launches of one MoE layer's forward and backward (bf16 unless `dtype`, NF4 with nested scales
     unless not `nested`, LoRA), recorded from the real launchers on CPU tensors of the real shapes (weights
     are zeros: only shapes, strides and alignment matter here), with `arch`'s default config (autotuning
@@ -134,18 +153,40 @@ def capture_launches(*, hidden: int, inter: int, experts: int, top_k: int, token
 
     launches = [
         ("lora_a_dense", lambda: ops.grouped_matmul(x, GW.dense(a1, transpose=True), offsets, gather=token)),
-        ("gate_up_nf4_nested_silu_mul", lambda: ops.grouped_matmul_silu_mul(
-            x, GW.quantized(w1, transpose=True), offsets, gather=token,
-            lora=LowRank(p, GW.dense(b1, transpose=True), 2.0))),
-        ("down_nf4_nested", lambda: ops.grouped_matmul(act, GW.quantized(w2, transpose=True), offsets,
-                                                       lora=LowRank(p, GW.dense(b2, transpose=True), 2.0))),
-        ("down_input_grad_nf4_nested", lambda: ops.grouped_matmul(
-            g, GW.quantized(w2, transpose=False), offsets, gather=token,
-            lora=LowRank(p, GW.dense(a2, transpose=False)))),
-        ("gate_up_input_grad_nf4_nested", lambda: ops.grouped_matmul(
-            grad_h, GW.quantized(w1, transpose=False), offsets, lora=LowRank(p, GW.dense(a1, transpose=False)))),
+        (
+            "gate_up_nf4_nested_silu_mul",
+            lambda: ops.grouped_matmul_silu_mul(
+                x,
+                GW.quantized(w1, transpose=True),
+                offsets,
+                gather=token,
+                lora=LowRank(p, GW.dense(b1, transpose=True), 2.0),
+            ),
+        ),
+        (
+            "down_nf4_nested",
+            lambda: ops.grouped_matmul(
+                act, GW.quantized(w2, transpose=True), offsets, lora=LowRank(p, GW.dense(b2, transpose=True), 2.0)
+            ),
+        ),
+        (
+            "down_input_grad_nf4_nested",
+            lambda: ops.grouped_matmul(
+                g,
+                GW.quantized(w2, transpose=False),
+                offsets,
+                gather=token,
+                lora=LowRank(p, GW.dense(a2, transpose=False)),
+            ),
+        ),
+        (
+            "gate_up_input_grad_nf4_nested",
+            lambda: ops.grouped_matmul(
+                grad_h, GW.quantized(w1, transpose=False), offsets, lora=LowRank(p, GW.dense(a1, transpose=False))
+            ),
+        ),
         ("outer_product", lambda: ops.grouped_outer_product(x, p, offsets, gather=token)),
-    ]  # fmt: skip
+    ]
     try:
         for n, kernel in real.items():
             setattr(triton_kernels, n, Recorder(kernel))
@@ -174,8 +215,9 @@ def compile_as_jit(launch: Launch, arch: int):
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound_args, specialization, options = binder(*launch.args, **launch.kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, launch.kwargs, bound_args, specialization,
-                                                              options)  # fmt: skip
+    options, signature, constexprs, attrs = kernel._pack_args(
+        backend, launch.kwargs, bound_args, specialization, options
+    )
     src = ASTSource(kernel, signature, constexprs, attrs)
     return triton.compile(src, target=target, options=options.__dict__)
 

@@ -122,8 +122,16 @@ def _project(rows: torch.Tensor, weight: GroupedWeight, offsets: torch.Tensor, b
     return out
 
 
-def grouped_matmul(x, weight: GroupedWeight, offsets: torch.Tensor, *, gather=None, bias=None,
-                   lora: LowRank | None = None, budget: int | None = None):  # fmt: skip
+def grouped_matmul(
+    x,
+    weight: GroupedWeight,
+    offsets: torch.Tensor,
+    *,
+    gather=None,
+    bias=None,
+    lora: LowRank | None = None,
+    budget: int | None = None,
+):
     """Y (S, N) = x[gather] @ W_e + bias[e] + c P @ L_e per expert e's rows; ops.grouped_matmul_reference's
     contract with `offsets` an (E+1,) device tensor. budget: decoded-stack limit in bytes (None: none)."""
     rows = x if gather is None else x.index_select(0, gather)
@@ -131,8 +139,9 @@ def grouped_matmul(x, weight: GroupedWeight, offsets: torch.Tensor, *, gather=No
     if bias is not None:
         y += bias.to(y.dtype).index_select(0, _expert_of_rows(offsets, y.shape[0]))
     if lora is not None:
-        low = gmm_rows(lora.p.to(y.dtype), _dense_experts(lora.weight, 0, lora.weight.shape[0], y.dtype),
-                       _ends(offsets))  # fmt: skip
+        low = gmm_rows(
+            lora.p.to(y.dtype), _dense_experts(lora.weight, 0, lora.weight.shape[0], y.dtype), _ends(offsets)
+        )
         y.add_(low, alpha=lora.scale)
     return y
 

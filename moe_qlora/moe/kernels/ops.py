@@ -137,8 +137,9 @@ def expert_tiles(offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.Te
     first = offsets[expert] + (tile - (tile_ends[expert] - tiles_per_expert[expert])) * block_m
     end = offsets[expert + 1]
     zero = torch.zeros_like(first)
-    return torch.stack([torch.where(valid, expert, zero), torch.where(valid, first, zero),
-                        torch.where(valid, end, zero)], dim=1).to(torch.int32)  # fmt: skip
+    return torch.stack(
+        [torch.where(valid, expert, zero), torch.where(valid, first, zero), torch.where(valid, end, zero)], dim=1
+    ).to(torch.int32)
 
 
 def device_offsets(offsets, device) -> torch.Tensor:
@@ -159,8 +160,22 @@ def _levels(device: str) -> torch.Tensor:
     return torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
 
 
-_MATMUL_TUNE_KEYS = ["K", "N", "R", "rows_class", "BLOCK_M", "W_NF4", "NESTED", "GATHER", "GLU", "HAS_LORA",
-                     "K_PACKED", "N_PACKED", "SWAP_AB", "PHASE"]  # fmt: skip
+_MATMUL_TUNE_KEYS = [
+    "K",
+    "N",
+    "R",
+    "rows_class",
+    "BLOCK_M",
+    "W_NF4",
+    "NESTED",
+    "GATHER",
+    "GLU",
+    "HAS_LORA",
+    "K_PACKED",
+    "N_PACKED",
+    "SWAP_AB",
+    "PHASE",
+]
 
 
 @functools.cache
@@ -172,8 +187,10 @@ def _autotuned_matmul(arch: int, candidates: tuple[tiles.MatmulConfig, ...]):
 
     from moe_qlora.moe.kernels.triton_kernels import _grouped_matmul_kernel
 
-    configs = [triton.Config({"BLOCK_N": c.block_n, "BLOCK_K": c.block_k}, num_warps=c.num_warps,
-                             num_stages=c.num_stages) for c in candidates]  # fmt: skip
+    configs = [
+        triton.Config({"BLOCK_N": c.block_n, "BLOCK_K": c.block_k}, num_warps=c.num_warps, num_stages=c.num_stages)
+        for c in candidates
+    ]
     return triton.autotune(configs=configs, key=_MATMUL_TUNE_KEYS)(_grouped_matmul_kernel)
 
 
@@ -193,21 +210,26 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
     nested = q is not None and q.nested is not None
     absmax, absmax2, code2, offset2 = (q.absmax, *q.nested) if nested else (q.absmax if q else x, x, x, 0.0)
     se, sk, sn = weight.strides()
-    lp, lw, rank, lse, lsr, lsn = (lora.p, lora.weight.data, lora.weight.k, *lora.weight.strides()) if lora else (
-        x, x, 0, 0, 0, 0)  # fmt: skip
+    lp, lw, rank, lse, lsr, lsn = (
+        (lora.p, lora.weight.data, lora.weight.k, *lora.weight.strides()) if lora else (x, x, 0, 0, 0, 0)
+    )
     out, act_out = (y if y is not None else act), (act if act is not None else x)
     # NF4 read along its contiguous dim as whole 4-byte words: each column (K_PACKED, the forward) or row
     # (N_PACKED, through the transposed experts) of a tile starts on a quant block, and with every candidate
     # the path is chosen over a tile step stays within one.
     narrow = tiles.path_candidates(configs, x.device)
-    words = q is not None and q.packed.is_contiguous() and q.packed.storage_offset() % 4 == 0 and \
-        se % q.blocksize == 0  # fmt: skip
+    words = q is not None and q.packed.is_contiguous() and q.packed.storage_offset() % 4 == 0 and se % q.blocksize == 0
     k_packed = words and sk == 1 and sn % q.blocksize == 0 and all(c.packs(q.blocksize, False) for c in narrow)
-    n_packed = words and not glu and sn == 1 and sk % q.blocksize == 0 and \
-        all(c.packs(q.blocksize, True) for c in narrow)  # fmt: skip
+    n_packed = (
+        words and not glu and sn == 1 and sk % q.blocksize == 0 and all(c.packs(q.blocksize, True) for c in narrow)
+    )
     w = weight.data.view(torch.int32) if k_packed or n_packed else weight.data
-    swap = (k_packed or n_packed) and tiles.block_override() is None and not fp32 and \
-        num_rows <= tiles.SWAP_AB_MAX_ROWS * weight.shape[0]  # fmt: skip
+    swap = (
+        (k_packed or n_packed)
+        and tiles.block_override() is None
+        and not fp32
+        and num_rows <= tiles.SWAP_AB_MAX_ROWS * weight.shape[0]
+    )
     tall = not fp32 and tiles.takes_tall_tiles(num_rows, weight.shape[0], swap)
     configs = tiles.launch_candidates(configs, x.device, k_packed=k_packed, glu=glu, swap=swap, tall=tall)
     if (k_packed or n_packed) and not all(c.packs(q.blocksize, n_packed) for c in configs):
@@ -225,25 +247,75 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
         kernel, meta = _autotuned_matmul(tiles.target_arch(x.device), tuple(configs)), {}
     else:
         kernel = triton_kernels._grouped_matmul_kernel
-        meta = dict(BLOCK_N=default.block_n, BLOCK_K=default.block_k, num_warps=default.num_warps,
-                    num_stages=default.num_stages)  # fmt: skip
-    ws = x.new_empty(tile_map.shape[0] * n_blocks * split * (2 if glu else 1) * bm * default.block_n,
-                     dtype=torch.float32) if split > 1 else x  # fmt: skip
+        meta = dict(
+            BLOCK_N=default.block_n, BLOCK_K=default.block_k, num_warps=default.num_warps, num_stages=default.num_stages
+        )
+    ws = (
+        x.new_empty(
+            tile_map.shape[0] * n_blocks * split * (2 if glu else 1) * bm * default.block_n, dtype=torch.float32
+        )
+        if split > 1
+        else x
+    )
     args = (
-        x, gather if gather is not None else tile_map, tile_map, w, _levels(str(x.device)), absmax, absmax2,
-        code2, float(offset2), bias if bias is not None else x, lp, lw, float(lora.scale if lora else 0.0), out,
-        act_out, ws, weight.k, n, rank, x.stride(0), x.stride(1), se, sk, sn, se // 8, sk // 8, sn // 8,
+        x,
+        gather if gather is not None else tile_map,
+        tile_map,
+        w,
+        _levels(str(x.device)),
+        absmax,
+        absmax2,
+        code2,
+        float(offset2),
+        bias if bias is not None else x,
+        lp,
+        lw,
+        float(lora.scale if lora else 0.0),
+        out,
+        act_out,
+        ws,
+        weight.k,
+        n,
+        rank,
+        x.stride(0),
+        x.stride(1),
+        se,
+        sk,
+        sn,
+        se // 8,
+        sk // 8,
+        sn // 8,
         bias.stride(0) if bias is not None else 0,
-        lp.stride(0), lp.stride(1), lse, lsr, lsn, out.stride(0), out.stride(1), act_out.stride(0),
-        act_out.stride(1), tiles.rows_class(num_rows, weight.shape[0]),
-    )  # fmt: skip
+        lp.stride(0),
+        lp.stride(1),
+        lse,
+        lsr,
+        lsn,
+        out.stride(0),
+        out.stride(1),
+        act_out.stride(0),
+        act_out.stride(1),
+        tiles.rows_class(num_rows, weight.shape[0]),
+    )
     flags = dict(
-        W_NF4=q is not None, NESTED=nested, GATHER=gather is not None, HAS_BIAS=bias is not None,
-        HAS_LORA=lora is not None, GLU=glu, STORE_Y=keep_y, K_PACKED=k_packed, N_PACKED=n_packed, SWAP_AB=swap,
-        SPLIT_K=split, EVEN_K=all(weight.k % c.block_k == 0 for c in configs), BLOCKSIZE=q.blocksize if q else 64,
-        IEEE=x.dtype == torch.float32, DOT_FP32=tiles.interpreted(),
-        BLOCK_M=bm, **meta,
-    )  # fmt: skip
+        W_NF4=q is not None,
+        NESTED=nested,
+        GATHER=gather is not None,
+        HAS_BIAS=bias is not None,
+        HAS_LORA=lora is not None,
+        GLU=glu,
+        STORE_Y=keep_y,
+        K_PACKED=k_packed,
+        N_PACKED=n_packed,
+        SWAP_AB=swap,
+        SPLIT_K=split,
+        EVEN_K=all(weight.k % c.block_k == 0 for c in configs),
+        BLOCKSIZE=q.blocksize if q else 64,
+        IEEE=x.dtype == torch.float32,
+        DOT_FP32=tiles.interpreted(),
+        BLOCK_M=bm,
+        **meta,
+    )
     if split == 1:
         kernel[lambda m: (tile_map.shape[0], -(-n // m["BLOCK_N"]))](*args, PHASE=0, **flags)
     else:  # partial sums over each split's K-steps, then their sum in split order and the epilogue
@@ -279,8 +351,25 @@ def grouped_outer_product(a, b, offsets: list[int], *, gather=None):
     offs = device_offsets(offsets, a.device)
     grid = (num_experts, -(-m // bm) * -(-n // bn))
     _grouped_outer_product_kernel[grid](
-        a, gather if gather is not None else offs, b, offs, out, m, n, a.stride(0), a.stride(1), b.stride(0),
-        b.stride(1), out.stride(0), out.stride(1), out.stride(2), GATHER=gather is not None,
-        IEEE=a.dtype == torch.float32, DOT_FP32=tiles.interpreted(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_S=bs,
-    )  # fmt: skip
+        a,
+        gather if gather is not None else offs,
+        b,
+        offs,
+        out,
+        m,
+        n,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        GATHER=gather is not None,
+        IEEE=a.dtype == torch.float32,
+        DOT_FP32=tiles.interpreted(),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_S=bs,
+    )
     return out

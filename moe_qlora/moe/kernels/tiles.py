@@ -90,13 +90,27 @@ SPLIT_K_SMS = 132
 # issued instructions per FLOP without spills, at Qwen3-30B-A3B and Mixtral-8x7B shapes, for every launch);
 # the rest are for the autotuner to time on the GPU.
 MATMUL_CONFIGS = {
-    90: [MatmulConfig(64, 64, 4, 3), MatmulConfig(64, 64, 4, 4), MatmulConfig(64, 32, 4, 4),
-         MatmulConfig(32, 64, 4, 3), MatmulConfig(128, 64, 4, 3),
-         MatmulConfig(64, 64, 4, 3, 128), MatmulConfig(64, 64, 8, 3, 128), MatmulConfig(128, 64, 8, 3, 128)],
-    80: [MatmulConfig(64, 32, 4, 3), MatmulConfig(64, 64, 8, 3), MatmulConfig(32, 32, 4, 3),
-         MatmulConfig(64, 32, 4, 4), MatmulConfig(128, 32, 4, 3),
-         MatmulConfig(64, 32, 4, 3, 128), MatmulConfig(64, 64, 8, 3, 128), MatmulConfig(128, 32, 8, 3, 128)],
-}  # fmt: skip
+    90: [
+        MatmulConfig(64, 64, 4, 3),
+        MatmulConfig(64, 64, 4, 4),
+        MatmulConfig(64, 32, 4, 4),
+        MatmulConfig(32, 64, 4, 3),
+        MatmulConfig(128, 64, 4, 3),
+        MatmulConfig(64, 64, 4, 3, 128),
+        MatmulConfig(64, 64, 8, 3, 128),
+        MatmulConfig(128, 64, 8, 3, 128),
+    ],
+    80: [
+        MatmulConfig(64, 32, 4, 3),
+        MatmulConfig(64, 64, 8, 3),
+        MatmulConfig(32, 32, 4, 3),
+        MatmulConfig(64, 32, 4, 4),
+        MatmulConfig(128, 32, 4, 3),
+        MatmulConfig(64, 32, 4, 3, 128),
+        MatmulConfig(64, 64, 8, 3, 128),
+        MatmulConfig(128, 32, 8, 3, 128),
+    ],
+}
 
 
 # fp32 activations: exact IEEE products run on the FMA units, whose dot keeps each thread's operand slices in
@@ -234,8 +248,9 @@ def mma_kind(config: MatmulConfig, arch: int, swap: bool) -> str:
     return "wgmma" if arch == 90 and m_side >= 64 and config.num_warps % 4 == 0 else "mma.sync"
 
 
-def launch_candidates(configs: list[MatmulConfig], device, *, k_packed: bool, glu: bool, swap: bool,
-                      tall: bool) -> list[MatmulConfig]:  # fmt: skip
+def launch_candidates(
+    configs: list[MatmulConfig], device, *, k_packed: bool, glu: bool, swap: bool, tall: bool
+) -> list[MatmulConfig]:
     """The candidates that serve a launch (MatmulConfig.serves), in list order so the class's default comes
     first; only that one when not autotuning. A candidate whose tensor-core instruction differs from the
     default's (mma_kind) is left out: wgmma and mma.sync need not accumulate a K-step's products in the same

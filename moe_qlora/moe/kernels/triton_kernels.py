@@ -12,9 +12,25 @@ import triton.language as tl
 
 
 @triton.jit
-def _load_weight_tile(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_k, offs_n, K, N,
-                      stride_we, stride_wk, stride_wn, W_NF4: tl.constexpr, NESTED: tl.constexpr,
-                      BLOCKSIZE: tl.constexpr):  # fmt: skip
+def _load_weight_tile(
+    w_ptr,
+    code_ptr,
+    absmax_ptr,
+    absmax2_ptr,
+    code2_ptr,
+    offset2,
+    e,
+    offs_k,
+    offs_n,
+    K,
+    N,
+    stride_we,
+    stride_wk,
+    stride_wn,
+    W_NF4: tl.constexpr,
+    NESTED: tl.constexpr,
+    BLOCKSIZE: tl.constexpr,
+):
     """(BLOCK_K, BLOCK_N) tile of expert e's weight as fp32: read dense, or decoded from NF4 in registers.
 
     NF4 (bitsandbytes): element f of the flat stack is nibble f % 2 (high first) of byte f // 2, scaled by
@@ -30,8 +46,10 @@ def _load_weight_tile(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offse
         block = flat // BLOCKSIZE
         if NESTED:
             q = tl.load(absmax_ptr + block, mask=mask, other=0).to(tl.int32)
-            scale = tl.load(code2_ptr + q, mask=mask, other=0.0) * tl.load(absmax2_ptr + block // 256, mask=mask,
-                                                                            other=0.0) + offset2  # fmt: skip
+            scale = (
+                tl.load(code2_ptr + q, mask=mask, other=0.0) * tl.load(absmax2_ptr + block // 256, mask=mask, other=0.0)
+                + offset2
+            )
         else:
             scale = tl.load(absmax_ptr + block, mask=mask, other=0.0)
         return level * scale
@@ -71,18 +89,39 @@ def _decode_nf4_rows(w_ptr, first, ok, scale, code, dtype, WORDS: tl.constexpr):
     multiply, half a convert, a share of the 16-byte store of the MMA operand): scripts/kernel_report.py."""
     word = tl.load(w_ptr + first + tl.arange(0, WORDS)[None, :], mask=ok, other=0)  # (R, WORDS) int32
     # Element j of each word, j = 4a + 2b + c, placed by three interleaves, the last one choosing c.
-    index = tl.interleave(tl.interleave(tl.interleave(_nibble(word, 4), _nibble(word, 20)),
-                                        tl.interleave(_nibble(word, 12), _nibble(word, 28))),
-                          tl.interleave(tl.interleave(_nibble(word, 0), _nibble(word, 16)),
-                                        tl.interleave(_nibble(word, 8), _nibble(word, 24))))  # fmt: skip
+    index = tl.interleave(
+        tl.interleave(
+            tl.interleave(_nibble(word, 4), _nibble(word, 20)), tl.interleave(_nibble(word, 12), _nibble(word, 28))
+        ),
+        tl.interleave(
+            tl.interleave(_nibble(word, 0), _nibble(word, 16)), tl.interleave(_nibble(word, 8), _nibble(word, 24))
+        ),
+    )
     level = tl.reshape(tl.gather(code, tl.reshape(index, (index.shape[0] * index.shape[1],)), 0), index.shape)
     return (level * scale).to(dtype)
 
 
 @triton.jit
-def _load_nf4_runs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_run, start, run_ok, stride_we,
-                   stride_run, words_we, words_run, dtype, NESTED: tl.constexpr, BLOCKSIZE: tl.constexpr,
-                   LENGTH: tl.constexpr):  # fmt: skip
+def _load_nf4_runs(
+    w_ptr,
+    code,
+    absmax_ptr,
+    absmax2_ptr,
+    code2_ptr,
+    offset2,
+    e,
+    offs_run,
+    start,
+    run_ok,
+    stride_we,
+    stride_run,
+    words_we,
+    words_run,
+    dtype,
+    NESTED: tl.constexpr,
+    BLOCKSIZE: tl.constexpr,
+    LENGTH: tl.constexpr,
+):
     """(R, LENGTH) weights in `dtype`: codes start .. start + LENGTH of expert e's stored rows offs_run (R,),
     the rows the codes run along (the forward's columns n of W_e = stored^T; the input gradient's rows k).
 
@@ -122,8 +161,9 @@ def _weight_dot(x, w, acc, SWAP_AB: tl.constexpr, IEEE: tl.constexpr, DOT_FP32: 
 
 
 @triton.jit
-def _partial_sums_slot(ws_ptr, tile, split, SPLIT_K: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr):  # fmt: skip
+def _partial_sums_slot(
+    ws_ptr, tile, split, SPLIT_K: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
     """Pointers (BLOCK_M, BLOCK_N) to split `split`'s gate (or only) partial sums of (tile, this N block) in
     the split-K workspace; the up tile follows at + BLOCK_M * BLOCK_N when GLU."""
     slot = (tile.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * SPLIT_K + split
@@ -132,8 +172,9 @@ def _partial_sums_slot(ws_ptr, tile, split, SPLIT_K: tl.constexpr, GLU: tl.const
 
 
 @triton.jit
-def _store_partial_sums(ws_ptr, tile, acc, acc_up, SPLIT_K: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr):  # fmt: skip
+def _store_partial_sums(
+    ws_ptr, tile, acc, acc_up, SPLIT_K: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
     slot = _partial_sums_slot(ws_ptr, tile, tl.program_id(2), SPLIT_K, GLU, BLOCK_M, BLOCK_N)
     tl.store(slot, acc)
     if GLU:
@@ -141,8 +182,9 @@ def _store_partial_sums(ws_ptr, tile, acc, acc_up, SPLIT_K: tl.constexpr, GLU: t
 
 
 @triton.jit
-def _sum_partial_sums(ws_ptr, tile, SPLIT_K: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr):  # fmt: skip
+def _sum_partial_sums(
+    ws_ptr, tile, SPLIT_K: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
     """The (gate, up) accumulators of a tile as the sum of its splits' partial sums, always in split order (so
     two runs give the same bits, whatever order the splits ran in)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -156,17 +198,39 @@ def _sum_partial_sums(ws_ptr, tile, SPLIT_K: tl.constexpr, GLU: tl.constexpr, BL
 
 
 @triton.jit
-def _low_rank_term(p_ptr, l_ptr, rows, row_ok, e, offs_n, R, N_W, stride_pm, stride_pr, stride_le, stride_lr,
-                   stride_ln, IEEE: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+def _low_rank_term(
+    p_ptr,
+    l_ptr,
+    rows,
+    row_ok,
+    e,
+    offs_n,
+    R,
+    N_W,
+    stride_pm,
+    stride_pr,
+    stride_le,
+    stride_lr,
+    stride_ln,
+    IEEE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     """(BLOCK_M, BLOCK_N) fp32 tile of P[rows] @ L_e[:, offs_n]: the LoRA term of a projection, P (S, R)
     the rows' rank-R factor (x A^T, or c g B in the backward) and L_e (R, N_W) the expert's other factor."""
     acc = tl.zeros((rows.shape[0], offs_n.shape[0]), dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
-        p = tl.load(p_ptr + rows[:, None].to(tl.int64) * stride_pm + offs_r[None, :] * stride_pr,
-                    mask=row_ok[:, None] & (offs_r[None, :] < R), other=0.0)  # fmt: skip
-        lw = tl.load(l_ptr + e.to(tl.int64) * stride_le + offs_r[:, None] * stride_lr + offs_n[None, :] * stride_ln,
-                     mask=(offs_r[:, None] < R) & (offs_n[None, :] < N_W), other=0.0).to(tl.float32)  # fmt: skip
+        p = tl.load(
+            p_ptr + rows[:, None].to(tl.int64) * stride_pm + offs_r[None, :] * stride_pr,
+            mask=row_ok[:, None] & (offs_r[None, :] < R),
+            other=0.0,
+        )
+        lw = tl.load(
+            l_ptr + e.to(tl.int64) * stride_le + offs_r[:, None] * stride_lr + offs_n[None, :] * stride_ln,
+            mask=(offs_r[:, None] < R) & (offs_n[None, :] < N_W),
+            other=0.0,
+        ).to(tl.float32)
         acc = _dot(p, lw, acc, IEEE, DOT_FP32)
     return acc
 
@@ -189,18 +253,48 @@ def _grouped_matmul_kernel(
     y_ptr,  # (S, N_W) output, one row per sorted row (the pre-activation when GLU; written if STORE_Y)
     act_ptr,  # (S, N) silu(gate) * up when GLU
     ws_ptr,  # split-K: fp32 partial sums, one (GLU: two) BLOCK_M x BLOCK_N slot per (tile, N block, split)
-    K, N, R,
-    stride_xm, stride_xk, stride_we, stride_wk, stride_wn,
-    words_we, words_wk, words_wn,  # packed NF4: the weight strides in 4-byte words, so their 16-divisibility is seen
-    stride_be, stride_pm, stride_pr, stride_le, stride_lr,
-    stride_ln, stride_ym, stride_yn, stride_am, stride_an,
+    K,
+    N,
+    R,
+    stride_xm,
+    stride_xk,
+    stride_we,
+    stride_wk,
+    stride_wn,
+    words_we,
+    words_wk,
+    words_wn,  # packed NF4: the weight strides in 4-byte words, so their 16-divisibility is seen
+    stride_be,
+    stride_pm,
+    stride_pr,
+    stride_le,
+    stride_lr,
+    stride_ln,
+    stride_ym,
+    stride_yn,
+    stride_am,
+    stride_an,
     rows_class,  # unused here: the autotuner's key for rows per expert (tiles.rows_class)
-    W_NF4: tl.constexpr, NESTED: tl.constexpr, GATHER: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_LORA: tl.constexpr, GLU: tl.constexpr, STORE_Y: tl.constexpr, K_PACKED: tl.constexpr, N_PACKED: tl.constexpr,
-    SWAP_AB: tl.constexpr, SPLIT_K: tl.constexpr, PHASE: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCKSIZE: tl.constexpr, IEEE: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    W_NF4: tl.constexpr,
+    NESTED: tl.constexpr,
+    GATHER: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    GLU: tl.constexpr,
+    STORE_Y: tl.constexpr,
+    K_PACKED: tl.constexpr,
+    N_PACKED: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    PHASE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCKSIZE: tl.constexpr,
+    IEEE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """Y[s, n] = sum_k X[row(s), k] W_e(s)[k, n] + bias[e(s), n] + c sum_r P[s, r] L_e(s)[r, n]: MUL_MAT_ID
     with the LoRA term fused (HAS_LORA).
 
@@ -268,32 +362,116 @@ def _grouped_matmul_kernel(
         x = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=x_ok, other=0.0)
         if K_PACKED:  # NF4 read along its contiguous dim K: each column's codes as words, one scale per column
             # Columns n of the tile are runs along K, decoded as rows and transposed (by layout, not a copy).
-            w = _load_nf4_runs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_n, k0,
-                               offs_n[:, None] < N_W, stride_we, stride_wn, words_we, words_wn, W_DTYPE, NESTED,
-                               BLOCKSIZE, BLOCK_K)  # fmt: skip
+            w = _load_nf4_runs(
+                w_ptr,
+                code,
+                absmax_ptr,
+                absmax2_ptr,
+                code2_ptr,
+                offset2,
+                e,
+                offs_n,
+                k0,
+                offs_n[:, None] < N_W,
+                stride_we,
+                stride_wn,
+                words_we,
+                words_wn,
+                W_DTYPE,
+                NESTED,
+                BLOCKSIZE,
+                BLOCK_K,
+            )
             acc = _weight_dot(x, tl.trans(w), acc, SWAP_AB, IEEE, DOT_FP32)
             if GLU:
-                w = _load_nf4_runs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_n + N, k0,
-                                   offs_n[:, None] < N, stride_we, stride_wn, words_we, words_wn, W_DTYPE, NESTED,
-                                   BLOCKSIZE, BLOCK_K)  # fmt: skip
+                w = _load_nf4_runs(
+                    w_ptr,
+                    code,
+                    absmax_ptr,
+                    absmax2_ptr,
+                    code2_ptr,
+                    offset2,
+                    e,
+                    offs_n + N,
+                    k0,
+                    offs_n[:, None] < N,
+                    stride_we,
+                    stride_wn,
+                    words_we,
+                    words_wn,
+                    W_DTYPE,
+                    NESTED,
+                    BLOCKSIZE,
+                    BLOCK_K,
+                )
                 acc_up = _weight_dot(x, tl.trans(w), acc_up, SWAP_AB, IEEE, DOT_FP32)
         elif N_PACKED:  # NF4 read along its contiguous dim N: each row's codes as words, one scale per row
             if EVEN_K:  # every row of the step exists: no mask, no predicate per load
                 k_ok = tl.full((BLOCK_K, 1), 1, tl.int1)
             else:
                 k_ok = offs_k[:, None] < K
-            w = _load_nf4_runs(w_ptr, code, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_k,
-                               tl.program_id(1) * BLOCK_N, k_ok, stride_we, stride_wk, words_we,
-                               words_wk, W_DTYPE, NESTED, BLOCKSIZE, BLOCK_N)  # fmt: skip
+            w = _load_nf4_runs(
+                w_ptr,
+                code,
+                absmax_ptr,
+                absmax2_ptr,
+                code2_ptr,
+                offset2,
+                e,
+                offs_k,
+                tl.program_id(1) * BLOCK_N,
+                k_ok,
+                stride_we,
+                stride_wk,
+                words_we,
+                words_wk,
+                W_DTYPE,
+                NESTED,
+                BLOCKSIZE,
+                BLOCK_N,
+            )
             acc = _weight_dot(x, w, acc, SWAP_AB, IEEE, DOT_FP32)
         else:
-            w = _load_weight_tile(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_k, offs_n,
-                                  K, N_W, stride_we, stride_wk, stride_wn, W_NF4, NESTED, BLOCKSIZE)  # fmt: skip
+            w = _load_weight_tile(
+                w_ptr,
+                code_ptr,
+                absmax_ptr,
+                absmax2_ptr,
+                code2_ptr,
+                offset2,
+                e,
+                offs_k,
+                offs_n,
+                K,
+                N_W,
+                stride_we,
+                stride_wk,
+                stride_wn,
+                W_NF4,
+                NESTED,
+                BLOCKSIZE,
+            )
             acc = _dot(x, w, acc, IEEE, DOT_FP32)
             if GLU:
-                w = _load_weight_tile(w_ptr, code_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2, e, offs_k,
-                                      offs_n + N, K, N_W, stride_we, stride_wk, stride_wn, W_NF4, NESTED,
-                                      BLOCKSIZE)  # fmt: skip
+                w = _load_weight_tile(
+                    w_ptr,
+                    code_ptr,
+                    absmax_ptr,
+                    absmax2_ptr,
+                    code2_ptr,
+                    offset2,
+                    e,
+                    offs_k,
+                    offs_n + N,
+                    K,
+                    N_W,
+                    stride_we,
+                    stride_wk,
+                    stride_wn,
+                    W_NF4,
+                    NESTED,
+                    BLOCKSIZE,
+                )
                 acc_up = _dot(x, w, acc_up, IEEE, DOT_FP32)
     if SWAP_AB:
         acc = tl.trans(acc)
@@ -306,15 +484,47 @@ def _grouped_matmul_kernel(
         if HAS_BIAS:
             acc += tl.load(bias_ptr + e * stride_be + offs_n, mask=offs_n < N_W, other=0.0).to(tl.float32)[None, :]
             if GLU:
-                acc_up += tl.load(bias_ptr + e * stride_be + N + offs_n, mask=offs_n < N,
-                                  other=0.0).to(tl.float32)[None, :]  # fmt: skip
+                acc_up += tl.load(bias_ptr + e * stride_be + N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[
+                    None, :
+                ]
         if HAS_LORA:
-            acc += lora_scale * _low_rank_term(p_ptr, l_ptr, rows, row_ok, e, offs_n, R, N_W, stride_pm, stride_pr,
-                                               stride_le, stride_lr, stride_ln, IEEE, DOT_FP32, BLOCK_K)  # fmt: skip
+            acc += lora_scale * _low_rank_term(
+                p_ptr,
+                l_ptr,
+                rows,
+                row_ok,
+                e,
+                offs_n,
+                R,
+                N_W,
+                stride_pm,
+                stride_pr,
+                stride_le,
+                stride_lr,
+                stride_ln,
+                IEEE,
+                DOT_FP32,
+                BLOCK_K,
+            )
             if GLU:
-                acc_up += lora_scale * _low_rank_term(p_ptr, l_ptr, rows, row_ok, e, offs_n + N, R, N_W, stride_pm,
-                                                      stride_pr, stride_le, stride_lr, stride_ln, IEEE, DOT_FP32,
-                                                      BLOCK_K)  # fmt: skip
+                acc_up += lora_scale * _low_rank_term(
+                    p_ptr,
+                    l_ptr,
+                    rows,
+                    row_ok,
+                    e,
+                    offs_n + N,
+                    R,
+                    N_W,
+                    stride_pm,
+                    stride_pr,
+                    stride_le,
+                    stride_lr,
+                    stride_ln,
+                    IEEE,
+                    DOT_FP32,
+                    BLOCK_K,
+                )
         mask = row_ok[:, None] & (offs_n[None, :] < N)
         y_rows = y_ptr + rows[:, None].to(tl.int64) * stride_ym
         if STORE_Y:
@@ -325,8 +535,11 @@ def _grouped_matmul_kernel(
             gate = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
             up = acc_up.to(y_ptr.dtype.element_ty).to(tl.float32)
             act = gate * tl.sigmoid(gate) * up
-            tl.store(act_ptr + rows[:, None].to(tl.int64) * stride_am + offs_n[None, :] * stride_an,
-                     act.to(act_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+            tl.store(
+                act_ptr + rows[:, None].to(tl.int64) * stride_am + offs_n[None, :] * stride_an,
+                act.to(act_ptr.dtype.element_ty),
+                mask=mask,
+            )
 
 
 @triton.jit
@@ -336,11 +549,22 @@ def _grouped_outer_product_kernel(
     b_ptr,  # (S, N) sorted rows
     offsets_ptr,  # (E + 1,) int64: rows of expert e are offsets[e]:offsets[e + 1]
     out_ptr,  # (E, M, N) fp32: out[e] = sum over rows s of e of a[s] (x) b[s]
-    M, N,
-    stride_am, stride_ak, stride_bm, stride_bn, stride_oe, stride_om, stride_on,
-    GATHER: tl.constexpr, IEEE: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-):  # fmt: skip
+    M,
+    N,
+    stride_am,
+    stride_ak,
+    stride_bm,
+    stride_bn,
+    stride_oe,
+    stride_om,
+    stride_on,
+    GATHER: tl.constexpr,
+    IEEE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     """OUT_PROD_ID: out[e] = A_e^T B_e with A_e, B_e the rows routed to e; one program per (expert, tile
     of out[e]), reducing over the expert's rows BLOCK_S at a time. An expert with no rows writes zeros."""
     e = tl.program_id(0)
@@ -357,10 +581,19 @@ def _grouped_outer_product_kernel(
             src = tl.load(gather_ptr + rows, mask=row_ok, other=0)
         else:
             src = rows.to(tl.int64)
-        a = tl.load(a_ptr + src[:, None] * stride_am + offs_m[None, :] * stride_ak,
-                    mask=row_ok[:, None] & (offs_m[None, :] < M), other=0.0)  # fmt: skip
-        b = tl.load(b_ptr + rows[:, None].to(tl.int64) * stride_bm + offs_n[None, :] * stride_bn,
-                    mask=row_ok[:, None] & (offs_n[None, :] < N), other=0.0)  # fmt: skip
+        a = tl.load(
+            a_ptr + src[:, None] * stride_am + offs_m[None, :] * stride_ak,
+            mask=row_ok[:, None] & (offs_m[None, :] < M),
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + rows[:, None].to(tl.int64) * stride_bm + offs_n[None, :] * stride_bn,
+            mask=row_ok[:, None] & (offs_n[None, :] < N),
+            other=0.0,
+        )
         acc = _dot(tl.trans(a), b.to(tl.float32), acc, IEEE, DOT_FP32)
-    tl.store(out_ptr + e.to(tl.int64) * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, acc,
-             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))  # fmt: skip
+    tl.store(
+        out_ptr + e.to(tl.int64) * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
+        acc,
+        mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
+    )
