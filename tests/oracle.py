@@ -13,6 +13,7 @@ from torch.func import functional_call
 
 from moe_qlora.model.loading import LoadOptions, load_model
 from moe_qlora.moe.experts import attach_expert_lora, stack_names
+from moe_qlora.moe.layer_state import layer_state
 from moe_qlora.moe.layouts import DENSE_INPUT_EXPERTS
 from moe_qlora.moe.nf4 import dequantize_param
 
@@ -60,7 +61,7 @@ def call_experts(module, x, top_k_index, top_k_weights, params=None):
     dense = type(module).__name__ in DENSE_INPUT_EXPERTS
     if dense:
         e, t = module.num_experts, x.shape[0]
-        module.moe_top_k = top_k_index.shape[1]  # as its block's top_k (the bound of the rows it picks)
+        layer_state(module).top_k = top_k_index.shape[1]  # as its block's top_k (the bound of the rows it picks)
         scores = x.new_zeros(t, e).scatter(1, top_k_index, top_k_weights)  # (T, E), differentiable in the weights
         args = ((x.unsqueeze(0) * scores.t().unsqueeze(-1)).reshape(e * t, -1),)
     else:

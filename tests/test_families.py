@@ -26,6 +26,7 @@ from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.model.loading import LoadOptions, load_model
 from moe_qlora.model.tiny import TINY_FAMILIES, build_byte_tokenizer, save_tiny_model, tiny_config
 from moe_qlora.moe.experts import experts_modules, set_moe_kernels
+from moe_qlora.moe.layer_state import layer_state
 from moe_qlora.train.sft import train
 
 FAMILIES = list(TINY_FAMILIES)
@@ -255,7 +256,7 @@ def test_llama4_picked_rows_are_bounded_by_the_blocks_top_k_and_never_dropped(tm
         load_model(LoadOptions(str(path))), LoraSection(rank=4, alpha=8.0, target_modules=[]), seed=0
     )
     _, experts = first_experts(model)
-    assert experts.moe_top_k == model.config.num_experts_per_tok == 1
+    assert layer_state(experts).top_k == model.config.num_experts_per_tok == 1
     e, t = experts.num_experts, 5
     two_per_token = torch.zeros(e, t, 1)
     two_per_token[0], two_per_token[3] = 0.7, 0.2  # experts 0 and 3 for every token

@@ -40,10 +40,11 @@ ROUTINGS = {"ragged": [5, 0, 17, 3, 0, 9], "one_expert": [0, 0, 21, 0, 0, 0]}
 
 
 @pytest.fixture(autouse=True)
-def bf16_tiles_in_fp32(monkeypatch):
+def bf16_tiles_in_fp32():
     """fp32 launches here take the bf16 tile configs (swapped, tall, wide), not tiles.FP32_CONFIG: the interpreter's
     fp32 products are exact, so the code paths a GPU runs in bf16 are checked to 1e-5."""
-    monkeypatch.setattr(tiles, "FP32_OWN_CONFIG", False)
+    with tiles.kernel_settings_overridden(fp32_own_config=False):
+        yield
 
 
 def offsets_of(counts):
@@ -194,13 +195,13 @@ def test_silu_mul_epilogue_matches_reference(dev, dtype, atol, rtol, routing, do
     assert ((swapped - act_ref.float()).abs() > bound).any()
 
 
-def recorded_launches(monkeypatch) -> list[dict]:
+def recorded_launches(monkeypatch, override_kernel_settings) -> list[dict]:
     """The constexpr flags of every _grouped_matmul_kernel launch from here on (the kernel still runs). Not
     autotuned, on a GPU too: the autotuner would wrap the recorder, which is no JITFunction (it has no
     arg_names), so each launch runs its class's first candidate."""
     from moe_qlora.moe.kernels import triton_kernels
 
-    monkeypatch.setenv("MOE_QLORA_AUTOTUNE", "0")
+    override_kernel_settings(autotune=False)
     launches, real = [], triton_kernels._grouped_matmul_kernel
 
     class Recorder:
@@ -215,13 +216,11 @@ def recorded_launches(monkeypatch) -> list[dict]:
     return launches
 
 
-def default_blocks(monkeypatch, arch: int, *, swap: bool, split_k_max: int = 1):
+def default_blocks(monkeypatch, override_kernel_settings, arch: int, *, swap: bool, split_k_max: int = 1):
     """Launches at `arch`'s default blocks (no small-block override), with the swapped 16-row tiles or without
     whatever the row count, and split-K off unless `split_k_max` (one launch: split-K has its own test). Not
     autotuned, also on a GPU: each launch runs its class's first candidate, and reaches recorded_launches."""
-    monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
-    monkeypatch.setenv("MOE_QLORA_AUTOTUNE", "0")
-    monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", str(arch))
+    override_kernel_settings(block_override=None, autotune=False, target_arch=arch)
     monkeypatch.setattr(tiles, "SWAP_AB_MAX_ROWS", 10**6 if swap else 0)
     monkeypatch.setattr(tiles, "SPLIT_K_MAX", split_k_max)
 
@@ -243,20 +242,22 @@ def codes_of_experts_rolled(stack: NF4Stack) -> NF4Stack:
 @pytest.mark.parametrize("glu", [False, True], ids=["down", "gate_up"])
 @pytest.mark.parametrize("arch", [80, 90], ids=["sm_80_blocks", "sm_90_blocks"])
 @pytest.mark.parametrize("swap", [False, True], ids=["rows_x_weight", "swapped"])
-def test_packed_nf4_path_matches_reference(dev, dtype, atol, rtol, double_quant, glu, arch, swap, monkeypatch):
+def test_packed_nf4_path_matches_reference(
+    dev, dtype, atol, rtol, double_quant, glu, arch, swap, monkeypatch, override_kernel_settings
+):
     """The forward's NF4 path at each architecture's default blocks (sm_90: 64 x 64 x 64, sm_80: 64 x 64 x 32):
     codes read as 4-byte words along the stored `in` dim, one block scale per column and K-step (K_PACKED).
     K = 192 spans three quant blocks; N = 80 (gate_up: 2 x 40) is not a multiple of 64. Checked to be the path
     taken, against the reference; the broken control (the two nibbles of a byte swapped) is off by O(1)."""
 
-    default_blocks(monkeypatch, arch, swap=swap)
+    default_blocks(monkeypatch, override_kernel_settings, arch, swap=swap)
     offsets = offsets_of(ROUTINGS["ragged"])
     stack = nf4_stack(6, 80, 192, double_quant=double_quant, seed=11, device=dev)
     weight = GroupedWeight.quantized(stack, transpose=True)
     g = torch.Generator().manual_seed(12)
     x = (0.3 * torch.randn(11, 192, generator=g)).to(dev, dtype)
     gather = torch.randint(0, 11, (offsets[-1],), generator=g).to(dev)
-    launches = recorded_launches(monkeypatch)
+    launches = recorded_launches(monkeypatch, override_kernel_settings)
     if glu:
         expected, _ = grouped_matmul_silu_mul_reference(x, weight, offsets, gather=gather)
         got, _ = grouped_matmul_silu_mul(x, weight, offsets, gather=gather)
@@ -286,7 +287,7 @@ def test_packed_nf4_path_matches_reference(dev, dtype, atol, rtol, double_quant,
 @pytest.mark.parametrize("arch", [80, 90], ids=["sm_80_blocks", "sm_90_blocks"])
 @pytest.mark.parametrize("swap", [False, True], ids=["rows_x_weight", "swapped"])
 def test_column_pair_nf4_path_of_the_input_gradient_matches_reference(
-    dev, dtype, atol, rtol, double_quant, lora, arch, swap, monkeypatch
+    dev, dtype, atol, rtol, double_quant, lora, arch, swap, monkeypatch, override_kernel_settings
 ):
     """The input gradient's NF4 path (g W through the transposed experts) at each architecture's default
     blocks: codes read as 4-byte words along the stored `in` dim, which is N here, their nibbles interleaved
@@ -295,14 +296,14 @@ def test_column_pair_nf4_path_of_the_input_gradient_matches_reference(
     against the reference, with the fused LoRA term too; the broken control (the two nibbles of a byte
     swapped: columns n and n + 1 exchanged) is off by O(1)."""
 
-    default_blocks(monkeypatch, arch, swap=swap)
+    default_blocks(monkeypatch, override_kernel_settings, arch, swap=swap)
     offsets = offsets_of(ROUTINGS["ragged"])
     stack = nf4_stack(6, 80, 128, double_quant=double_quant, seed=21, device=dev)
     weight = GroupedWeight.quantized(stack, transpose=False)
     g = torch.Generator().manual_seed(22)
     x = (0.3 * torch.randn(offsets[-1], 80, generator=g)).to(dev, dtype)
     low_rank = lora_term(offsets, 4, 128, scale=0.5, dtype=dtype, device=dev) if lora else None
-    launches = recorded_launches(monkeypatch)
+    launches = recorded_launches(monkeypatch, override_kernel_settings)
     expected = grouped_matmul_reference(x, weight, offsets, lora=low_rank)
     got = grouped_matmul(x, weight, offsets, lora=low_rank)
     assert [(flags["N_PACKED"], flags["SWAP_AB"], flags["EVEN_K"]) for flags in launches] == [(True, swap, False)]
@@ -316,18 +317,18 @@ def test_column_pair_nf4_path_of_the_input_gradient_matches_reference(
     assert (broken.float() - expected.float()).abs().max() > 0.1
 
 
-def test_codes_not_on_a_4_byte_boundary_take_the_byte_path(dev, monkeypatch):
+def test_codes_not_on_a_4_byte_boundary_take_the_byte_path(dev, monkeypatch, override_kernel_settings):
     """The packed paths read the codes through an int32 view, which needs them 4-byte aligned; a stack whose
     bytes start one past a boundary (a view into a larger buffer) is read a byte per element instead, and
     still matches the reference."""
-    monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
+    override_kernel_settings(block_override=None)
     offsets = offsets_of(ROUTINGS["ragged"])
     stack = nf4_stack(6, 64, 128, seed=41, device=dev)
     shifted = torch.cat([stack.packed.new_zeros(1), stack.packed])[1:]
     assert shifted.storage_offset() == 1 and torch.equal(shifted, stack.packed)
     moved = NF4Stack(shifted, stack.absmax, stack.nested, stack.shape, stack.blocksize)
     x = torch.randn(offsets[-1], 128, generator=torch.Generator().manual_seed(42)).to(dev)
-    launches = recorded_launches(monkeypatch)
+    launches = recorded_launches(monkeypatch, override_kernel_settings)
     got = grouped_matmul(x, GroupedWeight.quantized(moved, transpose=True), offsets)
     assert [f["K_PACKED"] for f in launches] == [False]
     expected = grouped_matmul_reference(x, GroupedWeight.quantized(stack, transpose=True), offsets)
@@ -350,7 +351,7 @@ def test_every_autotune_candidate_takes_the_packed_paths():
     assert not MatmulConfig(128, 64).packs(64, along_n=True) and not MatmulConfig(64, 16).packs(64, along_n=False)
 
 
-def test_wide_candidates_serve_only_the_launches_they_fit(monkeypatch):
+def test_wide_candidates_serve_only_the_launches_they_fit(override_kernel_settings):
     """A 128-column candidate is timed for the forward's K_PACKED launches with one accumulator, or with two in
     swapped 16-row tiles, and never for the N_PACKED input gradient (whose row steps it would split between
     quant blocks) nor the byte path; a launch with only a wide candidate pinned runs the shipped default."""
@@ -358,8 +359,7 @@ def test_wide_candidates_serve_only_the_launches_they_fit(monkeypatch):
     assert wide.serves(True, False, False) and wide.serves(True, True, True)
     assert not wide.serves(True, True, False) and not wide.serves(False, False, False)
     assert all(narrow.serves(*flags) for flags in [(True, True, False), (False, False, False), (False, True, True)])
-    monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
-    monkeypatch.setattr(tiles, "interpreted", lambda: False)  # autotuning on: every serving candidate
+    override_kernel_settings(block_override=None, interpreted=False)  # autotuning on: every serving candidate
     configs, short = tiles.MATMUL_CONFIGS[90], [c for c in tiles.MATMUL_CONFIGS[90] if not c.tall]
     assert tiles.launch_candidates(configs, "cpu", k_packed=True, glu=False, swap=False, tall=False) == short
     assert tiles.launch_candidates(configs, "cpu", k_packed=False, glu=False, swap=False, tall=False) == short[:-1]
@@ -369,13 +369,12 @@ def test_wide_candidates_serve_only_the_launches_they_fit(monkeypatch):
     assert tiles.path_candidates(configs, "cpu") == [c for c in configs if not c.wide]
 
 
-def test_a_served_candidate_that_would_split_a_quant_block_is_refused(monkeypatch):
+def test_a_served_candidate_that_would_split_a_quant_block_is_refused(monkeypatch, override_kernel_settings):
     """The packed path is chosen over the narrow candidates, but the autotuner also times the wide ones it
     serves: one of 128 codes along K (two quant blocks) would decode a step with one block's scale, so the
     launch refuses it rather than compute wrong weights."""
-    monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
-    monkeypatch.setattr(tiles, "interpreted", lambda: False)  # autotuning on: the wide candidate is served
-    monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", "90")
+    # autotuning on: the wide candidate is served
+    override_kernel_settings(block_override=None, interpreted=False, target_arch=90)
     monkeypatch.setitem(tiles.MATMUL_CONFIGS, 90, [tiles.MatmulConfig(64, 64), tiles.MatmulConfig(128, 128)])
     offsets = offsets_of(ROUTINGS["ragged"])
     weight = GroupedWeight.quantized(nf4_stack(6, 200, 128), transpose=True)
@@ -384,18 +383,18 @@ def test_a_served_candidate_that_would_split_a_quant_block_is_refused(monkeypatc
 
 
 @pytest.mark.parametrize("glu", [False, True], ids=["down", "gate_up"])
-def test_wide_tiles_match_reference(dev, glu, monkeypatch):
+def test_wide_tiles_match_reference(dev, glu, monkeypatch, override_kernel_settings):
     """The wide candidate pinned (sm_90's 128 x 64, 4 warps): the down projection in 64-row tiles and gate_up in
     swapped 16-row ones run with BLOCK_N 128 on the K_PACKED path and match the reference (fp32: 1e-5, as the
     other NF4 paths; N = 200 is two 128-column blocks, the second partial); the input gradient (N_PACKED),
     which the wide tile does not serve, runs at the default's 64 columns on its packed path. Control: one
     expert's codes rolled to the next expert is off by O(1)."""
-    default_blocks(monkeypatch, 90, swap=glu)
+    default_blocks(monkeypatch, override_kernel_settings, 90, swap=glu)
     offsets = offsets_of(ROUTINGS["ragged"])
     stack = nf4_stack(6, 200 * (2 if glu else 1), 128, double_quant=True, seed=51, device=dev)
     weight = GroupedWeight.quantized(stack, transpose=True)
     x = (0.3 * torch.randn(offsets[-1], 128, generator=torch.Generator().manual_seed(52))).to(dev)
-    launches = recorded_launches(monkeypatch)
+    launches = recorded_launches(monkeypatch, override_kernel_settings)
 
     def run(w):
         return grouped_matmul_silu_mul(x, w, offsets)[0] if glu else grouped_matmul(x, w, offsets)
@@ -425,20 +424,20 @@ TALL_CASES = {"gate_up": (True, True, 192, 40), "down": (False, True, 192, 80), 
 
 @pytest.mark.parametrize("arch", [80, 90], ids=["sm_80_blocks", "sm_90_blocks"])
 @pytest.mark.parametrize("path", list(TALL_CASES))
-def test_tall_tiles_match_reference(dev, arch, path, monkeypatch):
+def test_tall_tiles_match_reference(dev, arch, path, monkeypatch, override_kernel_settings):
     """Many rows per expert take the tall class's 128-row tiles at its default config (the first tall one that
     serves: gate_up in 8 warps). TALL_MIN_ROWS is lowered to 1 for the tests' small routings; experts of 150
     and 129 rows span two tiles each, the second nearly empty, and one expert has none. Checked to be the path
     and tile height taken, against the reference in fp32 (1e-5, as the other NF4 paths); control: the experts'
     codes rolled to the next expert is off by O(1)."""
-    default_blocks(monkeypatch, arch, swap=False)
+    default_blocks(monkeypatch, override_kernel_settings, arch, swap=False)
     monkeypatch.setattr(tiles, "TALL_MIN_ROWS", 1)
     glu, transpose, k, n = TALL_CASES[path]
     offsets = offsets_of([0, 150, 3, 129, 0, 40])
     rows_out, cols_in = ((2 * n if glu else n), k) if transpose else (k, n)
     stack = nf4_stack(6, rows_out, cols_in, double_quant=True, seed=61, device=dev)
     x = (0.3 * torch.randn(offsets[-1], k, generator=torch.Generator().manual_seed(62))).to(dev)
-    launches = recorded_launches(monkeypatch)
+    launches = recorded_launches(monkeypatch, override_kernel_settings)
 
     def run(s):
         w = GroupedWeight.quantized(s, transpose=transpose)
@@ -464,31 +463,28 @@ def test_tall_tiles_match_reference(dev, arch, path, monkeypatch):
     assert (run(codes_of_experts_rolled(stack)) - expected).abs().max() > 0.1
 
 
-def test_autotuning_is_on_by_default_and_switched_off_by_the_environment(monkeypatch):
+def test_autotuning_is_on_by_default_and_switched_off_by_the_environment(monkeypatch, override_kernel_settings):
     """On a GPU (not the interpreter) a launch times its architecture's candidates; MOE_QLORA_AUTOTUNE=0 keeps
     the default (first) config, and MOE_QLORA_TRITON_BLOCKS fixes the blocks outright."""
     from moe_qlora.moe.kernels import tiles
 
-    monkeypatch.setattr(tiles, "interpreted", lambda: False)
-    monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
-    monkeypatch.delenv("MOE_QLORA_AUTOTUNE", raising=False)
-    monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", "80")
+    override_kernel_settings(interpreted=False, block_override=None, autotune=True, target_arch=80)
     assert tiles.matmul_plan("cpu") == tiles.MATMUL_CONFIGS[80] and len(tiles.MATMUL_CONFIGS[80]) > 1
-    monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", "90")
+    override_kernel_settings(target_arch=90)
     flags = dict(k_packed=True, glu=False, swap=False, tall=False)
     assert tiles.launch_candidates(tiles.matmul_plan("cpu"), "cpu", **flags) == [
         c for c in tiles.MATMUL_CONFIGS[90] if not c.tall
     ]
-    monkeypatch.setenv("MOE_QLORA_AUTOTUNE", "0")
+    override_kernel_settings(autotune=False)
     assert tiles.launch_candidates(tiles.matmul_plan("cpu"), "cpu", **flags) == tiles.MATMUL_CONFIGS[90][:1]
-    monkeypatch.setenv("MOE_QLORA_TRITON_BLOCKS", "16,32,16")
+    override_kernel_settings(block_override=(16, 32, 16))
     assert tiles.matmul_plan("cpu") == [tiles.MatmulConfig(32, 16, block_m=16)]
     # A GPU's list by its compute capability: mma.sync GPUs (the 24 GB cards among them) take sm_80's, unless
     # MOE_QLORA_TARGET_ARCH names one (the kernel tests run both lists on whatever GPU they find).
     capability = {"major": 8}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (capability["major"], 0))
     assert tiles.target_arch("cuda") == 90  # MOE_QLORA_TARGET_ARCH=90 on an sm_80 GPU
-    monkeypatch.delenv("MOE_QLORA_TARGET_ARCH")
+    override_kernel_settings(target_arch=None)
     arches = {}
     for major in (8, 9, 10, 12):
         capability["major"] = major
@@ -496,7 +492,7 @@ def test_autotuning_is_on_by_default_and_switched_off_by_the_environment(monkeyp
     assert arches == {8: 80, 9: 90, 10: 90, 12: 80}
 
 
-def test_launch_goes_through_the_autotuner_unless_switched_off(monkeypatch):
+def test_launch_goes_through_the_autotuner_unless_switched_off(monkeypatch, override_kernel_settings):
     """With autotuning on, the launch hands the autotuner the kernel's arguments without BLOCK_N / BLOCK_K
     (it supplies each candidate's) and a grid that follows the candidate's BLOCK_N; switched off, the plain
     kernel gets the default config's blocks, warps and stages."""
@@ -511,17 +507,16 @@ def test_launch_goes_through_the_autotuner_unless_switched_off(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: calls.append((self.name, grid, kwargs))
 
-    monkeypatch.setattr(tiles, "interpreted", lambda: False)
+    override_kernel_settings(interpreted=False)
     monkeypatch.setattr(ops, "_autotuned_matmul", lambda arch, configs: Recorder(f"autotuned_{arch}_{len(configs)}"))
     monkeypatch.setattr(triton_kernels, "_grouped_matmul_kernel", Recorder("plain"))
-    monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
-    monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", "90")
+    override_kernel_settings(block_override=None, target_arch=90)
     offsets = offsets_of(ROUTINGS["ragged"])
     weight = GroupedWeight.quantized(nf4_stack(6, 200, 128), transpose=True)
     x = torch.randn(offsets[-1], 128)
-    monkeypatch.delenv("MOE_QLORA_AUTOTUNE", raising=False)
+    override_kernel_settings(autotune=True)
     grouped_matmul(x, weight, offsets)
-    monkeypatch.setenv("MOE_QLORA_AUTOTUNE", "0")
+    override_kernel_settings(autotune=False)
     grouped_matmul(x, weight, offsets)
     (tuned, tuned_grid, tuned_kw), (plain, plain_grid, plain_kw) = calls
     # The forward's K_PACKED launch (one accumulator, few rows: swapped 16-row tiles) times every 64-row-class
@@ -567,7 +562,9 @@ SPLIT_K_CASES = {
 
 @pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES)
 @pytest.mark.parametrize("path", list(SPLIT_K_CASES))
-def test_split_k_matches_reference_and_is_deterministic(dev, dtype, atol, rtol, path, monkeypatch):
+def test_split_k_matches_reference_and_is_deterministic(
+    dev, dtype, atol, rtol, path, monkeypatch, override_kernel_settings
+):
     """Few tiles for the SMs: each tile's K is shared by SPLIT_K programs writing partial sums, and a second
     launch adds them in split order and runs the epilogue (bias, LoRA term, silu x up). K = 384 is six 64-wide
     K-steps (7 on the byte path), split three ways. Against the reference (same bounds as above), twice with
@@ -575,7 +572,7 @@ def test_split_k_matches_reference_and_is_deterministic(dev, dtype, atol, rtol, 
     launch told of one split fewer: the last split's sums dropped) is caught."""
     from moe_qlora.moe.kernels import triton_kernels
 
-    default_blocks(monkeypatch, 90, swap=path == "k_packed_swapped_down", split_k_max=3)
+    default_blocks(monkeypatch, override_kernel_settings, 90, swap=path == "k_packed_swapped_down", split_k_max=3)
     offsets = offsets_of(ROUTINGS["ragged"])
     g = torch.Generator().manual_seed(31)
     glu, transpose, k, n = SPLIT_K_CASES[path]
@@ -586,7 +583,7 @@ def test_split_k_matches_reference_and_is_deterministic(dev, dtype, atol, rtol, 
     bias = (0.1 * torch.randn(6, n, generator=g)).to(dev, dtype) if transpose else None
     low_rank = lora_term(offsets, 4, n, scale=0.5, dtype=dtype, device=dev)
     kwargs = dict(bias=bias, lora=low_rank)
-    launches = recorded_launches(monkeypatch)
+    launches = recorded_launches(monkeypatch, override_kernel_settings)
     if glu:
         expected = grouped_matmul_silu_mul_reference(x, weight, offsets, **kwargs)[0]
         run = lambda: grouped_matmul_silu_mul(x, weight, offsets, **kwargs)[0]  # noqa: E731
@@ -775,18 +772,16 @@ def test_launchers_run_as_on_a_gpu_through_the_autotuner():
     assert result["timed"] > 0  # the autotuner timed candidates (more than one served some launch)
 
 
-def test_autotune_candidates_share_the_defaults_mma_kind(monkeypatch):
+def test_autotune_candidates_share_the_defaults_mma_kind(override_kernel_settings):
     """The autotuner may pick a different candidate in a run and in its resume, so the candidates it times for a
     launch must give the default's bits: on sm_90 the swapped 16-row tiles' default (64 weight columns on the
     MMA's M side) runs wgmma, and the 32-column candidate would run mma.sync, so it is left out; everywhere
     else every serving candidate shares the default's instruction."""
-    monkeypatch.setattr(tiles, "interpreted", lambda: False)
-    monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
-    monkeypatch.delenv("MOE_QLORA_AUTOTUNE", raising=False)
+    override_kernel_settings(interpreted=False, block_override=None, autotune=True)
     narrow = tiles.MatmulConfig(32, 64, 4, 3)
     assert tiles.mma_kind(narrow, 90, swap=True) == "mma.sync" and tiles.mma_kind(narrow, 90, swap=False) == "wgmma"
     for arch in (80, 90):
-        monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", str(arch))
+        override_kernel_settings(target_arch=arch)
         for swap in (False, True):
             for tall in (False, True) if not swap else (False,):
                 for k_packed, glu in ((True, True), (True, False), (False, False)):
@@ -836,14 +831,11 @@ def test_mma_kind_is_what_the_compiler_emits_on_sm_90():
 
 
 @pytest.mark.parametrize("tokens", [1, 64])
-def test_fp32_launches_take_the_one_config_that_does_not_spill(monkeypatch, tokens):
+def test_fp32_launches_take_the_one_config_that_does_not_spill(monkeypatch, tokens, override_kernel_settings):
     """fp32 activations multiply exactly on the FMA units, where every bf16 candidate spills; fp32 launches take
     tiles.FP32_CONFIG alone (no spill: tests/test_kernel_report.py), never swapped, tall or autotuned, on either
     architecture's list, at 1 token (swapped tiles in bf16) as at 64."""
-    monkeypatch.setattr(tiles, "interpreted", lambda: False)
-    monkeypatch.setattr(tiles, "FP32_OWN_CONFIG", True)  # as shipped
-    monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
-    monkeypatch.delenv("MOE_QLORA_AUTOTUNE", raising=False)
+    override_kernel_settings(interpreted=False, block_override=None, autotune=True, fp32_own_config=True)  # as shipped
     from moe_qlora.moe.kernels import triton_kernels
 
     launches = []
@@ -858,7 +850,7 @@ def test_fp32_launches_take_the_one_config_that_does_not_spill(monkeypatch, toke
     weight = GroupedWeight.quantized(nf4_stack(2, 64, 128), transpose=True)
     offsets = [0, tokens, tokens]
     for arch in (80, 90):
-        monkeypatch.setenv("MOE_QLORA_TARGET_ARCH", str(arch))
+        override_kernel_settings(target_arch=arch)
         grouped_matmul(torch.randn(tokens, 128), weight, offsets)
         grouped_matmul(torch.randn(tokens, 128).bfloat16(), weight, offsets)
     fp32, bf16 = launches[0::2], launches[1::2]

@@ -11,6 +11,7 @@ from test_moe_parity import BROKEN, CASES, _swap_gate_up, routing_case
 from moe_qlora.model.loading import LoadOptions, load_model
 from moe_qlora.model.tiny import ensure_tiny
 from moe_qlora.moe.experts import _frozen_experts, deferred_lora_gradients, set_moe_kernels
+from moe_qlora.moe.layer_state import layer_state
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def test_grouped_layer_on_triton_kernels_matches_eager(quantized, case):
 
 
 @pytest.mark.parametrize("swap", [False, True], ids=["64_row_tiles", "swapped_16_row_tiles"])
-def test_grouped_layer_on_default_triton_blocks_matches_eager(quantized, swap, monkeypatch):
+def test_grouped_layer_on_default_triton_blocks_matches_eager(quantized, swap, monkeypatch, override_kernel_settings):
     """At the default blocks (no small-block override) the tiny Mixtral's NF4 stacks take the packed paths in
     all four launches: the forward's gate_up and down read their codes as words along K, both input gradients
     along N; with few rows per expert (SWAP_AB_MAX_ROWS) also their swapped 16-row tiles. The whole layer's
@@ -52,11 +53,11 @@ def test_grouped_layer_on_default_triton_blocks_matches_eager(quantized, swap, m
 
     from moe_qlora.moe.kernels import tiles
 
-    monkeypatch.delenv("MOE_QLORA_TRITON_BLOCKS", raising=False)
-    monkeypatch.setenv("MOE_QLORA_AUTOTUNE", "0")  # on a GPU too: launches reach the recorder, not the autotuner
+    # not autotuned, on a GPU too: launches reach the recorder, not the autotuner; the bf16 tiles, checked in exact
+    # fp32 products
+    override_kernel_settings(block_override=None, autotune=False, fp32_own_config=False)
     monkeypatch.setattr(tiles, "SWAP_AB_MAX_ROWS", 10**6 if swap else 0)
-    monkeypatch.setattr(tiles, "FP32_OWN_CONFIG", False)  # the bf16 tiles, checked in exact fp32 products
-    launches = recorded_launches(monkeypatch)
+    launches = recorded_launches(monkeypatch, override_kernel_settings)
     assert_all_close(*run(quantized, "triton", "ragged"))
     flags = [(kw["K_PACKED"], kw["N_PACKED"], kw["SWAP_AB"]) for kw in launches]
     nf4 = [f for f in flags if f[0] or f[1]]
@@ -178,7 +179,7 @@ def test_grouped_mm_decoding_chunks_of_experts_matches_eager(quantized, case):
     per_expert = module.gate_up_proj.quant_state.shape[1:].numel() * 4  # fp32 bytes of one decoded expert
     try:
         set_moe_kernels(quantized, "grouped_mm", dequant_buffer_mb=3.5 * per_expert / 2**20)
-        assert grouped_mm.experts_per_chunk(8, per_expert, module.moe_dequant_budget) == 3
+        assert grouped_mm.experts_per_chunk(8, per_expert, layer_state(module).dequant_budget) == 3
         kind, tokens, k = CASES[case]
         idx, weights = routing_case(kind, tokens, 8, k)
         x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(5)).to(module.gate_up_proj.device)

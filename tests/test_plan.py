@@ -135,12 +135,12 @@ def test_grouped_mm_decode_buffer_is_planned(settings, expected_mib):
     [([], "1", True), (["model.kernels=grouped_mm"], "1", False), ([], "0", False)],
     ids=["auto", "grouped_mm", "autotune-off"],
 )
-def test_the_autotuners_flush_buffer_is_planned_where_it_runs(settings, autotune, planned, monkeypatch):
+def test_the_autotuners_flush_buffer_is_planned_where_it_runs(settings, autotune, planned, override_kernel_settings):
     """Triton's autotuner clears the L2 with a 256 MiB buffer (its driver's get_empty_cache_for_benchmark) while
     it times configs; the allocator keeps it reserved. Planned when Triton may run and autotuning is on."""
     from triton.backends.nvidia.driver import CudaDriver
 
-    monkeypatch.setenv("MOE_QLORA_AUTOTUNE", autotune)
+    override_kernel_settings(autotune=autotune != "0")  # MOE_QLORA_AUTOTUNE=autotune, as read at the first launch
     args = ["plan", "--model", str(ROOT / "configs/models/qwen3-30b-a3b"), "--json"]
     for s in settings:
         args += ["--set", s]

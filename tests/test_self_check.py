@@ -1,7 +1,8 @@
 """The self-check of the GPU MoE paths (moe_qlora/moe/self_check.py): a path that raises or computes wrong at its first
 call falls back (triton -> grouped_mm -> torch) with one warning, and the run goes on with the reference's
-numbers; a path that is right is kept. The fault is injected (MOE_QLORA_INJECT_KERNEL_FAULT), the stand-in for
-a GPU kernel that fails on the user's device: `wrong` scales the path's output by 1.5, `raise` raises."""
+numbers; a path that is right is kept. The fault is injected (common.injection.injected in-process,
+MOE_QLORA_INJECT_KERNEL_FAULT for a subprocess), the stand-in for a GPU kernel that fails on the user's device:
+`wrong` scales the path's output by 1.5, `raise` raises."""
 
 import json
 import logging
@@ -49,9 +50,9 @@ def test_a_right_path_is_kept(model, caplog):
 
 
 @pytest.mark.parametrize("fault", ["wrong", "raise"])
-def test_a_failing_path_falls_back_to_the_reference_with_one_warning(model, fault, monkeypatch, caplog):
+def test_a_failing_path_falls_back_to_the_reference_with_one_warning(model, fault, inject_faults, caplog):
     torch_out, torch_grad = experts_step(model, "torch")
-    monkeypatch.setenv(self_check.FAULT_ENV, f"grouped_mm:{fault}")
+    inject_faults(kernel_fault=f"grouped_mm:{fault}")
     with caplog.at_level(logging.WARNING, logger="moe_qlora.moe.self_check"):
         out, grad = experts_step(model, "grouped_mm")
         again, _ = experts_step_same_checker(model)
@@ -78,11 +79,11 @@ def experts_step_same_checker(model):
 
 
 @pytest.mark.usefixtures("small_triton_blocks")
-def test_triton_falls_back_to_grouped_mm_which_is_checked_too(model, monkeypatch, caplog):
+def test_triton_falls_back_to_grouped_mm_which_is_checked_too(model, inject_faults, caplog):
     """triton raising falls back to grouped_mm, which is itself checked (and kept: it is right); triton runs in
     the interpreter here."""
     torch_out, _ = experts_step(model, "torch")
-    monkeypatch.setenv(self_check.FAULT_ENV, "triton:raise")
+    inject_faults(kernel_fault="triton:raise")
     with caplog.at_level(logging.WARNING, logger="moe_qlora.moe.self_check"):
         out, _ = experts_step(model, "triton")
     checker = kernel_self_check(model)
@@ -170,10 +171,10 @@ def test_a_rows_class_first_seen_without_gradients_is_probed_again_with_them(mod
     assert [key[-2] for key in checker.failed] == [True]
 
 
-def test_a_device_fault_at_a_probe_stops_with_one_clear_message(model, monkeypatch):
+def test_a_device_fault_at_a_probe_stops_with_one_clear_message(model, inject_faults):
     """An illegal address poisons the CUDA context: no fallback can run, so the probe raises a message naming the
     path and shapes and the way out. The stand-in raises what torch raises for it (torch.AcceleratorError)."""
-    monkeypatch.setenv(self_check.FAULT_ENV, "grouped_mm:device")
+    inject_faults(kernel_fault="grouped_mm:device")
     with pytest.raises(self_check.DeviceFaultError) as info:
         experts_step(model, "grouped_mm")
     message = str(info.value)

@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from moe_qlora.moe.kernel_names import KERNEL_CHOICES
+
 
 class ConfigError(ValueError):
     """A configuration that cannot be used; the message is meant for the user as is."""
@@ -29,7 +31,7 @@ class ModelSection(Section):
     trust_remote_code: bool = Field(False, description="run model code shipped with the checkpoint")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: the GPU when there is one, else the CPU")
     strict_quantization: bool = Field(True, description="fail if any expert stack stays in high precision")
-    kernels: Literal["auto", "triton", "grouped_mm", "torch"] = Field(
+    kernels: Literal[KERNEL_CHOICES] = Field(
         "auto",
         description="MoE layer: triton (NF4 decoded inside the matmul, CUDA), grouped_mm (each NF4 stack decoded to "
         "a buffer, then torch._grouped_mm; any device) or the per-expert torch reference; auto: on CUDA triton "

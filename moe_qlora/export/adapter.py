@@ -29,6 +29,7 @@ from moe_qlora.model.peft_roundtrip import (
     load_like_peft,
 )
 from moe_qlora.moe.experts import ExpertLoRA, experts_modules, stack_names
+from moe_qlora.moe.layer_state import read_state
 
 TRAINED_ON = "moe_qlora.json"
 # Keys of each expert LoRA factor relative to the experts module, in PEFT's nesting.
@@ -66,7 +67,7 @@ def _projections():
 def peft_reads_transposed(module) -> bool:
     """True when the stack is stored (E, in, out) but PEFT will read it as (E, out, in): PEFT asks the module
     for `is_transposed`, which the consumer's fresh Llama-4 experts do not have (we set it when adopting)."""
-    return bool(getattr(module, "is_transposed", False) and getattr(module, "moe_adopted", False))
+    return bool(getattr(module, "is_transposed", False) and read_state(module).adopted)
 
 
 def expert_lora_to_peft(lora: ExpertLoRA, *, swap: bool = False) -> dict[str, torch.Tensor]:
@@ -140,20 +141,20 @@ def peft_to_split_lora(tensors: dict[str, torch.Tensor], lora: ExpertLoRA, where
 
 def module_lora_to_peft(module, lora: ExpertLoRA) -> dict[str, torch.Tensor]:
     """The experts module's LoRA under PEFT's keys relative to the module, in the consumer's layout."""
-    if getattr(module, "moe_split_gate_up", False):
+    if read_state(module).split_gate_up:
         return split_lora_to_peft(lora)
     return expert_lora_to_peft(lora, swap=peft_reads_transposed(module))
 
 
 def peft_to_module_lora(module, tensors: dict[str, torch.Tensor], lora: ExpertLoRA, where: str = "") -> None:
-    if getattr(module, "moe_split_gate_up", False):
+    if read_state(module).split_gate_up:
         peft_to_split_lora(tensors, lora, where)
     else:
         peft_to_expert_lora(tensors, lora, swap=peft_reads_transposed(module))
 
 
 def peft_keys_of(module) -> list[str]:
-    if getattr(module, "moe_split_gate_up", False):
+    if read_state(module).split_gate_up:
         return [k for pair in SPLIT_PEFT_KEYS.values() for k in pair]
     return list(PEFT_EXPERT_KEYS.values())
 
@@ -205,7 +206,7 @@ def base_quantization(model) -> dict[str, bool]:
     nested = {"expert_double_quant": None, "linear_double_quant": None}
     expert_stacks = set()
     for _, m in experts_modules(model):
-        if (was_nested := getattr(m, "moe_nested_scales", None)) is not None:  # made shardable: scales decoded
+        if (was_nested := read_state(m).nested_scales) is not None:  # made shardable: scales decoded
             nested["expert_double_quant"] = bool(nested["expert_double_quant"]) or was_nested
         else:
             expert_stacks |= {id(getattr(m, n)) for n in stack_names(m)}
@@ -258,7 +259,7 @@ def dequantized_base_state_dict(model, dtype: torch.dtype = torch.float32) -> di
         key = plain_key(name)
         state[key] = dequantize_param(p, dtype) if isinstance(p, bnb.nn.Params4bit) else p.detach().to(dtype)
     for name, module in experts_modules(model):  # fused shared-expert stacks back to the checkpoint's gate / up
-        if getattr(module, "moe_split_gate_up", False):
+        if read_state(module).split_gate_up:
             key = name.removeprefix(PEFT_PREFIX)
             state[f"{key}.gate_proj"], state[f"{key}.up_proj"] = state.pop(f"{key}.gate_up_proj").chunk(2, dim=1)
     return state

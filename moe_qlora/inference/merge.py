@@ -29,6 +29,7 @@ from moe_qlora.export.adapter import plain_key
 from moe_qlora.export.norms import check_norms
 from moe_qlora.inference.generate import load_for_generation
 from moe_qlora.moe.experts import experts_modules, stack_names
+from moe_qlora.moe.layer_state import read_state
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Tokenizer and generation files copied from the base beside the merged weights.
@@ -117,7 +118,7 @@ def merged_tensors(model, dtype: torch.dtype, report: MergeReport) -> Iterator[t
     split_modules = {
         f"{plain_key(name)}.gate_up_proj": module
         for name, module in experts_modules(model)
-        if getattr(module, "moe_split_gate_up", False)
+        if read_state(module).split_gate_up
     }
     for name, p in model.named_parameters():
         if ".lora_" in name or ".moe_lora." in name:
@@ -150,7 +151,7 @@ def frobenius_norms(delta: torch.Tensor) -> list[float]:
 def split_fused_gate_up(module, key: str, weight: torch.Tensor, *, dim: int) -> Iterator[tuple[str, torch.Tensor]]:
     """A shared-expert stack moe-qlora fused at load ([gate; up] along `dim`) back to the checkpoint's
     gate_proj and up_proj; anything else as it is."""
-    if module is None or not getattr(module, "moe_split_gate_up", False) or not key.endswith(".gate_up_proj"):
+    if module is None or not read_state(module).split_gate_up or not key.endswith(".gate_up_proj"):
         yield key, weight
         return
     prefix = key.removesuffix(".gate_up_proj")

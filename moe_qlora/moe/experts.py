@@ -18,6 +18,8 @@ from transformers.activations import SiLUActivation
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface, _default_apply_gate
 
 from moe_qlora.moe.grouped_layer import moe_lora_experts_grouped
+from moe_qlora.moe.kernel_names import KERNELS
+from moe_qlora.moe.layer_state import FUSED_BELOW_ROWS, layer_state, read_state
 from moe_qlora.moe.nf4 import NF4Stack
 from moe_qlora.moe.offload import OffloadedStack
 from moe_qlora.moe.reference_layer import DeferredWeightGrads, FrozenExperts, MoEPlan, moe_lora_experts
@@ -94,7 +96,8 @@ def is_experts_module(module: nn.Module) -> bool:
     """True for a class on transformers' experts interface (its decorator sets has_gate) with its 3D stacks."""
     if not hasattr(module, "has_gate"):
         return False
-    return hasattr(module, "moe_shardable_shapes") or all(hasattr(module, n) for n in stack_names(module))
+    shardable = read_state(module).shardable_shapes is not None
+    return shardable or all(hasattr(module, n) for n in stack_names(module))
 
 
 def check_supported_layout(module: nn.Module, name: str = "experts") -> None:
@@ -117,7 +120,7 @@ def check_supported_layout(module: nn.Module, name: str = "experts") -> None:
 
 def expert_dims(module: nn.Module) -> tuple[int, int, int]:
     """(experts, hidden, intermediate) of an experts module, from its first stack (quantized or not)."""
-    if "gate_proj" in module._parameters and getattr(module, "moe_split_gate_up", False):  # not fused yet
+    if "gate_proj" in module._parameters and read_state(module).split_gate_up:  # not fused yet
         e, inter, hidden = module.gate_proj.shape
         return e, hidden, inter
     stack = getattr(module, stack_names(module)[0])
@@ -143,11 +146,11 @@ def _frozen_experts(module: nn.Module) -> FrozenExperts:
 def _nf4_stack(module: nn.Module, name: str) -> NF4Stack:
     """The NF4 stack `name` of an experts module: its bitsandbytes Params4bit, or, once made shardable, the
     plain parameters `{name}_nf4` and `{name}_absmax` (whatever FSDP has gathered into them for this call)."""
-    offload = getattr(module, "moe_offload", None)
-    if offload is not None:  # its stacks in host memory: a handle that fetches them when read
-        offloader, layer = offload
+    state = read_state(module)
+    if state.offload is not None:  # its stacks in host memory: a handle that fetches them when read
+        offloader, layer = state.offload
         return OffloadedStack(offloader, layer, name)
-    shapes = getattr(module, "moe_shardable_shapes", None)
+    shapes = state.shardable_shapes
     if shapes is not None:
         packed, absmax = getattr(module, f"{name}_nf4"), getattr(module, f"{name}_absmax")
         return NF4Stack(packed.view(-1), absmax.view(-1), None, shapes[name])
@@ -167,7 +170,7 @@ def make_stacks_shardable(model: nn.Module) -> int:
     (the same fp32 values the kernels decode on the fly, so results do not change). Returns how many stacks."""
     converted = 0
     for module in model.modules():
-        if not is_experts_module(module) or getattr(module, "moe_shardable_shapes", None) is not None:
+        if not is_experts_module(module) or read_state(module).shardable_shapes is not None:
             continue
         shapes, nested = {}, False
         for name in stack_names(module):
@@ -181,14 +184,15 @@ def make_stacks_shardable(model: nn.Module) -> int:
             module.register_parameter(f"{name}_absmax", nn.Parameter(absmax, requires_grad=False))
             shapes[name] = stack.shape
             converted += 1
-        module.moe_shardable_shapes, module.moe_nested_scales = shapes, nested
+        state = layer_state(module)
+        state.shardable_shapes, state.nested_scales = shapes, nested
     return converted
 
 
 def _cached_gates_with_silu_mul(module: nn.Module) -> bool:
     """_gates_with_silu_mul, read from the flag set_moe_kernels stores (method identity is not something
     torch.compile can trace), computed here for a module never set."""
-    flag = getattr(module, "moe_gate_is_silu_mul", None)
+    flag = read_state(module).gate_is_silu_mul
     return _gates_with_silu_mul(module) if flag is None else flag
 
 
@@ -202,14 +206,15 @@ def _gates_with_silu_mul(module: nn.Module) -> bool:
 
 def moe_qlora_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """The registered experts implementation. hidden_states: (T, H), top_k_*: (T, K) -> (T, H)."""
-    if (offload := getattr(self, "moe_offload", None)) is not None:
-        offloader, layer = offload
+    state = read_state(self)
+    if state.offload is not None:
+        offloader, layer = state.offload
         offloader.enter(layer)  # here, outside the autograd Function, grad mode says forward or generation
     frozen = _frozen_experts(self)
     lora: ExpertLoRA | None = getattr(self, "moe_lora", None)
     if lora is not None and not lora.active:
         lora = None
-    deferred = getattr(self, "moe_deferred_grads", None) if lora is not None else None
+    deferred = state.deferred_grads if lora is not None else None
     plan = MoEPlan(
         frozen,
         route(top_k_index, frozen.gate_up.num_experts),
@@ -220,19 +225,17 @@ def moe_qlora_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     if lora is not None and self.training:
         lora.routed_rows += plan.routing.counts
     factors = lora.factors() if lora is not None else None
-    kernels = getattr(self, "moe_kernels", "torch")
+    kernels = state.kernels
     if kernels == "auto":
         kernels = auto_kernels(
-            hidden_states.shape[0] * top_k_index.shape[1],
-            frozen.gate_up.num_experts,
-            getattr(self, "moe_fused_below_rows", FUSED_BELOW_ROWS),
+            hidden_states.shape[0] * top_k_index.shape[1], frozen.gate_up.num_experts, state.fused_below_rows
         )
-    budget = getattr(self, "moe_dequant_budget", None)
+    budget = state.dequant_budget
 
     def run(path, x, weights, lora_factors, call_plan):
         return run_moe_path(path, x, weights, lora_factors, call_plan, budget)
 
-    checker: KernelSelfCheck | None = getattr(self, "moe_self_check", None)
+    checker: KernelSelfCheck | None = state.self_check
     if checker is not None and kernels != "torch" and not torch.compiler.is_compiling():
         kernels = checker.path_for(kernels, hidden_states, top_k_index, top_k_weights, factors, plan, run)
     return run(kernels, hidden_states, top_k_weights, factors, plan)
@@ -244,19 +247,6 @@ def run_moe_path(path: str, x, weights, lora, plan: MoEPlan, dequant_budget: int
     if path == "torch":
         return with_injected_fault(path, lambda: moe_lora_experts(x, weights, lora, plan))
     return with_injected_fault(path, lambda: moe_lora_experts_grouped(x, weights, lora, plan, path, dequant_budget))
-
-
-# torch: the per-expert reference (CPU); triton: grouped Triton kernels decoding NF4 in registers (CUDA, or
-# TRITON_INTERPRET=1); grouped_mm: each NF4 stack decoded to a buffer, then torch._grouped_mm (any device);
-# auto: per call, triton below `fused_below_rows` rows per expert and grouped_mm above (CUDA);
-# torch-grouped: the grouped formulation on the kernels' torch references (a CPU check of that path).
-KERNELS = ("torch", "triton", "grouped_mm", "auto", "torch-grouped")
-
-# Rows per expert below which the fused NF4 kernel beats decoding the stack and running grouped GEMMs. Cost
-# model (H100): decoding costs ~4 extra bytes of HBM traffic per weight (read 0.5, write 2, read 2 again vs
-# 0.5), 1.2e-12 s at 3.35 TB/s; the fused kernel's slower MMA loop (~10% of bf16 peak vs ~60% for CUTLASS)
-# costs 2m flops x 8.4e-15 s per weight at m rows. Break-even near m = 70; 64 until measured on a GPU.
-FUSED_BELOW_ROWS = 16  # config.sections' default: see its description
 
 
 def auto_kernels(num_rows: int, num_experts: int, fused_below_rows: int) -> str:
@@ -285,17 +275,18 @@ def set_moe_kernels(
     modules = experts_modules(model)
     checker = KernelSelfCheck() if self_check else None
     for _, module in modules:
-        module.moe_kernels = kernels
-        module.moe_fused_below_rows = fused_below_rows
-        module.moe_dequant_budget = dequant_budget_bytes(dequant_buffer_mb)
-        module.moe_gate_is_silu_mul = _gates_with_silu_mul(module)
-        module.moe_self_check = checker
+        state = layer_state(module)
+        state.kernels, state.fused_below_rows = kernels, fused_below_rows
+        state.dequant_budget = dequant_budget_bytes(dequant_buffer_mb)
+        state.gate_is_silu_mul = _gates_with_silu_mul(module)
+        state.self_check = checker
     return len(modules)
 
 
 def kernel_self_check(model) -> KernelSelfCheck | None:
     """The self-check set_moe_kernels gave `model`'s experts (None when off)."""
-    return next((m.moe_self_check for _, m in experts_modules(model) if getattr(m, "moe_self_check", None)), None)
+    checks = (read_state(m).self_check for _, m in experts_modules(model))
+    return next((check for check in checks if check), None)
 
 
 @contextmanager
@@ -306,12 +297,12 @@ def deferred_lora_gradients(model) -> Iterator[DeferredWeightGrads]:
     store = DeferredWeightGrads()
     modules = experts_modules(model)
     for _, module in modules:
-        module.moe_deferred_grads = store
+        layer_state(module).deferred_grads = store
     try:
         yield store
     finally:
         for _, module in modules:
-            del module.moe_deferred_grads
+            layer_state(module).deferred_grads = None
 
 
 def register_experts_implementation() -> None:

@@ -12,6 +12,7 @@ from torch import nn
 from transformers.integrations.moe import _default_apply_gate
 
 from moe_qlora.moe.experts import is_experts_module, moe_qlora_experts_forward, stack_names
+from moe_qlora.moe.layer_state import layer_state, read_state
 
 # Experts classes off transformers' interface whose stacks and math the MoE layer computes exactly once they
 # carry the interface's attributes. Llama-4: gate_up_proj (E, H, 2I) and down_proj (E, I, H) (transposed),
@@ -51,14 +52,15 @@ SPLIT_STACKS = ("gate_proj", "up_proj", "down_proj")
 
 def quantized_stack_names(module: nn.Module) -> tuple[str, ...]:
     """The 3D stacks of `module` the quantizer turns into NF4 (none for a module that holds no experts)."""
-    if getattr(module, "moe_split_gate_up", False):
+    if read_state(module).split_gate_up:
         return SPLIT_STACKS
     return stack_names(module) if is_experts_module(module) else ()
 
 
 def _adopt(module: nn.Module, *, transposed: bool, forward) -> None:
     module.has_gate, module.has_bias, module.is_transposed, module.is_concatenated = True, False, transposed, True
-    module.has_post_expert_norm, module.moe_adopted = False, True
+    module.has_post_expert_norm = False
+    layer_state(module).adopted = True
     module._apply_gate = types.MethodType(_default_apply_gate, module)
     module.forward = types.MethodType(forward, module)
 
@@ -68,8 +70,9 @@ def adopt_split_gate_up_experts(model: nn.Module) -> int:
     makes their gate_up_proj after loading. Returns how many. Instance-level: no class is patched."""
     adopted = 0
     for module in model.modules():
-        if type(module).__name__ in SPLIT_GATE_UP_EXPERTS and not hasattr(module, "moe_split_gate_up"):
-            module.moe_split_gate_up, module.num_experts = True, module.n_shared_experts
+        if type(module).__name__ in SPLIT_GATE_UP_EXPERTS and not read_state(module).split_gate_up:
+            layer_state(module).split_gate_up = True
+            module.num_experts = module.n_shared_experts
             adopted += 1
     return adopted
 
@@ -82,7 +85,7 @@ def fuse_gate_up(model: nn.Module, quantize) -> int:
 
     fused = 0
     for module in model.modules():
-        if getattr(module, "moe_split_gate_up", False) and "gate_proj" in module._parameters:
+        if read_state(module).split_gate_up and "gate_proj" in module._parameters:
             gate, up = (dequantize_param(module._parameters.pop(n), torch.float32) for n in ("gate_proj", "up_proj"))
             module.gate_up_proj = quantize(torch.cat([gate, up], dim=1))
             _adopt(module, transposed=False, forward=split_gate_up_experts_forward)
@@ -109,7 +112,7 @@ def adopt_dense_input_experts(model: nn.Module) -> int:
         module = getattr(block, "experts", None)
         if type(module).__name__ in DENSE_INPUT_EXPERTS and not hasattr(module, "has_gate"):
             _adopt(module, transposed=True, forward=dense_input_experts_forward)
-            module.moe_top_k = getattr(block, "top_k", None)  # bounds the picked rows: no sync to count them
+            layer_state(module).top_k = getattr(block, "top_k", None)  # bounds the picked rows: no sync to count them
             adopted += 1
     return adopted
 
@@ -126,7 +129,7 @@ def dense_input_experts_forward(self, routed_in, top_k_index=None, top_k_weights
         return moe_qlora_experts_forward(self, routed_in, top_k_index, top_k_weights)
     rows, tokens = routed_in.shape[0], routed_in.shape[0] // self.num_experts
     nonzero = routed_in.ne(0).any(-1)
-    top_k = getattr(self, "moe_top_k", None)
+    top_k = read_state(self).top_k
     if top_k:  # the block's top-k bounds the picked rows: a static size, so no host sync to count them
         size = tokens * top_k
         torch._assert_async(nonzero.sum() <= size, f"more than top_k = {top_k} experts fed per token")
@@ -143,4 +146,4 @@ def dense_input_experts_forward(self, routed_in, top_k_index=None, top_k_weights
 
 def consumer_stack_names(module) -> tuple[str, ...]:
     """The module's expert stacks as its consumers (PEFT, a merge) see them."""
-    return SPLIT_STACKS if getattr(module, "moe_split_gate_up", False) else stack_names(module)
+    return SPLIT_STACKS if read_state(module).split_gate_up else stack_names(module)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from moe_qlora.common.streams import HostStreams, streams_for
+from moe_qlora.moe.layer_state import layer_state
 from moe_qlora.moe.nf4 import NF4Stack
 
 
@@ -260,5 +261,5 @@ def offload_experts(
     host = [pack_to_host(module, streams) for module in modules]
     offloader = ExpertOffloader(host, streams, max_resident=max_resident)
     for layer, module in enumerate(modules):
-        module.moe_offload = (offloader, layer)
+        layer_state(module).offload = (offloader, layer)
     return offloader

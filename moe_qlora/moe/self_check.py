@@ -11,8 +11,9 @@ shapes and the error or the difference.
 
 Cost: one more forward + backward of the layer per key (every layer of a model shares its shapes, so a run has a
 handful: one per rows class its batches reach) and the reference on PROBE_TOKENS tokens; nothing afterwards.
-`model.kernel_self_check: false` turns it off. MOE_QLORA_INJECT_KERNEL_FAULT=<path>:wrong|raise (comma-separated)
-perturbs that path's output or makes it raise: the CPU tests' stand-in for a broken GPU kernel.
+`model.kernel_self_check: false` turns it off. MOE_QLORA_INJECT_KERNEL_FAULT=<path>:wrong|raise (comma-separated;
+read once, common/injection.py, and set in-process by its `injected`) perturbs that path's output or makes it
+raise: the CPU tests' stand-in for a broken GPU kernel.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import os
 from collections.abc import Callable
 
 import torch
 
+from moe_qlora.common.injection import KERNEL_FAULT_ENV, injected_faults
 from moe_qlora.moe.kernels.tiles import rows_class
 from moe_qlora.moe.reference_layer import MoEPlan, moe_lora_experts
 from moe_qlora.moe.routing import route
@@ -40,7 +41,7 @@ PROBE_TOKENS = 8
 # summation order only (~1e-6). A wrong kernel (gate and up swapped, a routing weight dropped, experts rolled) is
 # off by O(1).
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
-FAULT_ENV = "MOE_QLORA_INJECT_KERNEL_FAULT"
+FAULT_ENV = KERNEL_FAULT_ENV
 
 RunPath = Callable[[str, torch.Tensor, torch.Tensor, tuple | None, MoEPlan], torch.Tensor]
 
@@ -50,12 +51,9 @@ class InjectedKernelFault(RuntimeError):
 
 
 def injected_fault(path: str) -> str | None:
-    """'wrong', 'raise' or None: the fault MOE_QLORA_INJECT_KERNEL_FAULT injects into `path`."""
-    for entry in os.environ.get(FAULT_ENV, "").split(","):
-        name, _, fault = entry.strip().partition(":")
-        if name == path and fault in ("wrong", "raise", "device"):
-            return fault
-    return None
+    """'wrong', 'raise', 'device' or None: the fault MOE_QLORA_INJECT_KERNEL_FAULT (or common.injection.injected)
+    injects into `path`, from the record parsed once, not the environment: this runs for every MoE call."""
+    return injected_faults().kernel_fault(path)
 
 
 def with_injected_fault(path: str, compute: Callable[[], torch.Tensor]) -> torch.Tensor:

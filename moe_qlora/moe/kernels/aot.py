@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import warnings
 
@@ -33,7 +32,9 @@ SHAPE = dict(hidden=2048, inter=768, experts=128, top_k=8, tokens=2048, rank=16)
 
 def compile_all(archs: list[int]) -> list[dict]:
     """Every variant in fp32 and bf16 activations for each arch, specialized exactly as the JIT would."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    from moe_qlora.moe.kernels.tiles import interpreted
+
+    if interpreted():
         raise RuntimeError("unset TRITON_INTERPRET: the interpreter replaces the kernels that would be compiled")
     warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
     import torch

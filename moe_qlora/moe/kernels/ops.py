@@ -199,7 +199,8 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
     from moe_qlora.moe.kernels import triton_kernels
 
     configs = tiles.matmul_plan(x.device, x.dtype)
-    fp32 = x.dtype == torch.float32 and tiles.FP32_OWN_CONFIG  # one config (tiles.FP32_CONFIG): not swapped, not tall
+    # fp32 on its own config (tiles.FP32_CONFIG): not swapped, not tall
+    fp32 = x.dtype == torch.float32 and tiles.kernel_settings().fp32_own_config
     n = weight.n // 2 if glu else weight.n
     num_rows = _num_rows(offsets, x, gather)
     y = x.new_empty(num_rows, weight.n) if keep_y else None

@@ -1,11 +1,18 @@
 """Which tiles a grouped-matmul launch takes: the candidate configs per GPU architecture, the classes a launch
 falls in (swapped 16-row tiles, 64-row, tall 128-row; split-K), which candidates the autotuner may time, and the
-environment switches that turn autotuning off or pin a config (tests, the ahead-of-time capture).
+settings that turn autotuning off or pin a config (tests, the ahead-of-time capture).
+
+The settings (KernelSettings) come from the environment once, at their first use in a process
+(MOE_QLORA_TRITON_BLOCKS, MOE_QLORA_AUTOTUNE, MOE_QLORA_TARGET_ARCH, TRITON_INTERPRET), and are replaced for a block
+with kernel_settings_overridden: a launch reads fields of one frozen object, never the environment.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -120,11 +127,6 @@ MATMUL_CONFIGS = {
 FP32_CONFIG = MatmulConfig(32, 32, num_warps=8, num_stages=2, block_m=32)
 
 
-# False: fp32 launches take the bf16 tile configs (swapped, tall, wide) as bf16 ones do. The kernel tests set it:
-# in the interpreter fp32 products are exact, so the code paths a GPU runs in bf16 are checked there to 1e-5.
-FP32_OWN_CONFIG = True
-
-
 # The arch defaults as shipped: what a launch no pinned candidate serves falls back to (ops.pinned_config).
 DEFAULT_CONFIGS = {arch: configs[0] for arch, configs in MATMUL_CONFIGS.items()}
 
@@ -135,18 +137,74 @@ OUTER_BLOCKS = (64, 64, 32)  # OUT_PROD_ID: BLOCK_M, BLOCK_N, BLOCK_S, not autot
 OUTER_BLOCKS_FP32 = (32, 32, 32)  # fp32 (FMA): (64, 64, 32) spills 176 bytes per thread on sm_80; this 0 on both
 
 
+BLOCKS_ENV = "MOE_QLORA_TRITON_BLOCKS"  # M,N,K: fixed blocks for every kernel (the tests' small shapes)
+AUTOTUNE_ENV = "MOE_QLORA_AUTOTUNE"  # 0: no autotuning, every launch takes the first candidate that serves it
 TARGET_ARCH_ENV = "MOE_QLORA_TARGET_ARCH"  # the architecture whose config list launches use (AOT capture, tests)
+INTERPRET_ENV = "TRITON_INTERPRET"  # 1: Triton's interpreter runs the kernels (read by Triton when it is imported)
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """What configures every launch, fixed for a process: read from the environment at the first use
+    (kernel_settings) so that no launch parses it, and replaced for a block by kernel_settings_overridden
+    (pinned_config, the tests)."""
+
+    block_override: tuple[int, int, int] | None = None  # BLOCK_M, N, K of every kernel: no autotuning, no split-K
+    autotune: bool = True  # False: every launch takes the first candidate that serves it
+    target_arch: int | None = None  # whose config list launches use on any device (None: the device's own)
+    interpreted: bool = False  # Triton's interpreter runs the kernels (CPU tests), whose bf16 tl.dot is wrong
+    # False: fp32 launches take the bf16 tile configs (swapped, tall, wide) as bf16 ones do. The kernel tests set
+    # it: in the interpreter fp32 products are exact, so the code paths a GPU runs in bf16 are checked there to 1e-5.
+    fp32_own_config: bool = True
+
+    @classmethod
+    def from_environment(cls, environ=os.environ) -> KernelSettings:
+        """The settings `environ` asks for: MOE_QLORA_TRITON_BLOCKS=M,N,K, MOE_QLORA_AUTOTUNE=0,
+        MOE_QLORA_TARGET_ARCH=80|90, TRITON_INTERPRET=1 (exactly "1", as this package has always read it)."""
+        blocks, arch = environ.get(BLOCKS_ENV), environ.get(TARGET_ARCH_ENV)
+        return cls(
+            block_override=tuple(int(v) for v in blocks.split(",")) if blocks else None,
+            autotune=environ.get(AUTOTUNE_ENV, "1") != "0",
+            target_arch=int(arch) if arch else None,
+            interpreted=environ.get(INTERPRET_ENV) == "1",
+        )
+
+
+_OVERRIDDEN: list[KernelSettings] = []  # kernel_settings_overridden's, innermost last
+
+
+@functools.cache
+def _settings_from_environment() -> KernelSettings:
+    """The environment's settings, read once: tests/conftest.py sets TRITON_INTERPRET before anything here runs,
+    and a child process (the AOT capture, scripts/gpu_check.sh, the tests' subprocesses) reads its own."""
+    return KernelSettings.from_environment()
+
+
+def kernel_settings() -> KernelSettings:
+    """The settings launches use now: the innermost override, else the environment's (read at the first call)."""
+    return _OVERRIDDEN[-1] if _OVERRIDDEN else _settings_from_environment()
+
+
+@contextmanager
+def kernel_settings_overridden(**changes) -> Iterator[KernelSettings]:
+    """Inside the block, launches use the current settings with `changes` (KernelSettings fields) replaced:
+    kernel_settings_overridden(autotune=False, target_arch=90). Blocks nest; the settings return on exit."""
+    _OVERRIDDEN.append(dataclasses.replace(kernel_settings(), **changes))
+    try:
+        yield _OVERRIDDEN[-1]
+    finally:
+        _OVERRIDDEN.pop()
 
 
 def block_override() -> tuple[int, int, int] | None:
-    """MOE_QLORA_TRITON_BLOCKS=M,N,K: fixed blocks for every kernel (the tests' small shapes), no autotuning."""
-    override = os.environ.get("MOE_QLORA_TRITON_BLOCKS")
-    return tuple(int(v) for v in override.split(",")) if override else None
+    """Fixed blocks for every kernel (MOE_QLORA_TRITON_BLOCKS=M,N,K: the tests' small shapes), no autotuning."""
+    return kernel_settings().block_override
 
 
 def autotune_requested() -> bool:
-    """MOE_QLORA_AUTOTUNE=0 turns the autotuner off: every launch takes the first candidate that serves it."""
-    return os.environ.get("MOE_QLORA_AUTOTUNE", "1") != "0"
+    """Whether autotuning was asked for (MOE_QLORA_AUTOTUNE=0 turns it off: every launch takes the first candidate
+    that serves it)."""
+    return kernel_settings().autotune
 
 
 def autotuning() -> bool:
@@ -157,11 +215,11 @@ def autotuning() -> bool:
 def target_arch(device) -> int:
     """Whose config list `device` uses: 90 for Hopper and datacenter Blackwell (sm_90, sm_100), 80 for the GPUs
     whose tensor cores Triton drives with mma.sync, Ampere, Ada and consumer Blackwell (sm_80/86/89/120: the
-    24 GB cards). MOE_QLORA_TARGET_ARCH, when set, wins on any device: the AOT capture records either list from
-    CPU tensors (90 when unset), and the kernel tests run either list on whatever GPU they find (both lists
-    compile for every arch from sm_80 on and fit its shared memory)."""
-    if override := os.environ.get(TARGET_ARCH_ENV):
-        return int(override)
+    24 GB cards). The settings' target_arch (MOE_QLORA_TARGET_ARCH), when set, wins on any device: the AOT capture
+    records either list from CPU tensors (90 when unset), and the kernel tests run either list on whatever GPU
+    they find (both lists compile for every arch from sm_80 on and fit its shared memory)."""
+    if (override := kernel_settings().target_arch) is not None:
+        return override
     if torch.device(device).type == "cuda":
         major, _ = torch.cuda.get_device_capability(device)
         return 90 if major in (9, 10) else 80
@@ -178,12 +236,12 @@ def split_k(programs: int, k_steps: int) -> int:
 
 def matmul_plan(device, dtype: torch.dtype = torch.bfloat16) -> list[MatmulConfig]:
     """Candidate configs of a grouped matmul on `device` with `dtype` activations: the override as one config,
-    FP32_CONFIG in fp32, else the architecture's list (each launch then keeps those that serve it:
-    launch_candidates)."""
+    FP32_CONFIG in fp32 (unless the settings' fp32_own_config is off), else the architecture's list (each launch
+    then keeps those that serve it: launch_candidates)."""
     override = block_override()
     if override is not None:
         return [MatmulConfig(override[1], override[2], block_m=override[0])]
-    if dtype == torch.float32 and FP32_OWN_CONFIG:
+    if dtype == torch.float32 and kernel_settings().fp32_own_config:
         return [FP32_CONFIG]
     return MATMUL_CONFIGS[target_arch(device)]
 
@@ -193,25 +251,19 @@ def pinned_config(arch: int, config: MatmulConfig | None = None):
     """Launches inside are not autotuned (each takes its first serving candidate, as with
     MOE_QLORA_AUTOTUNE=0), `arch`'s list is cut to `config` if given, and a launch on a CPU tensor records
     `arch`: the AOT capture, the report's candidates, the GPU check that every candidate gives the same bits."""
-    saved = MATMUL_CONFIGS[arch], os.environ.get(TARGET_ARCH_ENV), os.environ.get("MOE_QLORA_AUTOTUNE")
+    saved = MATMUL_CONFIGS[arch]
     if config is not None:
         MATMUL_CONFIGS[arch] = [config]
-    os.environ[TARGET_ARCH_ENV] = str(arch)
-    os.environ["MOE_QLORA_AUTOTUNE"] = "0"
     try:
-        yield
+        with kernel_settings_overridden(target_arch=arch, autotune=False):
+            yield
     finally:
-        MATMUL_CONFIGS[arch] = saved[0]
-        for name, value in ((TARGET_ARCH_ENV, saved[1]), ("MOE_QLORA_AUTOTUNE", saved[2])):
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        MATMUL_CONFIGS[arch] = saved
 
 
 def interpreted() -> bool:
-    """Running in Triton's interpreter (CPU tests), whose bf16 tl.dot gives wrong results."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """Running in Triton's interpreter (CPU tests, TRITON_INTERPRET=1), whose bf16 tl.dot gives wrong results."""
+    return kernel_settings().interpreted
 
 
 ROWS_CLASS_MAX = 2048
