@@ -25,7 +25,7 @@ from pydantic_core import PydanticUndefined
 
 from moe_qlora.cli.app import app, with_resume_path
 from moe_qlora.config.sections import RunConfig, Section
-from moe_qlora.export import formats
+from moe_qlora.export import family_tables, gguf_archs
 
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
@@ -397,18 +397,18 @@ def sweep_status() -> dict[str, str]:
 
 def vllm_text(model_type: str) -> str:
     """What `export --format vllm` writes for the family (write_vllm's own decision)."""
-    layout = formats.vllm_layout(model_type)
+    layout = family_tables.vllm_layout(model_type)
     if layout == "refused":
-        known = model_type in formats.FAMILIES or model_type in formats.VLLM_NO_MOE_LORA
+        known = model_type in family_tables.FAMILIES or model_type in family_tables.VLLM_NO_MOE_LORA
         return "refused, with the reason" if known else "not written"
     return {"fused-3d": "PEFT's fused 3D", "per-expert": "per-expert keys"}[layout]
 
 
 def gguf_text(model_type: str) -> str:
-    if model_type not in formats.FAMILIES:
+    if model_type not in family_tables.FAMILIES:
         return "not written"
-    arch = formats.FAMILIES[model_type].gguf_arch
-    if formats.GGUF_NO_LORA.get(arch) or arch in formats.LEGACY_LORA_ARCHS:
+    arch = family_tables.FAMILIES[model_type].gguf_arch
+    if gguf_archs.GGUF_NO_LORA.get(arch) or arch in gguf_archs.LEGACY_LORA_ARCHS:
         return "yes; some linears' LoRA refused, with the reason"
     return "yes"
 

@@ -1,4 +1,4 @@
-"""GGUF, per-expert and vLLM export for every family they write (export.formats.FAMILIES), against PEFT.
+"""GGUF, per-expert and vLLM export for every family they write (export.family_tables.FAMILIES), against PEFT.
 
 Per family: a tiny model from its transformers config, LoRA on the experts, the router and the linears llama.cpp
 applies a LoRA to, every factor random (non-zero). The oracle is PEFT's own merge of the adapter into the fp32
@@ -21,7 +21,7 @@ import torch
 from test_formats import field_value, merged_minus_base, read_gguf, reference_permute
 
 from moe_qlora.config.sections import LoraSection
-from moe_qlora.export import formats
+from moe_qlora.export import family_tables, gguf_archs, gguf_lora, peft_factors, per_expert_lora, vllm_lora
 from moe_qlora.export.adapter import save_adapter
 from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.model.loading import LoadOptions, load_model
@@ -95,13 +95,13 @@ def family_adapter(
     return save_adapter(model, workdir / f"{model_type}-adapter", cfg=lora, base_model_name_or_path=str(path))
 
 
-@pytest.fixture(scope="module", params=sorted(formats.FAMILIES))
+@pytest.fixture(scope="module", params=sorted(family_tables.FAMILIES))
 def exported(request, tmp_path_factory):
     """(model_type, PEFT's deltas, the base config, the GGUF's tensors, its fields, the PEFT adapter)."""
     workdir = tmp_path_factory.mktemp(request.param)
     adapter = family_adapter(workdir, request.param)
     deltas, config = merged_minus_base(adapter)
-    _, fields, tensors = read_gguf(formats.write_gguf(adapter, workdir / "adapter.gguf"))
+    _, fields, tensors = read_gguf(gguf_lora.write_gguf(adapter, workdir / "adapter.gguf"))
     return request.param, deltas, config.get_text_config(), tensors, fields, adapter
 
 
@@ -160,7 +160,7 @@ def check_experts(model_type: str, deltas: dict, tensors: dict, scale: float) ->
 
 def test_every_experts_delta_matches_peft(exported):
     model_type, deltas, config, tensors, fields, _ = exported
-    assert field_value(fields["general.architecture"]) == formats.FAMILIES[model_type].gguf_arch
+    assert field_value(fields["general.architecture"]) == family_tables.FAMILIES[model_type].gguf_arch
     assert field_value(fields["general.type"]) == "adapter"
     assert check_experts(model_type, deltas, tensors, scale=8.0 / 4) == []
 
@@ -246,13 +246,13 @@ def converter_layout(model_type: str, config, module: str, delta: np.ndarray) ->
 def llama_cpp_name(model_type: str, config, module: str) -> str | None:
     """llama.cpp's tensor name of a transformers module (model.layers.N...), from the tensor map of llama.cpp's
     architecture (the one whose names agree, for those newer than the gguf package), or DeepSeek-V4's."""
-    names = formats.FAMILIES[model_type]
+    names = family_tables.FAMILIES[model_type]
     layer = int(module.split(".")[2])
     if names.gguf_arch == "deepseek4":
         return dsv4_names(layer).get(module)
     if module.endswith((".indexer.q_proj", ".indexer.k_proj")):  # llama.cpp's own gguf-py (0c1e57098)
         return f"blk.{layer}.indexer.{module.rsplit('.', 1)[1]}"
-    tensor_names = formats.gguf_name_map(names.gguf_arch, config.num_hidden_layers)
+    tensor_names = gguf_archs.gguf_name_map(names.gguf_arch, config.num_hidden_layers)
     # Granite's router is router.layer in its checkpoints; Nemotron-H's root is backbone
     candidates = [
         module,
@@ -262,13 +262,13 @@ def llama_cpp_name(model_type: str, config, module: str) -> str | None:
     name = next((n for c in candidates if (n := tensor_names.get_name(c))), None)
     if name is None and names.gguf_arch == "minimax-m3":  # shared experts and dense MLPs, which MiniMax-M2's map
         # lacks: gguf's one table gives them the names DeepSeek-V2's map does
-        name = formats.gguf_name_map("deepseek2", config.num_hidden_layers).get_name(module)
+        name = gguf_archs.gguf_name_map("deepseek2", config.num_hidden_layers).get_name(module)
     return name
 
 
 def test_every_other_tensor_lands_under_llama_cpp_name_with_peft_delta(exported):
     model_type, deltas, config, tensors, _, _ = exported
-    names = formats.FAMILIES[model_type]
+    names = family_tables.FAMILIES[model_type]
     heads = {
         "attn_q": config.num_attention_heads,
         "attn_k": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
@@ -289,15 +289,15 @@ def test_every_other_tensor_lands_under_llama_cpp_name_with_peft_delta(exported)
     assert all(len(p) == 1 for p in want_all.values())  # no two modules on one llama.cpp tensor
     written = {k.rsplit(".weight.lora_", 1)[0] for k in tensors if "_exps." not in k}
     fused = {n for n in want_all if n.endswith((".attn_q", ".attn_k", ".attn_v"))}
-    fused = fused if names.gguf_arch in formats.GGUF_ALWAYS_FUSED_QKV else set()
+    fused = fused if names.gguf_arch in gguf_archs.GGUF_ALWAYS_FUSED_QKV else set()
     assert written == set(want_all) - fused | {f"{n.rsplit('.', 1)[0]}.attn_qkv" for n in fused}  # nothing stray
     for name, pieces in want_all.items():
-        if names.gguf_arch in formats.GGUF_ALWAYS_FUSED_QKV and name.endswith((".attn_q", ".attn_k", ".attn_v")):
+        if names.gguf_arch in gguf_archs.GGUF_ALWAYS_FUSED_QKV and name.endswith((".attn_q", ".attn_k", ".attn_v")):
             continue  # compared as the one attn_qkv below
         got = gguf_delta(tensors, f"{name}.weight", 8.0 / tensors[f"{name}.weight.lora_b"].shape[1])
         assert np.abs(got - pieces[0]).max() <= TOL, name
         compared += 1
-    if names.gguf_arch in formats.GGUF_ALWAYS_FUSED_QKV:  # Sarvam: q's rows, k's, v's, in llama.cpp's attn_qkv
+    if names.gguf_arch in gguf_archs.GGUF_ALWAYS_FUSED_QKV:  # Sarvam: q's rows, k's, v's, in llama.cpp's attn_qkv
         for layer in range(config.num_hidden_layers):
             want = np.concatenate([want_all[f"blk.{layer}.attn_{p}"][0] for p in "qkv"])
             b = tensors[f"blk.{layer}.attn_qkv.weight.lora_b"]
@@ -322,7 +322,7 @@ def test_granite_shared_mlp_lands_as_llama_cpps_converter_lays_it_out(model_type
             p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     shared = save_adapter(model, tmp_path / "shared", cfg=lora, base_model_name_or_path=base)
     deltas, _ = merged_minus_base(shared)
-    _, _, tensors = read_gguf(formats.write_gguf(shared, tmp_path / "a.gguf"))
+    _, _, tensors = read_gguf(gguf_lora.write_gguf(shared, tmp_path / "a.gguf"))
     layers = sorted({int(m[1]) for k in deltas if (m := re.search(r"layers\.(\d+)\.shared_mlp\.input_linear", k))})
     assert layers
     for layer in layers:
@@ -352,7 +352,7 @@ def test_split_and_regrouped_rows_are_caught():
     a = np.random.default_rng(1).normal(size=(4, 5))  # a rank-4 LoRA through the export
     b = np.random.default_rng(2).normal(size=(2 * 2 * 3 + 4 * 2, 4))
     ((_, want),) = converter_layout("qwen3_5_moe_text", config, "model.layers.0.linear_attn.in_proj_qkv", b @ a)
-    _, got_b = formats.value_heads_tiled("in_proj_qkv", torch.tensor(a), torch.tensor(b), config)
+    _, got_b = gguf_lora.value_heads_tiled("in_proj_qkv", torch.tensor(a), torch.tensor(b), config)
     assert np.allclose(got_b.numpy() @ a, want)
     assert not np.allclose(b @ a, want)  # grouped as transformers holds them
 
@@ -380,7 +380,7 @@ def test_the_exports_layouts_match_the_oracles_with_key_and_value_heads_of_other
         ("qwen35moe", "qwen3_5_moe_text", "out_proj", a, rng.normal(size=(5, 4))),
     ]
     for arch, model_type, proj, lora_a, lora_b in cases:
-        pieces = formats.gguf_pieces(arch, "linear_attn", proj, torch.tensor(lora_a), torch.tensor(lora_b), config)
+        pieces = gguf_lora.gguf_pieces(arch, "linear_attn", proj, torch.tensor(lora_a), torch.tensor(lora_b), config)
         want = converter_layout(model_type, config, f"model.layers.0.linear_attn.{proj}", lora_b @ lora_a)
         assert [p[1] for p in pieces] == [m.rsplit(".", 1)[1] for m, _ in want], proj
         for (_, _, pa, pb), (_, delta) in zip(pieces, want, strict=True):
@@ -388,7 +388,9 @@ def test_the_exports_layouts_match_the_oracles_with_key_and_value_heads_of_other
 
 
 FUSABLE = sorted(
-    t for t, n in formats.FAMILIES.items() if n.gguf_arch in formats.GGUF_FUSABLE_GATE_UP and not n.fused_gate_up
+    t
+    for t, n in family_tables.FAMILIES.items()
+    if n.gguf_arch in gguf_archs.GGUF_FUSABLE_GATE_UP and not n.fused_gate_up
 )
 
 
@@ -398,7 +400,7 @@ def test_gate_up_fused_for_a_base_converted_with_fuse_gate_up_exps(model_type, t
     gate's rows first: the adapter then has one fused LoRA whose delta is [gate; up] of PEFT's, per expert."""
     adapter = family_adapter(tmp_path, model_type)
     deltas, _ = merged_minus_base(adapter)
-    _, _, tensors = read_gguf(formats.write_gguf(adapter, tmp_path / "fused.gguf", fuse_gate_up_exps=True))
+    _, _, tensors = read_gguf(gguf_lora.write_gguf(adapter, tmp_path / "fused.gguf", fuse_gate_up_exps=True))
     assert not any(".ffn_gate_exps." in k or ".ffn_up_exps." in k for k in tensors)
     assert check_experts(model_type, deltas, tensors, scale=8.0 / 4) == []
     # broken control: up's rows first
@@ -431,9 +433,9 @@ def test_qkv_fused_for_a_base_converted_with_fuse_qkv(model_type, tmp_path):
     adapter = family_adapter(tmp_path, model_type)
     deltas, config = merged_minus_base(adapter)
     config = config.get_text_config()
-    _, _, tensors = read_gguf(formats.write_gguf(adapter, tmp_path / "qkv.gguf", fuse_qkv=True))
+    _, _, tensors = read_gguf(gguf_lora.write_gguf(adapter, tmp_path / "qkv.gguf", fuse_qkv=True))
     assert not any(re.search(r"\.attn_[qkv]\.", k) for k in tensors)
-    want = qkv_deltas(deltas, config, formats.FAMILIES[model_type].permute_qk)
+    want = qkv_deltas(deltas, config, family_tables.FAMILIES[model_type].permute_qk)
     assert want, "no q/k/v LoRA in PEFT's merge"
 
     def errors(lora: dict) -> dict[int, float]:
@@ -465,9 +467,9 @@ def test_check_norms_reads_fused_tensors_at_llama_cpps_own_scale(tmp_path):
     from moe_qlora.export.norms import check_norms
 
     adapter = family_adapter(tmp_path, "qwen3_next")
-    plain = check_norms(formats.write_gguf(adapter, tmp_path / "plain.gguf")).rows
+    plain = check_norms(gguf_lora.write_gguf(adapter, tmp_path / "plain.gguf")).rows
     fused = check_norms(
-        formats.write_gguf(adapter, tmp_path / "fused.gguf", fuse_qkv=True, fuse_gate_up_exps=True)
+        gguf_lora.write_gguf(adapter, tmp_path / "fused.gguf", fuse_qkv=True, fuse_gate_up_exps=True)
     ).rows
     by = {(r.module, r.expert): r.norm_delta for r in plain}
     for r in fused:
@@ -486,22 +488,24 @@ def test_check_norms_reads_fused_tensors_at_llama_cpps_own_scale(tmp_path):
 
 def test_fuse_qkv_needs_q_k_and_v_and_an_architecture_llama_cpp_fuses(tmp_path):
     adapter = family_adapter(tmp_path, "deepseek_v2")
-    with pytest.raises(formats.ExportError, match="deepseek_v2: llama.cpp's converter does not fuse q, k and v"):
-        formats.write_gguf(adapter, tmp_path / "a.gguf", fuse_qkv=True)
+    with pytest.raises(family_tables.ExportError, match="deepseek_v2: llama.cpp's converter does not fuse q, k and v"):
+        gguf_lora.write_gguf(adapter, tmp_path / "a.gguf", fuse_qkv=True)
     tok = build_byte_tokenizer()
     path = save_tiny_model(tmp_path / "mixtral", tiny_config_any("mixtral", len(tok)), tokenizer=tok)
     lora = LoraSection(rank=4, alpha=8.0, target_modules=["q_proj", "k_proj"])
     model = attach_adapters(load_model(LoadOptions(str(path))), lora, seed=0)
     partial = save_adapter(model, tmp_path / "qk", cfg=lora, base_model_name_or_path=str(path))
-    with pytest.raises(formats.ExportError, match="layer 0: no LoRA on attn_v; a base converted with --fuse-qkv"):
-        formats.write_gguf(partial, tmp_path / "b.gguf", fuse_qkv=True)
+    with pytest.raises(family_tables.ExportError, match="layer 0: no LoRA on attn_v; a base converted with --fuse-qkv"):
+        gguf_lora.write_gguf(partial, tmp_path / "b.gguf", fuse_qkv=True)
     assert not (tmp_path / "a.gguf").exists() and not (tmp_path / "b.gguf").exists()
 
 
 def test_fuse_gate_up_exps_is_refused_where_llama_cpp_cannot_fuse(tmp_path):
     adapter = family_adapter(tmp_path, "mixtral")
-    with pytest.raises(formats.ExportError, match="mixtral: llama.cpp's converter cannot fuse gate and up experts"):
-        formats.write_gguf(adapter, tmp_path / "a.gguf", fuse_gate_up_exps=True)
+    with pytest.raises(
+        family_tables.ExportError, match="mixtral: llama.cpp's converter cannot fuse gate and up experts"
+    ):
+        gguf_lora.write_gguf(adapter, tmp_path / "a.gguf", fuse_gate_up_exps=True)
     assert not (tmp_path / "a.gguf").exists()
 
 
@@ -535,8 +539,8 @@ def test_fuse_gate_up_exps_goes_with_gguf_only(tmp_path):
 )
 def test_lora_llama_cpp_would_drop_or_misplace_is_refused_by_name(arch, module, reason):
     path, proj = module.rsplit(".", 1)
-    with pytest.raises(formats.ExportError, match=reason):
-        formats.gguf_linear_name(formats.gguf_name_map(arch, 2), arch, 0, path, proj)
+    with pytest.raises(family_tables.ExportError, match=reason):
+        gguf_archs.gguf_linear_name(gguf_archs.gguf_name_map(arch, 2), arch, 0, path, proj)
 
 
 def test_a_family_without_known_names_is_refused_by_name(tmp_path, monkeypatch):
@@ -544,14 +548,15 @@ def test_a_family_without_known_names_is_refused_by_name(tmp_path, monkeypatch):
 
     from safetensors.torch import save_file
 
-    monkeypatch.setattr(formats, "base_model_type", lambda config, where: "switch_transformers")
+    for module in (peft_factors, vllm_lora):  # read_run_adapter's lookup, and write_vllm's own
+        monkeypatch.setattr(module, "base_model_type", lambda config, where: "switch_transformers")
     save_file(
         {"x.lora_A.weight": torch.zeros(1, 1), "x.lora_B.weight": torch.zeros(1, 1)},
         str(tmp_path / "adapter_model.safetensors"),
     )
     (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "x", "r": 1}))
-    for write in (formats.write_gguf, formats.write_per_expert, formats.write_vllm):
-        with pytest.raises(formats.ExportError, match="switch_transformers: no per-expert / GGUF names known"):
+    for write in (gguf_lora.write_gguf, per_expert_lora.write_per_expert, vllm_lora.write_vllm):
+        with pytest.raises(family_tables.ExportError, match="switch_transformers: no per-expert / GGUF names known"):
             write(tmp_path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -561,14 +566,16 @@ def test_a_family_llama_cpp_cannot_convert_is_refused_with_its_reason(tmp_path, 
 
     from safetensors.torch import save_file
 
-    monkeypatch.setattr(formats, "base_model_type", lambda config, where: "sarvam_mla")
+    monkeypatch.setattr(peft_factors, "base_model_type", lambda config, where: "sarvam_mla")
     save_file(
         {"x.lora_A.weight": torch.zeros(1, 1), "x.lora_B.weight": torch.zeros(1, 1)},
         str(tmp_path / "adapter_model.safetensors"),
     )
     (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "x", "r": 1}))
-    with pytest.raises(formats.ExportError, match="sarvam_mla: not written as GGUF .llama.cpp 0c1e57098 has no conv"):
-        formats.write_gguf(tmp_path, tmp_path / "out.gguf")
+    with pytest.raises(
+        family_tables.ExportError, match="sarvam_mla: not written as GGUF .llama.cpp 0c1e57098 has no conv"
+    ):
+        gguf_lora.write_gguf(tmp_path, tmp_path / "out.gguf")
     assert not (tmp_path / "out.gguf").exists()
 
 
@@ -580,16 +587,16 @@ def test_every_trained_family_is_exported_or_refused_with_a_reason():
     table = (Path(__file__).resolve().parent.parent / "docs" / "families.md").read_text()
     trained = re.findall(r"^\| `([a-z0-9_]+)` \| supported", table, flags=re.M)
     assert len(trained) > 70, "the family table was not found"
-    known = {*formats.FAMILIES, *formats.NOT_EXPORTED, *formats.WHY_NOT}
+    known = {*family_tables.FAMILIES, *family_tables.NOT_EXPORTED}
     unplaced = [
         t
         for t in trained
-        if t not in known and AutoConfig.for_model(t).get_text_config().model_type not in formats.FAMILIES
+        if t not in known and AutoConfig.for_model(t).get_text_config().model_type not in family_tables.FAMILIES
     ]
     assert unplaced == []
 
 
-def per_expert_deltas(folder: Path, names: formats.FamilyNames, scale: float) -> dict[tuple, torch.Tensor]:
+def per_expert_deltas(folder: Path, names: family_tables.FamilyNames, scale: float) -> dict[tuple, torch.Tensor]:
     """{(layer, expert, projection): scale * B A} from a per-expert adapter's keys, parsed independently."""
     import re
 
@@ -608,12 +615,12 @@ def test_per_expert_keys_carry_every_experts_delta(exported, tmp_path):
     """The per-expert layout (vLLM's 2D MoE LoRA, SGLang): one LoRA per expert and projection under the
     checkpoint's names; each expert's gate, up and down delta equals PEFT's."""
     model_type, deltas, _, _, _, adapter = exported
-    names = formats.FAMILIES[model_type]
-    if model_type in formats.PER_EXPERT_UNREAD:
-        with pytest.raises(formats.ExportError, match=f"{model_type}: "):
-            formats.write_per_expert(adapter, tmp_path / "pe")
+    names = family_tables.FAMILIES[model_type]
+    if model_type in family_tables.PER_EXPERT_UNREAD:
+        with pytest.raises(family_tables.ExportError, match=f"{model_type}: "):
+            per_expert_lora.write_per_expert(adapter, tmp_path / "pe")
         return
-    got = per_expert_deltas(formats.write_per_expert(adapter, tmp_path / "pe"), names, 8.0 / 4)
+    got = per_expert_deltas(per_expert_lora.write_per_expert(adapter, tmp_path / "pe"), names, 8.0 / 4)
     assert got, "no per-expert keys"
     for key, layer, first, down in expert_stacks(deltas):
         gate, up, down = gate_up_down(model_type, first, down)
@@ -643,37 +650,39 @@ def test_vllm_format_is_the_per_expert_layout_where_vllm_reads_2d(exported, tmp_
 
     family, *_, adapter = exported
     # the base as saved (a multimodal family's tiny model is its text model: qwen3_5_moe -> qwen3_5_moe_text)
-    model_type = formats.base_model_type(json.loads((adapter / "adapter_config.json").read_text()), adapter)
-    if model_type in formats.VLLM_NO_MOE_LORA:
-        with pytest.raises(formats.ExportError, match=f"{model_type}: vLLM 0.33.0 serves no MoE LoRA for it"):
-            formats.write_vllm(adapter, tmp_path / "v")
+    model_type = family_tables.base_model_type(json.loads((adapter / "adapter_config.json").read_text()), adapter)
+    if model_type in family_tables.VLLM_NO_MOE_LORA:
+        with pytest.raises(family_tables.ExportError, match=f"{model_type}: vLLM 0.33.0 serves no MoE LoRA for it"):
+            vllm_lora.write_vllm(adapter, tmp_path / "v")
         assert not (tmp_path / "v").exists()
         return
-    if model_type in formats.VLLM_IGNORED_ROUTER:  # the fixture trained router LoRA: refused; written without it
-        with pytest.raises(formats.ExportError, match="does not apply a LoRA to this family's router"):
-            formats.write_vllm(adapter, tmp_path / "v")
+    if model_type in vllm_lora.VLLM_IGNORED_ROUTER:  # the fixture trained router LoRA: refused; written without it
+        with pytest.raises(family_tables.ExportError, match="does not apply a LoRA to this family's router"):
+            vllm_lora.write_vllm(adapter, tmp_path / "v")
         assert not (tmp_path / "v").exists()
         adapter = family_adapter(tmp_path / "no-router", family, router=False)
     if family in VLLM_TARGETS:  # the fixture trained modules vLLM multiplies without their LoRA: refused, by name
-        with pytest.raises(formats.ExportError, match=f"{model_type}: vLLM 0.33.0 does not apply a LoRA to "):
-            formats.write_vllm(adapter, tmp_path / "v")
+        with pytest.raises(family_tables.ExportError, match=f"{model_type}: vLLM 0.33.0 does not apply a LoRA to "):
+            vllm_lora.write_vllm(adapter, tmp_path / "v")
         assert not (tmp_path / "v").exists()
         adapter = family_adapter(tmp_path / "vllm-targets", family, router=False, targets=VLLM_TARGETS[family])
-    if model_type in formats.PER_EXPERT_UNREAD and model_type not in formats.VLLM_FUSED_3D:
-        with pytest.raises(formats.ExportError, match=f"{model_type}: "):
-            formats.write_vllm(adapter, tmp_path / "v")
+    if model_type in family_tables.PER_EXPERT_UNREAD and model_type not in family_tables.VLLM_FUSED_3D:
+        with pytest.raises(family_tables.ExportError, match=f"{model_type}: "):
+            vllm_lora.write_vllm(adapter, tmp_path / "v")
         return
-    vllm = formats.write_vllm(adapter, tmp_path / "v") / "adapter_model.safetensors"
-    if model_type in formats.VLLM_FUSED_3D:  # vLLM reads PEFT's fused 3D expert LoRA as written
+    vllm = vllm_lora.write_vllm(adapter, tmp_path / "v") / "adapter_model.safetensors"
+    if model_type in family_tables.VLLM_FUSED_3D:  # vLLM reads PEFT's fused 3D expert LoRA as written
         assert vllm.read_bytes() == (adapter / "adapter_model.safetensors").read_bytes()
-    elif model_type not in formats.VLLM_RENAMED:
-        per_expert = formats.write_per_expert(adapter, tmp_path / "pe") / "adapter_model.safetensors"
+    elif model_type not in vllm_lora.VLLM_RENAMED:
+        per_expert = per_expert_lora.write_per_expert(adapter, tmp_path / "pe") / "adapter_model.safetensors"
         assert vllm.read_bytes() == per_expert.read_bytes()
     else:  # the per-expert layout under vLLM's module names (Granite's router is its block_sparse_moe.gate)
         from safetensors.torch import load_file
 
-        old, new = formats.VLLM_RENAMED[model_type]
-        per_expert = load_file(str(formats.write_per_expert(adapter, tmp_path / "pe") / "adapter_model.safetensors"))
+        old, new = vllm_lora.VLLM_RENAMED[model_type]
+        per_expert = load_file(
+            str(per_expert_lora.write_per_expert(adapter, tmp_path / "pe") / "adapter_model.safetensors")
+        )
         got = load_file(str(vllm))
         assert not any(old in k for k in got)
         assert any(new in k for k in got) == any(old in k for k in per_expert)  # Granite's router: trained
@@ -685,24 +694,24 @@ def test_vllm_format_refuses_lora_granite_shared_mlp_would_ignore(tmp_path):
     """vLLM's Granite-MoE-Shared class (also serving Granite-MoE-SWA) packs no LoRA for the shared MLP's
     input_linear: refused by name; output_linear is applied, and written."""
     adapter = family_adapter(tmp_path, "granitemoeshared", shared_intermediate_size=32)
-    formats.write_vllm(adapter, tmp_path / "plain")  # the fixture's targets: attention, router, experts
+    vllm_lora.write_vllm(adapter, tmp_path / "plain")  # the fixture's targets: attention, router, experts
     lora = LoraSection(rank=4, alpha=8.0, target_modules=["shared_mlp.input_linear", "shared_mlp.output_linear"])
     base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
     model = attach_adapters(load_model(LoadOptions(base)), lora, seed=0)
     shared = save_adapter(model, tmp_path / "shared", cfg=lora, base_model_name_or_path=base)
     with pytest.raises(
-        formats.ExportError,
+        family_tables.ExportError,
         match=r"granitemoeshared: vLLM 0.33.0 does not apply a LoRA to "
         r"shared_mlp.input_linear .its packed_modules_mapping",
     ):
-        formats.write_vllm(shared, tmp_path / "v")
+        vllm_lora.write_vllm(shared, tmp_path / "v")
     assert not (tmp_path / "v").exists()
     lora = LoraSection(rank=4, alpha=8.0, target_modules=["shared_mlp.output_linear"])
     model = attach_adapters(load_model(LoadOptions(base)), lora, seed=0)
     output_only = save_adapter(model, tmp_path / "out", cfg=lora, base_model_name_or_path=base)
     from safetensors.torch import load_file
 
-    keys = load_file(str(formats.write_vllm(output_only, tmp_path / "v") / "adapter_model.safetensors"))
+    keys = load_file(str(vllm_lora.write_vllm(output_only, tmp_path / "v") / "adapter_model.safetensors"))
     assert any(".shared_mlp.output_linear.lora_B." in k for k in keys)
 
 
@@ -716,8 +725,10 @@ def test_vllm_format_renames_shared_experts_to_vllms_module_names(tmp_path, monk
     adapter = save_adapter(model, tmp_path / "adapter", cfg=lora, base_model_name_or_path=str(path))
     from safetensors.torch import load_file
 
-    vllm = load_file(str(formats.write_vllm(adapter, tmp_path / "v") / "adapter_model.safetensors"))
-    per_expert = load_file(str(formats.write_per_expert(adapter, tmp_path / "pe") / "adapter_model.safetensors"))
+    vllm = load_file(str(vllm_lora.write_vllm(adapter, tmp_path / "v") / "adapter_model.safetensors"))
+    per_expert = load_file(
+        str(per_expert_lora.write_per_expert(adapter, tmp_path / "pe") / "adapter_model.safetensors")
+    )
     assert any(".mlp.shared_experts.gate_proj." in k for k in per_expert)
     assert not any(".shared_experts." in k for k in vllm)
     assert {
@@ -728,59 +739,63 @@ def test_vllm_format_renames_shared_experts_to_vllms_module_names(tmp_path, monk
 def test_vllm_format_refuses_router_lora_its_fused_moe_runner_would_ignore(tmp_path):
     adapter = family_adapter(tmp_path, "qwen3_moe")  # router LoRA trained
     with pytest.raises(
-        formats.ExportError,
+        family_tables.ExportError,
         match="qwen3_moe: vLLM 0.33.0 does not apply a LoRA to this family's router .mlp.gate: its fused-MoE runner",
     ):
-        formats.write_vllm(adapter, tmp_path / "v")
+        vllm_lora.write_vllm(adapter, tmp_path / "v")
     assert not (tmp_path / "v").exists()
-    formats.write_per_expert(adapter, tmp_path / "pe")  # other runtimes: the per-expert layout is still written
+    per_expert_lora.write_per_expert(adapter, tmp_path / "pe")  # other runtimes: the per-expert layout is still written
 
 
 def test_vllm_format_keeps_peft_fused_layout_where_vllm_reads_3d(tmp_path):
     """GPT-OSS: vLLM's GptOssForCausalLM sets is_3d_moe_weight and reads PEFT's fused expert LoRA (its gate and
     up interleaved in B, as trained) as written; the per-expert layout is refused for it."""
     adapter = family_adapter(tmp_path, "gpt_oss")
-    out = formats.write_vllm(adapter, tmp_path / "v")
+    out = vllm_lora.write_vllm(adapter, tmp_path / "v")
     for name in ("adapter_model.safetensors", "adapter_config.json"):
         assert (out / name).read_bytes() == (adapter / name).read_bytes()
-    with pytest.raises(formats.ExportError, match="vLLM reads GPT-OSS's expert LoRA in PEFT's fused layout only"):
-        formats.write_per_expert(adapter, tmp_path / "pe")
+    with pytest.raises(family_tables.ExportError, match="vLLM reads GPT-OSS's expert LoRA in PEFT's fused layout only"):
+        per_expert_lora.write_per_expert(adapter, tmp_path / "pe")
 
 
 def render_family_table() -> str:
     """docs/export.md's table, from the export's own tables (MOE_QLORA_UPDATE_DOCS=1 writes it there)."""
-    f = formats
     rows = [
         "| model type | llama.cpp arch | GGUF: written | GGUF: refused, and why | vLLM (`--format vllm`) |",
         "|---|---|---|---|---|",
     ]
-    for mt, n in f.FAMILIES.items():
+    for mt, n in family_tables.FAMILIES.items():
         refused = []
-        if no := sorted(f.GGUF_NO_LORA.get(n.gguf_arch, ())):
+        if no := sorted(gguf_archs.GGUF_NO_LORA.get(n.gguf_arch, ())):
             refused.append(f"{', '.join(no)}: multiplied without a LoRA hook")
-        if n.gguf_arch in f.LEGACY_LORA_ARCHS and f.gguf_name_map(n.gguf_arch, 1) is not None:  # (not DeepSeek-V4's)
+        if (
+            n.gguf_arch in gguf_archs.LEGACY_LORA_ARCHS and gguf_archs.gguf_name_map(n.gguf_arch, 1) is not None
+        ):  # (not DeepSeek-V4's)
             refused.append("the MLA projections: multiplied without a LoRA hook")
-        layout = f.vllm_layout(mt)
+        layout = family_tables.vllm_layout(mt)
         if layout == "refused":
-            vllm = "refused: " + (f.VLLM_NO_MOE_LORA.get(mt) or f.PER_EXPERT_UNREAD[mt].rsplit(" (", 1)[0])
+            vllm = "refused: " + (
+                family_tables.VLLM_NO_MOE_LORA.get(mt) or family_tables.PER_EXPERT_UNREAD[mt].rsplit(" (", 1)[0]
+            )
         elif layout == "fused-3d":
             vllm = "PEFT's fused 3D, as written"
         else:
             vllm = f"per-expert `{n.experts}.M.{'/'.join(p for p in (n.gate, n.up, n.down) if p)}`"
-            if mt in f.VLLM_RENAMED:
-                vllm += f"; `{f.VLLM_RENAMED[mt][0]}` renamed `{f.VLLM_RENAMED[mt][1]}`"
-            if mt in f.HUB_MODULE_NAMES:
+            if mt in vllm_lora.VLLM_RENAMED:
+                vllm += f"; `{vllm_lora.VLLM_RENAMED[mt][0]}` renamed `{vllm_lora.VLLM_RENAMED[mt][1]}`"
+            if mt in per_expert_lora.HUB_MODULE_NAMES:
                 vllm += "; every module under the checkpoints' own names (`attn.wq_a` ...)"
-            if mt in f.VLLM_IGNORED_MODULE:
-                vllm += f"; LoRA refused on {', '.join(f'`{m}`' for m in f.VLLM_IGNORED_MODULE[mt])} (vLLM ignores it)"
-            if mt in f.HUB_FUSED_ATTENTION:
+            if mt in vllm_lora.VLLM_IGNORED_MODULE:
+                ignored = ", ".join(f"`{m}`" for m in vllm_lora.VLLM_IGNORED_MODULE[mt])
+                vllm += f"; LoRA refused on {ignored} (vLLM ignores it)"
+            if mt in per_expert_lora.HUB_FUSED_ATTENTION:
                 vllm += (
-                    f"; q, k, v as one `{f.HUB_FUSED_ATTENTION[mt][0]}` LoRA of rank 3r (vLLM's "
-                    f"`--max-lora-rank` at least that), o_proj as `{f.HUB_FUSED_ATTENTION[mt][1]}`"
+                    f"; q, k, v as one `{per_expert_lora.HUB_FUSED_ATTENTION[mt][0]}` LoRA of rank 3r (vLLM's "
+                    f"`--max-lora-rank` at least that), o_proj as `{per_expert_lora.HUB_FUSED_ATTENTION[mt][1]}`"
                 )
-        if mt in f.VLLM_IGNORED_ROUTER and not vllm.startswith("refused"):
-            vllm += f"; router LoRA refused (vLLM ignores `{f.VLLM_IGNORED_ROUTER[mt][0]}`)"
-        extra_kinds = ", ".join(sorted(f.GGUF_EXTRA_LORA_KINDS.get(n.gguf_arch, ())))
+        if mt in vllm_lora.VLLM_IGNORED_ROUTER and not vllm.startswith("refused"):
+            vllm += f"; router LoRA refused (vLLM ignores `{vllm_lora.VLLM_IGNORED_ROUTER[mt][0]}`)"
+        extra_kinds = ", ".join(sorted(gguf_archs.GGUF_EXTRA_LORA_KINDS.get(n.gguf_arch, ())))
         laid_out = {
             "qwen3next": "in_proj_qkvz split into attn_qkv and attn_gate per key head",
             "qwen35moe": "linear attention's value heads regrouped as the converter does",
@@ -805,7 +820,7 @@ def render_family_table() -> str:
             else "experts (up, down: no gate)"
         )
         written = f"{experts}, router, " + "".join(x + ", " for x in extra) + "attention, shared experts and dense FFN"
-        if n.gguf_arch in f.GGUF_FUSABLE_GATE_UP and not n.fused_gate_up:
+        if n.gguf_arch in gguf_archs.GGUF_FUSABLE_GATE_UP and not n.fused_gate_up:
             written += "; ffn_gate_up_exps with `--fuse-gate-up-exps`"
         rows.append(f"| `{mt}` | `{n.gguf_arch}` | {written} | {'; '.join(refused) or '-'} | {vllm} |")
     rows += [
@@ -815,7 +830,7 @@ def render_family_table() -> str:
         "| model type | why |",
         "|---|---|",
     ]
-    rows += [f"| `{mt}` | {why} |" for mt, why in sorted(f.NOT_EXPORTED.items())]
+    rows += [f"| `{mt}` | {why} |" for mt, why in sorted(family_tables.NOT_EXPORTED.items())]
     return "\n".join(rows)
 
 
@@ -868,12 +883,12 @@ def test_vision_tower_lora_is_refused_and_auto_keeps_to_the_language_model(tmp_p
         )
         assert "also name modules outside the language model's decoder layers" in caplog.text
         stray = r"^LoRA (outside the experts'|in several).*vision_tower\.layers\.0\.self_attn\.k_proj\.lora_A\.weight"
-        with pytest.raises(formats.ExportError, match=stray):
-            formats.write_gguf(both, tmp_path / "out")
+        with pytest.raises(family_tables.ExportError, match=stray):
+            gguf_lora.write_gguf(both, tmp_path / "out")
         assert not (tmp_path / "out").exists()
-        tensors, config, _, names = formats.read_run_adapter(both)  # (MiniMax-M3 has no per-expert layout: the
-        with pytest.raises(formats.ExportError, match=stray):  # step every per-expert and vLLM writer takes)
-            formats.per_expert_tensors(tensors, 4, names)
+        tensors, config, _, names = peft_factors.read_run_adapter(both)  # (MiniMax-M3 has no per-expert layout: the
+        with pytest.raises(family_tables.ExportError, match=stray):  # step every per-expert and vLLM writer takes)
+            per_expert_lora.per_expert_tensors(tensors, 4, names)
 
 
 def test_deepseek_v4_is_written_under_its_hub_checkpoints_names(tmp_path):
@@ -887,7 +902,7 @@ def test_deepseek_v4_is_written_under_its_hub_checkpoints_names(tmp_path):
 
     adapter = family_adapter(tmp_path, "deepseek_v4")
     deltas, _ = merged_minus_base(adapter)
-    out = load_file(str(formats.write_per_expert(adapter, tmp_path / "pe") / "adapter_model.safetensors"))
+    out = load_file(str(per_expert_lora.write_per_expert(adapter, tmp_path / "pe") / "adapter_model.safetensors"))
     renames = [r for r in get_checkpoint_conversion_mapping("deepseek_v4") if type(r) is WeightRenaming]
 
     def wrong(tensors: dict) -> list[str]:

@@ -19,7 +19,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from moe_qlora.config.load import validate_config
-from moe_qlora.export import formats
+from moe_qlora.export import family_tables, gguf_archs, gguf_lora, peft_factors, per_expert_lora, vllm_lora
 from moe_qlora.model.tiny import resolve_model_path
 from moe_qlora.train import sft as trainer
 
@@ -52,9 +52,9 @@ def run(tmp_path_factory):
 
 def test_a_run_writes_the_export_formats_it_asks_for(run, tmp_path):
     """output.export_formats: the same files `moe-qlora export` writes, at the end of training."""
-    assert (run.parent / "adapter.gguf").read_bytes() == formats.write_gguf(run, tmp_path / "a.gguf").read_bytes()
+    assert (run.parent / "adapter.gguf").read_bytes() == gguf_lora.write_gguf(run, tmp_path / "a.gguf").read_bytes()
     ours = run.parent / "adapter-per-expert" / "adapter_model.safetensors"
-    again = formats.write_per_expert(run, tmp_path / "pe") / "adapter_model.safetensors"
+    again = per_expert_lora.write_per_expert(run, tmp_path / "pe") / "adapter_model.safetensors"
     assert ours.read_bytes() == again.read_bytes()
 
 
@@ -161,7 +161,7 @@ def test_per_expert_export_loads_in_peft_with_the_same_deltas(run, peft_deltas, 
     deltas, config = peft_deltas
     trained = {f"model.layers.0.mlp.{p}" for p in ("experts.gate_up_proj", "experts.down_proj", "gate.weight")}
     assert trained <= set(deltas)
-    out = formats.write_per_expert(run, tmp_path / "per-expert")
+    out = per_expert_lora.write_per_expert(run, tmp_path / "per-expert")
     saved = json.loads((out / "adapter_config.json").read_text())
     assert sorted(saved["target_modules"]) == ["gate", "k_proj", "o_proj", "q_proj", "v_proj", "w1", "w2", "w3"]
     assert saved["target_parameters"] is None
@@ -170,9 +170,9 @@ def test_per_expert_export_loads_in_peft_with_the_same_deltas(run, peft_deltas, 
 
 def test_per_expert_control_gate_and_up_swapped_fails(run, peft_deltas, tmp_path, monkeypatch):
     deltas, config = peft_deltas
-    swapped = formats.FamilyNames("llama", "block_sparse_moe.experts", "w3", "w1", "w2", permute_qk=True)
-    monkeypatch.setitem(formats.FAMILIES, "mixtral", swapped)
-    out = formats.write_per_expert(run, tmp_path / "swapped")
+    swapped = family_tables.FamilyNames("llama", "block_sparse_moe.experts", "w3", "w1", "w2", permute_qk=True)
+    monkeypatch.setitem(family_tables.FAMILIES, "mixtral", swapped)
+    out = per_expert_lora.write_per_expert(run, tmp_path / "swapped")
     assert_per_expert_matches(per_expert_deltas(out, config), deltas, config, expect_equal=False)
 
 
@@ -205,8 +205,8 @@ def test_gguf_reads_back_with_llama_cpp_names_shapes_alpha_and_deltas(run, peft_
     """permute=False is the broken control: without llama.cpp's RoPE row order the q/k deltas differ."""
     deltas, config = peft_deltas
     if not permute:
-        monkeypatch.setattr(formats, "permute_rows_for_rope", lambda b, n_head: b)
-    path = formats.write_gguf(run, tmp_path / "adapter.gguf")
+        monkeypatch.setattr(gguf_lora, "permute_rows_for_rope", lambda b, n_head: b)
+    path = gguf_lora.write_gguf(run, tmp_path / "adapter.gguf")
     _, fields, tensors = read_gguf(path)
     assert field_value(fields["general.type"]) == "adapter" and field_value(fields["adapter.type"]) == "lora"
     assert field_value(fields["general.architecture"]) == "llama"
@@ -252,7 +252,7 @@ def reference_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def test_unknown_families_and_unwritten_layouts_are_refused_by_name(tmp_path, monkeypatch):
-    monkeypatch.setattr(formats, "base_model_type", lambda config, where: "switch_transformers")
+    monkeypatch.setattr(peft_factors, "base_model_type", lambda config, where: "switch_transformers")
     (tmp_path / "a").mkdir()
     from safetensors.torch import save_file
 
@@ -261,11 +261,11 @@ def test_unknown_families_and_unwritten_layouts_are_refused_by_name(tmp_path, mo
         str(tmp_path / "a" / "adapter_model.safetensors"),
     )
     (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "x", "r": 1}))
-    with pytest.raises(formats.ExportError, match="switch_transformers: no per-expert / GGUF names known"):
-        formats.write_gguf(tmp_path / "a", tmp_path / "a.gguf")
-    monkeypatch.setattr(formats, "base_model_type", lambda config, where: "switch_transformers")
-    with pytest.raises(formats.ExportError, match="switch_transformers: no per-expert"):
-        formats.write_per_expert(tmp_path / "a", tmp_path / "b")
+    with pytest.raises(family_tables.ExportError, match="switch_transformers: no per-expert / GGUF names known"):
+        gguf_lora.write_gguf(tmp_path / "a", tmp_path / "a.gguf")
+    monkeypatch.setattr(peft_factors, "base_model_type", lambda config, where: "switch_transformers")
+    with pytest.raises(family_tables.ExportError, match="switch_transformers: no per-expert"):
+        per_expert_lora.write_per_expert(tmp_path / "a", tmp_path / "b")
     assert not (tmp_path / "a.gguf").exists() and not (tmp_path / "b").exists()
 
 
@@ -284,6 +284,18 @@ def test_export_from_the_cli(run, tmp_path):
     assert result.exit_code == 2 and "no such adapter" in result.output
 
 
+def test_one_writer_table_names_the_formats_the_config_accepts():
+    """writers.WRITERS, which `export --format` reads, names exactly output.export_formats' choices, in order."""
+    from typing import get_args
+
+    from moe_qlora.config.sections import OutputSection
+    from moe_qlora.export.writers import WRITERS
+
+    (choices,) = get_args(OutputSection.model_fields["export_formats"].annotation)
+    assert list(WRITERS) == list(get_args(choices)) == ["vllm", "per-expert", "gguf"]
+    assert WRITERS["gguf"] is gguf_lora.write_gguf and WRITERS["vllm"] is vllm_lora.write_vllm
+
+
 def test_check_norms_reads_the_gguf_and_the_per_expert_export_with_the_same_norms(run, tmp_path):
     """Every expert's ||scale B A|| read from the GGUF and from the per-expert export equals the one read
     from the run's PEFT adapter (same scale, every expert a row)."""
@@ -293,8 +305,8 @@ def test_check_norms_reads_the_gguf_and_the_per_expert_export_with_the_same_norm
         return sorted(round(r.norm_delta, 5) for r in report.rows if key(r.module))
 
     peft = check_norms(run)
-    gguf_report = check_norms(formats.write_gguf(run, tmp_path / "a.gguf"))
-    per_expert = check_norms(formats.write_per_expert(run, tmp_path / "pe"))
+    gguf_report = check_norms(gguf_lora.write_gguf(run, tmp_path / "a.gguf"))
+    per_expert = check_norms(per_expert_lora.write_per_expert(run, tmp_path / "pe"))
     assert gguf_report.scale == peft.scale == per_expert.scale == 2.0
     experts = deltas(peft, lambda m: ".experts" in m)
     # gate and up share A: their deltas split gate_up's rows, so compare the down projections exactly
@@ -331,7 +343,7 @@ def test_gguf_carries_router_shared_expert_and_its_gate_lora_with_peft_deltas(qw
     """Before, a Qwen2-MoE run with its default targets (shared_expert.*) could not be exported to GGUF at all.
     Every non-expert LoRA lands under the name llama.cpp gives the base tensor, with PEFT's merged delta."""
     deltas, config = merged_minus_base(qwen2_moe_run)
-    _, fields, tensors = read_gguf(formats.write_gguf(qwen2_moe_run, tmp_path / "q.gguf"))
+    _, fields, tensors = read_gguf(gguf_lora.write_gguf(qwen2_moe_run, tmp_path / "q.gguf"))
     assert field_value(fields["general.architecture"]) == "qwen2moe"
     got = gguf_deltas(tensors, config, scale=8.0 / 4)
     for n in range(config.num_hidden_layers):
@@ -344,19 +356,19 @@ def test_gguf_refuses_lora_llama_cpp_would_ignore_or_cannot_place():
     """DeepSeek's graph multiplies the query and the MLA projections with a plain ggml_mul_mat (no LoRA), so
     their LoRA is refused instead of being written and silently ignored; its output projection and shared
     experts go through build_lora_mm."""
-    names = formats.gguf_name_map("deepseek2", 2)
-    assert formats.gguf_linear_name(names, "deepseek2", 1, "self_attn", "o_proj") == "blk.1.attn_output"
-    assert formats.gguf_linear_name(names, "deepseek2", 1, "mlp.shared_experts", "up_proj") == "blk.1.ffn_up_shexp"
-    assert formats.gguf_linear_name(names, "deepseek2", 0, "mlp", "down_proj") == "blk.0.ffn_down"
+    names = gguf_archs.gguf_name_map("deepseek2", 2)
+    assert gguf_archs.gguf_linear_name(names, "deepseek2", 1, "self_attn", "o_proj") == "blk.1.attn_output"
+    assert gguf_archs.gguf_linear_name(names, "deepseek2", 1, "mlp.shared_experts", "up_proj") == "blk.1.ffn_up_shexp"
+    assert gguf_archs.gguf_linear_name(names, "deepseek2", 0, "mlp", "down_proj") == "blk.0.ffn_down"
     for proj in ("q_proj", "q_a_proj", "kv_b_proj", "kv_a_proj_with_mqa"):
-        with pytest.raises(formats.ExportError, match="without applying LoRA"):
-            formats.gguf_linear_name(names, "deepseek2", 1, "self_attn", proj)
+        with pytest.raises(family_tables.ExportError, match="without applying LoRA"):
+            gguf_archs.gguf_linear_name(names, "deepseek2", 1, "self_attn", proj)
     assert (
-        formats.gguf_linear_name(formats.gguf_name_map("qwen2moe", 2), "qwen2moe", 1, "self_attn", "q_proj")
+        gguf_archs.gguf_linear_name(gguf_archs.gguf_name_map("qwen2moe", 2), "qwen2moe", 1, "self_attn", "q_proj")
         == "blk.1.attn_q"
     )
-    with pytest.raises(formats.ExportError, match="no tensor"):
-        formats.gguf_linear_name(names, "deepseek2", 1, "self_attn", "rotary_proj")
+    with pytest.raises(family_tables.ExportError, match="no tensor"):
+        gguf_archs.gguf_linear_name(names, "deepseek2", 1, "self_attn", "rotary_proj")
 
 
 def test_check_norms_on_a_runs_gguf_finds_the_run_and_cross_checks_the_router(run, tmp_path, monkeypatch):
@@ -386,7 +398,7 @@ def test_check_norms_on_a_runs_gguf_finds_the_run_and_cross_checks_the_router(ru
     key = next(k for k in tensors if ".layers.0." in k and k.endswith("experts.lora_B.weight"))  # down_proj's B
     tensors[key].view(tensors[key].shape[0], -1, 8)[:, :, expert] = 0  # columns j*E + e are expert e's
     save_file(tensors, str(weights))
-    gguf_path = formats.write_gguf(fake / "adapter", fake / "adapter.gguf")
+    gguf_path = gguf_lora.write_gguf(fake / "adapter", fake / "adapter.gguf")
     for path in (fake / "adapter", gguf_path):  # found without --run, and the adapter flagged: exit 1
         result = CliRunner().invoke(app, ["check-norms", str(path)])
         assert result.exit_code == 1 and f"router load: 3 logged steps of {fake};" in result.output

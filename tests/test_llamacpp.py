@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_qlora.export import formats
+from moe_qlora.export import family_tables, gguf_archs, gguf_lora, peft_factors
 
 pytestmark = pytest.mark.llamacpp
 LLAMA_CPP_DIR = os.environ.get("LLAMA_CPP_DIR")
@@ -190,7 +190,7 @@ def test_llama_cpp_with_our_gguf_adapter_matches_peft(model_type, conversion, tm
     base_dir = tmp_path / model_type
     hub_layout(base_dir, model_type)
     base = convert_base(base_dir, tmp_path / "base.gguf", extra=CONVERT_FLAGS.get(model_type, ()) + flags)
-    lora = formats.write_gguf(adapter, tmp_path / "adapter.gguf", **export)
+    lora = gguf_lora.write_gguf(adapter, tmp_path / "adapter.gguf", **export)
     ids = list(range(10, 42))
     ours = llama_logprobs(base, lora, ids)
     reference = peft_logprobs(base_dir, adapter, ids)
@@ -198,19 +198,19 @@ def test_llama_cpp_with_our_gguf_adapter_matches_peft(model_type, conversion, tm
     assert err <= tol, f"{model_type} ({conversion}): llama.cpp with the adapter differs from PEFT by {err:.2e}"
     # controls: the base alone, and the adapter with each layer's experts rolled by one, are far from PEFT
     assert float(np.abs(llama_logprobs(base, None, ids) - reference).max()) > 10 * tol
-    real = formats.expert_layers
+    real = gguf_lora.expert_layers
 
     def rolled(tensors, rank, names=None):
         layers = real(tensors, rank, names).items()
-        return {n: formats.ExpertLayer(*(t.roll(1, 0) for t in vars(x).values())) for n, x in layers}
+        return {n: peft_factors.ExpertLayer(*(t.roll(1, 0) for t in vars(x).values())) for n, x in layers}
 
-    monkeypatch.setattr(formats, "expert_layers", rolled)
-    broken = formats.write_gguf(adapter, tmp_path / "rolled.gguf", **export)
+    monkeypatch.setattr(gguf_lora, "expert_layers", rolled)
+    broken = gguf_lora.write_gguf(adapter, tmp_path / "rolled.gguf", **export)
     assert float(np.abs(llama_logprobs(base, broken, ids) - reference).max()) > 10 * tol
     if model_type in LAYOUT_CONTROLS:  # ...and the linear attention's LoRA rows left as transformers holds them
-        monkeypatch.setattr(formats, "expert_layers", real)
-        monkeypatch.setattr(formats, *LAYOUT_CONTROLS[model_type])
-        broken = formats.write_gguf(adapter, tmp_path / "as-trained.gguf", **export)
+        monkeypatch.setattr(gguf_lora, "expert_layers", real)
+        monkeypatch.setattr(gguf_lora, *LAYOUT_CONTROLS[model_type])
+        broken = gguf_lora.write_gguf(adapter, tmp_path / "as-trained.gguf", **export)
         assert float(np.abs(llama_logprobs(base, broken, ids) - reference).max()) > 10 * tol
 
 
@@ -351,7 +351,7 @@ CONVERSIONS = {
 
 
 @pytest.mark.parametrize("conversion", CONVERSIONS)
-@pytest.mark.parametrize("model_type", sorted(formats.FAMILIES))
+@pytest.mark.parametrize("model_type", sorted(family_tables.FAMILIES))
 def test_every_lora_tensor_names_a_base_tensor_of_its_shape(model_type, conversion, tmp_path):
     """Needs only llama.cpp's tree (LLAMA_CPP_DIR), not libllama: the tiny base converted by llama.cpp's own
     converter (stopped once it has named every tensor), and our GGUF adapter's tensors checked as libllama
@@ -365,8 +365,8 @@ def test_every_lora_tensor_names_a_base_tensor_of_its_shape(model_type, conversi
         pytest.skip("LLAMA_CPP_DIR does not point at a llama.cpp tree with convert_hf_to_gguf.py")
     if model_type in NOT_CONVERTIBLE:
         pytest.skip(f"{model_type}: {NOT_CONVERTIBLE[model_type]}")
-    names = formats.FAMILIES[model_type]
-    fusable = {"fuse-gate-up-exps": formats.GGUF_FUSABLE_GATE_UP, "fuse-qkv": formats.GGUF_FUSABLE_QKV}
+    names = family_tables.FAMILIES[model_type]
+    fusable = {"fuse-gate-up-exps": gguf_archs.GGUF_FUSABLE_GATE_UP, "fuse-qkv": gguf_archs.GGUF_FUSABLE_QKV}
     if conversion in fusable and names.gguf_arch not in fusable[conversion]:
         pytest.skip(f"{model_type}: llama.cpp's converter does not {conversion} {names.gguf_arch} (export refuses it)")
     flags, export = CONVERSIONS[conversion]
@@ -383,7 +383,7 @@ def test_every_lora_tensor_names_a_base_tensor_of_its_shape(model_type, conversi
                 extra=CONVERT_FLAGS.get(model_type, ()) + flags,
             ).read_text()
         )
-    _, fields, lora = read_gguf(formats.write_gguf(adapter, tmp_path / "a.gguf", **export))
+    _, fields, lora = read_gguf(gguf_lora.write_gguf(adapter, tmp_path / "a.gguf", **export))
     assert field_value(fields["general.architecture"]) == base["arch"]
     assert lora_tensors_llama_cpp_would_reject(lora, base["tensors"]) == []
     # broken controls: each expert's factors transposed (Llama-4's storage not undone), where that changes a
@@ -400,6 +400,6 @@ def test_every_lora_tensor_names_a_base_tensor_of_its_shape(model_type, conversi
     }
     if any(t.shape != lora[k].shape for k, t in transposed.items()):
         assert lora_tensors_llama_cpp_would_reject(transposed, base["tensors"]) != []
-    _, _, plain = read_gguf(formats.write_gguf(adapter, tmp_path / "b.gguf"))
+    _, _, plain = read_gguf(gguf_lora.write_gguf(adapter, tmp_path / "b.gguf"))
     if plain.keys() != lora.keys():
         assert lora_tensors_llama_cpp_would_reject(plain, base["tensors"]) != []

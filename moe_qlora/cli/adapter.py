@@ -118,13 +118,9 @@ def export(
     from functools import partial
 
     from moe_qlora.config.sections import ConfigError
-    from moe_qlora.export.formats import write_gguf, write_per_expert, write_vllm
+    from moe_qlora.export.writers import WRITERS
 
-    writers = {
-        "vllm": write_vllm,
-        "per-expert": write_per_expert,
-        "gguf": partial(write_gguf, fuse_gate_up_exps=fuse_gate_up_exps, fuse_qkv=fuse_qkv),
-    }
+    writers = {**WRITERS, "gguf": partial(WRITERS["gguf"], fuse_gate_up_exps=fuse_gate_up_exps, fuse_qkv=fuse_qkv)}
     try:
         if fmt not in writers:
             raise ConfigError(

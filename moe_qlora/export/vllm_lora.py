@@ -1,0 +1,108 @@
+"""`--format vllm`: the adapter in the layout vLLM loads for the base's family (family_tables.vllm_layout): PEFT's
+unchanged where vLLM's class reads fused 3D expert LoRA, the per-expert layout elsewhere, a refusal by name for a
+family vLLM serves no MoE LoRA for; and a LoRA vLLM would load but never apply (a router, a module it multiplies
+from the weight) refused by name rather than written to be ignored.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moe_qlora.common.fileio import atomic_dir
+from moe_qlora.export.family_tables import VLLM_NO_MOE_LORA, VLLM_VERSION, ExportError, base_model_type, vllm_layout
+from moe_qlora.export.norms import read_adapter
+from moe_qlora.export.peft_factors import LINEAR_KEY
+from moe_qlora.export.per_expert_lora import write_per_expert
+
+# Routers vLLM loads a LoRA for but never applies, so that it would be silently ignored: Nemotron-H's is skipped
+# with a log line (lora/model_manager.py); the blocks that hand their gate to the fused-MoE runner get it back
+# unwrapped, since the LoRA wrapper is set on the experts module, which is wrapped itself by then
+# (layers/fused_moe/runner/moe_runner.py computes the logits; lora/model_manager.py sets the attribute).
+_RUNNER_GATE = "its fused-MoE runner computes the router logits with the gate it holds, not the LoRA-wrapped one"
+VLLM_IGNORED_ROUTER = {
+    "nemotron_h": ("mixer.gate", "lora/model_manager.py skips it, with only a log line"),
+    **dict.fromkeys(
+        (
+            "qwen3_moe",
+            "exaone_moe",
+            "deepseek_v2",
+            "deepseek_v3",
+            "glm_moe_dsa",
+            "qwen3_next",
+            "qwen3_5_moe",
+            "qwen3_5_moe_text",
+            "deepseek_v32",
+            "qwen4_exp",
+            "qwen4_exp_text",
+            "glm5_next",
+            "deepseek_v4",
+        ),
+        ("mlp.gate", _RUNNER_GATE),
+    ),
+}
+# Non-expert modules vLLM loads a LoRA for but never applies: Granite-MoE-Shared's packed_modules_mapping lacks
+# the shared MLP's input_linear, so no LoRA layer wraps it and model_manager.py logs that it is ignored
+# (GraniteMoeSWAForCausalLM is served by the same class)
+_DSV4_FROM_WEIGHT = "multiplied from its weight, not through the LoRA-wrapped module (models/deepseek_v4)"
+VLLM_IGNORED_MODULE = {
+    **dict.fromkeys(
+        ("granitemoeshared", "granitemoe_swa"),
+        {"shared_mlp.input_linear": "its packed_modules_mapping lacks input_linear, so no LoRA layer wraps it"},
+    ),
+    # DeepSeek-V4: wo_a through a grouped einsum/bmm of wo_a.weight (nvidia/ops/o_proj.py), both compressors'
+    # fused wkv/wgate through torch.mm of the fused weight (attention.py)
+    "deepseek_v4": {
+        m: _DSV4_FROM_WEIGHT
+        for m in (
+            "self_attn.o_a_proj",
+            "self_attn.compressor.kv_proj",
+            "self_attn.compressor.gate_proj",
+            "self_attn.compressor.indexer.kv_proj",
+            "self_attn.compressor.indexer.gate_proj",
+        )
+    },
+}
+# Modules vLLM's class names otherwise than transformers (a LoRA under transformers' name would load unused)
+# (Laguna's is mlp.shared_expert there, but a LoRA on its shared expert does not load in PEFT: refused in training)
+VLLM_RENAMED = {
+    "hy_v3": ("mlp.shared_experts.", "mlp.shared_mlp."),
+    # Granite's router: block_sparse_moe.router in transformers v5, a GateLinear named gate in vLLM
+    **dict.fromkeys(
+        ("granitemoe", "granitemoeshared", "granitemoe_swa"), ("block_sparse_moe.router.", "block_sparse_moe.gate.")
+    ),
+}
+
+
+def write_vllm(adapter_dir: str | Path, out_dir: str | Path) -> Path:
+    """The adapter in the layout vLLM loads for its base's family: PEFT's unchanged where vLLM reads fused 3D
+    expert weights, per-expert keys elsewhere; a family vLLM serves no MoE LoRA for is refused by name."""
+    import shutil
+
+    tensors, config, _ = read_adapter(adapter_dir)
+    if config is None:
+        raise ExportError(f"{adapter_dir}: no adapter_config.json")
+    model_type = base_model_type(config, Path(adapter_dir))
+    if model_type in VLLM_NO_MOE_LORA:
+        raise ExportError(
+            f"{model_type}: vLLM {VLLM_VERSION} serves no MoE LoRA for it "
+            f"({VLLM_NO_MOE_LORA[model_type]}); use the run's PEFT adapter, or gguf"
+        )
+    trained = {f"{m['path']}.{m['proj']}" for k in tensors if (m := LINEAR_KEY.fullmatch(k))}
+    router, why = VLLM_IGNORED_ROUTER.get(model_type, (None, ""))
+    if router in trained:
+        raise ExportError(
+            f"{model_type}: vLLM {VLLM_VERSION} does not apply a LoRA to this family's router "
+            f"({router}: {why}), so it would be ignored; train with lora.router: false"
+        )
+    ignored = VLLM_IGNORED_MODULE.get(model_type, {})
+    if modules := sorted(trained & set(ignored)):
+        raise ExportError(
+            f"{model_type}: vLLM {VLLM_VERSION} does not apply a LoRA to {', '.join(modules)} "
+            f"({ignored[modules[0]]}), so it would be ignored; train without it"
+        )
+    if vllm_layout(model_type) != "fused-3d":  # per-expert, or its refusal with the reason
+        return write_per_expert(adapter_dir, out_dir, rename=VLLM_RENAMED.get(model_type))
+    with atomic_dir(out_dir) as tmp:
+        for name in ("adapter_model.safetensors", "adapter_config.json"):
+            shutil.copyfile(Path(adapter_dir) / name, tmp / name)
+    return Path(out_dir)
