@@ -11,7 +11,7 @@ max_new_tokens given here; the prompts are the demo's parity rows, cycled to --p
 plus a dense one (REWARDS), so that groups are not flat and the update has rows to train. Each contender runs in a
 subprocess of its own, one warm-up step then --steps timed ones (the median reported), seeded alike:
 
-  moe-qlora             the policy `moe-qlora grpo` trains (session.load_policy): experts NF4 in moe-qlora's stacks
+  moe-qlora             the policy `moe-qlora grpo` trains (model.build.load_policy): experts NF4 in moe-qlora's stacks
                         (double-quantized scales as configured) with its expert LoRA, attention as bitsandbytes NF4
                         Linear4bit with PEFT LoRA, gradient checkpointing as configured, MoE kernels model.kernels
                         (auto: the torch reference on the CPU). A step is grpo.grpo_step itself, its time split as:
@@ -166,16 +166,20 @@ class PolicyBench:
     def __init__(self, cfg, steps: int):
         from rich.console import Console
 
+        from moe_qlora.export.adapter import load_adapter
+        from moe_qlora.model.build import load_policy, load_tokenizer
         from moe_qlora.train.optim import build_optimizer
+        from moe_qlora.train.position import StepContext
         from moe_qlora.train.rollout import RolloutSource
-        from moe_qlora.train.session import build_schedule, load_policy, load_tokenizer, seed_everything
+        from moe_qlora.train.runs import seed_everything
+        from moe_qlora.train.update import build_schedule
 
         console = Console(stderr=True)
         seed_everything(cfg.train.seed)
         t = time.perf_counter()
-        model_path, tokenizer = load_tokenizer(cfg)
+        model_path, tokenizer = load_tokenizer(cfg.model)
         self.source = RolloutSource(cfg, tokenizer, console)
-        model, params, _ = load_policy(cfg, model_path, console, generates=True)
+        model, params, _ = load_policy(cfg, model_path, console, generates=True, read_adapter=load_adapter)
         self.load_s = time.perf_counter() - t
         seed_everything(cfg.train.seed)
         optimizer = build_optimizer(params, cfg.train)
@@ -186,6 +190,7 @@ class PolicyBench:
         }
         self.rewards = RewardClock(self.source)
         self.batch, self.device, self.steps_done = self.source.items[: cfg.grpo.prompts_per_step], cfg.model.device, 0
+        self.context = StepContext(cfg.train)
         model.train()
 
     def step(self) -> tuple[dict[str, float], dict]:
@@ -193,15 +198,12 @@ class PolicyBench:
         sampling and scoring; the reward functions' time is taken out of it as scoring, and the rest of the step
         (advantages, policy_update, the step's metrics) is the update."""
         from moe_qlora.train.grpo import grpo_step
-        from moe_qlora.train.position import start_step
 
         self.steps_done += 1
-        start_step(self.steps_done)
+        self.context.position.start(self.steps_done)
         self.rewards.seconds = 0.0
         t0 = clock(self.device)
-        record = grpo_step(
-            self.source, self.batch, self.training, self.source.tokenizer.pad_token_id, None, self.steps_done
-        )
+        record = grpo_step(self.source, self.batch, self.training, None, self.context)
         step_s = clock(self.device) - t0
         scoring = self.rewards.seconds
         phases = {
@@ -215,7 +217,7 @@ class PolicyBench:
 def policy_worker(cfg, steps: int) -> dict:
     """Load the policy, run one warm-up step and `steps` timed ones; generation figures and the phase split."""
     from moe_qlora.common.memory import peak_rss_mib
-    from moe_qlora.train.session import resolve_kernels
+    from moe_qlora.model.kernel_choice import resolve_kernels
 
     bench = PolicyBench(cfg, steps)
     bench.step()
@@ -285,13 +287,14 @@ def load_transformers(cfg, model_path: str, dtype: torch.dtype, *, lora: bool, e
 def transformers_worker(cfg, name: str, steps: int, experts: str | None) -> dict:
     """Load, then time `model.generate` on the GRPO prompts: one warm-up call and `steps` timed ones."""
     from moe_qlora.common.memory import peak_rss_mib
+    from moe_qlora.model.build import load_tokenizer
     from moe_qlora.train.rollout import completion_end, generation_config, left_pad, load_prompts
-    from moe_qlora.train.session import load_tokenizer, seed_everything
+    from moe_qlora.train.runs import seed_everything
 
     g, dtype = cfg.grpo, compute_dtype(cfg)
     seed_everything(cfg.train.seed)
     t = time.perf_counter()
-    model_path, tokenizer = load_tokenizer(cfg)
+    model_path, tokenizer = load_tokenizer(cfg.model)
     prompts = load_prompts(cfg.data, tokenizer, g.max_new_tokens)[0][: g.prompts_per_step]
     model, implementation = load_transformers(cfg, model_path, dtype, lora=name.endswith("peft"), experts=experts)
     load_s = time.perf_counter() - t

@@ -99,9 +99,9 @@ def ensure_checkpoint(preset: str) -> Path:
 def setup_moe_qlora(path, dtype, double_quant, device="cpu"):
     from moe_qlora.config.sections import LoraSection
     from moe_qlora.model.adapters import attach_adapters, configure_checkpointing
+    from moe_qlora.model.kernel_choice import resolve_kernels
     from moe_qlora.model.loading import LoadOptions, load_model
     from moe_qlora.moe.experts import set_moe_kernels
-    from moe_qlora.train.session import resolve_kernels
 
     opts = LoadOptions(
         str(path),

@@ -1,5 +1,6 @@
 """Shared fixtures: tiny MoE checkpoints generated with a fixed seed, saved in HF format; the demo trained once."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -44,10 +45,44 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict:
+    """The environment of a module's CLI subprocesses (crash, resume and lock tests): a private model cache, 2
+    threads."""
+    from crash import isolated_env
+
+    return isolated_env(tmp_path_factory)
+
+
 @pytest.fixture
-def small_triton_blocks(monkeypatch):
+def small_triton_blocks():
     """16-wide blocks, so the small test shapes span several tiles in every dimension."""
-    monkeypatch.setenv("MOE_QLORA_TRITON_BLOCKS", "16,16,16")
+    from moe_qlora.moe.kernels.tiles import kernel_settings_overridden
+
+    with kernel_settings_overridden(block_override=(16, 16, 16)):
+        yield
+
+
+@pytest.fixture
+def override_kernel_settings():
+    """Replaces fields of the kernel settings for the rest of the test (tiles.kernel_settings_overridden, undone at
+    teardown): override_kernel_settings(autotune=False, target_arch=90). The settings are read from the environment
+    once, so a test's setenv would not reach them."""
+    from moe_qlora.moe.kernels.tiles import kernel_settings_overridden
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(kernel_settings_overridden(**changes))
+
+
+@pytest.fixture
+def inject_faults():
+    """Injects faults for the rest of the test (common.injection.injected, undone at teardown):
+    inject_faults(kernel_fault="grouped_mm:wrong"). The environment's request is read once, so a test's setenv
+    would not reach it; subprocesses are still given the environment variables."""
+    from moe_qlora.common.injection import injected
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **faults: stack.enter_context(injected(**faults))
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,7 @@
 """The CLI as the crash-and-resume tests drive it: real subprocesses, a SIGKILL after a given number of logged
 steps, and the tensor-for-tensor comparison of the adapters two runs end with."""
 
+import json
 import os
 import signal
 import subprocess
@@ -59,6 +60,17 @@ def assert_same_adapter(out: Path, reference: Path) -> None:
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def logged_losses(out: Path) -> list[tuple[int, float]]:
+    """(step, loss) of every record in out/metrics.jsonl, each line parsed strictly (a torn line fails)."""
+    return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+
+def assert_same_run(out: Path, reference: Path, history=logged_losses) -> None:
+    """The two runs ended with the same adapter, tensor for tensor, and logged the same `history`."""
+    assert_same_adapter(out, reference)
+    assert history(out) == history(reference)
 
 
 def signal_after_steps(

@@ -205,16 +205,16 @@ EXPERT_KEY = "base_model.model.model.layers.1.mlp.experts.base_layer.lora_B.weig
 
 def test_a_failed_verification_at_the_end_of_training_keeps_the_adapter(tmp_path, monkeypatch):
     """The run's adapter is written, then checked; a check that fails exits 1 and the file stays."""
-    import moe_qlora.train.session as session
+    import moe_qlora.train.runs as runs
 
-    real_save = session.save_adapter
+    real_save = runs.save_adapter
 
     def save_and_lose_a_tensor(model, out, **kw):
         path = real_save(model, out, **kw)
         rewrite_file(path, lambda s: s.pop(next(k for k in sorted(s) if "experts" in k)))
         return path
 
-    monkeypatch.setattr(session, "save_adapter", save_and_lose_a_tensor)
+    monkeypatch.setattr(runs, "save_adapter", save_and_lose_a_tensor)
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(
         "model: {name_or_path: 'builtin:tiny-mixtral'}\n"

@@ -7,29 +7,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.runs import DEMO_SFT, tiny_run_config
 from rich.console import Console
 from safetensors.torch import load_file
 
-from moe_qlora.config.load import validate_config
 from moe_qlora.config.sections import ConfigError
 from moe_qlora.data.examples import eval_split
-from moe_qlora.train import session
+from moe_qlora.export.adapter import load_adapter
+from moe_qlora.model import build
+from moe_qlora.train import runs
 from moe_qlora.train import sft as trainer
 
-ROOT = Path(__file__).resolve().parent.parent
-DATA = str(ROOT / "data" / "demo_sft.jsonl")
+DATA = str(DEMO_SFT)
 
 
 def config(out, data=None, lora=None, **train):
-    return validate_config(
-        {
-            "model": {"name_or_path": "builtin:tiny-mixtral"},
-            "lora": {"rank": 4, "dropout": 0.1, "target_modules": ["q_proj"], **(lora or {})},
-            "data": {"train_files": [DATA], "max_seq_len": 48, **(data or {})},
-            "train": {"micro_batch_size": 8, "lr": 5e-3, "max_steps": 6, "warmup_steps": 0, "seed": 1, **train},
-            "output": {"dir": str(out)},
-        }
-    )
+    train = {"micro_batch_size": 8, "lr": 5e-3, "max_steps": 6, "warmup_steps": 0, "seed": 1, **train}
+    lora = {"dropout": 0.1, "target_modules": ["q_proj"], **(lora or {})}
+    return tiny_run_config(out, lora=lora, data=data, **train)
 
 
 def records(out):
@@ -59,8 +54,8 @@ def test_eval_loss_is_logged_equals_a_direct_computation_and_leaves_training_unc
     assert [r["step"] for r in records(tmp_path / "plain") if "eval_loss" in r] == [6]  # at the end only
     # The last eval equals the token-mean loss of the final adapter over the file, computed directly.
     final = config(tmp_path / "x", lora={"init_from": str(tmp_path / "eval" / "adapter")})
-    model_path, tokenizer = session.load_tokenizer(final)
-    model, _, _ = session.load_policy(final, model_path, Console(quiet=True))
+    model_path, tokenizer = build.load_tokenizer(final.model)
+    model, _, _ = build.load_policy(final, model_path, Console(quiet=True), read_adapter=load_adapter)
     examples, _ = trainer.build_examples(config(tmp_path / "x").data, tokenizer)
     direct = trainer.eval_loss(model, examples, tokenizer.pad_token_id, config(tmp_path / "x").train)
     assert logged[-1][1] == pytest.approx(direct, rel=1e-6)
@@ -76,7 +71,7 @@ def test_the_best_adapter_is_verified_like_the_final_one(tmp_path, monkeypatch):
 
     from moe_qlora.export.adapter import AdapterVerificationError
 
-    real_save = session.save_adapter
+    real_save = runs.save_adapter
 
     def save_dropping_an_expert_tensor(model, out, **kwargs):
         written = real_save(model, out, **kwargs)
@@ -87,7 +82,7 @@ def test_the_best_adapter_is_verified_like_the_final_one(tmp_path, monkeypatch):
             save_file(tensors, str(path))
         return written
 
-    monkeypatch.setattr(session, "save_adapter", save_dropping_an_expert_tensor)
+    monkeypatch.setattr(runs, "save_adapter", save_dropping_an_expert_tensor)
     cfg = config(tmp_path, data={"eval_files": [DATA]}, eval_every=2, keep_best=True, max_steps=2)
     with pytest.raises(AdapterVerificationError, match="adapter-best would not load as trained.*missing from the file"):
         trainer.train(cfg, Console(quiet=True))

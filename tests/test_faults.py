@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from crash import assert_same_adapter, isolated_env, run_cli
+from crash import assert_same_adapter, assert_same_run, logged_losses, run_cli
 
 from moe_qlora.common.fileio import DiskFullError
 from moe_qlora.common.reporting import MetricsError, MetricsLog, read_jsonl
@@ -34,11 +34,6 @@ train: {{max_steps: {STEPS}, epochs: 10, micro_batch_size: 4, grad_accum: 1, lr:
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    return isolated_env(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
 def config(tmp_path_factory):
     path = tmp_path_factory.mktemp("cfg") / "faults.yaml"
     path.write_text(CONFIG)
@@ -51,15 +46,6 @@ def reference(config, env, tmp_path_factory):
     proc = run_cli("train", config, out, env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
-
-
-def losses(out: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in read_jsonl(out / "metrics.jsonl")]
-
-
-def assert_same_run(out: Path, reference: Path):
-    assert_same_adapter(out, reference)
-    assert losses(out) == losses(reference)
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -127,7 +113,7 @@ def test_resume_is_exact_after_the_metrics_log_is_damaged(config, env, reference
         assert_same_run(out, reference)
     else:  # the records of steps 1-4 are gone with the file; those written after the resume are the reference's
         assert_same_adapter(out, reference)
-        assert losses(out) == [(s, loss) for s, loss in losses(reference) if s > 4]
+        assert logged_losses(out) == [(s, loss) for s, loss in logged_losses(reference) if s > 4]
 
 
 # ------------------------------------------------------------------------------------------------ full disk

@@ -206,10 +206,11 @@ def test_offline_scored_completions_train_towards_the_better_ones(tmp_path):
 
 
 def _right_minus_wrong(cfg) -> float:
+    from moe_qlora.export.adapter import load_adapter
+    from moe_qlora.model.build import load_policy
     from moe_qlora.train.rollout import load_offline_groups, offline_rollouts
-    from moe_qlora.train.session import load_policy
 
-    model, _, _ = load_policy(cfg, _tiny(), Console(quiet=True))
+    model, _, _ = load_policy(cfg, _tiny(), Console(quiet=True), read_adapter=load_adapter)
     model.eval()
     groups = load_offline_groups(cfg.grpo.offline_file, cfg.data, TOK)
     rollouts = offline_rollouts(groups, TOK, 32)

@@ -5,14 +5,15 @@ import math
 import pytest
 import torch
 
-from moe_qlora.train.losses import grpo_token_loss, token_weights
+from moe_qlora.train.grpo_loss import MicroBatchTerms, Objective, grpo_token_loss, token_weights
 
 LN = math.log
 
 
 def loss_of(logp, old, ref, adv, mask, *, clip=0.2, clip_high=None, kl=0.0, norm="dapo", total_seqs=None):
     weights = token_weights(mask, norm, total_tokens=int(mask.sum()), total_sequences=total_seqs or mask.shape[0])
-    return grpo_token_loss(logp, old, ref, adv, weights, clip_eps=clip, clip_eps_high=clip_high or clip, kl_coef=kl)
+    objective = Objective.clipped(clip, clip_high or clip, kl_coef=kl)
+    return grpo_token_loss(MicroBatchTerms(logp, old, ref, adv, weights), objective)
 
 
 def test_clipped_ratio_by_hand():
@@ -90,9 +91,8 @@ def test_micro_batches_sum_to_the_whole_batch(norm):
 
     def part(rows):
         w = token_weights(mask[rows], norm, total_tokens=tokens, total_sequences=6, max_new_tokens=5)
-        return grpo_token_loss(
-            logp[rows], old[rows], ref[rows], adv[rows], w, clip_eps=0.2, clip_eps_high=0.2, kl_coef=0.05
-        )[0]
+        terms = MicroBatchTerms(logp[rows], old[rows], ref[rows], adv[rows], w)
+        return grpo_token_loss(terms, Objective.clipped(0.2, 0.2, kl_coef=0.05))[0]
 
     whole = part(slice(0, 6))
     split = part(slice(0, 2)) + part(slice(2, 5)) + part(slice(5, 6))
@@ -108,7 +108,7 @@ def loss_typed(logp, adv, mask, loss_type, *, max_new_tokens=0, micro_batches=1,
         max_new_tokens=max_new_tokens,
         micro_batches=micro_batches,
     )
-    return grpo_token_loss(logp, None, None, adv, weights, clip_eps=0.2, clip_eps_high=0.2, kl_coef=0.0)[0]
+    return grpo_token_loss(MicroBatchTerms(logp, None, None, adv, weights), Objective.clipped(0.2, 0.2, kl_coef=0.0))[0]
 
 
 def test_dr_grpo_divides_by_completions_times_max_new_tokens():
@@ -170,19 +170,25 @@ def test_sequence_level_importance_sampling_by_hand():
     logp = torch.tensor([[LN(0.5), LN(0.5)]], requires_grad=True)
     old = torch.tensor([[LN(0.4), LN(0.5)]])
     weights = token_weights(torch.ones(1, 2, dtype=torch.bool), "dapo", total_tokens=2, total_sequences=1)
-    kw = dict(clip_eps=0.2, clip_eps_high=0.2, kl_coef=0.0)
-    loss, stats = grpo_token_loss(logp, old, None, torch.tensor([1.0]), weights, level="sequence", **kw)
+
+    def loss_at(level):
+        return grpo_token_loss(MicroBatchTerms(logp, old, None, torch.tensor([1.0]), weights), objective(level))
+
+    def objective(level):
+        return Objective.clipped(0.2, 0.2, kl_coef=0.0, level=level)
+
+    loss, stats = loss_at("sequence")
     ratio = math.sqrt(1.25)
     assert loss.item() == pytest.approx(-ratio, abs=1e-6) and stats["clip_fraction"].item() == 0
     loss.backward()
     # d/dlogp_t of -ratio * A * (1/2 + 1/2): ratio * d(mean log-ratio)/dlogp_t = ratio / 2, per token.
     torch.testing.assert_close(logp.grad, torch.full((1, 2), -ratio / 2), rtol=0, atol=1e-6)
-    token_loss, token_stats = grpo_token_loss(logp, old, None, torch.tensor([1.0]), weights, level="token", **kw)
+    token_loss, token_stats = loss_at("token")
     assert token_loss.item() == pytest.approx(-(1.2 + 1.0) / 2, abs=1e-6) and token_stats["clip_fraction"] == 0.5
     # Sampled at 0.25 / 0.5: ratio sqrt(2) = 1.414, clipped to 1.2 for A > 0: no gradient to either token.
     logp.grad = None
     old = torch.tensor([[LN(0.25), LN(0.5)]])
-    loss, stats = grpo_token_loss(logp, old, None, torch.tensor([1.0]), weights, level="sequence", **kw)
+    loss, stats = loss_at("sequence")
     loss.backward()
     assert loss.item() == pytest.approx(-1.2, abs=1e-6) and stats["clip_fraction"].item() == pytest.approx(1.0)
     torch.testing.assert_close(logp.grad, torch.zeros(1, 2))

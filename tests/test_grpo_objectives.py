@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from moe_qlora.config.sections import GrpoSection
-from moe_qlora.train.grpo import batch_moments, micro_batch_loss, rollout_advantages, rows_to_run, split_matters
-from moe_qlora.train.losses import ChunkedTokenLogProbsAndEntropy, PolicyTerm, completion_logprobs_and_entropy
-from moe_qlora.train.rewards import RewardFunction, group_advantages, score
+from moe_qlora.train.grpo import BatchTotals, micro_batch_loss, rows_to_run, split_matters
+from moe_qlora.train.grpo_loss import Objective
+from moe_qlora.train.losses import ChunkedTokenLogProbsAndEntropy, completion_logprobs_and_entropy
+from moe_qlora.train.rewards import RewardFunction, batch_moments, group_advantages, rollout_advantages, score
 
 ROWS, TOKENS, MICRO = 6, 5, 3  # two micro-batches of three rows
 LENGTHS = [5, 1, 0, 3, 5, 2]  # a row of one token, a fully masked row
@@ -133,19 +134,8 @@ def our_loss(g: GrpoSection):
     logp, old, ref, adv, mask, ent = inputs()
     total = 0.0
     for lp, o, r, a, m, e in split(logp, old, ref, adv, mask, ent):
-        loss, _ = micro_batch_loss(
-            lp * m,
-            m,
-            e,
-            o,
-            r if g.kl_coef else None,
-            a,
-            g,
-            PolicyTerm.of(g),
-            total_tokens=int(mask.sum()),
-            total_sequences=ROWS,
-            micro_batches=ROWS // MICRO,
-        )
+        frozen, totals = (o, r if g.kl_coef else None), BatchTotals(int(mask.sum()), ROWS, ROWS // MICRO)
+        loss, _ = micro_batch_loss((lp * m, m, e), frozen, a, g, Objective.of(g), totals)
         total = total + loss
     total.backward()
     return total.detach(), logp.grad, ent.grad

@@ -8,7 +8,8 @@ import signal
 from pathlib import Path
 
 import pytest
-from crash import assert_same_adapter, cli_command, isolated_env, kill_after_steps, run_cli, signal_after_steps
+from crash import assert_same_run as same_run
+from crash import cli_command, kill_after_steps, run_cli, signal_after_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, SAVE_EVERY = 12, 3
@@ -26,11 +27,6 @@ grpo:
   kl_coef: 0.05
   rewards: [{{function: regex, args: {{pattern: "[0-9]", mode: share}}}}, {{function: exact_match, weight: 0.5}}]
 """
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    return isolated_env(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +58,7 @@ def history(out: Path):
 
 
 def assert_same_run(out: Path, reference: Path):
-    assert_same_adapter(out, reference)
-    assert history(out) == history(reference)
+    same_run(out, reference, history)
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,10 @@ loops over experts after a device-to-host copy of the offsets, so auto keeps the
 import pytest
 import torch
 
+from moe_qlora.model.kernel_choice import describe_kernels, resolve_kernels
 from moe_qlora.moe import experts
 from moe_qlora.moe.experts import auto_kernels, set_moe_kernels
 from moe_qlora.moe.kernels.grouped_mm import has_fused_path
-from moe_qlora.train.session import describe_kernels, resolve_kernels
 
 BF16, FP32 = torch.bfloat16, torch.float32
 

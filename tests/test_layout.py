@@ -13,7 +13,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "moe_qlora"
 # Lowest first: data flows up from the MoE layer to the model, the loops and the command line.
-LAYERS = ["common", "moe", "config", "data", "model", "export", "train", "inference", "cli"]
+LAYERS = ["common", "moe", "config", "data", "model", "export", "inference", "train", "cli"]
 
 
 def module_name(path: Path) -> str:
@@ -104,7 +104,7 @@ def test_each_subpackage_says_what_it_holds_and_may_import():
     ("graph", "expect"),
     [
         # broken controls: the checks must see an upward import and a cycle when there is one
-        ({"moe_qlora.moe.experts": {"moe_qlora.train.session"}, "moe_qlora.train.session": set()}, "upward"),
+        ({"moe_qlora.moe.experts": {"moe_qlora.train.recipe"}, "moe_qlora.train.recipe": set()}, "upward"),
         ({"moe_qlora.train.a": {"moe_qlora.train.b"}, "moe_qlora.train.b": {"moe_qlora.train.a"}}, "cycle"),
         ({"moe_qlora.train.a": {"moe_qlora.moe.b"}, "moe_qlora.moe.b": set()}, "clean"),
     ],
@@ -141,3 +141,25 @@ def test_the_formatter_is_used_not_fought(tmp_path):
     assert len(markers) <= 20, f"{len(markers)} `# fmt: skip` markers (at most 20): {markers[:10]}"
     (tmp_path / "a.py").write_text("x = [1,  2]  # fmt: skip\n")  # broken control: the count sees a marker
     assert fmt_skip_markers(tmp_path) == ["a.py:1"]
+
+
+def wide_functions(source: str, limit: int = 7) -> list[str]:
+    """Functions of `source` taking more than `limit` parameters (self and cls not counted)."""
+    wide = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            a = node.args
+            names = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs) if p.arg not in ("self", "cls")]
+            count = len(names) + (a.vararg is not None) + (a.kwarg is not None)
+            if count > limit:
+                wide.append(f"{node.name} ({count})")
+    return wide
+
+
+def test_no_function_of_the_training_methods_takes_more_than_seven_parameters():
+    """train/ is where new methods land: state travels on the recipe and in small records, not in long lists."""
+    wide = {
+        str(p.relative_to(PACKAGE)): w for p in (PACKAGE / "train").glob("*.py") if (w := wide_functions(p.read_text()))
+    }
+    assert wide == {}
+    assert wide_functions("def f(a, b, c, d, e, f, g, *, h): pass") == ["f (8)"]  # broken control

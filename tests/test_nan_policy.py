@@ -3,38 +3,20 @@ naming the step and its samples; the raw NaN is logged; router load goes to the 
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from helpers.runs import checkpoint_tensors, tiny_run_config
 from rich.console import Console
-from safetensors.torch import load_file
 
-from moe_qlora.config.load import validate_config
-from moe_qlora.train import session
 from moe_qlora.train import sft as trainer
-
-ROOT = Path(__file__).resolve().parent.parent
+from moe_qlora.train import update
 
 
 def config(out, **train):
-    return validate_config(
-        {
-            "model": {"name_or_path": "builtin:tiny-mixtral"},
-            "lora": {"rank": 4, "target_modules": ["q_proj"]},
-            "data": {"train_files": [str(ROOT / "data" / "demo_sft.jsonl")], "max_seq_len": 48},
-            "train": {
-                "micro_batch_size": 4,
-                "lr": 5e-3,
-                "schedule": "constant",
-                "seed": 0,
-                "save_every": 1,
-                "keep_checkpoints": 10,
-                **train,
-            },
-            "output": {"dir": str(out)},
-        }
-    )
+    defaults = {"micro_batch_size": 4, "lr": 5e-3, "schedule": "constant", "seed": 0, "save_every": 1}
+    train = {**defaults, "keep_checkpoints": 10, **train}
+    return tiny_run_config(out, lora={"target_modules": ["q_proj"]}, **train)
 
 
 def poison(monkeypatch, nan_steps):
@@ -53,11 +35,6 @@ def records(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def checkpoint_tensors(out, step):
-    d = out / "checkpoints" / f"step-{step:08d}"
-    return load_file(str(d / "trainable.safetensors")), load_file(str(d / "optimizer.safetensors"))
-
-
 def test_a_skipped_step_changes_no_weight_and_no_moment(tmp_path, monkeypatch):
     trainer.train(config(tmp_path / "two", max_steps=2), Console(quiet=True))
     poison(monkeypatch, {3})
@@ -70,7 +47,7 @@ def test_a_skipped_step_changes_no_weight_and_no_moment(tmp_path, monkeypatch):
 
 def test_abort_names_the_step_and_its_samples_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
     poison(monkeypatch, {2})
-    with pytest.raises(session.TrainingAborted, match=r"step 2: loss nan.*samples .*demo_sft.jsonl:\d+"):
+    with pytest.raises(update.TrainingAborted, match=r"step 2: loss nan.*samples .*demo_sft.jsonl:\d+"):
         trainer.train(config(tmp_path, max_steps=4), Console(quiet=True))
     assert (tmp_path / "checkpoints" / "step-00000001" / "manifest.json").exists()
     assert not (tmp_path / "checkpoints" / "step-00000002").exists()
@@ -79,7 +56,7 @@ def test_abort_names_the_step_and_its_samples_and_keeps_the_last_good_checkpoint
 
 def test_k_skips_in_a_row_stop_the_run(tmp_path, monkeypatch):
     poison(monkeypatch, {2, 3, 4})
-    with pytest.raises(session.TrainingAborted, match="3 non-finite steps in a row, the last at step 4"):
+    with pytest.raises(update.TrainingAborted, match="3 non-finite steps in a row, the last at step 4"):
         trainer.train(config(tmp_path, max_steps=6, nan_policy="skip", max_consecutive_skips=3), Console(quiet=True))
 
 

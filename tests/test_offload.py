@@ -329,28 +329,28 @@ def offload_cfg(mode: str = "all"):
 def test_offload_is_refused_before_loading_when_the_host_lacks_the_memory(monkeypatch):
     """Decided from config.json alone, before any weight is read (the folder has none): the check cannot be
     fooled by blocks already pinned, which MemAvailable no longer counts."""
-    from moe_qlora.train import session
+    from moe_qlora.model import placement
 
     path, cfg = offload_cfg()
-    monkeypatch.setattr(session, "available_host_bytes", lambda: 2**30)
+    monkeypatch.setattr(placement, "available_host_bytes", lambda: 2**30)
     expected = r"needs 13\.93 GiB of host memory for 48 MoE layers' experts; this machine has 1\.00 GiB available"
     with pytest.raises(ConfigError, match=expected):
-        session.offloaded_layers(cfg, path, "cuda", sharded=False, gpu_gib=80)
+        placement.offloaded_layers(cfg, path, "cuda", sharded=False, gpu_gib=80)
 
 
 def test_offloaded_layers_are_the_plans_and_none_off_the_gpu(monkeypatch):
-    from moe_qlora.train import session
+    from moe_qlora.model import placement
 
     path, cfg = offload_cfg("auto")
-    monkeypatch.setattr(session, "available_host_bytes", lambda: 2**40)
-    names = session.offloaded_layers(cfg, path, "cuda", sharded=False, gpu_gib=16)
+    monkeypatch.setattr(placement, "available_host_bytes", lambda: 2**40)
+    names = placement.offloaded_layers(cfg, path, "cuda", sharded=False, gpu_gib=16)
     plan = plan_run(cfg, name_or_path=path, device="cuda", gpu_gib=16)
     assert names == set(plan.offload.modules) and 0 < len(names) < 48
     assert names == {f"model.layers.{i}.mlp.experts" for i in range(len(names))}
-    assert session.offloaded_layers(cfg, path, "cpu", sharded=False) == frozenset()
+    assert placement.offloaded_layers(cfg, path, "cpu", sharded=False) == frozenset()
     every = {f"model.layers.{i}.mlp.experts" for i in range(48)}
-    assert session.offloaded_layers(offload_cfg("all")[1], path, "cpu", sharded=False) == every
-    assert session.offloaded_layers(cfg, path, "cuda", sharded=True, gpu_gib=16) == frozenset()
+    assert placement.offloaded_layers(offload_cfg("all")[1], path, "cpu", sharded=False) == every
+    assert placement.offloaded_layers(cfg, path, "cuda", sharded=True, gpu_gib=16) == frozenset()
 
 
 @pytest.mark.slow

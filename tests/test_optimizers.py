@@ -10,6 +10,7 @@ from pathlib import Path
 import bitsandbytes as bnb
 import pytest
 import torch
+from helpers.runs import checkpoint_tensors, tiny_run_config
 from rich.console import Console
 from safetensors.torch import load_file
 
@@ -18,38 +19,15 @@ from moe_qlora.config.sections import ConfigError
 from moe_qlora.train import sft as trainer
 from moe_qlora.train.optim import ClippedAdamW, ClippedAdamW8bit, StepInBackward, build_optimizer
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def config(out, **train):
-    return validate_config(
-        {
-            "model": {"name_or_path": "builtin:tiny-mixtral"},
-            "lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]},
-            "data": {"train_files": [str(ROOT / "data" / "demo_sft.jsonl")], "max_seq_len": 48},
-            "train": {
-                "micro_batch_size": 4,
-                "lr": 5e-3,
-                "schedule": "cosine",
-                "warmup_steps": 1,
-                "seed": 0,
-                "max_steps": 4,
-                "save_every": 1,
-                "keep_checkpoints": 10,
-                **train,
-            },
-            "output": {"dir": str(out)},
-        }
-    )
+    defaults = {"micro_batch_size": 4, "lr": 5e-3, "schedule": "cosine", "warmup_steps": 1, "seed": 0, "max_steps": 4}
+    train = {**defaults, "save_every": 1, "keep_checkpoints": 10, **train}
+    return tiny_run_config(out, lora={"target_modules": ["q_proj", "v_proj"]}, **train)
 
 
 def adapter(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out / "adapter" / "adapter_model.safetensors"))
-
-
-def checkpoint_tensors(out, step):
-    d = out / "checkpoints" / f"step-{step:08d}"
-    return load_file(str(d / "trainable.safetensors")), load_file(str(d / "optimizer.safetensors"))
 
 
 # ------------------------------------------------------------------------------------------ 8-bit AdamW

@@ -1,7 +1,6 @@
 """Exact resume after a crash: real subprocesses, real SIGKILL, compared tensor for tensor with a run that was
 never interrupted (same seed). LoRA dropout is on, so the RNG state has to come back exactly too."""
 
-import json
 import random
 import re
 import signal
@@ -9,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from crash import assert_same_adapter, cli_command, isolated_env, kill_after_steps, run_cli, signal_after_steps
+from crash import assert_same_run, cli_command, kill_after_steps, logged_losses, run_cli, signal_after_steps
 from safetensors.torch import load_file
 
 from moe_qlora.common.fileio import current_umask
@@ -27,11 +26,6 @@ train: {{max_steps: {STEPS}, epochs: 10, micro_batch_size: 4, grad_accum: 2, lr:
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    return isolated_env(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
 def config(tmp_path_factory):
     path = tmp_path_factory.mktemp("cfg") / "resume.yaml"
     path.write_text(CONFIG)
@@ -46,21 +40,12 @@ def run(config, out, env, *extra, failpoint=None):
     return run_cli("train", config, out, env, *extra, failpoint=failpoint)
 
 
-def losses(out: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
-
-
-def assert_same_run(out: Path, reference: Path):
-    assert_same_adapter(out, reference)
-    assert losses(out) == losses(reference)
-
-
 @pytest.fixture(scope="module")
 def reference(config, env, tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
     proc = run(config, out, env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [s for s, _ in losses(out)] == list(range(1, STEPS + 1))
+    assert [s for s, _ in logged_losses(out)] == list(range(1, STEPS + 1))
     return out
 
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from crash import cli_command, isolated_env
+from crash import cli_command
 from rich.console import Console
 
 from moe_qlora.common.lock import LOCK_NAME, LockUnsupported, RunDirLocked, RunLock, holder_pid, run_lock_for
@@ -32,11 +32,6 @@ print("held", flush=True)
 time.sleep(120)
 """
 PROBE = "import sys; from moe_qlora.common.lock import RunLock; RunLock.acquire(sys.argv[1])"  # exit 1 if held
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    return isolated_env(tmp_path_factory)
 
 
 def train_command(out: Path, *extra: str) -> list[str]:
@@ -188,7 +183,7 @@ def test_a_filesystem_without_flock_runs_unlocked_with_a_warning(tmp_path, monke
 
     from moe_qlora.common import lock
     from moe_qlora.model.distributed import SINGLE
-    from moe_qlora.train.session import output_dir_locked
+    from moe_qlora.train.runs import output_dir_locked
 
     def no_flock(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")

@@ -87,7 +87,7 @@ def _run(
     user errors into one sentence and exit code 2, an aborted run into exit code 1, and a run stopped by
     SIGINT / SIGTERM into 130 / 143 with the command that resumes it."""
     from moe_qlora.config.load import load_config
-    from moe_qlora.config.sections import ConfigError, check_shardable
+    from moe_qlora.config.sections import ConfigError
 
     resumes = []
     if resume_from:
@@ -96,10 +96,6 @@ def _run(
         resumes = ["train.resume=auto"]
     try:
         cfg = load_config(config, [*overrides, *resumes])
-        if command == "grpo" and cfg.grpo is None:
-            raise ConfigError(f"{config}: no `grpo:` section; moe-qlora grpo needs at least grpo.rewards")
-        if cfg.train.parallel == "fsdp" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            check_shardable(cfg, generates=command == "grpo")
         check_paths_before_loading(cfg, hub=not dry_run)
     except ConfigError as exc:  # (its subclasses too) before the heavy imports _user_errors makes
         fail(exc, debug)
@@ -117,17 +113,18 @@ def _run(
     from moe_qlora.export.adapter import AdapterVerificationError
     from moe_qlora.train.faults import StepFailed
     from moe_qlora.train.runs import RunInterrupted
-    from moe_qlora.train.session import TrainingAborted
+    from moe_qlora.train.update import TrainingAborted
 
     if command == "grpo":
-        from moe_qlora.train.grpo import grpo as run
+        from moe_qlora.train.grpo import GrpoRecipe as Method
     else:
-        from moe_qlora.train.sft import train as run
+        from moe_qlora.train.sft import SftRecipe as Method
     from moe_qlora.common.fileio import removed_if_left_unused  # a run refused at its start leaves no empty folder
 
     try:
+        recipe = Method(cfg, console, allow_mismatch=resume_anyway, overwrite=overwrite, source=config)
         with removed_if_left_unused(cfg.output.dir):
-            run(cfg, console, allow_mismatch=resume_anyway, overwrite=overwrite)
+            recipe.run()
     except user_errors() as exc:
         fail(exc, debug)
     except (TrainingAborted, AdapterVerificationError) as exc:

@@ -9,12 +9,14 @@ import difflib
 import os
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from moe_qlora.config.sections import ConfigError, RunConfig
+from moe_qlora.config.sections import ConfigError, RunConfig, Section
+
+SectionT = TypeVar("SectionT", bound=Section)
 
 
 def _section_at(path: tuple) -> type[BaseModel] | None:
@@ -184,6 +186,16 @@ def validate_config(
     except ValidationError as exc:
         sets = {tuple(pair.partition("=")[0].strip().split(".")): pair for pair in overrides or ()}
         lines = [_describe(e, source, text, sets) for e in exc.errors()]
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+
+
+def validate_section(section: type[SectionT], name: str, raw: dict, *, source: str) -> SectionT:
+    """One section (`name`: model, lora...) validated on its own, for a command that needs no whole run (generate,
+    merge); its problems said as validate_config says them, keys named `name.key`."""
+    try:
+        return section.model_validate(_numbers_in(raw))
+    except ValidationError as exc:
+        lines = [_describe({**e, "loc": (name, *e["loc"])}, source, None, {}) for e in exc.errors()]
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
 
 

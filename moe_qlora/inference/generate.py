@@ -21,8 +21,8 @@ import torch
 from rich.console import Console
 from transformers import GenerationConfig, TextStreamer
 
-from moe_qlora.config.load import validate_config
-from moe_qlora.config.sections import ConfigError, RunConfig
+from moe_qlora.config.load import validate_section
+from moe_qlora.config.sections import ConfigError, LoraSection, ModelSection
 from moe_qlora.export.norms import AdapterReadError
 from moe_qlora.model.adapters import adapters_disabled
 
@@ -36,9 +36,9 @@ class Sampling:
     seed: int = 0
 
 
-def run_config_for(adapter_dir: Path, *, device: str, kernels: str) -> RunConfig:
-    """The RunConfig that rebuilds the adapter's model (base from adapter_config.json, its LoRA layout) and
-    loads the adapter into it (lora.init_from)."""
+def policy_sections_for(adapter_dir: Path, *, device: str, kernels: str) -> tuple[ModelSection, LoraSection]:
+    """The model and lora sections that rebuild the adapter's model (base from adapter_config.json, its LoRA
+    layout) and load the adapter into it (lora.init_from)."""
     config_path = adapter_dir / "adapter_config.json"
     try:
         config = json.loads(config_path.read_text())
@@ -46,27 +46,25 @@ def run_config_for(adapter_dir: Path, *, device: str, kernels: str) -> RunConfig
         raise AdapterReadError(f"{config_path}: not a readable adapter config ({exc})") from None
     parameters = config.get("target_parameters") or []
     targets = config.get("target_modules") or []
-    return validate_config(
-        {
-            "model": {
-                "name_or_path": config["base_model_name_or_path"],
-                "device": device,
-                "kernels": kernels,
-                **trained_quantization(adapter_dir),
-            },
-            "lora": {
-                "rank": config["r"],
-                "alpha": config["lora_alpha"],
-                "dropout": 0.0,
-                "experts": any(not p.endswith("weight") for p in parameters),
-                "router": any(p.endswith("weight") for p in parameters),
-                "target_modules": sorted(targets) if isinstance(targets, list) else [targets],
-                "init_from": str(adapter_dir),
-            },
-            "data": {"train_files": ["(not read by generate)"]},
-            "train": {"gradient_checkpointing": False},
-        },
-        source=str(config_path),
+    model = {
+        "name_or_path": config["base_model_name_or_path"],
+        "device": device,
+        "kernels": kernels,
+        **trained_quantization(adapter_dir),
+    }
+    lora = {
+        "rank": config["r"],
+        "alpha": config["lora_alpha"],
+        "dropout": 0.0,
+        "experts": any(not p.endswith("weight") for p in parameters),
+        "router": any(p.endswith("weight") for p in parameters),
+        "target_modules": sorted(targets) if isinstance(targets, list) else [targets],
+        "init_from": str(adapter_dir),
+    }
+    source = str(config_path)
+    return (
+        validate_section(ModelSection, "model", model, source=source),
+        validate_section(LoraSection, "lora", lora, source=source),
     )
 
 
@@ -86,12 +84,13 @@ def trained_quantization(adapter_dir: Path) -> dict[str, bool]:
 
 def load_for_generation(adapter_dir: str | Path, console: Console, *, device: str = "auto", kernels: str = "auto"):
     """(model with the adapter loaded, tokenizer)."""
-    from moe_qlora.train.session import load_policy, load_tokenizer
+    from moe_qlora.export.adapter import load_adapter
+    from moe_qlora.model.build import build_policy, load_tokenizer
 
     adapter_dir = Path(adapter_dir)
-    cfg = run_config_for(adapter_dir, device=device, kernels=kernels)
-    model_path, tokenizer = load_tokenizer(cfg)
-    model, _, _ = load_policy(cfg, model_path, console)
+    model_cfg, lora_cfg = policy_sections_for(adapter_dir, device=device, kernels=kernels)
+    model_path, tokenizer = load_tokenizer(model_cfg)
+    model, _, _ = build_policy(model_cfg, lora_cfg, model_path, console, read_adapter=load_adapter)
     model.eval()
     return model, tokenizer
 
@@ -158,7 +157,7 @@ def rendering_for(adapter_dir: str | Path, *, chat: bool = False, raw: bool = Fa
     """The rendering asked for (--chat, --raw), else the one the adapter's run trained with (moe_qlora.json's
     prompt_format: its most common row kind), else the prompt as typed for adapters that do not record it."""
     from moe_qlora.export.adapter import TRAINED_ON
-    from moe_qlora.train.prompt_format import read_prompt_format
+    from moe_qlora.export.prompt_format import read_prompt_format
 
     if chat and raw:
         raise ConfigError("give --chat or --raw, not both")

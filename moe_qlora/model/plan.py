@@ -69,7 +69,7 @@ def plan_run(
 
 
 def choose_parallel(requested: str, plan: Plan, *, gpus: int, gpu_gib: float) -> tuple[str, str]:
-    """(ddp or fsdp, why). auto, as the trainer decides it (session.sharding_chosen): ddp when the one-device
+    """(ddp or fsdp, why). auto, as the trainer decides it (placement.sharding_chosen): ddp when the one-device
     plan fits one GPU of `gpu_gib` GiB, fsdp when it does not; on one GPU there is nothing to shard it over."""
     if requested != "auto":
         return requested, f"parallel: {requested}"

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moe_qlora.common.fileio import atomic_dir
+from moe_qlora.common.injection import injected_faults
 from moe_qlora.model.distributed import full_tensor, shard_like
 from moe_qlora.train.optim import restore_state
 
@@ -51,12 +52,13 @@ class RunProgress:
 
 
 def failpoint(name: str, step: int) -> None:
-    """Fail here when MOE_QLORA_FAILPOINT names this point and step, for the crash tests.
+    """Fail here when MOE_QLORA_FAILPOINT (read once: common/injection.py) names this point and step, for the crash
+    tests.
 
     `checkpoint-write@6`: die by a real SIGKILL, as a crash would; `checkpoint-write:enospc@6`: raise what
     safetensors' save_file raises on a full disk (SafetensorError, not an OSError).
     """
-    wanted = os.environ.get("MOE_QLORA_FAILPOINT", "")
+    wanted = injected_faults().failpoint
     if wanted == f"{name}@{step}":
         os.kill(os.getpid(), signal.SIGKILL)
     if wanted == f"{name}:enospc@{step}":
@@ -201,22 +203,13 @@ def _versions() -> dict[str, str]:
 
 
 def save_checkpoint(
-    run_dir: Path,
-    *,
-    model,
-    optimizer,
-    scheduler,
-    progress: RunProgress,
-    identity: dict,
-    keep: int,
-    tensors: dict | None = None,
+    run_dir: Path, tensors: dict, scheduler, *, progress: RunProgress, identity: dict, keep: int
 ) -> Path:
-    """Write a complete checkpoint atomically; keep the newest `keep`. `identity`: config hash (and the config:
-    config_identity), dataset fp.
-    `tensors`: checkpoint_tensors(model, optimizer), when already gathered (sharded runs)."""
+    """Write a complete checkpoint atomically; keep the newest `keep`. tensors: checkpoint_tensors(model,
+    optimizer) (gathered by every rank first in sharded runs). `identity`: config hash (and the config:
+    config_identity), dataset fp."""
     target = Path(run_dir) / "checkpoints" / f"step-{progress.step:08d}"
     scheduler_state = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
-    tensors = tensors or checkpoint_tensors(model, optimizer)
     needed = sum(t.numel() * t.element_size() for part in tensors.values() for t in part.values())
     with atomic_dir(target, needed) as tmp:
         save_file(tensors["trainable"], tmp / "trainable.safetensors")

@@ -1,6 +1,6 @@
 """What a run does when a step cannot finish (out of memory, a reward function that fails): the step in flight
 is abandoned, the last completed step is checkpointed if it is not already, and the run stops with one message
-that says what happened, where (position.POSITION), and what to change. Shared by `train` and `grpo`.
+that says what happened, where (the run's StepPosition), and what to change. Shared by `train` and `grpo`.
 
 With several ranks a step fails on one while the others go on to the step's next collective and wait there. So
 the parts of a step that run no collective (forward and backward under ddp, the optimizer, sampling and rewards)
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from moe_qlora.model.distributed import SINGLE, RankFailed, Ranks, any_rank, from_main, gather_objects
-from moe_qlora.train.position import POSITION, restore_rng_states
+from moe_qlora.train.position import StepPosition, restore_rng_states
 from moe_qlora.train.rewards import RewardFailed
 
 
@@ -190,11 +190,11 @@ def settings_to_fit(cfg, model_path: str, device: str, *, gpu_gib: float, **plan
     return [], total
 
 
-def out_of_memory_head(device: torch.device, plan_text: str) -> str:
+def out_of_memory_head(device: torch.device, plan_text: str, position: StepPosition) -> str:
     """What ran out, where and when: the step and phase, the peak and total memory, and what `plan` predicted."""
     peak, total, what = device_memory(device)
     return (
-        f"out of memory at step {POSITION.step} ({POSITION.phase}): peak {peak:.2f} GiB of {total:.2f} GiB "
+        f"out of memory at step {position.step} ({position.phase}): peak {peak:.2f} GiB of {total:.2f} GiB "
         f"({what}){plan_text}"
     )
 
@@ -217,7 +217,7 @@ def release_after_failure(model, optimizer) -> None:
         torch.cuda.empty_cache()
 
 
-def checkpoint_completed(done, checkpoint, out, *, consistent: bool, exists: bool) -> str:
+def checkpoint_completed(done, checkpoint, out, position: StepPosition, *, consistent: bool, exists: bool) -> str:
     """Checkpoint the last completed step `done` unless it is already (`exists`: rank 0 sees its folder), there is
     none, or the weights in memory are past it; returns the sentence saying where the run can resume. Every rank
     calls it with the same arguments (under fsdp the checkpoint gathers)."""
@@ -225,8 +225,8 @@ def checkpoint_completed(done, checkpoint, out, *, consistent: bool, exists: boo
 
     existing = out / "checkpoints" / f"step-{done.step:08d}"
     if done.step and consistent and not exists:
-        if POSITION.rng is not None:
-            restore_rng_states(POSITION.rng)
+        if position.rng is not None:  # as they were when the failed step began
+            restore_rng_states(position.rng)
         checkpoint(done)
         return f"Step {done.step}, the last completed, is checkpointed in {existing}"
     if done.step and exists:
@@ -267,10 +267,11 @@ class FaultStop:
     out: Path
     training: dict
     checkpoint: Callable
+    position: StepPosition
     ranks: Ranks = SINGLE
 
     def __call__(self, done, failure: Failure, stepper=None) -> BaseException:
-        consistent = not POSITION.updated
+        consistent = not self.position.updated
         if stepper is not None:
             stepper.finish(False)  # with undo (always on with optimizer_in_backward): every stepped tensor restored
             consistent = True
@@ -285,7 +286,12 @@ class FaultStop:
             own = failure.error
             return own if own is not None else RankFailed(f"rank {first.rank} failed ({first.kind}): {first.head}")
         saved = checkpoint_completed(
-            done, self.checkpoint, self.out, consistent=all(r.consistent for r in reports), exists=reports[0].exists
+            done,
+            self.checkpoint,
+            self.out,
+            self.position,
+            consistent=all(r.consistent for r in reports),
+            exists=reports[0].exists,
         )
         also = f" (rank(s) {', '.join(str(r.rank) for r in failed[1:])} failed too)" if failed[1:] else ""
         return self.failed(from_main(self.ranks, f"{first.head}{also}. {saved}." + first.tail), failure)
@@ -315,7 +321,7 @@ class FaultStop:
         planned, savings = knob_savings(self.cfg, self.model_path, device.type)
         plan_text = f"; moe-qlora plan predicted {planned:.2f} GiB" if planned is not None else ""
         lines = knob_lines(savings)
-        return out_of_memory_head(device, plan_text), "\n" + lines if lines else ""
+        return out_of_memory_head(device, plan_text, self.position), "\n" + lines if lines else ""
 
     def alone(self, done) -> str:
         """Where a run stopped by one rank alone can resume: no checkpoint is written (the others are inside one

@@ -11,61 +11,36 @@ the plain policy gradient. The reference policy is the same model with the adapt
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from moe_qlora.common.reporting import MetricsLog, NoReporters, Reporters
-from moe_qlora.config.sections import ConfigError, RunConfig
+from moe_qlora.common.reporting import MetricsLog
+from moe_qlora.config.sections import ConfigError, DataSection, RunConfig
 from moe_qlora.data.examples import IGNORE, Example, collate, epoch_order
 from moe_qlora.model.adapters import adapters_disabled
-from moe_qlora.model.distributed import (
-    SINGLE,
-    Ranks,
-    any_rank,
-    gather_objects,
-    raise_together,
-    sum_gradients,
-    sum_scalars,
-)
-from moe_qlora.train.checkpoint import RunProgress, config_identity, save_checkpoint
-from moe_qlora.train.faults import FaultStop, attempt, local_stretch
-from moe_qlora.train.losses import (
-    PolicyTerm,
-    completion_logprobs,
-    completion_logprobs_and_entropy,
+from moe_qlora.model.build import load_tokenizer
+from moe_qlora.model.distributed import gather_objects, sum_gradients, sum_scalars
+from moe_qlora.train.faults import local_stretch
+from moe_qlora.train.grpo_loss import (
+    MicroBatchTerms,
+    Objective,
     entropy_weights,
     grpo_token_loss,
     token_weights,
     top_entropy_mask,
 )
-from moe_qlora.train.optim import build_optimizer
-from moe_qlora.train.position import phase, start_step
-from moe_qlora.train.prompt_format import write_prompt_format
-from moe_qlora.train.rewards import flat_groups, group_advantages, nan_std, normalized_then_summed, whitened
+from moe_qlora.train.losses import completion_logprobs, completion_logprobs_and_entropy
+from moe_qlora.train.position import StepContext
+from moe_qlora.train.recipe import Recipe
+from moe_qlora.train.rewards import rollout_advantages
 from moe_qlora.train.rollout import Rollout, RolloutSource
-from moe_qlora.train.runs import CheckpointPolicy, RunSummary, StopSignals, plain_progress_line
-from moe_qlora.train.session import (
-    after_step,
-    apply_update,
-    build_schedule,
-    claim_output_dir_together,
-    launched,
-    load_policy,
-    load_tokenizer,
-    output_dir_locked,
-    resume_if_asked,
-    router_load,
-    seed_everything,
-    stop_if_asked,
-    write_adapter,
-    write_router_layers,
-)
+from moe_qlora.train.rollout_metrics import rollout_metrics, whole_batch, write_rollouts
+from moe_qlora.train.runs import RunSummary
+from moe_qlora.train.update import apply_update, router_load
 
 
 @dataclass
@@ -135,10 +110,9 @@ def frozen_logprobs(model, batches, temperature: float, *, reference: bool, chun
         model.train(was_training)
 
 
-def policy_update(
-    model, optimizer, schedule, examples: list[Example], cfg: RunConfig, pad_id: int, ranks: Ranks = SINGLE
-) -> dict:
-    """`grpo.passes` optimizer steps on one rollout batch; returns the step's training metrics.
+def policy_update(model, optimizer, schedule, examples: list[Example], g, pad_id: int, ctx: StepContext) -> dict:
+    """`grpo.passes` optimizer steps on one rollout batch (`g`: the grpo section); returns the step's training
+    metrics.
 
     Sequences with advantage 0 are not run when there is no KL term (and the loss type does not normalise per
     micro-batch): their loss and gradient are exactly zero, and the normalisation still counts them, so
@@ -146,9 +120,9 @@ def policy_update(
     sequences, micro-batches) are those of the whole batch, and the gradients and statistics are summed over
     ranks before each update, so every rank takes the one-process step.
     """
-    g, device = cfg.grpo, next(model.parameters()).device
+    device, ranks = next(model.parameters()).device, ctx.ranks
     active = rows_to_run(examples, g.loss_type, g.kl_coef, whole_split=split_matters(g))
-    groups = micro_batch_indices(active, cfg.train.micro_batch_size)
+    groups = micro_batch_indices(active, ctx.train.micro_batch_size)
     batches = [{k: v.to(device) for k, v in collate([examples[i] for i in idx], pad_id).items()} for idx in groups]
     local_tokens = sum(sum(t != IGNORE for t in e.labels[1:]) for e in examples)
     total_tokens, total_sequences, total_batches, trained = map(
@@ -156,47 +130,16 @@ def policy_update(
         sum_scalars(ranks, local_tokens, len(examples), len(batches), sum(has_targets(examples[i]) for i in active)),
     )
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    chunk = cfg.train.loss_chunk_tokens
-    old, ref = local_stretch(ranks, frozen_policies, model, batches, g, chunk)
+    frozen = local_stretch(ranks, frozen_policies, model, batches, g, ctx.train.loss_chunk_tokens)
+    totals = BatchTotals(max(total_tokens, 1), total_sequences, total_batches)
     record = {"sequences_trained": trained, "passes": 0, "skipped": False, "loss": 0.0, "grad_norm": 0.0}
-
-    term, entropy = PolicyTerm.of(g), g.top_entropy_quantile < 1 or bool(g.entropy_coef)
-
-    def backward_pass() -> dict[str, float]:
-        """Forward and backward of every micro-batch against the whole batch's normalisers; the summed stats."""
-        sums = dict.fromkeys(("loss", "clip_fraction", *(("kl",) if g.kl_coef else ())), 0.0)  # no rows: zeros
-        for batch, old_lp, ref_lp in zip(batches, old, ref, strict=True):
-            with phase("forward"):
-                if entropy:
-                    logp, mask, entropies = completion_logprobs_and_entropy(model, batch, g.temperature, chunk=chunk)
-                else:
-                    (logp, mask), entropies = completion_logprobs(model, batch, g.temperature, chunk=chunk), None
-            loss, stats = micro_batch_loss(
-                logp,
-                mask,
-                entropies,
-                old_lp,
-                ref_lp,
-                batch["weights"],
-                g,
-                term,
-                total_tokens=max(total_tokens, 1),
-                total_sequences=total_sequences,
-                micro_batches=total_batches,
-            )
-            with phase("backward"):
-                loss.backward()
-            for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-        return sums
-
     for _ in range(g.passes):
-        sums = local_stretch(ranks, backward_pass)
+        sums = local_stretch(ranks, backward_pass, model, batches, frozen, g, totals, ctx)
         sums = dict(zip(sums, sum_scalars(ranks, *sums.values()), strict=True))
         if "entropy_sum" in sums:
             sums["entropy"] = sums.pop("entropy_sum") / max(total_tokens, 1)
         sum_gradients(ranks, params)
-        grad_norm, skipped = local_stretch(ranks, apply_update, optimizer, sums["loss"], cfg.train)
+        grad_norm, skipped = local_stretch(ranks, apply_update, optimizer, sums["loss"], ctx.train, ctx.position)
         record.update({k: v for k, v in sums.items()}, grad_norm=grad_norm, skipped=skipped)
         if skipped:
             break
@@ -205,85 +148,59 @@ def policy_update(
     return record
 
 
+def backward_pass(model, batches: list[dict], frozen: tuple, g, totals: BatchTotals, ctx: StepContext) -> dict:
+    """Forward and backward of every micro-batch against the whole batch's normalisers (`totals`); the summed
+    statistics. frozen: per micro-batch log-probs of the sampling policy and of the reference (frozen_policies)."""
+    objective, entropy = Objective.of(g), g.top_entropy_quantile < 1 or bool(g.entropy_coef)
+    chunk, position = ctx.train.loss_chunk_tokens, ctx.position
+    sums = dict.fromkeys(("loss", "clip_fraction", *(("kl",) if g.kl_coef else ())), 0.0)  # no rows: zeros
+    for batch, old_lp, ref_lp in zip(batches, *frozen, strict=True):
+        with position.within("forward"):
+            if entropy:
+                logp, mask, entropies = completion_logprobs_and_entropy(model, batch, g.temperature, chunk=chunk)
+            else:
+                (logp, mask), entropies = completion_logprobs(model, batch, g.temperature, chunk=chunk), None
+        loss, stats = micro_batch_loss(
+            (logp, mask, entropies), (old_lp, ref_lp), batch["weights"], g, objective, totals
+        )
+        with position.within("backward"):
+            loss.backward()
+        for k, v in stats.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+    return sums
+
+
+@dataclass(frozen=True)
+class BatchTotals:
+    """The whole rollout batch's loss normalisers, over every rank: target tokens, sequences, micro-batches."""
+
+    tokens: int
+    sequences: int
+    micro_batches: int
+
+
 def micro_batch_loss(
-    logp,
-    mask,
-    entropies,
-    old_lp,
-    ref_lp,
-    advantages,
-    g,
-    term: PolicyTerm,
-    *,
-    total_tokens: int,
-    total_sequences: int,
-    micro_batches: int,
+    current: tuple, frozen: tuple, advantages: torch.Tensor, g, objective: Objective, totals: BatchTotals
 ) -> tuple[torch.Tensor, dict]:
-    """One micro-batch's share of the rollout batch's GRPO loss, with its statistics. logp, mask, entropies:
-    (B, T) (entropies None unless the quantile or the bonus needs them); advantages: (B,)."""
+    """One micro-batch's share of the rollout batch's GRPO loss, with its statistics. current: (logp, mask,
+    entropies), each (B, T) (entropies None unless the quantile or the bonus needs them); frozen: (the sampling
+    policy's, the reference's) log-probs, (B, T) or None; advantages: (B,)."""
+    (logp, mask, entropies), (old_lp, ref_lp) = current, frozen
     weights = token_weights(
         mask,
         g.loss_type,
-        total_tokens=total_tokens,
-        total_sequences=total_sequences,
+        total_tokens=totals.tokens,
+        total_sequences=totals.sequences,
         max_new_tokens=g.max_new_tokens,
-        micro_batches=micro_batches,
+        micro_batches=totals.micro_batches,
     )
     keep = top_entropy_mask(entropies, mask, g.top_entropy_quantile) if g.top_entropy_quantile < 1 else None
     bonus = None
     if g.entropy_coef:
         covered = mask if keep is None else keep
-        bonus = entropy_weights(covered, g.loss_type, total_tokens=total_tokens, micro_batches=micro_batches)
-    return grpo_token_loss(
-        logp,
-        old_lp,
-        ref_lp,
-        advantages,
-        weights,
-        kl_coef=g.kl_coef,
-        level=g.importance_sampling_level,
-        term=term,
-        bias_correction_kl=g.use_bias_correction_kl,
-        off_policy_threshold=g.off_policy_mask_threshold,
-        keep=keep,
-        entropies=entropies,
-        bonus_weights=bonus,
-        entropy_coef=g.entropy_coef,
-    )
-
-
-def batch_moments(values: torch.Tensor, ranks: Ranks = SINGLE) -> tuple[float, float]:
-    """Mean and unbiased std of the non-NaN values over every rank's share of the rollout batch (NaN std with
-    fewer than two values)."""
-    finite = values[~values.isnan()].double()
-    n, total, squares = sum_scalars(ranks, finite.numel(), float(finite.sum()), float((finite**2).sum()))
-    if n == 0:
-        return math.nan, math.nan
-    mean = total / n
-    if n < 2:
-        return mean, math.nan
-    if not ranks.enabled:  # one process: the two-pass std, as TRL's nanstd computes it
-        return mean, nan_std(finite)
-    return mean, math.sqrt(max(squares - total * total / n, 0.0) / (n - 1))
-
-
-def rollout_advantages(
-    rewards: list[float],
-    per_fn: dict[str, list[float]],
-    group_sizes: list[int],
-    g,
-    weights: dict[str, float],
-    ranks: Ranks = SINGLE,
-) -> torch.Tensor:
-    """Each completion's advantage from its rewards (NaN: scored by no function), as TRL's
-    multi_objective_aggregation and scale_rewards define it; the batch's statistics over all ranks."""
-    if g.multi_objective_aggregation == "normalize_then_sum":
-        summed = normalized_then_summed(per_fn, weights, group_sizes, eps=g.std_eps)
-        mean, std = batch_moments(summed, ranks)
-        return whitened(summed, mean, std, g.std_eps)
-    r = torch.tensor(rewards, dtype=torch.float64)
-    batch_std = batch_moments(r, ranks)[1] if g.scale_rewards == "batch" else None
-    return group_advantages(r, group_sizes, scale=g.scale_rewards, eps=g.std_eps, batch_std=batch_std)
+        bonus = entropy_weights(covered, g.loss_type, total_tokens=totals.tokens, micro_batches=totals.micro_batches)
+    terms = MicroBatchTerms(logp, old_lp, ref_lp, advantages, weights, keep, entropies, bonus)
+    return grpo_token_loss(terms, objective)
 
 
 def frozen_policies(model, batches, g, chunk: int) -> tuple[list, list]:
@@ -312,93 +229,24 @@ def count_grpo_steps(num_items: int, cfg: RunConfig) -> int:
     return min(total, cfg.train.max_steps) if cfg.train.max_steps else total
 
 
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"mean": statistics.fmean(values), "std": statistics.pstdev(values), "min": min(values), "max": max(values)}
-
-
-def scored(values: list[float]) -> list[float]:
-    """The values a reward function gave (NaN: it did not score that sample)."""
-    return [v for v in values if not math.isnan(v)]
-
-
-def _mean_std(values: list[float]) -> dict[str, float | None]:
-    values = scored(values)
-    return {"mean": statistics.fmean(values) if values else None, "std": statistics.pstdev(values) if values else None}
-
-
-def rollout_metrics(rollouts, rewards, per_fn, advantages, group_sizes) -> dict:
-    """Reward (total and per function, over the samples scored), advantage and completion-length statistics."""
-    lengths = [len(r.completion_ids) for r in rollouts]
-    totals = _mean_std(rewards)
-    record = {
-        "reward_mean": totals["mean"],
-        "reward_std": totals["std"],
-        "unscored": len(rewards) - len(scored(rewards)),
-        "advantage": _spread(advantages.tolist()),
-        "completion_tokens": _spread(lengths),
-        "completion_tokens_total": sum(lengths),
-        "flat_groups": flat_groups(group_sizes, advantages),
-        "groups": len(group_sizes),
-        "truncated_fraction": sum(r.truncated for r in rollouts) / len(rollouts),
-    }
-    for name, values in per_fn.items():
-        record[f"reward/{name}"] = _mean_std(values)
-    return record
-
-
-def _json_number(v: float) -> float | None:
-    return None if math.isnan(v) else v
-
-
-def write_rollouts(log: MetricsLog, step: int, rollouts, rewards, per_fn, advantages) -> None:
-    for i, (r, reward, adv) in enumerate(zip(rollouts, rewards, advantages.tolist(), strict=True)):
-        log.write(
-            {
-                "step": step,
-                "source": r.prompt.source,
-                "group": r.group,
-                "prompt": r.prompt.text,
-                "completion": r.text,
-                "completion_tokens": len(r.completion_ids),
-                "truncated": r.truncated,
-                "reward": _json_number(reward),
-                "rewards": {k: _json_number(v[i]) for k, v in per_fn.items()},
-                "advantage": adv,
-            }
-        )
-
-
-def whole_batch(shares: list[tuple]) -> tuple:
-    """The ranks' (rollouts, rewards, rewards per function, group sizes, advantages), in rank order, as one."""
-    rollouts = [r for share in shares for r in share[0]]
-    rewards = [x for share in shares for x in share[1]]
-    names = sorted({k for share in shares for k in share[2]})
-    per_fn = {k: [x for share in shares if share[0] for x in share[2][k]] for k in names}
-    sizes = [n for share in shares for n in share[3]]
-    return rollouts, rewards, per_fn, sizes, torch.tensor([a for share in shares for a in share[4]])
-
-
 def grpo_step(
-    source: RolloutSource,
-    batch: list,
-    training: dict,
-    pad_id: int,
-    rollout_log: MetricsLog | None,
-    step: int,
-    ranks: Ranks = SINGLE,
+    source: RolloutSource, batch: list, training: dict, rollout_log: MetricsLog | None, ctx: StepContext
 ) -> dict:
     """Collect and score one batch of rollouts, update the policy on their advantages; the step's metrics.
     Data parallel: each rank collects and trains on its share of the prompts, with its groups' advantages;
     the scored rollouts are then gathered, so the metrics (and rank 0's rollouts.jsonl) are the whole batch's."""
-    cfg, model = source.cfg, training["model"]
+    cfg, model, ranks, step = source.cfg, training["model"], ctx.ranks, ctx.position.step
+    pad_id = source.tokenizer.pad_token_id
     t0 = time.perf_counter()
     lr = training["optimizer"].param_groups[0]["lr"]
-    rollouts, rewards, per_fn, group_sizes = local_stretch(ranks, source.collect_share, model, batch, ranks, step)
+    rollouts, rewards, per_fn, group_sizes = local_stretch(
+        ranks, source.collect_share, model, batch, ranks, ctx.position
+    )
     t_gen = time.perf_counter() - t0
     weights = {f.name: f.weight for f in getattr(source, "functions", [])}  # offline: totals only
     advantages = rollout_advantages(rewards, per_fn, group_sizes, cfg.grpo, weights, ranks)
     examples = rollout_examples(rollouts, advantages, mask_truncated=cfg.grpo.mask_truncated_completions)
-    record = policy_update(model, training["optimizer"], training["scheduler"], examples, cfg, pad_id, ranks)
+    record = policy_update(model, training["optimizer"], training["scheduler"], examples, cfg.grpo, pad_id, ctx)
     if ranks.enabled:
         rollouts, rewards, per_fn, group_sizes, advantages = whole_batch(
             gather_objects(ranks, [(rollouts, rewards, per_fn, group_sizes, advantages.tolist())])
@@ -419,92 +267,95 @@ def grpo_step(
     return record
 
 
-def run_grpo_steps(
-    source: RolloutSource,
-    training: dict,
-    *,
-    total: int,
-    done: RunProgress,
-    out: Path,
-    console: Console,
-    checkpoint,
-    stop: StopSignals,
-    on_failure,
-    ranks: Ranks = SINGLE,
-) -> tuple[list[float], int]:
-    """The rollout batches after `done`, with a progress bar (plain lines when stdout is not a terminal),
-    metrics, rollouts, checkpoints by steps and minutes, and a checkpoint then RunInterrupted on a signal. A
-    step that fails on any rank (out of memory, a reward function under grpo.reward_errors: abort) raises
-    on_failure(last completed progress, failure): a faults.StepFailed on every rank, after checkpointing the last
-    completed step.
-    Returns the mean rewards of this invocation and the completion tokens it trained on. Rank 0 alone writes."""
-    cfg = source.cfg
-    metrics = (
-        Reporters(out, cfg.output.report_to, project=cfg.output.wandb_project, config=cfg.model_dump(mode="json"))
-        if ranks.main
-        else NoReporters(out)
-    )
-    rollout_log = MetricsLog(out / "rollouts.jsonl") if ranks.main else None
-    reward_means, tokens, start, first = [], 0, time.perf_counter(), done.step
-    policy = CheckpointPolicy(cfg.train.save_every, cfg.train.save_every_minutes)
-    columns = [
-        TextColumn("[bold]grpo"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[info]}"),
-        TimeRemainingColumn(),
-    ]
-    try:
-        with Progress(*columns, console=console, disable=not console.is_terminal) as bar:
-            task = bar.add_task("grpo", total=total, info="", completed=done.step)
-            for step, (epoch, batch) in enumerate(batch_prompts(source.items, cfg)):
-                if step >= total:
-                    break
-                if step < done.step:  # done before the checkpoint: the order depends on (seed, epoch) only
-                    continue
-                stop_if_asked(stop, done, checkpoint, ranks)
-                start_step(step + 1)
-                record, failure = attempt(
-                    ranks,
-                    grpo_step,
-                    source,
-                    batch,
-                    training,
-                    source.tokenizer.pad_token_id,
-                    rollout_log,
-                    step + 1,
-                    ranks,
-                )
-                if failure is not None:  # outside the `except`: the failed step's frames are gone
-                    raise on_failure(done, failure)
-                record["epoch"] = epoch
-                try:
-                    done = after_step(record, record.pop("sources"), done, cfg, spikes=False)
-                finally:  # an aborting step is logged too
-                    metrics.write(record)
-                reward_means.append(record["reward_mean"])
-                tokens += record["completion_tokens_total"]
-                info = {
-                    "reward": f"{record['reward_mean']:.3f}",
-                    "kl": f"{record.get('kl', 0):.4f}",
-                    "gen": f"{record['generation_s']:.1f}s",
-                    "train": f"{record['training_s']:.1f}s",
-                }
-                bar.update(task, advance=1, info="  ".join(f"{k} {v}" for k, v in info.items()))
-                if not console.is_terminal and ((step + 1) % cfg.train.log_every == 0 or step + 1 == total):
-                    console.print(
-                        plain_progress_line("grpo", step + 1, total, info, time.perf_counter() - start, first),
-                        highlight=False,
-                    )
-                if done.step < total and any_rank(ranks, policy.due(done.step)):
-                    checkpoint(done)
-                    policy.saved()
-        checkpoint(done)
-    finally:
-        metrics.close()
-        if rollout_log is not None:
-            rollout_log.close()
-    return reward_means, tokens
+class GrpoRecipe(Recipe):
+    """GRPO (online sampling, or offline scored completions): one step is one rollout batch, `grpo.passes`
+    optimizer updates on it. Data parallel: the prompts of a step are split across the ranks by whole groups."""
+
+    command = "grpo"
+    logs = ("metrics.jsonl", "rollouts.jsonl")
+    generates = True
+    spikes = False
+
+    @classmethod
+    def check_config(cls, cfg: RunConfig, *, world: int, source: str) -> None:
+        if cfg.grpo is None:
+            raise ConfigError(f"{source}: no `grpo:` section; moe-qlora grpo needs at least grpo.rewards")
+        super().check_config(cfg, world=world, source=source)
+        if cfg.train.optimizer_in_backward:
+            raise ConfigError(
+                "train.optimizer_in_backward is for `train` only: a GRPO step sums the gradients of all its "
+                "rollout micro-batches (and of several passes) before it can update"
+            )
+        if world > 1 and cfg.grpo.top_entropy_quantile < 1:
+            raise ConfigError(
+                "grpo.top_entropy_quantile < 1 runs in one process for now: TRL takes the quantile over "
+                "the micro-batches of every rank together, which moe-qlora does not gather"
+            )
+
+    def load(self) -> None:
+        self.model_path, self.tokenizer = load_tokenizer(self.cfg.model)
+        self.source = RolloutSource(self.cfg, self.tokenizer, self.console)
+        self.load_model()
+
+    def count_steps(self) -> int:
+        return count_grpo_steps(len(self.source.items), self.cfg)
+
+    def updates_per_step(self) -> int:
+        return self.cfg.grpo.passes
+
+    def data_identity(self) -> dict:
+        return {"dataset_fingerprint": self.source.identity}
+
+    def after_resume(self) -> None:
+        if self.ranks.enabled:
+            self.console.print(
+                f"data parallel (ddp): {self.ranks.world} ranks share each step's {self.cfg.grpo.prompts_per_step} "
+                "prompts by whole groups"
+            )
+
+    def open_logs(self):
+        self.rollout_log = MetricsLog(self.out / "rollouts.jsonl") if self.ranks.main else None
+        return super().open_logs()
+
+    def batches(self):
+        return batch_prompts(self.source.items, self.cfg)
+
+    def step(self, number: int, epoch: int, batch) -> dict:
+        record = grpo_step(self.source, batch, self.training, self.rollout_log, self.context)
+        record["epoch"] = epoch
+        return record
+
+    def sources(self, record: dict, batch) -> list[str]:
+        return record.pop("sources")
+
+    def after_update(self, record: dict) -> None:
+        self.history.append(record["reward_mean"])
+        self.tokens += record["completion_tokens_total"]
+
+    def progress_info(self, record: dict) -> dict[str, str]:
+        return {
+            "reward": f"{record['reward_mean']:.3f}",
+            "kl": f"{record.get('kl', 0):.4f}",
+            "gen": f"{record['generation_s']:.1f}s",
+            "train": f"{record['training_s']:.1f}s",
+        }
+
+    def cleanup(self) -> None:
+        super().cleanup()
+        if self.rollout_log is not None:
+            self.rollout_log.close()
+
+    def prompt_data(self) -> DataSection:
+        """Its prompt rows, or its scored completions (offline)."""
+        offline = self.cfg.grpo.offline_file
+        return self.cfg.data.model_copy(update={"train_files": [offline]}) if offline else self.cfg.data
+
+    def result(self, adapter_dir: Path, seconds: float) -> GrpoResult:
+        means, metrics = self.history, self.out / "metrics.jsonl"
+        last, best = (means[-1], max(means)) if means else (None, None)
+        RunSummary("grpo", len(means), seconds, self.tokens, last, best, adapter_dir, metrics).print(self.console)
+        self.console.print(f"rollouts: {self.out / 'rollouts.jsonl'}", highlight=False)
+        return GrpoResult(len(means), means, adapter_dir, metrics, self.out / "rollouts.jsonl")
 
 
 def grpo(
@@ -513,95 +364,4 @@ def grpo(
     """Run GRPO as configured (online sampling, or offline scored completions). Under torchrun each process is
     a data-parallel rank: the prompts of a step are split across the ranks by whole groups; rank 0 writes, and
     holds output.dir's lock for the run (RunDirLocked while another process holds it)."""
-    if cfg.grpo is None:
-        raise ConfigError("moe-qlora grpo needs a `grpo:` section in the config (reward functions, group size...)")
-    if cfg.train.optimizer_in_backward:
-        raise ConfigError(
-            "train.optimizer_in_backward is for `train` only: a GRPO step sums the gradients of all its rollout "
-            "micro-batches (and of several passes) before it can update"
-        )
-    with launched(cfg, console) as (ranks, console), output_dir_locked(Path(cfg.output.dir), ranks, console):
-        return _grpo(cfg, console, ranks, allow_mismatch=allow_mismatch, overwrite=overwrite)
-
-
-def _grpo(cfg: RunConfig, console: Console, ranks: Ranks, *, allow_mismatch: bool, overwrite: bool) -> GrpoResult:
-    out = Path(cfg.output.dir)
-    if ranks.enabled and cfg.grpo.top_entropy_quantile < 1:
-        raise ConfigError(
-            "grpo.top_entropy_quantile < 1 runs in one process for now: TRL takes the quantile over "
-            "the micro-batches of every rank together, which moe-qlora does not gather"
-        )
-    claim_output_dir_together(out, cfg, ranks, console, overwrite=overwrite)
-    started = time.perf_counter()
-    with StopSignals(console) as stop:
-        seed_everything(cfg.train.seed)
-        failure = None
-        try:
-            model_path, tokenizer = load_tokenizer(cfg)
-            source = RolloutSource(cfg, tokenizer, console)
-            model, params, ranks = load_policy(cfg, model_path, console, ranks, generates=True)
-        except Exception as exc:  # a rank that cannot load its prompts or model stops every rank, at once
-            failure = exc
-        raise_together(ranks, failure)
-        if ranks.main:
-            write_router_layers(out, model)
-        seed_everything(cfg.train.seed)  # what loading consumed must not matter
-        optimizer = build_optimizer(params, cfg.train)
-        total = count_grpo_steps(len(source.items), cfg)
-        training = {
-            "model": model,
-            "optimizer": optimizer,
-            "scheduler": build_schedule(optimizer, total * cfg.grpo.passes, cfg.train),
-        }
-        identity = {**config_identity(cfg.model_dump(mode="json")), "dataset_fingerprint": source.identity}
-        done = resume_if_asked(
-            cfg,
-            out,
-            console,
-            allow_mismatch=allow_mismatch,
-            identity=identity,
-            logs=("metrics.jsonl", "rollouts.jsonl"),
-            writer=ranks.main,
-            **training,
-        )
-        if ranks.enabled:
-            console.print(
-                f"data parallel (ddp): {ranks.world} ranks share each step's {cfg.grpo.prompts_per_step} "
-                "prompts by whole groups"
-            )
-        model.train()
-
-        def checkpoint(progress: RunProgress) -> None:
-            if ranks.main:
-                save_checkpoint(out, progress=progress, identity=identity, keep=cfg.train.keep_checkpoints, **training)
-
-        on_failure = FaultStop(cfg, model_path, out, training, checkpoint, ranks)
-        reward_means, tokens = run_grpo_steps(
-            source,
-            training,
-            total=total,
-            done=done,
-            out=out,
-            console=console,
-            checkpoint=checkpoint,
-            stop=stop,
-            on_failure=on_failure,
-            ranks=ranks,
-        )
-        adapter_dir = write_adapter(model, out, cfg, model_path, console) if ranks.main else out / "adapter"
-        if ranks.main:  # how generate renders a prompt as this run did: its prompt rows, or its scored completions
-            offline = cfg.grpo.offline_file
-            data = cfg.data.model_copy(update={"train_files": [offline]}) if offline else cfg.data
-            write_prompt_format(adapter_dir, data)
-    RunSummary(
-        "grpo",
-        len(reward_means),
-        time.perf_counter() - started,
-        tokens,
-        reward_means[-1] if reward_means else None,
-        max(reward_means) if reward_means else None,
-        adapter_dir,
-        out / "metrics.jsonl",
-    ).print(console)
-    console.print(f"rollouts: {out / 'rollouts.jsonl'}", highlight=False)
-    return GrpoResult(len(reward_means), reward_means, adapter_dir, out / "metrics.jsonl", out / "rollouts.jsonl")
+    return GrpoRecipe(cfg, console, allow_mismatch=allow_mismatch, overwrite=overwrite).run()

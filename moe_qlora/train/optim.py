@@ -16,7 +16,7 @@ import torch
 
 from moe_qlora.common.device_runtime import CpuRuntime, runtime_for
 from moe_qlora.model.distributed import local_shard
-from moe_qlora.train.position import phase
+from moe_qlora.train.position import StepPosition
 
 
 class ElementwiseClip:
@@ -125,8 +125,16 @@ class StepInBackward:
     Use: `begin()`, one backward, `finish(loss_is_finite)` -> (gradient norm before clipping, skipped).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, undo: bool, runtime: CpuRuntime | None = None):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        undo: bool,
+        runtime: CpuRuntime | None = None,
+        position: StepPosition | None = None,
+    ):
         self.optimizer, self.undo = optimizer, undo
+        self.position = position if position is not None else StepPosition()  # where each tensor's step is marked
         self._group = {}
         for group in optimizer.param_groups:
             if len(group["params"]) != 1:
@@ -153,7 +161,7 @@ class StepInBackward:
         everything = self.optimizer.param_groups
         self.optimizer.param_groups = [self._group[p]]
         try:
-            with phase("optimizer (in backward)"):
+            with self.position.within("optimizer (in backward)"):
                 self.optimizer.step()
         finally:
             self.optimizer.param_groups = everything

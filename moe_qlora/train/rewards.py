@@ -16,10 +16,12 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from moe_qlora.config.sections import ConfigError, RewardFunctionSpec
+from moe_qlora.model.distributed import SINGLE, Ranks, sum_scalars
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +183,8 @@ def score(
         except RewardError:
             raise
         except Exception as exc:
-            values, failed = _score_around_failure(f, prompts, completions, columns, policy, groups, sources, exc)
+            batch = RewardBatch(prompts, completions, columns, groups, sources)
+            values, failed = _score_around_failure(f, batch, policy, exc)
             errors += failed
         per_fn[f.name] = values
     return weighted_totals(per_fn, {f.name: f.weight for f in functions}), per_fn, errors
@@ -216,12 +219,24 @@ def _finite_number(v) -> bool:
     return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
 
+class RewardBatch(NamedTuple):
+    """What a reward function is called on: prompts, completions, the dataset's extra columns (each a list), and
+    each completion's prompt index in the step and prompt row (file:line), named when a call fails."""
+
+    prompts: list
+    completions: list
+    columns: dict
+    groups: list[int] | None
+    sources: list[str] | None
+
+
 def _score_around_failure(
-    f: RewardFunction, prompts, completions, columns, policy: RewardPolicy, groups, sources, exc: Exception
+    f: RewardFunction, batch: RewardBatch, policy: RewardPolicy, exc: Exception
 ) -> tuple[list[float], int]:
     """After a call of `f` on the whole batch failed with `exc`: find the prompt whose completions make it fail
     (each prompt's completions scored alone; a timeout is not retried, every prompt is taken as failing), then
     abort naming it, or score its samples 0. Returns (values, samples scored 0)."""
+    prompts, completions, columns, groups, sources = batch
     groups = groups if groups is not None else [0] * len(completions)
     by_group: dict[int, list[int]] = {}
     for i, g in enumerate(groups):
@@ -326,3 +341,37 @@ def flat_groups(group_sizes: list[int], advantages: torch.Tensor) -> int:
         n += int(bool((advantages[start : start + size] == 0).all()))
         start += size
     return n
+
+
+def batch_moments(values: torch.Tensor, ranks: Ranks = SINGLE) -> tuple[float, float]:
+    """Mean and unbiased std of the non-NaN values over every rank's share of the rollout batch (NaN std with
+    fewer than two values)."""
+    finite = values[~values.isnan()].double()
+    n, total, squares = sum_scalars(ranks, finite.numel(), float(finite.sum()), float((finite**2).sum()))
+    if n == 0:
+        return math.nan, math.nan
+    mean = total / n
+    if n < 2:
+        return mean, math.nan
+    if not ranks.enabled:  # one process: the two-pass std, as TRL's nanstd computes it
+        return mean, nan_std(finite)
+    return mean, math.sqrt(max(squares - total * total / n, 0.0) / (n - 1))
+
+
+def rollout_advantages(
+    rewards: list[float],
+    per_fn: dict[str, list[float]],
+    group_sizes: list[int],
+    g,
+    weights: dict[str, float],
+    ranks: Ranks = SINGLE,
+) -> torch.Tensor:
+    """Each completion's advantage from its rewards (NaN: scored by no function), as TRL's
+    multi_objective_aggregation and scale_rewards define it; the batch's statistics over all ranks."""
+    if g.multi_objective_aggregation == "normalize_then_sum":
+        summed = normalized_then_summed(per_fn, weights, group_sizes, eps=g.std_eps)
+        mean, std = batch_moments(summed, ranks)
+        return whitened(summed, mean, std, g.std_eps)
+    r = torch.tensor(rewards, dtype=torch.float64)
+    batch_std = batch_moments(r, ranks)[1] if g.scale_rewards == "batch" else None
+    return group_advantages(r, group_sizes, scale=g.scale_rewards, eps=g.std_eps, batch_std=batch_std)

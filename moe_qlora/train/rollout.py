@@ -18,7 +18,7 @@ from moe_qlora.data.examples import _check_messages, _ids
 from moe_qlora.data.sources import DataError, entry_path, load_rows
 from moe_qlora.model.distributed import Ranks, rank_slice
 from moe_qlora.train.checkpoint import fingerprint
-from moe_qlora.train.position import POSITION, phase
+from moe_qlora.train.position import StepPosition
 from moe_qlora.train.rewards import RewardPolicy, resolve_reward, score
 
 PROMPT_KEYS = ("prompt", "messages")
@@ -257,19 +257,20 @@ class RolloutSource:
             )
 
     def collect(
-        self, model, batch: list, first: int = 0
+        self, model, batch: list, position: StepPosition, first: int = 0
     ) -> tuple[list[Rollout], list[float], dict[str, list[float]], list[int]]:
-        """(rollouts, total rewards, rewards per function, group sizes) of one step's prompts; a failing reward
-        names its prompt as `first` + its place in `batch` (a rank's share starts at `first`)."""
+        """(rollouts, total rewards, rewards per function, group sizes) of one step's prompts, sampling and scoring
+        marked as phases of `position`; a failing reward names its prompt as `first` + its place in `batch` (a
+        rank's share starts at `first`) and its step."""
         if self.offline:
             rollouts = offline_rollouts(batch, self.tokenizer, self.cfg.data.max_seq_len)
             return rollouts, [r for grp in batch for r in grp.rewards], {}, [len(grp.completions) for grp in batch]
-        with phase("generation"):
+        with position.within("generation"):
             rollouts = sample_rollouts(model, self.tokenizer, batch, self.cfg.grpo)
         prompts, completions = [r.prompt.text for r in rollouts], [r.text for r in rollouts]
         g = self.cfg.grpo
-        policy = RewardPolicy(on_error=g.reward_errors, timeout_s=g.reward_timeout_s, step=POSITION.step)
-        with phase("rewards"):
+        policy = RewardPolicy(on_error=g.reward_errors, timeout_s=g.reward_timeout_s, step=position.step)
+        with position.within("rewards"):
             rewards, per_fn, self.reward_errors = score(
                 self.functions,
                 prompts,
@@ -281,14 +282,14 @@ class RolloutSource:
             )
         return rollouts, rewards, per_fn, [g.group_size] * len(batch)
 
-    def collect_share(self, model, batch: list, ranks: Ranks, step: int):
+    def collect_share(self, model, batch: list, ranks: Ranks, position: StepPosition):
         """collect() on this rank's whole prompts of the batch (a group is never split across ranks), numbered
         as in the whole batch. Data parallel sampling draws from a generator seeded by (seed, step, rank): the
         ranks sample independently, and a resumed run samples what the uninterrupted one did."""
         first, mine = rank_slice(batch, ranks)
         if not ranks.enabled:
-            return self.collect(model, mine)
+            return self.collect(model, mine, position)
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-            torch.manual_seed(hash((self.cfg.train.seed, step, ranks.rank)) % 2**63)
-            rollouts, rewards, per_fn, sizes = self.collect(model, mine, first) if mine else ([], [], {}, [])
+            torch.manual_seed(hash((self.cfg.train.seed, position.step, ranks.rank)) % 2**63)
+            rollouts, rewards, per_fn, sizes = self.collect(model, mine, position, first) if mine else ([], [], {}, [])
         return [replace(r, group=r.group + first) for r in rollouts], rewards, per_fn, sizes

@@ -1,5 +1,6 @@
-"""A run's lifecycle, shared by `train` and `grpo`: claiming the output folder, stopping on a signal, when to
-checkpoint, the plain progress lines a log file gets, and the summary at the end.
+"""A run's lifecycle, shared by every recipe: its place among the ranks, the output folder locked and claimed,
+seeding, stopping on a signal, when to checkpoint, the plain progress lines a log file gets, the adapter written
+and verified at the end, and the summary.
 
 Ctrl-C (SIGINT) or SIGTERM (what a preemptible cloud GPU or a scheduler sends) asks the loop to stop after
 the step in flight: it writes a verified checkpoint and raises RunInterrupted, which the CLI turns into
@@ -10,17 +11,29 @@ checkpoint write is atomic, so that never leaves a half-written one.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from moe_qlora.common.lock import LOCK_NAME
-from moe_qlora.config.sections import ConfigError
-from moe_qlora.train.checkpoint import checkpoint_dirs
+import numpy as np
+import torch
+from rich.console import Console
+
+from moe_qlora.common.lock import LOCK_NAME, LockUnsupported, RunLock
+from moe_qlora.config.sections import ConfigError, RunConfig
+from moe_qlora.export.adapter import save_adapter, verify_adapter
+from moe_qlora.export.writers import WRITERS
+from moe_qlora.model.distributed import SINGLE, Ranks, any_rank, join, leave, raise_together
+from moe_qlora.model.tiny import resolve_model_path
+from moe_qlora.train.checkpoint import RunProgress, checkpoint_dirs
 
 RUN_FILES = ("metrics.jsonl", "rollouts.jsonl", "adapter")
+EXPORTED_AS = {"vllm": "adapter-vllm", "per-expert": "adapter-per-expert", "gguf": "adapter.gguf"}  # in output.dir
 
 
 class OutputDirInUse(ConfigError):
@@ -166,3 +179,86 @@ class RunSummary:
             f'  or with PEFT: PeftModel.from_pretrained(base_model, "{self.adapter}") (see the README)',
             highlight=False,
         )
+
+
+@contextmanager
+def launched(cfg: RunConfig, console: Console | None) -> Iterator[tuple[Ranks, Console]]:
+    """This process's place in the run (one process, or a rank under torchrun / accelerate launch) and its
+    console (quiet on ranks other than 0); the process group is left at the end, however the run ends."""
+    # A builtin model is generated before the process group exists: once it does, transformers'
+    # save_pretrained writes nothing on ranks other than 0, and a rank would cache a model without weights.
+    resolve_model_path(cfg.model.name_or_path)
+    ranks = join(cfg.train.dist_timeout_s)
+    try:
+        yield ranks, (console or Console()) if ranks.main else Console(quiet=True)
+    except BaseException:
+        leave(ranks, together=False)
+        raise
+    leave(ranks)
+
+
+@contextmanager
+def output_dir_locked(out: Path, ranks: Ranks, console: Console) -> Iterator[None]:
+    """Within the block rank 0 holds the lock of `out` (common/lock.py), taken before anything in it is read;
+    when another process holds it, every rank stops with rank 0's sentence naming that process. A filesystem
+    that cannot lock gets a warning and an unlocked run."""
+    lock, failure = None, None
+    if ranks.main:
+        try:
+            lock = RunLock.acquire(out)
+        except LockUnsupported as exc:
+            console.print(f"warning: {exc}; nothing stops a second run from writing into it", highlight=False)
+        except Exception as exc:
+            failure = exc
+    try:
+        raise_together(ranks, failure)
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def claim_output_dir_together(out: Path, cfg: RunConfig, ranks: Ranks, console: Console, *, overwrite: bool) -> None:
+    """Rank 0 claims output.dir (runs.claim_output_dir); when it cannot, every rank stops with its message
+    instead of waiting for rank 0."""
+    failure = None
+    if ranks.main:
+        try:
+            claim_output_dir(out, resuming=cfg.train.resume != "never", overwrite=overwrite, console=console)
+        except Exception as exc:
+            failure = exc
+    raise_together(ranks, failure)
+
+
+def seed_everything(seed: int) -> None:
+    """torch (CPU and CUDA), python and numpy RNGs from one seed: dropout and anything else random."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def stop_if_asked(stop: StopSignals, done: RunProgress, checkpoint, ranks: Ranks = SINGLE) -> None:
+    """After a SIGINT/SIGTERM (on any rank: all stop at the same step): checkpoint the steps done (if any) and
+    raise RunInterrupted."""
+    if not any_rank(ranks, stop.requested is not None):
+        return
+    if done.step:
+        checkpoint(done)
+    raise RunInterrupted(done.step, stop.requested or signal.SIGTERM)
+
+
+def save_verified_adapter(model, adapter_dir: Path, cfg: RunConfig, model_path: str) -> int:
+    """Save the model's adapter to `adapter_dir`, then load it back as PEFT will and check every tensor landed
+    (raises AdapterVerificationError if not; the adapter stays written either way). Returns the tensor count."""
+    save_adapter(model, adapter_dir, cfg=cfg.lora, base_model_name_or_path=model_path)
+    return verify_adapter(model, adapter_dir)
+
+
+def write_adapter(model, out: Path, cfg: RunConfig, model_path: str, console: Console) -> Path:
+    """The run's verified adapter in out/adapter, and the export formats it asks for."""
+    adapter_dir = out / "adapter"
+    n = save_verified_adapter(model, adapter_dir, cfg, model_path)
+    console.print(f"adapter: {adapter_dir} ({n} tensors, each verified to load in PEFT as trained)")
+    for fmt in cfg.output.export_formats:
+        console.print(f"{fmt}: {WRITERS[fmt](adapter_dir, out / EXPORTED_AS[fmt])}")
+    return adapter_dir

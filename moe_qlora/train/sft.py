@@ -1,4 +1,5 @@
-"""The SFT loop: token-normalised loss over accumulated micro-batches, clipping, schedule, logging, export.
+"""SFT as a recipe (SftRecipe): token-normalised loss over accumulated micro-batches, the eval split, the best
+adapter kept.
 
 One optimizer step sees `grad_accum` micro-batches; each contributes sum(token losses) / N where N is the
 number of target tokens in the whole step, so the step's gradient equals that of one big batch.
@@ -14,54 +15,25 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from moe_qlora.common.memory import release_freed_memory
-from moe_qlora.common.reporting import NoReporters, Reporters, read_jsonl
+from moe_qlora.common.reporting import read_jsonl
 from moe_qlora.config.sections import ConfigError, RunConfig
 from moe_qlora.data.examples import IGNORE, Example, apply_reward_weights, build_examples, collate, eval_split
-from moe_qlora.model.distributed import (
-    SINGLE,
-    Ranks,
-    any_rank,
-    raise_together,
-    sum_gradients,
-    sum_scalars,
-    whole_trainable,
-)
-from moe_qlora.train.checkpoint import (
-    RunProgress,
-    checkpoint_tensors,
-    config_identity,
-    dataset_fingerprint,
-    save_checkpoint,
-)
-from moe_qlora.train.faults import FaultStop, attempt, local_stretch
+from moe_qlora.export.prompt_format import write_prompt_format
+from moe_qlora.model.build import load_tokenizer
+from moe_qlora.model.distributed import SINGLE, Ranks, sum_gradients, sum_scalars, whole_trainable
+from moe_qlora.train.checkpoint import dataset_fingerprint
+from moe_qlora.train.faults import local_stretch
 from moe_qlora.train.losses import token_logprobs
-from moe_qlora.train.optim import StepInBackward, build_optimizer
+from moe_qlora.train.optim import StepInBackward
 from moe_qlora.train.packing import packed
-from moe_qlora.train.position import phase, start_step
-from moe_qlora.train.prompt_format import write_prompt_format
-from moe_qlora.train.runs import CheckpointPolicy, RunSummary, StopSignals, plain_progress_line
-from moe_qlora.train.session import (
-    after_step,
-    apply_update,
-    build_schedule,
-    claim_output_dir_together,
-    launched,
-    load_policy,
-    load_tokenizer,
-    output_dir_locked,
-    resume_if_asked,
-    router_load,
-    save_verified_adapter,
-    seed_everything,
-    stop_if_asked,
-    truncate_metrics,
-    write_adapter,
-    write_router_layers,
-)
+from moe_qlora.train.position import StepContext, StepPosition
+from moe_qlora.train.recipe import Recipe
+from moe_qlora.train.resume import truncate_metrics
+from moe_qlora.train.runs import RunSummary, save_verified_adapter
 from moe_qlora.train.steps import IDLE, continue_at_world_size, count_steps, optimizer_steps, schedule_at
+from moe_qlora.train.update import apply_update, router_load
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +71,12 @@ def token_loss_sum(
 
 
 def accumulate_gradients(
-    model, batches: list[dict[str, torch.Tensor]], *, loss_chunk: int = 0, ranks: Ranks = SINGLE
+    model,
+    batches: list[dict[str, torch.Tensor]],
+    *,
+    loss_chunk: int = 0,
+    ranks: Ranks = SINGLE,
+    position: StepPosition | None = None,
 ) -> tuple[float, int, float | None]:
     """Backward over micro-batches, each scaled by 1/N with N the target tokens of all of them together (on
     every rank), so the gradient is that of the mean token loss over the whole step; with several ranks the
@@ -107,9 +84,9 @@ def accumulate_gradients(
     local = sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in batches)
     n_targets = int(sum_scalars(ranks, local)[0])
     if ranks.sharded:  # FSDP gathers and reduces inside them: a rank that fails there cannot meet the others
-        total, aux = backward_over(model, batches, n_targets, loss_chunk)
+        total, aux = backward_over(model, batches, n_targets, loss_chunk, position)
     else:
-        total, aux = local_stretch(ranks, backward_over, model, batches, n_targets, loss_chunk)
+        total, aux = local_stretch(ranks, backward_over, model, batches, n_targets, loss_chunk, position)
     if ranks.enabled:
         (total,) = sum_scalars(ranks, total)
         sum_gradients(ranks, [p for p in model.parameters() if p.requires_grad])
@@ -117,14 +94,14 @@ def accumulate_gradients(
 
 
 def backward_over(
-    model, batches: list[dict[str, torch.Tensor]], n_targets: int, loss_chunk: int
+    model, batches: list[dict[str, torch.Tensor]], n_targets: int, loss_chunk: int, position: StepPosition | None
 ) -> tuple[float, list[float]]:
     """Forward and backward of each micro-batch, its loss sum scaled by 1/n_targets; (summed loss, aux losses)."""
-    total, aux = 0.0, []
+    total, aux, position = 0.0, [], position or StepPosition()
     for batch in batches:
-        with phase("forward"):
+        with position.within("forward"):
             loss_sum, _, aux_loss = token_loss_sum(model, batch, loss_chunk=loss_chunk)
-        with phase("backward"):
+        with position.within("backward"):
             (loss_sum / n_targets).backward()
         total += float(loss_sum.detach())
         if aux_loss is not None:
@@ -138,11 +115,11 @@ def backward_with_updates(model, stepper: StepInBackward, batch: dict[str, torch
     pre-clip gradient norm, skipped)."""
     n_targets = int((batch["labels"][:, 1:] != IGNORE).sum())
     stepper.begin()
-    with phase("forward"):
+    with stepper.position.within("forward"):
         loss_sum, _, aux_loss = token_loss_sum(model, batch, loss_chunk=loss_chunk)
     loss = float(loss_sum.detach()) / n_targets
     if math.isfinite(loss):
-        with phase("backward (optimizer in backward)"):
+        with stepper.position.within("backward (optimizer in backward)"):
             (loss_sum / n_targets).backward()
     del loss_sum
     grad_norm, skipped = stepper.finish(math.isfinite(loss))
@@ -150,25 +127,23 @@ def backward_with_updates(model, stepper: StepInBackward, batch: dict[str, torch
     return loss, n_targets, aux_loss, grad_norm, skipped
 
 
-def train_step(
-    model, optimizer, group, pad_id: int, train_cfg, stepper: StepInBackward | None = None, ranks: Ranks = SINGLE
-) -> dict:
+def train_step(model, optimizer, group, pad_id: int, ctx: StepContext, stepper: StepInBackward | None = None) -> dict:
     """One optimizer step over the micro-batches in `group` (inside the backward with `stepper`); returns
     its metrics."""
-    device = next(model.parameters()).device
+    device, t = next(model.parameters()).device, ctx.train
     batches = [{k: v.to(device) for k, v in collate(mb, pad_id).items()} for mb in group if mb]
     if stepper is not None:
         (batch,) = batches  # grad_accum is 1 (the config refuses more)
         loss, n_targets, aux_loss, grad_norm, skipped = backward_with_updates(
-            model, stepper, batch, loss_chunk=train_cfg.loss_chunk_tokens
+            model, stepper, batch, loss_chunk=t.loss_chunk_tokens
         )
     else:
         loss, n_targets, aux_loss = accumulate_gradients(
-            model, batches, loss_chunk=train_cfg.loss_chunk_tokens, ranks=ranks
+            model, batches, loss_chunk=t.loss_chunk_tokens, ranks=ctx.ranks, position=ctx.position
         )
-        grad_norm, skipped = local_stretch(ranks, apply_update, optimizer, loss, train_cfg)
+        grad_norm, skipped = local_stretch(ctx.ranks, apply_update, optimizer, loss, t, ctx.position)
     trained = sum(len(e.input_ids) for mb in group for e in mb if not e.source.endswith(IDLE))
-    tokens = int(sum_scalars(ranks, trained)[0])
+    tokens = int(sum_scalars(ctx.ranks, trained)[0])
     return {
         "loss": loss,
         "grad_norm": grad_norm,
@@ -177,28 +152,6 @@ def train_step(
         "skipped": skipped,
         "aux_loss": aux_loss,
     }
-
-
-def prepare(cfg: RunConfig, console: Console, ranks: Ranks = SINGLE):
-    """Tokenizer, data, and the quantized model with adapters for an SFT run (sharded when the run is: the
-    returned ranks say so)."""
-    model_path, tokenizer = load_tokenizer(cfg)
-    rwsft = cfg.train.objective == "rwsft"
-    examples, stats = build_examples(cfg.data, tokenizer, rewards=rwsft)
-    if rwsft:
-        examples = apply_reward_weights(examples, cfg.reward)
-        weights = [e.weight for e in examples]
-        console.print(
-            f"rwsft: weights ({cfg.reward.mapping}) from {min(weights):.3g} to {max(weights):.3g}, "
-            f"mean {sum(weights) / len(weights):.3g}"
-        )
-    console.print(
-        f"data: {stats.rows} rows -> {len(examples)} examples, {stats.target_tokens} target tokens; "
-        f"truncated {stats.truncated}, dropped {stats.dropped_overlength} over max_seq_len and "
-        f"{stats.dropped_no_target} with no target left; formats {stats.formats}"
-    )
-    model, params, ranks = load_policy(cfg, model_path, console, ranks)
-    return model_path, tokenizer, examples, model, params, ranks
 
 
 def held_out_examples(
@@ -241,90 +194,141 @@ def best_eval_so_far(metrics_path: Path) -> float:
     return min(values, default=math.inf)
 
 
-def run_steps(
-    cfg: RunConfig,
-    examples,
-    pad_id: int,
-    training: dict,
-    *,
-    total: int,
-    done: RunProgress,
-    metrics: Reporters,
-    console: Console,
-    checkpoint,
-    stop: StopSignals,
-    on_failure,
-    stepper: StepInBackward | None = None,
-    evaluate=None,
-    ranks: Ranks = SINGLE,
-) -> tuple[list[float], int]:
-    """The optimizer steps after `done`, with a progress bar (plain lines when stdout is not a terminal),
-    metrics, checkpoints by steps and minutes, and a checkpoint then RunInterrupted on SIGINT/SIGTERM; a step that
-    fails (out of memory, on any rank) raises on_failure(last completed progress, failure, stepper), a
-    faults.StepFailed after its checkpoint, on every rank.
-    Returns the losses of this invocation and the tokens it trained on."""
-    model, optimizer, schedule = training["model"], training["optimizer"], training["scheduler"]
-    losses, tokens, start, first = [], 0, time.perf_counter(), done.step
-    policy = CheckpointPolicy(cfg.train.save_every, cfg.train.save_every_minutes)
-    columns = [
-        TextColumn("[bold]train"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[info]}"),
-        TimeRemainingColumn(),
-    ]
-    with Progress(*columns, console=console, transient=False, disable=not console.is_terminal) as bar:
-        task = bar.add_task("train", total=total, info="", completed=done.step)
-        for step, (epoch, group) in enumerate(optimizer_steps(examples, cfg, ranks)):
-            if step >= total:
-                break
-            if step < done.step:  # done before the checkpoint: the order depends on (seed, epoch) only
-                continue
-            stop_if_asked(stop, done, checkpoint, ranks)
-            t0 = time.perf_counter()
-            lr = optimizer.param_groups[0]["lr"]
-            start_step(step + 1)
-            record, failure = attempt(ranks, train_step, model, optimizer, group, pad_id, cfg.train, stepper, ranks)
-            if failure is not None:  # outside the `except`: the failed step's frames are gone
-                raise on_failure(done, failure, stepper=stepper)
-            dt = time.perf_counter() - t0
-            record.update(
-                step=step + 1,
-                epoch=epoch,
-                lr=lr,
-                step_time_s=dt,
-                tokens_per_s=record["tokens"] / dt,
-                elapsed_s=time.perf_counter() - start,
-                router_load=router_load(model),
+class SftRecipe(Recipe):
+    """SFT and reward-weighted SFT (train.objective: rwsft): `train.grad_accum` micro-batches per optimizer step,
+    the loss normalised over the step's target tokens; an eval split with the best adapter kept."""
+
+    command = "train"
+
+    @classmethod
+    def check_config(cls, cfg: RunConfig, *, world: int, source: str) -> None:
+        super().check_config(cfg, world=world, source=source)
+        if world > 1 and cfg.train.optimizer_in_backward:
+            raise ConfigError(
+                "train.optimizer_in_backward steps inside each rank's backward, before the gradients "
+                "of the ranks are summed: set it false for a data-parallel run"
             )
-            if evaluate is not None and (
-                step + 1 == total or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0)
-            ):
-                record.update(evaluate())
-            try:
-                done = after_step(record, [e.source for mb in group for e in mb], done, cfg)
-            finally:  # an aborting step is logged too, with its raw loss
-                logged = record["skipped"] or "eval_loss" in record or (step + 1) % cfg.train.log_every == 0
-                if logged or step + 1 == total:
-                    metrics.write(record)
-            if not record["skipped"]:
-                schedule.step()  # a skipped step is not taken: the schedule does not move either
-            losses.append(record["loss"])
-            tokens += record["tokens"]
-            info = {"loss": f"{record['loss']:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{record['tokens_per_s']:.0f}"}
-            if "eval_loss" in record:
-                info["eval"] = f"{record['eval_loss']:.4f}"
-            bar.update(task, advance=1, info="  ".join(f"{k} {v}" for k, v in info.items()))
-            if not console.is_terminal and ((step + 1) % cfg.train.log_every == 0 or step + 1 == total):
-                console.print(
-                    plain_progress_line("train", step + 1, total, info, time.perf_counter() - start, first),
-                    highlight=False,
-                )
-            if done.step < total and any_rank(ranks, policy.due(done.step)):  # by minutes: clocks may disagree
-                checkpoint(done)
-                policy.saved()
-    checkpoint(done)
-    return losses, tokens
+
+    def load(self) -> None:
+        cfg, console = self.cfg, self.console
+        self.model_path, self.tokenizer = load_tokenizer(cfg.model)
+        rwsft = cfg.train.objective == "rwsft"
+        examples, stats = build_examples(cfg.data, self.tokenizer, rewards=rwsft)
+        if rwsft:
+            examples = apply_reward_weights(examples, cfg.reward)
+            weights = [e.weight for e in examples]
+            console.print(
+                f"rwsft: weights ({cfg.reward.mapping}) from {min(weights):.3g} to {max(weights):.3g}, "
+                f"mean {sum(weights) / len(weights):.3g}"
+            )
+        console.print(
+            f"data: {stats.rows} rows -> {len(examples)} examples, {stats.target_tokens} target tokens; "
+            f"truncated {stats.truncated}, dropped {stats.dropped_overlength} over max_seq_len and "
+            f"{stats.dropped_no_target} with no target left; formats {stats.formats}"
+        )
+        self.examples = examples
+        self.load_model()
+
+    def prepare_data(self) -> None:
+        self.examples, self.held_out = held_out_examples(self.cfg, self.tokenizer, self.examples, self.console)
+        if self.cfg.data.packing:
+            self.examples, self.held_out = packed(
+                self.model, self.examples, self.held_out, self.cfg.data.max_seq_len, self.console
+            )
+
+    def count_steps(self) -> int:
+        return count_steps(len(self.examples), self.cfg, self.ranks.world)
+
+    def data_identity(self) -> dict:
+        return {"dataset_fingerprint": dataset_fingerprint(self.examples), "world": self.ranks.world}
+
+    def after_resume(self) -> None:
+        """A checkpoint of another world size goes on from the same place in the data; the data-parallel line;
+        train.optimizer_in_backward's stepper (undo: a step abandoned part-way, NaN or out of memory, is put
+        back)."""
+        cfg, ranks = self.cfg, self.ranks
+        resumed_at = self.done.step
+        self.done, self.total = continue_at_world_size(
+            self.done, ranks, len(self.examples), cfg, self.total, self.console
+        )
+        if self.done.step != resumed_at:
+            self.scheduler = schedule_at(self.optimizer, self.total, self.done.step, cfg.train)
+            if ranks.main and self.done.step < resumed_at:  # more ranks: fewer, larger steps; records start again
+                truncate_metrics(self.out / "metrics.jsonl", self.done.step)
+        if ranks.enabled:
+            batch = ranks.world * cfg.train.micro_batch_size * cfg.train.grad_accum
+            self.console.print(
+                f"data parallel ({'fsdp' if ranks.sharded else 'ddp'}): {ranks.world} ranks x "
+                f"micro_batch_size {cfg.train.micro_batch_size}, global batch {batch}"
+            )
+        if cfg.train.optimizer_in_backward:
+            self.stepper = StepInBackward(self.optimizer, undo=True, position=self.position)
+        self.best_eval = best_eval_so_far(self.out / "metrics.jsonl") if self.held_out else math.inf
+
+    def batches(self):
+        return optimizer_steps(self.examples, self.cfg, self.ranks)
+
+    def step(self, number: int, epoch: int, batch) -> dict:
+        lr = self.optimizer.param_groups[0]["lr"]
+        pad_id = self.tokenizer.pad_token_id
+        record = train_step(self.model, self.optimizer, batch, pad_id, self.context, self.stepper)
+        return {**record, "step": number, "epoch": epoch, "lr": lr}
+
+    def complete(self, record: dict, batch, seconds: float) -> None:
+        record.update(
+            step_time_s=seconds,
+            tokens_per_s=record["tokens"] / seconds,
+            elapsed_s=time.perf_counter() - self.started,
+            router_load=router_load(self.model),
+        )
+        number, every = record["step"], self.cfg.train.eval_every
+        if self.held_out and (number == self.total or (every and number % every == 0)):
+            record.update(self.evaluate())
+
+    def evaluate(self) -> dict:
+        """The held-out loss; with train.keep_best, the adapter of the best one so far in adapter-best."""
+        loss = eval_loss(self.model, self.held_out, self.tokenizer.pad_token_id, self.cfg.train)
+        fields = {"eval_loss": loss}
+        if self.cfg.train.keep_best and loss < self.best_eval:
+            self.best_eval = loss
+            fields["eval_best"] = True
+            with whole_trainable(self.model, self.ranks):
+                if self.ranks.main:
+                    save_verified_adapter(self.model, self.out / "adapter-best", self.cfg, self.model_path)
+                    write_prompt_format(self.out / "adapter-best", self.cfg.data)
+        return fields
+
+    def sources(self, record: dict, batch) -> list[str]:
+        return [e.source for mb in batch for e in mb]
+
+    def logged(self, record: dict, number: int) -> bool:
+        every = record["skipped"] or "eval_loss" in record or number % self.cfg.train.log_every == 0
+        return every or number == self.total
+
+    def after_update(self, record: dict) -> None:
+        if not record["skipped"]:
+            self.scheduler.step()  # a skipped step is not taken: the schedule does not move either
+        self.history.append(record["loss"])
+        self.tokens += record["tokens"]
+
+    def progress_info(self, record: dict) -> dict[str, str]:
+        info = {
+            "loss": f"{record['loss']:.4f}",
+            "lr": f"{record['lr']:.2e}",
+            "tok/s": f"{record['tokens_per_s']:.0f}",
+        }
+        if "eval_loss" in record:
+            info["eval"] = f"{record['eval_loss']:.4f}"
+        return info
+
+    def result(self, adapter_dir: Path, seconds: float) -> TrainResult:
+        losses = self.history
+        finite = [x for x in losses if math.isfinite(x)]
+        last, best = (finite[-1], min(finite)) if finite else (None, None)
+        RunSummary("train", len(losses), seconds, self.tokens, last, best, adapter_dir, self.metrics.path).print(
+            self.console
+        )
+        return TrainResult(steps=len(losses), losses=losses, adapter_dir=adapter_dir, metrics_path=self.metrics.path)
 
 
 def train(
@@ -334,127 +338,4 @@ def train(
     Raises RunInterrupted after checkpointing when SIGINT or SIGTERM arrives. Under torchrun (WORLD_SIZE > 1)
     each process is a data-parallel rank (distributed.py); rank 0 alone writes, and holds output.dir's lock for
     the run (RunDirLocked while another process holds it)."""
-    out = Path(cfg.output.dir)
-    with launched(cfg, console) as (ranks, console), output_dir_locked(out, ranks, console):
-        return _train(cfg, console, out, ranks, allow_mismatch=allow_mismatch, overwrite=overwrite)
-
-
-def _train(
-    cfg: RunConfig, console: Console, out: Path, ranks: Ranks, *, allow_mismatch: bool, overwrite: bool
-) -> TrainResult:
-    if ranks.enabled and cfg.train.optimizer_in_backward:
-        raise ConfigError(
-            "train.optimizer_in_backward steps inside each rank's backward, before the gradients "
-            "of the ranks are summed: set it false for a data-parallel run"
-        )
-    claim_output_dir_together(out, cfg, ranks, console, overwrite=overwrite)
-    started = time.perf_counter()
-    with StopSignals(console) as stop:
-        seed_everything(cfg.train.seed)  # the run draws from its seed (attach_adapters seeds LoRA on its own)
-        failure = None
-        try:
-            model_path, tokenizer, examples, model, params, ranks = prepare(cfg, console, ranks)
-        except Exception as exc:  # a rank that cannot load its data or model stops every rank, at once
-            failure = exc
-        raise_together(ranks, failure)
-        if ranks.main:
-            write_router_layers(out, model)
-        examples, held_out = held_out_examples(cfg, tokenizer, examples, console)
-        if cfg.data.packing:
-            examples, held_out = packed(model, examples, held_out, cfg.data.max_seq_len, console)
-        seed_everything(cfg.train.seed)  # and again: what loading consumed (e.g. a cold cache) must not matter
-        optimizer = build_optimizer(params, cfg.train)
-        total = count_steps(len(examples), cfg, ranks.world)
-        schedule = build_schedule(optimizer, total, cfg.train)
-        identity = {
-            **config_identity(cfg.model_dump(mode="json")),
-            "dataset_fingerprint": dataset_fingerprint(examples),
-            "world": ranks.world,
-        }
-        training = {"model": model, "optimizer": optimizer, "scheduler": schedule}
-        done = resume_if_asked(
-            cfg, out, console, allow_mismatch=allow_mismatch, identity=identity, writer=ranks.main, **training
-        )
-        resumed_at = done.step
-        done, total = continue_at_world_size(done, ranks, len(examples), cfg, total, console)
-        if done.step != resumed_at:
-            training["scheduler"] = schedule_at(optimizer, total, done.step, cfg.train)
-            if ranks.main and done.step < resumed_at:  # more ranks: fewer, larger steps; their records start again
-                truncate_metrics(out / "metrics.jsonl", done.step)
-        if ranks.enabled:
-            batch = ranks.world * cfg.train.micro_batch_size * cfg.train.grad_accum
-            console.print(
-                f"data parallel ({'fsdp' if ranks.sharded else 'ddp'}): {ranks.world} ranks x "
-                f"micro_batch_size {cfg.train.micro_batch_size}, global batch {batch}"
-            )
-        stepper = None
-        if cfg.train.optimizer_in_backward:  # undo: a step abandoned part-way (NaN, out of memory) is put back
-            stepper = StepInBackward(optimizer, undo=True)
-        metrics = (
-            Reporters(out, cfg.output.report_to, project=cfg.output.wandb_project, config=cfg.model_dump(mode="json"))
-            if ranks.main
-            else NoReporters(out)
-        )
-        model.train()
-
-        def checkpoint(progress: RunProgress) -> None:
-            tensors = checkpoint_tensors(model, optimizer) if ranks.sharded else None  # gathered by every rank
-            if ranks.main:
-                save_checkpoint(
-                    out,
-                    progress=progress,
-                    identity=identity,
-                    keep=cfg.train.keep_checkpoints,
-                    tensors=tensors,
-                    **training,
-                )
-
-        best = {"loss": best_eval_so_far(metrics.path)}
-
-        def evaluate() -> dict:
-            loss = eval_loss(model, held_out, tokenizer.pad_token_id, cfg.train)
-            fields = {"eval_loss": loss}
-            if cfg.train.keep_best and loss < best["loss"]:
-                best["loss"] = loss
-                fields["eval_best"] = True
-                with whole_trainable(model, ranks):
-                    if ranks.main:
-                        save_verified_adapter(model, out / "adapter-best", cfg, model_path)
-                        write_prompt_format(out / "adapter-best", cfg.data)
-            return fields
-
-        try:
-            losses, tokens = run_steps(
-                cfg,
-                examples,
-                tokenizer.pad_token_id,
-                training,
-                total=total,
-                done=done,
-                metrics=metrics,
-                console=console,
-                checkpoint=checkpoint,
-                stop=stop,
-                stepper=stepper,
-                evaluate=evaluate if held_out else None,
-                ranks=ranks,
-                on_failure=FaultStop(cfg, model_path, out, training, checkpoint, ranks),
-            )
-        finally:
-            metrics.close()
-        with whole_trainable(model, ranks):
-            adapter_dir = write_adapter(model, out, cfg, model_path, console) if ranks.main else out / "adapter"
-            if ranks.main:
-                write_prompt_format(adapter_dir, cfg.data)  # how generate renders a prompt as this run did
-    finite = [x for x in losses if math.isfinite(x)]
-    RunSummary(
-        "train",
-        len(losses),
-        time.perf_counter() - started,
-        tokens,
-        finite[-1] if finite else None,
-        min(finite) if finite else None,
-        adapter_dir,
-        metrics.path,
-    ).print(console)
-    return TrainResult(steps=len(losses), losses=losses, adapter_dir=adapter_dir, metrics_path=metrics.path)
+    return SftRecipe(cfg, console, allow_mismatch=allow_mismatch, overwrite=overwrite).run()

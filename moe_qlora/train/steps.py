@@ -14,7 +14,7 @@ from moe_qlora.config.sections import RunConfig
 from moe_qlora.data.examples import IGNORE, Example, epoch_order, micro_batches
 from moe_qlora.model.distributed import SINGLE, Ranks
 from moe_qlora.train.checkpoint import RunProgress
-from moe_qlora.train.session import build_schedule
+from moe_qlora.train.update import build_schedule
 
 
 def optimizer_steps(examples: list[Example], cfg: RunConfig, ranks: Ranks = SINGLE):

@@ -1,0 +1,204 @@
+"""The model a run trains or generates with, built in one place: the tokenizer, the 4-bit model with its adapters
+(new, or from lora.init_from), expert offload, the MoE kernels, activation checkpointing, and FSDP sharding.
+
+`build_policy` needs only the model and lora sections (generate and merge call it); `load_policy` is the training
+run's entry, which first decides from the whole run config where the model goes (placement.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from rich.console import Console
+from transformers import AutoTokenizer
+
+from moe_qlora.common.memory import release_freed_memory
+from moe_qlora.config.sections import LoraSection, ModelSection, RunConfig, resolve_compute_dtype
+from moe_qlora.model.adapters import attach_adapters, configure_checkpointing, trainable_parameters
+from moe_qlora.model.distributed import SINGLE, Ranks, device_of, shard_model
+from moe_qlora.model.kernel_choice import describe_kernels, resolve_kernels
+from moe_qlora.model.loading import LoadOptions, check_model_path, load_model, parameter_bytes_by_kind
+from moe_qlora.model.placement import offloaded_layers, sharding_chosen, size
+from moe_qlora.model.tiny import resolve_model_path
+from moe_qlora.moe.experts import experts_modules, set_moe_kernels, stack_names
+from moe_qlora.moe.nf4 import NF4Stack
+from moe_qlora.moe.offload import host_layer_bytes, offload_experts
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# Reads an adapter folder into the model's LoRA (export.adapter.load_adapter): (model, folder, lora) -> tensors read.
+# Passed in, since export/ sits above model/ (it writes what model/ trains).
+AdapterReader = Callable[[object, str, LoraSection], int]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the model goes: `sharded` over the ranks with FSDP2 (loaded on the host, each rank's shards then moved
+    to its device), and the experts modules (by name) whose NF4 stacks stay in host memory."""
+
+    sharded: bool = False
+    experts_on_host: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Activation checkpointing: off, or every `interval`th decoder layer recomputed in the backward."""
+
+    enabled: bool = False
+    interval: int = 1
+
+
+def load_tokenizer(model: ModelSection):
+    """(resolved model path, tokenizer with a pad token)."""
+    model_path = resolve_model_path(model.name_or_path)
+    check_model_path(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=model.trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model_path, tokenizer
+
+
+def policy_device(model: ModelSection) -> str:
+    """model.device with auto resolved: the GPU when there is one."""
+    return model.device if model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_policy(
+    cfg: RunConfig,
+    model_path: str,
+    console: Console,
+    ranks: Ranks = SINGLE,
+    *,
+    generates: bool = False,
+    read_adapter: AdapterReader | None = None,
+):
+    """A training run's model: its placement decided (sharding_chosen, offloaded_layers), then built
+    (build_policy); (model, trainable params, ranks)."""
+    device = policy_device(cfg.model)
+    sharded = sharding_chosen(cfg, ranks, model_path, console, generates=generates)
+    placement = Placement(sharded, offloaded_layers(cfg, model_path, device, sharded))
+    recompute = Recompute(cfg.train.gradient_checkpointing, cfg.train.checkpoint_interval)
+    return build_policy(
+        cfg.model,
+        cfg.lora,
+        model_path,
+        console,
+        seed=cfg.train.seed,
+        recompute=recompute,
+        placement=placement,
+        ranks=ranks,
+        read_adapter=read_adapter,
+    )
+
+
+def build_policy(
+    model_cfg: ModelSection,
+    lora_cfg: LoraSection,
+    model_path: str,
+    console: Console,
+    *,
+    seed: int = 0,
+    recompute: Recompute = Recompute(),
+    placement: Placement = Placement(),
+    ranks: Ranks = SINGLE,
+    read_adapter: AdapterReader | None = None,
+):
+    """The quantized model with its adapters (new, drawn from `seed`, or lora.init_from through `read_adapter`),
+    offload, MoE kernels and checkpointing, sharded with FSDP2 when `placement` says so; (model, trainable params,
+    ranks). A sharded run on CUDA loads on the host and moves each rank's shards to its GPU, so no GPU ever holds
+    the whole model."""
+    if lora_cfg.init_from and read_adapter is None:  # never a run that silently starts from new LoRA instead
+        raise TypeError("lora.init_from is set: build_policy needs read_adapter (export.adapter.load_adapter)")
+    device = policy_device(model_cfg)
+    opts = LoadOptions(
+        device="cpu" if placement.sharded else device,
+        name_or_path=model_path,
+        compute_dtype=DTYPES[resolve_compute_dtype(model_cfg.compute_dtype, device)],
+        expert_double_quant=model_cfg.expert_double_quant,
+        linear_double_quant=model_cfg.linear_double_quant,
+        trust_remote_code=model_cfg.trust_remote_code,
+        strict=model_cfg.strict_quantization,
+        experts_on_host=placement.experts_on_host,
+    )
+    model = attach_adapters(load_model(opts), lora_cfg, seed=seed, device=opts.device)
+    start_expert_offload(model, model_cfg, opts.experts_on_host, device, console)
+    choose_kernels(model, model_cfg, device, opts.compute_dtype, console)
+    if lora_cfg.init_from:
+        n = read_adapter(model, lora_cfg.init_from, lora_cfg)
+        console.print(f"LoRA initialised from {lora_cfg.init_from} ({n} tensors)")
+    n_ckpt = configure_checkpointing(model, enabled=recompute.enabled, interval=recompute.interval)
+    if placement.sharded:
+        ranks = shard_model(model, ranks)
+        move_unsharded_to(model, device_of(ranks))
+        console.print(
+            f"fsdp: 4-bit experts and linears, frozen weights, LoRA and optimizer state sharded over "
+            f"{ranks.world} ranks"
+        )
+    params = trainable_parameters(model)
+    if not params:
+        raise ValueError("no trainable parameters: lora.target_modules matched nothing and the model has no experts")
+    sizes = parameter_bytes_by_kind(model)
+    console.print(
+        f"model on {device}: "
+        + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sizes.items())
+        + f"; {sum(p.numel() for p in params):,} trainable parameters; {n_ckpt} layers checkpointed"
+    )
+    return model, params, ranks
+
+
+def choose_kernels(model, model_cfg: ModelSection, device: str, dtype: torch.dtype, console: Console) -> None:
+    """model.kernels resolved once for this device and dtype, and set on every MoE layer (said when it has one)."""
+    kernels = resolve_kernels(model_cfg.kernels, device, dtype)
+    if set_moe_kernels(
+        model,
+        kernels,
+        fused_below_rows=model_cfg.fused_below_rows,
+        dequant_buffer_mb=model_cfg.dequant_buffer_mb,
+        self_check=model_cfg.kernel_self_check,
+    ):
+        console.print(f"MoE kernels: {describe_kernels(kernels, model_cfg.fused_below_rows, model_cfg.kernels)}")
+
+
+def start_expert_offload(
+    model, model_cfg: ModelSection, on_host: frozenset[str], device: str, console: Console, streams=None
+):
+    """Route the reads of the experts modules stored on the host (`on_host`, by name) through an
+    ExpertOffloader: each layer's stacks packed into one page-locked block, copied into one of
+    model.offload_resident_layers device buffers when the layer runs (moe/offload.py). Returns it, or None."""
+    modules = [(n, m) for n, m in experts_modules(model) if n in on_host or plain_name(n) in on_host]
+    if not modules:
+        return None
+    need = sum(host_layer_bytes({s: NF4Stack.from_param(getattr(m, s)) for s in stack_names(m)}) for _, m in modules)
+    offloader = offload_experts(
+        [m for _, m in modules], device, max_resident=model_cfg.offload_resident_layers, streams=streams
+    )
+    release_freed_memory()  # the pageable copies the loader left, now in the page-locked blocks
+    total = len(experts_modules(model))
+    console.print(
+        f"expert offload ({model_cfg.expert_offload}): {len(modules)} of {total} MoE layers' experts "
+        f"({size(need)}) in page-locked host memory, at most {model_cfg.offload_resident_layers} layers "
+        f"on {device} at once"
+    )
+    return offloader
+
+
+def plain_name(name: str) -> str:
+    """A module's name without PEFT's wrapper prefix: the name it had when it was loaded."""
+    return name.removeprefix("base_model.model.")
+
+
+def move_unsharded_to(model, device: torch.device) -> None:
+    """After fully_shard (which moves the shards it manages to the mesh's device): the bitsandbytes 4-bit linears
+    it leaves whole, and the buffers, to `device` too. Nothing to do on the CPU."""
+    if device.type == "cpu":
+        return
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.to(device)
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)

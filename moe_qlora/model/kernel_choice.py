@@ -1,0 +1,46 @@
+"""Which MoE kernels a run uses (model.kernels): resolved once, when the model is built, from the device, the dtype
+and what is installed, and the line the run prints about it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from moe_qlora.config.sections import ConfigError
+from moe_qlora.moe.kernels import tiles
+from moe_qlora.moe.kernels.grouped_mm import has_fused_path
+
+
+def resolve_kernels(choice: str, device: str, dtype: torch.dtype, capability: tuple[int, int] | None = None) -> str:
+    """model.kernels to what runs: auto is the per-call choice between Triton and grouped_mm on CUDA where
+    torch._grouped_mm has its CUTLASS kernel (sm_90 / sm_100 in bf16), Triton alone on the other GPUs (the 24 GB
+    cards) and dtypes, grouped_mm alone without triton, the torch reference on the CPU; grouped_mm runs anywhere.
+    capability: the GPU's (major, minor), read from the device when None."""
+    interpreted = tiles.interpreted()  # TRITON_INTERPRET, read once with the kernel settings
+    if choice in ("torch", "grouped_mm"):
+        return choice
+    if choice == "auto" and device != "cuda":
+        return "torch"
+    if importlib.util.find_spec("triton") is None:
+        if choice == "auto":
+            return "grouped_mm"
+        raise ConfigError("model.kernels: triton, but triton is not installed (pip install -e '.[gpu]')")
+    if device != "cuda" and not interpreted:
+        raise ConfigError("model.kernels: triton needs a CUDA device (or TRITON_INTERPRET=1, as the tests use)")
+    if choice == "auto" and not has_fused_path(capability or torch.cuda.get_device_capability(), dtype):
+        return "triton"
+    return choice
+
+
+def describe_kernels(kernels: str, fused_below_rows: int, choice: str) -> str:
+    """The line a run prints once: what runs the MoE layers, and why when model.kernels is auto."""
+    if kernels == "auto":
+        return f"auto per layer call: triton below {fused_below_rows} rows per expert, grouped_mm at or above"
+    if choice == "auto" and kernels == "triton":
+        return (
+            "triton (model.kernels: auto; torch._grouped_mm has no fused kernel for this GPU and dtype, only a "
+            "loop over experts with host syncs)"
+        )
+    return kernels + (" (model.kernels: auto)" if choice == "auto" else "")

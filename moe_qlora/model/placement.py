@@ -1,0 +1,81 @@
+"""Where a training run puts its model, decided from the whole run config and `plan` before any weight is loaded:
+sharded over the ranks or whole on each (train.parallel), and which MoE layers keep their experts in host memory
+(model.expert_offload).
+"""
+
+from __future__ import annotations
+
+import torch
+from rich.console import Console
+
+from moe_qlora.common.memory import available_host_bytes
+from moe_qlora.config.sections import ConfigError, RunConfig, check_shardable
+from moe_qlora.model.distributed import Ranks, device_of
+
+
+def sharding_chosen(
+    cfg: RunConfig, ranks: Ranks, model_path: str, console: Console, *, generates: bool = False
+) -> bool:
+    """train.parallel under several ranks: fsdp as asked, ddp as asked, and auto = ddp when `plan` says the run
+    fits one device (always on the CPU, and for a run that `generates`: grpo), fsdp otherwise. What a sharded
+    run cannot do is refused before loading (config.check_shardable): here when auto chose fsdp."""
+    if not ranks.enabled or cfg.train.parallel == "ddp":
+        return False
+    if cfg.train.parallel == "auto" and cfg.model.expert_offload != "none":  # offload is how it fits one GPU
+        return False
+    device = device_of(ranks)
+    if cfg.train.parallel == "auto":
+        if generates or device.type != "cuda":
+            return False
+        from moe_qlora.model.plan import plan_run
+
+        need = plan_run(cfg, name_or_path=model_path, device="cuda").total
+        have = torch.cuda.get_device_properties(device).total_memory
+        console.print(
+            f"train.parallel auto: the run needs {need / 2**30:.1f} GiB on one GPU of "
+            f"{have / 2**30:.1f} GiB (moe-qlora plan) -> {'fsdp' if need > have else 'ddp'}"
+        )
+        if need <= have:
+            return False
+        check_shardable(cfg, generates=generates)  # fsdp as asked was checked with the config (train.recipe)
+    return True
+
+
+def size(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+
+def offloaded_layers(
+    cfg: RunConfig, model_path: str, device: str, sharded: bool, gpu_gib: float | None = None
+) -> frozenset[str]:
+    """model.expert_offload: the experts modules (by name) whose NF4 stacks are stored in host memory. all: every
+    one; auto: the fewest `plan` needs to fit this GPU (`gpu_gib`, default the device's), none on the CPU; none
+    under FSDP (all on the CPU: every one, host to host). Decided, and the host's memory checked, from
+    config.json before any weight is loaded."""
+    mode = cfg.model.expert_offload
+    if mode == "none" or sharded or (mode == "auto" and device != "cuda"):
+        return frozenset()
+    from moe_qlora.model.plan import plan_run
+
+    if device != "cuda":  # all, on the CPU: the same schedule from host to host (what CPU tests drive)
+        from moe_qlora.model.budget import meta_model
+        from moe_qlora.model.offload_plan import expert_layers
+
+        return frozenset(name for name, _ in expert_layers(meta_model(model_path)))
+
+    gib = gpu_gib if gpu_gib is not None else torch.cuda.get_device_properties(device).total_memory / 2**30
+    plan = plan_run(cfg, name_or_path=model_path, device="cuda", gpu_gib=gib)
+    if plan.offload is None:
+        return frozenset()
+    check_host_memory(plan.offload.host_bytes, plan.offload.layers, mode)
+    return frozenset(plan.offload.modules)
+
+
+def check_host_memory(need: int, layers: int, mode: str) -> None:
+    """Refuse an offload whose host blocks would not fit in the memory the host has available now."""
+    if (available := available_host_bytes()) is not None and need > available:
+        raise ConfigError(
+            f"model.expert_offload: {mode} needs {size(need)} of host memory for {layers} MoE layers' "
+            f"experts; this machine has {size(available)} available. Free memory, "
+            "or offload fewer layers (expert_offload: auto)"
+        )

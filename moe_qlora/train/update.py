@@ -1,0 +1,101 @@
+"""What every training method does after its step's gradients: the update (clipping, and the NaN policy that skips
+it), the loss-spike flag, the learning-rate schedule, and the router's load per expert.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from moe_qlora.common.fileio import atomic_write_text
+from moe_qlora.common.memory import release_freed_memory
+from moe_qlora.model.adapters import expert_loras
+from moe_qlora.train.checkpoint import RunProgress
+from moe_qlora.train.optim import clip_global_norm, lr_multiplier
+from moe_qlora.train.position import StepPosition
+
+
+def apply_update(optimizer, loss: float, train_cfg, position: StepPosition | None = None) -> tuple[float, bool]:
+    """Clip and take the optimizer step on the accumulated gradients unless the loss or the gradient is not
+    finite; returns (pre-clip gradient norm, skipped). Gradients are cleared either way. The step is marked as
+    the `optimizer` phase of `position`."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    grad_norm = clip_global_norm(params, train_cfg.max_grad_norm)  # measured before any clipping
+    skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+    if not skipped:  # checked before the step: a non-finite one reaches no weight and no AdamW moment
+        with (position or StepPosition()).within("optimizer"):
+            optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    release_freed_memory()
+    return grad_norm, skipped
+
+
+class TrainingAborted(RuntimeError):
+    """The run stopped on purpose (non-finite loss); the message says where and on which samples."""
+
+
+def after_step(record: dict, sources: list[str], done: RunProgress, cfg, *, spikes: bool = True) -> RunProgress:
+    """Apply the NaN policy and (if `spikes`) loss-spike detection to a finished step; returns the new progress.
+    sources: 'file:row' of the step's samples, named when the step is not finite."""
+    t = cfg.train
+    if record["skipped"]:
+        samples = ", ".join(sources)
+        where = f"step {record['step']}: loss {record['loss']}, grad norm {record['grad_norm']}, samples {samples}"
+        consecutive = done.consecutive_skips + 1
+        if t.nan_policy == "abort":
+            raise TrainingAborted(f"non-finite loss or gradient at {where} (nan_policy: abort)")
+        if consecutive >= t.max_consecutive_skips:
+            raise TrainingAborted(f"{consecutive} non-finite steps in a row, the last at {where}")
+        return RunProgress(
+            step=record["step"],
+            epoch=record["epoch"],
+            skipped_steps=done.skipped_steps + 1,
+            consecutive_skips=consecutive,
+            loss_ema=done.loss_ema,
+        )
+    ema = done.loss_ema
+    if spikes and t.spike_factor and ema is not None and record["step"] > 10 and record["loss"] > t.spike_factor * ema:
+        record["event"] = "loss_spike"
+    ema = record["loss"] if ema is None else 0.9 * ema + 0.1 * record["loss"]
+    return RunProgress(step=record["step"], epoch=record["epoch"], skipped_steps=done.skipped_steps, loss_ema=ema)
+
+
+def write_router_layers(out: Path, model) -> None:
+    """router_layers.json: the experts modules in the order of every record's router_load (check-norms --run)."""
+    from moe_qlora.export.norms import ROUTER_LAYERS
+
+    names = [name.removesuffix(".moe_lora") for name, _ in expert_loras(model)]
+    atomic_write_text(out / ROUTER_LAYERS, json.dumps(names, indent=1))
+
+
+def router_load(model) -> list[list[float]]:
+    """Share of routed rows per expert, per MoE layer, since the last call (then reset). All layers go through
+    one collective (data parallel: each rank routes its own rows, the run's load is their sum) and one sync."""
+    loras = [lora for _, lora in expert_loras(model)]
+    if not loras:
+        return []
+    sizes = [lora.routed_rows.numel() for lora in loras]
+    counts = torch.cat([lora.routed_rows for lora in loras]).double()
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(counts)
+    for lora in loras:
+        lora.routed_rows.zero_()
+    shares = torch.cat([part / part.sum().clamp(min=1) for part in counts.split(sizes)]).tolist()
+    out, start = [], 0
+    for n in sizes:
+        out.append([round(s, 4) for s in shares[start : start + n]])
+        start += n
+    return out
+
+
+def build_schedule(optimizer, total_updates: int, train_cfg):
+    """Warmup then constant, linear or cosine decay over `total_updates` optimizer steps."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: lr_multiplier(
+            s, total_steps=total_updates, warmup_steps=train_cfg.warmup_steps, schedule=train_cfg.schedule
+        ),
+    )
