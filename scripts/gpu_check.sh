@@ -8,7 +8,7 @@
 # of scripts/gpu_wheels.sh: the `wheels` stage installs them). Layers are built and NF4-quantized on the GPU, once
 # per shape, and reused across backends, candidates and token counts.
 # Nothing a CPU can do runs here: the ahead-of-time compiles and SASS readings (scripts/kernel_report.py,
-# tests/test_kernel_report.py), torch.compile (tests/test_compile.py) and the interpreter tests run in CI.
+# tests/moe/test_kernel_report.py), torch.compile (tests/moe/test_compile.py) and the interpreter tests run in CI.
 #
 # Estimated GPU-machine time per stage (H100, 16 cores; measured on 2026-11-26 where said): `wheels` and
 # `preflight` 1 min each (measured together: 15 s); `gpu-tests` 2 min (measured: 63 s); `kernels` 6 min (each
@@ -35,11 +35,11 @@ command[preflight]="$python"' -c "import torch, triton, bitsandbytes, transforme
 assert torch.cuda.is_available(), \"no CUDA device\"
 print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__, \"bitsandbytes\", bitsandbytes.__version__, \"on\", torch.cuda.get_device_name())"'
 estimate[preflight]=1
-command[gpu-tests]="$python -m pytest -q -m gpu tests/test_gpu.py"
+command[gpu-tests]="$python -m pytest -q -m gpu tests/moe/test_gpu.py"
 estimate[gpu-tests]=2
-command[kernels]="$python -m pytest -q tests/test_kernels.py -k '$cpu_only'"
+command[kernels]="$python -m pytest -q tests/moe/test_kernels.py -k '$cpu_only'"
 estimate[kernels]=6
-command[kernels-parity]="$python -m pytest -q tests/test_kernels_parity.py tests/test_self_check.py"
+command[kernels-parity]="$python -m pytest -q tests/moe/test_kernels_parity.py tests/moe/test_self_check.py"
 estimate[kernels-parity]=2
 command[checks]="$python scripts/gpu_checks.py --json \$OUT/gpu_checks.json"
 estimate[checks]=4

@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(config, items):
         return
     reason = (
         "needs a CUDA GPU (none here); on CPU the kernels are checked in Triton's interpreter "
-        "(tests/test_kernels*.py) and compiled ahead of time for sm_80/sm_90"
+        "(tests/moe/test_kernels*.py) and compiled ahead of time for sm_80/sm_90"
     )
     skip = pytest.mark.skip(reason=reason)
     for item in items:
@@ -49,7 +49,7 @@ def pytest_collection_modifyitems(config, items):
 def env(tmp_path_factory) -> dict:
     """The environment of a module's CLI subprocesses (crash, resume and lock tests): a private model cache, 2
     threads."""
-    from crash import isolated_env
+    from helpers.crash import isolated_env
 
     return isolated_env(tmp_path_factory)
 

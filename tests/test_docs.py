@@ -19,13 +19,14 @@ import annotated_types
 import pytest
 import typer
 import typer.main
-from generated import ROOT, keep_generated
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from moe_qlora.cli.app import app, with_resume_path
 from moe_qlora.config.sections import RunConfig, Section
 from moe_qlora.export import family_tables, gguf_archs
+
+from helpers.generated import ROOT, keep_generated
 
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
@@ -391,7 +392,7 @@ MAIN_FAMILIES = {
 
 
 def sweep_status() -> dict[str, str]:
-    """model type -> status, from the family sweep's table in docs/families.md (tests/test_family_sweep.py)."""
+    """model type -> status, from the family sweep's table in docs/families.md (tests/model/test_family_sweep.py)."""
     return dict(re.findall(r"^\| `(\w+)` \| ([\w ]+) \|", (DOCS / "families.md").read_text(), flags=re.M))
 
 

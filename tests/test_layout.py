@@ -163,3 +163,17 @@ def test_no_function_of_the_training_methods_takes_more_than_seven_parameters():
     }
     assert wide == {}
     assert wide_functions("def f(a, b, c, d, e, f, g, *, h): pass") == ["f (8)"]  # broken control
+
+
+def test_the_tests_are_laid_out_like_the_package():
+    """tests/<package>/test_<module>.py for what one package does, project-wide checks at the top, and what test
+    modules share in tests/helpers/ (or a conftest.py), never a helper module beside the tests."""
+    tests = PACKAGE.parent / "tests"
+    folders = {d.name for d in tests.iterdir() if d.is_dir() and not d.name.startswith((".", "__"))}
+    assert folders - {"helpers"} <= set(LAYERS), folders
+    strays = sorted(
+        str(p.relative_to(tests))
+        for p in tests.rglob("*.py")
+        if p.parent.name != "helpers" and not p.name.startswith("test_") and p.name != "conftest.py"
+    )
+    assert strays == [], f"helper modules outside tests/helpers/: {strays}"

@@ -2,7 +2,7 @@
 names and llama.cpp's architecture (FAMILIES), the families no format writes or the per-expert layout does not
 (NOT_EXPORTED, PER_EXPERT_UNREAD), the layout vLLM reads (vllm_layout), and the base's model_type, read from its
 config.json (no model is loaded). One set of tables, apart from the writers, so that every format and the docs'
-tables (tests/test_export_families.py renders docs/export.md's) follow the same decisions.
+tables (tests/export/test_export_families.py renders docs/export.md's) follow the same decisions.
 """
 
 from __future__ import annotations

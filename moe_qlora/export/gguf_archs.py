@@ -74,7 +74,7 @@ GGUF_HAND_NAMES = {
 }
 # Architectures newer than the gguf package's (0.19.0 on PyPI lacks them): the one whose TensorNameMap gives
 # the same blk.N names for the family's modules as llama.cpp's own gguf-py at 0c1e57098 (checked name by name,
-# and against the converter's output by tests/test_llamacpp.py); general.architecture is still the real one,
+# and against the converter's output by tests/export/test_llamacpp.py); general.architecture is still the real one,
 # which libllama requires of an adapter.
 GGUF_NAMES_FROM = {
     "cohere2moe": "glm4moe",
@@ -113,7 +113,8 @@ GGUF_FUSABLE_GATE_UP = {"qwen3next", "qwen35moe", "qwen4exp", "mistral4", "coher
 # Architectures whose converter always writes one attn_qkv (the export then fuses the q, k and v LoRA itself)
 GGUF_ALWAYS_FUSED_QKV = {"bailingmoe2"}
 # ...and whose attn_qkv --fuse-qkv writes (the converter fuses the layers where q, k and v all exist; Jamba's and
-# Granite-Hybrid's list attn_qkv too, but their converters write q, k and v apart even so: tests/test_llamacpp.py)
+# Granite-Hybrid's list attn_qkv too, but their converters write q, k and v apart even so:
+# tests/export/test_llamacpp.py)
 GGUF_FUSABLE_QKV = {
     "afmoe",
     "dots1",

@@ -383,7 +383,7 @@ def resolve_model_path(name_or_path: str) -> str:
     return name_or_path
 
 
-# The sizes every MoE family's config is shrunk to for the family sweep (tests/test_family_sweep.py): set where
+# The sizes every MoE family's config is shrunk to for the family sweep (tests/model/test_family_sweep.py): set where
 # the config has the field. Hybrid features stay on: layer-type lists are rebuilt for the smaller depth.
 SWEEP_SIZES = {
     "hidden_size": 64,

@@ -75,7 +75,7 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-# model keys that change where the experts live, never a bit of what is computed (tests/test_offload.py): a run
+# model keys that change where the experts live, never a bit of what is computed (tests/moe/test_offload.py): a run
 # may resume with expert offload switched on or off.
 PLACEMENT = {"expert_offload", "offload_resident_layers"}
 # train keys that change when and where a run saves or logs, never what it computes.

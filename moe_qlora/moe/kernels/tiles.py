@@ -295,7 +295,7 @@ def path_candidates(configs: list[MatmulConfig], device) -> list[MatmulConfig]:
 def mma_kind(config: MatmulConfig, arch: int, swap: bool) -> str:
     """The tensor-core instruction a bf16/fp16 launch at `config` compiles to on `arch`'s list: "wgmma" on sm_90
     when the MMA's M side (the tile's rows, or its weight columns in swapped tiles) is at least 64, the size of
-    one warpgroup's instruction, else "mma.sync" (read from the PTX of every candidate: tests/test_kernels.py)."""
+    one warpgroup's instruction, else "mma.sync" (read from the PTX of every candidate: tests/moe/test_kernels.py)."""
     m_side = config.block_n if swap else config.block_m
     return "wgmma" if arch == 90 and m_side >= 64 and config.num_warps % 4 == 0 else "mma.sync"
 

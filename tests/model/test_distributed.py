@@ -1,0 +1,892 @@
+"""Data parallel on the CPU: two gloo ranks launched by torchrun against one process with the same global batch."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "configs" / "demo.yaml"
+STEPS = ["--set", "train.max_steps=6", "--set", "train.warmup_steps=2"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_for(tmp_path, **extra) -> dict:
+    return {**os.environ, "MOE_QLORA_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1", **extra}
+
+
+def torchrun(args: list[str], env: dict, timeout: int = 600) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "moe_qlora",
+        *args,
+    ]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The demo for 6 steps: one process with micro-batch 4, and 2 ranks with micro-batch 2 each."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    single = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_qlora",
+            "train",
+            "--config",
+            str(DEMO),
+            *STEPS,
+            "--set",
+            "train.micro_batch_size=4",
+            "--set",
+            f"output.dir={tmp / 'single'}",
+        ],
+        env=env_for(tmp),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert single.returncode == 0, single.stderr[-2000:]
+    two = torchrun(
+        [
+            "train",
+            "--config",
+            str(DEMO),
+            *STEPS,
+            "--set",
+            "train.micro_batch_size=2",
+            "--set",
+            f"output.dir={tmp / 'two'}",
+        ],
+        env_for(tmp),
+    )
+    assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
+    return tmp / "single", tmp / "two", two
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(runs, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp")
+    proc = torchrun(
+        [
+            "train",
+            "--config",
+            str(DEMO),
+            *STEPS,
+            "--set",
+            "train.micro_batch_size=2",
+            "--set",
+            "train.parallel=fsdp",
+            "--set",
+            "train.save_every=3",
+            "--set",
+            f"output.dir={tmp / 'run'}",
+        ],
+        env_for(tmp),
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return tmp / "run", proc
+
+
+def test_fsdp_over_two_ranks_reproduces_one_process(runs, fsdp_run):
+    """FSDP2: experts sharded by expert, LoRA and AdamW moments sharded, gradients reduce-scattered. The same
+    global batch as one process: losses within 1e-5 (the issue's bound; fp32 summation order differs), and the
+    adapter, gathered whole and verified in PEFT by rank 0, within the same AdamW noise as DDP (see above)."""
+    single, _, _ = runs
+    run, proc = fsdp_run
+    a, b = records(single), records(run)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    assert [r["tokens"] for r in a] == [r["tokens"] for r in b]
+    assert max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b, strict=True)) <= 1e-5
+    assert max(abs(x["grad_norm"] - y["grad_norm"]) / x["grad_norm"] for x, y in zip(a, b, strict=True)) <= 1e-5
+    assert "data parallel (fsdp): 2 ranks x micro_batch_size 2, global batch 8" in proc.stdout
+    assert "each verified to load in PEFT as trained" in proc.stdout
+    fa, fb = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in (single, run))
+    diff = torch.cat([(fa[k] - fb[k]).abs().flatten() for k in fa])
+    assert fa.keys() == fb.keys() and float(diff.max()) <= 5e-5
+    assert int((diff > 1e-6).sum()) <= diff.numel() // 1000
+    # The checkpoint holds whole tensors (gathered), the same names and shapes as a one-process run's.
+    saved = load_file(str(run / "checkpoints" / "step-00000006" / "trainable.safetensors"))
+    mine = load_file(str(single / "checkpoints" / "step-00000006" / "trainable.safetensors"))
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in mine.items()}
+
+
+def test_an_fsdp_checkpoint_resumes_exactly_at_the_same_world_size(fsdp_run, tmp_path):
+    """Checkpoint step 3 of the 2-rank FSDP run (whole tensors, gathered), resumed by 2 FSDP ranks, each taking
+    its shards of LoRA and of the AdamW moments: the end is the uninterrupted run's adapter, bit for bit."""
+    run, _ = fsdp_run
+    resumed = Path(shutil.copytree(run, tmp_path / "resumed"))
+    proc = torchrun(
+        [
+            "train",
+            "--config",
+            str(DEMO),
+            *STEPS,
+            "--set",
+            "train.micro_batch_size=2",
+            "--set",
+            "train.parallel=fsdp",
+            "--set",
+            "train.save_every=3",
+            "--set",
+            f"output.dir={resumed}",
+            "--resume-from",
+            str(resumed / "checkpoints" / "step-00000003"),
+        ],
+        env_for(tmp_path),
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "resumed from" in proc.stdout and "warning" not in proc.stdout
+    assert [r["step"] for r in records(resumed)] == [1, 2, 3, 4, 5, 6]
+    a, b = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in (run, resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_checkpoint_of_two_fsdp_ranks_resumes_in_one_process_from_the_same_global_position(fsdp_run, tmp_path):
+    """Written by 2 ranks x micro-batch 2 (global batch 8), resumed by one process x micro-batch 2 (global 4):
+    checkpoint step 3 ended at example 24, which is step 6 of the new layout. The steps after it must see the
+    data, and the LR, of an uninterrupted one-process run from step 7 on, and the run says what changed."""
+    run, _ = fsdp_run
+    args = [
+        "train",
+        "--config",
+        str(DEMO),
+        "--set",
+        "train.max_steps=6",
+        "--set",
+        "train.warmup_steps=2",
+        "--set",
+        "train.micro_batch_size=2",
+        "--set",
+        "train.parallel=fsdp",
+    ]
+    env = env_for(tmp_path)
+    reference = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_qlora",
+            *args,
+            "--set",
+            "train.max_steps=12",
+            "--set",
+            f"output.dir={tmp_path / 'reference'}",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    run = Path(shutil.copytree(run, tmp_path / "resumed"))
+    resumed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_qlora",
+            *args,
+            "--set",
+            f"output.dir={run}",
+            "--resume-from",
+            str(run / "checkpoints" / "step-00000003"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    said = " ".join(resumed.stdout.split())
+    assert "the checkpoint was written by 2 rank(s), this run has 1: the global batch changes from 8 to 4" in said
+    assert (
+        "continues from the same global position (example 24 of the run): step 3 of the checkpoint's run is "
+        "step 6 here, of 12;" in said
+    )
+    after = [r for r in records(run) if r["step"] > 6]
+    ref = {r["step"]: r for r in records(tmp_path / "reference")}
+    assert [r["step"] for r in after] == list(range(7, 13))
+    assert [r["tokens"] for r in after] == [ref[r["step"]]["tokens"] for r in after]  # the same examples
+    assert all(abs(r["lr"] - ref[r["step"]]["lr"]) <= 1e-12 for r in after)  # the same point of the schedule
+    assert [r["step"] for r in records(run)][:3] == [1, 2, 3]  # the 2-rank steps before the checkpoint are kept
+
+
+def test_two_ranks_reproduce_one_process_with_the_same_global_batch(runs):
+    single, two, proc = runs
+    a, b = records(single), records(two)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]  # rank 0 alone writes: each step once
+    # The same tokens (the global batch), and losses equal up to fp32 summation order.
+    assert [r["tokens"] for r in a] == [r["tokens"] for r in b]
+    assert max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b, strict=True)) <= 1e-6
+    assert "data parallel (ddp): 2 ranks x micro_batch_size 2, global batch 8" in proc.stdout
+    # Adapters: AdamW divides each step by sqrt(v), so a gradient element that is ~0 (rounding noise, which
+    # differs between a 4-row and two 2-row matmuls) moves by up to lr in a sign set by that noise: measured,
+    # 5 of 72,704 elements differ by more than 1e-6, none by more than 1e-5 (lr 5e-3).
+    fa, fb = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in (single, two))
+    diff = torch.cat([(fa[k] - fb[k]).abs().flatten() for k in fa])
+    assert fa.keys() == fb.keys() and float(diff.max()) <= 5e-5
+    assert int((diff > 1e-6).sum()) <= diff.numel() // 1000
+
+
+def test_two_ranks_with_expert_offload_give_bitwise_the_two_rank_run(runs, tmp_path):
+    """model.expert_offload: all under ddp: each rank offloads its own copy; the losses and adapter are bitwise
+    those of the same two ranks without offload."""
+    _, two, _ = runs
+    out = tmp_path / "offload"
+    proc = torchrun(
+        [
+            "train",
+            "--config",
+            str(DEMO),
+            *STEPS,
+            "--set",
+            "train.micro_batch_size=2",
+            "--set",
+            "model.expert_offload=all",
+            "--set",
+            f"output.dir={out}",
+        ],
+        env_for(tmp_path),
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "expert offload (all): 2 of 2 MoE layers" in proc.stdout
+    assert [r["loss"] for r in records(out)] == [r["loss"] for r in records(two)]
+    adapters = [(r / "adapter" / "adapter_model.safetensors").read_bytes() for r in (two, out)]
+    assert adapters[0] == adapters[1]
+
+
+GRADIENT_SCRIPT = """
+import json, sys, torch
+from moe_qlora.model.adapters import attach_adapters
+from moe_qlora.config.sections import LoraSection
+from moe_qlora.data.examples import collate
+from moe_qlora.model.distributed import full_tensor, join, leave, local_shard, shard_model
+from moe_qlora.model.loading import LoadOptions, load_model
+from moe_qlora.model.tiny import build_byte_tokenizer, ensure_tiny
+from moe_qlora.train.sft import accumulate_gradients
+
+ranks = join(60)
+tok = build_byte_tokenizer()
+lora = LoraSection(rank=4, target_modules=["q_proj"])
+model = attach_adapters(load_model(LoadOptions(str(ensure_tiny("mixtral")))), lora, seed=0)
+g = torch.Generator().manual_seed(0)
+with torch.no_grad():
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            p.normal_(0, 0.05, generator=g)
+from moe_qlora.data.examples import Example
+rows = [Example(ids, ids, f"r{i}") for i, ids in enumerate(torch.randint(3, 250, (6, 17), generator=g).tolist())]
+rows[1] = Example(rows[1].input_ids[:9], rows[1].labels[:9], "short")
+mine = rows[ranks.rank * 3 : (ranks.rank + 1) * 3] if ranks.enabled else rows
+shards = {}
+if sys.argv[2] == "fsdp" and ranks.enabled:
+    ranks = shard_model(model, ranks)
+    shards = {k: (tuple(local_shard(p).shape), tuple(p.shape)) for k, p in model.named_parameters()
+              if k.endswith("_nf4")}
+loss, n, _ = accumulate_gradients(model, [collate(mine, 0)], ranks=ranks)
+grads = {k: full_tensor(p.grad) for k, p in model.named_parameters() if p.requires_grad}  # every rank gathers
+if ranks.main:
+    torch.save({"loss": loss, "n": n, "grads": grads, "shards": shards}, sys.argv[1])
+leave(ranks)
+"""
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_the_summed_gradient_of_two_ranks_is_the_one_process_gradient(tmp_path, parallel):
+    """The oracle at the level data parallelism controls: the gradient of the step, before AdamW. Under FSDP the
+    expert stacks are sharded by expert (each rank holds half the experts' codes) and the gradients are
+    reduce-scattered; gathered whole, they must be the one-process gradient."""
+    script = tmp_path / "grad.py"
+    script.write_text(GRADIENT_SCRIPT)
+    env = env_for(tmp_path)
+    one = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "one.pt"), "none"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert one.returncode == 0, one.stderr[-2000:]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(script),
+        str(tmp_path / "two.pt"),
+        parallel,
+    ]
+    two = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
+    a, b = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    if parallel == "fsdp":  # every 4-bit weight's codes split in two: experts (8) by expert, linears by row
+        experts = {k: v for k, v in b["shards"].items() if "experts" in k}
+        assert len(experts) == 4 and all(local == (8 // 2, whole[1]) for local, whole in experts.values())
+        linears = {k: v for k, v in b["shards"].items() if "self_attn" in k}
+        assert len(linears) == 8 and all(local == (whole[0] // 2, whole[1]) for local, whole in linears.values())
+    assert a["n"] == b["n"] and abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"])
+    for name, grad in a["grads"].items():
+        err = float((grad - b["grads"][name]).abs().max())
+        assert err <= 1e-6 * float(grad.abs().max()) + 1e-12, (name, err)
+    # Broken control: a rank that forgot to sum (its own slice only) is far off.
+    assert any(
+        float((g - 0.5 * b["grads"][k]).abs().max()) > 1e-3 * float(g.abs().max()) for k, g in a["grads"].items()
+    )
+
+
+FAIL_ON_RANK_1 = """
+import os
+if os.environ.get("RANK") == "1":
+    import moe_qlora.train.sft as trainer
+    from moe_qlora.data.sources import DataError
+
+    def broken(*args, **kwargs):
+        raise DataError("rows.jsonl:3: unreadable on this node")
+
+    trainer.build_examples = broken
+"""
+
+
+def test_a_rank_that_fails_to_load_stops_every_rank_with_its_message(tmp_path):
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(FAIL_ON_RANK_1)
+    env = env_for(tmp_path, PYTHONPATH=os.pathsep.join([str(tmp_path / "inject"), os.environ.get("PYTHONPATH", "")]))
+    proc = torchrun(
+        [
+            "train",
+            "--config",
+            str(DEMO),
+            *STEPS,
+            "--set",
+            "train.dist_timeout_s=120",
+            "--set",
+            f"output.dir={tmp_path / 'out'}",
+        ],
+        env,
+        timeout=240,
+    )
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode != 0
+    assert "error: rank 1 failed (DataError): rows.jsonl:3: unreadable on this node" in out  # rank 0's sentence
+    assert "error: rows.jsonl:3: unreadable on this node" in out  # rank 1's own
+    assert "moe_qlora/" not in out  # no traceback from the ranks (torchrun prints its own launcher's)
+    assert not (tmp_path / "out" / "adapter").exists()
+
+
+def test_fsdp_for_grpo_or_with_an_8bit_optimizer_is_refused_before_loading(tmp_path):
+    env = env_for(tmp_path, WORLD_SIZE="2")
+    for args, message in (
+        (
+            ["grpo", "--config", str(ROOT / "configs" / "grpo-demo.yaml"), "--set", "train.parallel=fsdp"],
+            "train.parallel: fsdp is for `train`: grpo samples on each rank",
+        ),
+        (
+            ["train", "--config", str(DEMO), "--set", "train.parallel=fsdp", "--set", "train.optimizer=adamw_8bit"],
+            "train.optimizer: adamw_8bit keeps bitsandbytes state FSDP cannot shard",
+        ),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "moe_qlora", *args], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 2 and message in " ".join(proc.stderr.split())
+
+
+def rank_pids(launcher_pid: int) -> dict[int, int]:
+    """{LOCAL_RANK: pid} of the workers torchrun started (read from /proc: Linux)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat[1]) == launcher_pid:  # field 4 of /proc/PID/stat: the parent
+            ranks = [v.split(b"=", 1)[1] for v in environ if v.startswith(b"LOCAL_RANK=")]
+            if ranks:
+                found[int(ranks[0])] = int(entry.name)
+    return found
+
+
+def test_sigkill_of_one_rank_then_resume_gives_the_uninterrupted_result(tmp_path):
+    """Two ranks, a checkpoint every 2 steps; rank 1 is SIGKILLed after rank 0 logged 5 steps. torchrun stops
+    the other rank; relaunched with --resume, the run ends with the uninterrupted run's adapter, tensor for
+    tensor, and metrics.jsonl holds each step once."""
+    import signal
+    import time
+
+    args = [
+        "train",
+        "--config",
+        str(DEMO),
+        "--set",
+        "train.max_steps=8",
+        "--set",
+        "train.warmup_steps=2",
+        "--set",
+        "train.micro_batch_size=2",
+        "--set",
+        "train.save_every=2",
+        "--set",
+        "train.dist_timeout_s=60",
+    ]
+    env = env_for(tmp_path)
+    reference = torchrun([*args, "--set", f"output.dir={tmp_path / 'reference'}"], env)
+    assert reference.returncode == 0, reference.stderr[-2000:]
+
+    out = tmp_path / "crashed"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "moe_qlora",
+        *args,
+        "--set",
+        f"output.dir={out}",
+    ]
+    launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics, killed = out / "metrics.jsonl", False
+    while launcher.poll() is None and not killed:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+            os.kill(rank_pids(launcher.pid)[1], signal.SIGKILL)
+            killed = True
+        time.sleep(0.002)
+    assert killed and launcher.wait(timeout=120) != 0
+
+    resumed = torchrun([*args, "--set", f"output.dir={out}", "--set", "train.resume=auto"], env)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout
+    assert [r["step"] for r in records(out)] == list(range(1, 9))
+    a = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "reference" / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def grpo_config(tmp_path, name: str, **grpo) -> Path:
+    """Offline GRPO (scored completions in a file, so no sampling noise): 3 prompts a step over 2 ranks is 2 and
+    1 whole groups; 2 passes (the clipped ratio) and a KL term, so every statistic and normaliser is summed."""
+    import yaml
+
+    cfg = {
+        "model": {"name_or_path": "builtin:tiny-mixtral"},
+        "lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]},
+        "data": {"train_files": [str(ROOT / "data" / "demo_grpo.jsonl")], "max_seq_len": 32},
+        "train": {"epochs": 1, "max_steps": 4, "micro_batch_size": 2, "lr": 5e-3, "seed": 0},
+        "grpo": {"prompts_per_step": 3, "passes": 2, "kl_coef": 0.02, **grpo},
+        "output": {"dir": str(tmp_path / name)},
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_grpo_over_two_ranks_splits_prompts_by_whole_groups_and_reproduces_one_process(tmp_path):
+    offline = {"offline_file": str(ROOT / "data" / "demo_grpo_offline.jsonl")}
+    env = env_for(tmp_path)
+    one = subprocess.run(
+        [sys.executable, "-m", "moe_qlora", "grpo", "--config", str(grpo_config(tmp_path, "one", **offline))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = torchrun(["grpo", "--config", str(grpo_config(tmp_path, "two", **offline))], env)
+    assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
+    assert "data parallel (ddp): 2 ranks share each step's 3 prompts by whole groups" in two.stdout
+    a, b = records(tmp_path / "one"), records(tmp_path / "two")
+    assert [r["step"] for r in b] == [1, 2, 3, 4] and [r["passes"] for r in b] == [2] * 4
+    for x, y in zip(a, b, strict=True):
+        # Rewards 1, 0, 0, 0 in every group: advantages 1.5, -0.5 x 3; a group split 2 + 2 would give 0.7 and 0.
+        assert x["advantage"] == y["advantage"] and x["reward_mean"] == y["reward_mean"]
+        assert x["sequences_trained"] == y["sequences_trained"] == 12
+        for key in ("loss", "kl", "clip_fraction"):
+            assert abs(x[key] - y[key]) <= 1e-6 * max(1.0, abs(x[key])), (key, x[key], y[key])
+        assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-5 * x["grad_norm"]
+    roll_a, roll_b = (
+        [json.loads(line) for line in (tmp_path / r / "rollouts.jsonl").read_text().splitlines()]
+        for r in ("one", "two")
+    )
+    strip = ("step", "group", "source", "completion", "advantage", "reward")
+    assert [{k: r[k] for k in strip} for r in roll_a] == [{k: r[k] for k in strip} for r in roll_b]
+    fa, fb = (load_file(str(tmp_path / r / "adapter" / "adapter_model.safetensors")) for r in ("one", "two"))
+    assert fa.keys() == fb.keys() and max(float((fa[k] - fb[k]).abs().max()) for k in fa) <= 5e-5
+
+
+def test_online_grpo_over_two_ranks_samples_every_prompt_of_a_step_once_per_completion(tmp_path):
+    """Sampling: each rank samples G completions of its own prompts (seeded by step and rank); rank 0's
+    rollouts.jsonl holds the whole batch, every prompt of the step with exactly G completions."""
+    cfg = grpo_config(
+        tmp_path,
+        "online",
+        group_size=4,
+        max_new_tokens=4,
+        rewards=[{"function": "length", "args": {"target": 2}, "weight": 1.0}],
+    )
+    proc = torchrun(["grpo", "--config", str(cfg), "--set", "train.max_steps=2"], env_for(tmp_path))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "online" / "rollouts.jsonl").read_text().splitlines()]
+    for step in (1, 2):
+        mine = [r for r in rows if r["step"] == step]
+        by_group = {}
+        for r in mine:
+            by_group.setdefault(r["group"], set()).add(r["source"])
+        assert len(mine) == 3 * 4 and sorted(by_group) == [0, 1, 2]
+        assert all(len(sources) == 1 for sources in by_group.values())  # a group is one prompt
+        assert len({next(iter(s)) for s in by_group.values()}) == 3  # three different prompts
+
+
+def launch_two_nodes(args: list[str], env: dict, timeout: int = 600) -> list[subprocess.CompletedProcess]:
+    """Two 'nodes' of one process each on this machine, met through torchrun's c10d rendezvous, as on a cluster
+    (each node runs the same command with its own --node-rank)."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                endpoint,
+                "--rdzv-id",
+                "moe-qlora-test",
+                "-m",
+                "moe_qlora",
+                *args,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return results
+
+
+@pytest.mark.parametrize("launcher", ["accelerate", "two nodes"])
+def test_accelerate_launch_and_two_nodes_run_the_same_data_parallel_steps(runs, tmp_path, launcher):
+    """The CLI reads the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) whoever sets
+    it: accelerate launch, and torchrun across two nodes (LOCAL_RANK 0 on both), give the 2-rank run's steps."""
+    _, two, _ = runs
+    args = [
+        "train",
+        "--config",
+        str(DEMO),
+        *STEPS,
+        "--set",
+        "train.micro_batch_size=2",
+        "--set",
+        f"output.dir={tmp_path / 'run'}",
+    ]
+    env = env_for(tmp_path)
+    if launcher == "accelerate":
+        accelerate = Path(sys.executable).with_name("accelerate")
+        procs = [
+            subprocess.run(
+                [
+                    str(accelerate),
+                    "launch",
+                    "--multi_gpu",
+                    "--num_processes",
+                    "2",
+                    "--num_machines",
+                    "1",
+                    "--main_process_port",
+                    str(free_port()),
+                    "-m",
+                    "moe_qlora",
+                    *args,
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+        ]
+    else:
+        procs = launch_two_nodes(args, env)
+    for proc in procs:
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    said = [p.stdout.count("data parallel (ddp): 2 ranks x micro_batch_size 2, global batch 8") for p in procs]
+    assert sum(said) == 1  # rank 0 alone speaks (on either node: the c10d rendezvous assigns the ranks)
+    a, b = records(two), records(tmp_path / "run")
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6] and [r["tokens"] for r in a] == [r["tokens"] for r in b]
+    assert max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b, strict=True)) <= 1e-6
+
+
+def test_fsdp_with_a_rank_left_without_rows_and_an_eval_that_keeps_the_best(tmp_path):
+    """Packed, the demo's 94 training rows are 34 sequences: the last global micro-batch of 4 holds 2, both rank
+    0's, and rank 1 has nothing (without idle_row the ranks wait on each other until the timeout).
+    Under FSDP every rank must run each forward, so that rank trains on a row with no target (idle_row): the
+    run must neither hang nor change: losses and eval losses within 1e-5 of one process x micro-batch 4. The
+    evals with keep_best write adapter-best from rank 0 alone between steps (the root left gathered by the eval
+    must not desynchronise the ranks)."""
+    args = [
+        "train",
+        "--config",
+        str(DEMO),
+        "--set",
+        "train.max_steps=0",
+        "--set",
+        "train.epochs=1",
+        "--set",
+        "train.warmup_steps=2",
+        "--set",
+        "data.packing=true",
+        "--set",
+        "data.eval_fraction=0.1",
+        "--set",
+        "train.eval_every=2",
+        "--set",
+        "train.keep_best=true",
+        "--set",
+        "train.dist_timeout_s=60",
+    ]
+    env = env_for(tmp_path)
+    one = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_qlora",
+            *args,
+            "--set",
+            "train.micro_batch_size=4",
+            "--set",
+            f"output.dir={tmp_path / 'one'}",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = torchrun(
+        [
+            *args,
+            "--set",
+            "train.micro_batch_size=2",
+            "--set",
+            "train.parallel=fsdp",
+            "--set",
+            f"output.dir={tmp_path / 'two'}",
+        ],
+        env,
+        timeout=600,
+    )
+    assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
+    a, b = records(tmp_path / "one"), records(tmp_path / "two")
+    assert [r["step"] for r in a] == [r["step"] for r in b] and [r["tokens"] for r in a] == [r["tokens"] for r in b]
+    for key in ("loss", "eval_loss"):
+        pairs = [(x[key], y[key]) for x, y in zip(a, b, strict=True) if key in x]
+        assert pairs and max(abs(x - y) for x, y in pairs) <= 1e-5, key
+    assert (tmp_path / "two" / "adapter-best" / "adapter_model.safetensors").is_file()
+
+
+def test_a_grpo_checkpoint_of_two_ranks_resumes_in_one_process_on_the_same_prompts(tmp_path):
+    """A GRPO step is prompts_per_step prompts of the global order whatever the world size, so a checkpoint of 2
+    ranks resumed by one process goes on with the next step's prompts, without remapping. Offline rollouts (no
+    sampling): steps 3 and 4 after the resume are those of an uninterrupted one-process run (rollouts, rewards
+    and advantages equal, losses within 1e-5: the adapter at the checkpoint was trained over two ranks)."""
+    offline = {"offline_file": str(ROOT / "data" / "demo_grpo_offline.jsonl")}
+    env = env_for(tmp_path)
+    two = torchrun(
+        ["grpo", "--config", str(grpo_config(tmp_path, "two", **offline)), "--set", "train.save_every=2"], env
+    )
+    assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
+    one = subprocess.run(
+        [sys.executable, "-m", "moe_qlora", "grpo", "--config", str(grpo_config(tmp_path, "one", **offline))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert one.returncode == 0, one.stderr[-2000:]
+    resumed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_qlora",
+            "grpo",
+            "--config",
+            str(tmp_path / "two.yaml"),
+            "--set",
+            "train.save_every=2",
+            "--resume-from",
+            str(tmp_path / "two" / "checkpoints" / "step-00000002"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout and "warning" not in resumed.stdout
+    a, b = records(tmp_path / "one"), records(tmp_path / "two")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for x, y in zip(a[2:], b[2:], strict=True):
+        assert x["advantage"] == y["advantage"] and x["reward_mean"] == y["reward_mean"]
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 * max(1.0, abs(x["loss"]))
+    roll_a, roll_b = (
+        [json.loads(line) for line in (tmp_path / r / "rollouts.jsonl").read_text().splitlines()]
+        for r in ("one", "two")
+    )
+    keep = ("step", "group", "source", "completion", "reward")
+    assert [{k: r[k] for k in keep} for r in roll_a] == [{k: r[k] for k in keep} for r in roll_b]
+
+
+# ------------------------------------------------------------------------------------------ a fault on one rank
+
+ON_RANK_1 = """
+import os
+if os.environ.get("RANK") == "1":
+    os.environ.update({k.removeprefix("RANK_1_"): v for k, v in os.environ.items() if k.startswith("RANK_1_")})
+"""
+
+
+def env_on_rank_1(tmp_path, **only_rank_1) -> dict:
+    """The environment of a launch whose rank 1 alone also sees `only_rank_1` (a fault to inject), through a
+    sitecustomize.py that copies RANK_1_X to X on that rank."""
+    (tmp_path / "inject").mkdir(exist_ok=True)
+    (tmp_path / "inject" / "sitecustomize.py").write_text(ON_RANK_1)
+    path = os.pathsep.join([str(tmp_path / "inject"), os.environ.get("PYTHONPATH", "")])
+    return env_for(tmp_path, PYTHONPATH=path, **{f"RANK_1_{k}": v for k, v in only_rank_1.items()})
+
+
+def stopped_together(proc: subprocess.CompletedProcess) -> str:
+    """The one sentence every rank printed: the launch failed, each rank said the same error line and where to resume,
+    with no traceback. (Whichever rank exits first, torchrun may SIGTERM the other while it tears down.)"""
+    said = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(said) == 2, (proc.stdout + proc.stderr)[-3000:]
+    assert said[0] == said[1] and proc.stderr.count("resume with: moe-qlora") == 2
+    assert "moe_qlora/" not in proc.stdout + proc.stderr  # no traceback from the ranks (torchrun prints its own)
+    return said[0]
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "optimizer"])
+def test_out_of_memory_on_one_rank_stops_every_rank_with_one_sentence_and_resumes_exactly(runs, tmp_path, phase):
+    """Issue 43: out of memory on rank 1 alone, at step 4 of 6. Rank 0 meets it after the stretch that failed
+    (before the gradients are summed, or after the optimizer), so neither waits in a collective the other never
+    reaches: both print rank 0's sentence and exit 1, step 3 checkpointed (the weights are not past it) or, in
+    the optimizer, not (they are; step 2's checkpoint is the last). Resumed, the run ends on the uninterrupted
+    2-rank run's adapter, tensor for tensor. A launch that hangs fails on the timeout (dist_timeout_s bounds a
+    collective's wait). Before the fix rank 1 stopped alone, saying it had checkpointed what only rank 0 writes,
+    and torchrun killed rank 0."""
+    _, two, _ = runs
+    out = tmp_path / "run"
+    args = [
+        "train",
+        "--config",
+        str(DEMO),
+        *STEPS,
+        "--set",
+        "train.micro_batch_size=2",
+        "--set",
+        "train.save_every=2",
+        "--set",
+        "train.dist_timeout_s=60",
+        "--set",
+        f"output.dir={out}",
+    ]
+    said = stopped_together(torchrun(args, env_on_rank_1(tmp_path, MOE_QLORA_INJECT_OOM=f"4:{phase}"), timeout=180))
+    assert said.startswith(f"error: rank 1: out of memory at step 4 ({phase}): peak")
+    kept = sorted(d.name for d in (out / "checkpoints").iterdir())
+    if phase == "optimizer":
+        assert "Not checkpointed: the optimizer had already updated part of the weights" in said
+        assert kept == ["step-00000002"]
+    else:
+        assert f"Step 3, the last completed, is checkpointed in {out / 'checkpoints' / 'step-00000003'}." in said
+        assert kept == ["step-00000002", "step-00000003"]
+    resumed = torchrun([*args, "--resume"], env_for(tmp_path), timeout=180)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert [r["step"] for r in records(out)] == [1, 2, 3, 4, 5, 6]
+    a, b = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in (two, out))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+FLAKY_REWARD = """import os
+calls = []
+def flaky(prompts, completions, **columns):
+    calls.append(len(completions))
+    if len(calls) >= 3 and os.environ.get("FAIL_REWARD"):  # rank 1's third step on: every call fails
+        raise ConnectionError("reward server unreachable from this node")
+    return [float(len(c) % 3) for c in completions]
+"""
+
+
+def test_a_reward_function_failing_on_one_rank_stops_every_rank_after_a_checkpoint_and_resumes_exactly(tmp_path):
+    """Online grpo over 2 ranks (2 + 1 prompts a step); the reward function raises on rank 1 alone from step 3.
+    Rank 0 meets it after sampling and scoring, before the step's first collective: both print rank 0's
+    sentence, naming the function, the step and the prompt, with step 2 checkpointed; resumed, the run ends
+    on the uninterrupted run's adapter."""
+    (tmp_path / "flaky.py").write_text(FLAKY_REWARD)
+    reward = {"rewards": [{"function": f"{tmp_path / 'flaky.py'}:flaky"}], "group_size": 4, "max_new_tokens": 4}
+    cfg = grpo_config(tmp_path, "run", **reward)
+    args = ["grpo", "--config", str(cfg), "--set", "train.dist_timeout_s=60"]
+    reference = torchrun([*args, "--set", f"output.dir={tmp_path / 'reference'}"], env_for(tmp_path), timeout=180)
+    assert reference.returncode == 0, (reference.stdout + reference.stderr)[-3000:]
+    said = stopped_together(torchrun(args, env_on_rank_1(tmp_path, FAIL_REWARD="1"), timeout=180))
+    assert said.startswith(f"error: rank 1: reward '{tmp_path / 'flaky.py'}:flaky' failed on prompt 2 of step 3 (")
+    assert "ConnectionError: reward server unreachable from this node" in said
+    assert f"Step 2, the last completed, is checkpointed in {tmp_path / 'run' / 'checkpoints'}" in said
+    resumed = torchrun([*args, "--resume"], env_for(tmp_path), timeout=180)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert [r["step"] for r in records(tmp_path / "run")] == [1, 2, 3, 4]
+    a, b = (load_file(str(tmp_path / r / "adapter" / "adapter_model.safetensors")) for r in ("reference", "run"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
