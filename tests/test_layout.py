@@ -177,3 +177,9 @@ def test_the_tests_are_laid_out_like_the_package():
         if p.parent.name != "helpers" and not p.name.startswith("test_") and p.name != "conftest.py"
     )
     assert strays == [], f"helper modules outside tests/helpers/: {strays}"
+
+
+def test_the_export_modules_are_split_by_format():
+    """export/ is one module per format and concern, each under 450 lines (it was one file of 996)."""
+    sizes = {p.name: len(p.read_text().splitlines()) for p in (PACKAGE / "export").glob("*.py")}
+    assert {name: n for name, n in sizes.items() if n >= 450} == {}

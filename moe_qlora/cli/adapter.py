@@ -27,15 +27,8 @@ def check_norms_cmd(
     """Norms of every LoRA factor, summarised per module and layer over experts (--per-expert: every one);
     with a run's router load, experts never routed or routed but never trained are named. Exit 0 healthy,
     1 problems, 2 unreadable."""
-    from moe_qlora.export.norms import (
-        AdapterReadError,
-        check_norms,
-        cross_check_router,
-        render_summary,
-        render_table,
-        report_json,
-        run_of,
-    )
+    from moe_qlora.export.norms import AdapterReadError, check_norms, render_summary, render_table, report_json
+    from moe_qlora.export.router_check import cross_check_router, run_of
 
     try:
         report = check_norms(adapter)

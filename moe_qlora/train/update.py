@@ -65,7 +65,7 @@ def after_step(record: dict, sources: list[str], done: RunProgress, cfg, *, spik
 
 def write_router_layers(out: Path, model) -> None:
     """router_layers.json: the experts modules in the order of every record's router_load (check-norms --run)."""
-    from moe_qlora.export.norms import ROUTER_LAYERS
+    from moe_qlora.export.router_check import ROUTER_LAYERS
 
     names = [name.removesuffix(".moe_lora") for name, _ in expert_loras(model)]
     atomic_write_text(out / ROUTER_LAYERS, json.dumps(names, indent=1))

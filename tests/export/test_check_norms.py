@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from moe_qlora.cli.app import app
-from moe_qlora.export.norms import check_norms, cross_check_router
+from moe_qlora.export.norms import check_norms
+from moe_qlora.export.router_check import cross_check_router
 
 E, R, H, INTER = 4, 2, 16, 8
 PREFIX = "base_model.model.model.layers"

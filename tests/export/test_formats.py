@@ -381,7 +381,7 @@ def test_check_norms_on_a_runs_gguf_finds_the_run_and_cross_checks_the_router(ru
     from typer.testing import CliRunner
 
     from moe_qlora.cli.app import app
-    from moe_qlora.export import norms
+    from moe_qlora.export import norms, router_check
 
     result = CliRunner().invoke(app, ["check-norms", str(run.parent / "adapter.gguf")])
     experts = 3 * 8 * 2  # gate, up and down rows of 8 experts in 2 layers
@@ -390,7 +390,7 @@ def test_check_norms_on_a_runs_gguf_finds_the_run_and_cross_checks_the_router(ru
     fake = tmp_path / "run"  # the same run, its adapter with one routed expert untrained
     shutil.copytree(run.parent, fake, ignore=shutil.ignore_patterns("checkpoints", "adapter*"))
     shutil.copytree(run, fake / "adapter")
-    shares, _ = norms.routed_shares(fake)
+    shares, _ = router_check.routed_shares(fake)
     layer0 = next(v for k, v in shares.items() if ".layers.0." in k)
     expert = max(range(len(layer0)), key=layer0.__getitem__)
     weights = fake / "adapter" / "adapter_model.safetensors"
@@ -405,10 +405,10 @@ def test_check_norms_on_a_runs_gguf_finds_the_run_and_cross_checks_the_router(ru
     routed = f"routed {layer0[expert] / 3:.2%} of rows on average, yet lora_B is all zero"
     peft_report, gguf_report = (norms.check_norms(path) for path in (fake / "adapter", gguf_path))
     for report in (peft_report, gguf_report):
-        norms.cross_check_router(report, fake)
+        router_check.cross_check_router(report, fake)
     assert any(f"layers.0.mlp.experts.down_proj expert {expert}: {routed}" in p for p in peft_report.problems)
     assert any(f"blk.0.ffn_down_exps.weight expert {expert}: {routed}" in p for p in gguf_report.problems)
-    monkeypatch.setattr(norms, "router_load_of", lambda module, totals: totals.get(module.rsplit(".", 1)[0]))
+    monkeypatch.setattr(router_check, "router_load_of", lambda module, totals: totals.get(module.rsplit(".", 1)[0]))
     broken = norms.check_norms(gguf_path)
-    norms.cross_check_router(broken, fake)
+    router_check.cross_check_router(broken, fake)
     assert broken.router_rows_checked == 0 and not any("routed" in p for p in broken.problems)
