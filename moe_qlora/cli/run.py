@@ -87,6 +87,7 @@ def _run(
     user errors into one sentence and exit code 2, an aborted run into exit code 1, and a run stopped by
     SIGINT / SIGTERM into 130 / 143 with the command that resumes it."""
     from moe_qlora.config.load import load_config
+    from moe_qlora.config.methods import check_method
     from moe_qlora.config.sections import ConfigError
 
     resumes = []
@@ -96,6 +97,7 @@ def _run(
         resumes = ["train.resume=auto"]
     try:
         cfg = load_config(config, [*overrides, *resumes])
+        check_method(command, cfg, world=int(os.environ.get("WORLD_SIZE", "1")), source=config)
         check_paths_before_loading(cfg, hub=not dry_run)
     except ConfigError as exc:  # (its subclasses too) before the heavy imports _user_errors makes
         fail(exc, debug)

@@ -18,7 +18,7 @@ def sharding_chosen(
 ) -> bool:
     """train.parallel under several ranks: fsdp as asked, ddp as asked, and auto = ddp when `plan` says the run
     fits one device (always on the CPU, and for a run that `generates`: grpo), fsdp otherwise. What a sharded
-    run cannot do is refused before loading (config.check_shardable): here when auto chose fsdp."""
+    run cannot do is refused before loading (config.check_shardable)."""
     if not ranks.enabled or cfg.train.parallel == "ddp":
         return False
     if cfg.train.parallel == "auto" and cfg.model.expert_offload != "none":  # offload is how it fits one GPU
@@ -37,7 +37,7 @@ def sharding_chosen(
         )
         if need <= have:
             return False
-        check_shardable(cfg, generates=generates)  # fsdp as asked was checked with the config (train.recipe)
+    check_shardable(cfg, generates=generates)  # as the recipe checked fsdp as asked: auto's choice too
     return True
 
 

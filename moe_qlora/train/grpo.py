@@ -19,7 +19,7 @@ import torch
 from rich.console import Console
 
 from moe_qlora.common.reporting import MetricsLog
-from moe_qlora.config.sections import ConfigError, DataSection, RunConfig
+from moe_qlora.config.sections import DataSection, RunConfig
 from moe_qlora.data.examples import IGNORE, Example, collate, epoch_order
 from moe_qlora.model.adapters import adapters_disabled
 from moe_qlora.model.build import load_tokenizer
@@ -276,22 +276,6 @@ class GrpoRecipe(Recipe):
     generates = True
     spikes = False
 
-    @classmethod
-    def check_config(cls, cfg: RunConfig, *, world: int, source: str) -> None:
-        if cfg.grpo is None:
-            raise ConfigError(f"{source}: no `grpo:` section; moe-qlora grpo needs at least grpo.rewards")
-        super().check_config(cfg, world=world, source=source)
-        if cfg.train.optimizer_in_backward:
-            raise ConfigError(
-                "train.optimizer_in_backward is for `train` only: a GRPO step sums the gradients of all its "
-                "rollout micro-batches (and of several passes) before it can update"
-            )
-        if world > 1 and cfg.grpo.top_entropy_quantile < 1:
-            raise ConfigError(
-                "grpo.top_entropy_quantile < 1 runs in one process for now: TRL takes the quantile over "
-                "the micro-batches of every rank together, which moe-qlora does not gather"
-            )
-
     def load(self) -> None:
         self.model_path, self.tokenizer = load_tokenizer(self.cfg.model)
         self.source = RolloutSource(self.cfg, self.tokenizer, self.console)
@@ -314,8 +298,9 @@ class GrpoRecipe(Recipe):
             )
 
     def open_logs(self):
+        metrics = super().open_logs()
         self.rollout_log = MetricsLog(self.out / "rollouts.jsonl") if self.ranks.main else None
-        return super().open_logs()
+        return metrics
 
     def batches(self):
         return batch_prompts(self.source.items, self.cfg)

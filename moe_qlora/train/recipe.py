@@ -15,7 +15,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from moe_qlora.common.reporting import NoReporters, Reporters
-from moe_qlora.config.sections import DataSection, RunConfig, check_shardable
+from moe_qlora.config.methods import check_method
+from moe_qlora.config.sections import DataSection, RunConfig
 from moe_qlora.export.adapter import load_adapter
 from moe_qlora.export.prompt_format import write_prompt_format
 from moe_qlora.model.build import load_policy
@@ -71,9 +72,9 @@ class Recipe:
 
     @classmethod
     def check_config(cls, cfg: RunConfig, *, world: int, source: str) -> None:
-        """Every run-time check of this method's config, in one place (the schema checks each key alone)."""
-        if cfg.train.parallel == "fsdp" and world > 1:
-            check_shardable(cfg, generates=cls.generates)
+        """Every run-time check of this method's config, in one place: config/methods.py, by command (torch-free,
+        so the CLI runs the same checks before any heavy import)."""
+        check_method(cls.command, cfg, world=world, source=source)
 
     # ------------------------------------------------------------------------------------- the run
 

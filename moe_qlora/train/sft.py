@@ -18,7 +18,7 @@ from rich.console import Console
 
 from moe_qlora.common.memory import release_freed_memory
 from moe_qlora.common.reporting import read_jsonl
-from moe_qlora.config.sections import ConfigError, RunConfig
+from moe_qlora.config.sections import RunConfig
 from moe_qlora.data.examples import IGNORE, Example, apply_reward_weights, build_examples, collate, eval_split
 from moe_qlora.export.prompt_format import write_prompt_format
 from moe_qlora.model.build import load_tokenizer
@@ -199,15 +199,6 @@ class SftRecipe(Recipe):
     the loss normalised over the step's target tokens; an eval split with the best adapter kept."""
 
     command = "train"
-
-    @classmethod
-    def check_config(cls, cfg: RunConfig, *, world: int, source: str) -> None:
-        super().check_config(cfg, world=world, source=source)
-        if world > 1 and cfg.train.optimizer_in_backward:
-            raise ConfigError(
-                "train.optimizer_in_backward steps inside each rank's backward, before the gradients "
-                "of the ranks are summed: set it false for a data-parallel run"
-            )
 
     def load(self) -> None:
         cfg, console = self.cfg, self.console

@@ -59,6 +59,25 @@ def test_a_missing_data_file_is_named_before_any_heavy_import(config, tmp_path):
     assert f"{Path.cwd() / 'nope.jsonl'}: no such file" in err
 
 
+@pytest.mark.parametrize(
+    ("command", "sets", "world", "refused"),
+    [
+        ("grpo", [], "1", "no `grpo:` section"),
+        ("train", ["train.optimizer_in_backward=true"], "2", "optimizer_in_backward steps inside each rank"),
+        ("train", ["train.parallel=fsdp", "train.optimizer=adamw_8bit"], "2", "keeps bitsandbytes state"),
+    ],
+)
+def test_a_method_check_refuses_at_once_even_in_a_dry_run(config, command, sets, world, refused):
+    """The recipes' checks (config/methods.py) run before any heavy import, --dry-run included. The control: the
+    same dry run of a config that passes them prints it (exit 0)."""
+    args = [command, "--config", str(config), *(a for s in sets for a in ("--set", s)), "--dry-run"]
+    code, torch_imported, err = cli(args, WORLD_SIZE=world)
+    assert code == 2 and not torch_imported and refused in err
+    if command == "train":
+        code, _, _ = cli(args, WORLD_SIZE="1")
+        assert code == 0
+
+
 def test_a_hub_id_while_offline_fails_at_once_in_one_sentence(config):
     code, torch_imported, err = cli(
         ["train", "--config", str(config), "--set", "model.name_or_path=someorg/no-moe"], HF_HUB_OFFLINE="1"

@@ -1,0 +1,50 @@
+"""Each training method's run-time checks of a config: what the schema cannot see key by key, and what depends
+on how many processes the run has. Defined once, torch-free, so that `moe-qlora train|grpo` (and `--dry-run`)
+refuse at once, before any heavy import; the recipes (train/recipe.py) run the same checks when built from Python.
+"""
+
+from __future__ import annotations
+
+from moe_qlora.config.sections import ConfigError, RunConfig, check_shardable
+
+
+def check_sft(cfg: RunConfig, *, world: int, source: str) -> None:
+    """SFT and reward-weighted SFT over `world` processes."""
+    check_sharding(cfg, world=world, generates=False)
+    if world > 1 and cfg.train.optimizer_in_backward:
+        raise ConfigError(
+            "train.optimizer_in_backward steps inside each rank's backward, before the gradients "
+            "of the ranks are summed: set it false for a data-parallel run"
+        )
+
+
+def check_grpo(cfg: RunConfig, *, world: int, source: str) -> None:
+    """GRPO over `world` processes: a grpo section, no step inside the backward, the entropy quantile alone."""
+    if cfg.grpo is None:
+        raise ConfigError(f"{source}: no `grpo:` section; moe-qlora grpo needs at least grpo.rewards")
+    check_sharding(cfg, world=world, generates=True)
+    if cfg.train.optimizer_in_backward:
+        raise ConfigError(
+            "train.optimizer_in_backward is for `train` only: a GRPO step sums the gradients of all its "
+            "rollout micro-batches (and of several passes) before it can update"
+        )
+    if world > 1 and cfg.grpo.top_entropy_quantile < 1:
+        raise ConfigError(
+            "grpo.top_entropy_quantile < 1 runs in one process for now: TRL takes the quantile over "
+            "the micro-batches of every rank together, which moe-qlora does not gather"
+        )
+
+
+def check_sharding(cfg: RunConfig, *, world: int, generates: bool) -> None:
+    """train.parallel: fsdp as asked, over several processes: what a sharded run cannot do (auto is decided, and
+    checked the same way, when the model is placed: model/placement.py)."""
+    if cfg.train.parallel == "fsdp" and world > 1:
+        check_shardable(cfg, generates=generates)
+
+
+CHECKS = {"train": check_sft, "grpo": check_grpo}  # by command
+
+
+def check_method(command: str, cfg: RunConfig, *, world: int, source: str) -> None:
+    """The checks of `command`'s method (ConfigError naming the key, and `source` where the config is at fault)."""
+    CHECKS[command](cfg, world=world, source=source)
