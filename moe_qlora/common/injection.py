@@ -11,7 +11,6 @@ runs for every MoE call, another for every tensor the optimizer steps inside the
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -59,19 +58,25 @@ def faults_requested(kernel_fault: str = "", oom: str = "", failpoint: str = "")
     return InjectedFaults(kernel_faults_of(kernel_fault), oom, failpoint)
 
 
-@functools.cache
 def _faults_from_environment() -> InjectedFaults:
-    """The environment's request, read once per process."""
+    """The environment's request."""
     env = os.environ
     return faults_requested(env.get(KERNEL_FAULT_ENV, ""), env.get(OOM_ENV, ""), env.get(FAILPOINT_ENV, ""))
 
 
 _INJECTED: list[InjectedFaults] = []  # injected()'s records, innermost last
+# The environment's record, kept at the first question. A plain list rather than functools.cache: torch.compile
+# traces the MoE forward, which asks for its kernel fault, and would warn that it ignores an lru_cache wrapper.
+_FROM_ENVIRONMENT: list[InjectedFaults] = []
 
 
 def injected_faults() -> InjectedFaults:
     """The faults in force: the innermost injected() block's, else the environment's (read at the first call)."""
-    return _INJECTED[-1] if _INJECTED else _faults_from_environment()
+    if _INJECTED:
+        return _INJECTED[-1]
+    if not _FROM_ENVIRONMENT:
+        _FROM_ENVIRONMENT.append(_faults_from_environment())
+    return _FROM_ENVIRONMENT[0]
 
 
 @contextmanager
