@@ -108,9 +108,9 @@ def test_prompt_format_of_the_demo_data_is_what_its_rows_share():
 
 def test_a_grpo_run_records_the_prompts_it_trained_on(tmp_path):
     """Offline GRPO trains on its scored completions' prompts (grpo.offline_file, 16 rows), not data.train_files."""
-    from test_grpo import offline_config
-
     from moe_qlora.train.grpo import grpo
+
+    from helpers.runs import offline_config
 
     result = grpo(offline_config(tmp_path, epochs=1), Console(quiet=True))
     assert read_prompt_format(result.adapter_dir) == PromptFormat({"prompt": 16}, "", "\n", None)

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from moe_qlora.common.settings import ReadOnce
+
 KERNEL_FAULT_ENV = "MOE_QLORA_INJECT_KERNEL_FAULT"
 OOM_ENV = "MOE_QLORA_INJECT_OOM"
 FAILPOINT_ENV = "MOE_QLORA_FAILPOINT"
@@ -64,27 +66,17 @@ def _faults_from_environment() -> InjectedFaults:
     return faults_requested(env.get(KERNEL_FAULT_ENV, ""), env.get(OOM_ENV, ""), env.get(FAILPOINT_ENV, ""))
 
 
-_INJECTED: list[InjectedFaults] = []  # injected()'s records, innermost last
-# The environment's record, kept at the first question. A plain list rather than functools.cache: torch.compile
-# traces the MoE forward, which asks for its kernel fault, and would warn that it ignores an lru_cache wrapper.
-_FROM_ENVIRONMENT: list[InjectedFaults] = []
+_FAULTS = ReadOnce(_faults_from_environment)
 
 
 def injected_faults() -> InjectedFaults:
     """The faults in force: the innermost injected() block's, else the environment's (read at the first call)."""
-    if _INJECTED:
-        return _INJECTED[-1]
-    if not _FROM_ENVIRONMENT:
-        _FROM_ENVIRONMENT.append(_faults_from_environment())
-    return _FROM_ENVIRONMENT[0]
+    return _FAULTS.current()
 
 
 @contextmanager
 def injected(*, kernel_fault: str = "", oom: str = "", failpoint: str = "") -> Iterator[InjectedFaults]:
     """Inside the block these faults (in the environment variables' syntax), and only these, are injected:
     injected(kernel_fault="grouped_mm:wrong"), injected(oom="7:optimizer"), injected(failpoint="save@6")."""
-    _INJECTED.append(faults_requested(kernel_fault, oom, failpoint))
-    try:
-        yield _INJECTED[-1]
-    finally:
-        _INJECTED.pop()
+    with _FAULTS.overriding(faults_requested(kernel_fault, oom, failpoint)) as faults:
+        yield faults

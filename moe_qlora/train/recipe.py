@@ -8,6 +8,7 @@ the NaN policy, metrics, checkpoints by steps and minutes); `step()` is what eac
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,9 +41,9 @@ from moe_qlora.train.runs import (
 from moe_qlora.train.update import after_step, build_schedule, write_router_layers
 
 
-class Recipe:
-    """One training run of one method. Subclasses set `command` and define `load()`, `batches()`, `step()`,
-    `count_steps()` and `result()`; the hooks with defaults here are what differs between methods."""
+class Recipe(ABC):
+    """One training run of one method. A method sets `command` and defines the abstract methods (a subclass that
+    misses one cannot be built); the hooks with defaults here are what else differs between methods."""
 
     command = "train"  # the progress bar's label and the summary's
     logs: tuple[str, ...] = ("metrics.jsonl",)  # the JSONL files a resume cuts back to its step
@@ -218,57 +219,64 @@ class Recipe:
 
     # ------------------------------------------------------------------------- what methods define
 
+    @abstractmethod
     def load(self) -> None:
         """Set model_path, tokenizer, the data, model, params (trainable) and ranks (sharded ones if the model is)."""
-        raise NotImplementedError
 
     def prepare_data(self) -> None:
         """After the model is loaded: e.g. the held-out split and packing."""
+        return None  # a hook: nothing by default
 
+    @abstractmethod
     def count_steps(self) -> int:
-        raise NotImplementedError
+        """How many steps the run has."""
 
     def updates_per_step(self) -> int:
         """Optimizer updates (schedule steps) per step."""
         return 1
 
+    @abstractmethod
     def data_identity(self) -> dict:
         """What of the data a checkpoint must match to be resumed."""
-        raise NotImplementedError
 
     def after_resume(self) -> None:
         """After the checkpoint is restored: e.g. a resume at another world size."""
+        return None  # a hook: nothing by default
 
+    @abstractmethod
     def batches(self) -> Iterator[tuple[int, object]]:
         """(epoch, what one step trains on), in the run's order from its first step."""
-        raise NotImplementedError
 
+    @abstractmethod
     def step(self, number: int, epoch: int, batch) -> dict:
         """One step: forward, backward and update on `batch`; its metrics (loss, grad_norm, skipped...)."""
-        raise NotImplementedError
 
     def complete(self, record: dict, batch, seconds: float) -> None:
         """Add what is measured after the step (outside its failure handling) to its record."""
+        return None  # a hook: nothing by default
 
+    @abstractmethod
     def sources(self, record: dict, batch) -> list[str]:
         """'file:row' of the step's samples, named when it is not finite."""
-        raise NotImplementedError
 
     def logged(self, record: dict, number: int) -> bool:
         return True
 
     def after_update(self, record: dict) -> None:
         """After the NaN policy accepted the step: the schedule, the headline and the token count."""
+        return None  # a hook: nothing by default
 
+    @abstractmethod
     def progress_info(self, record: dict) -> dict[str, str]:
-        raise NotImplementedError
+        """The fields the progress bar (and a log file's plain line) shows for a step."""
 
     def prompt_data(self) -> DataSection:
         """The rows whose prompt rendering generate repeats."""
         return self.cfg.data
 
+    @abstractmethod
     def result(self, adapter_dir: Path, seconds: float):
-        raise NotImplementedError
+        """Print the run's summary; what train() / grpo() return."""
 
 
 def progress_columns(label: str) -> list:

@@ -260,7 +260,7 @@ def test_a_resume_is_refused_while_the_run_lives_and_starts_at_once_after_its_si
 
 
 def test_under_torchrun_a_refused_rank_0_stops_every_rank(env, tmp_path):
-    from test_distributed import torchrun
+    from helpers.crash import torchrun
 
     out = tmp_path / "run"
     with RunLock.acquire(out):

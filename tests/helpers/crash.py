@@ -4,6 +4,7 @@ steps, and the tensor-for-tensor comparison of the adapters two runs end with.""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -89,3 +90,31 @@ def signal_after_steps(
         time.sleep(0.002)
     stdout, stderr = proc.communicate(timeout=600)
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (the rendezvous of a torchrun the tests start)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(args: list[str], env: dict, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`moe_qlora` with `args` under torchrun: 2 processes on this machine."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "moe_qlora",
+        *args,
+    ]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

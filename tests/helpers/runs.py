@@ -31,3 +31,17 @@ def checkpoint_tensors(out: Path, step: int) -> tuple[dict, dict]:
     """(trainable tensors, optimizer state) of `out`'s checkpoint of `step`."""
     folder = out / "checkpoints" / f"step-{step:08d}"
     return load_file(str(folder / "trainable.safetensors")), load_file(str(folder / "optimizer.safetensors"))
+
+
+def offline_config(tmp_path: Path, epochs: int) -> RunConfig:
+    """Offline GRPO of builtin:tiny-mixtral on the demo's scored completions, 4 prompts a step, into tmp_path."""
+    return validate_config(
+        {
+            "model": {"name_or_path": "builtin:tiny-mixtral"},
+            "lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]},
+            "data": {"train_files": [str(ROOT / "data" / "demo_grpo.jsonl")], "max_seq_len": 32},
+            "train": {"epochs": epochs, "micro_batch_size": 8, "lr": 5e-3, "seed": 0},
+            "grpo": {"offline_file": str(ROOT / "data" / "demo_grpo_offline.jsonl"), "prompts_per_step": 4},
+            "output": {"dir": str(tmp_path / "offline")},
+        }
+    )

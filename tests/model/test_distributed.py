@@ -3,7 +3,6 @@
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,39 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers.crash import free_port, torchrun
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
 STEPS = ["--set", "train.max_steps=6", "--set", "train.warmup_steps=2"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def env_for(tmp_path, **extra) -> dict:
     return {**os.environ, "MOE_QLORA_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1", **extra}
-
-
-def torchrun(args: list[str], env: dict, timeout: int = 600) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "moe_qlora",
-        *args,
-    ]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def records(run: Path) -> list[dict]:

@@ -14,7 +14,6 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from moe_qlora.cli.app import app
-from moe_qlora.config.load import validate_config
 from moe_qlora.config.sections import GrpoSection, LoraSection
 from moe_qlora.data.examples import collate
 from moe_qlora.model.adapters import adapters_disabled, attach_adapters
@@ -23,6 +22,8 @@ from moe_qlora.model.tiny import build_byte_tokenizer
 from moe_qlora.train.grpo import grpo, rollout_examples
 from moe_qlora.train.losses import completion_logprobs
 from moe_qlora.train.rollout import PromptRow, completion_end, sample_rollouts
+
+from helpers.runs import offline_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TOK = build_byte_tokenizer()
@@ -175,19 +176,6 @@ def test_reference_policy_is_the_base_model_and_adapters_come_back(policy, tiny_
     assert (adapted - expected).abs().max() > 1e-2  # the adapters do change the model (control)
     torch.testing.assert_close(disabled, expected, rtol=0, atol=1e-5)  # same NF4 weights, same kernels
     assert torch.equal(restored, adapted)
-
-
-def offline_config(tmp_path, epochs):
-    return validate_config(
-        {
-            "model": {"name_or_path": "builtin:tiny-mixtral"},
-            "lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]},
-            "data": {"train_files": [str(ROOT / "data" / "demo_grpo.jsonl")], "max_seq_len": 32},
-            "train": {"epochs": epochs, "micro_batch_size": 8, "lr": 5e-3, "seed": 0},
-            "grpo": {"offline_file": str(ROOT / "data" / "demo_grpo_offline.jsonl"), "prompts_per_step": 4},
-            "output": {"dir": str(tmp_path / "offline")},
-        }
-    )
 
 
 def test_offline_scored_completions_train_towards_the_better_ones(tmp_path):

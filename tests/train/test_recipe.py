@@ -61,3 +61,14 @@ def test_the_methods_define_steps_not_loops():
         own = {name for name in vars(method) if not name.startswith("__")}
         assert "step" in own and "batches" in own, method
         assert not shared & own, f"{method.__name__} redefines {shared & own}"
+
+
+def test_a_method_that_leaves_out_its_step_cannot_be_built(tmp_path):
+    """What every method must define is abstract: a method without `step` fails when built, not mid-run. The
+    control: the same method with a step is built."""
+    defined = {name: lambda self, *args: None for name in Recipe.__abstractmethods__ - {"step"}}
+    no_step = type("NoStep", (Recipe,), defined)
+    with pytest.raises(TypeError, match="abstract method .?step"):
+        no_step(config(tmp_path / "run"))
+    with_step = type("WithStep", (no_step,), {"step": lambda self, *args: {}})
+    assert with_step(config(tmp_path / "run")).out == tmp_path / "run"

@@ -10,13 +10,14 @@ with kernel_settings_overridden: a launch reads fields of one frozen object, nev
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from moe_qlora.common.settings import ReadOnce
 
 
 @dataclass(frozen=True)
@@ -170,30 +171,22 @@ class KernelSettings:
         )
 
 
-_OVERRIDDEN: list[KernelSettings] = []  # kernel_settings_overridden's, innermost last
-
-
-@functools.cache
-def _settings_from_environment() -> KernelSettings:
-    """The environment's settings, read once: tests/conftest.py sets TRITON_INTERPRET before anything here runs,
-    and a child process (the AOT capture, scripts/gpu_check.sh, the tests' subprocesses) reads its own."""
-    return KernelSettings.from_environment()
+# tests/conftest.py sets TRITON_INTERPRET before anything here runs, and a child process (the AOT capture,
+# scripts/gpu_check.sh, the tests' subprocesses) reads its own environment.
+_SETTINGS = ReadOnce(KernelSettings.from_environment)
 
 
 def kernel_settings() -> KernelSettings:
     """The settings launches use now: the innermost override, else the environment's (read at the first call)."""
-    return _OVERRIDDEN[-1] if _OVERRIDDEN else _settings_from_environment()
+    return _SETTINGS.current()
 
 
 @contextmanager
 def kernel_settings_overridden(**changes) -> Iterator[KernelSettings]:
     """Inside the block, launches use the current settings with `changes` (KernelSettings fields) replaced:
     kernel_settings_overridden(autotune=False, target_arch=90). Blocks nest; the settings return on exit."""
-    _OVERRIDDEN.append(dataclasses.replace(kernel_settings(), **changes))
-    try:
-        yield _OVERRIDDEN[-1]
-    finally:
-        _OVERRIDDEN.pop()
+    with _SETTINGS.overriding(dataclasses.replace(kernel_settings(), **changes)) as settings:
+        yield settings
 
 
 def block_override() -> tuple[int, int, int] | None:
