@@ -1,4 +1,4 @@
-"""Command line: `moe-qlora train`, `grpo`, `plan`, `check-norms`, `plot`, `export`, `merge`, `generate`.
+"""Command line: `moe-qlora train`, `grpo`, `dpo`, `plan`, `check-norms`, `plot`, `export`, `merge`, `generate`.
 
 A user error (bad config, bad data, missing model, unreadable adapter) prints one sentence and exits 2; an
 aborted run, or an adapter that would not load as trained, exits 1. `--debug` shows the traceback instead.
@@ -16,6 +16,7 @@ from moe_qlora.cli.common import console, err_console
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
 app.command(epilog=run.TRAIN_EPILOG)(run.train)
 app.command(epilog=run.GRPO_EPILOG)(run.grpo)
+app.command(epilog=run.DPO_EPILOG)(run.dpo)
 app.command(epilog=plan_plot.PLAN_EPILOG)(plan_plot.plan)
 app.command("check-norms")(adapter.check_norms_cmd)
 app.command("plot")(plan_plot.plot_cmd)

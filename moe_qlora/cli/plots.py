@@ -1,11 +1,12 @@
-"""`moe-qlora plot RUN_DIR`: PNGs from a run's metrics.jsonl (train or grpo), written atomically.
+"""`moe-qlora plot RUN_DIR`: PNGs from a run's metrics.jsonl (train, grpo or dpo), written atomically.
 
 - loss.png: training loss per step, and the eval loss where it was measured;
 - lr.png, grad_norm.png;
 - router_load.png: per MoE layer, each expert's share of the routed rows, averaged over the run (a heatmap:
   a dead expert is a dark column, a collapsed router a single bright one);
 - GRPO runs: reward.png (total and per reward function), kl.png (a note instead of a line when the run had
-  no KL term: grpo.kl_coef 0 logs none), completion_length.png.
+  no KL term: grpo.kl_coef 0 logs none), completion_length.png;
+- DPO runs: rewards.png (chosen, rejected, margins; the eval margin), accuracy.png, logps.png.
 """
 
 from __future__ import annotations
@@ -159,7 +160,20 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         plot(
             "completion_length.png", "completion length", {"mean": series(records, "completion_tokens/mean")}, "tokens"
         )
+    if any("rewards/margins" in r for r in records):  # dpo
+        plot_preferences(plot, records)
     if (load := mean_router_load(records)) is not None:
         heatmap(out / "router_load.png", load)
         written.append(out / "router_load.png")
     return written
+
+
+def plot_preferences(plot, records: list[dict]) -> None:
+    """A dpo run's TRL metrics: the implicit rewards and their margin, the accuracy, the completions' log-probs."""
+    rewards = {side: series(records, f"rewards/{side}") for side in ("chosen", "rejected", "margins")}
+    rewards["eval margins"] = series(records, "eval_rewards/margins")
+    plot("rewards.png", "implicit rewards (beta x log-ratio to the reference)", rewards, "reward")
+    accuracy = {"train": series(records, "rewards/accuracies"), "eval": series(records, "eval_rewards/accuracies")}
+    plot("accuracy.png", "preference accuracy (chosen reward above the rejected one)", accuracy, "share of pairs")
+    logps = {side: series(records, f"logps/{side}") for side in ("chosen", "rejected")}
+    plot("logps.png", "log-probability of the completions (summed over tokens)", logps, "log p")

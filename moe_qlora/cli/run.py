@@ -1,4 +1,4 @@
-"""`moe-qlora train` and `grpo`: the config loaded and checked before any heavy import, the run, and what each
+"""`moe-qlora train`, `grpo` and `dpo`: the config loaded and checked before any heavy import, the run, and what each
 way it can stop prints (a user error, an aborted run, a failed step, a full disk, a signal) with its exit code."""
 
 from __future__ import annotations
@@ -20,34 +20,52 @@ TRAIN_EPILOG = """Examples:
 """
 
 
-def train(
-    config: str = typer.Option(..., "--config", "-c", help="YAML run configuration"),
-    set_: list[str] = typer.Option([], "--set", help="override a key, e.g. --set train.lr=2e-4 (repeatable)"),
-    dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved configuration and exit"),
-    resume: bool = typer.Option(
-        False, "--resume", help="continue from the newest valid checkpoint in output.dir (--resume PATH: from that one)"
-    ),
-    resume_from: str = typer.Option(None, "--resume-from", hidden=True),
-    resume_anyway: bool = typer.Option(
-        False, "--resume-anyway", help="resume even if the config or the dataset changed since the checkpoint"
-    ),
-    overwrite: bool = typer.Option(
-        False, "--overwrite", help="output.dir holds another run: move it aside to <dir>.old-<time> and start over"
-    ),
-    debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
-):
-    """Fine-tune a MoE model with QLoRA (experts frozen in NF4, per-expert LoRA)."""
-    _run(
-        "train",
-        config,
-        set_,
-        dry_run=dry_run,
-        resume=resume,
-        resume_from=resume_from,
-        resume_anyway=resume_anyway,
-        overwrite=overwrite,
-        debug=debug,
-    )
+def run_command(command: str, summary: str, *, config_help: str, set_help: str, changed: str):
+    """The typer command `moe-qlora <command>`: every training method takes the same options."""
+
+    def run(
+        config: str = typer.Option(..., "--config", "-c", help=config_help),
+        set_: list[str] = typer.Option([], "--set", help=set_help),
+        dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved configuration and exit"),
+        resume: bool = typer.Option(
+            False,
+            "--resume",
+            help="continue from the newest valid checkpoint in output.dir (--resume PATH: from that one)",
+        ),
+        resume_from: str = typer.Option(None, "--resume-from", hidden=True),
+        resume_anyway: bool = typer.Option(
+            False, "--resume-anyway", help=f"resume even if the config or {changed} changed since the checkpoint"
+        ),
+        overwrite: bool = typer.Option(
+            False,
+            "--overwrite",
+            help="output.dir holds another run: move it aside to <dir>.old-<time> and start over",
+        ),
+        debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
+    ):
+        _run(
+            command,
+            config,
+            set_,
+            dry_run=dry_run,
+            resume=resume,
+            resume_from=resume_from,
+            resume_anyway=resume_anyway,
+            overwrite=overwrite,
+            debug=debug,
+        )
+
+    run.__doc__, run.__name__ = summary, command
+    return run
+
+
+train = run_command(
+    "train",
+    "Fine-tune a MoE model with QLoRA (experts frozen in NF4, per-expert LoRA).",
+    config_help="YAML run configuration",
+    set_help="override a key, e.g. --set train.lr=2e-4 (repeatable)",
+    changed="the dataset",
+)
 
 
 def check_paths_before_loading(cfg, *, hub: bool = True) -> None:
@@ -119,6 +137,8 @@ def _run(
 
     if command == "grpo":
         from moe_qlora.train.grpo import GrpoRecipe as Method
+    elif command == "dpo":
+        from moe_qlora.train.dpo import DpoRecipe as Method
     else:
         from moe_qlora.train.sft import SftRecipe as Method
     from moe_qlora.common.fileio import removed_if_left_unused  # a run refused at its start leaves no empty folder
@@ -184,31 +204,28 @@ GRPO_EPILOG = """Examples:
 """
 
 
-def grpo(
-    config: str = typer.Option(..., "--config", "-c", help="YAML run configuration with a grpo: section"),
-    set_: list[str] = typer.Option([], "--set", help="override a key, e.g. --set grpo.group_size=8 (repeatable)"),
-    dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved configuration and exit"),
-    resume: bool = typer.Option(
-        False, "--resume", help="continue from the newest valid checkpoint in output.dir (--resume PATH: from that one)"
-    ),
-    resume_from: str = typer.Option(None, "--resume-from", hidden=True),
-    resume_anyway: bool = typer.Option(
-        False, "--resume-anyway", help="resume even if the config or the prompts changed since the checkpoint"
-    ),
-    overwrite: bool = typer.Option(
-        False, "--overwrite", help="output.dir holds another run: move it aside to <dir>.old-<time> and start over"
-    ),
-    debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
-):
-    """Online GRPO on the 4-bit model: sample groups, score them with reward functions, train on advantages."""
-    _run(
-        "grpo",
-        config,
-        set_,
-        dry_run=dry_run,
-        resume=resume,
-        resume_from=resume_from,
-        resume_anyway=resume_anyway,
-        overwrite=overwrite,
-        debug=debug,
-    )
+grpo = run_command(
+    "grpo",
+    "Online GRPO on the 4-bit model: sample groups, score them with reward functions, train on advantages.",
+    config_help="YAML run configuration with a grpo: section",
+    set_help="override a key, e.g. --set grpo.group_size=8 (repeatable)",
+    changed="the prompts",
+)
+
+DPO_EPILOG = """Examples:
+
+  moe-qlora dpo --config configs/dpo-demo.yaml
+
+  moe-qlora dpo --config cfg.yaml --set dpo.loss_type=ipo --set dpo.beta=0.5
+
+  moe-qlora dpo --config cfg.yaml --set lora.init_from=runs/sft/adapter   # SFT, then DPO from its adapter
+"""
+
+dpo = run_command(
+    "dpo",
+    "Preference training (DPO, IPO, hinge, robust, SimPO, ORPO) on chosen/rejected pairs; the reference is "
+    "the step-0 policy, scored once.",
+    config_help="YAML run configuration with a dpo: section",
+    set_help="override a key, e.g. --set dpo.beta=0.2 (repeatable)",
+    changed="the pairs",
+)

@@ -1,5 +1,5 @@
 """Each training method's run-time checks of a config: what the schema cannot see key by key, and what depends
-on how many processes the run has. Defined once, torch-free, so that `moe-qlora train|grpo` (and `--dry-run`)
+on how many processes the run has. Defined once, torch-free, so that `moe-qlora train|grpo|dpo` (and `--dry-run`)
 refuse at once, before any heavy import; the recipes (train/recipe.py) run the same checks when built from Python.
 """
 
@@ -35,6 +35,31 @@ def check_grpo(cfg: RunConfig, *, world: int, source: str) -> None:
         )
 
 
+def check_dpo(cfg: RunConfig, *, world: int, source: str) -> None:
+    """Preference training over `world` processes: a dpo section, pairs as they are (no packing, no weights),
+    data parallel by whole pairs."""
+    if cfg.dpo is None:
+        raise ConfigError(f"{source}: no `dpo:` section; moe-qlora dpo needs one (`dpo: {{}}` for DPO's defaults)")
+    refusals = {
+        "train.objective: rwsft": (
+            cfg.train.objective == "rwsft",
+            "weights rows by a reward; preference rows carry their preference in the pair",
+        ),
+        "data.packing": (cfg.data.packing, "would put a pair's chosen and rejected rows in other sequences"),
+        "train.optimizer_in_backward": (
+            cfg.train.optimizer_in_backward,
+            "updates inside the backward; a DPO step's loss is normalised over all its pairs first",
+        ),
+        "train.parallel: fsdp": (
+            cfg.train.parallel == "fsdp" and world > 1,
+            "shards the model; dpo runs data parallel with ddp (the whole 4-bit model on every rank)",
+        ),
+    }
+    for key, (refused, why) in refusals.items():
+        if refused:
+            raise ConfigError(f"{key} is not for `moe-qlora dpo`: it {why}")
+
+
 def check_sharding(cfg: RunConfig, *, world: int, generates: bool) -> None:
     """train.parallel: fsdp as asked, over several processes: what a sharded run cannot do (auto is decided, and
     checked the same way, when the model is placed: model/placement.py)."""
@@ -42,7 +67,7 @@ def check_sharding(cfg: RunConfig, *, world: int, generates: bool) -> None:
         check_shardable(cfg, generates=generates)
 
 
-CHECKS = {"train": check_sft, "grpo": check_grpo}  # by command
+CHECKS = {"train": check_sft, "grpo": check_grpo, "dpo": check_dpo}  # by command
 
 
 def check_method(command: str, cfg: RunConfig, *, world: int, source: str) -> None:

@@ -6,17 +6,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from moe_qlora.config.base import ConfigError, Section
+from moe_qlora.config.preference import DpoSection
 from moe_qlora.moe.kernel_names import KERNEL_CHOICES
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot be used; the message is meant for the user as is."""
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class ModelSection(Section):
@@ -177,6 +171,12 @@ class TrainSection(Section):
         description="tokens per chunk through the output head for the loss (never the whole "
         "(tokens, vocab) logits); 0: full logits",
     )
+    router_aux_loss_coef: float | Literal["model"] = Field(
+        0.0,
+        description="train on the family's MoE load-balancing (auxiliary) loss times this, in train, dpo and grpo "
+        "(logged as aux_loss either way); model: the coefficient in the model's config (TRL's default for MoE "
+        "models is 0.001); 0: off",
+    )
     checkpoint_interval: int = Field(1, ge=1, description="checkpoint every Nth decoder layer")
     seed: int = 0
     log_every: int = Field(1, ge=1)
@@ -207,6 +207,13 @@ class TrainSection(Section):
         "checkpoint folder (checkpoints/step-NNNNNNNN) to continue from",
         min_length=1,
     )
+
+    @field_validator("router_aux_loss_coef")
+    @classmethod
+    def _non_negative(cls, value):
+        if value != "model" and value < 0:
+            raise ValueError(f"must be >= 0 or `model`, got {value}")
+        return value
 
 
 class RewardFunctionSpec(Section):
@@ -392,6 +399,7 @@ class RunConfig(Section):
     output: OutputSection = Field(default_factory=OutputSection)
     reward: RewardSection = Field(default_factory=RewardSection)
     grpo: GrpoSection | None = Field(None, description="settings of `moe-qlora grpo` (ignored by `train`)")
+    dpo: DpoSection | None = Field(None, description="settings of `moe-qlora dpo` (ignored by the other commands)")
 
     @model_validator(mode="after")
     def _consistent(self):

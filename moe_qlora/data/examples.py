@@ -71,7 +71,7 @@ def _text_field(row: dict, key: str, source: str) -> str:
     return value
 
 
-def _ids(enc) -> list[int]:
+def token_ids(enc) -> list[int]:
     """Token ids from a tokenizer call or apply_chat_template (list or BatchEncoding)."""
     return list(enc["input_ids"] if not isinstance(enc, list) else enc)
 
@@ -81,8 +81,8 @@ def tokenize_prompt_completion(row, tokenizer, train_on_prompt, source):
     prompt, completion = _text_field(row, "prompt", source), _text_field(row, completion_key, source)
     if not completion.strip():
         raise DataError(f"{source}: empty {completion_key!r}: nothing to train on")
-    prompt_ids = _ids(tokenizer(prompt, add_special_tokens=True))
-    target_ids = _ids(tokenizer(completion, add_special_tokens=False)) + [tokenizer.eos_token_id]
+    prompt_ids = token_ids(tokenizer(prompt, add_special_tokens=True))
+    target_ids = token_ids(tokenizer(completion, add_special_tokens=False)) + [tokenizer.eos_token_id]
     prompt_labels = prompt_ids if train_on_prompt else [IGNORE] * len(prompt_ids)
     return prompt_ids + target_ids, prompt_labels + target_ids
 
@@ -93,7 +93,7 @@ def _check_messages(messages, source):
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise DataError(f"{source}: messages[{i}] must have role in {ROLES} and string content, got {m!r}")
-    _check_turn_order([m["role"] for m in messages], source)
+    check_turn_order([m["role"] for m in messages], source)
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not assistant:
         raise DataError(f"{source}: no assistant turn to train on")
@@ -102,7 +102,7 @@ def _check_messages(messages, source):
     return assistant
 
 
-def _check_turn_order(roles: list[str], source: str) -> None:
+def check_turn_order(roles: list[str], source: str) -> None:
     """A system turn only first; then user and assistant alternate (tool turns answer an assistant)."""
     for i, role in enumerate(roles):
         prev = roles[i - 1] if i else None
@@ -127,11 +127,11 @@ def tokenize_messages(row, tokenizer, train_on_prompt, all_turns, source):
     """
     messages = row["messages"]
     assistant = _check_messages(messages, source)
-    full = _ids(tokenizer.apply_chat_template(messages, tokenize=True))
+    full = token_ids(tokenizer.apply_chat_template(messages, tokenize=True))
     labels = list(full) if train_on_prompt else [IGNORE] * len(full)
     for i in assistant if all_turns else assistant[-1:]:
-        start = len(_ids(tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=True)))
-        end_ids = _ids(tokenizer.apply_chat_template(messages[: i + 1], tokenize=True))
+        start = len(token_ids(tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=True)))
+        end_ids = token_ids(tokenizer.apply_chat_template(messages[: i + 1], tokenize=True))
         if full[: len(end_ids)] != end_ids or end_ids[:start] != full[:start]:
             raise DataError(f"{source}: the chat template does not render conversation prefixes as prefixes")
         labels[start : len(end_ids)] = full[start : len(end_ids)]
@@ -142,7 +142,7 @@ def tokenize_text(row, tokenizer, source):
     text = _text_field(row, "text", source)
     if not text.strip():
         raise DataError(f"{source}: empty 'text'")
-    ids = _ids(tokenizer(text, add_special_tokens=True)) + [tokenizer.eos_token_id]
+    ids = token_ids(tokenizer(text, add_special_tokens=True)) + [tokenizer.eos_token_id]
     return ids, list(ids)
 
 

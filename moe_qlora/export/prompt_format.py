@@ -47,7 +47,8 @@ def row_kind(row: dict, requested: str) -> str:
     """prompt, chat or text: data.format when set, else the row's keys (as the data loaders read them)."""
     if requested != "auto":
         return KIND_OF_FORMAT[requested]
-    if row.get("messages") is not None:
+    conversational = (row.get(k) for k in ("prompt", "chosen"))  # preference rows: TRL's conversational format
+    if row.get("messages") is not None or any(isinstance(v, list) for v in conversational):
         return "chat"
     return "prompt" if isinstance(row.get("prompt"), str) else "text"
 
@@ -95,8 +96,11 @@ def prompt_format_of(data: DataSection) -> PromptFormat:
         rows[kind] = rows.get(kind, 0) + 1
         if kind == "prompt" and isinstance(row.get("prompt"), str):
             prompts.append(row["prompt"])
-        elif kind == "chat" and isinstance(row.get("messages"), list):
-            conversations.append(row["messages"])
+        elif kind == "chat":
+            conversation = next(
+                (row[k] for k in ("messages", "prompt", "chosen") if isinstance(row.get(k), list)), None
+            )
+            conversations += [conversation] if conversation is not None else []
     return PromptFormat(rows, shared_prefix(prompts), shared_suffix(prompts), shared_system(conversations))
 
 

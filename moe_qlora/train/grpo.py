@@ -33,7 +33,7 @@ from moe_qlora.train.grpo_loss import (
     token_weights,
     top_entropy_mask,
 )
-from moe_qlora.train.losses import completion_logprobs, completion_logprobs_and_entropy
+from moe_qlora.train.losses import completion_logprobs, has_router_aux_loss, token_logprobs
 from moe_qlora.train.position import StepContext
 from moe_qlora.train.recipe import Recipe
 from moe_qlora.train.rewards import rollout_advantages
@@ -154,15 +154,25 @@ def backward_pass(model, batches: list[dict], frozen: tuple, g, totals: BatchTot
     objective, entropy = Objective.of(g), g.top_entropy_quantile < 1 or bool(g.entropy_coef)
     chunk, position = ctx.train.loss_chunk_tokens, ctx.position
     sums = dict.fromkeys(("loss", "clip_fraction", *(("kl",) if g.kl_coef else ())), 0.0)  # no rows: zeros
+    router_logits = has_router_aux_loss(model)
     for batch, old_lp, ref_lp in zip(batches, *frozen, strict=True):
         with position.within("forward"):
-            if entropy:
-                logp, mask, entropies = completion_logprobs_and_entropy(model, batch, g.temperature, chunk=chunk)
-            else:
-                (logp, mask), entropies = completion_logprobs(model, batch, g.temperature, chunk=chunk), None
+            logp, mask, out = token_logprobs(
+                model,
+                batch,
+                scale=1.0 / g.temperature,
+                chunk=chunk,
+                entropy=entropy,
+                **({"output_router_logits": True} if router_logits else {}),
+            )
+        entropies, aux = getattr(out, "token_entropy", None), getattr(out, "aux_loss", None)
         loss, stats = micro_batch_loss(
             (logp, mask, entropies), (old_lp, ref_lp), batch["weights"], g, objective, totals
         )
+        if aux is not None:  # the mean over the batch's micro-batches, times train.router_aux_loss_coef
+            stats["aux_loss"] = float(aux.detach()) / totals.micro_batches
+            if ctx.aux_coef:
+                loss = loss + ctx.aux_coef / totals.micro_batches * aux
         with position.within("backward"):
             loss.backward()
         for k, v in stats.items():

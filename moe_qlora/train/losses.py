@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from moe_qlora.config.sections import ConfigError
 from moe_qlora.data.examples import IGNORE
 
 log = logging.getLogger(__name__)
@@ -183,6 +184,25 @@ def token_logprobs(model, batch, *, scale: float = 1.0, chunk: int = 0, entropy:
             q = torch.log_softmax(out.logits[:, :-1].float() * scale, dim=-1)
             out.token_entropy = -(q.exp() * q).sum(dim=-1)
     return logp * mask, mask, out
+
+
+def has_router_aux_loss(model) -> bool:
+    """Does the family define an MoE auxiliary (load-balancing) loss (transformers returns it as `aux_loss` when
+    asked for the router logits)?"""
+    return hasattr(model.config, "router_aux_loss_coef")
+
+
+def router_aux_coefficient(model, setting: float | str) -> float:
+    """train.router_aux_loss_coef for `model`: 0 (off), the number, or (`model`) the family's own coefficient
+    from its config; ConfigError when it is on for a family without an auxiliary loss."""
+    if setting == 0:
+        return 0.0
+    if not has_router_aux_loss(model):
+        raise ConfigError(
+            f"train.router_aux_loss_coef: {setting}, but {model.config.model_type} defines no router auxiliary "
+            "(load-balancing) loss to train on; set it to 0"
+        )
+    return float(model.config.router_aux_loss_coef) if setting == "model" else float(setting)
 
 
 def _chunking_allowed(model, batch) -> bool:

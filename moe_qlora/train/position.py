@@ -54,11 +54,13 @@ class StepPosition:
 @dataclass(frozen=True)
 class StepContext:
     """What a step's functions need besides their data, the same for every step of a run: the run's place among
-    the ranks, its position (to mark phases in), and the train section."""
+    the ranks, its position (to mark phases in), the train section, and the weight of the MoE auxiliary loss in
+    the loss (train.router_aux_loss_coef resolved for the model: losses.router_aux_coefficient)."""
 
     train: TrainSection
     ranks: Ranks = SINGLE
     position: StepPosition = field(default_factory=StepPosition)
+    aux_coef: float = 0.0
 
 
 def rng_states() -> tuple:

@@ -24,9 +24,10 @@ from moe_qlora.model.build import load_policy
 from moe_qlora.model.distributed import any_rank, launched_world_size, raise_together, whole_trainable
 from moe_qlora.train.checkpoint import RunProgress, checkpoint_tensors, config_identity, save_checkpoint
 from moe_qlora.train.faults import FaultStop, attempt
+from moe_qlora.train.losses import router_aux_coefficient
 from moe_qlora.train.optim import build_optimizer
 from moe_qlora.train.position import StepContext, StepPosition
-from moe_qlora.train.resume import resume_if_asked
+from moe_qlora.train.resume import resume_if_asked, truncate_metrics
 from moe_qlora.train.runs import (
     CheckpointPolicy,
     StopSignals,
@@ -34,10 +35,12 @@ from moe_qlora.train.runs import (
     launched,
     output_dir_locked,
     plain_progress_line,
+    save_verified_adapter,
     seed_everything,
     stop_if_asked,
     write_adapter,
 )
+from moe_qlora.train.steps import continue_at_world_size, schedule_at
 from moe_qlora.train.update import after_step, build_schedule, write_router_layers
 
 
@@ -106,7 +109,8 @@ class Recipe(ABC):
         except Exception as exc:
             failure = exc
         raise_together(self.ranks, failure)
-        self.context = StepContext(cfg.train, self.ranks, self.position)
+        aux_coef = router_aux_coefficient(self.model, cfg.train.router_aux_loss_coef)
+        self.context = StepContext(cfg.train, self.ranks, self.position, aux_coef)
         if self.ranks.main:
             write_router_layers(self.out, self.model)
         self.prepare_data()
@@ -216,6 +220,37 @@ class Recipe(ABC):
 
     def cleanup(self) -> None:
         self.metrics.close()
+
+    # ------------------------------------------------------------- shared by the methods that need it
+
+    def continue_data_parallel(self, num_items: int) -> None:
+        """After a resume: a checkpoint of another world size goes on from the same place in the data (its
+        steps, schedule and records follow: steps.continue_at_world_size); then the data-parallel line."""
+        cfg, ranks = self.cfg, self.ranks
+        resumed_at = self.done.step
+        self.done, self.total = continue_at_world_size(self.done, ranks, num_items, cfg, self.total, self.console)
+        if self.done.step != resumed_at:
+            self.scheduler = schedule_at(self.optimizer, self.total, self.done.step, cfg.train)
+            if ranks.main and self.done.step < resumed_at:  # more ranks: fewer, larger steps; records start again
+                truncate_metrics(self.out / "metrics.jsonl", self.done.step)
+        if ranks.enabled:
+            batch = ranks.world * cfg.train.micro_batch_size * cfg.train.grad_accum
+            self.console.print(
+                f"data parallel ({'fsdp' if ranks.sharded else 'ddp'}): {ranks.world} ranks x "
+                f"micro_batch_size {cfg.train.micro_batch_size}, global batch {batch}"
+            )
+
+    def keep_if_best(self, eval_loss: float) -> dict:
+        """train.keep_best: the adapter of the lowest eval loss so far in adapter-best/ (verified); the record's
+        eval_best flag when this one is."""
+        if not (self.cfg.train.keep_best and eval_loss < self.best_eval):
+            return {}
+        self.best_eval = eval_loss
+        with whole_trainable(self.model, self.ranks):
+            if self.ranks.main:
+                save_verified_adapter(self.model, self.out / "adapter-best", self.cfg, self.model_path)
+                write_prompt_format(self.out / "adapter-best", self.prompt_data())
+        return {"eval_best": True}
 
     # ------------------------------------------------------------------------- what methods define
 

@@ -4,13 +4,14 @@ an abandoned continuation set aside.
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
 from rich.console import Console
 
 from moe_qlora.common.fileio import atomic_write_text
-from moe_qlora.common.reporting import jsonl_lines
+from moe_qlora.common.reporting import jsonl_lines, read_jsonl
 from moe_qlora.config.sections import RunConfig
 from moe_qlora.train.checkpoint import (
     CheckpointError,
@@ -77,3 +78,9 @@ def set_aside_newer_checkpoints(out: Path, checkpoint: Path, console: Console) -
         d.rename(d.with_name(f"{d.name}.superseded-{stamp}"))
     if newer:
         console.print(f"resume: {len(newer)} newer checkpoint(s) renamed *.superseded-{stamp} (kept, not used)")
+
+
+def best_eval_so_far(metrics_path: Path) -> float:
+    """The lowest eval loss logged (after a resume: up to the checkpoint), inf if none."""
+    values = [r["eval_loss"] for r in read_jsonl(metrics_path) if "eval_loss" in r]
+    return min(values, default=math.inf)

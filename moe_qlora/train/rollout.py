@@ -14,7 +14,7 @@ from rich.console import Console
 from transformers import GenerationConfig
 
 from moe_qlora.config.sections import DataSection, GrpoSection, RunConfig
-from moe_qlora.data.examples import _check_messages, _ids
+from moe_qlora.data.examples import _check_messages, token_ids
 from moe_qlora.data.sources import DataError, entry_path, load_rows
 from moe_qlora.model.distributed import Ranks, rank_slice
 from moe_qlora.train.checkpoint import fingerprint
@@ -51,7 +51,7 @@ def _prompt_ids(row: dict, tokenizer, source: str) -> tuple[list[int], str]:
     if isinstance(row.get("prompt"), str):
         if not row["prompt"].strip():
             raise DataError(f"{source}: empty 'prompt'")
-        return _ids(tokenizer(row["prompt"], add_special_tokens=True)), row["prompt"]
+        return token_ids(tokenizer(row["prompt"], add_special_tokens=True)), row["prompt"]
     messages = row.get("messages")
     if messages is None:
         raise DataError(f"{source}: a GRPO prompt row needs 'prompt' (a string) or 'messages'; it has {sorted(row)}")
@@ -65,7 +65,7 @@ def _prompt_ids(row: dict, tokenizer, source: str) -> tuple[list[int], str]:
     if not isinstance(messages, list) or not messages or messages[-1].get("role") != "user":
         raise DataError(f"{source}: 'messages' of a GRPO prompt must end with a user turn")
     _check_messages([*messages, {"role": "assistant", "content": "x"}], source)
-    ids = _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    ids = token_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
     return ids, messages[-1]["content"]
 
 
@@ -221,7 +221,7 @@ def offline_rollouts(groups: list[OfflineGroup], tokenizer, max_seq_len: int) ->
     rollouts = []
     for g, group in enumerate(groups):
         for text in group.completions:
-            ids = _ids(tokenizer(text, add_special_tokens=False)) + [tokenizer.eos_token_id]
+            ids = token_ids(tokenizer(text, add_special_tokens=False)) + [tokenizer.eos_token_id]
             ids = ids[: max(1, max_seq_len - len(group.prompt.ids))]
             rollouts.append(Rollout(group.prompt, g, ids, text))
     return rollouts

@@ -154,17 +154,17 @@ def _duration(seconds: float) -> str:
 
 @dataclass
 class RunSummary:
-    command: str  # train | grpo
+    command: str  # train | grpo | dpo
     steps: int
     seconds: float
     tokens: int
-    final: float | None  # the last step's loss (train) or mean reward (grpo)
+    final: float | None  # the last step's loss (train, dpo) or mean reward (grpo)
     best: float | None  # the lowest loss or highest mean reward
     adapter: Path
     metrics: Path
 
     def print(self, console) -> None:
-        what = "loss" if self.command == "train" else "mean reward"
+        what = "mean reward" if self.command == "grpo" else "loss"
         console.print(
             f"done: {self.steps} steps in {_duration(self.seconds)}, {self.tokens:,} tokens"
             + (f"; {what} {self.final:.4f} at the end, best {self.best:.4f}" if self.final is not None else ""),

@@ -17,22 +17,20 @@ import torch
 from rich.console import Console
 
 from moe_qlora.common.memory import release_freed_memory
-from moe_qlora.common.reporting import read_jsonl
 from moe_qlora.config.sections import RunConfig
 from moe_qlora.data.examples import IGNORE, Example, apply_reward_weights, build_examples, collate, eval_split
-from moe_qlora.export.prompt_format import write_prompt_format
 from moe_qlora.model.build import load_tokenizer
-from moe_qlora.model.distributed import SINGLE, Ranks, sum_gradients, sum_scalars, whole_trainable
+from moe_qlora.model.distributed import SINGLE, Ranks, sum_gradients, sum_scalars
 from moe_qlora.train.checkpoint import dataset_fingerprint
 from moe_qlora.train.faults import local_stretch
-from moe_qlora.train.losses import token_logprobs
+from moe_qlora.train.losses import has_router_aux_loss, token_logprobs
 from moe_qlora.train.optim import StepInBackward
 from moe_qlora.train.packing import packed
 from moe_qlora.train.position import StepContext, StepPosition
 from moe_qlora.train.recipe import Recipe
-from moe_qlora.train.resume import truncate_metrics
-from moe_qlora.train.runs import RunSummary, save_verified_adapter
-from moe_qlora.train.steps import IDLE, continue_at_world_size, count_steps, optimizer_steps, schedule_at
+from moe_qlora.train.resume import best_eval_so_far
+from moe_qlora.train.runs import RunSummary
+from moe_qlora.train.steps import IDLE, count_steps, optimizer_steps
 from moe_qlora.train.update import apply_update, router_load
 
 log = logging.getLogger(__name__)
@@ -48,11 +46,12 @@ class TrainResult:
 
 def token_loss_sum(
     model, batch: dict[str, torch.Tensor], *, loss_chunk: int = 0
-) -> tuple[torch.Tensor, int, float | None]:
+) -> tuple[torch.Tensor, int, torch.Tensor | None]:
     """Sum of next-token cross-entropies over target positions, their count, and the model's MoE auxiliary
-    (load-balancing) loss where the family defines one (logged, not trained on). loss_chunk > 0: through the
-    output head that many tokens at a time (losses.py), never the whole (B, L, V) logits."""
-    extra = {"output_router_logits": True} if hasattr(model.config, "router_aux_loss_coef") else {}
+    (load-balancing) loss where the family defines one (a differentiable scalar: logged, and trained on with
+    train.router_aux_loss_coef). loss_chunk > 0: through the output head that many tokens at a time
+    (losses.py), never the whole (B, L, V) logits."""
+    extra = {"output_router_logits": True} if has_router_aux_loss(model) else {}
     logp, mask, out = token_logprobs(model, batch, chunk=loss_chunk, **extra)
     targets = batch["labels"][:, 1:]
     token_losses = -logp
@@ -66,8 +65,7 @@ def token_loss_sum(
         loss = token_losses.sum()
     else:
         loss = (token_losses.sum(dim=1) * weights.to(token_losses)).sum()
-    aux = getattr(out, "aux_loss", None)
-    return loss, int((targets != IGNORE).sum()), None if aux is None else float(aux.detach())
+    return loss, int((targets != IGNORE).sum()), getattr(out, "aux_loss", None)
 
 
 def accumulate_gradients(
@@ -77,39 +75,58 @@ def accumulate_gradients(
     loss_chunk: int = 0,
     ranks: Ranks = SINGLE,
     position: StepPosition | None = None,
+    aux_coef: float = 0.0,
 ) -> tuple[float, int, float | None]:
     """Backward over micro-batches, each scaled by 1/N with N the target tokens of all of them together (on
-    every rank), so the gradient is that of the mean token loss over the whole step; with several ranks the
-    gradients are then summed across them. Returns (mean loss, N, mean aux loss)."""
+    every rank), so the gradient is that of the mean token loss over the whole step (plus aux_coef times the
+    mean auxiliary loss of the micro-batches); with several ranks the gradients are then summed across them.
+    Returns (mean loss, N, mean aux loss)."""
     local = sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in batches)
-    n_targets = int(sum_scalars(ranks, local)[0])
+    n_targets, n_batches = map(int, sum_scalars(ranks, local, len(batches)))
+    share = StepShare(n_targets, aux_coef / n_batches)
     if ranks.sharded:  # FSDP gathers and reduces inside them: a rank that fails there cannot meet the others
-        total, aux = backward_over(model, batches, n_targets, loss_chunk, position)
+        total, aux = backward_over(model, batches, share, loss_chunk, position)
     else:
-        total, aux = local_stretch(ranks, backward_over, model, batches, n_targets, loss_chunk, position)
+        total, aux = local_stretch(ranks, backward_over, model, batches, share, loss_chunk, position)
     if ranks.enabled:
         (total,) = sum_scalars(ranks, total)
         sum_gradients(ranks, [p for p in model.parameters() if p.requires_grad])
     return total / n_targets, n_targets, (sum(aux) / len(aux) if aux else None)
 
 
+@dataclass(frozen=True)
+class StepShare:
+    """What one micro-batch's loss is scaled by: 1 / the step's target tokens, and the weight of its auxiliary
+    loss (train.router_aux_loss_coef / the step's micro-batches on every rank; 0: not trained on)."""
+
+    targets: int
+    aux_weight: float = 0.0
+
+    def loss(self, loss_sum: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        if aux is None or not self.aux_weight:
+            return loss_sum / self.targets
+        return loss_sum / self.targets + self.aux_weight * aux
+
+
 def backward_over(
-    model, batches: list[dict[str, torch.Tensor]], n_targets: int, loss_chunk: int, position: StepPosition | None
+    model, batches: list[dict[str, torch.Tensor]], share: StepShare, loss_chunk: int, position: StepPosition | None
 ) -> tuple[float, list[float]]:
-    """Forward and backward of each micro-batch, its loss sum scaled by 1/n_targets; (summed loss, aux losses)."""
+    """Forward and backward of each micro-batch, scaled as `share` says; (summed loss, aux losses)."""
     total, aux, position = 0.0, [], position or StepPosition()
     for batch in batches:
         with position.within("forward"):
             loss_sum, _, aux_loss = token_loss_sum(model, batch, loss_chunk=loss_chunk)
         with position.within("backward"):
-            (loss_sum / n_targets).backward()
+            share.loss(loss_sum, aux_loss).backward()
         total += float(loss_sum.detach())
         if aux_loss is not None:
-            aux.append(aux_loss)
+            aux.append(float(aux_loss.detach()))
     return total, aux
 
 
-def backward_with_updates(model, stepper: StepInBackward, batch: dict[str, torch.Tensor], *, loss_chunk: int = 0):
+def backward_with_updates(
+    model, stepper: StepInBackward, batch: dict[str, torch.Tensor], *, loss_chunk: int = 0, aux_coef: float = 0.0
+):
     """train.optimizer_in_backward: one micro-batch's backward, each LoRA tensor updated inside it. A
     non-finite loss is seen before the backward, so nothing is updated. Returns (mean loss, N, aux loss,
     pre-clip gradient norm, skipped)."""
@@ -120,8 +137,9 @@ def backward_with_updates(model, stepper: StepInBackward, batch: dict[str, torch
     loss = float(loss_sum.detach()) / n_targets
     if math.isfinite(loss):
         with stepper.position.within("backward (optimizer in backward)"):
-            (loss_sum / n_targets).backward()
+            StepShare(n_targets, aux_coef).loss(loss_sum, aux_loss).backward()
     del loss_sum
+    aux_loss = None if aux_loss is None else float(aux_loss.detach())
     grad_norm, skipped = stepper.finish(math.isfinite(loss))
     release_freed_memory()
     return loss, n_targets, aux_loss, grad_norm, skipped
@@ -135,11 +153,16 @@ def train_step(model, optimizer, group, pad_id: int, ctx: StepContext, stepper: 
     if stepper is not None:
         (batch,) = batches  # grad_accum is 1 (the config refuses more)
         loss, n_targets, aux_loss, grad_norm, skipped = backward_with_updates(
-            model, stepper, batch, loss_chunk=t.loss_chunk_tokens
+            model, stepper, batch, loss_chunk=t.loss_chunk_tokens, aux_coef=ctx.aux_coef
         )
     else:
         loss, n_targets, aux_loss = accumulate_gradients(
-            model, batches, loss_chunk=t.loss_chunk_tokens, ranks=ctx.ranks, position=ctx.position
+            model,
+            batches,
+            loss_chunk=t.loss_chunk_tokens,
+            ranks=ctx.ranks,
+            position=ctx.position,
+            aux_coef=ctx.aux_coef,
         )
         grad_norm, skipped = local_stretch(ctx.ranks, apply_update, optimizer, loss, t, ctx.position)
     trained = sum(len(e.input_ids) for mb in group for e in mb if not e.source.endswith(IDLE))
@@ -188,12 +211,6 @@ def eval_loss(model, examples: list[Example], pad_id: int, train_cfg) -> float:
     return total / max(count, 1)
 
 
-def best_eval_so_far(metrics_path: Path) -> float:
-    """The lowest eval loss logged (after a resume: up to the checkpoint), inf if none."""
-    values = [r["eval_loss"] for r in read_jsonl(metrics_path) if "eval_loss" in r]
-    return min(values, default=math.inf)
-
-
 class SftRecipe(Recipe):
     """SFT and reward-weighted SFT (train.objective: rwsft): `train.grad_accum` micro-batches per optimizer step,
     the loss normalised over the step's target tokens; an eval split with the best adapter kept."""
@@ -234,25 +251,10 @@ class SftRecipe(Recipe):
         return {"dataset_fingerprint": dataset_fingerprint(self.examples), "world": self.ranks.world}
 
     def after_resume(self) -> None:
-        """A checkpoint of another world size goes on from the same place in the data; the data-parallel line;
-        train.optimizer_in_backward's stepper (undo: a step abandoned part-way, NaN or out of memory, is put
-        back)."""
-        cfg, ranks = self.cfg, self.ranks
-        resumed_at = self.done.step
-        self.done, self.total = continue_at_world_size(
-            self.done, ranks, len(self.examples), cfg, self.total, self.console
-        )
-        if self.done.step != resumed_at:
-            self.scheduler = schedule_at(self.optimizer, self.total, self.done.step, cfg.train)
-            if ranks.main and self.done.step < resumed_at:  # more ranks: fewer, larger steps; records start again
-                truncate_metrics(self.out / "metrics.jsonl", self.done.step)
-        if ranks.enabled:
-            batch = ranks.world * cfg.train.micro_batch_size * cfg.train.grad_accum
-            self.console.print(
-                f"data parallel ({'fsdp' if ranks.sharded else 'ddp'}): {ranks.world} ranks x "
-                f"micro_batch_size {cfg.train.micro_batch_size}, global batch {batch}"
-            )
-        if cfg.train.optimizer_in_backward:
+        """The data-parallel layout (continue_data_parallel); train.optimizer_in_backward's stepper (undo: a step
+        abandoned part-way, NaN or out of memory, is put back); the best eval loss so far."""
+        self.continue_data_parallel(len(self.examples))
+        if self.cfg.train.optimizer_in_backward:
             self.stepper = StepInBackward(self.optimizer, undo=True, position=self.position)
         self.best_eval = best_eval_so_far(self.out / "metrics.jsonl") if self.held_out else math.inf
 
@@ -279,15 +281,7 @@ class SftRecipe(Recipe):
     def evaluate(self) -> dict:
         """The held-out loss; with train.keep_best, the adapter of the best one so far in adapter-best."""
         loss = eval_loss(self.model, self.held_out, self.tokenizer.pad_token_id, self.cfg.train)
-        fields = {"eval_loss": loss}
-        if self.cfg.train.keep_best and loss < self.best_eval:
-            self.best_eval = loss
-            fields["eval_best"] = True
-            with whole_trainable(self.model, self.ranks):
-                if self.ranks.main:
-                    save_verified_adapter(self.model, self.out / "adapter-best", self.cfg, self.model_path)
-                    write_prompt_format(self.out / "adapter-best", self.cfg.data)
-        return fields
+        return {"eval_loss": loss, **self.keep_if_best(loss)}
 
     def sources(self, record: dict, batch) -> list[str]:
         return [e.source for mb in batch for e in mb]
