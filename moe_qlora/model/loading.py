@@ -31,6 +31,7 @@ from moe_qlora.common.hub import check_hub_model
 from moe_qlora.common.memory import release_freed_memory
 from moe_qlora.model.classes import text_generation_class
 from moe_qlora.model.distributed import local_shard
+from moe_qlora.model.published import ModelLoadError, dequantized_as_read
 from moe_qlora.moe.experts import EXPERT_PARAMS, apply_moe_qlora_experts, experts_modules, is_experts_module
 from moe_qlora.moe.layouts import (
     adopt_dense_input_experts,
@@ -47,10 +48,6 @@ log = logging.getLogger(__name__)
 QUANT_METHOD = "moe_qlora"
 # Routers and gates stay in the compute dtype: they are tiny and their precision decides routing.
 ROUTER_PATTERNS = ["gate", "router", "shared_expert_gate"]
-
-
-class ModelLoadError(ValueError):
-    """A model path or checkpoint that cannot be loaded as asked."""
 
 
 @register_quantization_config(QUANT_METHOD)
@@ -348,6 +345,7 @@ def load_model(opts: LoadOptions):
             "masked tokens; moe-qlora trains next-token prediction, the wrong objective for it"
         )
     with lazy_state_dict(files) as state:
+        state = dequantized_as_read(state, config, folder)  # FP8 block-scaled weights; other formats refused
         model = model_class.from_pretrained(
             None,
             config=config,

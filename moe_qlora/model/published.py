@@ -1,0 +1,170 @@
+"""Checkpoints as they are published in a quantized form. FP8 with block scales (DeepSeek-V3/R1, Kimi-K2,
+Qwen3's and GLM-4.5's FP8 releases: `quant_method: fp8` with `weight_block_size`) and gpt-oss's MXFP4 experts
+(`quant_method: mxfp4`) are dequantized tensor by tensor as they are read, then quantized to NF4 like any bf16
+checkpoint; every other quantized format is refused by name, never silently read as something else.
+
+MXFP4 (OCP microscaling): `<stack>_blocks` (E, out, G, 16) bytes hold two e2m1 values each, the low nibble first,
+and `<stack>_scales` (E, out, G) one e8m0 exponent (bias 127) per 32 values along the input: W[e, i, o] =
+e2m1[nibble] * 2^(scale - 127), stored transposed to the model's (E, in, out) stacks. Every such value is exact
+in bf16 (two mantissa bits and an fp32-range exponent), so the decoded stack is the published model itself.
+
+FP8 block scaling: W[i, j] = q[i, j] * s[i // b0, j // b1], q in float8 e4m3, s the `weight_scale_inv` grid of
+ceil(rows / b0) x ceil(cols / b1) fp32 scales, (b0, b1) = weight_block_size. A dimension that is not a multiple
+of its block ends in a partial block (DeepSeek-V3's kv_a_proj_with_mqa: 576 rows, 4.5 blocks of 128), which is
+why the block size is read from the config and never inferred from the grid's shape.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+SCALE_SUFFIX = "_scale_inv"  # weight -> weight_scale_inv
+FP8_STORED = ("F8_E4M3", "F8_E5M2")
+INSTEAD = {  # a format moe-qlora does not read, and what to load instead
+    "gptq": "a GPTQ checkpoint holds int4 weights of its own scheme: load the unquantized release",
+    "awq": "an AWQ checkpoint holds int4 weights of its own scheme: load the unquantized release",
+    "compressed-tensors": "compressed-tensors (llm-compressor) weights are not read: load the unquantized release",
+    "bitsandbytes": "a checkpoint saved in bitsandbytes 4/8-bit: load the unquantized release (moe-qlora quantizes "
+    "it to NF4 itself)",
+}
+
+
+class ModelLoadError(ValueError):
+    """A model path or checkpoint that cannot be loaded as asked."""
+
+
+class Fp8BlockTensor:
+    """An FP8 weight and its block scales, read as one bf16 tensor on `[...]` (the LazyTensor interface that
+    transformers' loader reads state-dict entries through): the fp8 bytes and the scale grid are read, multiplied
+    in fp32 and rounded once to bf16; the scales then go."""
+
+    def __init__(self, name: str, weight, scale, block: tuple[int, int]):
+        self.name, self.weight, self.scale, self.block = name, weight, scale, block
+
+    def get_dtype(self) -> str:
+        return "BF16"
+
+    def get_shape(self) -> list[int]:
+        return self.weight.get_shape()
+
+    def __getitem__(self, index):
+        return dequantize_blocks(self.weight[index], self.scale[index], self.block, self.name).to(torch.bfloat16)
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str) -> torch.Tensor:
+    """q (rows, cols) fp8 times each element's block scale (scale: (ceil(rows/b0), ceil(cols/b1))), in fp32."""
+    rows, cols = q.shape
+    b0, b1 = block
+    grid = (-(-rows // b0), -(-cols // b1))
+    if tuple(scale.shape) != grid:
+        raise ModelLoadError(
+            f"{name}{SCALE_SUFFIX}: scale grid {tuple(scale.shape)}, expected {grid} for a ({rows}, {cols}) weight "
+            f"in blocks of {b0} x {b1} (quantization_config.weight_block_size)"
+        )
+    per_element = scale.float().repeat_interleave(b0, 0)[:rows].repeat_interleave(b1, 1)[:, :cols]
+    return q.float() * per_element
+
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
+
+
+class Mxfp4Tensor:
+    """An MXFP4 expert stack (its blocks and scales) read as one bf16 (E, in, out) tensor on `[...]`, decoded one
+    expert at a time (a gpt-oss-120b stack decoded whole in fp32 would be 4 GiB)."""
+
+    def __init__(self, name: str, blocks, scales):
+        self.name, self.blocks, self.scales = name, blocks, scales
+
+    def get_dtype(self) -> str:
+        return "BF16"
+
+    def get_shape(self) -> list[int]:
+        experts, out, groups, half = self.blocks.get_shape()
+        return [experts, groups * half * 2, out]
+
+    def __getitem__(self, index):
+        blocks, scales = self.blocks[index], self.scales[index]
+        if tuple(blocks.shape[:-1]) != tuple(scales.shape):
+            raise ModelLoadError(
+                f"{self.name}: blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair up"
+            )
+        stack = torch.empty(self.get_shape(), dtype=torch.bfloat16)
+        for e in range(stack.shape[0]):
+            stack[e] = decode_mxfp4(blocks[e], scales[e]).T
+        return stack
+
+
+def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(out, G, 16) bytes and (out, G) e8m0 exponents -> (out, G * 32) fp32 values."""
+    table = torch.tensor(E2M1)
+    pairs = torch.stack((table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]), dim=-1)
+    values = pairs.reshape(*scales.shape, -1)  # (out, G, 32): the low nibble first
+    values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
+    return values.reshape(scales.shape[0], -1)
+
+
+def quant_method(config) -> str | None:
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return None
+    return qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+
+
+def dequantized_as_read(state: dict, config, folder: Path) -> dict:
+    """The checkpoint's state dict as moe-qlora quantizes it: unchanged for an unquantized checkpoint, FP8 weights
+    wrapped to be dequantized as they are read (and `config` stripped of its quantization_config, so transformers
+    does not apply its own); ModelLoadError for any other quantized format, naming it."""
+    method = quant_method(config)
+    if method is None:
+        return state
+    if method == "mxfp4":
+        del config.quantization_config
+        return mxfp4_state(state, folder)
+    if method != "fp8":
+        why = INSTEAD.get(method, "moe-qlora reads unquantized checkpoints, FP8 with block scales and MXFP4")
+        raise ModelLoadError(f"{folder}: quantization_config.quant_method is {method!r}: {why}")
+    qc = config.quantization_config
+    block = qc.get("weight_block_size") if isinstance(qc, dict) else getattr(qc, "weight_block_size", None)
+    if not block or len(block) != 2:
+        raise ModelLoadError(
+            f"{folder}: FP8 without quantization_config.weight_block_size (one scale per tensor or per channel) "
+            "is not read yet; block-scaled FP8 (DeepSeek-V3's, 128 x 128) is"
+        )
+    del config.quantization_config
+    return fp8_state(state, (int(block[0]), int(block[1])), folder)
+
+
+def fp8_state(state: dict, block: tuple[int, int], folder: Path) -> dict:
+    """Every FP8 tensor with its `<name>_scale_inv` as one Fp8BlockTensor; the scales themselves out."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(SCALE_SUFFIX):
+            continue
+        if tensor.get_dtype() in FP8_STORED:
+            scale = state.get(name + SCALE_SUFFIX)
+            if scale is None:
+                raise ModelLoadError(f"{folder}: {name} is stored in FP8 without its {name}{SCALE_SUFFIX}")
+            out[name] = Fp8BlockTensor(name, tensor, scale, block)
+        else:
+            out[name] = tensor
+    return out
+
+
+def mxfp4_state(state: dict, folder: Path) -> dict:
+    """Every `<stack>_blocks` with its `<stack>_scales` as one Mxfp4Tensor named `<stack>`; the rest as stored."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(MXFP4_SCALES) and name.removesuffix(MXFP4_SCALES) + MXFP4_BLOCKS in state:
+            continue
+        if name.endswith(MXFP4_BLOCKS):
+            stack = name.removesuffix(MXFP4_BLOCKS)
+            scales = state.get(stack + MXFP4_SCALES)
+            if scales is None:
+                raise ModelLoadError(f"{folder}: {name} has no {stack}{MXFP4_SCALES} beside it")
+            out[stack] = Mxfp4Tensor(stack, tensor, scales)
+        else:
+            out[name] = tensor
+    return out

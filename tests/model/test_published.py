@@ -1,0 +1,212 @@
+"""Checkpoints as published: an FP8 block-scaled checkpoint (DeepSeek-V3's layout: per-expert keys, fp8 e4m3
+weights with `weight_scale_inv` grids, bf16 norms, embeddings and router) and a gpt-oss checkpoint with MXFP4
+experts (`*_blocks` and `*_scales` in the hub's layout) load to exactly the model their bf16 dequantization loads
+to, partial blocks included; every other quantized format is refused by name.
+
+The oracle is each format's definition written here: each element times its own block's scale, block by block in
+Python loops (FP8); each nibble's e2m1 value times 2^(its group's exponent - 127), value by value (MXFP4). The
+comparison is torch.equal on every NF4 byte, absmax and 4-bit linear (both sides are quantized from the same bf16
+values); the broken controls take each block's scale from its neighbour (FP8), or swap the nibbles (MXFP4).
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moe_qlora.model.loading import LoadOptions, ModelLoadError, load_model
+from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
+
+BLOCK = (32, 32)  # so that q_a_proj (48 rows) and kv_a_proj_with_mqa (40) end in partial blocks
+FP8_MAX = 448.0  # e4m3's largest finite value
+
+
+def quantized_names(state: dict) -> list[str]:
+    """The weights DeepSeek-V3 publishes in FP8: every projection (attention, experts, shared experts)."""
+    return [k for k, v in state.items() if "_proj" in k and k.endswith(".weight") and v.dim() == 2]
+
+
+def to_fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 weight, scale grid) with each block's absmax at FP8_MAX."""
+    rows, cols = w.shape
+    grid = torch.zeros((-(-rows // BLOCK[0]), -(-cols // BLOCK[1])))
+    q = torch.empty_like(w)
+    for i in range(grid.shape[0]):
+        for j in range(grid.shape[1]):
+            block = w[i * BLOCK[0] : (i + 1) * BLOCK[0], j * BLOCK[1] : (j + 1) * BLOCK[1]]
+            grid[i, j] = block.abs().max().clamp(min=1e-12) / FP8_MAX
+            q[i * BLOCK[0] : (i + 1) * BLOCK[0], j * BLOCK[1] : (j + 1) * BLOCK[1]] = block / grid[i, j]
+    return q.to(torch.float8_e4m3fn), grid
+
+
+def from_fp8_blocks(q: torch.Tensor, grid: torch.Tensor, shift: int = 0) -> torch.Tensor:
+    """The format's definition: W[i, j] = q[i, j] * s[i // b0, j // b1] (shift: the neighbour block's scale)."""
+    out = torch.empty(q.shape)
+    for i in range(q.shape[0]):
+        for j in range(q.shape[1]):
+            bi = (i // BLOCK[0] + shift) % grid.shape[0]
+            out[i, j] = float(q[i, j].float()) * float(grid[bi, j // BLOCK[1]])
+    return out.to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """(fp8 checkpoint, its bf16 dequantization by the oracle, the same with neighbour scales)."""
+    root = tmp_path_factory.mktemp("published")
+    tok = build_byte_tokenizer()
+    source = save_tiny_model(root / "source", tiny_config("deepseek_v3", len(tok)), seed=0, tokenizer=tok)
+    (weights,) = source.glob("*.safetensors")
+    state = {k: v.to(torch.bfloat16) for k, v in load_file(str(weights)).items()}
+    names = quantized_names(state)
+    assert any(state[k].shape[0] % BLOCK[0] for k in names), "a partial block must be among them"
+    fp8, oracle, shifted = dict(state), dict(state), dict(state)
+    for k in names:
+        q, grid = to_fp8_blocks(state[k].float())
+        fp8[k], fp8[k + "_scale_inv"] = q, grid
+        oracle[k], shifted[k] = from_fp8_blocks(q, grid), from_fp8_blocks(q, grid, shift=1)
+    folders = []
+    for name, tensors in (("fp8", fp8), ("oracle", oracle), ("shifted", shifted)):
+        folder = root / name
+        shutil.copytree(source, folder)
+        (folder / weights.name).unlink()
+        save_file(tensors, str(folder / "model.safetensors"))
+        folders.append(folder)
+    config = json.loads((folders[0] / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(BLOCK),
+    }
+    (folders[0] / "config.json").write_text(json.dumps(config))
+    return folders
+
+
+def loaded_state(folder) -> dict[str, torch.Tensor]:
+    model = load_model(LoadOptions(str(folder)))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_fp8_block_scaled_weights_load_as_their_dequantization(checkpoints):
+    fp8, oracle, shifted = map(loaded_state, checkpoints)
+    assert fp8.keys() == oracle.keys()
+    assert not any("scale_inv" in k for k in fp8)
+    differing = [k for k in oracle if not torch.equal(fp8[k], oracle[k])]
+    assert differing == []
+    moved = [k for k in oracle if not torch.equal(shifted[k], oracle[k])]
+    assert any("experts" in k for k in moved) and any("kv_a_proj_with_mqa" in k for k in moved), moved[:5]
+
+
+def test_a_scale_grid_that_does_not_match_the_block_size_is_named(checkpoints, tmp_path):
+    folder = shutil.copytree(checkpoints[0], tmp_path / "bad")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [16, 16]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"weight_scale_inv: scale grid \(\d+, \d+\), expected \(\d+, \d+\)"):
+        load_model(LoadOptions(str(folder)))
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "compressed-tensors", "bitsandbytes", "hqq"])
+def test_other_quantized_formats_are_refused_by_name(checkpoints, tmp_path, method):
+    folder = shutil.copytree(checkpoints[1], tmp_path / method)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=f"quant_method is '{method}'"):
+        load_model(LoadOptions(str(folder)))
+
+
+# ------------------------------------------------------------------------------------------ MXFP4 (gpt-oss)
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def to_mxfp4(stack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (E, in, out) stack as the hub stores it: blocks (E, out, in / 32, 16) and e8m0 scales (E, out, in / 32),
+    each group of 32 inputs scaled so its largest value is at most 6, every value rounded to the nearest e2m1."""
+    w = stack.transpose(1, 2).float()
+    groups = w.reshape(*w.shape[:2], -1, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0))
+    scaled = groups / torch.exp2(exponent)[..., None]
+    codes = (scaled[..., None] - torch.tensor(E2M1)).abs().argmin(-1).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponent + 127).to(torch.uint8)
+
+
+def from_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, *, swapped: bool = False) -> torch.Tensor:
+    """The format's definition, value by value: byte b holds element 2k in its low nibble and 2k + 1 in its high
+    one (swapped: the other way round, the broken control); times 2^(scale - 127); back to (E, in, out)."""
+    experts, out, groups, _ = blocks.shape
+    w = torch.empty(experts, out, groups * 32)
+    for e in range(experts):
+        for o in range(out):
+            for g in range(groups):
+                factor = 2.0 ** (int(scales[e, o, g]) - 127)
+                for k, byte in enumerate(blocks[e, o, g].tolist()):
+                    first, second = (byte >> 4, byte & 15) if swapped else (byte & 15, byte >> 4)
+                    w[e, o, g * 32 + 2 * k] = E2M1[first] * factor
+                    w[e, o, g * 32 + 2 * k + 1] = E2M1[second] * factor
+    return w.transpose(1, 2).contiguous().to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_checkpoints(tmp_path_factory):
+    """(MXFP4 checkpoint, its bf16 decoding by the oracle, the same with the nibbles swapped)."""
+    root = tmp_path_factory.mktemp("gpt-oss")
+    tok = build_byte_tokenizer()
+    source = save_tiny_model(root / "source", tiny_config("gpt_oss", len(tok)), seed=0, tokenizer=tok)
+    (weights,) = source.glob("*.safetensors")
+    state = {k: v.to(torch.bfloat16) for k, v in load_file(str(weights)).items()}
+    stacks = [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    mxfp4, oracle, swapped = dict(state), dict(state), dict(state)
+    for k in stacks:
+        blocks, scales = to_mxfp4(state[k])
+        del mxfp4[k]
+        mxfp4[k + "_blocks"], mxfp4[k + "_scales"] = blocks, scales
+        oracle[k], swapped[k] = from_mxfp4(blocks, scales), from_mxfp4(blocks, scales, swapped=True)
+    folders = []
+    for name, tensors in (("mxfp4", mxfp4), ("oracle", oracle), ("swapped", swapped)):
+        folder = root / name
+        shutil.copytree(source, folder)
+        (folder / weights.name).unlink()
+        save_file(tensors, str(folder / "model.safetensors"))
+        folders.append(folder)
+    config = json.loads((folders[0] / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    (folders[0] / "config.json").write_text(json.dumps(config))
+    return folders, stacks
+
+
+def test_mxfp4_experts_load_as_their_decoding(gpt_oss_checkpoints):
+    folders, stacks = gpt_oss_checkpoints
+    mxfp4, oracle, swapped = map(loaded_state, folders)
+    assert mxfp4.keys() == oracle.keys() and not any(k.endswith(("_blocks", "_scales")) for k in mxfp4)
+    assert [k for k in oracle if not torch.equal(mxfp4[k], oracle[k])] == []
+    moved = {k for k in oracle if not torch.equal(swapped[k], oracle[k])}
+    assert moved and all("experts" in k for k in moved), sorted(moved)[:5]
+
+
+def test_the_mxfp4_decode_is_transformers_own(gpt_oss_checkpoints):
+    """A second oracle: transformers' dequantization of gpt-oss (integrations.mxfp4.convert_moe_packed_tensors)
+    gives the same bf16 stacks as ours, bit for bit."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from moe_qlora.model.loading import lazy_state_dict
+    from moe_qlora.model.published import mxfp4_state
+
+    (folder, *_), stacks = gpt_oss_checkpoints
+    with lazy_state_dict(sorted(folder.glob("*.safetensors"))) as state:
+        ours = mxfp4_state(state, folder)
+        for k in stacks:
+            theirs = convert_moe_packed_tensors(state[k + "_blocks"][...], state[k + "_scales"][...])
+            assert torch.equal(ours[k][...], theirs), k
