@@ -179,7 +179,7 @@ class PolicyBench:
         t = time.perf_counter()
         model_path, tokenizer = load_tokenizer(cfg.model)
         self.source = RolloutSource(cfg, tokenizer, console)
-        model, params, _ = load_policy(cfg, model_path, console, generates=True, read_adapter=load_adapter)
+        model, params, _ = load_policy(cfg, model_path, console, shardable=False, read_adapter=load_adapter)
         self.load_s = time.perf_counter() - t
         seed_everything(cfg.train.seed)
         optimizer = build_optimizer(params, cfg.train)

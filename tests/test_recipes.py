@@ -35,7 +35,7 @@ SHIPPED_CONFIGS = {
     "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b",
     "mistralai/Mixtral-8x7B-v0.1": "mixtral-8x7b",
     "deepseek-ai/DeepSeek-V2-Lite": "deepseek-v2-lite",
-    "unsloth/gpt-oss-20b-BF16": "gpt-oss-20b",  # openai/gpt-oss-20b's config, its weights in bf16
+    "openai/gpt-oss-20b": "gpt-oss-20b",  # its config.json as published (MXFP4 experts: quantization_config)
     "Qwen/Qwen3-Next-80B-A3B-Instruct": "qwen3-next-80b-a3b",
     "allenai/OLMoE-1B-7B-0924": "olmoe-1b-7b",
 }
@@ -108,17 +108,23 @@ def sampling_kv_cache_bytes(config: dict, cfg: RunConfig) -> int:
     return cfg.grpo.prompts_per_step * cfg.grpo.group_size * cfg.data.max_seq_len * per_token
 
 
+def recipe_command(cfg: RunConfig) -> str:
+    """The command a recipe is for: the method whose section it has."""
+    return "grpo" if cfg.grpo else "dpo" if cfg.dpo else "train"
+
+
 @pytest.fixture
 def at_root(monkeypatch):
     """The header's commands name paths from the repository root, where a user runs them."""
     monkeypatch.chdir(ROOT)
 
 
-def test_the_seven_recipes_are_there():
+def test_the_eight_recipes_are_there():
     names = {p.stem for p in RECIPES}
     assert names == {
         "qwen3-30b-a3b-sft",
         "qwen3-30b-a3b-grpo",
+        "qwen3-30b-a3b-dpo",
         "mixtral-8x7b-sft",
         "deepseek-v2-lite-sft",
         "gpt-oss-20b-sft",
@@ -132,7 +138,7 @@ def test_recipe_validates_and_fits_the_gpu_its_header_names(path, at_root):
     cfg = load_config(path)
     text = path.read_text()
     rel = path.relative_to(ROOT)
-    command = "grpo" if cfg.grpo else "train"
+    command = recipe_command(cfg)
     assert text.startswith(f"# moe-qlora {command} --config {rel}\n")
     assert re.search(r"^# Time per step: ", text, re.M), "the header says the time per step, or that it is unmeasured"
     assert Path(cfg.output.dir) == ROOT / "runs" / path.stem
@@ -169,7 +175,9 @@ def tiny_run_overrides(cfg: RunConfig, family: str, out: Path) -> list[str]:
     """--set overrides that keep the recipe's settings but train a tiny model of its family on the CPU, on the demo
     data, short sequences, 2 steps. The rest needs no change for the CPU: compute_dtype and kernels `auto` resolve
     to float32 and the torch reference there, and bitsandbytes' 8-bit AdamW runs on the CPU too."""
-    data = ROOT / "data" / ("demo_grpo.jsonl" if cfg.grpo else "demo_sft.jsonl")
+    data = (
+        ROOT / "data" / {"grpo": "demo_grpo.jsonl", "dpo": "demo_dpo.jsonl"}.get(recipe_command(cfg), "demo_sft.jsonl")
+    )
     sets = [
         f"model.name_or_path=builtin:tiny-{family.replace('_', '-')}",
         "model.device=cpu",
@@ -181,6 +189,8 @@ def tiny_run_overrides(cfg: RunConfig, family: str, out: Path) -> list[str]:
     ]
     if cfg.train.save_every > 2:
         sets.append("train.save_every=2")
+    if cfg.data.eval_files:  # the demo data's held-out share instead of the recipe's hub split
+        sets += ["data.eval_files=[]", "data.eval_fraction=0.1"]
     if cfg.model.expert_offload == "auto":
         # auto offloads nothing on a CPU (host memory is the device's); `all` runs the offloader's schedule there
         sets.append("model.expert_offload=all")
@@ -197,6 +207,7 @@ def tiny_run_overrides(cfg: RunConfig, family: str, out: Path) -> list[str]:
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
 def test_recipe_settings_train_together_on_a_tiny_model(path, tmp_path):
+    from moe_qlora.train.dpo import dpo
     from moe_qlora.train.grpo import grpo
     from moe_qlora.train.sft import train
 
@@ -209,7 +220,7 @@ def test_recipe_settings_train_together_on_a_tiny_model(path, tmp_path):
     for section, keys in theirs.items():  # every key the overrides do not name is the recipe's
         for key, value in (keys or {}).items():
             assert f"{section}.{key}" in named or ours[section][key] == value, f"{section}.{key}"
-    run = grpo if cfg.grpo else train
+    run = {"grpo": grpo, "dpo": dpo, "train": train}[recipe_command(cfg)]
     result = run(cfg, Console(quiet=True))
     assert result.steps == 2
     records = [json.loads(line) for line in result.metrics_path.read_text().splitlines()]

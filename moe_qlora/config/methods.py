@@ -46,6 +46,15 @@ def check_dpo(cfg: RunConfig, *, world: int, source: str) -> None:
             "weights rows by a reward; preference rows carry their preference in the pair",
         ),
         "data.packing": (cfg.data.packing, "would put a pair's chosen and rejected rows in other sequences"),
+        f"data.format: {cfg.data.format}": (
+            cfg.data.format != "auto",
+            "names an SFT row format; preference rows are read by their keys (prompt, chosen, rejected)",
+        ),
+        "data.train_on_prompt": (cfg.data.train_on_prompt, "would score the prompt, which chosen and rejected share"),
+        "data.all_assistant_turns": (
+            cfg.data.all_assistant_turns,
+            "is for messages rows; a preference completion is everything after the prompt",
+        ),
         "train.optimizer_in_backward": (
             cfg.train.optimizer_in_backward,
             "updates inside the backward; a DPO step's loss is normalised over all its pairs first",

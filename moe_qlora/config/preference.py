@@ -39,8 +39,8 @@ class DpoSection(Section):
         description="the assumed share of flipped labels (conservative DPO for sigmoid and simpo, robust's "
         "noise rate); sigmoid, robust and simpo only",
     )
-    simpo_gamma: float = Field(
-        0.5, ge=0.0, description="simpo: the target reward margin gamma (beta * margin >= gamma)"
+    simpo_gamma: float | None = Field(
+        None, ge=0.0, description="simpo: the target reward margin gamma (beta * margin >= gamma); default 0.5"
     )
     sft_weight: float | None = Field(
         None,
@@ -61,8 +61,10 @@ class DpoSection(Section):
                 f"label_smoothing enters the {', '.join(SMOOTHED)} losses only; loss_type {self.loss_type} "
                 "would ignore it"
             )
-        if "simpo_gamma" in self.model_fields_set and self.loss_type != "simpo":
+        if self.simpo_gamma is not None and self.loss_type != "simpo":
             raise ValueError(f"simpo_gamma is SimPO's margin; loss_type {self.loss_type} would ignore it")
+        if self.simpo_gamma is None and self.loss_type == "simpo":
+            self.simpo_gamma = 0.5  # SimPO's paper and TRL
         return self
 
     @property

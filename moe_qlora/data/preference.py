@@ -49,6 +49,10 @@ def split_row(row: dict, source: str) -> tuple[object, object, object]:
                 f"the row has {sorted(k for k, v in row.items() if v is not None)}"
             )
     prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
+    if prompt is not None and isinstance(prompt, list) != isinstance(chosen, list):
+        # As TRL's maybe_extract_prompt: a prompt of the other kind than the completions (a string beside whole
+        # conversations, as in HuggingFaceH4/ultrafeedback_binarized) is set aside and the prompt extracted.
+        prompt = None
     if prompt is None:
         if type(chosen) is not type(rejected):
             raise DataError(f"{source}: 'chosen' and 'rejected' must both be strings or both message lists")
@@ -88,7 +92,11 @@ def tokenize_conversation(prompt: list, completion: list, tokenizer, key: str, s
     tokens after the prompt's render (which must be a prefix of the whole's)."""
     _check_messages(prompt, "prompt", source)
     _check_messages(completion, key, source)
-    if completion[0]["role"] not in ANSWER_ROLES or prompt[-1]["role"] not in ("user", "tool", "system"):
+    if prompt[-1]["role"] not in ("user", "tool", "system"):
+        raise DataError(
+            f"{source}: the prompt must end with a user turn for {key!r} to answer, not {prompt[-1]['role']!r}"
+        )
+    if completion[0]["role"] not in ANSWER_ROLES:
         raise DataError(f"{source}: {key!r} must answer the prompt: it starts with {completion[0]['role']!r}")
     check_turn_order([m["role"] for m in prompt + completion], source)
     head = token_ids(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True))
@@ -107,20 +115,17 @@ def _check_messages(messages: list, key: str, source: str) -> None:
             raise DataError(f"{source}: {key}[{i}] must be a {{role, content}} message with string content, got {m!r}")
 
 
-def fitted(ids: list[int], labels: list[int], cfg: DataSection, source: str, stats: DataStats):
-    """(ids, labels) within max_seq_len as data.overlength says (truncate cuts the completion's end), or None
-    when dropped (over the length, or no completion token left)."""
+def fitted(ids: list[int], labels: list[int], cfg: DataSection, source: str) -> tuple[list, list] | str:
+    """(ids, labels) within max_seq_len as data.overlength says (truncate cuts the completion's end), or why the
+    pair is dropped: "overlength", or "no_target" (no completion token left)."""
     if len(ids) > cfg.max_seq_len:
         if cfg.overlength == "error":
             raise DataError(f"{source}: {len(ids)} tokens, over data.max_seq_len {cfg.max_seq_len} (overlength: error)")
         if cfg.overlength == "drop":
-            stats.dropped_overlength += 1
-            return None
-        stats.truncated += 1
+            return "overlength"
         ids, labels = ids[: cfg.max_seq_len], labels[: cfg.max_seq_len]
     if not any(t != IGNORE for t in labels[1:]):
-        stats.dropped_no_target += 1
-        return None
+        return "no_target"
     return ids, labels
 
 
@@ -130,12 +135,19 @@ def tokenize_pair(row: dict, tokenizer, cfg: DataSection, source: str, stats: Da
     fmt = "conversational" if isinstance(prompt, list) else "strings"
     stats.formats[fmt] = stats.formats.get(fmt, 0) + 1
     tokenize = tokenize_conversation if fmt == "conversational" else tokenize_strings
-    sides = []
+    sides, truncated = [], 0
     for key, completion in (("chosen", chosen), ("rejected", rejected)):
-        kept = fitted(*tokenize(prompt, completion, tokenizer, key, source), cfg, source, stats)
-        if kept is None:
+        ids, labels = tokenize(prompt, completion, tokenizer, key, source)
+        truncated += len(ids) > cfg.max_seq_len
+        kept = fitted(ids, labels, cfg, source)
+        if isinstance(kept, str):
+            setattr(stats, f"dropped_{kept}", getattr(stats, f"dropped_{kept}") + 1)
             return None
         sides.append(Example(*kept, source))
+    if sides[0].input_ids == sides[1].input_ids:  # cut to the same tokens: a pair that prefers nothing
+        stats.dropped_no_target += 1
+        return None
+    stats.truncated += truncated > 0
     stats.target_tokens += sum(sum(t != IGNORE for t in e.labels[1:]) for e in sides)
     return PreferencePair(sides[0], sides[1], source, index)
 

@@ -143,6 +143,14 @@ def optimizer_state_bytes(numel: int, optimizer: str) -> int:
     return 2 * numel + 2 * 4 * math.ceil(numel / 256)
 
 
+def micro_batch_tokens(cfg: RunConfig) -> int:
+    """Tokens one forward holds at most: micro_batch_size sequences of data.max_seq_len; a config with a `dpo:`
+    section is a `moe-qlora dpo` run, whose micro-batch of pairs is 2 x micro_batch_size sequences (chosen and
+    rejected in one forward)."""
+    rows = cfg.train.micro_batch_size * (2 if cfg.dpo is not None else 1)
+    return rows * cfg.data.max_seq_len
+
+
 def activation_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> int:
     """An estimate of activation memory for one micro-batch (N = batch * seq tokens, d = compute bytes).
 
@@ -152,7 +160,7 @@ def activation_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> int:
     attention matrix). The loss is its own row (loss_bytes).
     """
     c, t, lora = model.config, cfg.train, cfg.lora
-    tokens = t.micro_batch_size * cfg.data.max_seq_len
+    tokens = micro_batch_tokens(cfg)
     d, hidden = DTYPE_BYTES[resolve_compute_dtype(cfg.model.compute_dtype, device)], c.hidden_size
     layers = c.num_hidden_layers
     moe = [m for m in model.modules() if is_experts_module(m)]
@@ -168,7 +176,7 @@ def loss_bytes(model: nn.Module, cfg: RunConfig) -> int:
     """Logits the loss holds at once. Chunked (train.loss_chunk_tokens, losses.py): one fp32 (chunk, vocab)
     buffer reused for logits, softmax and gradient, plus logsumexp's temporary: 2 x 4 bytes. Full logits:
     ~3 x (tokens, vocab) fp32 for the micro-batch (logits, log-softmax, gradient)."""
-    tokens = cfg.train.micro_batch_size * cfg.data.max_seq_len
+    tokens = micro_batch_tokens(cfg)
     chunk = cfg.train.loss_chunk_tokens
     vocab = model.config.get_text_config().vocab_size
     return 2 * 4 * min(tokens, chunk) * vocab if chunk else 3 * 4 * tokens * vocab
@@ -192,7 +200,7 @@ def dequant_buffer_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> in
     m = cfg.model
     experts, hidden, inter = expert_dims(moe[0])
     k = getattr(model.config, "num_experts_per_tok", 0) or 1
-    rows_per_expert = cfg.train.micro_batch_size * cfg.data.max_seq_len * k / experts
+    rows_per_expert = micro_batch_tokens(cfg) * k / experts
     dtype = resolve_compute_dtype(m.compute_dtype, device)
     # auto takes grouped_mm only where torch has its fused kernel: bf16 on sm_90/sm_100. The plan does not know
     # the GPU, so in bf16 it counts the buffer (an H100's case; on other GPUs auto runs triton and needs none).

@@ -71,13 +71,13 @@ def load_policy(
     console: Console,
     ranks: Ranks = SINGLE,
     *,
-    generates: bool = False,
+    shardable: bool = True,
     read_adapter: AdapterReader | None = None,
 ):
     """A training run's model: its placement decided (sharding_chosen, offloaded_layers), then built
     (build_policy); (model, trainable params, ranks)."""
     device = policy_device(cfg.model)
-    sharded = sharding_chosen(cfg, ranks, model_path, console, generates=generates)
+    sharded = sharding_chosen(cfg, ranks, model_path, console, shardable=shardable)
     placement = Placement(sharded, offloaded_layers(cfg, model_path, device, sharded))
     recompute = Recompute(cfg.train.gradient_checkpointing, cfg.train.checkpoint_interval)
     return build_policy(

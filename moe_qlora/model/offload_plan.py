@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from moe_qlora.config.sections import RunConfig
-from moe_qlora.model.budget import Plan, four_bit_bytes
+from moe_qlora.model.budget import Plan, four_bit_bytes, micro_batch_tokens
 from moe_qlora.moe.layouts import quantized_stack_names
 from moe_qlora.moe.nf4 import BLOCKSIZE, NESTED_BLOCKSIZE
 from moe_qlora.moe.offload import ALIGN
@@ -108,7 +108,7 @@ def offload_plan(model: nn.Module, cfg: RunConfig, layers: list[int], k: int) ->
     resident = cfg.model.offload_resident_layers
     offloaded = layers[:k]
     per_pass = sum(offloaded) * max(k - resident, 0) / k if k else 0
-    tokens = cfg.train.micro_batch_size * cfg.data.max_seq_len
+    tokens = micro_batch_tokens(cfg)
     passes = 4 if cfg.train.gradient_checkpointing else 3  # forward, backward (2x), and the recompute
     flops = 2.0 * active_parameters(model, cfg) * tokens * passes * cfg.train.grad_accum
     names = tuple(name for name, _ in expert_layers(model))[:k]

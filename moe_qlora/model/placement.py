@@ -13,19 +13,17 @@ from moe_qlora.config.sections import ConfigError, RunConfig, check_shardable
 from moe_qlora.model.distributed import Ranks, device_of
 
 
-def sharding_chosen(
-    cfg: RunConfig, ranks: Ranks, model_path: str, console: Console, *, generates: bool = False
-) -> bool:
+def sharding_chosen(cfg: RunConfig, ranks: Ranks, model_path: str, console: Console, *, shardable: bool = True) -> bool:
     """train.parallel under several ranks: fsdp as asked, ddp as asked, and auto = ddp when `plan` says the run
-    fits one device (always on the CPU, and for a run that `generates`: grpo), fsdp otherwise. What a sharded
-    run cannot do is refused before loading (config.check_shardable)."""
+    fits one device (always on the CPU, and for a method that is not `shardable`: grpo, dpo), fsdp otherwise.
+    What a sharded run cannot do is refused before loading (config.check_shardable)."""
     if not ranks.enabled or cfg.train.parallel == "ddp":
         return False
     if cfg.train.parallel == "auto" and cfg.model.expert_offload != "none":  # offload is how it fits one GPU
         return False
     device = device_of(ranks)
     if cfg.train.parallel == "auto":
-        if generates or device.type != "cuda":
+        if not shardable or device.type != "cuda":
             return False
         from moe_qlora.model.plan import plan_run
 
@@ -37,7 +35,7 @@ def sharding_chosen(
         )
         if need <= have:
             return False
-    check_shardable(cfg, generates=generates)  # as the recipe checked fsdp as asked: auto's choice too
+    check_shardable(cfg, generates=not shardable)  # as the recipe checked fsdp as asked: auto's choice too
     return True
 
 

@@ -10,9 +10,7 @@ the loss over all of its pairs at once.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -25,26 +23,17 @@ from moe_qlora.model.build import load_tokenizer
 from moe_qlora.model.distributed import sum_gradients, sum_scalars
 from moe_qlora.train.checkpoint import fingerprint
 from moe_qlora.train.faults import local_stretch
-from moe_qlora.train.losses import has_router_aux_loss
+from moe_qlora.train.losses import aux_term, has_router_aux_loss
 from moe_qlora.train.position import StepContext
 from moe_qlora.train.preference_loss import PairLogps, pair_forward, pair_statistics, preference_losses
-from moe_qlora.train.recipe import Recipe
-from moe_qlora.train.reference import reference_logps
+from moe_qlora.train.recipe import LossRecipe, TrainResult
+from moe_qlora.train.reference import reference_fingerprint, reference_logps
 from moe_qlora.train.resume import best_eval_so_far
-from moe_qlora.train.runs import RunSummary
 from moe_qlora.train.steps import count_steps, optimizer_steps
-from moe_qlora.train.update import apply_update, router_load
+from moe_qlora.train.update import apply_update
 
 STATISTICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
 LOGPS = ("logps/chosen", "logps/rejected", "log_odds_ratio", "log_odds_chosen")
-
-
-@dataclass
-class DpoResult:
-    steps: int
-    losses: list[float]
-    adapter_dir: Path
-    metrics_path: Path
 
 
 @dataclass(frozen=True)
@@ -90,17 +79,33 @@ def micro_batch_loss(
         nll = -logps.chosen.sum() / totals.chosen_tokens
         loss = loss + d.sft_weight * nll
         stats["nll_loss"] = float(nll.detach())
+    stats["loss"] = float(loss.detach())  # as eval_loss: without the auxiliary term, as in train and grpo
     if aux is not None:
         stats["aux_loss"] = float(aux.detach()) / totals.micro_batches
-        if ctx.aux_coef:
-            loss = loss + ctx.aux_coef / totals.micro_batches * aux
-    stats["loss"] = float(loss.detach())
-    return loss, stats
+    return loss + aux_term(aux, ctx.aux_coef / totals.micro_batches), stats
+
+
+def statistic_names(model, d: DpoSection) -> tuple[str, ...]:
+    """What a micro-batch sums, the same on every rank (a rank left without pairs sums zeros under these keys)."""
+    optional = {
+        "nll_loss": bool(d.sft_weight),
+        "aux_loss": has_router_aux_loss(model),
+        "log_odds_ratio": d.loss_type == "orpo",
+        "log_odds_chosen": d.loss_type == "orpo",
+    }
+    return (
+        "loss",
+        "preference_loss",
+        *STATISTICS,
+        "logps/chosen",
+        "logps/rejected",
+        *(k for k, v in optional.items() if v),
+    )
 
 
 def backward_over(model, groups, reference, d: DpoSection, totals: StepTotals, ctx: StepContext, pad_id: int) -> dict:
     """Forward and backward of each micro-batch of pairs; the summed statistics."""
-    sums: dict[str, float] = {}
+    sums = dict.fromkeys(statistic_names(model, d), 0.0)
     for pairs in groups:
         with ctx.position.within("forward"):
             loss, stats = micro_batch_loss(model, pairs, reference, d, totals, ctx, pad_id)
@@ -130,8 +135,7 @@ def dpo_step(
     )
     totals = StepTotals(pairs, max(chosen, 1), batches)
     sums = local_stretch(ranks, backward_over, model, groups, reference, d, totals, ctx, pad_id)
-    names = sorted(sums)
-    sums = dict(zip(names, sum_scalars(ranks, *(sums[k] for k in names)), strict=True)) if ranks.enabled else sums
+    sums = dict(zip(sums, sum_scalars(ranks, *sums.values()), strict=True))
     sum_gradients(ranks, [p for p in model.parameters() if p.requires_grad])
     grad_norm, skipped = local_stretch(ranks, apply_update, optimizer, sums["loss"], ctx.train, ctx.position)
     means = {k: sums[k] / pairs for k in (*STATISTICS, *LOGPS) if k in sums}
@@ -169,11 +173,12 @@ def evaluate_pairs(model, pairs: list[PreferencePair], reference, d: DpoSection,
     return record
 
 
-class DpoRecipe(Recipe):
+class DpoRecipe(LossRecipe):
     """`moe-qlora dpo`: preference pairs, `train.grad_accum` micro-batches of pairs per optimizer step, the
     reference scored before the first step (not for simpo and orpo), an eval split with TRL's metrics."""
 
     command = "dpo"
+    shardable = False
 
     def load(self) -> None:
         cfg = self.cfg
@@ -197,11 +202,13 @@ class DpoRecipe(Recipe):
             self.pairs, self.held_out = eval_split(self.pairs, cfg.data.eval_fraction, seed=cfg.train.seed)
         if self.held_out:
             self.console.print(f"eval: {len(self.held_out)} preference pairs held out")
-        self.reference = None
+        self.reference, self.reference_key = None, None
         if cfg.dpo.uses_reference:
             every = sorted(self.pairs + self.held_out, key=lambda p: p.index)
+            self.reference_key = reference_fingerprint(cfg, self.model_path, every)
+            pad_id = self.tokenizer.pad_token_id
             self.reference = reference_logps(
-                self.model, every, cfg, self.model_path, self.tokenizer.pad_token_id, self.ranks, self.console
+                self.model, every, self.reference_key, cfg, pad_id, self.ranks, self.console
             )
 
     def count_steps(self) -> int:
@@ -211,7 +218,8 @@ class DpoRecipe(Recipe):
         records = (
             [p.source, p.chosen.input_ids, p.chosen.labels, p.rejected.input_ids, p.rejected.labels] for p in self.pairs
         )
-        return {"dataset_fingerprint": fingerprint(records), "world": self.ranks.world}
+        # A checkpoint goes on only against the reference it was trained against (--resume-anyway otherwise).
+        return {"dataset_fingerprint": fingerprint(records), "reference": self.reference_key, "world": self.ranks.world}
 
     def after_resume(self) -> None:
         self.continue_data_parallel(len(self.pairs))
@@ -227,32 +235,13 @@ class DpoRecipe(Recipe):
         )
         return {**record, "step": number, "epoch": epoch, "lr": lr}
 
-    def complete(self, record: dict, batch, seconds: float) -> None:
-        record.update(
-            step_time_s=seconds,
-            tokens_per_s=record["tokens"] / seconds,
-            elapsed_s=time.perf_counter() - self.started,
-            router_load=router_load(self.model),
-        )
-        number, every = record["step"], self.cfg.train.eval_every
-        if self.held_out and (number == self.total or (every and number % every == 0)):
-            fields = evaluate_pairs(
-                self.model, self.held_out, self.reference, self.cfg.dpo, self.tokenizer.pad_token_id, self.context
-            )
-            record.update(fields, **self.keep_if_best(fields["eval_loss"]))
+    def evaluate(self) -> dict:
+        pad_id = self.tokenizer.pad_token_id
+        fields = evaluate_pairs(self.model, self.held_out, self.reference, self.cfg.dpo, pad_id, self.context)
+        return {**fields, **self.keep_if_best(fields["eval_loss"])}
 
     def sources(self, record: dict, batch) -> list[str]:
         return [p.source for mb in batch for p in mb]
-
-    def logged(self, record: dict, number: int) -> bool:
-        every = record["skipped"] or "eval_loss" in record or number % self.cfg.train.log_every == 0
-        return every or number == self.total
-
-    def after_update(self, record: dict) -> None:
-        if not record["skipped"]:
-            self.scheduler.step()
-        self.history.append(record["loss"])
-        self.tokens += record["tokens"]
 
     def progress_info(self, record: dict) -> dict[str, str]:
         info = {
@@ -265,18 +254,10 @@ class DpoRecipe(Recipe):
             info["eval acc"] = f"{record['eval_rewards/accuracies']:.2f}"
         return info
 
-    def result(self, adapter_dir: Path, seconds: float) -> DpoResult:
-        losses = self.history
-        finite = [x for x in losses if math.isfinite(x)]
-        last, best = (finite[-1], min(finite)) if finite else (None, None)
-        metrics = self.out / "metrics.jsonl"
-        RunSummary("dpo", len(losses), seconds, self.tokens, last, best, adapter_dir, metrics).print(self.console)
-        return DpoResult(steps=len(losses), losses=losses, adapter_dir=adapter_dir, metrics_path=metrics)
-
 
 def dpo(
     cfg: RunConfig, console: Console | None = None, *, allow_mismatch: bool = False, overwrite: bool = False
-) -> DpoResult:
+) -> TrainResult:
     """Run preference training as configured (cfg.dpo). Under torchrun each process is a data-parallel rank;
     rank 0 writes, and holds output.dir's lock for the run."""
     return DpoRecipe(cfg, console, allow_mismatch=allow_mismatch, overwrite=overwrite).run()

@@ -33,7 +33,7 @@ from moe_qlora.train.grpo_loss import (
     token_weights,
     top_entropy_mask,
 )
-from moe_qlora.train.losses import completion_logprobs, has_router_aux_loss, token_logprobs
+from moe_qlora.train.losses import aux_term, completion_logprobs, has_router_aux_loss, token_logprobs
 from moe_qlora.train.position import StepContext
 from moe_qlora.train.recipe import Recipe
 from moe_qlora.train.rewards import rollout_advantages
@@ -153,8 +153,9 @@ def backward_pass(model, batches: list[dict], frozen: tuple, g, totals: BatchTot
     statistics. frozen: per micro-batch log-probs of the sampling policy and of the reference (frozen_policies)."""
     objective, entropy = Objective.of(g), g.top_entropy_quantile < 1 or bool(g.entropy_coef)
     chunk, position = ctx.train.loss_chunk_tokens, ctx.position
-    sums = dict.fromkeys(("loss", "clip_fraction", *(("kl",) if g.kl_coef else ())), 0.0)  # no rows: zeros
     router_logits = has_router_aux_loss(model)
+    kept = ("loss", "clip_fraction", *(("kl",) if g.kl_coef else ()), *(("aux_loss",) if router_logits else ()))
+    sums = dict.fromkeys(kept, 0.0)  # a rank with no rows: zeros, under the same keys as the others'
     for batch, old_lp, ref_lp in zip(batches, *frozen, strict=True):
         with position.within("forward"):
             logp, mask, out = token_logprobs(
@@ -171,8 +172,7 @@ def backward_pass(model, batches: list[dict], frozen: tuple, g, totals: BatchTot
         )
         if aux is not None:  # the mean over the batch's micro-batches, times train.router_aux_loss_coef
             stats["aux_loss"] = float(aux.detach()) / totals.micro_batches
-            if ctx.aux_coef:
-                loss = loss + ctx.aux_coef / totals.micro_batches * aux
+        loss = loss + aux_term(aux, ctx.aux_coef / totals.micro_batches)
         with position.within("backward"):
             loss.backward()
         for k, v in stats.items():
@@ -283,7 +283,7 @@ class GrpoRecipe(Recipe):
 
     command = "grpo"
     logs = ("metrics.jsonl", "rollouts.jsonl")
-    generates = True
+    shardable = False
     spikes = False
 
     def load(self) -> None:

@@ -205,6 +205,19 @@ def router_aux_coefficient(model, setting: float | str) -> float:
     return float(model.config.router_aux_loss_coef) if setting == "model" else float(setting)
 
 
+def aux_term(aux: torch.Tensor | None, weight: float) -> torch.Tensor | float:
+    """weight x the model's auxiliary loss, what train.router_aux_loss_coef adds to a micro-batch's loss (0 when
+    off). On with no auxiliary loss returned (a model class that does not compute it) is an error, never a run
+    that silently trains without it."""
+    if not weight:
+        return 0.0
+    if aux is None:
+        raise RuntimeError(
+            "train.router_aux_loss_coef is set, but the model returned no auxiliary loss with its router logits"
+        )
+    return weight * aux
+
+
 def _chunking_allowed(model, batch) -> bool:
     """Checked once per model: the chunked path must equal the model's own logits."""
     verdict = getattr(model, "_moe_qlora_chunked_loss", None)

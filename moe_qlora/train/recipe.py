@@ -7,9 +7,11 @@ the NaN policy, metrics, checkpoints by steps and minutes); `step()` is what eac
 
 from __future__ import annotations
 
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -30,6 +32,7 @@ from moe_qlora.train.position import StepContext, StepPosition
 from moe_qlora.train.resume import resume_if_asked, truncate_metrics
 from moe_qlora.train.runs import (
     CheckpointPolicy,
+    RunSummary,
     StopSignals,
     claim_output_dir_together,
     launched,
@@ -41,7 +44,7 @@ from moe_qlora.train.runs import (
     write_adapter,
 )
 from moe_qlora.train.steps import continue_at_world_size, schedule_at
-from moe_qlora.train.update import after_step, build_schedule, write_router_layers
+from moe_qlora.train.update import after_step, build_schedule, router_load, write_router_layers
 
 
 class Recipe(ABC):
@@ -50,7 +53,7 @@ class Recipe(ABC):
 
     command = "train"  # the progress bar's label and the summary's
     logs: tuple[str, ...] = ("metrics.jsonl",)  # the JSONL files a resume cuts back to its step
-    generates = False  # samples from the policy during training (what FSDP cannot do)
+    shardable = True  # FSDP may shard it (grpo samples, dpo scores pairs in uneven shares: they run ddp)
     spikes = True  # flag loss spikes (a loss against its moving average)
 
     def __init__(
@@ -139,7 +142,7 @@ class Recipe(ABC):
     def load_model(self) -> None:
         """The model as the run config places it, from lora.init_from when given: model, params, ranks."""
         self.model, self.params, self.ranks = load_policy(
-            self.cfg, self.model_path, self.console, self.ranks, generates=self.generates, read_adapter=load_adapter
+            self.cfg, self.model_path, self.console, self.ranks, shardable=self.shardable, read_adapter=load_adapter
         )
 
     @property
@@ -312,6 +315,59 @@ class Recipe(ABC):
     @abstractmethod
     def result(self, adapter_dir: Path, seconds: float):
         """Print the run's summary; what train() / grpo() return."""
+
+
+@dataclass
+class TrainResult:
+    """What a loss-minimising run returns: this invocation's per-step losses and where its outputs went."""
+
+    steps: int
+    losses: list[float]
+    adapter_dir: Path
+    metrics_path: Path
+
+
+class LossRecipe(Recipe):
+    """A method whose step lowers a loss over its examples (train, dpo): each step's timing and router load, the
+    held-out evaluation every train.eval_every steps and at the end (`evaluate`), a record every log_every steps
+    (and on a skip, an eval, the last step), the schedule stepped unless the step was skipped, the summary."""
+
+    held_out: list = []  # set by prepare_data
+
+    @abstractmethod
+    def evaluate(self) -> dict:
+        """The held-out metrics (eval_loss first), with keep_if_best's flag."""
+
+    def complete(self, record: dict, batch, seconds: float) -> None:
+        record.update(
+            step_time_s=seconds,
+            tokens_per_s=record["tokens"] / seconds,
+            elapsed_s=time.perf_counter() - self.started,
+            router_load=router_load(self.model),
+        )
+        number, every = record["step"], self.cfg.train.eval_every
+        if self.held_out and (number == self.total or (every and number % every == 0)):
+            record.update(self.evaluate())
+
+    def logged(self, record: dict, number: int) -> bool:
+        every = record["skipped"] or "eval_loss" in record or number % self.cfg.train.log_every == 0
+        return every or number == self.total
+
+    def after_update(self, record: dict) -> None:
+        if not record["skipped"]:
+            self.scheduler.step()  # a skipped step is not taken: the schedule does not move either
+        self.history.append(record["loss"])
+        self.tokens += record["tokens"]
+
+    def result(self, adapter_dir: Path, seconds: float) -> TrainResult:
+        losses = self.history
+        finite = [x for x in losses if math.isfinite(x)]
+        last, best = (finite[-1], min(finite)) if finite else (None, None)
+        metrics = self.metrics.path
+        RunSummary(self.command, len(losses), seconds, self.tokens, last, best, adapter_dir, metrics).print(
+            self.console
+        )
+        return TrainResult(steps=len(losses), losses=losses, adapter_dir=adapter_dir, metrics_path=metrics)
 
 
 def progress_columns(label: str) -> list:

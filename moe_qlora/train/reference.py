@@ -1,26 +1,30 @@
 """DPO's reference policy without a second model: the policy at step 0 (the NF4 base plus lora.init_from, or
 plus fresh LoRA whose B is zero) scores every pair once, before the first step, and the scores are kept in the
-run folder with a fingerprint of what they depend on (the pairs' tokens, the model section and its weights'
-identity, the LoRA section and the initial adapter's bytes). A resume reuses them; a changed fingerprint
+run folder with a fingerprint of what they depend on (the pairs' tokens, the weights' identity, quantization and
+compute dtype, the LoRA shape and the initial adapter's bytes). A resume reuses them; a changed fingerprint
 recomputes them, which needs the step-0 policy: so they are scored before a checkpoint is restored.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 
 import torch
+from huggingface_hub import try_to_load_from_cache
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 
 from moe_qlora.common.fileio import atomic_dir
-from moe_qlora.config.sections import RunConfig
+from moe_qlora.config.sections import RunConfig, resolve_compute_dtype
 from moe_qlora.data.preference import PreferencePair
+from moe_qlora.model.build import policy_device
 from moe_qlora.model.distributed import Ranks, from_main, gather_objects, rank_slice
 from moe_qlora.train.checkpoint import fingerprint
+from moe_qlora.train.faults import local_stretch
 from moe_qlora.train.preference_loss import PairLogps, pair_forward
 
 REFERENCE_DIR = "reference"
@@ -29,28 +33,40 @@ FIELDS = ("chosen", "rejected", "chosen_tokens", "rejected_tokens")
 
 
 def reference_fingerprint(cfg: RunConfig, model_path: str, pairs: list[PreferencePair]) -> str:
-    """sha256 of what the step-0 scores depend on."""
+    """sha256 of what the step-0 scores depend on: the weights (by identity), how they are quantized and in which
+    dtype they compute, the adapter they start from, and the pairs' tokens. Not what only places or schedules
+    the computation (device, kernels, offload, batch sizes): those move the scores by fp32 rounding only."""
+    m, lora = cfg.model, cfg.lora
     records = [
-        cfg.model.model_dump(mode="json"),
-        cfg.lora.model_dump(mode="json"),
-        files_identity(Path(model_path), ("config.json", "*.safetensors", "*.safetensors.index.json")),
-        files_digest(Path(cfg.lora.init_from)) if cfg.lora.init_from else None,
+        [m.expert_double_quant, m.linear_double_quant, resolve_compute_dtype(m.compute_dtype, policy_device(m))],
+        [lora.rank, lora.alpha, lora.experts, lora.router, lora.target_modules],
+        weights_identity(model_path),
+        files_digest(Path(lora.init_from)) if lora.init_from else None,
         *([p.index, p.chosen.input_ids, p.chosen.labels, p.rejected.input_ids, p.rejected.labels] for p in pairs),
     ]
     return fingerprint(records)
 
 
-def files_identity(folder: Path, patterns: tuple[str, ...]) -> list:
-    """(name, size) of the model's weight files and config.json's text: a changed checkpoint is another model
-    (hashing gigabytes of weights at every start would cost minutes)."""
+WEIGHT_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json")
+
+
+def weights_identity(model_path: str) -> list:
+    """(name, size) of the checkpoint's weight files and config.json's text, from its folder: a local one, or the
+    hub cache's snapshot of a hub id (named by its commit). Hashing gigabytes of weights at every start would
+    cost minutes; a changed checkpoint changes a size, the config or the commit."""
+    folder = Path(model_path)
     if not folder.is_dir():
-        return [str(folder)]
-    found = sorted({p for pattern in patterns for p in folder.glob(pattern)})
-    return [(p.name, p.stat().st_size, p.read_text() if p.name == "config.json" else "") for p in found]
+        cached = try_to_load_from_cache(model_path, "config.json")
+        if not isinstance(cached, str):
+            return [model_path]  # not in the cache (the load itself would have failed)
+        folder = Path(cached).parent  # .../snapshots/<commit>/
+    found = sorted({p for pattern in WEIGHT_FILES for p in folder.glob(pattern)})
+    return [folder.name, *((p.name, p.stat().st_size, p.read_text() if p.suffix == ".json" else "") for p in found)]
 
 
 def files_digest(folder: Path) -> list:
-    """sha256 of every file of an adapter folder (small: its factors decide the reference)."""
+    """sha256 of every file of the initial adapter: its factors decide the reference (a rank-8 adapter of a 30B
+    MoE, ~1.2 GiB, reads in a few seconds)."""
     return [(p.name, hashlib.sha256(p.read_bytes()).hexdigest()) for p in sorted(folder.glob("*")) if p.is_file()]
 
 
@@ -94,22 +110,24 @@ def score_pairs(model, pairs: list[PreferencePair], pad_id: int, size: int, chun
 
 
 def reference_logps(
-    model, pairs: list[PreferencePair], cfg: RunConfig, model_path: str, pad_id: int, ranks: Ranks, console: Console
+    model, pairs: list[PreferencePair], key: str, cfg: RunConfig, pad_id: int, ranks: Ranks, console: Console
 ) -> PairLogps:
-    """The step-0 policy's scores of every pair (indexed by pair.index), from out/reference when its fingerprint
-    matches, else computed (each rank a share, then gathered) and stored by rank 0."""
+    """The step-0 policy's scores of every pair (indexed by pair.index), from out/reference when they were stored
+    under `key` (reference_fingerprint), else computed (each rank a share, then gathered) and stored by rank 0.
+    Rank 0 reads the stored ones and hands them to every rank; a rank that fails to score stops every rank."""
     out = Path(cfg.output.dir)
-    key = reference_fingerprint(cfg, model_path, pairs)
-    cached = from_main(ranks, read_cached(out / REFERENCE_DIR / LOGPS_FILE, key, len(pairs)) is not None)
-    if cached:
+    path = out / REFERENCE_DIR / LOGPS_FILE
+    cached = from_main(ranks, read_cached(path, key, len(pairs)) if ranks.main else None)
+    if cached is not None:
         console.print(f"reference: {len(pairs)} pairs' step-0 log-probabilities reused from {out / REFERENCE_DIR}")
-        return read_cached(out / REFERENCE_DIR / LOGPS_FILE, key, len(pairs))
+        return cached
     _, mine = rank_slice(pairs, ranks)
     columns = [TextColumn("[bold]reference"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
     with Progress(*columns, console=console, disable=not console.is_terminal) as bar:
         task = bar.add_task("reference", total=len(mine))
         t = cfg.train
-        rows = score_pairs(model, mine, pad_id, t.micro_batch_size, t.loss_chunk_tokens, lambda n: bar.advance(task, n))
+        advance = functools.partial(bar.advance, task)
+        rows = local_stretch(ranks, score_pairs, model, mine, pad_id, t.micro_batch_size, t.loss_chunk_tokens, advance)
     rows = sorted(gather_objects(ranks, rows))
     logps = PairLogps(*(torch.tensor(column, dtype=torch.float32) for column in list(zip(*rows, strict=True))[1:]))
     if ranks.main:

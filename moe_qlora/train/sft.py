@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -23,25 +21,16 @@ from moe_qlora.model.build import load_tokenizer
 from moe_qlora.model.distributed import SINGLE, Ranks, sum_gradients, sum_scalars
 from moe_qlora.train.checkpoint import dataset_fingerprint
 from moe_qlora.train.faults import local_stretch
-from moe_qlora.train.losses import has_router_aux_loss, token_logprobs
+from moe_qlora.train.losses import aux_term, has_router_aux_loss, token_logprobs
 from moe_qlora.train.optim import StepInBackward
 from moe_qlora.train.packing import packed
 from moe_qlora.train.position import StepContext, StepPosition
-from moe_qlora.train.recipe import Recipe
+from moe_qlora.train.recipe import LossRecipe, TrainResult
 from moe_qlora.train.resume import best_eval_so_far
-from moe_qlora.train.runs import RunSummary
 from moe_qlora.train.steps import IDLE, count_steps, optimizer_steps
-from moe_qlora.train.update import apply_update, router_load
+from moe_qlora.train.update import apply_update
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainResult:
-    steps: int
-    losses: list[float]
-    adapter_dir: Path
-    metrics_path: Path
 
 
 def token_loss_sum(
@@ -68,6 +57,11 @@ def token_loss_sum(
     return loss, int((targets != IGNORE).sum()), getattr(out, "aux_loss", None)
 
 
+def target_count(batch: dict[str, torch.Tensor]) -> int:
+    """The positions a batch takes a loss on (a label predicted from the position before it)."""
+    return int((batch["labels"][:, 1:] != IGNORE).sum())
+
+
 def accumulate_gradients(
     model,
     batches: list[dict[str, torch.Tensor]],
@@ -81,9 +75,10 @@ def accumulate_gradients(
     every rank), so the gradient is that of the mean token loss over the whole step (plus aux_coef times the
     mean auxiliary loss of the micro-batches); with several ranks the gradients are then summed across them.
     Returns (mean loss, N, mean aux loss)."""
-    local = sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in batches)
-    n_targets, n_batches = map(int, sum_scalars(ranks, local, len(batches)))
-    share = StepShare(n_targets, aux_coef / n_batches)
+    local = sum(target_count(b) for b in batches)
+    trained = sum(target_count(b) > 0 for b in batches)  # an FSDP idle row adds nothing, its aux loss neither
+    n_targets, n_batches = map(int, sum_scalars(ranks, local, trained))
+    share = StepShare(n_targets, aux_coef / max(n_batches, 1))
     if ranks.sharded:  # FSDP gathers and reduces inside them: a rank that fails there cannot meet the others
         total, aux = backward_over(model, batches, share, loss_chunk, position)
     else:
@@ -102,10 +97,9 @@ class StepShare:
     targets: int
     aux_weight: float = 0.0
 
-    def loss(self, loss_sum: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
-        if aux is None or not self.aux_weight:
-            return loss_sum / self.targets
-        return loss_sum / self.targets + self.aux_weight * aux
+    def loss(self, loss_sum: torch.Tensor, aux: torch.Tensor | None, *, trained: bool = True) -> torch.Tensor:
+        """The micro-batch's loss; `trained` False (no target: an FSDP idle row) takes no auxiliary term."""
+        return loss_sum / self.targets + (aux_term(aux, self.aux_weight) if trained else 0.0)
 
 
 def backward_over(
@@ -117,7 +111,7 @@ def backward_over(
         with position.within("forward"):
             loss_sum, _, aux_loss = token_loss_sum(model, batch, loss_chunk=loss_chunk)
         with position.within("backward"):
-            share.loss(loss_sum, aux_loss).backward()
+            share.loss(loss_sum, aux_loss, trained=target_count(batch) > 0).backward()
         total += float(loss_sum.detach())
         if aux_loss is not None:
             aux.append(float(aux_loss.detach()))
@@ -130,7 +124,7 @@ def backward_with_updates(
     """train.optimizer_in_backward: one micro-batch's backward, each LoRA tensor updated inside it. A
     non-finite loss is seen before the backward, so nothing is updated. Returns (mean loss, N, aux loss,
     pre-clip gradient norm, skipped)."""
-    n_targets = int((batch["labels"][:, 1:] != IGNORE).sum())
+    n_targets = target_count(batch)
     stepper.begin()
     with stepper.position.within("forward"):
         loss_sum, _, aux_loss = token_loss_sum(model, batch, loss_chunk=loss_chunk)
@@ -211,7 +205,7 @@ def eval_loss(model, examples: list[Example], pad_id: int, train_cfg) -> float:
     return total / max(count, 1)
 
 
-class SftRecipe(Recipe):
+class SftRecipe(LossRecipe):
     """SFT and reward-weighted SFT (train.objective: rwsft): `train.grad_accum` micro-batches per optimizer step,
     the loss normalised over the step's target tokens; an eval split with the best adapter kept."""
 
@@ -267,17 +261,6 @@ class SftRecipe(Recipe):
         record = train_step(self.model, self.optimizer, batch, pad_id, self.context, self.stepper)
         return {**record, "step": number, "epoch": epoch, "lr": lr}
 
-    def complete(self, record: dict, batch, seconds: float) -> None:
-        record.update(
-            step_time_s=seconds,
-            tokens_per_s=record["tokens"] / seconds,
-            elapsed_s=time.perf_counter() - self.started,
-            router_load=router_load(self.model),
-        )
-        number, every = record["step"], self.cfg.train.eval_every
-        if self.held_out and (number == self.total or (every and number % every == 0)):
-            record.update(self.evaluate())
-
     def evaluate(self) -> dict:
         """The held-out loss; with train.keep_best, the adapter of the best one so far in adapter-best."""
         loss = eval_loss(self.model, self.held_out, self.tokenizer.pad_token_id, self.cfg.train)
@@ -285,16 +268,6 @@ class SftRecipe(Recipe):
 
     def sources(self, record: dict, batch) -> list[str]:
         return [e.source for mb in batch for e in mb]
-
-    def logged(self, record: dict, number: int) -> bool:
-        every = record["skipped"] or "eval_loss" in record or number % self.cfg.train.log_every == 0
-        return every or number == self.total
-
-    def after_update(self, record: dict) -> None:
-        if not record["skipped"]:
-            self.scheduler.step()  # a skipped step is not taken: the schedule does not move either
-        self.history.append(record["loss"])
-        self.tokens += record["tokens"]
 
     def progress_info(self, record: dict) -> dict[str, str]:
         info = {
@@ -305,15 +278,6 @@ class SftRecipe(Recipe):
         if "eval_loss" in record:
             info["eval"] = f"{record['eval_loss']:.4f}"
         return info
-
-    def result(self, adapter_dir: Path, seconds: float) -> TrainResult:
-        losses = self.history
-        finite = [x for x in losses if math.isfinite(x)]
-        last, best = (finite[-1], min(finite)) if finite else (None, None)
-        RunSummary("train", len(losses), seconds, self.tokens, last, best, adapter_dir, self.metrics.path).print(
-            self.console
-        )
-        return TrainResult(steps=len(losses), losses=losses, adapter_dir=adapter_dir, metrics_path=self.metrics.path)
 
 
 def train(

@@ -68,6 +68,16 @@ def test_the_implicit_prompt_is_the_shared_beginning():
     assert extract_prompt([user, yes], [user, no]) == ([user], [yes], [no])
 
 
+def test_a_string_prompt_beside_conversations_is_set_aside_as_trl_does(tmp_path):
+    """HuggingFaceH4/ultrafeedback_binarized's shape: `prompt` a string, chosen / rejected whole conversations
+    that hold it; TRL's maybe_extract_prompt takes the prompt from the conversations instead."""
+    user = {"role": "user", "content": "Shout cat"}
+    up, down = {"role": "assistant", "content": "CAT"}, {"role": "assistant", "content": "cat"}
+    mixed, _ = pairs_of(tmp_path, [{"prompt": "Shout cat", "chosen": [user, up], "rejected": [user, down]}])
+    explicit, _ = pairs_of(tmp_path, [{"prompt": [user], "chosen": [up], "rejected": [down]}])
+    assert mixed[0].chosen == explicit[0].chosen and mixed[0].rejected == explicit[0].rejected
+
+
 def test_implicit_prompt_rows_make_the_same_pair_as_explicit_ones(tmp_path):
     user = {"role": "user", "content": "Shout cat"}
     up, down = {"role": "assistant", "content": "CAT"}, {"role": "assistant", "content": "cat"}
@@ -83,7 +93,10 @@ def test_implicit_prompt_rows_make_the_same_pair_as_explicit_ones(tmp_path):
     [
         ({"prompt": "p", "chosen": "a"}, "needs 'chosen' and 'rejected'"),
         ({"prompt": "p", "chosen": 3, "rejected": "b"}, "'chosen' must be a string or a list of messages"),
-        ({"prompt": "p", "chosen": [{"role": "assistant", "content": "a"}], "rejected": "b"}, "all strings or all"),
+        (
+            {"prompt": "p", "chosen": [{"role": "assistant", "content": "a"}], "rejected": "b"},
+            "must both be strings or both message lists",
+        ),
         ({"prompt": "p", "chosen": " ", "rejected": "b"}, "empty 'chosen'"),
         ({"chosen": "abc", "rejected": "xyz"}, "share no beginning"),
         (
@@ -101,6 +114,14 @@ def test_implicit_prompt_rows_make_the_same_pair_as_explicit_ones(tmp_path):
                 "rejected": [{"role": "assistant", "content": "b"}],
             },
             "prompt[0] must be a {role, content} message",
+        ),
+        (
+            {
+                "prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                "chosen": [{"role": "assistant", "content": "a"}],
+                "rejected": [{"role": "assistant", "content": "b"}],
+            },
+            "the prompt must end with a user turn",
         ),
     ],
 )
@@ -120,6 +141,9 @@ def test_overlength_pairs_are_truncated_dropped_or_refused(tmp_path):
     assert len(kept) == 1 and stats.dropped_overlength == 1 and kept[0].index == 0
     with pytest.raises(DataError, match=r"pairs.jsonl:1: \d+ tokens, over data.max_seq_len 16"):
         pairs_of(tmp_path, rows, max_seq_len=16, overlength="error")
+    same_start = {"prompt": "Q\n", "chosen": "abcdefghijklmnopqrstuvwxyz", "rejected": "abcdefghijklmnopqrstuvwxyZ"}
+    kept, stats = pairs_of(tmp_path, [same_start, *rows[1:]], max_seq_len=16, max_dropped_share=0.9)
+    assert len(kept) == 1 and stats.dropped_no_target == 1  # cut to the same tokens, the pair prefers nothing
     no_room = {"prompt": "a very long prompt that fills the window\n", "chosen": "a", "rejected": "b"}
     kept, stats = pairs_of(tmp_path, [no_room, *rows[1:]], max_seq_len=16, max_dropped_share=0.9)
     assert len(kept) == 1 and stats.dropped_no_target == 1  # a prompt that leaves no completion token

@@ -4,6 +4,7 @@ exact resume after SIGKILL; two DDP ranks reproduce one process; plot, check-nor
 
 import json
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from moe_qlora.config.load import load_config
 from moe_qlora.model.build import build_policy, load_tokenizer
 from moe_qlora.model.distributed import SINGLE
 from moe_qlora.train import reference as reference_module
-from moe_qlora.train.reference import LOGPS_FILE, REFERENCE_DIR, reference_logps
+from moe_qlora.train.reference import LOGPS_FILE, REFERENCE_DIR, reference_fingerprint, reference_logps
 
 from helpers.crash import assert_same_run, cli_command, kill_after_steps, run_cli, torchrun
 
@@ -71,12 +72,14 @@ def test_the_demo_raises_held_out_accuracy_well_above_chance(demo):
     assert "eval: 16 preference pairs held out" in proc.stdout
 
 
-def test_plot_draws_the_preference_metrics_and_check_norms_passes(demo, env):
+def test_plot_check_norms_and_export_take_the_dpo_run(demo, env):
     out, _ = demo
     proc = moe_qlora("plot", out, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert {"rewards.png", "accuracy.png", "logps.png", "loss.png"} <= {p.name for p in (out / "plots").iterdir()}
     assert moe_qlora("check-norms", out / "adapter", env=env).returncode == 0
+    exported = moe_qlora("export", out / "adapter", "--format", "gguf", "--out", out / "adapter.gguf", env=env)
+    assert exported.returncode == 0 and (out / "adapter.gguf").stat().st_size > 0, exported.stderr[-2000:]
 
 
 def test_the_first_step_starts_at_the_reference_with_an_sft_adapter(demo_run, env, tmp_path):
@@ -106,7 +109,8 @@ def scored(cfg, model_path, tok, out: Path):
     model = build_policy(cfg.model, cfg.lora, model_path, Console(quiet=True), seed=0, read_adapter=None)[0]
     pairs, _ = build_pairs(cfg.data, tok)
     cfg = cfg.model_copy(update={"output": cfg.output.model_copy(update={"dir": str(out)})})
-    return reference_logps(model, pairs, cfg, model_path, tok.pad_token_id, SINGLE, Console(quiet=True))
+    key = reference_fingerprint(cfg, model_path, pairs)
+    return reference_logps(model, pairs, key, cfg, tok.pad_token_id, SINGLE, Console(quiet=True))
 
 
 def test_the_stored_reference_is_reused_and_recomputed_when_what_it_depends_on_changes(tmp_path, monkeypatch):
@@ -162,9 +166,11 @@ def test_sigkill_at_a_random_step_then_resume_is_exact_and_reuses_the_reference(
 
 def test_two_ddp_ranks_reproduce_one_process(env, tmp_path):
     """Two ranks of 8 pairs a micro-batch against one process accumulating 2 micro-batches of 8: the same global
-    batch, so the same steps (no dropout: the ranks draw from their own generators)."""
-    config = config_file(tmp_path, "two", **{**RESUMED, "lora": {"dropout": 0.0}})
-    single = config_file(tmp_path, "single", train={**RESUMED["train"], "grad_accum": 2}, lora={"dropout": 0.0})
+    batch, so the same steps (no dropout: the ranks draw from their own generators). 56 pairs train: each epoch's
+    fourth step has 8, all on rank 0, so rank 1 joins its collectives with none."""
+    common = {"data": {"eval_fraction": 0.3}, "lora": {"dropout": 0.0}}
+    config = config_file(tmp_path, "two", train=RESUMED["train"], **common)
+    single = config_file(tmp_path, "single", train={**RESUMED["train"], "grad_accum": 2}, **common)
     proc = moe_qlora("dpo", "--config", single, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = torchrun(["dpo", "--config", str(config)], {**env, "OMP_NUM_THREADS": "1"})
@@ -172,6 +178,7 @@ def test_two_ddp_ranks_reproduce_one_process(env, tmp_path):
     assert "data parallel (ddp): 2 ranks x micro_batch_size 8, global batch 16" in two.stdout
     a, b = records(tmp_path / "single"), records(tmp_path / "two")
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))
+    assert [r["pairs"] for r in a][:4] == [16, 16, 16, 8]
     for x, y in zip(a, b, strict=True):
         assert x["pairs"] == y["pairs"]
         for key in ("loss", *TRL_METRICS):
@@ -190,10 +197,16 @@ def test_two_ddp_ranks_reproduce_one_process(env, tmp_path):
         ({"data": {"packing": True}}, "data.packing is not for `moe-qlora dpo`"),
         ({"dpo": {"loss_type": "hinge", "label_smoothing": 0.1}}, "label_smoothing enters"),
         ({"dpo": {"loss_type": "ipo", "simpo_gamma": 1.0}}, "simpo_gamma is SimPO's margin"),
+        ({"train": {"optimizer_in_backward": True, "max_grad_norm": 0.0}}, "train.optimizer_in_backward is not for"),
+        ({"train": {"objective": "rwsft"}}, "train.objective: rwsft is not for `moe-qlora dpo`"),
+        ({"data": {"format": "messages"}}, "data.format: messages is not for `moe-qlora dpo`"),
+        ({"data": {"train_on_prompt": True}}, "data.train_on_prompt is not for `moe-qlora dpo`"),
+        ({"train": {"parallel": "fsdp"}, "WORLD_SIZE": "2"}, "train.parallel: fsdp is not for `moe-qlora dpo`"),
     ],
 )
 def test_config_refusals_are_one_sentence_before_loading(tmp_path, env, changes, expected):
     cfg = yaml.safe_load(config_file(tmp_path, "bad").read_text())
+    world = changes.pop("WORLD_SIZE", "1")  # launched as one of two ranks
     for section, values in changes.items():
         if values is None:
             cfg.pop(section)
@@ -201,6 +214,48 @@ def test_config_refusals_are_one_sentence_before_loading(tmp_path, env, changes,
             cfg[section] = {**cfg.get(section, {}), **values}
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    proc = moe_qlora("dpo", "--config", path, "--dry-run", env=env, timeout=120)
+    proc = moe_qlora("dpo", "--config", path, "--dry-run", env={**env, "WORLD_SIZE": world}, timeout=120)
     assert proc.returncode == 2 and expected in " ".join(proc.stderr.split()), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_held_out_accuracy_measures_the_trained_preference_and_its_reverse_control(env, tmp_path):
+    """eval_files: 16 pairs never trained on. Trained on the other 64 as given, the held-out accuracy is high;
+    trained on them with chosen and rejected swapped (the broken control), it falls towards 0."""
+    rows = [json.loads(line) for line in (ROOT / "data" / "demo_dpo.jsonl").read_text().splitlines()]
+    held, train = rows[64:], rows[:64]
+    swapped = [{**r, "chosen": r["rejected"], "rejected": r["chosen"]} for r in train]
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held))
+    accuracy = {}
+    for name, data in (("as-given", train), ("swapped", swapped)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
+        files = {"train_files": [str(tmp_path / f"{name}.jsonl")], "eval_files": [str(tmp_path / "held.jsonl")]}
+        config = config_file(tmp_path, name, data={**files, "eval_fraction": 0.0}, train={"max_steps": 16})
+        proc = moe_qlora("dpo", "--config", config, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        accuracy[name] = records(tmp_path / name)[-1]["eval_rewards/accuracies"]
+    assert accuracy["as-given"] >= 0.9 and accuracy["swapped"] <= 0.1, accuracy
+
+
+def test_the_dry_run_prints_a_config_that_loads_back(tmp_path, env):
+    """The resolved config (the per-type defaults filled in) is a valid config itself, for every loss type."""
+    for loss_type in ("sigmoid", "simpo", "orpo"):
+        proc = moe_qlora("dpo", "--config", DEMO, "--dry-run", "--set", f"dpo.loss_type={loss_type}", env=env)
+        assert proc.returncode == 0, proc.stderr
+        printed = tmp_path / f"{loss_type}.yaml"
+        printed.write_text(proc.stdout)
+        cfg = load_config(printed)
+        assert cfg.dpo.loss_type == loss_type and cfg.dpo.beta == (2.0 if loss_type == "simpo" else 0.1)
+        assert cfg.dpo.sft_weight == (1.0 if loss_type == "orpo" else 0.0)
+
+
+def test_a_resume_without_the_stored_reference_scores_it_again_from_the_step_0_policy(uninterrupted, env, tmp_path):
+    """The reference is scored before the checkpoint is restored: deleting it mid-run and resuming gives the
+    uninterrupted run's every loss and its adapter, tensor for tensor."""
+    config, reference_run = uninterrupted
+    assert kill_after_steps(cli_command("dpo", config, tmp_path), env, tmp_path, SAVE_EVERY + 1) < STEPS
+    shutil.rmtree(tmp_path / REFERENCE_DIR)
+    proc = run_cli("dpo", config, tmp_path, env, "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and "scored 80 pairs with the step-0 policy" in proc.stdout
+    assert_same_run(tmp_path, reference_run, history)

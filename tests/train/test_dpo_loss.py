@@ -233,3 +233,27 @@ def test_the_setup_exercises_every_branch(setup):
     assert len({int(n) for n in policy["chosen"][1]} | {int(n) for n in policy["rejected"][1]}) > 2
     beta_h = section("hinge").beta * h
     assert bool((beta_h < 1).any()) and bool((beta_h > 1).any()), beta_h
+
+
+@pytest.mark.parametrize("case", ["sigmoid-rpo", "orpo", "ipo"])
+def test_micro_batches_of_a_step_give_the_whole_steps_gradient(setup, case):
+    """The pair mean and the NLL's token mean are the step's, whatever its split: 2 + 2 pairs accumulate to the
+    gradient of 4 at once (fp32 reordering). The broken control normalises each micro-batch by its own counts."""
+    model, ref, pairs, *_, pad_id = setup
+    d, ctx = section(case), StepContext(TrainSection(loss_chunk_tokens=16))
+    reference = PairLogps(ref["c"], ref["r"], ref["nc"], ref["nr"]) if section(case).uses_reference else None
+    chosen = lambda group: sum(sum(t != -100 for t in p.chosen.labels[1:]) for p in group)  # noqa: E731
+    totals = StepTotals(len(pairs), chosen(pairs), 1)
+
+    def grads(groups, own_totals=False):
+        model.zero_grad(set_to_none=True)
+        for group in groups:
+            t = StepTotals(len(group), chosen(group), 1) if own_totals else totals
+            micro_batch_loss(model, group, reference, d, t, ctx, pad_id)[0].backward()
+        return gradients_by_adapter_key(model, adapter_state_dict)
+
+    whole, split = grads([pairs]), grads([pairs[:2], pairs[2:]])
+    for key in whole:
+        assert_close_scaled(key, split[key], whole[key])
+    wrong = grads([pairs[:2], pairs[2:]], own_totals=True)
+    assert max(float((wrong[k] - whole[k]).abs().max() / whole[k].abs().max()) for k in whole) > 0.1

@@ -1,6 +1,7 @@
 """train.router_aux_loss_coef: the family's MoE load-balancing loss trained on in SFT, DPO and GRPO. Off, the
 gradients are bitwise those of the loss alone; on, they move by exactly coef x the auxiliary loss's own gradient
-(fp32 summation order: within 1e-6 of the largest element), which reaches the router's LoRA."""
+(fp32 summation order: within 1e-6 of the largest element), which reaches the router's LoRA. "Off" is compared
+with the forward that does not ask for router logits at all."""
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from moe_qlora.data.preference import PreferencePair
 from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.model.loading import LoadOptions, load_model
 from moe_qlora.model.tiny import save_tiny_model, tiny_config
+from moe_qlora.train import dpo as dpo_module
+from moe_qlora.train import grpo as grpo_module
 from moe_qlora.train.dpo import StepTotals
 from moe_qlora.train.dpo import micro_batch_loss as dpo_loss
 from moe_qlora.train.grpo import BatchTotals, backward_pass
@@ -94,7 +97,10 @@ def test_dpo_trains_on_the_aux_loss_only_when_asked(model):
         return lambda: dpo_loss(model, pairs, None, d, totals, ctx, 0)[0].backward()
 
     off, on = gradients(model, step(0.0)), gradients(model, step(COEF))
-    assert any(not torch.equal(off[n], on[n]) for n in off)
+    with pytest.MonkeyPatch.context() as patch:  # the forward without router logits at all
+        patch.setattr(dpo_module, "has_router_aux_loss", lambda model: False)
+        plain = gradients(model, step(0.0))
+    assert all(torch.equal(plain[n], off[n]) for n in plain)  # off: exactly the preference loss
     both = collate(chosen + rejected, 0)
     assert_moved_by_the_aux_gradient(on, off, aux_gradient(model, {k: v for k, v in both.items() if k != "weights"}))
 
@@ -109,6 +115,10 @@ def test_grpo_trains_on_the_aux_loss_only_when_asked(model):
         return lambda: backward_pass(model, [batch], ([None], [None]), g, totals, ctx)
 
     off, on = gradients(model, step(0.0)), gradients(model, step(COEF))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(grpo_module, "has_router_aux_loss", lambda model: False)
+        plain = gradients(model, step(0.0))
+    assert all(torch.equal(plain[n], off[n]) for n in plain)  # off: exactly the GRPO loss
     assert_moved_by_the_aux_gradient(on, off, aux_gradient(model, batch))
 
 
