@@ -38,6 +38,7 @@ SHIPPED_CONFIGS = {
     "openai/gpt-oss-20b": "gpt-oss-20b",  # its config.json as published (MXFP4 experts: quantization_config)
     "Qwen/Qwen3-Next-80B-A3B-Instruct": "qwen3-next-80b-a3b",
     "allenai/OLMoE-1B-7B-0924": "olmoe-1b-7b",
+    "deepseek-ai/DeepSeek-V3": "deepseek-v3",  # the FP8 release's config.json (quantization_config: fp8, 128 x 128)
 }
 
 # Total parameters as the model cards give them, in billions: the shipped config.json must build that model.
@@ -48,6 +49,7 @@ PUBLISHED_PARAMS_B = {
     "gpt-oss-20b": 20.9,
     "qwen3-next-80b-a3b": 80,
     "olmoe-1b-7b": 6.9,
+    "deepseek-v3": 671,  # without the multi-token-prediction module (14B more, which transformers does not build)
 }
 
 FIT_LINE = re.compile(r"^# (GPU|CPU): (\d+) GB[^(]*\(plan: (\d+\.\d\d) GiB; `(moe-qlora plan [^`]+)`\)$", re.M)
@@ -119,9 +121,10 @@ def at_root(monkeypatch):
     monkeypatch.chdir(ROOT)
 
 
-def test_the_eight_recipes_are_there():
+def test_the_nine_recipes_are_there():
     names = {p.stem for p in RECIPES}
     assert names == {
+        "deepseek-v3-sft",
         "qwen3-30b-a3b-sft",
         "qwen3-30b-a3b-grpo",
         "qwen3-30b-a3b-dpo",
@@ -139,7 +142,8 @@ def test_recipe_validates_and_fits_the_gpu_its_header_names(path, at_root):
     text = path.read_text()
     rel = path.relative_to(ROOT)
     command = recipe_command(cfg)
-    assert text.startswith(f"# moe-qlora {command} --config {rel}\n")
+    launcher = "torchrun --nproc-per-node 8 -m moe_qlora" if cfg.train.parallel == "fsdp" else "moe-qlora"
+    assert text.startswith(f"# {launcher} {command} --config {rel}\n")
     assert re.search(r"^# Time per step: ", text, re.M), "the header says the time per step, or that it is unmeasured"
     assert Path(cfg.output.dir) == ROOT / "runs" / path.stem
     folder, config = shipped_config(cfg)
