@@ -1,6 +1,10 @@
-"""Peak host memory while loading a sharded bf16 MoE checkpoint in 4-bit, against its bf16 and quantized sizes.
+"""Peak host memory while loading a sharded bf16 (or FP8) MoE checkpoint in 4-bit, against its stored and
+quantized sizes.
 
     python scripts/bench_load.py                 # generates ~2.7 GB of bf16 shards once, then measures
+    python scripts/bench_load.py --format fp8    # the same weights published as DeepSeek-V3 publishes: per-expert
+                                                 # keys, fp8 e4m3 with 128 x 128 block scales (moe-qlora only:
+                                                 # transformers + bnb cannot quantize an FP8 checkpoint to NF4)
     python scripts/bench_load.py --json out.json
 
 The checkpoint (Qwen3-MoE architecture, random weights, seed 0) is written shard by shard, never whole in
@@ -77,6 +81,73 @@ def generate(path: Path) -> Path:
     return path
 
 
+FP8_BLOCK = 128
+
+
+def to_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 e4m3 weight, its (ceil(rows/128), ceil(cols/128)) fp32 scale grid), each block's absmax at 448."""
+    rows, cols = w.shape
+    grid_rows, grid_cols = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
+    padded = torch.zeros(grid_rows * FP8_BLOCK, grid_cols * FP8_BLOCK)
+    padded[:rows, :cols] = w.float()
+    blocks = padded.view(grid_rows, FP8_BLOCK, grid_cols, FP8_BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+    q = (blocks / scale[:, None, :, None]).view_as(padded)[:rows, :cols]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def per_expert_fp8(key: str, stack: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A fused expert stack as the hub's per-expert FP8 keys (gate_up (E, 2I, H) -> gate_proj and up_proj)."""
+    prefix, name = key.rsplit(".", 1)
+    parts = {"gate_proj": 0, "up_proj": 1} if name == "gate_up_proj" else {"down_proj": None}
+    out = {}
+    for e in range(stack.shape[0]):
+        for proj, half in parts.items():
+            w = stack[e] if half is None else stack[e].chunk(2, dim=0)[half]
+            q, scale = to_fp8(w)
+            out[f"{prefix}.{e}.{proj}.weight"], out[f"{prefix}.{e}.{proj}.weight_scale_inv"] = q, scale
+    return out
+
+
+def generate_fp8(source: Path, path: Path) -> Path:
+    """The bf16 checkpoint `source` shard by shard as an FP8 release: projections and per-expert weights in fp8
+    with block scales; router, norms, embeddings and head in bf16."""
+    from safetensors.torch import load_file, save_file
+
+    if (path / "model.safetensors.index.json").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for shard in sorted(source.glob("*.safetensors")):
+        out = {}
+        for key, t in load_file(str(shard)).items():
+            if t.dim() == 3:
+                out.update(per_expert_fp8(key, t))
+            elif key.endswith("_proj.weight"):
+                out[key], out[key + "_scale_inv"] = to_fp8(t)
+            else:
+                out[key] = t
+        save_file(out, str(path / shard.name), metadata={"format": "pt"})
+        weight_map.update({k: shard.name for k in out})
+        del out
+    total = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    for f in source.iterdir():
+        if f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            (path / f.name).write_bytes(f.read_bytes())
+    return path
+
+
 def worker(name: str, path: str) -> dict:
     import logging
 
@@ -118,7 +189,8 @@ def worker(name: str, path: str) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--path", default=None, help="where the generated checkpoint lives (default: the moe-qlora cache)")
-    ap.add_argument("--only", nargs="*", default=["moe-qlora", "transformers+bnb"])
+    ap.add_argument("--only", nargs="*", default=None, help="loaders (default: both; fp8: moe-qlora)")
+    ap.add_argument("--format", choices=["bf16", "fp8"], default="bf16", help="how the checkpoint is stored")
     ap.add_argument("--json")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -128,11 +200,14 @@ def main():
     from moe_qlora.model.tiny import cache_dir
 
     path = generate(Path(args.path) if args.path else cache_dir() / "bench-load-qwen3")
+    if args.format == "fp8":
+        path = generate_fp8(path, path.with_name(path.name + "-fp8"))
+    loaders = args.only or (["moe-qlora"] if args.format == "fp8" else ["moe-qlora", "transformers+bnb"])
     shards = sorted(path.glob("*.safetensors"))
     ckpt_mib = sum(f.stat().st_size for f in shards) / 2**20
     shard_mib = max(f.stat().st_size for f in shards) / 2**20
     results = []
-    for name in args.only:
+    for name in loaders:
         proc = subprocess.run(
             [sys.executable, __file__, "--worker", name, "--path", str(path)], capture_output=True, text=True
         )
@@ -145,7 +220,7 @@ def main():
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{len(shards)} bf16 shards, {ckpt_mib:,.0f} MiB (largest {shard_mib:,.0f} MiB)")
+    table = Table(title=f"{len(shards)} {args.format} shards, {ckpt_mib:,.0f} MiB (largest {shard_mib:,.0f} MiB)")
     columns = (
         "loader",
         "peak RSS MiB",
@@ -176,6 +251,7 @@ def main():
         )
     Console(width=150).print(table)
     payload = {
+        "format": args.format,
         "checkpoint_mib": round(ckpt_mib, 1),
         "largest_shard_mib": round(shard_mib, 1),
         "shape": SHAPE,

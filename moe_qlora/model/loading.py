@@ -224,7 +224,8 @@ def local_checkpoint(name_or_path: str) -> Path:
     from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
-    return Path(snapshot_download(name_or_path, allow_patterns=patterns))
+    # top-level files only: openai/gpt-oss-20b also ships original/ (13 GB more) and metal/ weights
+    return Path(snapshot_download(name_or_path, allow_patterns=patterns, ignore_patterns=["*/*"]))
 
 
 def checkpoint_files(folder: Path) -> list[Path]:

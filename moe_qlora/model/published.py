@@ -37,11 +37,10 @@ class ModelLoadError(ValueError):
 
 class Fp8BlockTensor:
     """An FP8 weight and its block scales, read as one bf16 tensor on `[...]` (the LazyTensor interface that
-    transformers' loader reads state-dict entries through): the fp8 bytes and the scale grid are read, multiplied
-    in fp32 and rounded once to bf16; the scales then go."""
+    transformers' loader reads state-dict entries through); the scales then go."""
 
     def __init__(self, name: str, weight, scale, block: tuple[int, int]):
-        self.name, self.weight, self.scale, self.block = name, weight, scale, block
+        self.name, self.weight, self.scale, self.block = name, weight, scale, block  # checked by fp8_state
 
     def get_dtype(self) -> str:
         return "BF16"
@@ -50,21 +49,27 @@ class Fp8BlockTensor:
         return self.weight.get_shape()
 
     def __getitem__(self, index):
-        return dequantize_blocks(self.weight[index], self.scale[index], self.block, self.name).to(torch.bfloat16)
+        return dequantize_blocks(self.weight[index], scale_values(self.scale[index]), self.block)
 
 
-def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str) -> torch.Tensor:
-    """q (rows, cols) fp8 times each element's block scale (scale: (ceil(rows/b0), ceil(cols/b1))), in fp32."""
+def scale_values(scale: torch.Tensor) -> torch.Tensor:
+    """The scales as fp32 multipliers: fp32 / bf16 / fp16 as stored; uint8 as e8m0 exponents, 2^(b - 127)
+    (checkpoints with `scale_fmt: ue8m0`)."""
+    if scale.dtype == torch.uint8:
+        return torch.exp2(scale.float() - 127)
+    return scale.float()
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """q (rows, cols) fp8 times each element's block scale (scale: (ceil(rows/b0), ceil(cols/b1)) fp32), rounded
+    once to bf16; one row of blocks at a time in fp32 (a whole DeepSeek-V3 dense weight would be 0.5 GiB)."""
     rows, cols = q.shape
     b0, b1 = block
-    grid = (-(-rows // b0), -(-cols // b1))
-    if tuple(scale.shape) != grid:
-        raise ModelLoadError(
-            f"{name}{SCALE_SUFFIX}: scale grid {tuple(scale.shape)}, expected {grid} for a ({rows}, {cols}) weight "
-            f"in blocks of {b0} x {b1} (quantization_config.weight_block_size)"
-        )
-    per_element = scale.float().repeat_interleave(b0, 0)[:rows].repeat_interleave(b1, 1)[:, :cols]
-    return q.float() * per_element
+    out = torch.empty(rows, cols, dtype=torch.bfloat16)
+    for i in range(scale.shape[0]):
+        band = slice(i * b0, (i + 1) * b0)
+        out[band] = (q[band].float() * scale[i].repeat_interleave(b1)[:cols]).to(torch.bfloat16)
+    return out
 
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -87,10 +92,6 @@ class Mxfp4Tensor:
 
     def __getitem__(self, index):
         blocks, scales = self.blocks[index], self.scales[index]
-        if tuple(blocks.shape[:-1]) != tuple(scales.shape):
-            raise ModelLoadError(
-                f"{self.name}: blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair up"
-            )
         stack = torch.empty(self.get_shape(), dtype=torch.bfloat16)
         for e in range(stack.shape[0]):
             stack[e] = decode_mxfp4(blocks[e], scales[e]).T
@@ -106,55 +107,100 @@ def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return values.reshape(scales.shape[0], -1)
 
 
+def quantization_configs(config) -> list:
+    """The configs that carry a quantization_config: the top level, or the text model's (where transformers also
+    looks for it)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    both = [config] if text is config else [config, text]
+    return [c for c in both if getattr(c, "quantization_config", None) is not None]
+
+
+def quant_setting(config, key: str):
+    qc = quantization_configs(config)[0].quantization_config
+    return qc.get(key) if isinstance(qc, dict) else getattr(qc, key, None)
+
+
 def quant_method(config) -> str | None:
-    qc = getattr(config, "quantization_config", None)
-    if qc is None:
-        return None
-    return qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    return quant_setting(config, "quant_method") if quantization_configs(config) else None
+
+
+def forget_quantization(config) -> None:
+    """Once the state dict decodes the checkpoint, transformers must not apply its own quantizer to it."""
+    for c in quantization_configs(config):
+        del c.quantization_config
 
 
 def dequantized_as_read(state: dict, config, folder: Path) -> dict:
-    """The checkpoint's state dict as moe-qlora quantizes it: unchanged for an unquantized checkpoint, FP8 weights
-    wrapped to be dequantized as they are read (and `config` stripped of its quantization_config, so transformers
-    does not apply its own); ModelLoadError for any other quantized format, naming it."""
+    """The checkpoint's state dict as moe-qlora quantizes it: unchanged for an unquantized checkpoint, FP8 and
+    MXFP4 tensors wrapped to be decoded as they are read (every pairing checked from the headers first, so a bad
+    one stops the load at once; `config` is then stripped of its quantization_config, so transformers does not
+    apply its own); ModelLoadError for any other quantized format, naming it."""
     method = quant_method(config)
     if method is None:
         return state
     if method == "mxfp4":
-        del config.quantization_config
-        return mxfp4_state(state, folder)
-    if method != "fp8":
+        state = mxfp4_state(state, folder)
+    elif method == "fp8":
+        block = quant_setting(config, "weight_block_size")
+        if not block or len(block) != 2:
+            raise ModelLoadError(
+                f"{folder}: FP8 without quantization_config.weight_block_size (one scale per tensor or per channel) "
+                "is not read yet; block-scaled FP8 (DeepSeek-V3's, 128 x 128) is"
+            )
+        state = fp8_state(state, (int(block[0]), int(block[1])), folder)
+    else:
         why = INSTEAD.get(method, "moe-qlora reads unquantized checkpoints, FP8 with block scales and MXFP4")
         raise ModelLoadError(f"{folder}: quantization_config.quant_method is {method!r}: {why}")
-    qc = config.quantization_config
-    block = qc.get("weight_block_size") if isinstance(qc, dict) else getattr(qc, "weight_block_size", None)
-    if not block or len(block) != 2:
-        raise ModelLoadError(
-            f"{folder}: FP8 without quantization_config.weight_block_size (one scale per tensor or per channel) "
-            "is not read yet; block-scaled FP8 (DeepSeek-V3's, 128 x 128) is"
-        )
-    del config.quantization_config
-    return fp8_state(state, (int(block[0]), int(block[1])), folder)
+    forget_quantization(config)
+    return state
+
+
+ACTIVATION_SCALES = ("input_scale", "activation_scale")  # FP8 inference's; the decoded weights compute in bf16
+SCALE_DTYPES = ("F32", "BF16", "F16", "U8")
 
 
 def fp8_state(state: dict, block: tuple[int, int], folder: Path) -> dict:
-    """Every FP8 tensor with its `<name>_scale_inv` as one Fp8BlockTensor; the scales themselves out."""
+    """Every FP8 weight with its `<name>_scale_inv` as one Fp8BlockTensor; the scales (and FP8 activation scales)
+    out. A weight without its scale, a scale without an FP8 weight, a weight that is not 2D or a grid that does
+    not match the block size: ModelLoadError naming the key."""
     out = {}
     for name, tensor in state.items():
+        if name.endswith(ACTIVATION_SCALES):
+            continue
         if name.endswith(SCALE_SUFFIX):
+            weight = state.get(name.removesuffix(SCALE_SUFFIX))
+            if weight is None or weight.get_dtype() not in FP8_STORED:
+                stored = "no weight" if weight is None else f"a {weight.get_dtype()} weight"
+                raise ModelLoadError(f"{folder}: {name} scales {stored}, not an FP8 one: a layout not read")
             continue
         if tensor.get_dtype() in FP8_STORED:
-            scale = state.get(name + SCALE_SUFFIX)
-            if scale is None:
-                raise ModelLoadError(f"{folder}: {name} is stored in FP8 without its {name}{SCALE_SUFFIX}")
-            out[name] = Fp8BlockTensor(name, tensor, scale, block)
+            out[name] = Fp8BlockTensor(name, tensor, checked_scale(name, tensor, state, block, folder), block)
         else:
             out[name] = tensor
     return out
 
 
+def checked_scale(name: str, weight, state: dict, block: tuple[int, int], folder: Path):
+    """The scale grid of FP8 `name`, its shape and dtype checked against the weight's from the headers."""
+    scale = state.get(name + SCALE_SUFFIX)
+    if scale is None:
+        raise ModelLoadError(f"{folder}: {name} is stored in FP8 without its {name}{SCALE_SUFFIX}")
+    shape = weight.get_shape()
+    if len(shape) != 2:
+        raise ModelLoadError(f"{folder}: {name}: an FP8 tensor of shape {shape}; only 2D weights are read")
+    grid = [-(-shape[0] // block[0]), -(-shape[1] // block[1])]
+    if scale.get_shape() != grid or scale.get_dtype() not in SCALE_DTYPES:
+        raise ModelLoadError(
+            f"{folder}: {name}{SCALE_SUFFIX}: a {scale.get_dtype()} grid of {scale.get_shape()}, expected {grid} "
+            f"({', '.join(SCALE_DTYPES)}) for a {shape} weight in blocks of {block[0]} x {block[1]} "
+            "(quantization_config.weight_block_size)"
+        )
+    return scale
+
+
 def mxfp4_state(state: dict, folder: Path) -> dict:
-    """Every `<stack>_blocks` with its `<stack>_scales` as one Mxfp4Tensor named `<stack>`; the rest as stored."""
+    """Every `<stack>_blocks` with its `<stack>_scales` as one Mxfp4Tensor named `<stack>` (bytes, paired shapes
+    checked from the headers); the rest as stored."""
     out = {}
     for name, tensor in state.items():
         if name.endswith(MXFP4_SCALES) and name.removesuffix(MXFP4_SCALES) + MXFP4_BLOCKS in state:
@@ -164,6 +210,12 @@ def mxfp4_state(state: dict, folder: Path) -> dict:
             scales = state.get(stack + MXFP4_SCALES)
             if scales is None:
                 raise ModelLoadError(f"{folder}: {name} has no {stack}{MXFP4_SCALES} beside it")
+            shape, grid = tensor.get_shape(), scales.get_shape()
+            if len(shape) != 4 or shape[:-1] != grid or tensor.get_dtype() != "U8" or scales.get_dtype() != "U8":
+                raise ModelLoadError(
+                    f"{folder}: {stack}: MXFP4 blocks {tensor.get_dtype()} {shape} and scales {scales.get_dtype()} "
+                    f"{grid}; expected U8 (E, out, G, 16) and U8 (E, out, G)"
+                )
             out[stack] = Mxfp4Tensor(stack, tensor, scales)
         else:
             out[name] = tensor

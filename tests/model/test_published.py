@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 from moe_qlora.model.loading import LoadOptions, ModelLoadError, load_model
 from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
 
-BLOCK = (32, 32)  # so that q_a_proj (48 rows) and kv_a_proj_with_mqa (40) end in partial blocks
+BLOCK = (32, 16)  # not square (b0, b1 swapped would be caught); q_a_proj (48 rows) and kv_a_proj_with_mqa (40) end in
+# partial row blocks, and no column is partial at 16: the row blocks are what DeepSeek-V3's 576 rows test
 FP8_MAX = 448.0  # e4m3's largest finite value
 
 
@@ -61,6 +62,7 @@ def checkpoints(tmp_path_factory):
     state = {k: v.to(torch.bfloat16) for k, v in load_file(str(weights)).items()}
     names = quantized_names(state)
     assert any(state[k].shape[0] % BLOCK[0] for k in names), "a partial block must be among them"
+    assert {state[k].shape[0] % BLOCK[0] for k in names} >= {0, 8, 16}
     fp8, oracle, shifted = dict(state), dict(state), dict(state)
     for k in names:
         q, grid = to_fp8_blocks(state[k].float())
@@ -84,6 +86,60 @@ def checkpoints(tmp_path_factory):
     return folders
 
 
+def test_each_decoded_weight_is_the_formats_definition_exactly(checkpoints):
+    """Before NF4: every decoded weight equals the oracle's bf16, bit for bit (an ulp off would pass the NF4
+    comparison below unseen)."""
+    from moe_qlora.model.loading import lazy_state_dict
+    from moe_qlora.model.published import fp8_state
+
+    fp8, oracle, _ = checkpoints
+    expected = load_file(str(oracle / "model.safetensors"))
+    with lazy_state_dict([fp8 / "model.safetensors"]) as state:
+        decoded = fp8_state(state, BLOCK, fp8)
+        names = [k for k, v in decoded.items() if type(v).__name__ == "Fp8BlockTensor"]
+        assert len(names) > 20
+        for k in names:
+            assert torch.equal(decoded[k][...], expected[k]), k
+
+
+def write_state(folder, tensors: dict) -> None:
+    (folder / "model.safetensors").unlink()
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+def test_fp8_layouts_not_read_are_named(checkpoints, tmp_path):
+    """A weight without its scale, a scale without an FP8 weight: ModelLoadError naming the key, before loading."""
+    source = load_file(str(checkpoints[0] / "model.safetensors"))
+    weight = "model.layers.1.mlp.experts.3.up_proj.weight"
+    cases = {
+        "no-scale": ({k: v for k, v in source.items() if k != weight + "_scale_inv"}, "without its"),
+        "orphan": ({**source, weight: source[weight].float()}, "scales a F32 weight, not an FP8 one"),
+    }
+    for name, (tensors, expected) in cases.items():
+        folder = shutil.copytree(checkpoints[0], tmp_path / name)
+        write_state(folder, tensors)
+        with pytest.raises(ModelLoadError, match=expected):
+            load_model(LoadOptions(str(folder)))
+
+
+def test_e8m0_scales_and_activation_scales(checkpoints, tmp_path):
+    """uint8 scales are exponents (2^(b - 127), `scale_fmt: ue8m0`); FP8 activation scales are dropped (the
+    weights compute in bf16). Scales that are powers of two read as bytes give the model of the float scales."""
+    source = load_file(str(checkpoints[0] / "model.safetensors"))
+    pow2, as_bytes = dict(source), dict(source)
+    for k in [k for k in source if k.endswith("_scale_inv")]:
+        exponent = torch.round(torch.log2(source[k]))
+        pow2[k], as_bytes[k] = torch.exp2(exponent), (exponent + 127).to(torch.uint8)
+        as_bytes[k.removesuffix("_scale_inv") + "_input_scale"] = torch.ones(())
+    folders = []
+    for name, tensors in (("pow2", pow2), ("bytes", as_bytes)):
+        folder = shutil.copytree(checkpoints[0], tmp_path / name)
+        write_state(folder, tensors)
+        folders.append(folder)
+    a, b = map(loaded_state, folders)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def loaded_state(folder) -> dict[str, torch.Tensor]:
     model = load_model(LoadOptions(str(folder)))
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -102,9 +158,9 @@ def test_fp8_block_scaled_weights_load_as_their_dequantization(checkpoints):
 def test_a_scale_grid_that_does_not_match_the_block_size_is_named(checkpoints, tmp_path):
     folder = shutil.copytree(checkpoints[0], tmp_path / "bad")
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"]["weight_block_size"] = [16, 16]
+    config["quantization_config"]["weight_block_size"] = list(reversed(BLOCK))  # b0 and b1 swapped
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=r"weight_scale_inv: scale grid \(\d+, \d+\), expected \(\d+, \d+\)"):
+    with pytest.raises(ModelLoadError, match=r"weight_scale_inv: a F32 grid of \[\d+, \d+\], expected \[\d+, \d+\]"):
         load_model(LoadOptions(str(folder)))
 
 
