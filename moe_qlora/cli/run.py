@@ -86,6 +86,7 @@ def check_paths_before_loading(cfg, *, hub: bool = True) -> None:
         for f in map(entry_path, getattr(cfg.data, key)):
             if looks_local(f) and not Path(f).exists():
                 raise ConfigError(f"data.{key}: {f}: no such file (relative paths are relative to the config)")
+    check_router_aux_loss(cfg, name if local else None)
     from moe_qlora.common.reporting import missing_reporters
 
     if missing := missing_reporters(cfg.output.report_to):
@@ -96,6 +97,31 @@ def check_paths_before_loading(cfg, *, hub: bool = True) -> None:
     existing = next(p for p in (out, *out.parents) if p.exists())
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"output.dir: {out} cannot be written ({existing} is not writable by this user)")
+
+
+def check_router_aux_loss(cfg, folder: str | None) -> None:
+    """train.router_aux_loss_coef on a family without an auxiliary loss, seen from the checkpoint's config.json
+    (a local folder, or the hub cache's copy) before minutes of loading; the recipe checks it again on the model."""
+
+    setting = cfg.train.router_aux_loss_coef
+    name = cfg.model.name_or_path
+    if setting == 0 or name.startswith("builtin:"):
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    from moe_qlora.config.sections import ConfigError
+
+    path = Path(folder) / "config.json" if folder else try_to_load_from_cache(name, "config.json")
+    if not isinstance(path, (str, Path)) or not Path(path).is_file():
+        return
+    from transformers import AutoConfig  # its config classes' defaults, as the model will have them
+
+    config = AutoConfig.from_pretrained(str(Path(path).parent), trust_remote_code=cfg.model.trust_remote_code)
+    if not hasattr(config, "router_aux_loss_coef"):
+        raise ConfigError(
+            f"train.router_aux_loss_coef: {setting}, but {config.model_type} defines no router auxiliary "
+            "(load-balancing) loss to train on; set it to 0"
+        )
 
 
 def _run(

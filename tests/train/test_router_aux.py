@@ -131,3 +131,24 @@ def test_the_coefficient_is_the_number_the_familys_own_or_refused(model, tmp_pat
     assert router_aux_coefficient(glm, 0) == 0.0
     with pytest.raises(ConfigError, match="glm4_moe defines no router auxiliary"):
         router_aux_coefficient(glm, "model")
+
+
+def test_the_cli_refuses_it_for_a_family_without_one_before_loading(tmp_path):
+    """From the checkpoint's config.json (through transformers' config class, as the model will have it), in one
+    sentence, exit 2, before any weight is read: --dry-run reads none and is refused the same way."""
+    import subprocess
+    import sys
+
+    path = save_tiny_model(tmp_path / "glm", tiny_config("glm4_moe", 300), seed=0)
+    config = tmp_path / "cfg.yaml"
+    config.write_text(
+        f"model: {{name_or_path: {path}}}\ndata: {{train_files: [{tmp_path / 'rows.jsonl'}]}}\n"
+        f"train: {{router_aux_loss_coef: model}}\noutput: {{dir: {tmp_path / 'out'}}}\n"
+    )
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    cmd = [sys.executable, "-m", "moe_qlora", "train", "--config", str(config), "--dry-run"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "glm4_moe defines no router auxiliary" in " ".join(proc.stderr.split()) and "Traceback" not in proc.stderr
+    ok = subprocess.run([*cmd, "--set", "train.router_aux_loss_coef=0"], capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
