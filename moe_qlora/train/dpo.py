@@ -27,7 +27,7 @@ from moe_qlora.train.losses import aux_term, has_router_aux_loss
 from moe_qlora.train.position import StepContext
 from moe_qlora.train.preference_loss import PairLogps, pair_forward, pair_statistics, preference_losses
 from moe_qlora.train.recipe import LossRecipe, TrainResult
-from moe_qlora.train.reference import reference_fingerprint, reference_logps
+from moe_qlora.train.reference import FIELDS, reference_fingerprint, reference_logps
 from moe_qlora.train.resume import best_eval_so_far
 from moe_qlora.train.steps import count_steps, optimizer_steps
 from moe_qlora.train.update import apply_update
@@ -54,9 +54,7 @@ def reference_of(reference: PairLogps | None, pairs: list[PreferencePair], devic
     if reference is None:
         return None
     index = torch.tensor([p.index for p in pairs])
-    return PairLogps(
-        *(getattr(reference, k)[index].to(device) for k in ("chosen", "rejected", "chosen_tokens", "rejected_tokens"))
-    )
+    return PairLogps(*(getattr(reference, k)[index].to(device) for k in FIELDS))
 
 
 def micro_batch_loss(
@@ -103,16 +101,19 @@ def statistic_names(model, d: DpoSection) -> tuple[str, ...]:
     )
 
 
-def backward_over(model, groups, reference, d: DpoSection, totals: StepTotals, ctx: StepContext, pad_id: int) -> dict:
-    """Forward and backward of each micro-batch of pairs; the summed statistics."""
+def backward_over(
+    model, groups, reference, d: DpoSection, totals: StepTotals, ctx: StepContext, pad_id: int, *, backward=True
+) -> dict:
+    """Forward (and with `backward`, backward) of each micro-batch of pairs; the summed statistics."""
     sums = dict.fromkeys(statistic_names(model, d), 0.0)
     for pairs in groups:
         with ctx.position.within("forward"):
             loss, stats = micro_batch_loss(model, pairs, reference, d, totals, ctx, pad_id)
-        with ctx.position.within("backward"):
-            loss.backward()
+        if backward:
+            with ctx.position.within("backward"):
+                loss.backward()
         for k, v in stats.items():
-            sums[k] = sums.get(k, 0.0) + v
+            sums[k] += v
     return sums
 
 
@@ -160,12 +161,9 @@ def evaluate_pairs(model, pairs: list[PreferencePair], reference, d: DpoSection,
     quiet = StepContext(ctx.train, ctx.ranks, ctx.position, aux_coef=0.0)
     totals = StepTotals(len(pairs), max(sum(chosen_targets(p) for p in pairs), 1), 1)
     size = ctx.train.micro_batch_size
-    sums: dict[str, float] = {}
+    groups = [pairs[start : start + size] for start in range(0, len(pairs), size)]
     try:
-        for start in range(0, len(pairs), size):
-            _, stats = micro_batch_loss(model, pairs[start : start + size], reference, d, totals, quiet, pad_id)
-            for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + v
+        sums = backward_over(model, groups, reference, d, totals, quiet, pad_id, backward=False)
     finally:
         model.train(was_training)
     record = {"eval_loss": sums["loss"]}
@@ -239,9 +237,6 @@ class DpoRecipe(LossRecipe):
         pad_id = self.tokenizer.pad_token_id
         fields = evaluate_pairs(self.model, self.held_out, self.reference, self.cfg.dpo, pad_id, self.context)
         return {**fields, **self.keep_if_best(fields["eval_loss"])}
-
-    def sources(self, record: dict, batch) -> list[str]:
-        return [p.source for mb in batch for p in mb]
 
     def progress_info(self, record: dict) -> dict[str, str]:
         info = {

@@ -349,6 +349,10 @@ class LossRecipe(Recipe):
         if self.held_out and (number == self.total or (every and number % every == 0)):
             record.update(self.evaluate())
 
+    def sources(self, record: dict, batch) -> list[str]:
+        """A step is micro-batches of examples (or pairs), each naming its 'file:row'."""
+        return [item.source for micro_batch in batch for item in micro_batch]
+
     def logged(self, record: dict, number: int) -> bool:
         every = record["skipped"] or "eval_loss" in record or number % self.cfg.train.log_every == 0
         return every or number == self.total

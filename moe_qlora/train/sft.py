@@ -266,9 +266,6 @@ class SftRecipe(LossRecipe):
         loss = eval_loss(self.model, self.held_out, self.tokenizer.pad_token_id, self.cfg.train)
         return {"eval_loss": loss, **self.keep_if_best(loss)}
 
-    def sources(self, record: dict, batch) -> list[str]:
-        return [e.source for mb in batch for e in mb]
-
     def progress_info(self, record: dict) -> dict[str, str]:
         info = {
             "loss": f"{record['loss']:.4f}",

@@ -101,7 +101,12 @@ def free_port() -> int:
 
 def torchrun(args: list[str], env: dict, timeout: int = 600) -> subprocess.CompletedProcess:
     """`moe_qlora` with `args` under torchrun: 2 processes on this machine."""
-    cmd = [
+    return subprocess.run(torchrun_command(args), env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun_command(args: list[str]) -> list[str]:
+    """The command line of `moe_qlora` with `args` under torchrun, 2 processes on a free local port."""
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -117,4 +122,3 @@ def torchrun(args: list[str], env: dict, timeout: int = 600) -> subprocess.Compl
         "moe_qlora",
         *args,
     ]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers.crash import free_port, torchrun
+from helpers.crash import free_port, torchrun, torchrun_command
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
@@ -445,24 +445,7 @@ def test_sigkill_of_one_rank_then_resume_gives_the_uninterrupted_result(tmp_path
     assert reference.returncode == 0, reference.stderr[-2000:]
 
     out = tmp_path / "crashed"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "moe_qlora",
-        *args,
-        "--set",
-        f"output.dir={out}",
-    ]
+    cmd = torchrun_command([*args, "--set", f"output.dir={out}"])
     launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics, killed = out / "metrics.jsonl", False
     while launcher.poll() is None and not killed:

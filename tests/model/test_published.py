@@ -52,6 +52,18 @@ def from_fp8_blocks(q: torch.Tensor, grid: torch.Tensor, shift: int = 0) -> torc
     return out.to(torch.bfloat16)
 
 
+def write_variants(root, source, variants: dict[str, dict]) -> list:
+    """A copy of the checkpoint folder `source` per variant, its weights replaced by the variant's tensors."""
+    (weights,) = source.glob("*.safetensors")
+    folders = []
+    for name, tensors in variants.items():
+        folder = shutil.copytree(source, root / name)
+        (folder / weights.name).unlink()
+        save_file(tensors, str(folder / "model.safetensors"))
+        folders.append(folder)
+    return folders
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """(fp8 checkpoint, its bf16 dequantization by the oracle, the same with neighbour scales)."""
@@ -68,13 +80,7 @@ def checkpoints(tmp_path_factory):
         q, grid = to_fp8_blocks(state[k].float())
         fp8[k], fp8[k + "_scale_inv"] = q, grid
         oracle[k], shifted[k] = from_fp8_blocks(q, grid), from_fp8_blocks(q, grid, shift=1)
-    folders = []
-    for name, tensors in (("fp8", fp8), ("oracle", oracle), ("shifted", shifted)):
-        folder = root / name
-        shutil.copytree(source, folder)
-        (folder / weights.name).unlink()
-        save_file(tensors, str(folder / "model.safetensors"))
-        folders.append(folder)
+    folders = write_variants(root, source, {"fp8": fp8, "oracle": oracle, "shifted": shifted})
     config = json.loads((folders[0] / "config.json").read_text())
     config["quantization_config"] = {
         "quant_method": "fp8",
@@ -102,11 +108,6 @@ def test_each_decoded_weight_is_the_formats_definition_exactly(checkpoints):
             assert torch.equal(decoded[k][...], expected[k]), k
 
 
-def write_state(folder, tensors: dict) -> None:
-    (folder / "model.safetensors").unlink()
-    save_file(tensors, str(folder / "model.safetensors"))
-
-
 def test_fp8_layouts_not_read_are_named(checkpoints, tmp_path):
     """A weight without its scale, a scale without an FP8 weight: ModelLoadError naming the key, before loading."""
     source = load_file(str(checkpoints[0] / "model.safetensors"))
@@ -116,8 +117,7 @@ def test_fp8_layouts_not_read_are_named(checkpoints, tmp_path):
         "orphan": ({**source, weight: source[weight].float()}, "scales a F32 weight, not an FP8 one"),
     }
     for name, (tensors, expected) in cases.items():
-        folder = shutil.copytree(checkpoints[0], tmp_path / name)
-        write_state(folder, tensors)
+        (folder,) = write_variants(tmp_path, checkpoints[0], {name: tensors})
         with pytest.raises(ModelLoadError, match=expected):
             load_model(LoadOptions(str(folder)))
 
@@ -131,12 +131,7 @@ def test_e8m0_scales_and_activation_scales(checkpoints, tmp_path):
         exponent = torch.round(torch.log2(source[k]))
         pow2[k], as_bytes[k] = torch.exp2(exponent), (exponent + 127).to(torch.uint8)
         as_bytes[k.removesuffix("_scale_inv") + "_input_scale"] = torch.ones(())
-    folders = []
-    for name, tensors in (("pow2", pow2), ("bytes", as_bytes)):
-        folder = shutil.copytree(checkpoints[0], tmp_path / name)
-        write_state(folder, tensors)
-        folders.append(folder)
-    a, b = map(loaded_state, folders)
+    a, b = map(loaded_state, write_variants(tmp_path, checkpoints[0], {"pow2": pow2, "bytes": as_bytes}))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -222,13 +217,7 @@ def gpt_oss_checkpoints(tmp_path_factory):
         del mxfp4[k]
         mxfp4[k + "_blocks"], mxfp4[k + "_scales"] = blocks, scales
         oracle[k], swapped[k] = from_mxfp4(blocks, scales), from_mxfp4(blocks, scales, swapped=True)
-    folders = []
-    for name, tensors in (("mxfp4", mxfp4), ("oracle", oracle), ("swapped", swapped)):
-        folder = root / name
-        shutil.copytree(source, folder)
-        (folder / weights.name).unlink()
-        save_file(tensors, str(folder / "model.safetensors"))
-        folders.append(folder)
+    folders = write_variants(root, source, {"mxfp4": mxfp4, "oracle": oracle, "swapped": swapped})
     config = json.loads((folders[0] / "config.json").read_text())
     config["quantization_config"] = {
         "quant_method": "mxfp4",
