@@ -101,15 +101,14 @@ def statistic_names(model, d: DpoSection) -> tuple[str, ...]:
     )
 
 
-def backward_over(
-    model, groups, reference, d: DpoSection, totals: StepTotals, ctx: StepContext, pad_id: int, *, backward=True
-) -> dict:
-    """Forward (and with `backward`, backward) of each micro-batch of pairs; the summed statistics."""
+def backward_over(model, groups, reference, d: DpoSection, totals: StepTotals, ctx: StepContext, pad_id: int) -> dict:
+    """Forward and backward of each micro-batch of pairs; the summed statistics. Under torch.no_grad (the eval)
+    the loss has no graph, and only the forward runs."""
     sums = dict.fromkeys(statistic_names(model, d), 0.0)
     for pairs in groups:
         with ctx.position.within("forward"):
             loss, stats = micro_batch_loss(model, pairs, reference, d, totals, ctx, pad_id)
-        if backward:
+        if loss.requires_grad:
             with ctx.position.within("backward"):
                 loss.backward()
         for k, v in stats.items():
@@ -163,7 +162,7 @@ def evaluate_pairs(model, pairs: list[PreferencePair], reference, d: DpoSection,
     size = ctx.train.micro_batch_size
     groups = [pairs[start : start + size] for start in range(0, len(pairs), size)]
     try:
-        sums = backward_over(model, groups, reference, d, totals, quiet, pad_id, backward=False)
+        sums = backward_over(model, groups, reference, d, totals, quiet, pad_id)
     finally:
         model.train(was_training)
     record = {"eval_loss": sums["loss"]}
