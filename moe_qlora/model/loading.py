@@ -365,8 +365,7 @@ def load_model(opts: LoadOptions):
         # them back, so that what stays reserved is what training uses (on an H200 a run's peak reserved was
         # 1.6-1.8x its peak allocated; how much of that came from loading is not measured yet)
         torch.cuda.empty_cache()
-    if opts.compute_dtype != torch.bfloat16:
-        keep_linears_in_compute_dtype(model)
+    keep_linears_differentiable(model)
     if (reason := unsupported_layout(model)) is not None:
         raise ModelLoadError(f"{type(model).__name__}: not supported: {reason}")
     if opts.strict:
@@ -407,11 +406,13 @@ def cast_unquantized(model, dtype: torch.dtype) -> None:
     model.config.dtype = dtype
 
 
-def keep_linears_in_compute_dtype(model) -> None:
-    """Stop bitsandbytes from switching 4-bit linears to its bf16 CPU kernel in eval mode.
+def keep_linears_differentiable(model) -> None:
+    """Stop bitsandbytes from switching 4-bit linears to its packed bf16 CPU kernel.
 
-    On AVX512-BF16 CPUs, Linear4bit (eval mode, no grad) repacks its weight in place and computes in
-    bf16 whatever compute dtype was asked; an fp32 run must stay fp32 in training and in generation.
+    On AVX512-BF16 CPUs, Linear4bit repacks its weight in place at its first eval-mode, no-grad call (the
+    chunked-loss check before the first step, an eval, a GRPO rollout) and from then on sends every call, training
+    included, through `gemv_4bit`, which has no autograd formula: the gradient through the layer's input is
+    silently dropped (bitsandbytes 0.50.2: x.grad stays None), and an fp32 run computes those layers in bf16.
     """
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):

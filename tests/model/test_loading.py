@@ -116,3 +116,65 @@ def test_a_multimodal_moe_trains_its_text_model_with_the_vision_tower_frozen_unq
     assert all(m.weight.dtype == torch.float32 for _, m in vision)
     trainable = [n for n, p in attach_adapters(model, LoraSection(), seed=0).named_parameters() if p.requires_grad]
     assert trainable and not [n for n in trainable if ".visual." in n]
+
+
+def _lora_grads_of_one_step(model, ids) -> dict[str, torch.Tensor]:
+    model.train()
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _eval_forward(model, ids) -> None:
+    """What the chunked-loss check, an eval or a GRPO rollout does between two training steps."""
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids)
+    model.train()
+
+
+@pytest.fixture(scope="module")
+def bf16_lora_model(tiny_mixtral_dir):
+    from moe_qlora.config.sections import LoraSection
+    from moe_qlora.model.adapters import attach_adapters
+
+    model = load_model(LoadOptions(str(tiny_mixtral_dir), compute_dtype=torch.bfloat16))
+    return attach_adapters(model, LoraSection(rank=4, alpha=8, experts=True, target_modules=[]), seed=0)
+
+
+def test_an_eval_forward_leaves_bf16_training_gradients_as_they_were(bf16_lora_model):
+    """bitsandbytes repacks an eval-mode bf16 Linear4bit on AVX512-BF16 CPUs for a kernel without autograd, which
+    would drop the gradient through every attention projection from then on. The LoRA gradients of a step after
+    an eval forward are those of the step before it, bit for bit (the same computation, so equal, not close)."""
+    ids = torch.randint(3, 250, (2, 24), generator=torch.Generator().manual_seed(0))
+    before = _lora_grads_of_one_step(bf16_lora_model, ids)
+    _eval_forward(bf16_lora_model, ids)
+    after = _lora_grads_of_one_step(bf16_lora_model, ids)
+    assert before.keys() == after.keys() and len(before) > 0
+    for name, grad in before.items():
+        assert torch.equal(grad, after[name]), name
+
+
+def test_bitsandbytes_packed_cpu_kernel_drops_gradients_the_control(tiny_mixtral_dir):
+    """The broken control: bitsandbytes' default (the packed kernel allowed) changes the gradients after an eval
+    forward, so the test above can fail. Only where bitsandbytes has the kernel (an AVX512-BF16 CPU)."""
+    from bitsandbytes.functional import has_avx512bf16
+
+    from moe_qlora.config.sections import LoraSection
+    from moe_qlora.model.adapters import attach_adapters
+
+    if not has_avx512bf16():
+        pytest.skip("the packed bf16 kernel exists only on AVX512-BF16 CPUs; this one has none")
+    model = load_model(LoadOptions(str(tiny_mixtral_dir), compute_dtype=torch.bfloat16))
+    model = attach_adapters(model, LoraSection(rank=4, alpha=8, experts=True, target_modules=[]), seed=0)
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = True
+    ids = torch.randint(3, 250, (2, 24), generator=torch.Generator().manual_seed(0))
+    before = _lora_grads_of_one_step(model, ids)
+    _eval_forward(model, ids)
+    after = _lora_grads_of_one_step(model, ids)
+    layer0 = [n for n in before if "layers.0." in n]
+    change = sum(float((before[n].float() - after[n].float()).norm() ** 2) for n in layer0) ** 0.5
+    size = sum(float(before[n].float().norm() ** 2) for n in layer0) ** 0.5
+    assert size > 0 and change > 0.01 * size
