@@ -154,3 +154,56 @@ def test_routing_weight_dot_uses_fp32_products_in_bf16(monkeypatch):
     assert torch.equal(routing_weight_dot(a, u), (a.float() * u.float()).sum(-1))
     for function in (reference_layer.MoELoRAFunction.backward, grouped_layer.grouped_backward):
         assert "routing_weight_dot(" in inspect.getsource(function)
+
+
+def _padded_everywhere(monkeypatch):
+    """The CPU bf16 row padding (reference_layer.matmul_rows) turned on in fp32, where the oracle's tolerance is
+    tight enough to see a wrong padding row."""
+    from moe_qlora.moe import reference_layer
+
+    monkeypatch.setattr(reference_layer, "matmul_rows", lambda n, x: reference_layer.row_grid(n))
+
+
+@pytest.mark.parametrize("tokens", [13, 200])
+def test_expert_rows_padded_for_onednn_are_exact(quantized, monkeypatch, tokens):
+    """Zero padding rows add nothing to the outputs, the input gradient, the routing-weight gradient or the LoRA
+    gradients (sums over rows): the same fp32 tolerance as unpadded. 13 tokens: every expert padded from a few rows
+    to 16; 200: ~50 rows each, padded to multiples of 16."""
+    _padded_everywhere(monkeypatch)
+    experts = quantized.model.layers[0].mlp.experts
+    idx, weights = routing_case("ragged", tokens, 8, 2)
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(5))
+    assert_all_close(*run_pair(experts, quantized.config, x, idx, weights))
+
+
+def test_padding_rows_that_are_not_zero_fail_the_comparison(quantized, monkeypatch):
+    """The broken control: padding rows of ones (in the gathered rows and the padded routing weights, h and LoRA
+    projections) leak into the sums over rows."""
+    from moe_qlora.moe import reference_layer
+
+    _padded_everywhere(monkeypatch)
+    zero_gathered, zero_padded = reference_layer.gather_rows, reference_layer.pad_rows
+
+    def ones_after(out, n):
+        out = out.clone()
+        out[n:] = 1.0
+        return out
+
+    monkeypatch.setattr(reference_layer, "gather_rows", lambda x, i, m: ones_after(zero_gathered(x, i, m), i.numel()))
+    monkeypatch.setattr(reference_layer, "pad_rows", lambda t, m: ones_after(zero_padded(t, m), t.shape[0]))
+    experts = quantized.model.layers[0].mlp.experts
+    idx, weights = routing_case("ragged", 13, 8, 2)
+    x = torch.randn(13, 64, generator=torch.Generator().manual_seed(5))
+    with pytest.raises(AssertionError, match="grad"):
+        assert_all_close(*run_pair(experts, quantized.config, x, idx, weights))
+
+
+def test_rows_are_padded_only_for_onednn_dtypes_and_onto_a_small_grid():
+    from moe_qlora.moe.reference_layer import matmul_rows, row_grid
+
+    assert matmul_rows(37, torch.zeros(1, 4)) == 37  # fp32: MKL's GEMM, no per-shape kernels
+    assert matmul_rows(37, torch.zeros(1, 4, dtype=torch.bfloat16)) == 48
+    for n in range(1, 20000):
+        grid = row_grid(n)
+        assert n <= grid <= max(n + 15, n * 1.125), n
+    assert len({row_grid(n) for n in range(64, 1025)}) <= 32  # a few dozen kernels per product, not ~1000
