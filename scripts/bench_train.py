@@ -8,8 +8,11 @@
 
 Each contender runs in its own subprocess (so its peak RSS is its own) on the same generated checkpoint,
 the same tokens and the same loss code: a step is forward + backward + AdamW, batch 1, expert LoRA r8,
-gradient checkpointing on every layer. Reports median step time, peak RSS (VmHWM, loading included)
-and parameter bytes by kind, as a table and as JSON. With --device cuda every contender computes in bf16, and
+gradient checkpointing on every layer. On the CPU the contenders take turns, a step each per round (the speed
+of a shared machine drifts by 2x over minutes; --sequential runs each one's steps in one block). Reports the
+median and least step time, the median over rounds of each contender's time over transformers + PEFT's in the
+same round and dtype (x PEFT, paired), peak RSS (VmHWM, loading included) and parameter bytes by kind, as a table and
+as JSON. With --device cuda every contender computes in bf16, and
 tokens/s and peak torch.cuda.max_memory_reserved are shown against `moe-qlora plan`'s total for the same step.
 """
 
@@ -50,7 +53,8 @@ PRESETS = {
         head_dim=128,
     ),
 }
-CONTENDERS = ["moe-qlora", "moe-qlora-bf16", "transformers+bnb+peft"]
+CONTENDERS = ["moe-qlora", "moe-qlora-bf16", "transformers+bnb+peft", "transformers+bnb+peft-fp32"]
+PEFT = {"bfloat16": "transformers+bnb+peft", "float32": "transformers+bnb+peft-fp32"}  # by compute dtype
 
 
 def build_config(p):
@@ -119,6 +123,7 @@ def setup_moe_qlora(path, dtype, double_quant, device="cpu"):
 
 
 def setup_peft(path, dtype, double_quant, device="cpu"):
+    import bitsandbytes as bnb
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -136,6 +141,11 @@ def setup_peft(path, dtype, double_quant, device="cpu"):
         r=8, lora_alpha=16, target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     )
     model = get_peft_model(model, lora)
+    # bitsandbytes' packed CPU kernel, which an eval-mode forward (the loss code's chunked check) switches 4-bit
+    # linears to, has no autograd: the gradient through them would be dropped. Off, as moe-qlora turns it off.
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
 
@@ -183,70 +193,97 @@ def profiled_step(model, batch, loss_chunk: int, optimizer_s: float) -> dict:
     return {k: round(v, 3) for k, v in sorted(split.items(), key=lambda kv: -kv[1])}
 
 
-def worker(
-    name: str,
-    preset: str,
-    seq: int,
-    steps: int,
-    double_quant: bool,
-    loss_chunk: int,
-    device: str,
-    profile: bool = False,
-) -> dict:
-    """Runs in the subprocess: load, then time `steps` training steps after one warm-up step (and, `profile`,
-    where one more step's time goes)."""
-    from moe_qlora.common.memory import peak_rss_mib, release_freed_memory
-    from moe_qlora.train.sft import token_loss_sum
+class Contender:
+    """One contender loaded in this process: its model, AdamW and batch (seed 0). step() runs and times one
+    training step (forward + backward + AdamW, then what the trainer does after every step)."""
 
-    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1)))
-    path = ensure_checkpoint(preset)
-    t0 = time.perf_counter()
-    bf16 = device != "cpu" or name in ("moe-qlora-bf16", "transformers+bnb+peft")
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    setup = setup_peft if name == "transformers+bnb+peft" else setup_moe_qlora
-    model = setup(path, dtype, double_quant, device)
-    load_s = time.perf_counter() - t0
-    load_peaks = device_peaks(device)
-    if device != "cpu":  # the steps' own peak from here (loading's is reported apart)
-        torch.cuda.reset_peak_memory_stats()
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(10, PRESETS[preset]["vocab"], (1, seq), generator=g)
-    ids = ids.to(device)
-    batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
-    times, losses, opt_times = [], [], []
-    for i in range(steps + 1):
-        synchronize(device)
+    def __init__(self, name: str, preset: str, seq: int, double_quant: bool, loss_chunk: int, device: str):
+        torch.set_num_threads(int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1)))
+        path = ensure_checkpoint(preset)
+        t0 = time.perf_counter()
+        bf16 = device != "cpu" or name in ("moe-qlora-bf16", "transformers+bnb+peft")
+        self.name, self.seq, self.loss_chunk, self.device = name, seq, loss_chunk, device
+        self.dtype = torch.bfloat16 if bf16 else torch.float32
+        setup = setup_peft if name.startswith("transformers+bnb+peft") else setup_moe_qlora
+        self.model = setup(path, self.dtype, double_quant, device)
+        self.load_s = time.perf_counter() - t0
+        self.load_peaks = device_peaks(device)
+        if device != "cpu":  # the steps' own peak from here (loading's is reported apart)
+            torch.cuda.reset_peak_memory_stats()
+        self.model.train()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=1e-4)
+        ids = torch.randint(10, PRESETS[preset]["vocab"], (1, seq), generator=torch.Generator().manual_seed(0))
+        ids = ids.to(device)
+        self.batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+        self.losses, self.opt_times = [], []
+
+    def step(self) -> float:
+        from moe_qlora.common.memory import release_freed_memory
+        from moe_qlora.train.sft import token_loss_sum
+
+        synchronize(self.device)
         t = time.perf_counter()
-        loss, n, _ = token_loss_sum(model, batch, loss_chunk=loss_chunk)  # the same loss code for every contender
+        # the same loss code for every contender
+        loss, n, _ = token_loss_sum(self.model, self.batch, loss_chunk=self.loss_chunk)
         (loss / n).backward()
         t_opt = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        opt_times.append(time.perf_counter() - t_opt)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.opt_times.append(time.perf_counter() - t_opt)
         release_freed_memory()  # what the trainer does after every step, for every contender
-        synchronize(device)
-        if i:
-            times.append(time.perf_counter() - t)
-        losses.append(float(loss) / n)
-    where = {"profile_s": profiled_step(model, batch, loss_chunk, statistics.median(opt_times[1:]))} if profile else {}
-    return {
-        **where,
-        "contender": name,
-        "compute_dtype": str(dtype).removeprefix("torch."),
-        "load_s": round(load_s, 2),
-        "step_s": round(statistics.median(times), 3),
-        "step_s_all": [round(t, 3) for t in times],
-        "tokens_per_s": round(seq / statistics.median(times), 1),
-        "peak_rss_mib": round(peak_rss_mib(), 1),
-        **device_peaks(device),
-        **{f"load_{k}": v for k, v in load_peaks.items()},
-        "param_mib": {k: round(v / 2**20, 1) for k, v in bytes_by_kind(model).items()},
-        "trainable_params": sum(p.numel() for p in params),
-        "first_loss": round(losses[0], 4),
-    }
+        synchronize(self.device)
+        self.losses.append(float(loss) / n)
+        return time.perf_counter() - t
+
+    def result(self, times: list[float], profile: bool) -> dict:
+        """The figures of the timed steps `times` (the warm-up left out), and with `profile` where one more
+        step's time goes."""
+        from moe_qlora.common.memory import peak_rss_mib
+
+        median_opt = statistics.median(self.opt_times[1:] or self.opt_times)
+        peak_rss = peak_rss_mib()  # before the profiled step, whose event records would count in it
+        where = {"profile_s": profiled_step(self.model, self.batch, self.loss_chunk, median_opt)} if profile else {}
+        step_s = statistics.median(times)
+        return {
+            **where,
+            "contender": self.name,
+            "compute_dtype": str(self.dtype).removeprefix("torch."),
+            "load_s": round(self.load_s, 2),
+            "step_s": round(step_s, 3),
+            "step_s_min": round(min(times), 3),
+            "step_s_all": [round(t, 3) for t in times],
+            "tokens_per_s": round(self.seq / step_s, 1),
+            "peak_rss_mib": round(peak_rss, 1),
+            **device_peaks(self.device),
+            **{f"load_{k}": v for k, v in self.load_peaks.items()},
+            "param_mib": {k: round(v / 2**20, 1) for k, v in bytes_by_kind(self.model).items()},
+            "trainable_params": sum(p.numel() for p in self.params),
+            "first_loss": round(self.losses[0], 4),
+        }
+
+
+def worker(name: str, args) -> dict:
+    """Runs in the subprocess, alone (GPU, or --sequential): load, then time `steps` training steps after one
+    warm-up step."""
+    c = Contender(name, args.preset, args.seq, not args.single_quant, args.loss_chunk, args.device)
+    times = [c.step() for _ in range(args.steps + 1)][1:]
+    return c.result(times, profile=args.roofline)
+
+
+def serve(name: str, args) -> None:
+    """Runs in the subprocess, in turns with the other contenders: loads, says `ready`, then runs one step for
+    each `step` line on stdin (printing its seconds), and for `finish` prints its figures as JSON."""
+    c = Contender(name, args.preset, args.seq, not args.single_quant, args.loss_chunk, args.device)
+    times = []
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "step":
+            times.append(c.step())
+            print(f"{times[-1]:.6f}", flush=True)
+        elif line.strip() == "finish":
+            print(json.dumps(c.result(times[1:], profile=args.roofline)), flush=True)
+            return
 
 
 def spread_rows(seq: int, count: int, vocab: int):
@@ -353,30 +390,112 @@ def run_packing(args) -> list[dict]:
     return results
 
 
+def worker_command(name: str, args, mode: str) -> list[str]:
+    """The subprocess that runs contender `name`: mode `--worker` (alone) or `--serve` (in turns)."""
+    cmd = [sys.executable, __file__, mode, name, "--preset", args.preset, "--seq", str(args.seq)]
+    cmd += ["--steps", str(args.steps), "--loss-chunk", str(args.loss_chunk), "--device", args.device]
+    return cmd + (["--single-quant"] if args.single_quant else []) + (["--roofline"] if args.roofline else [])
+
+
+# the environment a user's run has: oneDNN keeps its primitive cache (turned off here until 2026-11-26, which
+# cost bf16 steps ~1.8x their time, as every bf16 GEMM rebuilt its kernel, and saved ~400 MiB of peak RSS)
+WORKER_ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+
+
 def run_contender(name, args) -> dict:
-    # the environment a user's run has: oneDNN keeps its primitive cache (turned off here until 2026-11-26, which
-    # cost bf16 steps ~1.8x their time, as every bf16 GEMM rebuilt its kernel, and saved ~400 MiB of peak RSS)
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [
-        sys.executable,
-        __file__,
-        "--worker",
-        name,
-        "--preset",
-        args.preset,
-        "--seq",
-        str(args.seq),
-        "--steps",
-        str(args.steps),
-        "--loss-chunk",
-        str(args.loss_chunk),
-    ]
-    cmd += ["--single-quant"] if args.single_quant else []
-    cmd += ["--device", args.device] + (["--roofline"] if args.roofline else [])
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = subprocess.run(worker_command(name, args, "--worker"), env=WORKER_ENV, capture_output=True, text=True)
     if proc.returncode != 0:
         return {"contender": name, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+class TurnTaker:
+    """A contender's `--serve` subprocess, driven a line at a time; its stderr goes to a file (a full pipe would
+    block it), whose last line is the error if it dies."""
+
+    def __init__(self, name: str, args, log_dir: Path):
+        self.name, self.error = name, None
+        self.log = open(log_dir / f"{name}.stderr", "w+")  # noqa: SIM115 (closed by close())
+        self.proc = subprocess.Popen(
+            worker_command(name, args, "--serve"),
+            env=WORKER_ENV,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
+
+    def ask(self, command: str | None) -> str | None:
+        """Send `command` (None: only read) and return the next stdout line; None once the process has failed."""
+        if self.error is not None:
+            return None
+        try:
+            if command is not None:
+                self.proc.stdin.write(command + "\n")
+                self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        if not line:
+            self.proc.wait()
+            self.log.seek(0)
+            lines = self.log.read().strip().splitlines()
+            self.error = lines[-1] if lines else f"exited with {self.proc.returncode}"
+            return None
+        return line.strip()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+
+
+def run_in_turns(names: list[str], args) -> list[dict]:
+    """The contenders' steps in turns, one process each, all loaded at once (loaded one after the other, so
+    load times are their own): round i runs one step of each, starting from contender i mod n. On a shared
+    machine whose speed drifts over minutes, every contender then sees the same drift, and each round gives a
+    paired ratio (paired_x) that drift cancels from."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as log_dir:
+        takers = []
+        try:
+            for name in names:
+                takers.append(TurnTaker(name, args, Path(log_dir)))
+                takers[-1].ask(None)  # "ready": loaded
+            rounds = []
+            for i in range(args.steps + 1):
+                times = {}
+                for t in takers[i % len(takers) :] + takers[: i % len(takers)]:
+                    answer = t.ask("step")
+                    if answer is not None:
+                        times[t.name] = float(answer)
+                rounds.append(times)
+            results = []
+            for t in takers:
+                answer = t.ask("finish")
+                results.append(json.loads(answer) if answer is not None else {"contender": t.name, "error": t.error})
+        finally:
+            for t in takers:
+                t.close()
+    add_paired_ratios(results, rounds[1:])
+    return results
+
+
+def add_paired_ratios(results: list[dict], rounds: list[dict[str, float]]) -> None:
+    """paired_x: the median over timed rounds of a contender's step time over its reference's in the same round.
+    The reference is transformers + bnb + PEFT, what a user would run instead, in the contender's dtype when that
+    runs, else in bf16 (no ratio when neither runs)."""
+    names = {r["contender"] for r in results if "error" not in r}
+    for r in results:
+        reference = next((PEFT[d] for d in (r.get("compute_dtype"), "bfloat16") if PEFT.get(d) in names), None)
+        ratios = [
+            times[r["contender"]] / times[reference] for times in rounds if {r["contender"], reference} <= times.keys()
+        ]
+        if reference is not None and ratios:
+            r["paired_x"] = round(statistics.median(ratios), 3)
+            r["paired_with"] = reference
 
 
 def planned_bytes(path: Path, args) -> int:
@@ -425,6 +544,8 @@ def print_table(results, args, plan=None):
         "contender",
         "dtype",
         "step s",
+        "min s",
+        "x PEFT same dtype, paired",
         *device_cols,
         "peak RSS MiB",
         "experts MiB",
@@ -435,7 +556,7 @@ def print_table(results, args, plan=None):
         table.add_column(col, justify="right")
     for r in results:
         if "error" in r:
-            table.add_row(r["contender"], "", "error: " + r["error"][:60], *[""] * (5 + len(device_cols)))
+            table.add_row(r["contender"], "", "error: " + r["error"][:60], *[""] * (7 + len(device_cols)))
             continue
         pm = r["param_mib"]
         experts = pm.get("experts_nf4") or pm.get("experts_dense", 0)
@@ -444,6 +565,8 @@ def print_table(results, args, plan=None):
             r["contender"],
             r["compute_dtype"],
             f"{r['step_s']:.3f}",
+            f"{r['step_s_min']:.3f}",
+            f"{r['paired_x']:.3f}" if "paired_x" in r else "-",
             *device_columns(r, plan, args.device),
             f"{r['peak_rss_mib']:.0f}",
             f"{experts:.1f} {kind}",
@@ -511,7 +634,13 @@ def main():
         "--roofline", action="store_true", help="CPU: GFLOP/s against torch.mm's at the step's shapes, and a profile"
     )
     ap.add_argument("--limit-worker", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--sequential",
+        action="store_true",
+        help="CPU: each contender's steps in one block, one contender after the other (the default takes turns)",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--serve", help=argparse.SUPPRESS)
     ap.add_argument("--packing-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.packing_worker:
@@ -545,29 +674,20 @@ def main():
         limit = step_limit(PRESETS[args.preset], args.seq, getattr(torch, args.limit_worker), chunk=args.loss_chunk)
         print(json.dumps(limit))
         return
-    if args.worker:
+    if args.worker or args.serve:
         import logging
 
         logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-        print(
-            json.dumps(
-                worker(
-                    args.worker,
-                    args.preset,
-                    args.seq,
-                    args.steps,
-                    not args.single_quant,
-                    args.loss_chunk,
-                    args.device,
-                    profile=args.roofline,
-                )
-            )
-        )
+        if args.serve:
+            serve(args.serve, args)
+        else:
+            print(json.dumps(worker(args.worker, args)))
         return
     path = ensure_checkpoint(args.preset)
-    if args.device != "cpu" and "moe-qlora-bf16" in args.only:  # on a GPU "moe-qlora" already computes in bf16
-        args.only = [name for name in args.only if name != "moe-qlora-bf16"]
-    results = [run_contender(name, args) for name in args.only]
+    if args.device != "cpu":  # on a GPU "moe-qlora" and "transformers+bnb+peft" already compute in bf16
+        args.only = [name for name in args.only if name not in ("moe-qlora-bf16", "transformers+bnb+peft-fp32")]
+    in_turns = args.device == "cpu" and not args.sequential and len(args.only) > 1
+    results = run_in_turns(args.only, args) if in_turns else [run_contender(name, args) for name in args.only]
     plan = planned_bytes(path, args) if args.device != "cpu" else None
     print_table(results, args, plan)
     limits = roofline(results, args) if args.roofline else {}
