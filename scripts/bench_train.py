@@ -54,6 +54,7 @@ PRESETS = {
     ),
 }
 CONTENDERS = ["moe-qlora", "moe-qlora-bf16", "transformers+bnb+peft", "transformers+bnb+peft-fp32"]
+LORA_RANK = 8  # expert LoRA of every contender (alpha 2r)
 PEFT = {"bfloat16": "transformers+bnb+peft", "float32": "transformers+bnb+peft-fp32"}  # by compute dtype
 
 
@@ -115,7 +116,9 @@ def setup_moe_qlora(path, dtype, double_quant, device="cpu"):
         device=device,
     )
     model = load_model(opts)
-    model = attach_adapters(model, LoraSection(rank=8, alpha=16, experts=True, target_modules=[]), seed=0)
+    model = attach_adapters(
+        model, LoraSection(rank=LORA_RANK, alpha=2 * LORA_RANK, experts=True, target_modules=[]), seed=0
+    )
     # the kernels a run with model.kernels: auto gets (the torch reference on the CPU, Triton / grouped_mm on CUDA)
     set_moe_kernels(model, resolve_kernels("auto", device, dtype))
     configure_checkpointing(model, enabled=True, interval=1)
@@ -138,7 +141,10 @@ def setup_peft(path, dtype, double_quant, device="cpu"):
         str(path), quantization_config=quant, dtype=dtype, experts_implementation="grouped_mm", **placement
     )
     lora = LoraConfig(
-        r=8, lora_alpha=16, target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+        r=LORA_RANK,
+        lora_alpha=2 * LORA_RANK,
+        target_modules=[],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
     )
     model = get_peft_model(model, lora)
     # bitsandbytes' packed CPU kernel, which an eval-mode forward (the loss code's chunked check) switches 4-bit
@@ -178,18 +184,19 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def profiled_step(model, batch, loss_chunk: int, optimizer_s: float) -> dict:
+def profiled_step(model, batch, loss_chunk: int, optimizer_s: float, vocab: int) -> dict:
     """One more forward and backward under torch.profiler: seconds of self CPU time by category
-    (step_roofline.CATEGORIES), and `optimizer_s`, the timed steps' median optimizer step."""
+    (step_roofline.CATEGORIES, matmuls by part: experts, LoRA, attention and router, head), and `optimizer_s`,
+    the timed steps' median optimizer step."""
     from step_roofline import categorized
 
     from moe_qlora.train.sft import token_loss_sum
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         loss, n, _ = token_loss_sum(model, batch, loss_chunk=loss_chunk)
         (loss / n).backward()
     model.zero_grad(set_to_none=True)
-    split = {**categorized(prof.key_averages()), "optimizer": optimizer_s}
+    split = {**categorized(prof.events(), rank=LORA_RANK, vocab=vocab), "optimizer": optimizer_s}
     return {k: round(v, 3) for k, v in sorted(split.items(), key=lambda kv: -kv[1])}
 
 
@@ -243,7 +250,10 @@ class Contender:
 
         median_opt = statistics.median(self.opt_times[1:] or self.opt_times)
         peak_rss = peak_rss_mib()  # before the profiled step, whose event records would count in it
-        where = {"profile_s": profiled_step(self.model, self.batch, self.loss_chunk, median_opt)} if profile else {}
+        vocab = self.model.config.get_text_config().vocab_size
+        where = (
+            {"profile_s": profiled_step(self.model, self.batch, self.loss_chunk, median_opt, vocab)} if profile else {}
+        )
         step_s = statistics.median(times)
         return {
             **where,

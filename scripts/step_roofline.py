@@ -106,23 +106,44 @@ def step_limit(p: dict, seq: int, dtype: torch.dtype, *, rank: int = 8, chunk: i
     }
 
 
-# What a profiled step's time is attributed to: the first rule whose pattern is in an op's name, by self time.
+# What a profiled step's time is attributed to: the first rule whose pattern is in an op's name, by self time;
+# matmuls are then split by where they run (matmul_part).
+MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm", "aten::matmul")
 CATEGORIES = [
     ("NF4 decode", ("dequantize", "bitsandbytes", "nf4")),
-    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm", "aten::matmul")),
+    ("matmul", MATMUL),
     ("attention kernel", ("scaled_dot_product", "flash_attention")),
     ("gather / scatter", ("index_select", "index_add", "index_copy", "gather", "scatter", "index_put", "take")),
     ("softmax / loss", ("softmax", "logsumexp", "cross_entropy", "nll_loss")),
     ("copies and casts", ("aten::copy_", "aten::to", "aten::_to_copy", "aten::clone", "aten::contiguous")),
 ]
+# The scopes an experts layer's products run under: moe-qlora's autograd function (forward and backward), and
+# transformers' grouped_mm experts (PEFT's contender).
+EXPERT_SCOPES = ("MoELoRAFunction", "aten::_grouped_mm")
 
 
-def categorized(events) -> dict[str, float]:
-    """Seconds of self CPU time per category over a profile's op events (key_averages)."""
+def matmul_part(event, rank: int, vocab: int) -> str:
+    """Where a matmul event belongs: "LoRA matmul" when an operand has the LoRA rank as one of its two last
+    dimensions (A and B, their products, PEFT's B A), "expert matmul" under an experts layer's scope, "output head
+    matmul" when the vocabulary is a dimension, else "attention / router matmul"."""
+    dims = {d for shape in event.input_shapes if len(shape) >= 2 for d in shape[-2:]}
+    if rank in dims:
+        return "LoRA matmul"
+    scope = event
+    while scope is not None:
+        if any(scope.name.startswith(s) for s in EXPERT_SCOPES):
+            return "expert matmul"
+        scope = scope.cpu_parent
+    return "output head matmul" if vocab in dims else "attention / router matmul"
+
+
+def categorized(events, *, rank: int, vocab: int) -> dict[str, float]:
+    """Seconds of self CPU time per category over a profile's op events (profile.events(), recorded with shapes)."""
     out: dict[str, float] = {}
     for ev in events:
-        name = ev.key
-        category = next((c for c, pats in CATEGORIES if any(pat in name for pat in pats)), "other element-wise")
+        category = next((c for c, pats in CATEGORIES if any(pat in ev.name for pat in pats)), "other element-wise")
+        if category == "matmul":
+            category = matmul_part(ev, rank, vocab)
         out[category] = out.get(category, 0.0) + ev.self_cpu_time_total / 1e6
     return out
 
