@@ -281,18 +281,21 @@ def worker(name: str, args) -> dict:
     return c.result(times, profile=args.roofline)
 
 
+REPLY = "@bench_train "  # starts every line of the turn protocol on a --serve worker's stdout (other lines: not)
+
+
 def serve(name: str, args) -> None:
     """Runs in the subprocess, in turns with the other contenders: loads, says `ready`, then runs one step for
     each `step` line on stdin (printing its seconds), and for `finish` prints its figures as JSON."""
     c = Contender(name, args.preset, args.seq, not args.single_quant, args.loss_chunk, args.device)
     times = []
-    print("ready", flush=True)
+    print(REPLY + "ready", flush=True)
     for line in sys.stdin:
         if line.strip() == "step":
             times.append(c.step())
-            print(f"{times[-1]:.6f}", flush=True)
+            print(f"{REPLY}{times[-1]:.6f}", flush=True)
         elif line.strip() == "finish":
-            print(json.dumps(c.result(times[1:], profile=args.roofline)), flush=True)
+            print(REPLY + json.dumps(c.result(times[1:], profile=args.roofline)), flush=True)
             return
 
 
@@ -436,14 +439,17 @@ class TurnTaker:
         )
 
     def ask(self, command: str | None) -> str | None:
-        """Send `command` (None: only read) and return the next stdout line; None once the process has failed."""
+        """Send `command` (None: only read) and return the next reply (a stdout line starting with REPLY, without
+        it; whatever else a library prints is skipped); None once the process has failed."""
         if self.error is not None:
             return None
+        line = ""
         try:
             if command is not None:
                 self.proc.stdin.write(command + "\n")
                 self.proc.stdin.flush()
-            line = self.proc.stdout.readline()
+            while (line := self.proc.stdout.readline()) and not line.startswith(REPLY):
+                pass
         except BrokenPipeError:
             line = ""
         if not line:
@@ -452,7 +458,7 @@ class TurnTaker:
             lines = self.log.read().strip().splitlines()
             self.error = lines[-1] if lines else f"exited with {self.proc.returncode}"
             return None
-        return line.strip()
+        return line.removeprefix(REPLY).strip()
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -473,7 +479,8 @@ def run_in_turns(names: list[str], args) -> list[dict]:
         try:
             for name in names:
                 takers.append(TurnTaker(name, args, Path(log_dir)))
-                takers[-1].ask(None)  # "ready": loaded
+                if takers[-1].ask(None) != "ready" and takers[-1].error is None:
+                    takers[-1].error = "did not say it was ready"
             rounds = []
             for i in range(args.steps + 1):
                 times = {}
@@ -499,6 +506,8 @@ def add_paired_ratios(results: list[dict], rounds: list[dict[str, float]]) -> No
     runs, else in bf16 (no ratio when neither runs)."""
     names = {r["contender"] for r in results if "error" not in r}
     for r in results:
+        if "error" in r:
+            continue
         reference = next((PEFT[d] for d in (r.get("compute_dtype"), "bfloat16") if PEFT.get(d) in names), None)
         ratios = [
             times[r["contender"]] / times[reference] for times in rounds if {r["contender"], reference} <= times.keys()
@@ -536,6 +545,15 @@ def device_columns(r: dict, plan: int | None, device: str) -> tuple[str, ...]:
     reserved = r["peak_reserved_mib"]
     ratio = f"{reserved * 2**20 / plan:.2f}" if plan else "-"
     return f"{r['tokens_per_s']:,.0f}", f"{reserved:,.0f}", ratio, f"{r['load_peak_reserved_mib']:,.0f}"
+
+
+def paired_column(r: dict) -> str:
+    """x PEFT, paired: the ratio, and the reference's dtype where it is not the contender's own."""
+    if "paired_x" not in r:
+        return "-"
+    dtype = next(d for d, name in PEFT.items() if name == r["paired_with"])
+    other = "" if dtype == r["compute_dtype"] else f" (vs {dtype.replace('bfloat16', 'bf16')})"
+    return f"{r['paired_x']:.3f}{other}"
 
 
 def print_table(results, args, plan=None):
@@ -576,7 +594,7 @@ def print_table(results, args, plan=None):
             r["compute_dtype"],
             f"{r['step_s']:.3f}",
             f"{r['step_s_min']:.3f}",
-            f"{r['paired_x']:.3f}" if "paired_x" in r else "-",
+            paired_column(r),
             *device_columns(r, plan, args.device),
             f"{r['peak_rss_mib']:.0f}",
             f"{experts:.1f} {kind}",

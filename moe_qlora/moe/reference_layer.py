@@ -229,6 +229,8 @@ class MoELoRAFunction(torch.autograd.Function):
                 dot += g.float() @ ex.down_bias[e].float()
             grad_w_sorted[rows] = dot[:n]
             grad_h = gate_vjp(u.mul_(w))
+            if m > n:  # a gate whose derivative at 0 is not finite would put 0 * inf = nan in the padding rows
+                grad_h[n:] = 0
             # Input gradient through the transposed frozen gate_up projection (+ its LoRA path).
             grad_x_rows = grad_h @ ex.weight(ex.gate_up, e, dtype).t()
             if has_lora:

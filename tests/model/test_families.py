@@ -49,7 +49,14 @@ def first_experts(model):
     return experts_modules(model)[0]
 
 
-def test_experts_match_the_familys_eager_experts(family):
+@pytest.mark.parametrize("padded", [False, True], ids=["rows", "rows_padded"])
+def test_experts_match_the_familys_eager_experts(family, padded, monkeypatch):
+    """padded: each expert's rows padded with zero rows as for oneDNN in bf16 (forced here in fp32), on every
+    family's layout (transposed, biases, gates other than silu(gate) * up, non-gated)."""
+    if padded:
+        from moe_qlora.moe import reference_layer
+
+        monkeypatch.setattr(reference_layer, "matmul_rows", lambda n, x: reference_layer.row_grid(n))
     name, _, model = family
     _, experts = first_experts(model)
     idx, weights = ragged_routing(13, 8, 2)

@@ -150,6 +150,8 @@ def test_an_eval_forward_leaves_bf16_training_gradients_as_they_were(bf16_lora_m
     before = _lora_grads_of_one_step(bf16_lora_model, ids)
     _eval_forward(bf16_lora_model, ids)
     after = _lora_grads_of_one_step(bf16_lora_model, ids)
+    linears = [m for m in bf16_lora_model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert linears and not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in linears)
     assert before.keys() == after.keys() and len(before) > 0
     for name, grad in before.items():
         assert torch.equal(grad, after[name]), name
