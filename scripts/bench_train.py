@@ -19,6 +19,7 @@ tokens/s and peak torch.cuda.max_memory_reserved are shown against `moe-qlora pl
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -53,7 +54,9 @@ PRESETS = {
         head_dim=128,
     ),
 }
-CONTENDERS = ["moe-qlora", "moe-qlora-bf16", "transformers+bnb+peft", "transformers+bnb+peft-fp32"]
+CONTENDERS = ["moe-qlora", "moe-qlora-bf16", "transformers+bnb+peft", "transformers+bnb+peft-fp32", "experts4bit-qlora"]
+# run by default where installed (pip install experts4bit-qlora): another fused-experts QLoRA trainer, bf16 only
+OPTIONAL = {"experts4bit-qlora": "experts4bit_qlora"}
 LORA_RANK = 8  # expert LoRA of every contender (alpha 2r)
 PEFT = {"bfloat16": "transformers+bnb+peft", "float32": "transformers+bnb+peft-fp32"}  # by compute dtype
 
@@ -125,8 +128,35 @@ def setup_moe_qlora(path, dtype, double_quant, device="cpu"):
     return model
 
 
-def setup_peft(path, dtype, double_quant, device="cpu"):
+def packed_cpu_kernel_off(model) -> None:
+    """bitsandbytes' packed CPU kernel, which an eval-mode forward (the loss code's chunked check) switches 4-bit
+    linears to, has no autograd: the gradient through them would be dropped. Off, as moe-qlora turns it off."""
     import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+
+
+def setup_experts4bit(path, dtype, double_quant, device="cpu"):
+    """experts4bit-qlora's documented path without its CUDA-only grouped kernel: experts streamed into NF4 under
+    its ExpertsLoRA (bf16 factors), attention projections in bitsandbytes 4-bit, non-reentrant checkpointing.
+    It trains in bf16 only; its experts' double quantization is its own default."""
+    from experts4bit_qlora.loader import load_moe_4bit_streaming
+    from experts4bit_qlora.lora import quantize_attention_projections_4bit
+
+    if dtype != torch.bfloat16:
+        raise ValueError("experts4bit-qlora trains in bf16 only")
+    model, _ = load_moe_4bit_streaming(str(path), device, dtype, LORA_RANK, 2 * LORA_RANK)
+    quantize_attention_projections_4bit(model)
+    packed_cpu_kernel_off(model)
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    return model
+
+
+def setup_peft(path, dtype, double_quant, device="cpu"):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -147,24 +177,30 @@ def setup_peft(path, dtype, double_quant, device="cpu"):
         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
     )
     model = get_peft_model(model, lora)
-    # bitsandbytes' packed CPU kernel, which an eval-mode forward (the loss code's chunked check) switches 4-bit
-    # linears to, has no autograd: the gradient through them would be dropped. Off, as moe-qlora turns it off.
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            module.support_avx512bf16_for_cpu = False
+    packed_cpu_kernel_off(model)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
 def bytes_by_kind(model):
+    """parameter_bytes_by_kind, with the other contenders' experts found: experts4bit-qlora's packed uint8 codes
+    (parameters) and block scales (buffers) as 4-bit experts, transformers' 3D stacks as dense experts."""
     from moe_qlora.model.loading import parameter_bytes_by_kind
 
     kinds = parameter_bytes_by_kind(model)
-    if not kinds["experts_nf4"]:  # transformers + PEFT: experts stay dense 3D parameters
-        dense = sum(
-            p.numel() * p.element_size() for n, p in model.named_parameters() if p.dim() == 3 and "lora" not in n
+    if kinds["experts_nf4"]:
+        return kinds
+
+    def nbytes(named, keep):
+        return sum(
+            t.numel() * t.element_size() for n, t in named if ".experts." in n and "lora" not in n and keep(n, t)
         )
-        kinds["experts_dense"], kinds["other"] = dense, kinds["other"] - dense
+
+    codes = nbytes(model.named_parameters(), lambda n, t: t.dtype == torch.uint8)
+    scales = nbytes(model.named_buffers(), lambda n, t: "absmax" in n)
+    dense = nbytes(model.named_parameters(), lambda n, t: t.dim() == 3 and t.is_floating_point())
+    kinds["experts_nf4"], kinds["experts_dense"] = codes + scales, dense
+    kinds["other"] -= codes + dense
     return kinds
 
 
@@ -208,10 +244,11 @@ class Contender:
         torch.set_num_threads(int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1)))
         path = ensure_checkpoint(preset)
         t0 = time.perf_counter()
-        bf16 = device != "cpu" or name in ("moe-qlora-bf16", "transformers+bnb+peft")
+        bf16 = device != "cpu" or name in ("moe-qlora-bf16", "transformers+bnb+peft", "experts4bit-qlora")
         self.name, self.seq, self.loss_chunk, self.device = name, seq, loss_chunk, device
         self.dtype = torch.bfloat16 if bf16 else torch.float32
         setup = setup_peft if name.startswith("transformers+bnb+peft") else setup_moe_qlora
+        setup = setup_experts4bit if name == "experts4bit-qlora" else setup
         self.model = setup(path, self.dtype, double_quant, device)
         self.load_s = time.perf_counter() - t0
         self.load_peaks = device_peaks(device)
@@ -648,7 +685,8 @@ def main():
     ap.add_argument("--preset", choices=sorted(PRESETS), default="mixtral")
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--only", nargs="*", choices=CONTENDERS, default=CONTENDERS)
+    installed = [c for c in CONTENDERS if c not in OPTIONAL or importlib.util.find_spec(OPTIONAL[c]) is not None]
+    ap.add_argument("--only", nargs="*", choices=CONTENDERS, default=installed)
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument(
         "--single-quant", action="store_true", help="no double quantization (the default is on, as in QLoRA)"
@@ -712,8 +750,11 @@ def main():
             print(json.dumps(worker(args.worker, args)))
         return
     path = ensure_checkpoint(args.preset)
-    if args.device != "cpu":  # on a GPU "moe-qlora" and "transformers+bnb+peft" already compute in bf16
-        args.only = [name for name in args.only if name not in ("moe-qlora-bf16", "transformers+bnb+peft-fp32")]
+    if args.device != "cpu":
+        # on a GPU "moe-qlora" and "transformers+bnb+peft" already compute in bf16; experts4bit-qlora's GPU path
+        # wants its own grouped-nf4-gemm kernel, which setup_experts4bit does not set up
+        cpu_only = ("moe-qlora-bf16", "transformers+bnb+peft-fp32", "experts4bit-qlora")
+        args.only = [name for name in args.only if name not in cpu_only]
     in_turns = args.device == "cpu" and not args.sequential and len(args.only) > 1
     results = run_in_turns(args.only, args) if in_turns else [run_contender(name, args) for name in args.only]
     plan = planned_bytes(path, args) if args.device != "cpu" else None
