@@ -128,16 +128,6 @@ def setup_moe_qlora(path, dtype, double_quant, device="cpu"):
     return model
 
 
-def packed_cpu_kernel_off(model) -> None:
-    """bitsandbytes' packed CPU kernel, which an eval-mode forward (the loss code's chunked check) switches 4-bit
-    linears to, has no autograd: the gradient through them would be dropped. Off, as moe-qlora turns it off."""
-    import bitsandbytes as bnb
-
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            module.support_avx512bf16_for_cpu = False
-
-
 def setup_experts4bit(path, dtype, double_quant, device="cpu"):
     """experts4bit-qlora's documented path without its CUDA-only grouped kernel: experts streamed into NF4 under
     its ExpertsLoRA (bf16 factors), attention projections in bitsandbytes 4-bit, non-reentrant checkpointing.
@@ -145,11 +135,14 @@ def setup_experts4bit(path, dtype, double_quant, device="cpu"):
     from experts4bit_qlora.loader import load_moe_4bit_streaming
     from experts4bit_qlora.lora import quantize_attention_projections_4bit
 
+    from moe_qlora.model.loading import keep_linears_differentiable
+
     if dtype != torch.bfloat16:
         raise ValueError("experts4bit-qlora trains in bf16 only")
     model, _ = load_moe_4bit_streaming(str(path), device, dtype, LORA_RANK, 2 * LORA_RANK)
     quantize_attention_projections_4bit(model)
-    packed_cpu_kernel_off(model)
+    # bitsandbytes' packed CPU kernel drops the gradient through 4-bit linears: off, as moe-qlora's loader does
+    keep_linears_differentiable(model)
     model.config.use_cache = False
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
@@ -159,6 +152,8 @@ def setup_experts4bit(path, dtype, double_quant, device="cpu"):
 def setup_peft(path, dtype, double_quant, device="cpu"):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from moe_qlora.model.loading import keep_linears_differentiable
 
     quant = BitsAndBytesConfig(
         load_in_4bit=True,
@@ -177,7 +172,8 @@ def setup_peft(path, dtype, double_quant, device="cpu"):
         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
     )
     model = get_peft_model(model, lora)
-    packed_cpu_kernel_off(model)
+    # bitsandbytes' packed CPU kernel drops the gradient through 4-bit linears: off, as moe-qlora's loader does
+    keep_linears_differentiable(model)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
 
