@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from moe_qlora.moe.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, decode_values
+
 SCALE_SUFFIX = "_scale_inv"  # weight -> weight_scale_inv
 FP8_STORED = ("F8_E4M3", "F8_E5M2")
 INSTEAD = {  # a format moe-qlora does not read, and what to load instead
@@ -72,8 +74,7 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, in
     return out
 
 
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
+MXFP4_BLOCKS, MXFP4_SCALES = BLOCKS_SUFFIX, SCALES_SUFFIX
 
 
 class Mxfp4Tensor:
@@ -100,11 +101,7 @@ class Mxfp4Tensor:
 
 def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """(out, G, 16) bytes and (out, G) e8m0 exponents -> (out, G * 32) fp32 values."""
-    table = torch.tensor(E2M1)
-    pairs = torch.stack((table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]), dim=-1)
-    values = pairs.reshape(*scales.shape, -1)  # (out, G, 32): the low nibble first
-    values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
-    return values.reshape(scales.shape[0], -1)
+    return decode_values(blocks.reshape(-1), scales.reshape(-1)).view(scales.shape[0], -1)
 
 
 def quantization_configs(config) -> list:

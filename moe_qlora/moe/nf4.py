@@ -102,6 +102,10 @@ class NF4Stack:
         half = self.expert_numel // 2
         return self.packed[first * half : end * half]
 
+    def decode(self, first: int, end: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Experts first..end-1 as (end - first, O, I) in `dtype` (bitsandbytes' decode: dequantize_experts)."""
+        return dequantize_experts(self, first, end, dtype)
+
 
 def check_quantizable(shape: tuple[int, ...]) -> None:
     """Raise unless every expert of a (E, O, I) stack fills whole NF4 blocks."""

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_qlora.moe.nf4 import NF4Stack, dequantize_expert
+from moe_qlora.moe.mxfp4 import MXFP4Stack
+from moe_qlora.moe.nf4 import NF4Stack
 from moe_qlora.moe.routing import RoutedTokens
 
 
@@ -31,16 +32,17 @@ from moe_qlora.moe.routing import RoutedTokens
 class FrozenExperts:
     """The frozen half of an experts layer: what the autograd function never differentiates.
 
-    gate_up: NF4 (E, 2I, H) or (E, H, 2I) if transposed; (E, I, H) / (E, H, I) for non-gated experts (up_proj).
-    down: NF4 (E, H, I) or (E, I, H).  gate_up_bias: (E, 2I) (or (E, I)) or None.  down_bias: (E, H) or None.
+    gate_up: NF4 or MXFP4 (E, 2I, H), or (E, H, 2I) if transposed; (E, I, H) / (E, H, I) for non-gated experts
+    (up_proj). down: (E, H, I) or (E, I, H). MXFP4 stacks are never transposed (mxfp4.py).
+    gate_up_bias: (E, 2I) (or (E, I)) or None.  down_bias: (E, H) or None.
     gate: (n, 2I) -> (n, I), the model's own gating of the gate_up output (any differentiable function);
     for non-gated experts (n, I) -> (n, I), the module's activation.
     gate_is_silu_mul: gate is transformers' default silu(h[:, :I]) * h[:, I:], which the Triton gate_up
     kernel can apply in its epilogue.
     """
 
-    gate_up: NF4Stack
-    down: NF4Stack
+    gate_up: NF4Stack | MXFP4Stack
+    down: NF4Stack | MXFP4Stack
     gate: Callable[[torch.Tensor], torch.Tensor]
     transposed: bool = False
     gate_up_bias: torch.Tensor | None = None
@@ -56,9 +58,9 @@ class FrozenExperts:
         """Columns of the first projection: 2I when gated (gate_up), I when not (up)."""
         return self.gate_up.shape[2] if self.transposed else self.gate_up.shape[1]
 
-    def weight(self, stack: NF4Stack, e: int, dtype: torch.dtype) -> torch.Tensor:
+    def weight(self, stack: NF4Stack | MXFP4Stack, e: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert e of a stack as (in, out), the right operand of x @ W: one expert dequantized at a time."""
-        w = dequantize_expert(stack, e, dtype)
+        w = stack.decode(e, e + 1, dtype)[0]
         return w if self.transposed else w.t()
 
     def bias(self, bias: torch.Tensor | None, e: int, dtype: torch.dtype) -> torch.Tensor | None:

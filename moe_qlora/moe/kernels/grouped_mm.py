@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from moe_qlora.moe.kernels.ops import GroupedWeight, LowRank, silu_mul
-from moe_qlora.moe.nf4 import dequantize_experts
 
 ALIGN_BYTES = 16
 
@@ -83,8 +82,8 @@ def _expert_of_rows(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 def _dense_experts(weight: GroupedWeight, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
     """W_e as (hi - lo, K, N) for experts lo..hi-1: NF4 decoded into a fresh buffer, dense ones viewed."""
-    if weight.nf4 is not None:
-        stored = dequantize_experts(weight.nf4, lo, hi, dtype)
+    if weight.quant is not None:
+        stored = weight.quant.decode(lo, hi, dtype)
     else:
         stored = weight.data[lo:hi].to(dtype)
     return stored.transpose(1, 2) if weight.transpose else stored
@@ -108,7 +107,7 @@ def _project(rows: torch.Tensor, weight: GroupedWeight, offsets: torch.Tensor, b
     of experts at a time when it exceeds `budget` bytes in the rows' dtype."""
     num_experts = weight.shape[0]
     expert_bytes = weight.shape[1] * weight.shape[2] * rows.element_size()
-    chunk = experts_per_chunk(num_experts, expert_bytes, budget if weight.nf4 is not None else None)
+    chunk = experts_per_chunk(num_experts, expert_bytes, budget if weight.quant is not None else None)
     if chunk >= num_experts:
         return gmm_rows(rows, _dense_experts(weight, 0, num_experts, rows.dtype), _ends(offsets))
     host = offsets.tolist()  # the chunked mode's one sync: each chunk owns a data-dependent row range

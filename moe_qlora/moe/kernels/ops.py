@@ -14,25 +14,26 @@ from dataclasses import dataclass
 import torch
 
 from moe_qlora.moe.kernels import tiles
-from moe_qlora.moe.nf4 import NF4_LEVELS, NF4Stack, dequantize_expert
+from moe_qlora.moe.mxfp4 import E2M1, MXFP4Stack
+from moe_qlora.moe.nf4 import NF4_LEVELS, NF4Stack
 
 
 @dataclass(frozen=True)
 class GroupedWeight:
-    """W_e[k, n] of every expert e, read from a dense (E, R, C) tensor or an NF4 stack (E, R, C) with
-    `transpose` saying whether W_e is the stored matrix (k = row) or its transpose (k = column)."""
+    """W_e[k, n] of every expert e, read from a dense (E, R, C) tensor or a quantized stack (E, R, C), NF4 or
+    MXFP4, with `transpose` saying whether W_e is the stored matrix (k = row) or its transpose (k = column)."""
 
-    data: torch.Tensor  # dense (E, R, C), or the NF4 stack's packed bytes
+    data: torch.Tensor  # dense (E, R, C), or the quantized stack's packed bytes
     shape: tuple[int, int, int]  # stored (E, R, C)
     transpose: bool
-    nf4: NF4Stack | None = None
+    quant: NF4Stack | MXFP4Stack | None = None
 
     @classmethod
     def dense(cls, w: torch.Tensor, *, transpose: bool) -> GroupedWeight:
         return cls(w, tuple(w.shape), transpose)
 
     @classmethod
-    def quantized(cls, stack: NF4Stack, *, transpose: bool) -> GroupedWeight:
+    def quantized(cls, stack: NF4Stack | MXFP4Stack, *, transpose: bool) -> GroupedWeight:
         return cls(stack.packed, tuple(stack.shape), transpose, stack)
 
     @property
@@ -44,8 +45,8 @@ class GroupedWeight:
         return self.shape[1] if self.transpose else self.shape[2]
 
     def strides(self) -> tuple[int, int, int]:
-        """(per expert, per k, per n) in elements of the flat stack (NF4: elements, not bytes)."""
-        if self.nf4 is None:
+        """(per expert, per k, per n) in elements of the flat stack (quantized: elements, not bytes)."""
+        if self.quant is None:
             se, sr, sc = self.data.stride()
         else:
             se, sr, sc = self.shape[1] * self.shape[2], self.shape[2], 1
@@ -53,7 +54,7 @@ class GroupedWeight:
 
     def expert(self, e: int, dtype: torch.dtype) -> torch.Tensor:
         """W_e as a (K, N) tensor (the reference path: one expert dequantized at a time)."""
-        w = dequantize_expert(self.nf4, e, dtype) if self.nf4 is not None else self.data[e].to(dtype)
+        w = self.quant.decode(e, e + 1, dtype)[0] if self.quant is not None else self.data[e].to(dtype)
         return w.t() if self.transpose else w
 
 
@@ -156,8 +157,9 @@ def _num_rows(offsets, x, gather) -> int:
 
 
 @functools.cache
-def _levels(device: str) -> torch.Tensor:
-    return torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
+def _levels(device: str, mxfp4: bool = False) -> torch.Tensor:
+    """The 16 values a code decodes to: NF4's levels, or MXFP4's e2m1 values."""
+    return torch.tensor(E2M1 if mxfp4 else NF4_LEVELS, dtype=torch.float32, device=device)
 
 
 _MATMUL_TUNE_KEYS = [
@@ -168,6 +170,7 @@ _MATMUL_TUNE_KEYS = [
     "BLOCK_M",
     "W_NF4",
     "NESTED",
+    "MXFP4",
     "GATHER",
     "GLU",
     "HAS_LORA",
@@ -207,9 +210,11 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
     act = x.new_empty(num_rows, n) if glu else None
     if num_rows == 0:
         return y, act
-    q = weight.nf4
+    q = weight.quant
+    mxfp4 = isinstance(q, MXFP4Stack)
     nested = q is not None and q.nested is not None
-    absmax, absmax2, code2, offset2 = (q.absmax, *q.nested) if nested else (q.absmax if q else x, x, x, 0.0)
+    scales = (q.scales if mxfp4 else q.absmax) if q is not None else x
+    absmax, absmax2, code2, offset2 = (q.absmax, *q.nested) if nested else (scales, x, x, 0.0)
     se, sk, sn = weight.strides()
     lp, lw, rank, lse, lsr, lsn = (
         (lora.p, lora.weight.data, lora.weight.k, *lora.weight.strides()) if lora else (x, x, 0, 0, 0, 0)
@@ -220,9 +225,13 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
     # the path is chosen over a tile step stays within one.
     narrow = tiles.path_candidates(configs, x.device)
     words = q is not None and q.packed.is_contiguous() and q.packed.storage_offset() % 4 == 0 and se % q.blocksize == 0
-    k_packed = words and sk == 1 and sn % q.blocksize == 0 and all(c.packs(q.blocksize, False) for c in narrow)
+    k_packed = words and sk == 1 and sn % q.blocksize == 0 and all(c.packs(q.blocksize, False, mxfp4) for c in narrow)
     n_packed = (
-        words and not glu and sn == 1 and sk % q.blocksize == 0 and all(c.packs(q.blocksize, True) for c in narrow)
+        words
+        and not glu
+        and sn == 1
+        and sk % q.blocksize == 0
+        and all(c.packs(q.blocksize, True, mxfp4) for c in narrow)
     )
     w = weight.data.view(torch.int32) if k_packed or n_packed else weight.data
     swap = (
@@ -233,7 +242,7 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
     )
     tall = not fp32 and tiles.takes_tall_tiles(num_rows, weight.shape[0], swap)
     configs = tiles.launch_candidates(configs, x.device, k_packed=k_packed, glu=glu, swap=swap, tall=tall)
-    if (k_packed or n_packed) and not all(c.packs(q.blocksize, n_packed) for c in configs):
+    if (k_packed or n_packed) and not all(c.packs(q.blocksize, n_packed, mxfp4) for c in configs):
         # the path was chosen over the narrow candidates; a launched one whose step spans two quant blocks
         # would decode a whole step with one block's scale
         raise RuntimeError(f"packed NF4 path chosen, but a candidate's step spans quant blocks: {configs}")
@@ -263,7 +272,7 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
         gather if gather is not None else tile_map,
         tile_map,
         w,
-        _levels(str(x.device)),
+        _levels(str(x.device), mxfp4),
         absmax,
         absmax2,
         code2,
@@ -301,6 +310,7 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
     flags = dict(
         W_NF4=q is not None,
         NESTED=nested,
+        MXFP4=mxfp4,
         GATHER=gather is not None,
         HAS_BIAS=bias is not None,
         HAS_LORA=lora is not None,

@@ -32,11 +32,13 @@ class MatmulConfig:
     num_stages: int = 3
     block_m: int = 64
 
-    def packs(self, blocksize: int, along_n: bool) -> bool:
+    def packs(self, blocksize: int, along_n: bool, whole_blocks: bool = False) -> bool:
         """Whether a tile step stays within one quant block along the packed dim (and half a step is still a
-        tensor-core dot): the condition of the packed NF4 paths."""
+        tensor-core dot): the condition of the packed NF4 paths. whole_blocks (MXFP4, 32-code blocks): a step
+        of whole blocks also packs, each block's scale broadcast along its codes."""
         step = self.block_n if along_n else self.block_k
-        return blocksize % step == 0 and step >= 32
+        fits = blocksize % step == 0 or (whole_blocks and step % blocksize == 0)
+        return fits and step >= 32
 
     @property
     def wide(self) -> bool:

@@ -29,22 +29,29 @@ def _load_weight_tile(
     stride_wn,
     W_NF4: tl.constexpr,
     NESTED: tl.constexpr,
+    MXFP4: tl.constexpr,
     BLOCKSIZE: tl.constexpr,
 ):
-    """(BLOCK_K, BLOCK_N) tile of expert e's weight as fp32: read dense, or decoded from NF4 in registers.
+    """(BLOCK_K, BLOCK_N) tile of expert e's weight as fp32: read dense, or decoded in registers.
 
     NF4 (bitsandbytes): element f of the flat stack is nibble f % 2 (high first) of byte f // 2, scaled by
     absmax[f // BLOCKSIZE] (itself code2[absmax_u8] * absmax2[block // 256] + offset2 when nested).
+    MXFP4 (W_NF4 and MXFP4 set, code the e2m1 table): the low nibble first, scaled by 2^(absmax_u8[f // 32] - 127).
     """
     mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
     # int64: e * stride_we reaches E * out * in, past 2**31 for the largest stacks (DeepSeek-V3: 3.7e9).
     flat = e.to(tl.int64) * stride_we + offs_k[:, None].to(tl.int64) * stride_wk + offs_n[None, :] * stride_wn
     if W_NF4:
         byte = tl.load(w_ptr + (flat >> 1), mask=mask, other=0).to(tl.int32)
-        nibble = (byte >> ((1 - (flat & 1)) * 4).to(tl.int32)) & 0xF
+        if MXFP4:
+            nibble = (byte >> ((flat & 1) * 4).to(tl.int32)) & 0xF
+        else:
+            nibble = (byte >> ((1 - (flat & 1)) * 4).to(tl.int32)) & 0xF
         level = tl.load(code_ptr + nibble, mask=mask, other=0.0)
         block = flat // BLOCKSIZE
-        if NESTED:
+        if MXFP4:
+            scale = _e8m0(tl.load(absmax_ptr + block, mask=mask, other=0))
+        elif NESTED:
             q = tl.load(absmax_ptr + block, mask=mask, other=0).to(tl.int32)
             scale = (
                 tl.load(code2_ptr + q, mask=mask, other=0.0) * tl.load(absmax2_ptr + block // 256, mask=mask, other=0.0)
@@ -57,10 +64,20 @@ def _load_weight_tile(
 
 
 @triton.jit
-def _block_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset2, block, ok, NESTED: tl.constexpr):
+def _e8m0(exponent):
+    """2^(exponent - 127) in fp32 from e8m0 bytes, built as the float's bits (exact, no exp2): the byte is the
+    biased exponent field; byte 0 stands for 2^-127, below fp32's normal range, the subnormal 0x00400000."""
+    biased = exponent.to(tl.int32)
+    return tl.where(biased > 0, biased << 23, 0x400000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _block_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset2, block, ok, NESTED: tl.constexpr, MXFP4: tl.constexpr):
     """fp32 scales of quant blocks `block` (a row or column of them): absmax[block], or when nested
-    code2[absmax_u8[block]] * absmax2[block // 256] + offset2."""
-    if NESTED:
+    code2[absmax_u8[block]] * absmax2[block // 256] + offset2, or MXFP4's 2^(absmax_u8[block] - 127)."""
+    if MXFP4:
+        scale = _e8m0(tl.load(absmax_ptr + block, mask=ok, other=0))
+    elif NESTED:
         q = tl.load(absmax_ptr + block, mask=ok, other=0).to(tl.int32)
         scale = tl.load(code2_ptr + q) * tl.load(absmax2_ptr + block // 256, mask=ok, other=0.0) + offset2
     else:
@@ -75,10 +92,12 @@ def _nibble(word, shift: tl.constexpr):
 
 
 @triton.jit
-def _decode_nf4_rows(w_ptr, first, ok, scale, code, dtype, WORDS: tl.constexpr):
+def _decode_nf4_rows(w_ptr, first, ok, scale, code, dtype, WORDS: tl.constexpr, LOW_FIRST: tl.constexpr):
     """(R, 8 * WORDS) weights in `dtype` of R rows each stored as 8 * WORDS consecutive NF4 codes: row r's
     codes are the WORDS 4-byte words from w_ptr + first[r] (w_ptr an int32 view of the packed bytes), all in
     one quant block of scale scale[r]. first, ok, scale: (R, 1). code: (16,) fp32 NF4 levels.
+    LOW_FIRST (MXFP4): element 2b of a byte is its low nibble, code the e2m1 values, and scale (R, 8 * WORDS)
+    may differ along a row (one per 32 codes, _load_nf4_runs).
 
     A thread holds a run of whole words of one row, loaded as one 16-byte vector. Byte b of a word
     (little-endian) holds elements 2b (high nibble, bitsandbytes' order) and 2b + 1, so element j of the word
@@ -89,14 +108,16 @@ def _decode_nf4_rows(w_ptr, first, ok, scale, code, dtype, WORDS: tl.constexpr):
     multiply, half a convert, a share of the 16-byte store of the MMA operand): scripts/kernel_report.py."""
     word = tl.load(w_ptr + first + tl.arange(0, WORDS)[None, :], mask=ok, other=0)  # (R, WORDS) int32
     # Element j of each word, j = 4a + 2b + c, placed by three interleaves, the last one choosing c.
-    index = tl.interleave(
-        tl.interleave(
-            tl.interleave(_nibble(word, 4), _nibble(word, 20)), tl.interleave(_nibble(word, 12), _nibble(word, 28))
-        ),
-        tl.interleave(
-            tl.interleave(_nibble(word, 0), _nibble(word, 16)), tl.interleave(_nibble(word, 8), _nibble(word, 24))
-        ),
+    high = tl.interleave(
+        tl.interleave(_nibble(word, 4), _nibble(word, 20)), tl.interleave(_nibble(word, 12), _nibble(word, 28))
     )
+    low = tl.interleave(
+        tl.interleave(_nibble(word, 0), _nibble(word, 16)), tl.interleave(_nibble(word, 8), _nibble(word, 24))
+    )
+    if LOW_FIRST:
+        index = tl.interleave(low, high)
+    else:
+        index = tl.interleave(high, low)
     level = tl.reshape(tl.gather(code, tl.reshape(index, (index.shape[0] * index.shape[1],)), 0), index.shape)
     return (level * scale).to(dtype)
 
@@ -119,6 +140,7 @@ def _load_nf4_runs(
     words_run,
     dtype,
     NESTED: tl.constexpr,
+    MXFP4: tl.constexpr,
     BLOCKSIZE: tl.constexpr,
     LENGTH: tl.constexpr,
 ):
@@ -126,14 +148,25 @@ def _load_nf4_runs(
     the rows the codes run along (the forward's columns n of W_e = stored^T; the input gradient's rows k).
 
     A run starts on a quant block (stride_run % BLOCKSIZE == 0) and BLOCKSIZE % LENGTH == 0, so it has one block
-    scale, and it is LENGTH / 8 consecutive words. Word offsets come from the word strides (an eighth of the
+    scale (MXFP4 also takes LENGTH a multiple of its 32-code blocks: one scale each, broadcast along the run),
+    and it is LENGTH / 8 consecutive words. Word offsets come from the word strides (an eighth of the
     element strides, passed as such): the JIT's 16-divisibility of those arguments, which dividing in the kernel
     would hide, lets the compiler prove each run aligned for a vector load. Only runs are masked (run_ok, (R, 1)):
     the packed dim is a multiple of LENGTH on these paths (ops.py)."""
     run = e.to(tl.int64) * stride_we + offs_run[:, None].to(tl.int64) * stride_run  # (R, 1) flat index of code 0
     first = e.to(tl.int64) * words_we + offs_run[:, None].to(tl.int64) * words_run + start // 8
-    scale = _block_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset2, (run + start) // BLOCKSIZE, run_ok, NESTED)
-    return _decode_nf4_rows(w_ptr, first, run_ok, scale, code, dtype, LENGTH // 8)
+    if LENGTH > BLOCKSIZE:  # several blocks along the run: (R, LENGTH / BLOCKSIZE) scales, each on its block's codes
+        GROUPS: tl.constexpr = LENGTH // BLOCKSIZE
+        blocks = (run + start) // BLOCKSIZE + tl.arange(0, GROUPS)[None, :]
+        scales = _block_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset2, blocks, run_ok, NESTED, MXFP4)
+        scale = tl.reshape(
+            tl.broadcast_to(scales[:, :, None], (scales.shape[0], GROUPS, BLOCKSIZE)), (scales.shape[0], LENGTH)
+        )
+    else:
+        scale = _block_scale(
+            absmax_ptr, absmax2_ptr, code2_ptr, offset2, (run + start) // BLOCKSIZE, run_ok, NESTED, MXFP4
+        )
+    return _decode_nf4_rows(w_ptr, first, run_ok, scale, code, dtype, LENGTH // 8, MXFP4)
 
 
 @triton.jit
@@ -241,8 +274,8 @@ def _grouped_matmul_kernel(
     gather_ptr,  # (S,) int64: the x row of each sorted row (its token)
     tiles_ptr,  # (num_tiles, 3) int32: expert, first sorted row, end row (exclusive)
     w_ptr,  # expert weights: (E, ...) dense, the packed NF4 bytes of the stack, or (K_/N_PACKED) their int32 view
-    code_ptr,  # (16,) fp32 NF4 levels
-    absmax_ptr,  # block scales: fp32, or uint8 codes when NESTED
+    code_ptr,  # (16,) fp32 NF4 levels (MXFP4: the e2m1 values)
+    absmax_ptr,  # block scales: fp32, or uint8 codes when NESTED, or uint8 e8m0 exponents when MXFP4
     absmax2_ptr,  # nested: fp32 scale per 256 blocks
     code2_ptr,  # nested: (256,) fp32 code of the block scales
     offset2,  # nested: fp32 offset added to decoded block scales
@@ -277,6 +310,7 @@ def _grouped_matmul_kernel(
     rows_class,  # unused here: the autotuner's key for rows per expert (tiles.rows_class)
     W_NF4: tl.constexpr,
     NESTED: tl.constexpr,
+    MXFP4: tl.constexpr,
     GATHER: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr,
@@ -379,6 +413,7 @@ def _grouped_matmul_kernel(
                 words_wn,
                 W_DTYPE,
                 NESTED,
+                MXFP4,
                 BLOCKSIZE,
                 BLOCK_K,
             )
@@ -401,6 +436,7 @@ def _grouped_matmul_kernel(
                     words_wn,
                     W_DTYPE,
                     NESTED,
+                    MXFP4,
                     BLOCKSIZE,
                     BLOCK_K,
                 )
@@ -427,6 +463,7 @@ def _grouped_matmul_kernel(
                 words_wk,
                 W_DTYPE,
                 NESTED,
+                MXFP4,
                 BLOCKSIZE,
                 BLOCK_N,
             )
@@ -449,6 +486,7 @@ def _grouped_matmul_kernel(
                 stride_wn,
                 W_NF4,
                 NESTED,
+                MXFP4,
                 BLOCKSIZE,
             )
             acc = _dot(x, w, acc, IEEE, DOT_FP32)
@@ -470,6 +508,7 @@ def _grouped_matmul_kernel(
                     stride_wn,
                     W_NF4,
                     NESTED,
+                    MXFP4,
                     BLOCKSIZE,
                 )
                 acc_up = _dot(x, w, acc_up, IEEE, DOT_FP32)
