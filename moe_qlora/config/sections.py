@@ -20,6 +20,12 @@ class ModelSection(Section):
         description="dtype of activations, dequantized experts, embeddings, head and norms; auto: bfloat16 on "
         "CUDA, float32 on the CPU",
     )
+    expert_format: Literal["auto", "nf4", "mxfp4"] = Field(
+        "auto",
+        description="how the frozen experts are stored: nf4 (quantized while loading), or mxfp4, gpt-oss's published "
+        "MXFP4 bytes kept as they are (4.25 bits a weight; only from a checkpoint published in MXFP4); auto: mxfp4 "
+        "for such a checkpoint, else nf4",
+    )
     expert_double_quant: bool = Field(True, description="quantize the experts' block scales too (~8% smaller, QLoRA)")
     linear_double_quant: bool = Field(True, description="double quantization for the 4-bit linears (as in QLoRA)")
     trust_remote_code: bool = Field(False, description="run model code shipped with the checkpoint")

@@ -28,8 +28,9 @@ from moe_qlora.model.peft_roundtrip import (
     first_few,
     load_like_peft,
 )
-from moe_qlora.moe.experts import ExpertLoRA, experts_modules, stack_names
+from moe_qlora.moe.experts import ExpertLoRA, decoded_module_stack, experts_modules, holds_mxfp4, stack_names
 from moe_qlora.moe.layer_state import read_state
+from moe_qlora.moe.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX
 
 TRAINED_ON = "moe_qlora.json"
 # Keys of each expert LoRA factor relative to the experts module, in PEFT's nesting.
@@ -208,7 +209,7 @@ def base_quantization(model) -> dict[str, bool]:
     for _, m in experts_modules(model):
         if (was_nested := read_state(m).nested_scales) is not None:  # made shardable: scales decoded
             nested["expert_double_quant"] = bool(nested["expert_double_quant"]) or was_nested
-        else:
+        elif not holds_mxfp4(m):  # MXFP4 stacks are the checkpoint's own bytes: nothing to record
             expert_stacks |= {id(getattr(m, n)) for n in stack_names(m)}
     for p in model.parameters():
         if isinstance(p, bnb.nn.Params4bit) and p.quant_state is not None:
@@ -259,6 +260,11 @@ def dequantized_base_state_dict(model, dtype: torch.dtype = torch.float32) -> di
         key = plain_key(name)
         state[key] = dequantize_param(p, dtype) if isinstance(p, bnb.nn.Params4bit) else p.detach().to(dtype)
     for name, module in experts_modules(model):  # fused shared-expert stacks back to the checkpoint's gate / up
+        if holds_mxfp4(module):  # the published MXFP4 bytes decoded (exactly) to the module's own stacks
+            key = name.removeprefix(PEFT_PREFIX)
+            for stack in stack_names(module):
+                state.pop(f"{key}.{stack}{BLOCKS_SUFFIX}"), state.pop(f"{key}.{stack}{SCALES_SUFFIX}")
+                state[f"{key}.{stack}"] = decoded_module_stack(module, stack, dtype)
         if read_state(module).split_gate_up:
             key = name.removeprefix(PEFT_PREFIX)
             state[f"{key}.gate_proj"], state[f"{key}.up_proj"] = state.pop(f"{key}.gate_up_proj").chunk(2, dim=1)

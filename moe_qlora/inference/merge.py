@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,8 +28,10 @@ from moe_qlora.common.fileio import atomic_dir
 from moe_qlora.export.adapter import plain_key
 from moe_qlora.export.norms import check_norms
 from moe_qlora.inference.generate import load_for_generation
-from moe_qlora.moe.experts import experts_modules, stack_names
+from moe_qlora.moe.experts import experts_modules, holds_mxfp4, module_expert, module_stack, stack_names
 from moe_qlora.moe.layer_state import read_state
+from moe_qlora.moe.mxfp4 import BLOCKS_SUFFIX as MXFP4_BLOCKS
+from moe_qlora.moe.mxfp4 import SCALES_SUFFIX as MXFP4_SCALES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Tokenizer and generation files copied from the base beside the merged weights.
@@ -85,21 +87,34 @@ def expert_delta(module, stack: str, e: int) -> torch.Tensor:
 
 def merged_stack(module, key: str, stack: str, dtype: torch.dtype, report: MergeReport) -> torch.Tensor:
     """W_e + scale * B_e A_e for every expert of a stack, (E, d1, d2) in `dtype`, built one expert at a time
-    (an fp32 copy of a whole stack is several times the 4-bit model); records each expert's ||delta||."""
+    (an fp32 copy of a whole stack is several times the 4-bit model); records each expert's ||delta||. An MXFP4
+    stack's base is the published one, decoded exactly."""
+    shape, base_expert = stored_experts(module, stack)
+    out = torch.empty(shape, dtype=dtype)
+    for e in range(out.shape[0]):
+        delta = expert_delta(module, stack, e)
+        out[e] = base_expert(e).cpu() + delta
+        for part, part_delta in split_fused_gate_up(module, key, delta.unsqueeze(0), dim=1):
+            report.delta_norms.setdefault(part, []).extend(frobenius_norms(part_delta))
+    return out
+
+
+def stored_experts(module, stack: str) -> tuple[tuple[int, ...], Callable[[int], torch.Tensor]]:
+    """(the stack's shape as the module holds it, expert e -> its fp32 weight in that layout)."""
     import bitsandbytes as bnb
 
     from moe_qlora.moe.nf4 import NF4Stack, dequantize_expert
 
+    if holds_mxfp4(module):
+        transposed = getattr(module, "is_transposed", False)
+        quantized = module_stack(module, stack)
+        experts, out, inp = quantized.shape
+        return (experts, inp, out) if transposed else quantized.shape, lambda e: module_expert(module, stack, e)
     param = getattr(module, stack)
-    nf4 = NF4Stack.from_param(param) if isinstance(param, bnb.nn.Params4bit) else None
-    out = torch.empty(nf4.shape if nf4 is not None else param.shape, dtype=dtype)
-    for e in range(out.shape[0]):
-        weight = dequantize_expert(nf4, e) if nf4 is not None else param[e].detach().float()
-        delta = expert_delta(module, stack, e)
-        out[e] = weight.cpu() + delta
-        for part, part_delta in split_fused_gate_up(module, key, delta.unsqueeze(0), dim=1):
-            report.delta_norms.setdefault(part, []).extend(frobenius_norms(part_delta))
-    return out
+    if isinstance(param, bnb.nn.Params4bit):
+        nf4 = NF4Stack.from_param(param)
+        return nf4.shape, lambda e: dequantize_expert(nf4, e)
+    return tuple(param.shape), lambda e: param[e].detach().float()
 
 
 def merged_tensors(model, dtype: torch.dtype, report: MergeReport) -> Iterator[tuple[str, torch.Tensor]]:
@@ -121,9 +136,9 @@ def merged_tensors(model, dtype: torch.dtype, report: MergeReport) -> Iterator[t
         if read_state(module).split_gate_up
     }
     for name, p in model.named_parameters():
-        if ".lora_" in name or ".moe_lora." in name:
-            continue
-        key = plain_key(name)
+        if ".lora_" in name or ".moe_lora." in name or name.endswith(MXFP4_SCALES):
+            continue  # an MXFP4 stack's scales are merged with its blocks
+        key = plain_key(name).removesuffix(MXFP4_BLOCKS)
         if key in stacks:
             module, stack = stacks.pop(key)
             weight = merged_stack(module, key, stack, dtype, report)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -22,10 +23,12 @@ from moe_qlora.config.sections import RunConfig, resolve_compute_dtype
 from moe_qlora.model.classes import text_model_from_config
 from moe_qlora.model.families import matches_target
 from moe_qlora.model.loading import linears_not_quantized
+from moe_qlora.model.published import chosen_expert_format
 from moe_qlora.moe.experts import expert_dims, is_experts_module
 from moe_qlora.moe.kernels.grouped_mm import dequant_budget_bytes, experts_per_chunk
 from moe_qlora.moe.kernels.tiles import autotune_requested
 from moe_qlora.moe.layouts import adopt_dense_input_experts, adopt_split_gate_up_experts, quantized_stack_names
+from moe_qlora.moe.mxfp4 import BLOCKSIZE as MXFP4_BLOCKSIZE
 from moe_qlora.moe.nf4 import BLOCKSIZE, NESTED_BLOCKSIZE
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -92,14 +95,31 @@ def classified_weights(model: nn.Module, *, device: str) -> Iterator[tuple[str, 
             yield f"{name}.{pname}" if name else pname, kind, p
 
 
+def experts_in_mxfp4(model: nn.Module, cfg: RunConfig) -> bool:
+    """Whether the run keeps its experts as the checkpoint's MXFP4 bytes (model.expert_format, resolved for the
+    checkpoint's quantization_config as loading resolves it)."""
+    return chosen_expert_format(model.config, cfg.model.expert_format, Path(cfg.model.name_or_path)) == "mxfp4"
+
+
+def mxfp4_bytes(numel: int) -> int:
+    """Bytes of `numel` MXFP4 weights: half a byte each and one exponent byte per 32 (4.25 bits a weight)."""
+    return numel // 2 + numel // MXFP4_BLOCKSIZE
+
+
 def weight_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> dict[str, int]:
-    """Bytes of the loaded weights by kind (classified_weights)."""
+    """Bytes of the loaded weights by kind (classified_weights); the experts in MXFP4 when the run keeps them so."""
     compute = DTYPE_BYTES[resolve_compute_dtype(cfg.model.compute_dtype, device)]
     double_quant = {"experts_nf4": cfg.model.expert_double_quant, "linear_4bit": cfg.model.linear_double_quant}
     kinds = {"experts_nf4": 0, "linear_4bit": 0, "other": 0}
+    mxfp4 = experts_in_mxfp4(model, cfg)
     for _, kind, p in classified_weights(model, device=device):
         n = p.numel()
-        kinds[kind] += n * compute if kind == "other" else four_bit_bytes(n, double_quant=double_quant[kind])
+        if kind == "other":
+            kinds[kind] += n * compute
+        elif kind == "experts_nf4" and mxfp4:
+            kinds[kind] += mxfp4_bytes(n)
+        else:
+            kinds[kind] += four_bit_bytes(n, double_quant=double_quant[kind])
     return kinds
 
 

@@ -27,6 +27,10 @@ from moe_qlora.moe.nf4 import NF4Stack
 from moe_qlora.moe.offload import host_layer_bytes, offload_experts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+EXPERT_FORMAT_WORDS = {  # model.expert_format as the run states it at load
+    "nf4": "NF4 (quantized while loading)",
+    "mxfp4": "MXFP4 as published (the checkpoint's own bytes)",
+}
 
 # Reads an adapter folder into the model's LoRA (export.adapter.load_adapter): (model, folder, lora) -> tensors read.
 # Passed in, since export/ sits above model/ (it writes what model/ trains).
@@ -116,6 +120,7 @@ def build_policy(
         device="cpu" if placement.sharded else device,
         name_or_path=model_path,
         compute_dtype=DTYPES[resolve_compute_dtype(model_cfg.compute_dtype, device)],
+        expert_format=model_cfg.expert_format,
         expert_double_quant=model_cfg.expert_double_quant,
         linear_double_quant=model_cfg.linear_double_quant,
         trust_remote_code=model_cfg.trust_remote_code,
@@ -141,7 +146,7 @@ def build_policy(
         raise ValueError("no trainable parameters: lora.target_modules matched nothing and the model has no experts")
     sizes = parameter_bytes_by_kind(model)
     console.print(
-        f"model on {device}: "
+        f"model on {device}, experts in {EXPERT_FORMAT_WORDS[getattr(model, 'expert_format', 'nf4')]}: "
         + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sizes.items())
         + f"; {sum(p.numel() for p in params):,} trainable parameters; {n_ckpt} layers checkpointed"
     )

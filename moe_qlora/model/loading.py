@@ -31,8 +31,14 @@ from moe_qlora.common.hub import check_hub_model
 from moe_qlora.common.memory import release_freed_memory
 from moe_qlora.model.classes import text_generation_class
 from moe_qlora.model.distributed import local_shard
-from moe_qlora.model.published import ModelLoadError, dequantized_as_read
-from moe_qlora.moe.experts import EXPERT_PARAMS, apply_moe_qlora_experts, experts_modules, is_experts_module
+from moe_qlora.model.published import ModelLoadError, chosen_expert_format, dequantized_as_read
+from moe_qlora.moe.experts import (
+    EXPERT_PARAMS,
+    apply_moe_qlora_experts,
+    expect_mxfp4_stacks,
+    experts_modules,
+    is_experts_module,
+)
 from moe_qlora.moe.layouts import (
     adopt_dense_input_experts,
     adopt_split_gate_up_experts,
@@ -40,6 +46,7 @@ from moe_qlora.moe.layouts import (
     quantized_stack_names,
     unsupported_layout,
 )
+from moe_qlora.moe.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX
 from moe_qlora.moe.nf4 import BLOCKSIZE, quantize_stack, stack_nbytes
 from moe_qlora.moe.offload import move_param
 
@@ -54,17 +61,26 @@ ROUTER_PATTERNS = ["gate", "router", "shared_expert_gate"]
 class MoEQLoRAQuantConfig(BitsAndBytesConfig):
     """bitsandbytes NF4 for linears plus NF4 expert stacks; `expert_double_quant` compresses expert scales."""
 
-    def __init__(self, *, expert_double_quant: bool = False, experts_on_host: frozenset[str] = frozenset(), **kwargs):
+    def __init__(
+        self,
+        *,
+        expert_double_quant: bool = False,
+        experts_mxfp4: bool = False,
+        experts_on_host: frozenset[str] = frozenset(),
+        **kwargs,
+    ):
         kwargs.setdefault("load_in_4bit", True)
         kwargs.setdefault("bnb_4bit_quant_type", "nf4")
         super().__init__(**kwargs)
         self.expert_double_quant = expert_double_quant
+        self.experts_mxfp4 = experts_mxfp4  # experts kept as the checkpoint's MXFP4 blocks and scales, not NF4
         self.experts_on_host = experts_on_host  # experts modules stored on the host: a loading choice, not saved
         self.quant_method = QUANT_METHOD
 
     def to_dict(self):
         saved = {k: v for k, v in super().to_dict().items() if k != "experts_on_host"}
-        return {**saved, "expert_double_quant": self.expert_double_quant, "quant_method": QUANT_METHOD}
+        formats = {"expert_double_quant": self.expert_double_quant, "experts_mxfp4": self.experts_mxfp4}
+        return {**saved, **formats, "quant_method": QUANT_METHOD}
 
 
 class _QuantizeOnLoad(ConversionOps):
@@ -139,6 +155,8 @@ class MoEQLoRAQuantizer(Bnb4BitHfQuantizer):
     def _process_model_before_weight_loading(self, model, device_map, **kwargs):
         adopt_dense_input_experts(model)  # before loading, so their stacks are quantized as experts
         adopt_split_gate_up_experts(model)
+        if self.quantization_config.experts_mxfp4:
+            expect_mxfp4_stacks(model)
         skips = set(self.quantization_config.llm_int8_skip_modules or [])
         on_cpu = all(str(d).startswith("cpu") for d in (device_map or {"": "cpu"}).values())
         skips.update(linears_not_quantized(model, on_cpu=on_cpu))
@@ -169,6 +187,7 @@ class LoadOptions:
     # expert offload: the experts modules (by name) whose NF4 stacks are stored in host memory, each leaving the
     # compute device as soon as it is quantized; everything else is stored where it is computed (`device`)
     experts_on_host: frozenset[str] = frozenset()
+    expert_format: str = "auto"  # auto | nf4 | mxfp4 (published.chosen_expert_format)
 
 
 # Files a tokenizer is read from (fast, sentencepiece, BPE, WordPiece, tiktoken; a remote-code tokenizer's config)
@@ -333,8 +352,15 @@ def load_model(opts: LoadOptions):
     folder = local_checkpoint(opts.name_or_path)
     files = checkpoint_files(folder)
     config = AutoConfig.from_pretrained(str(folder), trust_remote_code=opts.trust_remote_code)
+    expert_format = chosen_expert_format(config, opts.expert_format, folder)
+    if expert_format == "mxfp4" and opts.experts_on_host:
+        raise ModelLoadError(
+            f"{folder}: model.expert_offload with MXFP4 experts is not built yet: set model.expert_offload none, or "
+            "model.expert_format nf4 to offload NF4 experts"
+        )
     quant = MoEQLoRAQuantConfig(
         expert_double_quant=opts.expert_double_quant,
+        experts_mxfp4=expert_format == "mxfp4",
         bnb_4bit_use_double_quant=opts.linear_double_quant,
         bnb_4bit_compute_dtype=opts.compute_dtype,
         experts_on_host=opts.experts_on_host,
@@ -346,7 +372,8 @@ def load_model(opts: LoadOptions):
             "masked tokens; moe-qlora trains next-token prediction, the wrong objective for it"
         )
     with lazy_state_dict(files) as state:
-        state = dequantized_as_read(state, config, folder)  # FP8 block-scaled weights; other formats refused
+        # FP8 block-scaled weights decoded as read, MXFP4 experts too unless kept; other formats refused
+        state = dequantized_as_read(state, config, folder, keep_mxfp4=expert_format == "mxfp4")
         model = model_class.from_pretrained(
             None,
             config=config,
@@ -357,6 +384,7 @@ def load_model(opts: LoadOptions):
             trust_remote_code=opts.trust_remote_code,
         )
     model.name_or_path = str(folder)
+    model.expert_format = expert_format
     fuse_gate_up(model, lambda stack: quantize_stack(stack, double_quant=opts.expert_double_quant))
     cast_unquantized(model, opts.compute_dtype)
     release_freed_memory()
@@ -474,13 +502,17 @@ def assert_experts_quantized(model) -> None:
 
 
 def parameter_bytes_by_kind(model) -> dict[str, int]:
-    """Bytes of the model's weights this process holds, by kind: NF4 experts, other 4-bit weights, LoRA, the
-    rest (of a sharded model: this rank's shards, the experts' codes and scales as parameters of their own)."""
-    kinds = {"experts_nf4": 0, "linear_4bit": 0, "lora": 0, "other": 0}
+    """Bytes of the model's weights this process holds, by kind: NF4 experts, MXFP4 experts, other 4-bit weights,
+    LoRA, the rest (of a sharded model: this rank's shards, the experts' codes and scales as parameters of their
+    own)."""
+    kinds = {"experts_nf4": 0, "experts_mxfp4": 0, "linear_4bit": 0, "lora": 0, "other": 0}
     shardable = tuple(f"{n}_{part}" for n in EXPERT_PARAMS for part in ("nf4", "absmax"))
+    mxfp4 = tuple(f"{n}{part}" for n in EXPERT_PARAMS for part in (BLOCKS_SUFFIX, SCALES_SUFFIX))
     for name, p in model.named_parameters():
         local = local_shard(p)
-        if isinstance(p, bnb.nn.Params4bit):
+        if name.rsplit(".", 1)[-1] in mxfp4:
+            kinds["experts_mxfp4"] += local.numel() * local.element_size()
+        elif isinstance(p, bnb.nn.Params4bit):
             kind = "experts_nf4" if name.rsplit(".", 1)[-1] in EXPERT_PARAMS else "linear_4bit"
             kinds[kind] += stack_nbytes(p)
         elif name.rsplit(".", 1)[-1] in shardable:

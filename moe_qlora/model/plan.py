@@ -20,6 +20,7 @@ from moe_qlora.model.budget import (
     LORA_BYTES,
     Plan,
     classified_weights,
+    experts_in_mxfp4,
     four_bit_bytes,
     gradient_bytes,
     lora_tensor_shapes,
@@ -29,6 +30,7 @@ from moe_qlora.model.budget import (
 )
 from moe_qlora.model.families import resolve_targets
 from moe_qlora.model.offload_plan import apply_expert_offload
+from moe_qlora.moe.mxfp4 import BLOCKSIZE as MXFP4_BLOCKSIZE
 from moe_qlora.moe.nf4 import BLOCKSIZE
 
 # Bandwidth one GPU's collectives get, bytes/s each direction: NVLink 4 on an H100 SXM (900 GB/s both ways),
@@ -134,12 +136,16 @@ def sharded_tensors(model: nn.Module, cfg: RunConfig, targets: list[str], *, dev
     compute = DTYPE_BYTES[resolve_compute_dtype(cfg.model.compute_dtype, device)]
     layers = decoder_layer_names(model)
     tensors = []
+    mxfp4 = experts_in_mxfp4(model, cfg)
     for name, kind, p in classified_weights(model, device=device):
         group = fsdp_group(name, layers)
         if kind == "experts_nf4":
             experts, per_expert = rows_and_row_numel(tuple(p.shape))
             tensors.append(ShardedTensor(group, kind, experts, per_expert // 2, 1))
-            tensors.append(ShardedTensor(group, kind, experts, per_expert // BLOCKSIZE, 4))
+            if mxfp4:  # the published blocks and exponent bytes, experts on dim 0 as loaded
+                tensors.append(ShardedTensor(group, kind, experts, per_expert // MXFP4_BLOCKSIZE, 1))
+            else:
+                tensors.append(ShardedTensor(group, kind, experts, per_expert // BLOCKSIZE, 4))
         elif kind == "linear_4bit" and p.shape[1] % BLOCKSIZE == 0:
             tensors.append(ShardedTensor(group, kind, p.shape[0], p.shape[1] // 2, 1))
             tensors.append(ShardedTensor(group, kind, p.shape[0], p.shape[1] // BLOCKSIZE, 4))

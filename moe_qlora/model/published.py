@@ -121,22 +121,39 @@ def quant_method(config) -> str | None:
     return quant_setting(config, "quant_method") if quantization_configs(config) else None
 
 
+def chosen_expert_format(config, asked: str, folder: Path) -> str:
+    """model.expert_format resolved for a checkpoint: auto keeps experts published in MXFP4 as MXFP4 and quantizes
+    every other checkpoint to NF4; mxfp4 asked of a checkpoint not published in MXFP4 is refused."""
+    published = quant_method(config) if quantization_configs(config) else None
+    if asked == "auto":
+        return "mxfp4" if published == "mxfp4" else "nf4"
+    if asked == "mxfp4" and published != "mxfp4":
+        stored = f"published with quant_method {published!r}" if published else "not quantized"
+        raise ModelLoadError(
+            f"{folder}: model.expert_format mxfp4 keeps experts as published in MXFP4 (gpt-oss, quant_method "
+            f"mxfp4); this checkpoint is {stored}: use expert_format nf4 (or auto)"
+        )
+    return asked
+
+
 def forget_quantization(config) -> None:
     """Once the state dict decodes the checkpoint, transformers must not apply its own quantizer to it."""
     for c in quantization_configs(config):
         del c.quantization_config
 
 
-def dequantized_as_read(state: dict, config, folder: Path) -> dict:
+def dequantized_as_read(state: dict, config, folder: Path, *, keep_mxfp4: bool = False) -> dict:
     """The checkpoint's state dict as moe-qlora quantizes it: unchanged for an unquantized checkpoint, FP8 and
     MXFP4 tensors wrapped to be decoded as they are read (every pairing checked from the headers first, so a bad
     one stops the load at once; `config` is then stripped of its quantization_config, so transformers does not
-    apply its own); ModelLoadError for any other quantized format, naming it."""
+    apply its own); ModelLoadError for any other quantized format, naming it. keep_mxfp4: MXFP4 blocks and
+    scales stay as stored (checked), for experts kept in MXFP4 (model.expert_format)."""
     method = quant_method(config)
     if method is None:
         return state
     if method == "mxfp4":
-        state = mxfp4_state(state, folder)
+        paired = mxfp4_state(state, folder)
+        state = state if keep_mxfp4 else paired
     elif method == "fp8":
         block = quant_setting(config, "weight_block_size")
         if not block or len(block) != 2:

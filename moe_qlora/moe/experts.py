@@ -20,6 +20,14 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterfac
 from moe_qlora.moe.grouped_layer import moe_lora_experts_grouped
 from moe_qlora.moe.kernel_names import KERNELS
 from moe_qlora.moe.layer_state import FUSED_BELOW_ROWS, layer_state, read_state
+from moe_qlora.moe.mxfp4 import (
+    BLOCKS_SUFFIX,
+    SCALES_SUFFIX,
+    MXFP4Stack,
+    check_encodable,
+    published_shapes,
+    stack_shape_of,
+)
 from moe_qlora.moe.nf4 import NF4Stack
 from moe_qlora.moe.offload import OffloadedStack
 from moe_qlora.moe.reference_layer import DeferredWeightGrads, FrozenExperts, MoEPlan, moe_lora_experts
@@ -97,7 +105,50 @@ def is_experts_module(module: nn.Module) -> bool:
     if not hasattr(module, "has_gate"):
         return False
     shardable = read_state(module).shardable_shapes is not None
-    return shardable or all(hasattr(module, n) for n in stack_names(module))
+    return shardable or all(hasattr(module, n) or hasattr(module, n + BLOCKS_SUFFIX) for n in stack_names(module))
+
+
+def holds_mxfp4(module: nn.Module) -> bool:
+    """Whether an experts module keeps its stacks in MXFP4 (`<stack>_blocks` and `<stack>_scales`)."""
+    return hasattr(module, stack_names(module)[0] + BLOCKS_SUFFIX)
+
+
+def module_stack(module: nn.Module, name: str) -> NF4Stack | MXFP4Stack:
+    """The quantized stack `name` of an experts module (NF4 or MXFP4), as the MoE layer reads it."""
+    return _expert_stack(module, name)
+
+
+def module_expert(module: nn.Module, name: str, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Expert e of a quantized stack decoded to the layout of the module's own parameter: (out, in), or (in, out)
+    when the module is transposed and the stack is MXFP4 (kept as published, (out, in))."""
+    w = _expert_stack(module, name).decode(e, e + 1, dtype)[0]
+    return w.T if getattr(module, "is_transposed", False) and holds_mxfp4(module) else w
+
+
+def decoded_module_stack(module: nn.Module, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An MXFP4 stack decoded (exactly) to the layout of the module's own parameter: (E, out, in), or (E, in, out)
+    when the module is transposed (gpt-oss): what transformers' dequantization of the checkpoint holds."""
+    w = _expert_stack(module, name).decode(0, expert_dims(module)[0], dtype)
+    return w.transpose(1, 2).contiguous() if getattr(module, "is_transposed", False) else w
+
+
+def expect_mxfp4_stacks(model: nn.Module) -> int:
+    """Before loading a checkpoint published in MXFP4: every experts module's stacks become the uint8
+    `<stack>_blocks` (E, out, in/32, 16) and `<stack>_scales` (E, out, in/32) parameters the checkpoint holds (on
+    the meta device, as transformers builds models before loading), so they are read as stored, never decoded.
+    Returns how many stacks."""
+    count = 0
+    for name, module in experts_modules(model):
+        for stack in stack_names(module):
+            stored = module._parameters.pop(stack)
+            shape = stack_shape_of(tuple(stored.shape), getattr(module, "is_transposed", False))
+            check_encodable(shape, f"{name}.{stack}")
+            for suffix, part in zip((BLOCKS_SUFFIX, SCALES_SUFFIX), published_shapes(shape), strict=True):
+                empty = torch.empty(part, dtype=torch.uint8, device="meta")
+                module.register_parameter(stack + suffix, nn.Parameter(empty, requires_grad=False))
+            count += 1
+        module._is_hf_initialized = True  # its model's _init_weights would reach for the stacks no longer there
+    return count
 
 
 def check_supported_layout(module: nn.Module, name: str = "experts") -> None:
@@ -123,6 +174,9 @@ def expert_dims(module: nn.Module) -> tuple[int, int, int]:
     if "gate_proj" in module._parameters and read_state(module).split_gate_up:  # not fused yet
         e, inter, hidden = module.gate_proj.shape
         return e, hidden, inter
+    if holds_mxfp4(module):
+        e, width, hidden = _expert_stack(module, stack_names(module)[0]).shape  # (E, out, in)
+        return e, hidden, width // 2 if module.has_gate else width
     stack = getattr(module, stack_names(module)[0])
     e, d1, d2 = stack.quant_state.shape if isinstance(stack, bnb.nn.Params4bit) else stack.shape
     hidden, width = (d1, d2) if getattr(module, "is_transposed", False) else (d2, d1)
@@ -133,19 +187,22 @@ def _frozen_experts(module: nn.Module) -> FrozenExperts:
     first, down = stack_names(module)
     has_bias = getattr(module, "has_bias", False)
     return FrozenExperts(
-        gate_up=_nf4_stack(module, first),
-        down=_nf4_stack(module, down),
+        gate_up=_expert_stack(module, first),
+        down=_expert_stack(module, down),
         gate=module._apply_gate if module.has_gate else module.act_fn,
-        transposed=getattr(module, "is_transposed", False),
+        transposed=getattr(module, "is_transposed", False) and not holds_mxfp4(module),  # MXFP4: (E, out, in)
         gate_up_bias=getattr(module, f"{first}_bias") if has_bias else None,
         down_bias=module.down_proj_bias if has_bias else None,
         gate_is_silu_mul=_cached_gates_with_silu_mul(module),
     )
 
 
-def _nf4_stack(module: nn.Module, name: str) -> NF4Stack:
-    """The NF4 stack `name` of an experts module: its bitsandbytes Params4bit, or, once made shardable, the
-    plain parameters `{name}_nf4` and `{name}_absmax` (whatever FSDP has gathered into them for this call)."""
+def _expert_stack(module: nn.Module, name: str) -> NF4Stack | MXFP4Stack:
+    """The quantized stack `name` of an experts module: its MXFP4 blocks and scales as published; or NF4, its
+    bitsandbytes Params4bit, or, once made shardable, the plain parameters `{name}_nf4` and `{name}_absmax`
+    (whatever FSDP has gathered into them for this call)."""
+    if hasattr(module, name + BLOCKS_SUFFIX):
+        return MXFP4Stack.from_published(getattr(module, name + BLOCKS_SUFFIX), getattr(module, name + SCALES_SUFFIX))
     state = read_state(module)
     if state.offload is not None:  # its stacks in host memory: a handle that fetches them when read
         offloader, layer = state.offload
@@ -170,8 +227,8 @@ def make_stacks_shardable(model: nn.Module) -> int:
     (the same fp32 values the kernels decode on the fly, so results do not change). Returns how many stacks."""
     converted = 0
     for module in model.modules():
-        if not is_experts_module(module) or read_state(module).shardable_shapes is not None:
-            continue
+        if not is_experts_module(module) or read_state(module).shardable_shapes is not None or holds_mxfp4(module):
+            continue  # MXFP4 blocks and scales are plain parameters with the experts on dim 0 already
         shapes, nested = {}, False
         for name in stack_names(module):
             stack = NF4Stack.from_param(getattr(module, name))

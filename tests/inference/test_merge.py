@@ -19,6 +19,8 @@ from moe_qlora.model.loading import LoadOptions, checkpoint_files, load_model
 from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
 from moe_qlora.moe.layouts import consumer_stack_names
 
+from helpers.published import publish_gpt_oss_mxfp4
+
 # fp32 on both sides; PEFT and the merge both fold B A into the same dequantized weight, in a different order.
 LOGIT_TOL = 1e-4
 FAMILIES = {
@@ -28,6 +30,9 @@ FAMILIES = {
     "gpt_oss": LoraSection(rank=4, alpha=8.0, target_modules=["q_proj", "o_proj"]),
     # shared experts as split gate / up stacks that moe-qlora fuses at load: merged back into the two
     "inkling_text": LoraSection(rank=4, alpha=8.0, target_modules=["q_proj"]),
+    # gpt-oss as published, its experts kept in MXFP4 (model.expert_format auto): the merge adds each delta to the
+    # published base decoded exactly, written in the merged dtype
+    "gpt_oss-mxfp4": LoraSection(rank=4, alpha=8.0, target_modules=["q_proj", "o_proj"]),
 }
 
 
@@ -43,11 +48,14 @@ def randomize_trainables(model, seed=0, std=0.1):
 def adapted(request, tmp_path_factory):
     """(base dir, 4-bit model with every LoRA factor random, its adapter dir, token ids)."""
     family, lora = request.param, FAMILIES[request.param]
+    model_type, _, published = family.partition("-")
     tok = build_byte_tokenizer()
-    base = save_tiny_model(
-        tmp_path_factory.mktemp(f"base-{family}"), tiny_config(family, len(tok)), seed=0, tokenizer=tok
-    )
+    root = tmp_path_factory.mktemp(f"base-{family}")
+    base = save_tiny_model(root / "bf16", tiny_config(model_type, len(tok)), seed=0, tokenizer=tok)
+    if published == "mxfp4":
+        base, _ = publish_gpt_oss_mxfp4(base, root / "mxfp4")
     model = attach_adapters(load_model(LoadOptions(str(base))), lora, seed=0)
+    assert model.expert_format == (published or "nf4")
     randomize_trainables(model)
     model.eval()
     adapter = save_adapter(
@@ -104,7 +112,12 @@ def test_merged_checkpoint_keeps_the_base_layout(adapted, merged):
                 found.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
         return found
 
-    assert keys_and_shapes(out) == keys_and_shapes(base)
+    expected = keys_and_shapes(base)
+    for key in [k for k in expected if k.endswith("_blocks")]:  # published MXFP4: merged into gpt-oss's (E, in, out)
+        experts, rows, groups, _ = expected.pop(key)
+        del expected[key.removesuffix("_blocks") + "_scales"]
+        expected[key.removesuffix("_blocks")] = (experts, groups * 32, rows)
+    assert keys_and_shapes(out) == expected
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert report.shards > 1 and len(set(index["weight_map"].values())) == report.shards
     config = json.loads((out / "config.json").read_text())

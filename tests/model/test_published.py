@@ -14,10 +14,12 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from moe_qlora.model.loading import LoadOptions, ModelLoadError, load_model
 from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
+
+from helpers.published import E2M1, to_mxfp4, write_variants
 
 BLOCK = (32, 16)  # not square (b0, b1 swapped would be caught); q_a_proj (48 rows) and kv_a_proj_with_mqa (40) end in
 # partial row blocks, and no column is partial at 16: the row blocks are what DeepSeek-V3's 576 rows test
@@ -50,18 +52,6 @@ def from_fp8_blocks(q: torch.Tensor, grid: torch.Tensor, shift: int = 0) -> torc
             bi = (i // BLOCK[0] + shift) % grid.shape[0]
             out[i, j] = float(q[i, j].float()) * float(grid[bi, j // BLOCK[1]])
     return out.to(torch.bfloat16)
-
-
-def write_variants(root, source, variants: dict[str, dict]) -> list:
-    """A copy of the checkpoint folder `source` per variant, its weights replaced by the variant's tensors."""
-    (weights,) = source.glob("*.safetensors")
-    folders = []
-    for name, tensors in variants.items():
-        folder = shutil.copytree(source, root / name)
-        (folder / weights.name).unlink()
-        save_file(tensors, str(folder / "model.safetensors"))
-        folders.append(folder)
-    return folders
 
 
 @pytest.fixture(scope="module")
@@ -170,20 +160,6 @@ def test_other_quantized_formats_are_refused_by_name(checkpoints, tmp_path, meth
 
 
 # ------------------------------------------------------------------------------------------ MXFP4 (gpt-oss)
-
-E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
-
-
-def to_mxfp4(stack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A (E, in, out) stack as the hub stores it: blocks (E, out, in / 32, 16) and e8m0 scales (E, out, in / 32),
-    each group of 32 inputs scaled so its largest value is at most 6, every value rounded to the nearest e2m1."""
-    w = stack.transpose(1, 2).float()
-    groups = w.reshape(*w.shape[:2], -1, 32)
-    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0))
-    scaled = groups / torch.exp2(exponent)[..., None]
-    codes = (scaled[..., None] - torch.tensor(E2M1)).abs().argmin(-1).to(torch.uint8)
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return blocks, (exponent + 127).to(torch.uint8)
 
 
 def from_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, *, swapped: bool = False) -> torch.Tensor:

@@ -1,0 +1,133 @@
+"""gpt-oss trained on its own MXFP4 experts (model.expert_format): a tiny gpt-oss checkpoint written in the hub's
+quantized layout (`*_blocks`, `*_scales`, quantization_config mxfp4) loads with its expert bytes kept as stored,
+and the whole model's LoRA gradients (experts, attention, router) match PEFT's on the base as transformers
+dequantizes that checkpoint (Mxfp4Config(dequantize=True)), its 4-bit linears replaced by ours decoded.
+
+Tolerance: helpers.oracle.REL_TOL (4e-6) of each gradient's largest element, fp32 reordering only: the MXFP4
+experts are decoded exactly on both sides (tested bit for bit here too), so nothing else differs. Broken control:
+the nibbles of every byte of our stacks swapped, which moves every expert gradient by more than 1%.
+"""
+
+import pytest
+import torch
+from peft import PeftModel, get_peft_model_state_dict
+from transformers import AutoModelForCausalLM, Mxfp4Config
+
+from moe_qlora.config.sections import LoraSection
+from moe_qlora.export.adapter import PEFT_PREFIX, adapter_state_dict, dequantized_base_state_dict, save_adapter
+from moe_qlora.model.adapters import attach_adapters
+from moe_qlora.model.loading import LoadOptions, ModelLoadError, load_model, parameter_bytes_by_kind
+from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
+from moe_qlora.moe.experts import experts_modules, set_moe_kernels
+
+from helpers.oracle import assert_close_scaled, randomize_lora_b
+from helpers.published import publish_gpt_oss_mxfp4
+
+LORA = LoraSection(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"], router=True)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(tmp_path_factory):
+    """(the MXFP4 checkpoint, the bf16 one it was made from, {stack key: (blocks, scales)})."""
+    root = tmp_path_factory.mktemp("gpt-oss-mxfp4")
+    tok = build_byte_tokenizer()
+    source = save_tiny_model(root / "source", tiny_config("gpt_oss", len(tok)), seed=0, tokenizer=tok)
+    folder, stacks = publish_gpt_oss_mxfp4(source, root / "mxfp4")
+    return folder, source, stacks
+
+
+def test_the_experts_keep_the_published_bytes(gpt_oss_mxfp4):
+    """auto keeps MXFP4 as MXFP4: each stack's blocks and scales are the file's bytes, 4.25 bits a weight."""
+    folder, _, stacks = gpt_oss_mxfp4
+    model = load_model(LoadOptions(str(folder)))
+    assert model.expert_format == "mxfp4"
+    params = dict(model.named_parameters())
+    for key, (blocks, scales) in stacks.items():
+        assert torch.equal(params[key + "_blocks"], blocks) and torch.equal(params[key + "_scales"], scales)
+    weights = sum(blocks.numel() * 2 for blocks, _ in stacks.values())
+    assert parameter_bytes_by_kind(model)["experts_mxfp4"] * 8 == weights * 4.25
+
+
+def test_nf4_is_still_there_when_asked_and_mxfp4_is_refused_for_a_checkpoint_not_published_so(gpt_oss_mxfp4):
+    folder, source, _ = gpt_oss_mxfp4
+    nf4 = load_model(LoadOptions(str(folder), expert_format="nf4"))
+    assert nf4.expert_format == "nf4" and parameter_bytes_by_kind(nf4)["experts_mxfp4"] == 0
+    with pytest.raises(ModelLoadError, match=r"expert_format mxfp4 .* this checkpoint is not quantized"):
+        load_model(LoadOptions(str(source), expert_format="mxfp4"))
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(3, 263, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def our_gradients(model) -> dict[str, torch.Tensor]:
+    """Every LoRA gradient of one next-token loss, under its adapter-file key."""
+    model.zero_grad(set_to_none=True)
+    ids = tokens()
+    model(input_ids=ids, labels=ids).loss.backward()
+    return gradients_by_key(model, adapter_state_dict)
+
+
+def gradients_by_key(model, state_dict) -> dict[str, torch.Tensor]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    weights = [p.data for p in params]
+    try:
+        for p in params:
+            p.data = p.grad if p.grad is not None else torch.zeros_like(p)
+        return {k: v.detach().clone().float() for k, v in state_dict(model).items()}
+    finally:
+        for p, w in zip(params, weights, strict=True):
+            p.data = w
+
+
+@pytest.fixture(scope="module")
+def peft_oracle(gpt_oss_mxfp4, tmp_path_factory):
+    """(our model with random LoRA, PEFT's gradients of the same loss on transformers' dequantized checkpoint)."""
+    folder, _, _ = gpt_oss_mxfp4
+    model = attach_adapters(load_model(LoadOptions(str(folder))), LORA, seed=0)
+    model.eval()  # no dropout: both sides compute the same function
+    randomize_lora_b(model, seed=1)
+    adapter = save_adapter(model, tmp_path_factory.mktemp("adapter"), cfg=LORA, base_model_name_or_path=str(folder))
+    base = AutoModelForCausalLM.from_pretrained(
+        str(folder), quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32
+    )
+    ours = dequantized_base_state_dict(model)
+    theirs = base.state_dict()
+    for name, _ in experts_modules(model):  # the experts as transformers decodes them, bit for bit ours
+        for stack in ("gate_up_proj", "down_proj"):
+            key = f"{name.removeprefix(PEFT_PREFIX)}.{stack}"
+            assert torch.equal(theirs[key], ours.pop(key)), key
+    missing, unexpected = base.load_state_dict(ours, strict=False)  # our 4-bit linears, decoded
+    assert not unexpected and all("experts." in k and k.endswith("_proj") for k in missing), (missing, unexpected)
+    peft_model = PeftModel.from_pretrained(base, str(adapter), is_trainable=True).eval()
+    peft_model.zero_grad(set_to_none=True)
+    ids = tokens()
+    peft_model(input_ids=ids, labels=ids).loss.backward()
+    return model, gradients_by_key(peft_model, lambda m: get_peft_model_state_dict(m))
+
+
+@pytest.mark.parametrize("kernels", ["torch", "grouped_mm", "triton"])
+def test_every_lora_gradient_matches_peft_on_transformers_dequantization(peft_oracle, kernels):
+    model, expected = peft_oracle
+    set_moe_kernels(model, kernels)
+    got = our_gradients(model)
+    assert sorted(got) == sorted(expected) and any("experts" in k for k in got)
+    for key in expected:
+        assert_close_scaled(key, got[key], expected[key])
+
+
+def test_the_control_nibbles_swapped_fails(peft_oracle):
+    model, expected = peft_oracle
+    set_moe_kernels(model, "torch")
+    blocks = [p for n, p in model.named_parameters() if n.endswith("_blocks")]
+    saved = [b.data.clone() for b in blocks]
+    try:
+        for b in blocks:
+            b.data = ((b.data >> 4) | (b.data << 4)).to(torch.uint8)
+        got = our_gradients(model)
+    finally:
+        for b, data in zip(blocks, saved, strict=True):
+            b.data = data
+    experts = [k for k in expected if "experts" in k]
+    worst = max(float((got[k] - expected[k]).abs().max() / expected[k].abs().max()) for k in experts)
+    assert worst > 1e-2
