@@ -117,7 +117,7 @@ def weight_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> dict[str, 
         if kind == "other":
             kinds[kind] += n * compute
         elif kind == "experts_nf4" and mxfp4:
-            kinds[kind] += mxfp4_bytes(n)
+            kinds["experts_mxfp4"] = kinds.get("experts_mxfp4", 0) + mxfp4_bytes(n)
         else:
             kinds[kind] += four_bit_bytes(n, double_quant=double_quant[kind])
     return kinds

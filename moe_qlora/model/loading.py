@@ -505,13 +505,13 @@ def parameter_bytes_by_kind(model) -> dict[str, int]:
     """Bytes of the model's weights this process holds, by kind: NF4 experts, MXFP4 experts, other 4-bit weights,
     LoRA, the rest (of a sharded model: this rank's shards, the experts' codes and scales as parameters of their
     own)."""
-    kinds = {"experts_nf4": 0, "experts_mxfp4": 0, "linear_4bit": 0, "lora": 0, "other": 0}
+    kinds = {"experts_nf4": 0, "linear_4bit": 0, "lora": 0, "other": 0}  # and experts_mxfp4 where there are
     shardable = tuple(f"{n}_{part}" for n in EXPERT_PARAMS for part in ("nf4", "absmax"))
     mxfp4 = tuple(f"{n}{part}" for n in EXPERT_PARAMS for part in (BLOCKS_SUFFIX, SCALES_SUFFIX))
     for name, p in model.named_parameters():
         local = local_shard(p)
         if name.rsplit(".", 1)[-1] in mxfp4:
-            kinds["experts_mxfp4"] += local.numel() * local.element_size()
+            kinds["experts_mxfp4"] = kinds.get("experts_mxfp4", 0) + local.numel() * local.element_size()
         elif isinstance(p, bnb.nn.Params4bit):
             kind = "experts_nf4" if name.rsplit(".", 1)[-1] in EXPERT_PARAMS else "linear_4bit"
             kinds[kind] += stack_nbytes(p)

@@ -141,10 +141,11 @@ def sharded_tensors(model: nn.Module, cfg: RunConfig, targets: list[str], *, dev
         group = fsdp_group(name, layers)
         if kind == "experts_nf4":
             experts, per_expert = rows_and_row_numel(tuple(p.shape))
-            tensors.append(ShardedTensor(group, kind, experts, per_expert // 2, 1))
             if mxfp4:  # the published blocks and exponent bytes, experts on dim 0 as loaded
-                tensors.append(ShardedTensor(group, kind, experts, per_expert // MXFP4_BLOCKSIZE, 1))
+                tensors.append(ShardedTensor(group, "experts_mxfp4", experts, per_expert // 2, 1))
+                tensors.append(ShardedTensor(group, "experts_mxfp4", experts, per_expert // MXFP4_BLOCKSIZE, 1))
             else:
+                tensors.append(ShardedTensor(group, kind, experts, per_expert // 2, 1))
                 tensors.append(ShardedTensor(group, kind, experts, per_expert // BLOCKSIZE, 4))
         elif kind == "linear_4bit" and p.shape[1] % BLOCKSIZE == 0:
             tensors.append(ShardedTensor(group, kind, p.shape[0], p.shape[1] // 2, 1))
@@ -186,7 +187,7 @@ def shard_plan(plan: Plan, tensors: list[ShardedTensor], cfg: RunConfig, model: 
     parameters of the largest decoder layer twice (the one computing and the next, prefetched), and
     root_unsharded, the root's (embeddings, final norm, head), held from the forward to the end of the backward."""
     n = plan.gpus
-    kinds = ("experts_nf4", "linear_4bit", "other")
+    kinds = ("experts_nf4", "experts_mxfp4", "linear_4bit", "other")
     shard = {kind: sum(t.shard_bytes(n) for t in tensors if t.kind == kind) for kind in kinds}
     whole_linears = [
         p.numel()
@@ -197,6 +198,8 @@ def shard_plan(plan: Plan, tensors: list[ShardedTensor], cfg: RunConfig, model: 
     lora_numel = sum(t.shard_numel(n) for t in lora)
     groups = unsharded_group_bytes(tensors, n)
     layers = [whole for group, whole in groups.items() if group]
+    if "experts_mxfp4" in plan.bytes:
+        plan.bytes["experts_mxfp4"] = shard["experts_mxfp4"]
     plan.bytes.update(
         experts_nf4=shard["experts_nf4"],
         linear_4bit=shard["linear_4bit"]

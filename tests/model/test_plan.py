@@ -17,6 +17,8 @@ from moe_qlora.model.loading import LoadOptions, load_model, parameter_bytes_by_
 from moe_qlora.model.plan import plan_run
 from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
 
+from helpers.published import publish_gpt_oss_mxfp4
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -30,17 +32,22 @@ def run_config(path, **model):
     )
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v2", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v2", "gpt_oss", "gpt_oss-mxfp4"])
 @pytest.mark.parametrize("double_quant", [False, True])
 def test_plan_equals_the_bytes_of_the_loaded_model(tmp_path, family, double_quant):
+    """gpt_oss-mxfp4: gpt-oss as published, its experts kept in MXFP4 (4.25 bits a weight, experts_mxfp4)."""
     tok = build_byte_tokenizer()
-    path = save_tiny_model(tmp_path / family, tiny_config(family, len(tok)), tokenizer=tok)
+    model_type, _, published = family.partition("-")
+    path = save_tiny_model(tmp_path / model_type, tiny_config(model_type, len(tok)), tokenizer=tok)
+    if published:
+        path, _ = publish_gpt_oss_mxfp4(path, tmp_path / family)
     cfg = run_config(path, expert_double_quant=double_quant, linear_double_quant=double_quant)
     opts = LoadOptions(str(path), expert_double_quant=double_quant, linear_double_quant=double_quant)
     model = attach_adapters(load_model(opts), cfg.lora, seed=0)
     measured = parameter_bytes_by_kind(model)
     planned = plan_run(cfg, name_or_path=str(path), device="cpu").bytes
     assert {k: planned[k] for k in measured} == measured
+    assert ("experts_mxfp4" in measured) == bool(published) and (measured["experts_nf4"] == 0) == bool(published)
     assert planned["optimizer"] == 2 * planned["lora"] and planned["activations_estimate"] > 0  # fp32 AdamW
 
 
