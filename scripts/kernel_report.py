@@ -27,7 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moe_qlora.moe.kernels import tiles  # noqa: E402
 from moe_qlora.moe.kernels.aot import capture_launches, compile_as_jit  # noqa: E402
 
-SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}  # hidden, inter, E, top-k
+SHAPES = {  # hidden, inter, E, top-k
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "mixtral-8x7b": (4096, 14336, 8, 2),
+    "gpt-oss-20b": (2880, 2880, 32, 4),
+}
 # Per GPU: SMs, boost clock, dense bf16 tensor-core peak, HBM bandwidth (H100 SXM for sm_90, A100-80GB SXM for
 # sm_80). Each SM issues at most 4 warp instructions a clock (one per scheduler).
 GPUS = {
@@ -110,17 +114,24 @@ def _packed_load_bytes(ttgir: str) -> int | None:
 
 
 def report(
-    archs: list[int], shapes: list[str], *, candidates: bool = False, tokens: int = TOKENS, dtype: str = "bf16"
+    archs: list[int],
+    shapes: list[str],
+    *,
+    candidates: bool = False,
+    tokens: int = TOKENS,
+    dtype: str = "bf16",
+    weights: str = "nf4_nested",
 ) -> list[dict]:
     """One row per launch, shape and arch with the config it takes when not autotuned (its class's default:
     tiles.launch_candidates); with `candidates`, one per autotune candidate the autotuner times for the launch
     (named launch@BLOCK_MxBLOCK_NxBLOCK_K/warps/stages; tiles.MatmulConfig.serves) instead. `dtype`: the
-    activations, bf16 or fp32 (whose launches all take tiles.FP32_CONFIG, so `candidates` adds nothing there)."""
+    activations, bf16 or fp32 (whose launches all take tiles.FP32_CONFIG, so `candidates` adds nothing there).
+    `weights`: the experts' storage, nf4_nested (the default), nf4 or mxfp4 (gpt-oss's, as published)."""
     rows = []
     for shape in shapes:
         for arch in archs:
             for config in tiles.MATMUL_CONFIGS[arch] if candidates else [None]:
-                rows += _report_config(shape, arch, config, tokens, dtype)
+                rows += _report_config(shape, arch, config, tokens, dtype, weights)
     return rows
 
 
@@ -145,7 +156,9 @@ def _timed_for(launch, config, tall: bool, arch: int) -> bool:
     return ran == (config.block_m, config.block_n, config.block_k, config.num_warps, config.num_stages)
 
 
-def _report_config(shape: str, arch: int, config, tokens: int, dtype: str = "bf16") -> list[dict]:
+def _report_config(
+    shape: str, arch: int, config, tokens: int, dtype: str = "bf16", weights: str = "nf4_nested"
+) -> list[dict]:
     import torch
 
     hidden, inter, experts, top_k = SHAPES[shape]
@@ -159,6 +172,7 @@ def _report_config(shape: str, arch: int, config, tokens: int, dtype: str = "bf1
             rank=RANK,
             arch=arch,
             dtype=getattr(torch, DTYPES[dtype]),
+            weights=weights,
         )
     rows = []
     for launch in launches:
@@ -203,14 +217,17 @@ def implied_ceilings(c: dict, loop_instructions: int, warps: int, arch: int) -> 
 
     One K-step of a CTA issues loop_instructions x warps warp-instructions, at most 4 a clock per SM; in that
     time it does 2 x BLOCK_M x BLOCK_N x BLOCK_K FLOP (twice with the fused gate/up) and reads its weight
-    tile: BLOCK_K x BLOCK_N / 2 NF4 bytes plus one 1-byte (nested) or 4-byte scale per 64, or 2 bytes per
-    element dense. Latency, occupancy and memory stalls only lower these: a ceiling, not a prediction."""
+    tile: BLOCK_K x BLOCK_N / 2 NF4 bytes plus one 1-byte (nested) or 4-byte scale per 64 (MXFP4: one exponent
+    byte per 32), or 2 bytes per element dense. Latency, occupancy and memory stalls only lower these: a ceiling,
+    not a prediction."""
     gpu = GPUS[arch]
     block_k = c.get("BLOCK_K", c.get("BLOCK_S"))
     tiles = 2 if c.get("GLU") else 1
     flop = 2 * c["BLOCK_M"] * c["BLOCK_N"] * block_k * tiles
     elements = block_k * c["BLOCK_N"] * tiles
-    if c.get("W_NF4"):
+    if c.get("MXFP4"):
+        weight_bytes = elements / 2 + elements / 32
+    elif c.get("W_NF4"):
         weight_bytes = elements / 2 + elements / 64 * (1 if c.get("NESTED") else 4)
     else:
         weight_bytes = elements * 2
@@ -253,6 +270,9 @@ def main() -> None:
         help="tokens per layer call (few rows per expert: the packed paths' swapped tiles)",
     )
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="activations (fp32: exact IEEE products)")
+    ap.add_argument(
+        "--weights", choices=["nf4_nested", "nf4", "mxfp4"], default="nf4_nested", help="the experts' storage"
+    )
     args = ap.parse_args()
     rows = report(
         args.arch or [80, 90],
@@ -260,6 +280,7 @@ def main() -> None:
         candidates=args.candidates,
         tokens=args.tokens,
         dtype=args.dtype,
+        weights=args.weights,
     )
     if args.json:
         print(json.dumps(rows))

@@ -656,7 +656,7 @@ def compiled_variants():
 
 @pytest.mark.parametrize("arch", [80, 90], ids=["sm_80", "sm_90"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("weights", ["dense", "nf4", "nf4_nested", "nf4_nested_silu_mul"])
+@pytest.mark.parametrize("weights", ["dense", "nf4", "nf4_nested", "nf4_nested_silu_mul", "mxfp4", "mxfp4_input_grad"])
 def test_grouped_matmul_compiles_for_ampere_and_hopper(compiled_variants, arch, dtype, weights):
     r = compiled_variants[f"grouped_matmul/{weights}/{dtype}/sm_{arch}"]
     assert r["cubin_bytes"] > 1000

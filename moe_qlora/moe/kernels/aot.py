@@ -18,14 +18,18 @@ import sys
 import warnings
 
 # The variants compiled, each as one of a layer's real launches (capture_launches) at Qwen3-30B-A3B's shapes:
-# name: (launch, nested scales). The NF4 kernels with and without nested (double-quantized) scales, the dense
-# LoRA A projection, the fused silu(gate) * up epilogue, and the outer product of the LoRA gradients.
+# name: (launch, expert weights: "nf4", "nf4_nested" or "mxfp4"). The NF4 kernels with and without nested
+# (double-quantized) scales, gpt-oss's MXFP4 (e2m1 codes, e8m0 scales) in the forward and through the transposed
+# experts, the dense LoRA A projection, the fused silu(gate) * up epilogue, and the outer product of the LoRA
+# gradients.
 VARIANTS = {
-    "grouped_matmul/dense": ("lora_a_dense", True),
-    "grouped_matmul/nf4": ("down_nf4_nested", False),
-    "grouped_matmul/nf4_nested": ("down_nf4_nested", True),
-    "grouped_matmul/nf4_nested_silu_mul": ("gate_up_nf4_nested_silu_mul", True),
-    "grouped_outer_product": ("outer_product", True),
+    "grouped_matmul/dense": ("lora_a_dense", "nf4_nested"),
+    "grouped_matmul/nf4": ("down_nf4_nested", "nf4"),
+    "grouped_matmul/nf4_nested": ("down_nf4_nested", "nf4_nested"),
+    "grouped_matmul/nf4_nested_silu_mul": ("gate_up_nf4_nested_silu_mul", "nf4_nested"),
+    "grouped_matmul/mxfp4": ("down_mxfp4", "mxfp4"),
+    "grouped_matmul/mxfp4_input_grad": ("down_input_grad_mxfp4", "mxfp4"),
+    "grouped_outer_product": ("outer_product", "nf4_nested"),
 }
 SHAPE = dict(hidden=2048, inter=768, experts=128, top_k=8, tokens=2048, rank=16)  # Qwen3-30B-A3B
 
@@ -43,13 +47,13 @@ def compile_all(archs: list[int]) -> list[dict]:
     for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         for arch in archs:
             launches = {
-                nested: {
-                    launch.name: launch for launch in capture_launches(**SHAPE, dtype=dtype, nested=nested, arch=arch)
+                weights: {
+                    launch.name: launch for launch in capture_launches(**SHAPE, dtype=dtype, weights=weights, arch=arch)
                 }
-                for nested in (True, False)
+                for weights in ("nf4", "nf4_nested", "mxfp4")
             }
-            for name, (launch_name, nested) in VARIANTS.items():
-                compiled = compile_as_jit(launches[nested][launch_name], arch)
+            for name, (launch_name, weights) in VARIANTS.items():
+                compiled = compile_as_jit(launches[weights][launch_name], arch)
                 results.append(
                     {
                         "variant": f"{name}/{dtype_name}/sm_{arch}",
@@ -107,21 +111,33 @@ def capture_launches(
     dtype=None,
     nested: bool = True,
     arch: int = 90,
+    weights: str | None = None,
 ) -> list[Launch]:
     """The six launches of one MoE layer's forward and backward (bf16 unless `dtype`, NF4 with nested scales
-    unless not `nested`, LoRA), recorded from the real launchers on CPU tensors of the real shapes (weights
+    unless not `nested`, or `weights` "nf4" / "nf4_nested" / "mxfp4", whose launches are named with "mxfp4" in
+    place of "nf4_nested"; LoRA), recorded from the real launchers on CPU tensors of the real shapes (weights
     are zeros: only shapes, strides and alignment matter here), with `arch`'s default config (autotuning
     off: the config the GPU runs with MOE_QLORA_AUTOTUNE=0, and the autotuner's first candidate). Uniform
     routing: tokens * top_k rows, spread evenly over the experts."""
     import torch
 
     from moe_qlora.moe.kernels import ops, tiles, triton_kernels
+    from moe_qlora.moe.mxfp4 import MXFP4Stack
     from moe_qlora.moe.nf4 import NF4Stack
 
     dtype = dtype or torch.bfloat16
     rows = tokens * top_k
 
+    if weights is not None:
+        nested = weights == "nf4_nested"
+
     def nf4(out, inp):
+        if weights == "mxfp4":  # codes and one exponent byte per 32
+            return MXFP4Stack(
+                torch.zeros(experts * out * inp // 2, dtype=torch.uint8),
+                torch.zeros(experts * out * inp // 32, dtype=torch.uint8),
+                (experts, out, inp),
+            )
         numel = experts * out * inp
         blocks = numel // 64
         packed = torch.zeros(numel // 2, dtype=torch.uint8)
@@ -193,6 +209,7 @@ def capture_launches(
             setattr(triton_kernels, n, Recorder(kernel))
         with tiles.pinned_config(arch):
             for name, launch in launches:
+                name = name.replace("nf4_nested", "mxfp4") if weights == "mxfp4" else name
                 first = len(recorded)
                 launch()
                 for rec in recorded[first:]:  # split-K makes two launches: partial sums, then their sum
