@@ -190,7 +190,10 @@ def moe_lora_experts_grouped(
     inputs would keep the device copies alive until the backward) through the Function."""
     lora = lora if lora is not None else (None, None, None, None)
     offloaded = getattr(plan.experts.gate_up, "offloaded", False)
-    if plan.experts.gate_is_silu_mul and plan.deferred is None and not offloaded:
+    # the op's flattened plan carries NF4 stacks only; an MXFP4 one (gpt-oss, whose own gate never takes the op
+    # anyway) runs through the Function
+    nf4 = isinstance(plan.experts.gate_up, NF4Stack)
+    if plan.experts.gate_is_silu_mul and plan.deferred is None and not offloaded and nf4:
         keep_h = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, routing_weights, *lora))
         out, _, _, _ = grouped_experts_op(*op_inputs(x, routing_weights, lora, plan, kernels, dequant_budget, keep_h))
         return out
