@@ -100,12 +100,14 @@ def _packed_load_bytes(ttgir: str) -> int | None:
     loads (or cp.async copies into shared memory) of 2-D tiles of bytes, or of the 4-byte words the packed
     paths read, whose blocked layout gives each thread sizePerThread[order[0]] consecutive elements along the
     contiguous dim (the narrowest such load, so one byte-at-a-time read is not hidden by a wide one). The
-    nested scale codes are bytes too, but one per column or row (a 1 x N or K x 1 tensor): not counted. In the
-    SASS 16-byte runs become LDGSTS.E.BYPASS.128, 8-byte ones LDGSTS.E.64."""
+    nested scale codes are bytes too, but one per column or row (a 1 x N or K x 1 tensor), and so are MXFP4's
+    exponents, one per 32 codes (a K x 2 tensor for a 64-code step): not counted. In the SASS 16-byte runs become
+    LDGSTS.E.BYPASS.128, 8-byte ones LDGSTS.E.64."""
     layouts = dict(re.findall(r"^(#\w+) = #ttg\.blocked<(.*)>$", ttgir, re.M))
     widths = []
     for rows, cols, element, layout in _CODE_TILE_LOAD.findall(ttgir):
-        if int(rows) == 1 or int(cols) == 1 or layout not in layouts:
+        scales = min(int(rows), int(cols)) == 1 or (element == "i8" and min(int(rows), int(cols)) <= 4)
+        if scales or layout not in layouts:
             continue
         size = [int(v) for v in re.search(r"sizePerThread = \[([\d, ]+)\]", layouts[layout]).group(1).split(",")]
         order = [int(v) for v in re.search(r"order = \[([\d, ]+)\]", layouts[layout]).group(1).split(",")]

@@ -352,7 +352,8 @@ def test_mxfp4_kernels_compile_without_spills(tokens):
     """gpt-oss's MXFP4 experts at gpt-oss-20b's layer shape, sm_80 and sm_90 defaults: every launch gpt-oss makes
     (its gate is its own, so gate_up runs as a plain matmul like down) takes the packed paths without spills, and
     issues as many instructions per decoded weight as NF4 does there (measured: sm_90 9.3-10.0 against NF4's
-    10.2-10.8 at 2048 tokens; sm_80 12.2-21.2). The fused silu(gate) * up variant, which gpt-oss never runs,
+    10.2-10.8 at 2048 tokens; sm_80 12.2-21.2), its codes read as 4-byte words (NF4's too at this shape; the
+    exponent bytes, a K x 2 tile, are not code loads). The fused silu(gate) * up variant, which gpt-oss never runs,
     spills 8 bytes on sm_80 at 128-row tiles and is left out."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_QLORA_TRITON_BLOCKS")}
     command = [sys.executable, "scripts/kernel_report.py", "--arch", "80", "--arch", "90", "--shape", "gpt-oss-20b"]
@@ -364,3 +365,4 @@ def test_mxfp4_kernels_compile_without_spills(tokens):
     assert len(gpt_oss) == 6
     assert all(r["spills"] == 0 and r["smem_bytes"] <= SHARED_MEMORY_LIMIT[r["arch"]] for r in gpt_oss), gpt_oss
     assert all(r["instr_per_weight_element"] < (11 if r["arch"] == "90" else 22) for r in gpt_oss)
+    assert all(r["widest_packed_load_bytes"] >= 4 for r in gpt_oss)  # codes as whole words, as NF4's at this shape
