@@ -1,4 +1,5 @@
-"""Checkpoints written as their publishers write them, from a tiny bf16 checkpoint: gpt-oss's MXFP4 experts."""
+"""Checkpoints written as their publishers write them, from a tiny bf16 checkpoint: DeepSeek-V3's block-scaled FP8
+and gpt-oss's MXFP4 experts."""
 
 import json
 import shutil
@@ -7,7 +8,47 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+FP8_MAX = 448.0  # e4m3's largest finite value
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def quantized_names(state: dict) -> list[str]:
+    """The weights DeepSeek-V3 publishes in FP8: every projection (attention, experts, shared experts)."""
+    return [k for k, v in state.items() if "_proj" in k and k.endswith(".weight") and v.dim() == 2]
+
+
+def to_fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 weight, scale grid) with each (b0, b1) block's absmax at FP8_MAX; the last blocks may be partial."""
+    rows, cols = w.shape
+    grid = torch.zeros((-(-rows // block[0]), -(-cols // block[1])))
+    q = torch.empty_like(w)
+    for i in range(grid.shape[0]):
+        for j in range(grid.shape[1]):
+            cells = (slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1]))
+            grid[i, j] = w[cells].abs().max().clamp(min=1e-12) / FP8_MAX
+            q[cells] = w[cells] / grid[i, j]
+    return q.to(torch.float8_e4m3fn), grid
+
+
+def publish_fp8(source: Path, out: Path, block: tuple[int, int], *, shift: int = 0) -> Path:
+    """The tiny checkpoint `source` as DeepSeek-V3 is published: every projection in FP8 e4m3 with its
+    `weight_scale_inv` grid, the rest in bf16, quantization_config fp8 with `block` (shift: each weight given the
+    scales of the block `shift` rows of blocks below its own, the broken control)."""
+    (weights,) = source.glob("*.safetensors")
+    state = {k: v.to(torch.bfloat16) for k, v in load_file(str(weights)).items()}
+    for key in quantized_names(state):
+        q, grid = to_fp8_blocks(state[key].float(), block)
+        state[key], state[key + "_scale_inv"] = q, grid.roll(shift, 0)
+    (folder,) = write_variants(out.parent, source, {out.name: state})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
 
 
 def to_mxfp4(stack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

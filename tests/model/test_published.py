@@ -1,7 +1,7 @@
 """Checkpoints as published: an FP8 block-scaled checkpoint (DeepSeek-V3's layout: per-expert keys, fp8 e4m3
 weights with `weight_scale_inv` grids, bf16 norms, embeddings and router) and a gpt-oss checkpoint with MXFP4
-experts (`*_blocks` and `*_scales` in the hub's layout) load to exactly the model their bf16 dequantization loads
-to, partial blocks included; every other quantized format is refused by name.
+experts (`*_blocks` and `*_scales` in the hub's layout, here with model.expert_format nf4: kept as MXFP4 in
+test_mxfp4_experts.py) load to exactly the model their bf16 dequantization loads to, partial blocks included; every other quantized format is refused by name.
 
 The oracle is each format's definition written here: each element times its own block's scale, block by block in
 Python loops (FP8); each nibble's e2m1 value times 2^(its group's exponent - 127), value by value (MXFP4). The
@@ -19,29 +19,10 @@ from safetensors.torch import load_file
 from moe_qlora.model.loading import LoadOptions, ModelLoadError, load_model
 from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
 
-from helpers.published import E2M1, to_mxfp4, write_variants
+from helpers.published import E2M1, quantized_names, to_fp8_blocks, to_mxfp4, write_variants
 
 BLOCK = (32, 16)  # not square (b0, b1 swapped would be caught); q_a_proj (48 rows) and kv_a_proj_with_mqa (40) end in
 # partial row blocks, and no column is partial at 16: the row blocks are what DeepSeek-V3's 576 rows test
-FP8_MAX = 448.0  # e4m3's largest finite value
-
-
-def quantized_names(state: dict) -> list[str]:
-    """The weights DeepSeek-V3 publishes in FP8: every projection (attention, experts, shared experts)."""
-    return [k for k, v in state.items() if "_proj" in k and k.endswith(".weight") and v.dim() == 2]
-
-
-def to_fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 weight, scale grid) with each block's absmax at FP8_MAX."""
-    rows, cols = w.shape
-    grid = torch.zeros((-(-rows // BLOCK[0]), -(-cols // BLOCK[1])))
-    q = torch.empty_like(w)
-    for i in range(grid.shape[0]):
-        for j in range(grid.shape[1]):
-            block = w[i * BLOCK[0] : (i + 1) * BLOCK[0], j * BLOCK[1] : (j + 1) * BLOCK[1]]
-            grid[i, j] = block.abs().max().clamp(min=1e-12) / FP8_MAX
-            q[i * BLOCK[0] : (i + 1) * BLOCK[0], j * BLOCK[1] : (j + 1) * BLOCK[1]] = block / grid[i, j]
-    return q.to(torch.float8_e4m3fn), grid
 
 
 def from_fp8_blocks(q: torch.Tensor, grid: torch.Tensor, shift: int = 0) -> torch.Tensor:
@@ -67,7 +48,7 @@ def checkpoints(tmp_path_factory):
     assert {state[k].shape[0] % BLOCK[0] for k in names} >= {0, 8, 16}
     fp8, oracle, shifted = dict(state), dict(state), dict(state)
     for k in names:
-        q, grid = to_fp8_blocks(state[k].float())
+        q, grid = to_fp8_blocks(state[k].float(), BLOCK)
         fp8[k], fp8[k + "_scale_inv"] = q, grid
         oracle[k], shifted[k] = from_fp8_blocks(q, grid), from_fp8_blocks(q, grid, shift=1)
     folders = write_variants(root, source, {"fp8": fp8, "oracle": oracle, "shifted": shifted})
@@ -126,7 +107,8 @@ def test_e8m0_scales_and_activation_scales(checkpoints, tmp_path):
 
 
 def loaded_state(folder) -> dict[str, torch.Tensor]:
-    model = load_model(LoadOptions(str(folder)))
+    """The state of the model loaded with NF4 experts (MXFP4 experts decoded then quantized: expert_format nf4)."""
+    model = load_model(LoadOptions(str(folder), expert_format="nf4"))
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
