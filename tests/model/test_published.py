@@ -1,7 +1,8 @@
 """Checkpoints as published: an FP8 block-scaled checkpoint (DeepSeek-V3's layout: per-expert keys, fp8 e4m3
 weights with `weight_scale_inv` grids, bf16 norms, embeddings and router) and a gpt-oss checkpoint with MXFP4
 experts (`*_blocks` and `*_scales` in the hub's layout, here with model.expert_format nf4: kept as MXFP4 in
-test_mxfp4_experts.py) load to exactly the model their bf16 dequantization loads to, partial blocks included; every other quantized format is refused by name.
+test_mxfp4_experts.py) load to exactly the model their bf16 dequantization loads to, partial blocks included;
+every other quantized format is refused by name.
 
 The oracle is each format's definition written here: each element times its own block's scale, block by block in
 Python loops (FP8); each nibble's e2m1 value times 2^(its group's exponent - 127), value by value (MXFP4). The
