@@ -16,6 +16,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoConfig
 
 from moe_qlora.model.loading import LoadOptions, ModelLoadError, load_model
 from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
@@ -78,6 +79,30 @@ def test_each_decoded_weight_is_the_formats_definition_exactly(checkpoints):
         assert len(names) > 20
         for k in names:
             assert torch.equal(decoded[k][...], expected[k]), k
+
+
+def test_per_expert_fp8_weights_are_read_as_fused_stacks(checkpoints):
+    """Each MoE layer's per-expert FP8 weights are read as the model's fused stacks, one expert at a time into one
+    bf16 buffer (transformers' merge holds about two copies); the byte-for-byte test above holds them to the
+    definition. A layer missing one expert's weight is left to transformers whole."""
+    from moe_qlora.model.loading import lazy_state_dict
+    from moe_qlora.model.published import FusedExpertsTensor, dequantized_as_read
+
+    fp8, _, _ = checkpoints
+    with lazy_state_dict([fp8 / "model.safetensors"]) as state:
+        config = AutoConfig.from_pretrained(str(fp8))
+        fused = {k: v.get_shape() for k, v in dequantized_as_read(state, config, fp8).items()}
+        fused = {k: shape for k, shape in fused.items() if ".experts." in k}
+        assert fused == {
+            f"model.layers.{i}.mlp.experts.{name}": shape
+            for i in (1, 2)
+            for name, shape in (("gate_up_proj", [8, 128, 64]), ("down_proj", [8, 64, 64]))
+        }
+        partial = {k: v for k, v in state.items() if not k.startswith("model.layers.1.mlp.experts.7.up_proj")}
+        kept = dequantized_as_read(partial, AutoConfig.from_pretrained(str(fp8)), fp8)
+        assert "model.layers.1.mlp.experts.gate_up_proj" not in kept
+        assert isinstance(kept["model.layers.2.mlp.experts.gate_up_proj"], FusedExpertsTensor)
+        assert "model.layers.1.mlp.experts.0.gate_proj.weight" in kept
 
 
 def test_fp8_layouts_not_read_are_named(checkpoints, tmp_path):
