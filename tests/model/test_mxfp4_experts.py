@@ -131,3 +131,24 @@ def test_the_control_nibbles_swapped_fails(peft_oracle):
     experts = [k for k in expected if "experts" in k]
     worst = max(float((got[k] - expected[k]).abs().max() / expected[k].abs().max()) for k in experts)
     assert worst > 1e-2
+
+
+def test_the_gguf_adapter_is_the_one_nf4_experts_give(gpt_oss_mxfp4, tmp_path):
+    """Exporting reads the LoRA factors, never the base: the llama.cpp adapter of a run on the MXFP4 experts (which
+    llama.cpp's converter keeps as MXFP4 in gpt-oss's GGUF) is byte for byte the one of the same factors on NF4
+    experts, every expert's gate, up and down LoRA in it."""
+    import gguf
+
+    from moe_qlora.export.gguf_lora import write_gguf
+
+    folder, _, _ = gpt_oss_mxfp4
+    files = {}
+    for expert_format in ("mxfp4", "nf4"):
+        model = attach_adapters(load_model(LoadOptions(str(folder), expert_format=expert_format)), LORA, seed=0)
+        randomize_lora_b(model, seed=1)
+        adapter = save_adapter(model, tmp_path / expert_format, cfg=LORA, base_model_name_or_path=str(folder))
+        files[expert_format] = write_gguf(adapter, tmp_path / f"{expert_format}.gguf").read_bytes()
+    assert files["mxfp4"] == files["nf4"]
+    names = {t.name for t in gguf.GGUFReader(str(tmp_path / "mxfp4.gguf")).tensors}
+    for proj in ("gate", "up", "down"):
+        assert {f"blk.{i}.ffn_{proj}_exps.weight.lora_{ab}" for i in (0, 1) for ab in "ab"} <= names, sorted(names)
