@@ -18,7 +18,7 @@ from moe_qlora.export.adapter import PEFT_PREFIX, adapter_state_dict, dequantize
 from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.model.loading import LoadOptions, ModelLoadError, load_model, parameter_bytes_by_kind
 from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
-from moe_qlora.moe.experts import experts_modules, set_moe_kernels
+from moe_qlora.moe.experts import experts_modules, kernel_self_check, set_moe_kernels
 
 from helpers.oracle import assert_close_scaled, randomize_lora_b
 from helpers.published import publish_gpt_oss_mxfp4
@@ -152,3 +152,22 @@ def test_the_gguf_adapter_is_the_one_nf4_experts_give(gpt_oss_mxfp4, tmp_path):
     names = {t.name for t in gguf.GGUFReader(str(tmp_path / "mxfp4.gguf")).tensors}
     for proj in ("gate", "up", "down"):
         assert {f"blk.{i}.ffn_{proj}_exps.weight.lora_{ab}" for i in (0, 1) for ab in "ab"} <= names, sorted(names)
+
+
+def test_the_self_check_keeps_the_mxfp4_kernel_and_drops_a_wrong_one(peft_oracle, inject_faults):
+    """model.kernel_self_check on MXFP4 experts: the Triton path passes its check against the torch reference on
+    every layer; the same path made wrong (its output x 1.5) fails it and falls back, checked in turn."""
+    model, expected = peft_oracle
+    set_moe_kernels(model, "triton", self_check=True)
+    got = our_gradients(model)
+    checker = kernel_self_check(model)
+    assert checker.verdicts and not checker.failed
+    for key in expected:
+        assert_close_scaled(key, got[key], expected[key])
+    inject_faults(kernel_fault="triton:wrong")
+    set_moe_kernels(model, "triton", self_check=True)
+    got = our_gradients(model)
+    failed = kernel_self_check(model).failed
+    assert failed and all(key[0] == "triton" for key in failed), failed
+    for key in expected:  # the fallback's numbers: the run goes on right
+        assert_close_scaled(key, got[key], expected[key])
