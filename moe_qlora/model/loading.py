@@ -31,7 +31,13 @@ from moe_qlora.common.hub import check_hub_model
 from moe_qlora.common.memory import release_freed_memory
 from moe_qlora.model.classes import text_generation_class
 from moe_qlora.model.distributed import local_shard
-from moe_qlora.model.published import ModelLoadError, chosen_expert_format, dequantized_as_read
+from moe_qlora.model.published import (
+    ExpertReader,
+    ModelLoadError,
+    chosen_expert_format,
+    dequantized_as_read,
+    stacks_read_by_expert,
+)
 from moe_qlora.moe.experts import (
     EXPERT_PARAMS,
     apply_moe_qlora_experts,
@@ -67,6 +73,7 @@ class MoEQLoRAQuantConfig(BitsAndBytesConfig):
         expert_double_quant: bool = False,
         experts_mxfp4: bool = False,
         experts_on_host: frozenset[str] = frozenset(),
+        stacks_read_by_expert: frozenset[str] = frozenset(),
         **kwargs,
     ):
         kwargs.setdefault("load_in_4bit", True)
@@ -75,10 +82,12 @@ class MoEQLoRAQuantConfig(BitsAndBytesConfig):
         self.expert_double_quant = expert_double_quant
         self.experts_mxfp4 = experts_mxfp4  # experts kept as the checkpoint's MXFP4 blocks and scales, not NF4
         self.experts_on_host = experts_on_host  # experts modules stored on the host: a loading choice, not saved
+        # expert stacks the loader quantizes itself as each expert is decoded (not handed to transformers): not saved
+        self.stacks_read_by_expert = stacks_read_by_expert
         self.quant_method = QUANT_METHOD
 
     def to_dict(self):
-        saved = {k: v for k, v in super().to_dict().items() if k != "experts_on_host"}
+        saved = {k: v for k, v in super().to_dict().items() if k not in ("experts_on_host", "stacks_read_by_expert")}
         formats = {"expert_double_quant": self.expert_double_quant, "experts_mxfp4": self.experts_mxfp4}
         return {**saved, **formats, "quant_method": QUANT_METHOD}
 
@@ -157,6 +166,12 @@ class MoEQLoRAQuantizer(Bnb4BitHfQuantizer):
         adopt_split_gate_up_experts(model)
         if self.quantization_config.experts_mxfp4:
             expect_mxfp4_stacks(model)
+        for name in self.quantization_config.stacks_read_by_expert:  # loaded after, by quantize_read_by_expert
+            module, stack = get_module_from_name(model, name)
+            if stack not in module._parameters:
+                raise ModelLoadError(f"{name}: a stack of the checkpoint that is no parameter of the model")
+            del module._parameters[stack]
+            module._is_hf_initialized = True  # its model's _init_weights would reach for the stack
         skips = set(self.quantization_config.llm_int8_skip_modules or [])
         on_cpu = all(str(d).startswith("cpu") for d in (device_map or {"": "cpu"}).values())
         skips.update(linears_not_quantized(model, on_cpu=on_cpu))
@@ -358,13 +373,6 @@ def load_model(opts: LoadOptions):
             f"{folder}: model.expert_offload with MXFP4 experts is not built yet: set model.expert_offload none, or "
             "model.expert_format nf4 to offload NF4 experts"
         )
-    quant = MoEQLoRAQuantConfig(
-        expert_double_quant=opts.expert_double_quant,
-        experts_mxfp4=expert_format == "mxfp4",
-        bnb_4bit_use_double_quant=opts.linear_double_quant,
-        bnb_4bit_compute_dtype=opts.compute_dtype,
-        experts_on_host=opts.experts_on_host,
-    )
     model_class = causal_lm_class(config, folder, opts.trust_remote_code)
     if "Diffusion" in model_class.__name__:
         raise ModelLoadError(
@@ -374,6 +382,16 @@ def load_model(opts: LoadOptions):
     with lazy_state_dict(files) as state:
         # FP8 block-scaled weights decoded as read, MXFP4 experts too unless kept; other formats refused
         state = dequantized_as_read(state, config, folder, keep_mxfp4=expert_format == "mxfp4")
+        by_expert = stacks_read_by_expert(state, getattr(config, "model_type", None))
+        state = {k: v for k, v in state.items() if k not in by_expert}
+        quant = MoEQLoRAQuantConfig(
+            expert_double_quant=opts.expert_double_quant,
+            experts_mxfp4=expert_format == "mxfp4",
+            bnb_4bit_use_double_quant=opts.linear_double_quant,
+            bnb_4bit_compute_dtype=opts.compute_dtype,
+            experts_on_host=opts.experts_on_host,
+            stacks_read_by_expert=frozenset(by_expert),
+        )
         model = model_class.from_pretrained(
             None,
             config=config,
@@ -383,6 +401,7 @@ def load_model(opts: LoadOptions):
             device_map={"": opts.device},
             trust_remote_code=opts.trust_remote_code,
         )
+        quantize_read_by_expert(model, by_expert, opts)
     model.name_or_path = str(folder)
     model.expert_format = expert_format
     fuse_gate_up(model, lambda stack: quantize_stack(stack, double_quant=opts.expert_double_quant))
@@ -408,6 +427,18 @@ def load_model(opts: LoadOptions):
     if found:
         apply_moe_qlora_experts(model)
     return model
+
+
+def quantize_read_by_expert(model, stacks: dict, opts: LoadOptions) -> None:
+    """Each stack of `stacks` ({parameter name: published.FusedExpertsTensor}) quantized to NF4 an expert at a time
+    as each is decoded, and set on its module: a layer's experts are never whole in bf16 (published.py)."""
+    for name, fused in stacks.items():
+        module, stack = get_module_from_name(model, name)
+        param = quantize_stack(ExpertReader(fused), double_quant=opts.expert_double_quant, device=opts.device)
+        if name.rsplit(".", 1)[0] in opts.experts_on_host:
+            move_param(param, "cpu")
+        module.register_parameter(stack, param)
+        release_freed_memory()
 
 
 def causal_lm_class(config, folder: Path, trust_remote_code: bool):

@@ -239,6 +239,38 @@ class FusedExpertsTensor:
                 row += weight.shape[0]
         return out
 
+    def expert(self, e: int) -> torch.Tensor:
+        """Expert e alone: (sum of rows, cols) bf16."""
+        return torch.cat([part[e][...] for part in self.parts])
+
+
+class ExpertReader:
+    """A FusedExpertsTensor as nf4.quantize_stack reads a stack: `shape`, and `[e]` expert e decoded alone."""
+
+    def __init__(self, fused: FusedExpertsTensor):
+        self.fused, self.shape = fused, tuple(fused.get_shape())
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        return self.fused.expert(e)
+
+
+def stacks_read_by_expert(state: dict, model_type: str | None) -> dict[str, FusedExpertsTensor]:
+    """The fused FP8 stacks moe-qlora quantizes itself, an expert at a time as each is decoded, instead of
+    handing transformers the stack: those whose name no renaming of transformers' checkpoint conversion touches,
+    so it is the model's parameter name (DeepSeek-V3's, Qwen3's, GLM-4.5's; not MiniMax-M2's block_sparse_moe)."""
+    import re
+
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    mapping = get_checkpoint_conversion_mapping(model_type) or []
+    renamed = [p for r in mapping if isinstance(r, WeightRenaming) for p in r.source_patterns]
+    return {
+        k: v
+        for k, v in state.items()
+        if isinstance(v, FusedExpertsTensor) and not any(re.search(p, k) for p in renamed)
+    }
+
 
 def fused_expert_stacks(state: dict, model_type: str | None) -> dict:
     """Per-expert FP8 weights grouped into FusedExpertsTensor stacks under the names transformers' checkpoint

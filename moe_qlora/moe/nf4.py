@@ -118,19 +118,22 @@ def check_quantizable(shape: tuple[int, ...]) -> None:
         )
 
 
-def quantize_stack(weight: torch.Tensor, *, double_quant: bool = False) -> bnb.nn.Params4bit:
-    """Quantize a (E, O, I) expert stack to a frozen bitsandbytes Params4bit (NF4, blocksize 64).
+def quantize_stack(weight, *, double_quant: bool = False, device=None) -> bnb.nn.Params4bit:
+    """Quantize a (E, O, I) expert stack to a frozen bitsandbytes Params4bit (NF4, blocksize 64), on `device`
+    (default: the stack's). `weight` is a tensor, or anything with a `shape` whose `[e]` gives expert e (O, I):
+    a checkpoint's experts read one at a time (published.ExpertReader), never whole.
 
     Experts are quantized one at a time, each upcast to fp32 alone, so a bf16 stack is never copied whole;
     blocks never straddle experts, so the result equals bitsandbytes quantizing the fp32 stack at once.
     """
     check_quantizable(tuple(weight.shape))
-    experts, numel = weight.shape[0], weight[0].numel()
+    experts, numel = weight.shape[0], weight.shape[1] * weight.shape[2]
+    device = device if device is not None else weight.device
     # Outputs allocated once and one fp32 staging buffer reused: per-expert temporaries otherwise fragment
     # the heap (measured: +250 MiB of RSS to quantize a 288 MiB bf16 stack, +95 MiB this way).
-    packed = torch.empty(experts * numel // 2, dtype=torch.uint8, device=weight.device)
-    absmax = torch.empty(experts * numel // BLOCKSIZE, dtype=torch.float32, device=weight.device)
-    staging = torch.empty(weight.shape[1:], dtype=torch.float32, device=weight.device)
+    packed = torch.empty(experts * numel // 2, dtype=torch.uint8, device=device)
+    absmax = torch.empty(experts * numel // BLOCKSIZE, dtype=torch.float32, device=device)
+    staging = torch.empty(tuple(weight.shape[1:]), dtype=torch.float32, device=device)
     for e in range(experts):
         codes, scales = torch.ops.bitsandbytes.quantize_4bit.default(
             staging.copy_(weight[e]), BLOCKSIZE, "nf4", torch.uint8

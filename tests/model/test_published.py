@@ -105,6 +105,24 @@ def test_per_expert_fp8_weights_are_read_as_fused_stacks(checkpoints):
         assert "model.layers.1.mlp.experts.0.gate_proj.weight" in kept
 
 
+def test_fused_stacks_are_quantized_an_expert_at_a_time_unless_renamed(checkpoints):
+    """DeepSeek-V3's fused stacks keep their checkpoint names in the model, so the loader quantizes them itself as
+    each expert is decoded (the load above is that path); under a name transformers renames (MiniMax-M2's
+    block_sparse_moe -> mlp), a stack is left to transformers."""
+    from moe_qlora.model.loading import lazy_state_dict
+    from moe_qlora.model.published import dequantized_as_read, stacks_read_by_expert
+
+    fp8, _, _ = checkpoints
+    with lazy_state_dict([fp8 / "model.safetensors"]) as state:
+        decoded = dequantized_as_read(state, AutoConfig.from_pretrained(str(fp8)), fp8)
+        claimed = stacks_read_by_expert(decoded, "deepseek_v3")
+        assert sorted(claimed) == sorted(
+            k for k in decoded if k.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        )
+        renamed = {k.replace(".mlp.", ".block_sparse_moe."): v for k, v in claimed.items()}
+        assert stacks_read_by_expert(renamed, "minimax_m2") == {}
+
+
 def test_fp8_layouts_not_read_are_named(checkpoints, tmp_path):
     """A weight without its scale, a scale without an FP8 weight: ModelLoadError naming the key, before loading."""
     source = load_file(str(checkpoints[0] / "model.safetensors"))
