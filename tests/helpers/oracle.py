@@ -138,3 +138,25 @@ def ragged_routing(tokens, experts, k, seed=3):
     g = torch.Generator().manual_seed(seed)
     idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
     return idx, torch.softmax(torch.randn(idx.shape, generator=g), -1)
+
+
+def gradients_by_adapter_key(model, state_dict) -> dict[str, torch.Tensor]:
+    """Each trainable tensor's gradient under its adapter-file key, laid out as the file lays out the weights
+    (the export's reshapes and permutations are linear, so they map gradients as they map weights): `state_dict`
+    is export.adapter.adapter_state_dict for ours, peft.get_peft_model_state_dict for PEFT's."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    weights = [p.data for p in params]
+    try:
+        for p in params:
+            p.data = p.grad if p.grad is not None else torch.zeros_like(p)
+        return {k: v.detach().clone().float() for k, v in state_dict(model).items()}
+    finally:
+        for p, w in zip(params, weights, strict=True):
+            p.data = w
+
+
+def next_token_gradients(model, state_dict, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """gradients_by_adapter_key of one next-token loss on `ids` (the labels are the inputs)."""
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+    return gradients_by_adapter_key(model, state_dict)

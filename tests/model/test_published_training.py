@@ -24,7 +24,7 @@ from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.model.loading import LoadOptions, load_model
 from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
 
-from helpers.oracle import assert_close_scaled, randomize_lora_b
+from helpers.oracle import assert_close_scaled, next_token_gradients, randomize_lora_b
 from helpers.published import publish_fp8
 
 FAMILIES = {  # model type: (weight_block_size dividing every projection, attention targets)
@@ -66,22 +66,6 @@ def tokens() -> torch.Tensor:
     return torch.randint(3, 263, (2, 24), generator=torch.Generator().manual_seed(0))
 
 
-def gradients_by_key(model, state_dict) -> dict[str, torch.Tensor]:
-    """Every LoRA gradient of one next-token loss, under its adapter-file key."""
-    model.zero_grad(set_to_none=True)
-    ids = tokens()
-    model(input_ids=ids, labels=ids).loss.backward()
-    params = [p for p in model.parameters() if p.requires_grad]
-    weights = [p.data for p in params]
-    try:
-        for p in params:
-            p.data = p.grad if p.grad is not None else torch.zeros_like(p)
-        return {k: v.detach().clone().float() for k, v in state_dict(model).items()}
-    finally:
-        for p, w in zip(params, weights, strict=True):
-            p.data = w
-
-
 def peft_gradients(dequantized, model, lora, tmp_path) -> dict[str, torch.Tensor]:
     """PEFT with our adapter on transformers' dequantization, quantized to NF4 and decoded again (fp32)."""
     nf4_base = dequantized_base_state_dict(load_model(LoadOptions(str(dequantized))))
@@ -93,13 +77,13 @@ def peft_gradients(dequantized, model, lora, tmp_path) -> dict[str, torch.Tensor
     missing, unexpected = base.load_state_dict(nf4_base, strict=False)
     assert not unexpected and set(missing) <= {n for n, _ in base.named_buffers()}, (missing, unexpected)
     peft_model = PeftModel.from_pretrained(base, str(adapter), is_trainable=True).eval()
-    return gradients_by_key(peft_model, lambda m: get_peft_model_state_dict(m))
+    return next_token_gradients(peft_model, get_peft_model_state_dict, tokens())
 
 
 def test_every_lora_gradient_matches_peft_on_transformers_dequantization(published, tmp_path):
     family, fp8, _, dequantized = published
     model, lora = lora_model(fp8, family)
-    got = gradients_by_key(model, adapter_state_dict)
+    got = next_token_gradients(model, adapter_state_dict, tokens())
     expected = peft_gradients(dequantized, model, lora, tmp_path)
     assert sorted(got) == sorted(expected) and any("experts" in k for k in got)
     for key in expected:
@@ -109,8 +93,8 @@ def test_every_lora_gradient_matches_peft_on_transformers_dequantization(publish
 def test_the_control_scales_off_by_one_block_fails(published, tmp_path):
     family, fp8, shifted, dequantized = published
     model, lora = lora_model(shifted, family)
-    got = gradients_by_key(model, adapter_state_dict)
+    got = next_token_gradients(model, adapter_state_dict, tokens())
     reference, _ = lora_model(fp8, family)
-    expected = gradients_by_key(reference, adapter_state_dict)
+    expected = next_token_gradients(reference, adapter_state_dict, tokens())
     worst = max(float((got[k] - expected[k]).abs().max() / expected[k].abs().max()) for k in expected)
     assert worst > 1e-2

@@ -30,7 +30,7 @@ from moe_qlora.train.position import StepContext
 from moe_qlora.train.preference_loss import PairLogps
 from moe_qlora.train.reference import score_pairs
 
-from helpers.oracle import assert_close_scaled, randomize_lora_b
+from helpers.oracle import assert_close_scaled, gradients_by_adapter_key, randomize_lora_b
 
 LORA = LoraSection(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"], router=True)
 ROWS = [
@@ -161,20 +161,6 @@ def oracle_loss_and_gradients(setup, d: DpoSection, *, reference_from_policy=Fal
     loss = paper_loss(policy, reference, d)
     loss.backward()
     return float(loss), gradients_by_adapter_key(peft_model, lambda m: get_peft_model_state_dict(m))
-
-
-def gradients_by_adapter_key(model, state_dict) -> dict[str, torch.Tensor]:
-    """Each trainable tensor's gradient under its adapter-file key, laid out as the file lays out the weights
-    (the export's reshapes and permutations are linear, so they map gradients as they map weights)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    weights = [p.data for p in params]
-    try:
-        for p in params:
-            p.data = p.grad if p.grad is not None else torch.zeros_like(p)
-        return {k: v.detach().clone().float() for k, v in state_dict(model).items()}
-    finally:
-        for p, w in zip(params, weights, strict=True):
-            p.data = w
 
 
 def assert_matches(ours, oracle):
