@@ -11,7 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
+
 from helpers.crash import free_port, torchrun, torchrun_command
+from helpers.published import publish_gpt_oss_mxfp4
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
@@ -270,7 +273,8 @@ from moe_qlora.train.sft import accumulate_gradients
 ranks = join(60)
 tok = build_byte_tokenizer()
 lora = LoraSection(rank=4, target_modules=["q_proj"])
-model = attach_adapters(load_model(LoadOptions(str(ensure_tiny("mixtral")))), lora, seed=0)
+path = sys.argv[3] if len(sys.argv) > 3 else str(ensure_tiny("mixtral"))
+model = attach_adapters(load_model(LoadOptions(path)), lora, seed=0)
 g = torch.Generator().manual_seed(0)
 with torch.no_grad():
     for n, p in model.named_parameters():
@@ -284,7 +288,7 @@ shards = {}
 if sys.argv[2] == "fsdp" and ranks.enabled:
     ranks = shard_model(model, ranks)
     shards = {k: (tuple(local_shard(p).shape), tuple(p.shape)) for k, p in model.named_parameters()
-              if k.endswith("_nf4")}
+              if k.endswith(("_nf4", "_blocks"))}
 loss, n, _ = accumulate_gradients(model, [collate(mine, 0)], ranks=ranks)
 grads = {k: full_tensor(p.grad) for k, p in model.named_parameters() if p.requires_grad}  # every rank gathers
 if ranks.main:
@@ -293,54 +297,63 @@ leave(ranks)
 """
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_the_summed_gradient_of_two_ranks_is_the_one_process_gradient(tmp_path, parallel):
-    """The oracle at the level data parallelism controls: the gradient of the step, before AdamW. Under FSDP the
-    expert stacks are sharded by expert (each rank holds half the experts' codes) and the gradients are
-    reduce-scattered; gathered whole, they must be the one-process gradient."""
+def gradients_of_one_and_two_ranks(tmp_path, parallel: str, *model_path: str) -> tuple[dict, dict]:
+    """GRADIENT_SCRIPT's results in one process and on two ranks under `parallel` (on `model_path`'s checkpoint,
+    the tiny Mixtral by default)."""
     script = tmp_path / "grad.py"
     script.write_text(GRADIENT_SCRIPT)
     env = env_for(tmp_path)
     one = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "one.pt"), "none"],
+        [sys.executable, str(script), str(tmp_path / "one.pt"), "none", *model_path],
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert one.returncode == 0, one.stderr[-2000:]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        str(script),
-        str(tmp_path / "two.pt"),
-        parallel,
-    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
+    cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    cmd += [str(script), str(tmp_path / "two.pt"), parallel, *model_path]
     two = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
-    a, b = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    return torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+
+
+def assert_same_gradients(a: dict, b: dict) -> None:
+    assert a["n"] == b["n"] and abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"])
+    for name, grad in a["grads"].items():
+        err = float((grad - b["grads"][name]).abs().max())
+        assert err <= 1e-6 * float(grad.abs().max()) + 1e-12, (name, err)
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_the_summed_gradient_of_two_ranks_is_the_one_process_gradient(tmp_path, parallel):
+    """The oracle at the level data parallelism controls: the gradient of the step, before AdamW. Under FSDP the
+    expert stacks are sharded by expert (each rank holds half the experts' codes) and the gradients are
+    reduce-scattered; gathered whole, they must be the one-process gradient."""
+    a, b = gradients_of_one_and_two_ranks(tmp_path, parallel)
     if parallel == "fsdp":  # every 4-bit weight's codes split in two: experts (8) by expert, linears by row
         experts = {k: v for k, v in b["shards"].items() if "experts" in k}
         assert len(experts) == 4 and all(local == (8 // 2, whole[1]) for local, whole in experts.values())
         linears = {k: v for k, v in b["shards"].items() if "self_attn" in k}
         assert len(linears) == 8 and all(local == (whole[0] // 2, whole[1]) for local, whole in linears.values())
-    assert a["n"] == b["n"] and abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"])
-    for name, grad in a["grads"].items():
-        err = float((grad - b["grads"][name]).abs().max())
-        assert err <= 1e-6 * float(grad.abs().max()) + 1e-12, (name, err)
+    assert_same_gradients(a, b)
     # Broken control: a rank that forgot to sum (its own slice only) is far off.
     assert any(
         float((g - 0.5 * b["grads"][k]).abs().max()) > 1e-3 * float(g.abs().max()) for k, g in a["grads"].items()
     )
+
+
+def test_fsdp_shards_mxfp4_experts_by_expert_and_keeps_the_one_process_gradient(tmp_path):
+    """gpt-oss as published, its experts kept in MXFP4: FSDP shards the blocks and scales by expert as loaded (each
+    rank holds 4 of the 8 experts' codes), and the gathered gradient is the one-process gradient."""
+    tok = build_byte_tokenizer()
+    source = save_tiny_model(tmp_path / "bf16", tiny_config("gpt_oss", len(tok)), seed=0, tokenizer=tok)
+    folder, _ = publish_gpt_oss_mxfp4(source, tmp_path / "mxfp4")
+    a, b = gradients_of_one_and_two_ranks(tmp_path, "fsdp", str(folder))
+    blocks = {k: v for k, v in b["shards"].items() if k.endswith("_blocks")}
+    assert len(blocks) == 4 and all(local == (4, *whole[1:]) and whole[0] == 8 for local, whole in blocks.values())
+    assert_same_gradients(a, b)
 
 
 FAIL_ON_RANK_1 = """
