@@ -199,9 +199,10 @@ def adapter_config(model, cfg: LoraSection, base_model_name_or_path: str) -> Lor
     )
 
 
-def base_quantization(model) -> dict[str, bool]:
+def base_quantization(model) -> dict[str, bool | str]:
     """How the base was quantized when the adapter was trained: the weights it learned against (double
-    quantization changes each decoded weight by up to ~1e-3 of its block's absmax)."""
+    quantization changes each decoded weight by up to ~1e-3 of its block's absmax; MXFP4 experts kept as
+    published are other weights than their NF4 re-quantization): model.* settings by name."""
     import bitsandbytes as bnb
 
     nested = {"expert_double_quant": None, "linear_double_quant": None}
@@ -215,7 +216,10 @@ def base_quantization(model) -> dict[str, bool]:
         if isinstance(p, bnb.nn.Params4bit) and p.quant_state is not None:
             key = "expert_double_quant" if id(p) in expert_stacks else "linear_double_quant"
             nested[key] = bool(nested[key]) or bool(p.quant_state.nested)
-    return {k: bool(v) for k, v in nested.items() if v is not None}
+    recorded: dict[str, bool | str] = {k: bool(v) for k, v in nested.items() if v is not None}
+    if experts_modules(model):
+        recorded["expert_format"] = "mxfp4" if any(holds_mxfp4(m) for _, m in experts_modules(model)) else "nf4"
+    return recorded
 
 
 def save_adapter(model, out_dir: str | Path, *, cfg: LoraSection, base_model_name_or_path: str) -> Path:

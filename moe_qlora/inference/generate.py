@@ -68,18 +68,20 @@ def policy_sections_for(adapter_dir: Path, *, device: str, kernels: str) -> tupl
     )
 
 
-def trained_quantization(adapter_dir: Path) -> dict[str, bool]:
-    """model.*_double_quant as the adapter was trained (moe_qlora.json); {} (the defaults) for adapters from
-    elsewhere, which do not say."""
+def trained_quantization(adapter_dir: Path) -> dict[str, bool | str]:
+    """model.*_double_quant and model.expert_format as the adapter was trained (moe_qlora.json); {} (the
+    defaults) for adapters from elsewhere, which do not say. A record without expert_format was written before
+    experts could be kept in MXFP4: its experts were NF4."""
     from moe_qlora.export.adapter import TRAINED_ON
 
     path = adapter_dir / TRAINED_ON
     if not path.exists():
         return {}
     try:
-        return dict(json.loads(path.read_text())["base_quantization"])
+        recorded = dict(json.loads(path.read_text())["base_quantization"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise AdapterReadError(f"{path}: not readable ({exc})") from None
+    return {"expert_format": "nf4", **recorded}
 
 
 def load_for_generation(adapter_dir: str | Path, console: Console, *, device: str = "auto", kernels: str = "auto"):

@@ -28,7 +28,14 @@ from moe_qlora.common.fileio import atomic_dir
 from moe_qlora.export.adapter import plain_key
 from moe_qlora.export.norms import check_norms
 from moe_qlora.inference.generate import load_for_generation
-from moe_qlora.moe.experts import experts_modules, holds_mxfp4, module_expert, module_stack, stack_names
+from moe_qlora.moe.experts import (
+    expert_dims,
+    experts_modules,
+    holds_mxfp4,
+    module_expert,
+    module_stack,
+    stack_names,
+)
 from moe_qlora.moe.layer_state import read_state
 from moe_qlora.moe.mxfp4 import BLOCKS_SUFFIX as MXFP4_BLOCKS
 from moe_qlora.moe.mxfp4 import SCALES_SUFFIX as MXFP4_SCALES
@@ -78,8 +85,13 @@ def linear_deltas(model) -> dict[str, torch.Tensor]:
 
 def expert_delta(module, stack: str, e: int) -> torch.Tensor:
     """scale * B_e A_e of expert e of one stack, fp32 in the stack's storage layout: (out, in), or (in, out)
-    for transposed experts (GPT-OSS)."""
-    lora = module.moe_lora
+    for transposed experts (GPT-OSS); zeros for experts without LoRA (an MXFP4 stack decoded as it is)."""
+    lora = getattr(module, "moe_lora", None)
+    if lora is None:
+        _, hidden, inter = expert_dims(module)
+        out = (2 if module.has_gate else 1) * inter if stack != "down_proj" else hidden
+        inp = hidden if stack != "down_proj" else inter
+        return torch.zeros((inp, out) if getattr(module, "is_transposed", False) else (out, inp))
     a, b = (lora.gate_up_a, lora.gate_up_b) if stack != "down_proj" else (lora.down_a, lora.down_b)
     delta = (b[e].detach().float() @ a[e].detach().float()) * lora.scale
     return (delta.T if getattr(module, "is_transposed", False) else delta).cpu()
@@ -94,6 +106,8 @@ def merged_stack(module, key: str, stack: str, dtype: torch.dtype, report: Merge
     for e in range(out.shape[0]):
         delta = expert_delta(module, stack, e)
         out[e] = base_expert(e).cpu() + delta
+        if getattr(module, "moe_lora", None) is None:
+            continue  # an MXFP4 stack without LoRA: decoded only, no delta to check
         for part, part_delta in split_fused_gate_up(module, key, delta.unsqueeze(0), dim=1):
             report.delta_norms.setdefault(part, []).extend(frobenius_norms(part_delta))
     return out
@@ -124,19 +138,20 @@ def merged_tensors(model, dtype: torch.dtype, report: MergeReport) -> Iterator[t
     from moe_qlora.moe.nf4 import dequantize_param
 
     deltas = linear_deltas(model)
-    stacks = {
+    stacks = {  # with expert LoRA, and every MXFP4 stack (decoded to the module's layout even without LoRA)
         f"{plain_key(name)}.{stack}": (module, stack)
         for name, module in experts_modules(model)
-        if getattr(module, "moe_lora", None) is not None
+        if getattr(module, "moe_lora", None) is not None or holds_mxfp4(module)
         for stack in stack_names(module)
     }
+    mxfp4_scales = {f"{key}{MXFP4_SCALES}" for key, (module, _) in stacks.items() if holds_mxfp4(module)}
     split_modules = {
         f"{plain_key(name)}.gate_up_proj": module
         for name, module in experts_modules(model)
         if read_state(module).split_gate_up
     }
     for name, p in model.named_parameters():
-        if ".lora_" in name or ".moe_lora." in name or name.endswith(MXFP4_SCALES):
+        if ".lora_" in name or ".moe_lora." in name or plain_key(name) in mxfp4_scales:
             continue  # an MXFP4 stack's scales are merged with its blocks
         key = plain_key(name).removesuffix(MXFP4_BLOCKS)
         if key in stacks:

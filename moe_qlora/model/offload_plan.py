@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from moe_qlora.config.sections import RunConfig
-from moe_qlora.model.budget import Plan, four_bit_bytes, micro_batch_tokens
+from moe_qlora.model.budget import Plan, experts_in_mxfp4, four_bit_bytes, micro_batch_tokens
 from moe_qlora.moe.layouts import quantized_stack_names
 from moe_qlora.moe.nf4 import BLOCKSIZE, NESTED_BLOCKSIZE
 from moe_qlora.moe.offload import ALIGN
@@ -131,6 +131,12 @@ def apply_expert_offload(plan: Plan, model: nn.Module, cfg: RunConfig, *, device
         return
     if device != "cuda":
         plan.notes.append(f"model.expert_offload: {mode} has nothing to do on the CPU (host memory is the device's)")
+        return
+    if experts_in_mxfp4(model, cfg):  # as loading refuses it
+        plan.notes.append(
+            f"model.expert_offload: {mode} is not built for MXFP4 experts (loading refuses it): planned without; "
+            "model.expert_format nf4 offloads NF4 experts"
+        )
         return
     layers = expert_layer_bytes(model, cfg)
     k = (

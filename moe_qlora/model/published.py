@@ -265,11 +265,17 @@ def stacks_read_by_expert(state: dict, model_type: str | None) -> dict[str, Fuse
 
     mapping = get_checkpoint_conversion_mapping(model_type) or []
     renamed = [p for r in mapping if isinstance(r, WeightRenaming) for p in r.source_patterns]
-    return {
+    fused = {
         k: v
         for k, v in state.items()
         if isinstance(v, FusedExpertsTensor) and not any(re.search(p, k) for p in renamed)
     }
+    # a module's stacks all or none: one left to transformers would be the module's only stack while it loads,
+    # and a module without its stacks is no experts module to the quantizer (its other stack left in bf16)
+    stacks = {k.rsplit(".", 1)[1] for k in fused}
+    modules = {k.rsplit(".", 1)[0] for k in fused}
+    whole = {m for m in modules if all(f"{m}.{stack}" in fused for stack in stacks)}
+    return {k: v for k, v in fused.items() if k.rsplit(".", 1)[0] in whole}
 
 
 def fused_expert_stacks(state: dict, model_type: str | None) -> dict:

@@ -81,27 +81,39 @@ class MXFP4Stack:
         return self.scales[first * per_expert : end * per_expert]
 
     def decode(self, first: int, end: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Experts first..end-1 as (end - first, O, I) in `dtype` (exact in bf16, fp16 aside)."""
-        values = decode_values(self.experts_codes(first, end), self.experts_scales(first, end))
-        return values.view(end - first, *self.shape[1:]).to(dtype)
+        """Experts first..end-1 as (end - first, O, I) in `dtype` (exact in bf16, fp16 aside), an expert at a time
+        into the output: the fp32 temporaries (8 bytes a weight) are one expert's, never the stack's."""
+        out = torch.empty(end - first, *self.shape[1:], dtype=dtype, device=self.packed.device)
+        for e in range(first, end):
+            values = decode_values(self.experts_codes(e, e + 1), self.experts_scales(e, e + 1))
+            out[e - first] = values.view(self.shape[1:])
+        return out
 
     def nbytes(self) -> int:
         return self.packed.numel() + self.scales.numel()
 
 
 @functools.cache
-def _e2m1_table(device: str) -> torch.Tensor:
-    return torch.tensor(E2M1, dtype=torch.float32, device=device)
+def _byte_values(device: str) -> torch.Tensor:
+    """(256, 2) fp32: the two e2m1 values of each byte, the low nibble's first."""
+    table = torch.tensor(E2M1, dtype=torch.float32)
+    byte = torch.arange(256)
+    return torch.stack((table[byte & 0x0F], table[byte >> 4]), dim=-1).to(device)
+
+
+def e8m0_scales(exponents: torch.Tensor) -> torch.Tensor:
+    """2^(e - 127) in fp32 from e8m0 bytes, built as the float's bits (exact, and the same on every device, as
+    a pow or exp2 need not be): the byte is the biased exponent field; byte 0 stands for 2^-127, below fp32's
+    normal range, the subnormal 0x00400000 (the Triton kernels build it the same way)."""
+    biased = exponents.to(torch.int32)
+    return torch.where(biased > 0, biased << 23, 0x400000).view(torch.float32)
 
 
 def decode_values(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """(n/2,) packed bytes and (n/32,) e8m0 exponents -> (n,) fp32: the low nibble first, each value times
-    2^(its group's exponent - 127). ldexp keeps an exponent byte of 0 (2^-127, below fp32's normal range) exact."""
-    table = _e2m1_table(str(packed.device))
-    pairs = torch.stack((table[(packed & 0x0F).long()], table[(packed >> 4).long()]), dim=-1)
-    values = pairs.view(-1, BLOCKSIZE)
-    exponents = scales.to(torch.int32)[:, None] - SCALE_BIAS
-    return torch.ldexp(values, exponents.to(torch.float32)).view(-1)
+    """(n/2,) packed bytes and (n/32,) e8m0 exponents -> (n,) fp32: the low nibble first, each value times its
+    group's scale (both factors exact, so is the product, subnormals included)."""
+    pairs = _byte_values(str(packed.device))[packed.long()]  # (n/2, 2)
+    return (pairs.view(-1, BLOCKSIZE) * e8m0_scales(scales)[:, None]).view(-1)
 
 
 def stack_shape_of(stored_shape: tuple[int, ...], transposed: bool) -> tuple[int, int, int]:

@@ -185,3 +185,21 @@ def test_merge_from_the_cli_in_bfloat16(tiny_mixtral_dir, tmp_path):
     assert bad.exit_code == 2 and "--dtype 'int8': expected one of float32, bfloat16, float16" in bad.output
     bad = runner.invoke(app, ["merge", str(adapter), "--out", str(tmp_path / "m2"), "--max-shard-size", "lots"])
     assert bad.exit_code == 2 and "--max-shard-size 'lots'" in bad.output
+
+
+def test_an_mxfp4_base_merged_without_expert_lora_keeps_its_experts(tmp_path):
+    """lora.experts false on gpt-oss as published: the merged checkpoint holds the experts decoded exactly (not
+    their packed bytes as floats) and gives PEFT's logits."""
+    tok = build_byte_tokenizer()
+    source = save_tiny_model(tmp_path / "bf16", tiny_config("gpt_oss", len(tok)), seed=0, tokenizer=tok)
+    base, _ = publish_gpt_oss_mxfp4(source, tmp_path / "mxfp4")
+    lora = LoraSection(rank=4, alpha=8.0, experts=False, target_modules=["q_proj", "o_proj"])
+    model = attach_adapters(load_model(LoadOptions(str(base))), lora, seed=0)
+    randomize_trainables(model)
+    model.eval()
+    adapter = save_adapter(model, tmp_path / "adapter", cfg=lora, base_model_name_or_path=str(base))
+    merge_adapter(adapter, tmp_path / "merged", dtype="float32")
+    ids = torch.randint(0, len(tok), (2, 20), generator=torch.Generator().manual_seed(1))
+    _, ref = peft_reference_logits(base, model, adapter, ids)
+    got = merged_logits(tmp_path / "merged", ids)
+    assert (got - ref).abs().max() <= LOGIT_TOL * max(1.0, float(ref.abs().max()))

@@ -8,6 +8,8 @@ experts are decoded exactly on both sides (tested bit for bit here too), so noth
 the nibbles of every byte of our stacks swapped, which moves every expert gradient by more than 1%.
 """
 
+import json
+
 import pytest
 import torch
 from peft import PeftModel, get_peft_model_state_dict
@@ -153,3 +155,21 @@ def test_the_self_check_keeps_the_mxfp4_kernel_and_drops_a_wrong_one(peft_oracle
     assert failed and all(key[0] == "triton" for key in failed), failed
     for key in expected:  # the fallback's numbers: the run goes on right
         assert_close_scaled(key, got[key], expected[key])
+
+
+def test_an_adapter_records_the_expert_format_it_was_trained_on(gpt_oss_mxfp4, tmp_path):
+    """moe_qlora.json says which experts the adapter learned against, so generate and merge rebuild that base: an
+    MXFP4 run's record says mxfp4, an NF4 run's nf4, and a record written before the setting existed (its experts
+    were NF4 then) reads as nf4, not as auto (which now keeps this checkpoint in MXFP4)."""
+    from moe_qlora.export.adapter import TRAINED_ON
+    from moe_qlora.inference.generate import trained_quantization
+
+    folder, _, _ = gpt_oss_mxfp4
+    for expert_format in ("mxfp4", "nf4"):
+        model = attach_adapters(load_model(LoadOptions(str(folder), expert_format=expert_format)), LORA, seed=0)
+        adapter = save_adapter(model, tmp_path / expert_format, cfg=LORA, base_model_name_or_path=str(folder))
+        assert trained_quantization(adapter)["expert_format"] == expert_format
+    record = json.loads((adapter / TRAINED_ON).read_text())
+    del record["base_quantization"]["expert_format"]
+    (adapter / TRAINED_ON).write_text(json.dumps(record))
+    assert trained_quantization(adapter)["expert_format"] == "nf4"

@@ -329,3 +329,18 @@ def test_large_shipped_configs_fit_80_gib_gpus_under_fsdp(name, model_type, para
     for gpus in (fewest_gpus - 1, fewest_gpus):
         fsdp = plan_run(cfg, name_or_path=path, model=model, gpus=gpus, parallel="fsdp")
         assert fsdp.fits == (gpus == fewest_gpus), (gpus, fsdp.total / 2**30)
+
+
+def test_expert_offload_is_not_planned_for_mxfp4_experts():
+    """gpt-oss as published keeps its experts in MXFP4, which loading refuses to offload: plan says so and plans
+    the run without offload (the experts stay whole on the GPU), rather than subtracting NF4 bytes it never
+    counted; with expert_format nf4 the same run is planned offloaded."""
+    path = ROOT / "configs/models/gpt-oss-20b"
+    plans = {}
+    for expert_format in ("auto", "nf4"):
+        cfg = run_config(path, expert_offload="all", expert_format=expert_format)
+        plans[expert_format] = plan_run(cfg, name_or_path=str(path), device="cuda")
+    mxfp4, nf4 = plans["auto"], plans["nf4"]
+    assert mxfp4.offload is None and any("not built for MXFP4" in n for n in mxfp4.notes)
+    assert mxfp4.bytes["experts_nf4"] == 0 and mxfp4.bytes["experts_mxfp4"] > 9 * 2**30
+    assert nf4.offload is not None and "experts_mxfp4" not in nf4.bytes

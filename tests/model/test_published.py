@@ -121,6 +121,9 @@ def test_fused_stacks_are_quantized_an_expert_at_a_time_unless_renamed(checkpoin
         )
         renamed = {k.replace(".mlp.", ".block_sparse_moe."): v for k, v in claimed.items()}
         assert stacks_read_by_expert(renamed, "minimax_m2") == {}
+        # a layer whose down_proj is not fused (one expert missing, say) keeps both stacks with transformers
+        partial = {k: v for k, v in decoded.items() if k != "model.layers.1.mlp.experts.down_proj"}
+        assert sorted(stacks_read_by_expert(partial, "deepseek_v3")) == sorted(k for k in claimed if ".layers.2." in k)
 
 
 def test_fp8_layouts_not_read_are_named(checkpoints, tmp_path):

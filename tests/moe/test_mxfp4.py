@@ -42,8 +42,8 @@ def random_published(experts: int, out: int, inp: int, *, seed: int, extremes: b
     return blocks, scales
 
 
-def random_stack(experts: int, out: int, inp: int, *, seed: int, device="cpu") -> MXFP4Stack:
-    blocks, scales = random_published(experts, out, inp, seed=seed)
+def random_stack(experts: int, out: int, inp: int, *, seed: int, device="cpu", extremes=False) -> MXFP4Stack:
+    blocks, scales = random_published(experts, out, inp, seed=seed, extremes=extremes)
     return MXFP4Stack.from_published(blocks.to(device), scales.to(device))
 
 
@@ -129,6 +129,45 @@ def test_byte_path_matches_reference(dev, dtype, atol, rtol, routing, transpose)
         x, GroupedWeight.quantized(nibbles_high_first(stack), transpose=transpose), offsets, gather=gather
     )
     assert (broken.float() - expected.float()).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("transpose", [True, False], ids=["x_WT", "x_W"])
+def test_each_decoded_weight_is_exact_in_the_kernel_extreme_scales_included(dev, transpose):
+    """x = identity rows picks each weight out of the fp32 kernel exactly (1 * w, plus exact zeros): the kernel's
+    decode equals the torch one value by value, the groups of scale byte 0 (2^-127: the subnormal _e8m0 builds from
+    bits; a GPU may flush it to zero) and 250 included. Control: the nibbles in NF4's order."""
+    stack = random_stack(2, 64, 64, seed=9, device=dev, extremes=True)
+    weight = GroupedWeight.quantized(stack, transpose=transpose)
+    x = torch.eye(weight.k, device=dev).repeat(2, 1)  # expert 0's rows, then expert 1's
+    offsets = [0, weight.k, 2 * weight.k]
+    expected = torch.cat([weight.expert(e, torch.float32) for e in range(2)])
+    got = grouped_matmul(x, weight, offsets)
+    flushed = (expected.abs() < 2**-120) & (got == 0)
+    assert ((got == expected) | flushed).all() and (expected.abs() < 2**-120).any()
+    broken = grouped_matmul(x, GroupedWeight.quantized(nibbles_high_first(stack), transpose=transpose), offsets)
+    assert not torch.equal(broken, expected)
+
+
+@pytest.mark.parametrize("arch", [80, 90], ids=["sm_80_blocks", "sm_90_blocks"])
+@pytest.mark.parametrize("transpose", [True, False], ids=["forward", "input_gradient"])
+def test_a_packed_dim_of_an_odd_number_of_groups_is_not_read_past(
+    dev, arch, transpose, monkeypatch, override_kernel_settings
+):
+    """in = 96 (three 32-code groups): each architecture's candidates include a 64-wide step, which would run past
+    each row, so the launches take the byte path, and the result is the reference's (packed, the last step read
+    the next row's codes and, on the forward, the next token's x)."""
+    default_blocks(monkeypatch, override_kernel_settings, arch, swap=False)
+    offsets = offsets_of(ROUTINGS["ragged"])
+    stack = random_stack(6, 80, 96, seed=31, device=dev)
+    weight = GroupedWeight.quantized(stack, transpose=transpose)
+    g = torch.Generator().manual_seed(32)
+    x = (0.05 * torch.randn(offsets[-1], weight.k, generator=g)).to(dev)
+    launches = recorded_launches(monkeypatch, override_kernel_settings)
+    expected = grouped_matmul_reference(x, weight, offsets)
+    got = grouped_matmul(x, weight, offsets)
+    packed = "K_PACKED" if transpose else "N_PACKED"
+    assert [f[packed] for f in launches] == [False]
+    assert_matches(got, expected, x, stack, offsets, transpose=transpose, dtype=torch.float32)
 
 
 @pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES)

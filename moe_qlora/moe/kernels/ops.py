@@ -225,14 +225,15 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
     # the path is chosen over a tile step stays within one.
     narrow = tiles.path_candidates(configs, x.device)
     words = q is not None and q.packed.is_contiguous() and q.packed.storage_offset() % 4 == 0 and se % q.blocksize == 0
-    k_packed = words and sk == 1 and sn % q.blocksize == 0 and all(c.packs(q.blocksize, False, mxfp4) for c in narrow)
-    n_packed = (
-        words
-        and not glu
-        and sn == 1
-        and sk % q.blocksize == 0
-        and all(c.packs(q.blocksize, True, mxfp4) for c in narrow)
-    )
+
+    def packed_steps(c, along_n: bool) -> bool:
+        """c's step packs and never runs past the packed dim's end: implied for NF4 (a step divides the 64-code
+        block, and the dim is whole blocks), not for MXFP4's steps of several 32-code blocks (in = 96, say)."""
+        whole_steps = weight.n % c.block_n == 0 if along_n else weight.k % c.block_k == 0
+        return c.packs(q.blocksize, along_n, mxfp4) and whole_steps
+
+    k_packed = words and sk == 1 and sn % q.blocksize == 0 and all(packed_steps(c, False) for c in narrow)
+    n_packed = words and not glu and sn == 1 and sk % q.blocksize == 0 and all(packed_steps(c, True) for c in narrow)
     w = weight.data.view(torch.int32) if k_packed or n_packed else weight.data
     swap = (
         (k_packed or n_packed)
@@ -242,7 +243,7 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
     )
     tall = not fp32 and tiles.takes_tall_tiles(num_rows, weight.shape[0], swap)
     configs = tiles.launch_candidates(configs, x.device, k_packed=k_packed, glu=glu, swap=swap, tall=tall)
-    if (k_packed or n_packed) and not all(c.packs(q.blocksize, n_packed, mxfp4) for c in configs):
+    if (k_packed or n_packed) and not all(packed_steps(c, n_packed) for c in configs):
         # the path was chosen over the narrow candidates; a launched one whose step spans two quant blocks
         # would decode a whole step with one block's scale
         raise RuntimeError(f"packed NF4 path chosen, but a candidate's step spans quant blocks: {configs}")
