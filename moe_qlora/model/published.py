@@ -16,6 +16,7 @@ why the block size is read from the config and never inferred from the grid's sh
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -72,9 +73,6 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, in
         band = slice(i * b0, (i + 1) * b0)
         out[band] = (q[band].float() * scale[i].repeat_interleave(b1)[:cols]).to(torch.bfloat16)
     return out
-
-
-MXFP4_BLOCKS, MXFP4_SCALES = BLOCKS_SUFFIX, SCALES_SUFFIX
 
 
 class Mxfp4Tensor:
@@ -230,13 +228,11 @@ class FusedExpertsTensor:
         return [len(self.parts[0]), rows, self.parts[0][0].get_shape()[1]]
 
     def __getitem__(self, index):
+        if index is not Ellipsis:
+            raise ValueError(f"{self.name}: read whole ([...]), not [{index!r}]")
         out = torch.empty(self.get_shape(), dtype=torch.bfloat16)
         for e in range(out.shape[0]):
-            row = 0
-            for part in self.parts:
-                weight = part[e][index]
-                out[e, row : row + weight.shape[0]] = weight
-                row += weight.shape[0]
+            out[e] = self.expert(e)
         return out
 
     def expert(self, e: int) -> torch.Tensor:
@@ -258,8 +254,6 @@ def stacks_read_by_expert(state: dict, model_type: str | None) -> dict[str, Fuse
     """The fused FP8 stacks moe-qlora quantizes itself, an expert at a time as each is decoded, instead of
     handing transformers the stack: those whose name no renaming of transformers' checkpoint conversion touches,
     so it is the model's parameter name (DeepSeek-V3's, Qwen3's, GLM-4.5's; not MiniMax-M2's block_sparse_moe)."""
-    import re
-
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     from transformers.core_model_loading import WeightRenaming
 
@@ -297,8 +291,6 @@ def fused_expert_stacks(state: dict, model_type: str | None) -> dict:
 def fuse_converter_sources(state: dict, sources: list[str], target: str) -> dict:
     """`state` with each complete group of per-expert FP8 keys matching `sources` (one `*` for the expert index)
     replaced by one FusedExpertsTensor named prefix + `target`."""
-    import re
-
     if any(s.count("*") != 1 for s in sources):
         return state
     matchers = [re.compile(r"^(.*?)" + r"(\d+)".join(map(re.escape, s.split("*"))) + "$") for s in sources]
@@ -326,13 +318,13 @@ def mxfp4_state(state: dict, folder: Path) -> dict:
     checked from the headers); the rest as stored."""
     out = {}
     for name, tensor in state.items():
-        if name.endswith(MXFP4_SCALES) and name.removesuffix(MXFP4_SCALES) + MXFP4_BLOCKS in state:
+        if name.endswith(SCALES_SUFFIX) and name.removesuffix(SCALES_SUFFIX) + BLOCKS_SUFFIX in state:
             continue
-        if name.endswith(MXFP4_BLOCKS):
-            stack = name.removesuffix(MXFP4_BLOCKS)
-            scales = state.get(stack + MXFP4_SCALES)
+        if name.endswith(BLOCKS_SUFFIX):
+            stack = name.removesuffix(BLOCKS_SUFFIX)
+            scales = state.get(stack + SCALES_SUFFIX)
             if scales is None:
-                raise ModelLoadError(f"{folder}: {name} has no {stack}{MXFP4_SCALES} beside it")
+                raise ModelLoadError(f"{folder}: {name} has no {stack}{SCALES_SUFFIX} beside it")
             shape, grid = tensor.get_shape(), scales.get_shape()
             if len(shape) != 4 or shape[:-1] != grid or tensor.get_dtype() != "U8" or scales.get_dtype() != "U8":
                 raise ModelLoadError(

@@ -113,22 +113,17 @@ def holds_mxfp4(module: nn.Module) -> bool:
     return hasattr(module, stack_names(module)[0] + BLOCKS_SUFFIX)
 
 
-def module_stack(module: nn.Module, name: str) -> NF4Stack | MXFP4Stack:
-    """The quantized stack `name` of an experts module (NF4 or MXFP4), as the MoE layer reads it."""
-    return _expert_stack(module, name)
-
-
 def module_expert(module: nn.Module, name: str, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Expert e of a quantized stack decoded to the layout of the module's own parameter: (out, in), or (in, out)
     when the module is transposed and the stack is MXFP4 (kept as published, (out, in))."""
-    w = _expert_stack(module, name).decode(e, e + 1, dtype)[0]
+    w = module_stack(module, name).decode(e, e + 1, dtype)[0]
     return w.T if getattr(module, "is_transposed", False) and holds_mxfp4(module) else w
 
 
 def decoded_module_stack(module: nn.Module, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An MXFP4 stack decoded (exactly) to the layout of the module's own parameter: (E, out, in), or (E, in, out)
     when the module is transposed (gpt-oss): what transformers' dequantization of the checkpoint holds."""
-    w = _expert_stack(module, name).decode(0, expert_dims(module)[0], dtype)
+    w = module_stack(module, name).decode(0, expert_dims(module)[0], dtype)
     return w.transpose(1, 2).contiguous() if getattr(module, "is_transposed", False) else w
 
 
@@ -175,7 +170,7 @@ def expert_dims(module: nn.Module) -> tuple[int, int, int]:
         e, inter, hidden = module.gate_proj.shape
         return e, hidden, inter
     if holds_mxfp4(module):
-        e, width, hidden = _expert_stack(module, stack_names(module)[0]).shape  # (E, out, in)
+        e, width, hidden = module_stack(module, stack_names(module)[0]).shape  # (E, out, in)
         return e, hidden, width // 2 if module.has_gate else width
     stack = getattr(module, stack_names(module)[0])
     e, d1, d2 = stack.quant_state.shape if isinstance(stack, bnb.nn.Params4bit) else stack.shape
@@ -187,8 +182,8 @@ def _frozen_experts(module: nn.Module) -> FrozenExperts:
     first, down = stack_names(module)
     has_bias = getattr(module, "has_bias", False)
     return FrozenExperts(
-        gate_up=_expert_stack(module, first),
-        down=_expert_stack(module, down),
+        gate_up=module_stack(module, first),
+        down=module_stack(module, down),
         gate=module._apply_gate if module.has_gate else module.act_fn,
         transposed=getattr(module, "is_transposed", False) and not holds_mxfp4(module),  # MXFP4: (E, out, in)
         gate_up_bias=getattr(module, f"{first}_bias") if has_bias else None,
@@ -197,7 +192,7 @@ def _frozen_experts(module: nn.Module) -> FrozenExperts:
     )
 
 
-def _expert_stack(module: nn.Module, name: str) -> NF4Stack | MXFP4Stack:
+def module_stack(module: nn.Module, name: str) -> NF4Stack | MXFP4Stack:
     """The quantized stack `name` of an experts module: its MXFP4 blocks and scales as published; or NF4, its
     bitsandbytes Params4bit, or, once made shardable, the plain parameters `{name}_nf4` and `{name}_absmax`
     (whatever FSDP has gathered into them for this call)."""
