@@ -290,6 +290,7 @@ TORCH_DTYPES = {
     "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,  # block scales stored as e8m0 (scale_fmt ue8m0)
 }
 
 

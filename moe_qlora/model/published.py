@@ -1,7 +1,8 @@
 """Checkpoints as they are published in a quantized form. FP8 with block scales (DeepSeek-V3/R1, Kimi-K2,
-Qwen3's and GLM-4.5's FP8 releases: `quant_method: fp8` with `weight_block_size`) and gpt-oss's MXFP4 experts
-(`quant_method: mxfp4`) are dequantized tensor by tensor as they are read, then quantized to NF4 like any bf16
-checkpoint; every other quantized format is refused by name, never silently read as something else.
+Qwen3's and GLM-4.5's FP8 releases: `quant_method: fp8` with `weight_block_size`; DeepSeek-V4-Flash's, whose
+experts are FP4 with `expert_dtype: fp4`) and gpt-oss's MXFP4 experts (`quant_method: mxfp4`) are dequantized
+tensor by tensor as they are read, then quantized to NF4 like any bf16 checkpoint; every other quantized format is
+refused by name, never silently read as something else.
 
 MXFP4 (OCP microscaling): `<stack>_blocks` (E, out, G, 16) bytes hold two e2m1 values each, the low nibble first,
 and `<stack>_scales` (E, out, G) one e8m0 exponent (bias 127) per 32 values along the input: W[e, i, o] =
@@ -11,7 +12,13 @@ in bf16 (two mantissa bits and an fp32-range exponent), so the decoded stack is 
 FP8 block scaling: W[i, j] = q[i, j] * s[i // b0, j // b1], q in float8 e4m3, s the `weight_scale_inv` grid of
 ceil(rows / b0) x ceil(cols / b1) fp32 scales, (b0, b1) = weight_block_size. A dimension that is not a multiple
 of its block ends in a partial block (DeepSeek-V3's kv_a_proj_with_mqa: 576 rows, 4.5 blocks of 128), which is
-why the block size is read from the config and never inferred from the grid's shape.
+why the block size is read from the config and never inferred from the grid's shape. A weight's scales are stored
+as `<m>.weight_scale_inv`, or `<m>.scale` (DeepSeek-V4-Flash) or `<m>.qscale_weight` (Mistral Large 4), the names
+transformers' FP8 quantizer renames.
+
+FP4 experts (`expert_dtype: fp4`, DeepSeek-V4-Flash): an int8 weight (rows, cols / 2) of two e2m1 values a byte,
+the low nibble first, and a scale per 32 values along each row (rows, cols / 32): MXFP4's values, one expert at a
+time. Decoded exactly (with e8m0 scales every value is exact in bf16).
 """
 
 from __future__ import annotations
@@ -24,7 +31,10 @@ import torch
 from moe_qlora.moe.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, decode_values
 
 SCALE_SUFFIX = "_scale_inv"  # weight -> weight_scale_inv
+SCALE_NAMES = ("weight_scale_inv", "scale", "qscale_weight")  # <m>.weight's scales, under any of these
 FP8_STORED = ("F8_E4M3", "F8_E5M2")
+FP4_STORED = ("I8",)  # expert_dtype fp4: two e2m1 codes a byte
+FP4_GROUP = 32  # FP4 values that share a scale, along a row
 INSTEAD = {  # a format moe-qlora does not read, and what to load instead
     "gptq": "a GPTQ checkpoint holds int4 weights of its own scheme: load the unquantized release",
     "awq": "an AWQ checkpoint holds int4 weights of its own scheme: load the unquantized release",
@@ -56,8 +66,8 @@ class Fp8BlockTensor:
 
 
 def scale_values(scale: torch.Tensor) -> torch.Tensor:
-    """The scales as fp32 multipliers: fp32 / bf16 / fp16 as stored; uint8 as e8m0 exponents, 2^(b - 127)
-    (checkpoints with `scale_fmt: ue8m0`)."""
+    """The scales as fp32 multipliers: fp32 / bf16 / fp16 / float8_e8m0fnu as stored; uint8 as e8m0 exponents,
+    2^(b - 127) (checkpoints with `scale_fmt: ue8m0` that store the exponents as bytes)."""
     if scale.dtype == torch.uint8:
         return torch.exp2(scale.float() - 127)
     return scale.float()
@@ -73,6 +83,38 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, in
         band = slice(i * b0, (i + 1) * b0)
         out[band] = (q[band].float() * scale[i].repeat_interleave(b1)[:cols]).to(torch.bfloat16)
     return out
+
+
+class Fp4RowTensor:
+    """An FP4 weight (rows, cols / 2) and its scales (rows, cols / 32), read whole as one bf16 (rows, cols) tensor
+    on `[...]`."""
+
+    def __init__(self, name: str, weight, scale):
+        self.name, self.weight, self.scale = name, weight, scale  # checked by fp8_state
+
+    def get_dtype(self) -> str:
+        return "BF16"
+
+    def get_shape(self) -> list[int]:
+        rows, half = self.weight.get_shape()
+        return [rows, 2 * half]
+
+    def __getitem__(self, index):
+        if index is not Ellipsis:
+            raise ValueError(f"{self.name}: read whole ([...]), not [{index!r}]")
+        return decode_fp4_rows(self.weight[...], self.scale[...])
+
+
+def decode_fp4_rows(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(rows, cols / 2) int8 of e2m1 pairs, low nibble first, and (rows, cols / 32) scales -> (rows, cols) bf16:
+    each value times its group's scale, rounded once (exact for e8m0 scales)."""
+    rows = packed.shape[0]
+    codes = packed.contiguous().view(torch.uint8).reshape(-1)
+    if scale.dtype == torch.uint8:
+        return decode_values(codes, scale.reshape(-1)).view(rows, -1).to(torch.bfloat16)
+    unit = torch.full((scale.numel(),), 127, dtype=torch.uint8)  # 2^0: the values alone, then the float scales
+    values = decode_values(codes, unit).view(rows, -1, FP4_GROUP)
+    return (values * scale_values(scale)[..., None]).view(rows, -1).to(torch.bfloat16)
 
 
 class Mxfp4Tensor:
@@ -127,6 +169,8 @@ def chosen_expert_format(config, asked: str, folder: Path) -> str:
         return "mxfp4" if published == "mxfp4" else "nf4"
     if asked == "mxfp4" and published != "mxfp4":
         stored = f"published with quant_method {published!r}" if published else "not quantized"
+        if published == "fp8" and quant_setting(config, "expert_dtype") == "fp4":
+            stored += " and FP4 experts (expert_dtype fp4), which load decoded and quantized to NF4"
         raise ModelLoadError(
             f"{folder}: model.expert_format mxfp4 keeps experts as published in MXFP4 (gpt-oss, quant_method "
             f"mxfp4); this checkpoint is {stored}: use expert_format nf4 (or auto)"
@@ -159,7 +203,8 @@ def dequantized_as_read(state: dict, config, folder: Path, *, keep_mxfp4: bool =
                 f"{folder}: FP8 without quantization_config.weight_block_size (one scale per tensor or per channel) "
                 "is not read yet; block-scaled FP8 (DeepSeek-V3's, 128 x 128) is"
             )
-        state = fp8_state(state, (int(block[0]), int(block[1])), folder)
+        fp4 = quant_setting(config, "expert_dtype") == "fp4"
+        state = fp8_state(state, (int(block[0]), int(block[1])), folder, fp4=fp4)
         state = fused_expert_stacks(state, getattr(config, "model_type", None))
     else:
         why = INSTEAD.get(method, "moe-qlora reads unquantized checkpoints, FP8 with block scales and MXFP4")
@@ -169,44 +214,92 @@ def dequantized_as_read(state: dict, config, folder: Path, *, keep_mxfp4: bool =
 
 
 ACTIVATION_SCALES = ("input_scale", "activation_scale")  # FP8 inference's; the decoded weights compute in bf16
-SCALE_DTYPES = ("F32", "BF16", "F16", "U8")
+SCALE_DTYPES = ("F32", "BF16", "F16", "U8", "F8_E8M0")
 
 
-def fp8_state(state: dict, block: tuple[int, int], folder: Path) -> dict:
-    """Every FP8 weight with its `<name>_scale_inv` as one Fp8BlockTensor; the scales (and FP8 activation scales)
-    out. A weight without its scale, a scale without an FP8 weight, a weight that is not 2D or a grid that does
-    not match the block size: ModelLoadError naming the key."""
+def fp8_state(state: dict, block: tuple[int, int], folder: Path, *, fp4: bool = False) -> dict:
+    """Every FP8 weight with its scales as one Fp8BlockTensor, and with fp4 (`expert_dtype: fp4`) every int8 weight
+    with its scales as one Fp4RowTensor; the scales (and FP8 activation scales) out. A weight without its scale, a
+    `weight_scale_inv` without an FP8 weight, a weight that is not 2D or a grid that does not match: ModelLoadError
+    naming the key. A `<m>.scale` beside a weight that is not quantized is a parameter of its own, kept."""
+    scale_of = {  # quantized weight -> the key of its scales
+        name: scale_key_of(name, state, folder)
+        for name, tensor in state.items()
+        if tensor.get_dtype() in FP8_STORED or is_fp4_weight(name, state)
+    }
+    scales = set(scale_of.values())
     out = {}
     for name, tensor in state.items():
-        if name.endswith(ACTIVATION_SCALES):
+        if name.endswith(ACTIVATION_SCALES) or name in scales:
             continue
-        if name.endswith(SCALE_SUFFIX):
+        if name in scale_of and tensor.get_dtype() in FP8_STORED:
+            scale = checked_scale(name, scale_of[name], state, block, folder)
+            out[name] = Fp8BlockTensor(name, tensor, scale, block)
+        elif name in scale_of:
+            out[name] = Fp4RowTensor(name, tensor, checked_fp4_scale(name, scale_of[name], state, fp4, folder))
+        elif name.endswith(SCALE_SUFFIX):
             weight = state.get(name.removesuffix(SCALE_SUFFIX))
-            if weight is None or weight.get_dtype() not in FP8_STORED:
-                stored = "no weight" if weight is None else f"a {weight.get_dtype()} weight"
-                raise ModelLoadError(f"{folder}: {name} scales {stored}, not an FP8 one: a layout not read")
-            continue
-        if tensor.get_dtype() in FP8_STORED:
-            out[name] = Fp8BlockTensor(name, tensor, checked_scale(name, tensor, state, block, folder), block)
+            stored = "no weight" if weight is None else f"a {weight.get_dtype()} weight"
+            raise ModelLoadError(f"{folder}: {name} scales {stored}, not an FP8 one: a layout not read")
         else:
             out[name] = tensor
     return out
 
 
-def checked_scale(name: str, weight, state: dict, block: tuple[int, int], folder: Path):
+def is_fp4_weight(name: str, state: dict) -> bool:
+    return state[name].get_dtype() in FP4_STORED and any(key in state for key in scale_names(name))
+
+
+def scale_names(name: str) -> list[str]:
+    """Where the scales of weight `name` may be stored (SCALE_NAMES beside it)."""
+    module = name.removesuffix(".weight") if name.endswith(".weight") else name
+    return [f"{module}.{suffix}" for suffix in SCALE_NAMES]
+
+
+def scale_key_of(name: str, state: dict, folder: Path) -> str:
+    """The one key that holds the scales of quantized weight `name`."""
+    found = [key for key in scale_names(name) if key in state]
+    if not found:
+        raise ModelLoadError(
+            f"{folder}: {name} is stored in {state[name].get_dtype()} without its scales (looked for "
+            f"{', '.join(scale_names(name))})"
+        )
+    if len(found) > 1:
+        raise ModelLoadError(f"{folder}: {name} has scales under {found}: one is expected")
+    return found[0]
+
+
+def checked_scale(name: str, scale_key: str, state: dict, block: tuple[int, int], folder: Path):
     """The scale grid of FP8 `name`, its shape and dtype checked against the weight's from the headers."""
-    scale = state.get(name + SCALE_SUFFIX)
-    if scale is None:
-        raise ModelLoadError(f"{folder}: {name} is stored in FP8 without its {name}{SCALE_SUFFIX}")
+    weight, scale = state[name], state[scale_key]
     shape = weight.get_shape()
     if len(shape) != 2:
         raise ModelLoadError(f"{folder}: {name}: an FP8 tensor of shape {shape}; only 2D weights are read")
     grid = [-(-shape[0] // block[0]), -(-shape[1] // block[1])]
     if scale.get_shape() != grid or scale.get_dtype() not in SCALE_DTYPES:
         raise ModelLoadError(
-            f"{folder}: {name}{SCALE_SUFFIX}: a {scale.get_dtype()} grid of {scale.get_shape()}, expected {grid} "
+            f"{folder}: {scale_key}: a {scale.get_dtype()} grid of {scale.get_shape()}, expected {grid} "
             f"({', '.join(SCALE_DTYPES)}) for a {shape} weight in blocks of {block[0]} x {block[1]} "
             "(quantization_config.weight_block_size)"
+        )
+    return scale
+
+
+def checked_fp4_scale(name: str, scale_key: str, state: dict, fp4: bool, folder: Path):
+    """The scales of FP4 weight `name`: one per FP4_GROUP values of a row, checked from the headers; an int8
+    weight with scales is FP4 only where the config says so."""
+    if not fp4:
+        raise ModelLoadError(
+            f"{folder}: {name} is int8 with scales {scale_key}, but quantization_config.expert_dtype is not "
+            "'fp4': a layout not read"
+        )
+    weight, scale = state[name], state[scale_key]
+    shape = weight.get_shape()
+    grid = [shape[0], 2 * shape[1] // FP4_GROUP] if len(shape) == 2 else None
+    if grid is None or (2 * shape[1]) % FP4_GROUP or scale.get_shape() != grid or scale.get_dtype() not in SCALE_DTYPES:
+        raise ModelLoadError(
+            f"{folder}: {name}: FP4 weight {shape} with scales {scale.get_dtype()} {scale.get_shape()}; expected an "
+            f"int8 (rows, cols / 2) weight and ({', '.join(SCALE_DTYPES)}) scales (rows, cols / {FP4_GROUP})"
         )
     return scale
 
@@ -273,10 +366,11 @@ def stacks_read_by_expert(state: dict, model_type: str | None) -> dict[str, Fuse
 
 
 def fused_expert_stacks(state: dict, model_type: str | None) -> dict:
-    """Per-expert FP8 weights grouped into FusedExpertsTensor stacks under the names transformers' checkpoint
-    conversion for `model_type` gives them (a converter that stacks experts, MergeModulelist(0), and concatenates
-    its sources along rows, Concatenate(1): gate and up into gate_up_proj). Only complete groups (every source for
-    experts 0..E-1, all FP8) are fused; anything else is left to transformers."""
+    """Per-expert FP8 (or FP4) weights grouped into FusedExpertsTensor stacks under the names transformers'
+    checkpoint conversion for `model_type` gives them (a converter that stacks experts, MergeModulelist(0), and
+    concatenates its sources along rows, Concatenate(1): gate and up into gate_up_proj); transformers' renames
+    (DeepSeek-V4's ffn -> mlp) then apply to the stack's name. Only complete groups (every source for experts
+    0..E-1, all quantized) are fused; anything else is left to transformers."""
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     from transformers.core_model_loading import WeightConverter
 
@@ -288,12 +382,21 @@ def fused_expert_stacks(state: dict, model_type: str | None) -> dict:
     return state
 
 
+def literal_pattern(pattern: str, wildcards: int) -> str | None:
+    """A converter's pattern as the literal key text it stands for (transformers writes a dot either way, `.` or
+    `\\.`), or None when it uses more of regex than that or has not `wildcards` `*`s: left to transformers."""
+    text = pattern.replace(r"\.", ".")
+    return text if re.fullmatch(r"[\w.*]+", text) and text.count("*") == wildcards else None
+
+
 def fuse_converter_sources(state: dict, sources: list[str], target: str) -> dict:
-    """`state` with each complete group of per-expert FP8 keys matching `sources` (one `*` for the expert index)
-    replaced by one FusedExpertsTensor named prefix + `target`."""
-    if any(s.count("*") != 1 for s in sources):
+    """`state` with each complete group of per-expert quantized keys matching `sources` (one `*` for the expert
+    index) replaced by one FusedExpertsTensor named prefix + `target`."""
+    literal = [literal_pattern(s, 1) for s in sources]
+    target = literal_pattern(target, 0)
+    if None in literal or target is None:
         return state
-    matchers = [re.compile(r"^(.*?)" + r"(\d+)".join(map(re.escape, s.split("*"))) + "$") for s in sources]
+    matchers = [re.compile(r"^(.*?)" + r"(\d+)".join(map(re.escape, s.split("*"))) + "$") for s in literal]
     groups: dict[str, list[dict[int, str]]] = {}
     for key in state:
         for i, matcher in enumerate(matchers):
@@ -303,7 +406,8 @@ def fuse_converter_sources(state: dict, sources: list[str], target: str) -> dict
     for prefix, per_source in groups.items():
         experts = len(per_source[0])
         complete = all(sorted(keys) == list(range(experts)) for keys in per_source)
-        if not complete or not all(isinstance(state[k], Fp8BlockTensor) for keys in per_source for k in keys.values()):
+        decoded = (Fp8BlockTensor, Fp4RowTensor)
+        if not complete or not all(isinstance(state[k], decoded) for keys in per_source for k in keys.values()):
             continue
         parts = [[state[keys[e]] for e in range(experts)] for keys in per_source]
         for keys in per_source:
