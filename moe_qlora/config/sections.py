@@ -22,9 +22,9 @@ class ModelSection(Section):
     )
     expert_format: Literal["auto", "nf4", "mxfp4"] = Field(
         "auto",
-        description="how the frozen experts are stored: nf4 (quantized while loading), or mxfp4, gpt-oss's published "
-        "MXFP4 bytes kept as they are (4.25 bits a weight; only from a checkpoint published in MXFP4); auto: mxfp4 "
-        "for such a checkpoint, else nf4",
+        description="how the frozen experts are stored: nf4 (quantized while loading), or mxfp4, the published "
+        "MXFP4 bytes kept as they are (4.25 bits a weight; only from a checkpoint whose experts are MXFP4: gpt-oss, "
+        "DeepSeek-V4-Flash's FP4 experts with e8m0 scales); auto: mxfp4 for such a checkpoint, else nf4",
     )
     expert_double_quant: bool = Field(True, description="quantize the experts' block scales too (~8% smaller, QLoRA)")
     linear_double_quant: bool = Field(True, description="double quantization for the 4-bit linears (as in QLoRA)")

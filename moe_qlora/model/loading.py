@@ -151,9 +151,10 @@ def linears_outside_the_text_model(model) -> list[str]:
 
 def linears_not_quantized(model, *, on_cpu: bool) -> set[str]:
     """Patterns of linears that stay in the compute dtype: the output head, routers and gates, a multimodal
-    model's vision parts, and on the CPU the linears bitsandbytes cannot run in 4-bit. The quantizer and
-    `plan` both use this rule."""
+    model's vision parts, the modules the model keeps in fp32 (DeepSeek-V4's compressor), and on the CPU the
+    linears bitsandbytes cannot run in 4-bit. The quantizer and `plan` both use this rule."""
     skips = set(get_keys_to_not_convert(model)) | set(ROUTER_PATTERNS) | set(linears_outside_the_text_model(model))
+    skips |= set(getattr(model, "_keep_in_fp32_modules", None) or [])  # as transformers' quantizers skip them
     return skips | set(cpu_unsafe_linears(model)) if on_cpu else skips
 
 
@@ -167,9 +168,7 @@ class MoEQLoRAQuantizer(Bnb4BitHfQuantizer):
         if self.quantization_config.experts_mxfp4:
             expect_mxfp4_stacks(model)
         for name in self.quantization_config.stacks_read_by_expert:  # loaded after, by quantize_read_by_expert
-            module, stack = get_module_from_name(model, name)
-            if stack not in module._parameters:
-                raise ModelLoadError(f"{name}: a stack of the checkpoint that is no parameter of the model")
+            _, module, stack = stack_of(model, name)
             del module._parameters[stack]
             module._is_hf_initialized = True  # its model's _init_weights would reach for the stack
         skips = set(self.quantization_config.llm_int8_skip_modules or [])
@@ -384,7 +383,8 @@ def load_model(opts: LoadOptions):
         # FP8 block-scaled weights decoded as read, MXFP4 experts too unless kept; other formats refused
         state = dequantized_as_read(state, config, folder, keep_mxfp4=expert_format == "mxfp4")
         by_expert = stacks_read_by_expert(state, getattr(config, "model_type", None))
-        state = {k: v for k, v in state.items() if k not in by_expert}
+        read_by_expert = {fused.name for fused in by_expert.values()}
+        state = {k: v for k, v in state.items() if k not in read_by_expert}
         quant = MoEQLoRAQuantConfig(
             expert_double_quant=opts.expert_double_quant,
             experts_mxfp4=expert_format == "mxfp4",
@@ -434,12 +434,28 @@ def quantize_read_by_expert(model, stacks: dict, opts: LoadOptions) -> None:
     """Each stack of `stacks` ({parameter name: published.FusedExpertsTensor}) quantized to NF4 an expert at a time
     as each is decoded, and set on its module: a layer's experts are never whole in bf16 (published.py)."""
     for name, fused in stacks.items():
-        module, stack = get_module_from_name(model, name)
+        path, module, stack = stack_of(model, name, removed=True)
         param = quantize_stack(ExpertReader(fused), double_quant=opts.expert_double_quant, device=opts.device)
-        if name.rsplit(".", 1)[0] in opts.experts_on_host:
+        if path in opts.experts_on_host:
             move_param(param, "cpu")
         module.register_parameter(stack, param)
         release_freed_memory()
+
+
+def stack_of(model, name: str, *, removed: bool = False) -> tuple[str, torch.nn.Module, str]:
+    """(module path, module, parameter) of the checkpoint's stack `name` in the model: as named, or with the base
+    model's prefix, which a checkpoint saved without it lacks (DeepSeek-V4's release names its layers `layers.N`)
+    and transformers' loader adds. removed: the quantizer has taken the parameter out already."""
+    prefix = getattr(model, "base_model_prefix", "")
+    for candidate in dict.fromkeys([name, f"{prefix}.{name}" if prefix else name]):
+        path, _, stack = candidate.rpartition(".")
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if removed or stack in module._parameters:
+            return path, module, stack
+    raise ModelLoadError(f"{name}: a stack of the checkpoint that is no parameter of the model")
 
 
 def causal_lm_class(config, folder: Path, trust_remote_code: bool):

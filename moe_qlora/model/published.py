@@ -18,7 +18,9 @@ transformers' FP8 quantizer renames.
 
 FP4 experts (`expert_dtype: fp4`, DeepSeek-V4-Flash): an int8 weight (rows, cols / 2) of two e2m1 values a byte,
 the low nibble first, and a scale per 32 values along each row (rows, cols / 32): MXFP4's values, one expert at a
-time. Decoded exactly (with e8m0 scales every value is exact in bf16).
+time. With e8m0 scales (`scale_fmt: ue8m0`) the bytes are kept as MXFP4 stacks like gpt-oss's (model.expert_format
+auto or mxfp4), gathered per layer; otherwise, or with expert_format nf4, decoded exactly (with e8m0 scales every
+value is exact in bf16) and quantized to NF4.
 """
 
 from __future__ import annotations
@@ -161,19 +163,27 @@ def quant_method(config) -> str | None:
     return quant_setting(config, "quant_method") if quantization_configs(config) else None
 
 
+def experts_published_in_mxfp4(config) -> bool:
+    """Whether the checkpoint's experts are MXFP4 values: gpt-oss's (quant_method mxfp4), or FP4 experts with e8m0
+    scales in an FP8 release (expert_dtype fp4 with scale_fmt ue8m0: DeepSeek-V4-Flash)."""
+    method = quant_method(config)
+    fp4_experts = method == "fp8" and quant_setting(config, "expert_dtype") == "fp4"
+    return method == "mxfp4" or (fp4_experts and quant_setting(config, "scale_fmt") == "ue8m0")
+
+
 def chosen_expert_format(config, asked: str, folder: Path) -> str:
     """model.expert_format resolved for a checkpoint: auto keeps experts published in MXFP4 as MXFP4 and quantizes
     every other checkpoint to NF4; mxfp4 asked of a checkpoint not published in MXFP4 is refused."""
-    published = quant_method(config) if quantization_configs(config) else None
     if asked == "auto":
-        return "mxfp4" if published == "mxfp4" else "nf4"
-    if asked == "mxfp4" and published != "mxfp4":
+        return "mxfp4" if experts_published_in_mxfp4(config) else "nf4"
+    if asked == "mxfp4" and not experts_published_in_mxfp4(config):
+        published = quant_method(config)
         stored = f"published with quant_method {published!r}" if published else "not quantized"
         if published == "fp8" and quant_setting(config, "expert_dtype") == "fp4":
-            stored += " and FP4 experts (expert_dtype fp4), which load decoded and quantized to NF4"
+            stored += f" and FP4 experts whose scales are not e8m0 (scale_fmt {quant_setting(config, 'scale_fmt')!r})"
         raise ModelLoadError(
-            f"{folder}: model.expert_format mxfp4 keeps experts as published in MXFP4 (gpt-oss, quant_method "
-            f"mxfp4); this checkpoint is {stored}: use expert_format nf4 (or auto)"
+            f"{folder}: model.expert_format mxfp4 keeps experts as published in MXFP4 (gpt-oss's, or FP4 experts "
+            f"with e8m0 scales: DeepSeek-V4-Flash's); this checkpoint is {stored}: use expert_format nf4 (or auto)"
         )
     return asked
 
@@ -189,7 +199,8 @@ def dequantized_as_read(state: dict, config, folder: Path, *, keep_mxfp4: bool =
     MXFP4 tensors wrapped to be decoded as they are read (every pairing checked from the headers first, so a bad
     one stops the load at once; `config` is then stripped of its quantization_config, so transformers does not
     apply its own); ModelLoadError for any other quantized format, naming it. keep_mxfp4: MXFP4 blocks and
-    scales stay as stored (checked), for experts kept in MXFP4 (model.expert_format)."""
+    scales (gpt-oss's, or FP4 experts' bytes gathered into stacks) stay as stored (checked), for experts kept in
+    MXFP4 (model.expert_format)."""
     method = quant_method(config)
     if method is None:
         return state
@@ -206,6 +217,8 @@ def dequantized_as_read(state: dict, config, folder: Path, *, keep_mxfp4: bool =
         fp4 = quant_setting(config, "expert_dtype") == "fp4"
         state = fp8_state(state, (int(block[0]), int(block[1])), folder, fp4=fp4)
         state = fused_expert_stacks(state, getattr(config, "model_type", None))
+        if keep_mxfp4:
+            state = fp4_stacks_kept(state, folder)
     else:
         why = INSTEAD.get(method, "moe-qlora reads unquantized checkpoints, FP8 with block scales and MXFP4")
         raise ModelLoadError(f"{folder}: quantization_config.quant_method is {method!r}: {why}")
@@ -225,7 +238,7 @@ def fp8_state(state: dict, block: tuple[int, int], folder: Path, *, fp4: bool = 
     scale_of = {  # quantized weight -> the key of its scales
         name: scale_key_of(name, state, folder)
         for name, tensor in state.items()
-        if tensor.get_dtype() in FP8_STORED or is_fp4_weight(name, state)
+        if tensor.get_dtype() in FP8_STORED or is_fp4_weight(name, state, fp4)
     }
     scales = set(scale_of.values())
     out = {}
@@ -246,14 +259,20 @@ def fp8_state(state: dict, block: tuple[int, int], folder: Path, *, fp4: bool = 
     return out
 
 
-def is_fp4_weight(name: str, state: dict) -> bool:
-    return state[name].get_dtype() in FP4_STORED and any(key in state for key in scale_names(name))
+def is_fp4_weight(name: str, state: dict, fp4: bool) -> bool:
+    """An int8 weight with scales beside it; with fp4 (`expert_dtype: fp4`) every int8 `.weight`, so one whose
+    scales are missing is named, never read as raw codes."""
+    if state[name].get_dtype() not in FP4_STORED:
+        return False
+    return (fp4 and name.endswith(".weight")) or any(key in state for key in scale_names(name))
 
 
 def scale_names(name: str) -> list[str]:
-    """Where the scales of weight `name` may be stored (SCALE_NAMES beside it)."""
-    module = name.removesuffix(".weight") if name.endswith(".weight") else name
-    return [f"{module}.{suffix}" for suffix in SCALE_NAMES]
+    """Where the scales of weight `name` may be stored: SCALE_NAMES beside a `.weight`, `<name>_scale_inv` beside
+    any other tensor (an FP8 stack saved by transformers: `experts.gate_up_proj_scale_inv`)."""
+    if not name.endswith(".weight"):
+        return [name + SCALE_SUFFIX]
+    return [f"{name.removesuffix('.weight')}.{suffix}" for suffix in SCALE_NAMES]
 
 
 def scale_key_of(name: str, state: dict, folder: Path) -> str:
@@ -333,6 +352,59 @@ class FusedExpertsTensor:
         return torch.cat([part[e][...] for part in self.parts])
 
 
+class Fp4StackBytes:
+    """The stored bytes of a fused FP4 stack as MXFP4's `<stack>_blocks` (E, out, G, 16) or `<stack>_scales`
+    (E, out, G): each expert's sources' rows concatenated (gate before up), nothing decoded. An FP4 row of
+    (cols / 2) bytes is its G groups of 16 bytes, low nibble first as in MXFP4, so the bytes are already MXFP4's."""
+
+    def __init__(self, fused: FusedExpertsTensor, part: str):
+        self.fused, self.part = fused, part  # part: "weight" (the codes) or "scale" (the e8m0 exponents)
+
+    def get_dtype(self) -> str:
+        return "U8"
+
+    def get_shape(self) -> list[int]:
+        experts, rows, cols = self.fused.get_shape()
+        groups = cols // FP4_GROUP
+        return [experts, rows, groups, FP4_GROUP // 2] if self.part == "weight" else [experts, rows, groups]
+
+    def __getitem__(self, index):
+        if index is not Ellipsis:
+            suffix = BLOCKS_SUFFIX if self.part == "weight" else SCALES_SUFFIX
+            raise ValueError(f"{self.fused.name}{suffix}: read whole ([...]), not [{index!r}]")
+        out = torch.empty(self.get_shape(), dtype=torch.uint8)
+        for e in range(out.shape[0]):
+            rows = [getattr(part[e], self.part)[...].contiguous().view(torch.uint8) for part in self.fused.parts]
+            out[e] = torch.cat(rows).view(out.shape[1:])
+        return out
+
+
+def fp4_stacks_kept(state: dict, folder: Path) -> dict:
+    """`state` with every fused stack of FP4 experts as MXFP4 `<stack>_blocks` and `<stack>_scales` of the stored
+    bytes (model.expert_format mxfp4); an FP4 weight left out of a stack, or scales that are not e8m0 bytes,
+    cannot be kept so: ModelLoadError."""
+    out = {}
+    for name, tensor in state.items():
+        parts = tensor.parts if isinstance(tensor, FusedExpertsTensor) else [[tensor]]
+        if not any(isinstance(p, Fp4RowTensor) for part in parts for p in part):
+            out[name] = tensor
+            continue
+        if not isinstance(tensor, FusedExpertsTensor) or any(type(p) is not Fp4RowTensor for q in parts for p in q):
+            raise ModelLoadError(
+                f"{folder}: {name}: an FP4 weight outside a stack of FP4 experts cannot be kept as MXFP4: use "
+                "model.expert_format nf4"
+            )
+        scales = {p.scale.get_dtype() for part in parts for p in part}
+        if not scales <= {"U8", "F8_E8M0"}:
+            raise ModelLoadError(
+                f"{folder}: {name}: FP4 scales stored as {sorted(scales)}, not e8m0: kept as MXFP4 only with e8m0 "
+                "scales; use model.expert_format nf4"
+            )
+        out[name + BLOCKS_SUFFIX] = Fp4StackBytes(tensor, "weight")
+        out[name + SCALES_SUFFIX] = Fp4StackBytes(tensor, "scale")
+    return out
+
+
 class ExpertReader:
     """A FusedExpertsTensor as nf4.quantize_stack reads a stack: `shape`, and `[e]` expert e decoded alone."""
 
@@ -344,19 +416,15 @@ class ExpertReader:
 
 
 def stacks_read_by_expert(state: dict, model_type: str | None) -> dict[str, FusedExpertsTensor]:
-    """The fused FP8 stacks moe-qlora quantizes itself, an expert at a time as each is decoded, instead of
-    handing transformers the stack: those whose name no renaming of transformers' checkpoint conversion touches,
-    so it is the model's parameter name (DeepSeek-V3's, Qwen3's, GLM-4.5's; not MiniMax-M2's block_sparse_moe)."""
+    """The fused FP8/FP4 stacks moe-qlora quantizes itself, an expert at a time as each is decoded, instead of
+    handing transformers the stack, under the name transformers' renames give them (DeepSeek-V4's ffn -> mlp,
+    MiniMax-M2's block_sparse_moe -> mlp; the base model's prefix, where the checkpoint has none, is added where
+    the model is at hand: loading.stack_of). Each tensor's own `name` is its key in `state`."""
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming
+    from transformers.core_model_loading import WeightRenaming, apply_renamings
 
-    mapping = get_checkpoint_conversion_mapping(model_type) or []
-    renamed = [p for r in mapping if isinstance(r, WeightRenaming) for p in r.source_patterns]
-    fused = {
-        k: v
-        for k, v in state.items()
-        if isinstance(v, FusedExpertsTensor) and not any(re.search(p, k) for p in renamed)
-    }
+    renamings = [r for r in get_checkpoint_conversion_mapping(model_type) or [] if isinstance(r, WeightRenaming)]
+    fused = {apply_renamings(k, renamings): v for k, v in state.items() if isinstance(v, FusedExpertsTensor)}
     # a module's stacks all or none: one left to transformers would be the module's only stack while it loads,
     # and a module without its stacks is no experts module to the quantizer (its other stack left in bf16)
     stacks = {k.rsplit(".", 1)[1] for k in fused}

@@ -1,5 +1,5 @@
-"""Checkpoints written as their publishers write them, from a tiny bf16 checkpoint: DeepSeek-V3's block-scaled FP8
-and gpt-oss's MXFP4 experts."""
+"""Checkpoints written as their publishers write them, from a tiny bf16 checkpoint: DeepSeek-V3's block-scaled FP8,
+gpt-oss's MXFP4 experts, and DeepSeek-V4-Flash's FP8 with FP4 experts."""
 
 import json
 import shutil
@@ -13,8 +13,10 @@ E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 
 
 def quantized_names(state: dict) -> list[str]:
-    """The weights DeepSeek-V3 publishes in FP8: every projection (attention, experts, shared experts)."""
-    return [k for k, v in state.items() if "_proj" in k and k.endswith(".weight") and v.dim() == 2]
+    """The weights DeepSeek-V3 publishes in FP8: every projection (attention, experts, shared experts), and every
+    expert's weight under other names (MiniMax-M2's w1, w2, w3)."""
+    projection = ("_proj", ".experts.")
+    return [k for k, v in state.items() if any(p in k for p in projection) and k.endswith(".weight") and v.dim() == 2]
 
 
 def to_fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,3 +91,76 @@ def publish_gpt_oss_mxfp4(source: Path, out: Path) -> tuple[Path, dict]:
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
     (folder / "config.json").write_text(json.dumps(config))
     return folder, stacks
+
+
+V4_FLASH_QUANTIZATION = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+    "scale_fmt": "ue8m0",
+    "expert_dtype": "fp4",
+}
+
+
+def published_in_fp8_by_v4_flash(name: str, tensor: torch.Tensor) -> bool:
+    """The weights V4-Flash ships quantized: 2D projections outside the compressor, the router and the embeddings
+    (FP4 for the routed experts, FP8 for the rest)."""
+    skipped = ("compressor", "embed", ".gate.", "hc_")
+    projection = name.endswith(".weight") and tensor.dim() == 2 and not name.startswith("head")
+    return projection and not any(s in name for s in skipped)
+
+
+def is_routed_expert(name: str) -> bool:
+    return ".experts." in name and ".shared_experts." not in name
+
+
+def to_fp4_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) -> int8 (rows, cols / 2) e2m1 pairs, low nibble first, and uint8 e8m0 (rows, cols / 32): each
+    group of 32 scaled by a power of two so its largest value is at most 6, each value rounded to the nearest."""
+    groups = w.float().reshape(w.shape[0], -1, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0))
+    scaled = groups / torch.exp2(exponent)[..., None]
+    codes = (scaled[..., None] - torch.tensor(E2M1)).abs().argmin(-1).to(torch.uint8).reshape(w.shape[0], -1)
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(torch.int8), (exponent + 127).to(torch.uint8)
+
+
+def to_fp8_e8m0_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 weight, F8_E8M0 grid): each block's scale the power of two that puts its absmax at most FP8_MAX."""
+    q, grid = to_fp8_blocks(w, block)
+    grid = torch.exp2(torch.ceil(torch.log2(grid)))
+    cells = grid.repeat_interleave(block[0], 0)[: w.shape[0]].repeat_interleave(block[1], 1)[:, : w.shape[1]]
+    return (w / cells).to(torch.float8_e4m3fn), grid.to(torch.float8_e8m0fnu)
+
+
+def publish_v4_flash(source: Path, out: Path) -> tuple[Path, dict]:
+    """The tiny DeepSeek-V4 checkpoint `source` as DeepSeek-V4-Flash is published: routed experts' w1/w2/w3 in FP4
+    (int8 pairs, e8m0 `.scale` bytes per 32), the other projections FP8 with F8_E8M0 `.scale` grids of 128 x 128,
+    the rest bf16. Returns (folder, {model stack key: (MXFP4 blocks, scales)} of the experts' bytes, gate before up)."""
+    (weights,) = source.glob("*.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    experts = config["n_routed_experts"]
+    state = {k: v if k.endswith("tid2eid") else v.to(torch.bfloat16) for k, v in load_file(str(weights)).items()}
+    for k in [k for k in state if k.endswith("tid2eid")]:  # built zeros: every token to expert 0, the gate idle
+        picks = [torch.randperm(experts, generator=torch.Generator().manual_seed(t)) for t in range(len(state[k]))]
+        state[k] = torch.stack(picks)[:, : state[k].shape[1]].contiguous()
+    for k in [k for k, v in state.items() if published_in_fp8_by_v4_flash(k, v)]:
+        quantized = to_fp4_rows(state[k]) if is_routed_expert(k) else to_fp8_e8m0_blocks(state[k].float(), (128, 128))
+        state[k], state[k.removesuffix(".weight") + ".scale"] = quantized
+    (folder,) = write_variants(out.parent, source, {out.name: state})
+    config["quantization_config"] = V4_FLASH_QUANTIZATION
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, v4_flash_stacks(state, config["num_hidden_layers"], experts)
+
+
+def v4_flash_stacks(state: dict, layers: int, experts: int) -> dict:
+    """{model stack key: (blocks (E, out, G, 16), scales (E, out, G))}: each expert's FP4 rows (w1 then w3 for
+    gate_up, w2 for down) as the MXFP4 stack they are."""
+    stacks = {}
+    for i in range(layers):
+        for stack, sources in (("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",))):
+            keys = [[f"model.layers.{i}.ffn.experts.{e}.{w}" for w in sources] for e in range(experts)]
+            blocks = torch.stack([torch.cat([state[k + ".weight"].view(torch.uint8) for k in e]) for e in keys])
+            scales = torch.stack([torch.cat([state[k + ".scale"] for k in e]) for e in keys])
+            stacks[f"model.layers.{i}.mlp.experts.{stack}"] = (blocks.view(*scales.shape, 16), scales)
+    return stacks

@@ -1,7 +1,9 @@
-"""gpt-oss trained on its own MXFP4 experts (model.expert_format): a tiny gpt-oss checkpoint written in the hub's
-quantized layout (`*_blocks`, `*_scales`, quantization_config mxfp4) loads with its expert bytes kept as stored,
-and the whole model's LoRA gradients (experts, attention, router) match PEFT's on the base as transformers
-dequantizes that checkpoint (Mxfp4Config(dequantize=True)), its 4-bit linears replaced by ours decoded.
+"""gpt-oss and DeepSeek-V4-Flash trained on their own MXFP4 experts (model.expert_format): a tiny checkpoint
+written in the hub's quantized layout (gpt-oss: `*_blocks`, `*_scales`, quantization_config mxfp4; V4-Flash:
+per-expert int8 FP4 weights with e8m0 `.scale` bytes in an FP8 release, expert_dtype fp4) loads with its expert
+bytes kept as stored, and the whole model's LoRA gradients (experts, attention, router) match PEFT's on the base as
+transformers dequantizes that checkpoint (Mxfp4Config / FineGrainedFP8Config(dequantize=True)), its 4-bit linears
+replaced by ours decoded.
 
 Tolerance: helpers.oracle.REL_TOL (4e-6) of each gradient's largest element, fp32 reordering only: the MXFP4
 experts are decoded exactly on both sides (tested bit for bit here too), so nothing else differs. Broken control:
@@ -13,34 +15,53 @@ import json
 import pytest
 import torch
 from peft import PeftModel, get_peft_model_state_dict
-from transformers import AutoModelForCausalLM, Mxfp4Config
+from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
 
 from moe_qlora.config.sections import LoraSection
 from moe_qlora.export.adapter import PEFT_PREFIX, adapter_state_dict, dequantized_base_state_dict, save_adapter
 from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.model.loading import LoadOptions, ModelLoadError, load_model, parameter_bytes_by_kind
-from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
+from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config, tiny_config_any
 from moe_qlora.moe.experts import experts_modules, kernel_self_check, set_moe_kernels
 
 from helpers.oracle import assert_close_scaled, next_token_gradients, randomize_lora_b
-from helpers.published import publish_gpt_oss_mxfp4
+from helpers.published import publish_gpt_oss_mxfp4, publish_v4_flash
 
 LORA = LoraSection(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"], router=True)
+FAMILIES = {  # model type: (publisher, transformers' dequantizing config, LoRA)
+    "gpt_oss": (publish_gpt_oss_mxfp4, Mxfp4Config, LORA),
+    "deepseek_v4": (
+        publish_v4_flash,
+        FineGrainedFP8Config,
+        LoraSection(rank=4, alpha=8.0, target_modules=["q_a_proj", "o_b_proj"], router=True),
+    ),
+}
+
+
+def published(root, family: str):
+    """(the checkpoint as published, the bf16 one it was made from, {stack key: (blocks, scales)})."""
+    tok = build_byte_tokenizer()
+    config = tiny_config(family, len(tok)) if family == "gpt_oss" else tiny_config_any(family, len(tok))
+    source = save_tiny_model(root / "source", config, seed=0, tokenizer=tok)
+    folder, stacks = FAMILIES[family][0](source, root / "mxfp4")
+    return folder, source, stacks
 
 
 @pytest.fixture(scope="module")
 def gpt_oss_mxfp4(tmp_path_factory):
-    """(the MXFP4 checkpoint, the bf16 one it was made from, {stack key: (blocks, scales)})."""
-    root = tmp_path_factory.mktemp("gpt-oss-mxfp4")
-    tok = build_byte_tokenizer()
-    source = save_tiny_model(root / "source", tiny_config("gpt_oss", len(tok)), seed=0, tokenizer=tok)
-    folder, stacks = publish_gpt_oss_mxfp4(source, root / "mxfp4")
-    return folder, source, stacks
+    return published(tmp_path_factory.mktemp("gpt-oss-mxfp4"), "gpt_oss")
 
 
-def test_the_experts_keep_the_published_bytes(gpt_oss_mxfp4):
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_mxfp4(request, tmp_path_factory):
+    """(family, the checkpoint as published, {stack key: (blocks, scales)})."""
+    folder, _, stacks = published(tmp_path_factory.mktemp(f"{request.param}-mxfp4"), request.param)
+    return request.param, folder, stacks
+
+
+def test_the_experts_keep_the_published_bytes(family_mxfp4):
     """auto keeps MXFP4 as MXFP4: each stack's blocks and scales are the file's bytes, 4.25 bits a weight."""
-    folder, _, stacks = gpt_oss_mxfp4
+    _, folder, stacks = family_mxfp4
     model = load_model(LoadOptions(str(folder)))
     assert model.expert_format == "mxfp4"
     params = dict(model.named_parameters())
@@ -68,15 +89,17 @@ def our_gradients(model) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def peft_oracle(gpt_oss_mxfp4, tmp_path_factory):
+def peft_oracle(family_mxfp4, tmp_path_factory):
     """(our model with random LoRA, PEFT's gradients of the same loss on transformers' dequantized checkpoint)."""
-    folder, _, _ = gpt_oss_mxfp4
-    model = attach_adapters(load_model(LoadOptions(str(folder))), LORA, seed=0)
+    family, folder, _ = family_mxfp4
+    _, dequantizing, lora = FAMILIES[family]
+    model = attach_adapters(load_model(LoadOptions(str(folder))), lora, seed=0)
+    assert model.expert_format == "mxfp4"
     model.eval()  # no dropout: both sides compute the same function
     randomize_lora_b(model, seed=1)
-    adapter = save_adapter(model, tmp_path_factory.mktemp("adapter"), cfg=LORA, base_model_name_or_path=str(folder))
+    adapter = save_adapter(model, tmp_path_factory.mktemp("adapter"), cfg=lora, base_model_name_or_path=str(folder))
     base = AutoModelForCausalLM.from_pretrained(
-        str(folder), quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32
+        str(folder), quantization_config=dequantizing(dequantize=True), dtype=torch.float32
     )
     ours = dequantized_base_state_dict(model)
     theirs = base.state_dict()
@@ -85,7 +108,9 @@ def peft_oracle(gpt_oss_mxfp4, tmp_path_factory):
             key = f"{name.removeprefix(PEFT_PREFIX)}.{stack}"
             assert torch.equal(theirs[key], ours.pop(key)), key
     missing, unexpected = base.load_state_dict(ours, strict=False)  # our 4-bit linears, decoded
-    assert not unexpected and all("experts." in k and k.endswith("_proj") for k in missing), (missing, unexpected)
+    buffers = {n for n, _ in base.named_buffers()}  # DeepSeek-V4's hash routing table
+    stacks_or_buffers = all(("experts." in k and k.endswith("_proj")) or k in buffers for k in missing)
+    assert not unexpected and stacks_or_buffers, (missing, unexpected)
     peft_model = PeftModel.from_pretrained(base, str(adapter), is_trainable=True).eval()
     return model, next_token_gradients(peft_model, get_peft_model_state_dict, tokens())
 

@@ -15,9 +15,9 @@ from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.model.budget import meta_model
 from moe_qlora.model.loading import LoadOptions, load_model, parameter_bytes_by_kind
 from moe_qlora.model.plan import plan_run
-from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
+from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config, tiny_config_any
 
-from helpers.published import publish_gpt_oss_mxfp4
+from helpers.published import publish_gpt_oss_mxfp4, publish_v4_flash
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,15 +32,20 @@ def run_config(path, **model):
     )
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v2", "gpt_oss", "gpt_oss-mxfp4"])
+@pytest.mark.parametrize(
+    "family", ["mixtral", "qwen3_moe", "deepseek_v2", "gpt_oss", "gpt_oss-mxfp4", "deepseek_v4-mxfp4"]
+)
 @pytest.mark.parametrize("double_quant", [False, True])
 def test_plan_equals_the_bytes_of_the_loaded_model(tmp_path, family, double_quant):
-    """gpt_oss-mxfp4: gpt-oss as published, its experts kept in MXFP4 (4.25 bits a weight, experts_mxfp4)."""
+    """gpt_oss-mxfp4: gpt-oss as published, its experts kept in MXFP4 (4.25 bits a weight, experts_mxfp4);
+    deepseek_v4-mxfp4: DeepSeek-V4-Flash as published (FP8, its FP4 experts kept as MXFP4)."""
     tok = build_byte_tokenizer()
     model_type, _, published = family.partition("-")
-    path = save_tiny_model(tmp_path / model_type, tiny_config(model_type, len(tok)), tokenizer=tok)
+    config = tiny_config_any(model_type, len(tok)) if model_type == "deepseek_v4" else tiny_config(model_type, len(tok))
+    path = save_tiny_model(tmp_path / model_type, config, tokenizer=tok)
     if published:
-        path, _ = publish_gpt_oss_mxfp4(path, tmp_path / family)
+        publish = publish_v4_flash if model_type == "deepseek_v4" else publish_gpt_oss_mxfp4
+        path, _ = publish(path, tmp_path / family)
     cfg = run_config(path, expert_double_quant=double_quant, linear_double_quant=double_quant)
     opts = LoadOptions(str(path), expert_double_quant=double_quant, linear_double_quant=double_quant)
     model = attach_adapters(load_model(opts), cfg.lora, seed=0)

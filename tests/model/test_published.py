@@ -105,10 +105,10 @@ def test_per_expert_fp8_weights_are_read_as_fused_stacks(checkpoints):
         assert "model.layers.1.mlp.experts.0.gate_proj.weight" in kept
 
 
-def test_fused_stacks_are_quantized_an_expert_at_a_time_unless_renamed(checkpoints):
-    """DeepSeek-V3's fused stacks keep their checkpoint names in the model, so the loader quantizes them itself as
-    each expert is decoded (the load above is that path); under a name transformers renames (MiniMax-M2's
-    block_sparse_moe -> mlp), a stack is left to transformers."""
+def test_fused_stacks_are_quantized_an_expert_at_a_time_under_the_models_names(checkpoints):
+    """The loader quantizes every fused stack itself as each expert is decoded (the load above is that path), under
+    the name the model gives it: DeepSeek-V3's keep their checkpoint names; under a name transformers renames
+    (MiniMax-M2's block_sparse_moe -> mlp) a stack is claimed under the renamed one."""
     from moe_qlora.model.loading import lazy_state_dict
     from moe_qlora.model.published import dequantized_as_read, stacks_read_by_expert
 
@@ -119,20 +119,58 @@ def test_fused_stacks_are_quantized_an_expert_at_a_time_unless_renamed(checkpoin
         assert sorted(claimed) == sorted(
             k for k in decoded if k.endswith(("experts.gate_up_proj", "experts.down_proj"))
         )
+        assert all(fused.name == k for k, fused in claimed.items())
         renamed = {k.replace(".mlp.", ".block_sparse_moe."): v for k, v in claimed.items()}
-        assert stacks_read_by_expert(renamed, "minimax_m2") == {}
+        assert stacks_read_by_expert(renamed, "minimax_m2") == claimed
         # a layer whose down_proj is not fused (one expert missing, say) keeps both stacks with transformers
         partial = {k: v for k, v in decoded.items() if k != "model.layers.1.mlp.experts.down_proj"}
         assert sorted(stacks_read_by_expert(partial, "deepseek_v3")) == sorted(k for k in claimed if ".layers.2." in k)
 
 
+def test_renamed_stacks_load_as_transformers_dequantizes_them(tmp_path):
+    """MiniMax-M2's FP8 release: per-expert w1/w2/w3 under block_sparse_moe, which transformers renames to mlp.
+    The loader quantizes those stacks itself under the renamed names, an expert at a time, and the model is
+    transformers' own dequantization (FineGrainedFP8Config(dequantize=True), saved in bf16), byte for byte."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    from moe_qlora.model.loading import lazy_state_dict
+    from moe_qlora.model.published import dequantized_as_read, stacks_read_by_expert
+    from moe_qlora.model.tiny import tiny_config_any
+
+    from helpers.published import publish_fp8
+
+    tok = build_byte_tokenizer()
+    source = save_tiny_model(tmp_path / "source", tiny_config_any("minimax_m2", len(tok)), seed=0, tokenizer=tok)
+    fp8 = publish_fp8(source, tmp_path / "fp8", (16, 16))
+    with lazy_state_dict([fp8 / "model.safetensors"]) as state:
+        decoded = dequantized_as_read(state, AutoConfig.from_pretrained(str(fp8)), fp8)
+        claimed = stacks_read_by_expert(decoded, "minimax_m2")
+    assert sorted(claimed) == [
+        f"model.layers.{i}.mlp.experts.{s}" for i in (0, 1) for s in ("down_proj", "gate_up_proj")
+    ]
+    theirs = AutoModelForCausalLM.from_pretrained(
+        str(fp8), quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.bfloat16
+    )
+    theirs.save_pretrained(str(tmp_path / "theirs"))
+    config = json.loads((tmp_path / "theirs" / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (tmp_path / "theirs" / "config.json").write_text(json.dumps(config))
+    ours, expected = loaded_state(fp8), loaded_state(tmp_path / "theirs")
+    assert ours.keys() == expected.keys()
+    assert [k for k in expected if not torch.equal(ours[k], expected[k])] == []
+
+
 def test_fp8_layouts_not_read_are_named(checkpoints, tmp_path):
-    """A weight without its scale, a scale without an FP8 weight: ModelLoadError naming the key, before loading."""
+    """A weight without its scale, a scale without an FP8 weight, a 3D FP8 stack: ModelLoadError naming the key,
+    before loading."""
     source = load_file(str(checkpoints[0] / "model.safetensors"))
     weight = "model.layers.1.mlp.experts.3.up_proj.weight"
+    stack = "model.layers.1.mlp.experts.down_proj"  # as transformers' FP8Experts saves a stack: 3D, `_scale_inv`
+    saved_stack = {**source, stack: torch.zeros(8, 64, 64).to(torch.float8_e4m3fn), stack + "_scale_inv": torch.ones(8)}
     cases = {
         "no-scale": ({k: v for k, v in source.items() if k != weight + "_scale_inv"}, "without its"),
         "orphan": ({**source, weight: source[weight].float()}, "scales a F32 weight, not an FP8 one"),
+        "stack": (saved_stack, r"down_proj: an FP8 tensor of shape \[8, 64, 64\]; only 2D weights are read"),
     }
     for name, (tensors, expected) in cases.items():
         (folder,) = write_variants(tmp_path, checkpoints[0], {name: tensors})

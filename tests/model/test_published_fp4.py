@@ -21,38 +21,17 @@ from moe_qlora.model.loading import LoadOptions, ModelLoadError, lazy_state_dict
 from moe_qlora.model.published import decode_fp4_rows, fp8_state
 from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config_any
 
-from helpers.published import E2M1, FP8_MAX, write_variants
+from helpers.published import (
+    E2M1,
+    V4_FLASH_QUANTIZATION,
+    is_routed_expert,
+    published_in_fp8_by_v4_flash,
+    to_fp4_rows,
+    to_fp8_e8m0_blocks,
+    write_variants,
+)
 
 BLOCK = (128, 128)
-FLASH_CONFIG = {
-    "quant_method": "fp8",
-    "fmt": "e4m3",
-    "activation_scheme": "dynamic",
-    "weight_block_size": list(BLOCK),
-    "scale_fmt": "ue8m0",
-    "expert_dtype": "fp4",
-}
-
-
-def published_in_fp8(name: str, tensor: torch.Tensor) -> bool:
-    """The weights V4-Flash ships in FP8: 2D projections outside the compressor, the router and the embeddings."""
-    skipped = ("compressor", "embed", ".gate.", "hc_")
-    return (
-        name.endswith(".weight")
-        and tensor.dim() == 2
-        and not name.startswith("head")
-        and not any(s in name for s in skipped)
-    )
-
-
-def to_fp4_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, cols) -> int8 (rows, cols / 2) e2m1 pairs, low nibble first, and uint8 e8m0 (rows, cols / 32): each
-    group of 32 scaled by a power of two so its largest value is at most 6, each value rounded to the nearest."""
-    groups = w.float().reshape(w.shape[0], -1, 32)
-    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0))
-    scaled = groups / torch.exp2(exponent)[..., None]
-    codes = (scaled[..., None] - torch.tensor(E2M1)).abs().argmin(-1).to(torch.uint8).reshape(w.shape[0], -1)
-    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(torch.int8), (exponent + 127).to(torch.uint8)
 
 
 def from_fp4_rows(packed: torch.Tensor, exponents: torch.Tensor, *, swapped: bool = False) -> torch.Tensor:
@@ -64,19 +43,6 @@ def from_fp4_rows(packed: torch.Tensor, exponents: torch.Tensor, *, swapped: boo
     codes = torch.stack([first, second], -1).reshape(b.shape[0], -1)
     factors = torch.tensor([[2.0 ** (int(e) - 127) for e in row] for row in exponents.tolist()])
     return (torch.tensor(E2M1)[codes] * factors.repeat_interleave(32, 1)).to(torch.bfloat16)
-
-
-def to_fp8_e8m0_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 weight, e8m0 grid): each block's scale the power of two that puts its absmax at most FP8_MAX."""
-    rows, cols = w.shape
-    grid = torch.zeros(-(-rows // BLOCK[0]), -(-cols // BLOCK[1]))
-    q = torch.empty_like(w)
-    for i in range(grid.shape[0]):
-        for j in range(grid.shape[1]):
-            cells = (slice(i * BLOCK[0], (i + 1) * BLOCK[0]), slice(j * BLOCK[1], (j + 1) * BLOCK[1]))
-            grid[i, j] = torch.exp2(torch.ceil(torch.log2(w[cells].abs().max().clamp(min=1e-30) / FP8_MAX)))
-            q[cells] = w[cells] / grid[i, j]
-    return q.to(torch.float8_e4m3fn), grid.to(torch.float8_e8m0fnu)
 
 
 def from_fp8_blocks(q: torch.Tensor, grid: torch.Tensor, shift: int = 0) -> torch.Tensor:
@@ -98,28 +64,29 @@ def flash(tmp_path_factory):
     (weights,) = source.glob("*.safetensors")
     state = {k: v.to(torch.bfloat16) for k, v in load_file(str(weights)).items()}
     published, oracle, swapped, shifted = dict(state), dict(state), dict(state), dict(state)
-    for k in [k for k, v in state.items() if published_in_fp8(k, v)]:
+    for k in [k for k, v in state.items() if published_in_fp8_by_v4_flash(k, v)]:
         scale_key = k.removesuffix(".weight") + ".scale"
-        if ".experts." in k and ".shared_experts." not in k:
+        if is_routed_expert(k):
             packed, exponents = to_fp4_rows(state[k])
             published[k], published[scale_key] = packed, exponents
             oracle[k] = shifted[k] = from_fp4_rows(packed, exponents)
             swapped[k] = from_fp4_rows(packed, exponents, swapped=True)
         else:
-            q, grid = to_fp8_e8m0_blocks(state[k].float())
+            q, grid = to_fp8_e8m0_blocks(state[k].float(), BLOCK)
             published[k], published[scale_key] = q, grid
             oracle[k] = swapped[k] = from_fp8_blocks(q, grid)
             shifted[k] = from_fp8_blocks(q, grid, shift=1)
     variants = {"published": published, "oracle": oracle, "swapped": swapped, "shifted": shifted}
     folders = write_variants(root, source, variants)
     config = json.loads((folders[0] / "config.json").read_text())
-    config["quantization_config"] = FLASH_CONFIG
+    config["quantization_config"] = V4_FLASH_QUANTIZATION
     (folders[0] / "config.json").write_text(json.dumps(config))
     return folders, published
 
 
 def loaded_state(folder) -> dict[str, torch.Tensor]:
-    model = load_model(LoadOptions(str(folder)))
+    """The model loaded with NF4 experts (auto keeps V4-Flash's FP4 experts as MXFP4: test_mxfp4_experts.py)."""
+    model = load_model(LoadOptions(str(folder), expert_format="nf4"))
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -190,6 +157,7 @@ def test_a_scale_named_beside_an_unquantized_weight_is_a_parameter(flash):
         ("two-scales", r"has scales under \[.*weight_scale_inv.*scale.*\]: one is expected"),
         ("bad-grid", r"experts.3.w1.weight: FP4 weight \[128, 32\] with scales U8 \[128, 4\]"),
         ("no-scale", r"wq_a.weight is stored in F8_E4M3 without its scales \(looked for .*wq_a.weight_scale_inv"),
+        ("fp4-no-scale", r"experts.3.w1.weight is stored in I8 without its scales"),  # never read as raw codes
     ],
 )
 def test_flash_layouts_not_read_are_named(flash, tmp_path, case, expected):
@@ -204,6 +172,8 @@ def test_flash_layouts_not_read_are_named(flash, tmp_path, case, expected):
     elif case == "bad-grid":
         key = "model.layers.0.ffn.experts.3.w1.scale"
         tensors[key] = torch.cat([tensors[key], tensors[key]], 1)
+    elif case == "fp4-no-scale":
+        del tensors["model.layers.0.ffn.experts.3.w1.scale"]
     else:
         del tensors["model.layers.0.attn.wq_a.scale"]
     save_file(tensors, str(folder / "model.safetensors"))
@@ -234,7 +204,7 @@ def test_per_expert_fp4_weights_are_read_as_fused_stacks(flash):
     """DeepSeek-V4's converter patterns (`\\.experts.*.w1.weight`) group the per-expert FP4 keys into the model's
     stacks under the checkpoint's module path (transformers renames ffn to mlp as it loads them), not through
     transformers' merge; test_v4_flash_loads_as_its_definition shows the stacks are right (gate before up)."""
-    from moe_qlora.model.published import FusedExpertsTensor, fused_expert_stacks
+    from moe_qlora.model.published import FusedExpertsTensor, fused_expert_stacks, stacks_read_by_expert
 
     (published, *_), _ = flash
     with lazy_state_dict([published / "model.safetensors"]) as state:
@@ -246,10 +216,40 @@ def test_per_expert_fp4_weights_are_read_as_fused_stacks(flash):
         for name, shape in (("gate_up_proj", [8, 256, 64]), ("down_proj", [8, 64, 128]))
     }
     assert not any(re.search(r"\.experts\.\d+\.", k) for k in fused)
+    claimed = stacks_read_by_expert(fused, "deepseek_v4")  # quantized by the loader an expert at a time (nf4)
+    assert {k: v.name for k, v in claimed.items()} == {k.replace(".ffn.", ".mlp."): k for k in stacks}
 
 
-def test_mxfp4_is_not_kept_for_fp4_experts(flash):
-    """expert_format mxfp4 is built for gpt-oss's stacked layout: asked of V4-Flash, refused with what it does."""
-    (published, *_), _ = flash
-    with pytest.raises(ModelLoadError, match=r"FP4 experts \(expert_dtype fp4\), which load decoded and quantized"):
-        load_model(LoadOptions(str(published), expert_format="mxfp4"))
+def test_mxfp4_is_kept_only_for_fp4_experts_with_e8m0_scales(flash, tmp_path):
+    """FP4 experts are MXFP4's values only with e8m0 scales (scale_fmt ue8m0): with float scales auto quantizes
+    them to NF4, and mxfp4 asked is refused, naming why."""
+    (published, *_), raw = flash
+    folder = shutil.copytree(published, tmp_path / "float-scales")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["scale_fmt"] = "float"
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = {k: v.float() if v.dtype == torch.float8_e8m0fnu else v for k, v in raw.items()}
+    for k in [k for k in raw if k.endswith(".scale") and raw[k].dtype == torch.uint8]:
+        tensors[k] = torch.exp2(raw[k].float() - 127)
+    save_file(tensors, str(folder / "model.safetensors"))
+    assert load_model(LoadOptions(str(folder))).expert_format == "nf4"
+    with pytest.raises(ModelLoadError, match=r"FP4 experts whose scales are not e8m0 \(scale_fmt 'float'\)"):
+        load_model(LoadOptions(str(folder), expert_format="mxfp4"))
+    assert load_model(LoadOptions(str(published))).expert_format == "mxfp4"
+
+
+def test_the_release_layout_loads_the_same_model(flash, tmp_path):
+    """As DeepSeek-V4-Flash is released: keys without the base model's `model.` prefix, and expert_dtype at the
+    config's top level (DeepseekV4Config moves it into quantization_config). The same model loads, with NF4
+    experts (quantized by the loader an expert at a time) and with MXFP4 ones."""
+    (published, *_), raw = flash
+    folder = shutil.copytree(published, tmp_path / "release")
+    save_file({k.removeprefix("model."): v for k, v in raw.items()}, str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    config["expert_dtype"] = config["quantization_config"].pop("expert_dtype")
+    (folder / "config.json").write_text(json.dumps(config))
+    for expert_format in ("nf4", "mxfp4"):
+        expected = load_model(LoadOptions(str(published), expert_format=expert_format)).state_dict()
+        got = load_model(LoadOptions(str(folder), expert_format=expert_format)).state_dict()
+        assert got.keys() == expected.keys()
+        assert [k for k in expected if not torch.equal(got[k], expected[k])] == [], expert_format

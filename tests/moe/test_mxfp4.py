@@ -174,6 +174,8 @@ def test_a_packed_dim_of_an_odd_number_of_groups_is_not_read_past(
 @pytest.mark.parametrize("glu", [False, True], ids=["down", "gate_up"])
 @pytest.mark.parametrize("arch", [80, 90], ids=["sm_80_blocks", "sm_90_blocks"])
 @pytest.mark.parametrize("swap", [False, True], ids=["rows_x_weight", "swapped"])
+# silu's exp(-x) of a gate below -88 is inf in the interpreter's numpy (warned), and x / (1 + inf) = -0 the limit
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 def test_packed_forward_matches_reference(
     dev, dtype, atol, rtol, glu, arch, swap, monkeypatch, override_kernel_settings
 ):
