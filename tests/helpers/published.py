@@ -53,16 +53,36 @@ def publish_fp8(source: Path, out: Path, block: tuple[int, int], *, shift: int =
     return folder
 
 
-def to_mxfp4(stack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A (E, in, out) stack as the hub stores it: blocks (E, out, in / 32, 16) and e8m0 scales (E, out, in / 32),
-    each group of 32 inputs scaled so its largest value is at most 6, every value rounded to the nearest e2m1."""
-    w = stack.transpose(1, 2).float()
-    groups = w.reshape(*w.shape[:2], -1, 32)
+def to_e2m1_pairs(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., cols) -> uint8 (..., cols / 2) of two e2m1 codes a byte, low nibble first, and e8m0 exponent bytes
+    (..., cols / 32): each group of 32 scaled by a power of two so its largest value is at most 6, each value
+    rounded to the nearest e2m1."""
+    groups = w.float().reshape(*w.shape[:-1], -1, 32)
     exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0))
     scaled = groups / torch.exp2(exponent)[..., None]
-    codes = (scaled[..., None] - torch.tensor(E2M1)).abs().argmin(-1).to(torch.uint8)
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return blocks, (exponent + 127).to(torch.uint8)
+    codes = (scaled[..., None] - torch.tensor(E2M1)).abs().argmin(-1).to(torch.uint8).reshape(w.shape)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exponent + 127).to(torch.uint8)
+
+
+def to_mxfp4(stack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (E, in, out) stack as the hub stores it: blocks (E, out, in / 32, 16) and e8m0 scales (E, out, in / 32)."""
+    pairs, exponents = to_e2m1_pairs(stack.transpose(1, 2))
+    return pairs.reshape(*exponents.shape, 16), exponents
+
+
+def transformers_dequantized(folder: Path, out: Path) -> Path:
+    """The FP8 checkpoint `folder` as transformers' own loader dequantizes it (FineGrainedFP8Config(dequantize=True):
+    its scale renames, FP4 unpacking and block grids), saved in bf16 to `out` without a quantization_config."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    theirs = AutoModelForCausalLM.from_pretrained(
+        str(folder), quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.bfloat16
+    )
+    theirs.save_pretrained(str(out))
+    config = json.loads((out / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
 
 
 def write_variants(root, source, variants: dict[str, dict]) -> list:
@@ -116,13 +136,9 @@ def is_routed_expert(name: str) -> bool:
 
 
 def to_fp4_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, cols) -> int8 (rows, cols / 2) e2m1 pairs, low nibble first, and uint8 e8m0 (rows, cols / 32): each
-    group of 32 scaled by a power of two so its largest value is at most 6, each value rounded to the nearest."""
-    groups = w.float().reshape(w.shape[0], -1, 32)
-    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0))
-    scaled = groups / torch.exp2(exponent)[..., None]
-    codes = (scaled[..., None] - torch.tensor(E2M1)).abs().argmin(-1).to(torch.uint8).reshape(w.shape[0], -1)
-    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(torch.int8), (exponent + 127).to(torch.uint8)
+    """(rows, cols) -> int8 (rows, cols / 2) e2m1 pairs and uint8 e8m0 (rows, cols / 32), as V4-Flash stores them."""
+    pairs, exponents = to_e2m1_pairs(w)
+    return pairs.view(torch.int8), exponents
 
 
 def to_fp8_e8m0_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -131,13 +131,11 @@ def test_renamed_stacks_load_as_transformers_dequantizes_them(tmp_path):
     """MiniMax-M2's FP8 release: per-expert w1/w2/w3 under block_sparse_moe, which transformers renames to mlp.
     The loader quantizes those stacks itself under the renamed names, an expert at a time, and the model is
     transformers' own dequantization (FineGrainedFP8Config(dequantize=True), saved in bf16), byte for byte."""
-    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
-
     from moe_qlora.model.loading import lazy_state_dict
     from moe_qlora.model.published import dequantized_as_read, stacks_read_by_expert
     from moe_qlora.model.tiny import tiny_config_any
 
-    from helpers.published import publish_fp8
+    from helpers.published import publish_fp8, transformers_dequantized
 
     tok = build_byte_tokenizer()
     source = save_tiny_model(tmp_path / "source", tiny_config_any("minimax_m2", len(tok)), seed=0, tokenizer=tok)
@@ -148,14 +146,7 @@ def test_renamed_stacks_load_as_transformers_dequantizes_them(tmp_path):
     assert sorted(claimed) == [
         f"model.layers.{i}.mlp.experts.{s}" for i in (0, 1) for s in ("down_proj", "gate_up_proj")
     ]
-    theirs = AutoModelForCausalLM.from_pretrained(
-        str(fp8), quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.bfloat16
-    )
-    theirs.save_pretrained(str(tmp_path / "theirs"))
-    config = json.loads((tmp_path / "theirs" / "config.json").read_text())
-    config.pop("quantization_config", None)
-    (tmp_path / "theirs" / "config.json").write_text(json.dumps(config))
-    ours, expected = loaded_state(fp8), loaded_state(tmp_path / "theirs")
+    ours, expected = loaded_state(fp8), loaded_state(transformers_dequantized(fp8, tmp_path / "theirs"))
     assert ours.keys() == expected.keys()
     assert [k for k in expected if not torch.equal(ours[k], expected[k])] == []
 

@@ -11,12 +11,10 @@ format's definition instead. Broken control: every weight given the scales of th
 than 1% in every family. gpt-oss's MXFP4 experts: test_mxfp4_experts.py.
 """
 
-import json
-
 import pytest
 import torch
 from peft import PeftModel, get_peft_model_state_dict
-from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+from transformers import AutoModelForCausalLM
 
 from moe_qlora.config.sections import LoraSection
 from moe_qlora.export.adapter import adapter_state_dict, dequantized_base_state_dict, save_adapter
@@ -25,7 +23,7 @@ from moe_qlora.model.loading import LoadOptions, load_model
 from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
 
 from helpers.oracle import assert_close_scaled, next_token_gradients, randomize_lora_b
-from helpers.published import publish_fp8
+from helpers.published import publish_fp8, transformers_dequantized
 
 FAMILIES = {  # model type: (weight_block_size dividing every projection, attention targets)
     "deepseek_v3": ((8, 16), ["q_b_proj", "o_proj"]),
@@ -43,15 +41,7 @@ def published(request, tmp_path_factory):
     source = save_tiny_model(root / "source", tiny_config(family, len(tok)), seed=0, tokenizer=tok)
     fp8 = publish_fp8(source, root / "fp8", block)
     shifted = publish_fp8(source, root / "shifted", block, shift=1)
-    theirs = AutoModelForCausalLM.from_pretrained(
-        str(fp8), quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.bfloat16
-    )
-    dequantized = root / "dequantized"
-    theirs.save_pretrained(str(dequantized))
-    config = json.loads((dequantized / "config.json").read_text())
-    config.pop("quantization_config", None)
-    (dequantized / "config.json").write_text(json.dumps(config))
-    return family, fp8, shifted, dequantized
+    return family, fp8, shifted, transformers_dequantized(fp8, root / "dequantized")
 
 
 def lora_model(folder, family):
