@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import struct
 from collections import Counter
 from contextlib import contextmanager
@@ -168,6 +169,8 @@ class MoEQLoRAQuantizer(Bnb4BitHfQuantizer):
         if self.quantization_config.experts_mxfp4:
             expect_mxfp4_stacks(model)
         for name in self.quantization_config.stacks_read_by_expert:  # loaded after, by quantize_read_by_expert
+            if ignored_on_load(model, name):
+                continue
             _, module, stack = stack_of(model, name)
             del module._parameters[stack]
             module._is_hf_initialized = True  # its model's _init_weights would reach for the stack
@@ -434,12 +437,24 @@ def quantize_read_by_expert(model, stacks: dict, opts: LoadOptions) -> None:
     """Each stack of `stacks` ({parameter name: published.FusedExpertsTensor}) quantized to NF4 an expert at a time
     as each is decoded, and set on its module: a layer's experts are never whole in bf16 (published.py)."""
     for name, fused in stacks.items():
+        if ignored_on_load(model, name):
+            continue
         path, module, stack = stack_of(model, name, removed=True)
         param = quantize_stack(ExpertReader(fused), double_quant=opts.expert_double_quant, device=opts.device)
         if path in opts.experts_on_host:
             move_param(param, "cpu")
         module.register_parameter(stack, param)
         release_freed_memory()
+
+
+def ignored_on_load(model, name: str) -> bool:
+    """Whether transformers leaves the checkpoint's key `name` unloaded on purpose (the model's
+    `_keys_to_ignore_on_load_unexpected`: DeepSeek-V3's and V4's multi-token-prediction layers, which the model
+    has no module for), with or without the base model's prefix."""
+    patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+    prefix = getattr(model, "base_model_prefix", "")
+    keys = {name, f"{prefix}.{name}"} if prefix else {name}
+    return any(re.search(pattern, key) for pattern in patterns for key in keys)
 
 
 def stack_of(model, name: str, *, removed: bool = False) -> tuple[str, torch.nn.Module, str]:

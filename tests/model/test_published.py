@@ -151,6 +151,23 @@ def test_renamed_stacks_load_as_transformers_dequantizes_them(tmp_path):
     assert [k for k in expected if not torch.equal(ours[k], expected[k])] == []
 
 
+def test_the_multi_token_prediction_layer_is_left_unread(checkpoints, tmp_path):
+    """DeepSeek-V3's release holds layer 61, its multi-token-prediction module, with FP8 experts; the model has no
+    such layer and transformers ignores its keys (`_keys_to_ignore_on_load_unexpected`). Its fused stacks are left
+    unread too (the loader quantizing them itself once failed: no such parameter); the model is the one without."""
+    source = load_file(str(checkpoints[0] / "model.safetensors"))
+    layer = "model.layers.1.mlp.experts."
+    mtp = {
+        "model.layers.61.mlp.experts." + k.removeprefix(layer): v.clone()
+        for k, v in source.items()
+        if k.startswith(layer)
+    }
+    (folder,) = write_variants(tmp_path, checkpoints[0], {"with-mtp": {**source, **mtp}})
+    ours, expected = loaded_state(folder), loaded_state(checkpoints[0])
+    assert ours.keys() == expected.keys()
+    assert [k for k in expected if not torch.equal(ours[k], expected[k])] == []
+
+
 def test_fp8_layouts_not_read_are_named(checkpoints, tmp_path):
     """A weight without its scale, a scale without an FP8 weight, a 3D FP8 stack: ModelLoadError naming the key,
     before loading."""

@@ -246,3 +246,20 @@ def test_the_release_layout_loads_the_same_model(flash, tmp_path):
         got = load_model(LoadOptions(str(folder), expert_format=expert_format)).state_dict()
         assert got.keys() == expected.keys()
         assert [k for k in expected if not torch.equal(got[k], expected[k])] == [], expert_format
+
+
+def test_a_multi_token_prediction_layer_is_left_unread(flash, tmp_path):
+    """V4-Flash ships a multi-token-prediction layer (`mtp.0...`, its experts FP4 too) that the model has no module
+    for and transformers ignores (`_keys_to_ignore_on_load_unexpected`): its stacks are fused like any layer's, and
+    then left unread, in both formats; the model is the one loaded without it."""
+    (published, *_), raw = flash
+    folder = shutil.copytree(published, tmp_path / "mtp")
+    layer = "model.layers.0.ffn.experts."
+    mtp = {"mtp.0.ffn.experts." + k.removeprefix(layer): v.clone() for k, v in raw.items() if k.startswith(layer)}
+    assert len(mtp) == 8 * 3 * 2
+    save_file({**raw, **mtp}, str(folder / "model.safetensors"))
+    for expert_format in ("nf4", "mxfp4"):
+        expected = load_model(LoadOptions(str(published), expert_format=expert_format)).state_dict()
+        got = load_model(LoadOptions(str(folder), expert_format=expert_format)).state_dict()
+        assert got.keys() == expected.keys()
+        assert [k for k in expected if not torch.equal(got[k], expected[k])] == [], expert_format
