@@ -31,6 +31,7 @@ SHAPES = {  # hidden, inter, E, top-k
     "qwen3-30b-a3b": (2048, 768, 128, 8),
     "mixtral-8x7b": (4096, 14336, 8, 2),
     "gpt-oss-20b": (2880, 2880, 32, 4),
+    "deepseek-v4-flash": (4096, 2048, 256, 6),
 }
 # Per GPU: SMs, boost clock, dense bf16 tensor-core peak, HBM bandwidth (H100 SXM for sm_90, A100-80GB SXM for
 # sm_80). Each SM issues at most 4 warp instructions a clock (one per scheduler).
