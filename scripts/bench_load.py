@@ -157,7 +157,8 @@ def worker(name: str, path: str) -> dict:
     import transformers
 
     from moe_qlora.common.memory import peak_rss_mib
-    from moe_qlora.model.loading import LoadOptions, load_model, parameter_bytes_by_kind
+    from moe_qlora.model.loaded_model import parameter_bytes_by_kind
+    from moe_qlora.model.loading import LoadOptions, load_model
 
     baseline = peak_rss_mib()
     t = time.perf_counter()
@@ -197,7 +198,7 @@ def main():
     if args.worker:
         print(json.dumps(worker(args.worker, args.path)))
         return
-    from moe_qlora.model.tiny import cache_dir
+    from moe_qlora.model.model_path import cache_dir
 
     path = generate(Path(args.path) if args.path else cache_dir() / "bench-load-qwen3")
     if args.format == "fp8":

@@ -41,7 +41,8 @@ def ensure_model(layers: int) -> Path:
     """Qwen3-30B-A3B's config cut to `layers` layers, random bf16 weights (seed 0), saved once."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from moe_qlora.model.tiny import build_byte_tokenizer, cache_dir
+    from moe_qlora.model.model_path import cache_dir
+    from moe_qlora.model.tiny import build_byte_tokenizer
 
     path = cache_dir() / f"bench-memory-qwen3-30b-a3b-{layers}l"
     if (path / "config.json").exists():

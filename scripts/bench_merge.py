@@ -101,7 +101,7 @@ def main():
         return
     from bench_load import generate
 
-    from moe_qlora.model.tiny import cache_dir
+    from moe_qlora.model.model_path import cache_dir
 
     base = generate(Path(args.path) if args.path else cache_dir() / "bench-load-qwen3")
     adapter = make_adapter(base)

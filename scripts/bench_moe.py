@@ -56,7 +56,8 @@ def ours(module, cfg, kernels, rank, *, self_check=True):
     (model.expert_double_quant), expert LoRA of `rank` with non-zero B (so every gradient is exercised), the
     default decode buffer (model.dequant_buffer_mb) and the self-check (model.kernel_self_check), `kernels`."""
     from moe_qlora.config.sections import ModelSection
-    from moe_qlora.moe.experts import attach_expert_lora, register_experts_implementation
+    from moe_qlora.moe.expert_lora import attach_expert_lora
+    from moe_qlora.moe.experts import register_experts_implementation
     from moe_qlora.moe.nf4 import quantize_stack
 
     nested = ModelSection.model_fields["expert_double_quant"].default

@@ -35,7 +35,7 @@ WIDE = {
 def model_path(name: str) -> str:
     if name == "demo":
         return "builtin:tiny-mixtral"
-    from moe_qlora.model.tiny import ensure_tiny
+    from moe_qlora.model.model_path import ensure_tiny
 
     return str(ensure_tiny("mixtral", **WIDE))
 
@@ -72,8 +72,8 @@ def worker(argv: list[str]) -> None:
 
 def planned_bytes(args, model: str, offload: str, out: Path) -> int:
     from moe_qlora.config.load import load_config
+    from moe_qlora.model.model_path import resolve_model_path
     from moe_qlora.model.plan import plan_run
-    from moe_qlora.model.tiny import resolve_model_path
 
     sets = overrides(args, model, offload, out)[1::2]
     cfg = load_config(ROOT / "configs" / "demo.yaml", sets)

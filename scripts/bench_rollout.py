@@ -105,7 +105,7 @@ def compute_dtype(cfg) -> torch.dtype:
 
 def bytes_by_kind(model) -> dict[str, float]:
     """MiB of parameters by kind; the dense 3D expert stacks transformers + bitsandbytes leave counted apart."""
-    from moe_qlora.model.loading import parameter_bytes_by_kind
+    from moe_qlora.model.loaded_model import parameter_bytes_by_kind
 
     kinds = parameter_bytes_by_kind(model)
     if not kinds["experts_nf4"]:
@@ -166,27 +166,26 @@ class PolicyBench:
     def __init__(self, cfg, steps: int):
         from rich.console import Console
 
-        from moe_qlora.export.adapter import load_adapter
         from moe_qlora.model.build import load_policy, load_tokenizer
         from moe_qlora.train.optim import build_optimizer
         from moe_qlora.train.position import StepContext
         from moe_qlora.train.rollout import RolloutSource
         from moe_qlora.train.runs import seed_everything
-        from moe_qlora.train.update import build_schedule
+        from moe_qlora.train.schedule import lr_schedule
 
         console = Console(stderr=True)
         seed_everything(cfg.train.seed)
         t = time.perf_counter()
         model_path, tokenizer = load_tokenizer(cfg.model)
         self.source = RolloutSource(cfg, tokenizer, console)
-        model, params, _ = load_policy(cfg, model_path, console, shardable=False, read_adapter=load_adapter)
+        model, params, _ = load_policy(cfg, model_path, console, shardable=False)
         self.load_s = time.perf_counter() - t
         seed_everything(cfg.train.seed)
         optimizer = build_optimizer(params, cfg.train)
         self.training = {
             "model": model,
             "optimizer": optimizer,
-            "scheduler": build_schedule(optimizer, (steps + 1) * cfg.grpo.passes, cfg.train),
+            "scheduler": lr_schedule(optimizer, cfg.train, total_updates=(steps + 1) * cfg.grpo.passes),
         }
         self.rewards = RewardClock(self.source)
         self.batch, self.device, self.steps_done = self.source.items[: cfg.grpo.prompts_per_step], cfg.model.device, 0

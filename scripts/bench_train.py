@@ -33,27 +33,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))  # step_roofline
+sys.path.insert(0, str(ROOT / "scripts"))  # bench_presets, step_roofline
 
-PRESETS = {
-    # Issue 2: Mixtral architecture, 4 layers, 32 experts, top-4, hidden 1024, expert intermediate 512.
-    "mixtral": dict(arch="mixtral", hidden=1024, layers=4, experts=32, top_k=4, inter=512, vocab=4096),
-    # The brief's CPU bar: a Qwen3-MoE-like model of the same size.
-    "qwen3": dict(arch="qwen3_moe", hidden=1024, layers=4, experts=32, top_k=4, inter=512, vocab=4096),
-    # GPU: two layers of Qwen3-30B-A3B at full width (128 experts, top-8, expert intermediate 768, 32 heads of 128)
-    "qwen3-30b-a3b": dict(
-        arch="qwen3_moe",
-        hidden=2048,
-        layers=2,
-        experts=128,
-        top_k=8,
-        inter=768,
-        vocab=32000,
-        heads=32,
-        kv_heads=4,
-        head_dim=128,
-    ),
-}
+from bench_presets import PRESETS, build_config  # noqa: E402
+
 CONTENDERS = ["moe-qlora", "moe-qlora-bf16", "transformers+bnb+peft", "transformers+bnb+peft-fp32", "experts4bit-qlora"]
 # run by default where installed (pip install experts4bit-qlora): another fused-experts QLoRA trainer, bf16 only
 OPTIONAL = {"experts4bit-qlora": "experts4bit_qlora"}
@@ -61,36 +44,10 @@ LORA_RANK = 8  # expert LoRA of every contender (alpha 2r)
 PEFT = {"bfloat16": "transformers+bnb+peft", "float32": "transformers+bnb+peft-fp32"}  # by compute dtype
 
 
-def build_config(p):
-    common = dict(
-        vocab_size=p["vocab"],
-        hidden_size=p["hidden"],
-        num_hidden_layers=p["layers"],
-        num_attention_heads=p.get("heads", 16),
-        num_key_value_heads=p.get("kv_heads", 4),
-        max_position_embeddings=4096,
-        num_experts_per_tok=p["top_k"],
-    )
-    if p["arch"] == "mixtral":
-        from transformers import MixtralConfig
-
-        return MixtralConfig(num_local_experts=p["experts"], intermediate_size=p["inter"], **common)
-    from transformers import Qwen3MoeConfig
-
-    return Qwen3MoeConfig(
-        num_experts=p["experts"],
-        moe_intermediate_size=p["inter"],
-        intermediate_size=4 * p["inter"],
-        head_dim=p.get("head_dim", 64),
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        **common,
-    )
-
-
 def ensure_checkpoint(preset: str) -> Path:
     """The benchmark model, generated once (bf16 safetensors, seed 0) into the moe-qlora cache."""
-    from moe_qlora.model.tiny import build_byte_tokenizer, cache_dir
+    from moe_qlora.model.model_path import cache_dir
+    from moe_qlora.model.tiny import build_byte_tokenizer
 
     path = cache_dir() / f"bench-{preset}"
     if (path / "config.json").exists():
@@ -181,7 +138,7 @@ def setup_peft(path, dtype, double_quant, device="cpu"):
 def bytes_by_kind(model):
     """parameter_bytes_by_kind, with the other contenders' experts found: experts4bit-qlora's packed uint8 codes
     (parameters) and block scales (buffers) as 4-bit experts, transformers' 3D stacks as dense experts."""
-    from moe_qlora.model.loading import parameter_bytes_by_kind
+    from moe_qlora.model.loaded_model import parameter_bytes_by_kind
 
     kinds = parameter_bytes_by_kind(model)
     if kinds["experts_nf4"]:

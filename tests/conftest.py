@@ -16,7 +16,9 @@ if os.environ.get("CUDA_VISIBLE_DEVICES", None) != "" and not os.path.exists("/d
 import pytest
 import torch
 
-from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_mixtral_config
+from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model
+
+from helpers.tiny_configs import tiny_mixtral_config
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

@@ -20,16 +20,11 @@ from moe_qlora.cli.app import app
 from moe_qlora.common import hub
 from moe_qlora.config.load import validate_config
 from moe_qlora.config.sections import ConfigError
+from moe_qlora.data.prompt_format import PromptFormat, prompt_format_of, shared_prefix, shared_suffix
 from moe_qlora.export.norms import AdapterReadError
-from moe_qlora.export.prompt_format import (
-    PromptFormat,
-    prompt_format_of,
-    read_prompt_format,
-    shared_prefix,
-    shared_suffix,
-)
+from moe_qlora.export.prompt_format import read_prompt_format
 from moe_qlora.inference.generate import Rendering, Sampling, generate, load_for_generation, rendering_for
-from moe_qlora.train.faults import knob_savings, settings_to_fit
+from moe_qlora.model.fitting import knob_savings, settings_to_fit
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = "configs/recipes/qwen3-30b-a3b-sft.yaml"

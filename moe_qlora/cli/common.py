@@ -34,11 +34,11 @@ def user_errors() -> tuple[type[Exception], ...]:
     from moe_qlora.common.lock import RunDirLocked
     from moe_qlora.config.sections import ConfigError
     from moe_qlora.data.sources import DataError
-    from moe_qlora.export.adapter import AdapterMismatchError
     from moe_qlora.export.norms import AdapterReadError
     from moe_qlora.model.distributed import RankFailed
     from moe_qlora.model.loading import ModelLoadError
-    from moe_qlora.moe.experts import UnsupportedExpertsError
+    from moe_qlora.model.peft_adapter import AdapterMismatchError
+    from moe_qlora.moe.expert_stacks import UnsupportedExpertsError
     from moe_qlora.moe.nf4 import QuantizationLayoutError
     from moe_qlora.train.checkpoint import CheckpointError
     from moe_qlora.train.rewards import RewardError

@@ -49,8 +49,8 @@ def plan(
         fail(exc, debug)
     quiet_libraries()
     try:
+        from moe_qlora.model.model_path import resolve_model_path
         from moe_qlora.model.plan import PARALLEL_MODES, plan_run
-        from moe_qlora.model.tiny import resolve_model_path
 
         if parallel is not None and parallel not in PARALLEL_MODES:
             raise ConfigError(f"--parallel {parallel}: give one of {', '.join(PARALLEL_MODES)}")
@@ -60,7 +60,7 @@ def plan(
         fail(exc, debug)
     to_fit = None
     if not result.fits:
-        from moe_qlora.train.faults import settings_to_fit
+        from moe_qlora.model.fitting import settings_to_fit
 
         to_fit = settings_to_fit(cfg, name_or_path, device, gpu_gib=gpu_gb, gpus=gpus, parallel=parallel)
     if as_json:

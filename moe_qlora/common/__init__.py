@@ -4,3 +4,6 @@ faults tests inject, read once.
 
 May import nothing from moe_qlora.
 """
+
+# What this package may import from moe_qlora (tests/test_layout.py enforces it; docs/architecture.md shows it).
+MAY_IMPORT = ()

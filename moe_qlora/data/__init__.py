@@ -1,4 +1,6 @@
-"""Training rows: where they come from (files, folders, hub datasets) and how they become masked token sequences.
-
-May import moe_qlora.common and moe_qlora.config.
+"""Training rows: where they come from (files, folders, hub datasets), how they become masked token sequences, and
+how they render their prompts. May import moe_qlora.common and config.
 """
+
+# What this package may import from moe_qlora (tests/test_layout.py enforces it; docs/architecture.md shows it).
+MAY_IMPORT = ("common", "config")

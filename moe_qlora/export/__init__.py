@@ -1,4 +1,7 @@
-"""What happens to a trained adapter: PEFT's format written and verified, norm checks, and the other formats, one
-module each (per_expert_lora, vllm_lora, gguf_lora) over the family tables (family_tables, gguf_archs), by name in
-writers.WRITERS. May import moe_qlora.common, moe, config, model.
+"""What happens to a trained adapter: PEFT's format written and verified, norm checks, the run's prompt format
+recorded, and the other formats, one module each over the family tables, by name in writers.WRITERS.
+May import moe_qlora.common, moe, config, data (the prompt format it records) and model.
 """
+
+# What this package may import from moe_qlora (tests/test_layout.py enforces it; docs/architecture.md shows it).
+MAY_IMPORT = ("common", "moe", "config", "data", "model")

@@ -217,7 +217,7 @@ def base_model_type(config: dict, where: Path) -> str:
     """model_type of the adapter's base, from its config.json (a local folder, builtin:, or the hub cache)."""
     from transformers import AutoConfig
 
-    from moe_qlora.model.tiny import resolve_model_path
+    from moe_qlora.model.model_path import resolve_model_path
 
     base = config.get("base_model_name_or_path")
     if not base:

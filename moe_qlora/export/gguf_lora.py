@@ -175,7 +175,7 @@ def write_gguf(
     import gguf
     from transformers import AutoConfig
 
-    from moe_qlora.model.tiny import resolve_model_path
+    from moe_qlora.model.model_path import resolve_model_path
 
     tensors, config, model_type, names = read_run_adapter(adapter_dir)
     if fuse_gate_up_exps and not names.fused_gate_up and names.gguf_arch not in GGUF_FUSABLE_GATE_UP:

@@ -61,7 +61,7 @@ class NormReport:
         return not self.problems
 
 
-def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | None, Path]:
+def read_adapter_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | None, Path]:
     """Tensors of an adapter file (or folder) and its adapter_config.json when present beside it; a llama.cpp
     LoRA .gguf is read too (read_gguf_adapter)."""
     path = Path(path)
@@ -219,7 +219,7 @@ def flag_outliers(rows: list[NormRow]) -> None:
 
 
 def check_norms(path: str | Path) -> NormReport:
-    tensors, config, weights = read_adapter(path)
+    tensors, config, weights = read_adapter_tensors(path)
     scale, known = _scale(config)
     rank = (config or {}).get("r")
     rows = []

@@ -22,7 +22,7 @@ from moe_qlora.export.family_tables import (
     FamilyNames,
     base_model_type,
 )
-from moe_qlora.export.norms import read_adapter
+from moe_qlora.export.norms import read_adapter_tensors
 
 EXPERT_KEY = re.compile(
     r"(?P<prefix>.*?)\.layers\.(?P<layer>\d+)\.(?:(?P<path>.+)\.)?experts\.(?P<inner>base_layer\.)?"
@@ -54,7 +54,7 @@ def unflatten_b(flat: torch.Tensor, experts: int) -> torch.Tensor:
 
 def read_run_adapter(adapter_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict, str, FamilyNames]:
     """(tensors, adapter_config, model_type, the family's names) of a PEFT adapter folder."""
-    tensors, config, source = read_adapter(adapter_dir)
+    tensors, config, source = read_adapter_tensors(adapter_dir)
     if config is None:
         raise ExportError(f"{adapter_dir}: no adapter_config.json beside {source.name}")
     model_type = base_model_type(config, Path(adapter_dir))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from moe_qlora.common.fileio import atomic_dir
 from moe_qlora.export.family_tables import VLLM_NO_MOE_LORA, VLLM_VERSION, ExportError, base_model_type, vllm_layout
-from moe_qlora.export.norms import read_adapter
+from moe_qlora.export.norms import read_adapter_tensors
 from moe_qlora.export.peft_factors import LINEAR_KEY
 from moe_qlora.export.per_expert_lora import write_per_expert
 
@@ -78,7 +78,7 @@ def write_vllm(adapter_dir: str | Path, out_dir: str | Path) -> Path:
     expert weights, per-expert keys elsewhere; a family vLLM serves no MoE LoRA for is refused by name."""
     import shutil
 
-    tensors, config, _ = read_adapter(adapter_dir)
+    tensors, config, _ = read_adapter_tensors(adapter_dir)
     if config is None:
         raise ExportError(f"{adapter_dir}: no adapter_config.json")
     model_type = base_model_type(config, Path(adapter_dir))

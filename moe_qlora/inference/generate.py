@@ -2,7 +2,7 @@
 MoE kernels), streaming tokens to the terminal. `--no-adapter` gives the base model to compare.
 
 The LoRA layout comes from the adapter's adapter_config.json (rank, alpha, linear targets, expert and router
-targets), so the adapter loads into exactly the modules it was trained in (export.load_adapter refuses
+targets), so the adapter loads into exactly the modules it was trained in (model.peft_adapter.load_adapter refuses
 anything else by name).
 
 The prompt is rendered as the run's rows were (Rendering): inside the prefix and suffix its prompt rows shared (the
@@ -72,7 +72,7 @@ def trained_quantization(adapter_dir: Path) -> dict[str, bool | str]:
     """model.*_double_quant and model.expert_format as the adapter was trained (moe_qlora.json); {} (the
     defaults) for adapters from elsewhere, which do not say. A record without expert_format was written before
     experts could be kept in MXFP4: its experts were NF4."""
-    from moe_qlora.export.adapter import TRAINED_ON
+    from moe_qlora.model.peft_roundtrip import TRAINED_ON
 
     path = adapter_dir / TRAINED_ON
     if not path.exists():
@@ -86,13 +86,12 @@ def trained_quantization(adapter_dir: Path) -> dict[str, bool | str]:
 
 def load_for_generation(adapter_dir: str | Path, console: Console, *, device: str = "auto", kernels: str = "auto"):
     """(model with the adapter loaded, tokenizer)."""
-    from moe_qlora.export.adapter import load_adapter
     from moe_qlora.model.build import build_policy, load_tokenizer
 
     adapter_dir = Path(adapter_dir)
     model_cfg, lora_cfg = policy_sections_for(adapter_dir, device=device, kernels=kernels)
     model_path, tokenizer = load_tokenizer(model_cfg)
-    model, _, _ = build_policy(model_cfg, lora_cfg, model_path, console, read_adapter=load_adapter)
+    model, _, _ = build_policy(model_cfg, lora_cfg, model_path, console)
     model.eval()
     return model, tokenizer
 
@@ -158,8 +157,8 @@ class Rendering:
 def rendering_for(adapter_dir: str | Path, *, chat: bool = False, raw: bool = False) -> Rendering:
     """The rendering asked for (--chat, --raw), else the one the adapter's run trained with (moe_qlora.json's
     prompt_format: its most common row kind), else the prompt as typed for adapters that do not record it."""
-    from moe_qlora.export.adapter import TRAINED_ON
     from moe_qlora.export.prompt_format import read_prompt_format
+    from moe_qlora.model.peft_roundtrip import TRAINED_ON
 
     if chat and raw:
         raise ConfigError("give --chat or --raw, not both")

@@ -28,12 +28,12 @@ from moe_qlora.common.fileio import atomic_dir
 from moe_qlora.export.adapter import plain_key
 from moe_qlora.export.norms import check_norms
 from moe_qlora.inference.generate import load_for_generation
-from moe_qlora.moe.experts import (
+from moe_qlora.moe.expert_stacks import (
+    decoded_expert,
     expert_dims,
     experts_modules,
     holds_mxfp4,
-    module_expert,
-    module_stack,
+    quantized_stack,
     stack_names,
 )
 from moe_qlora.moe.layer_state import read_state
@@ -121,9 +121,9 @@ def stored_experts(module, stack: str) -> tuple[tuple[int, ...], Callable[[int],
 
     if holds_mxfp4(module):
         transposed = getattr(module, "is_transposed", False)
-        quantized = module_stack(module, stack)
+        quantized = quantized_stack(module, stack)
         experts, out, inp = quantized.shape
-        return (experts, inp, out) if transposed else quantized.shape, lambda e: module_expert(module, stack, e)
+        return (experts, inp, out) if transposed else quantized.shape, lambda e: decoded_expert(module, stack, e)
     param = getattr(module, stack)
     if isinstance(param, bnb.nn.Params4bit):
         nf4 = NF4Stack.from_param(param)

@@ -1,7 +1,7 @@
 """Attach the trainable adapters: PEFT LoRA on the 4-bit linears, ours on the NF4 experts.
 
 PEFT does LoRA on bitsandbytes Linear4bit well; for experts it would wrap full-precision 3D weights, so
-experts get `ExpertLoRA` (see experts.py). Everything else is frozen.
+experts get `ExpertLoRA` (see moe/expert_lora.py). Everything else is frozen.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from moe_qlora.config.sections import ConfigError, LoraSection
 from moe_qlora.model.families import resolve_targets
 from moe_qlora.model.peft_roundtrip import clean_base_config, first_few, target_modules_failing_round_trip
-from moe_qlora.moe.experts import ExpertLoRA, UnsupportedExpertsError, attach_expert_lora, experts_modules
+from moe_qlora.moe.expert_lora import ExpertLoRA, attach_expert_lora
+from moe_qlora.moe.expert_stacks import UnsupportedExpertsError, experts_modules
 from moe_qlora.moe.layouts import consumer_stack_names
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,8 @@ from moe_qlora.model.classes import text_model_from_config
 from moe_qlora.model.families import matches_target
 from moe_qlora.model.loading import linears_not_quantized
 from moe_qlora.model.published import chosen_expert_format
-from moe_qlora.moe.experts import expert_dims, is_experts_module
+from moe_qlora.moe.expert_stacks import expert_dims, is_experts_module
+from moe_qlora.moe.kernel_rule import call_path, resolve_auto
 from moe_qlora.moe.kernels.grouped_mm import dequant_budget_bytes, experts_per_chunk
 from moe_qlora.moe.kernels.tiles import autotune_requested
 from moe_qlora.moe.layouts import adopt_dense_input_experts, adopt_split_gate_up_experts, quantized_stack_names
@@ -37,6 +38,12 @@ LORA_BYTES = 4  # LoRA master weights and their gradients are fp32
 # libraries themselves (torch, transformers, peft, bitsandbytes: 475 MiB measured after importing them).
 RUNTIME_BYTES = {"cuda": 600 * 2**20, "cpu": 480 * 2**20}
 DEFAULT_GPU_GIB = 80.0
+DEFAULT_GPU_CAPABILITY = (9, 0)  # the GPU a plan is for unless told: an H100, whose 80 GiB is DEFAULT_GPU_GIB
+
+
+def this_gpu_capability() -> tuple[int, int]:
+    """The (major, minor) of this machine's GPU, for a plan made inside a run; DEFAULT_GPU_CAPABILITY without one."""
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else DEFAULT_GPU_CAPABILITY
 
 
 def four_bit_bytes(numel: int, *, double_quant: bool) -> int:
@@ -125,7 +132,7 @@ def weight_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> dict[str, 
 
 def lora_tensor_shapes(model: nn.Module, cfg: RunConfig, targets: list[str]) -> list[tuple[str, tuple[int, ...]]]:
     """(module name, shape) of every LoRA tensor: per-expert factor stacks (experts on dim 0, see
-    experts.ExpertLoRA), PEFT's lora_A (r, in) and lora_B (out, r) on targeted linears and on routers."""
+    expert_lora.ExpertLoRA), PEFT's lora_A (r, in) and lora_B (out, r) on targeted linears and on routers."""
     r, shapes = cfg.lora.rank, []
     if cfg.lora.experts:
         for name, module in model.named_modules():
@@ -210,26 +217,36 @@ def gradient_bytes(n_lora: int, model: nn.Module, cfg: RunConfig) -> int:
     return n_lora * LORA_BYTES
 
 
-def dequant_buffer_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> int:
+def planned_kernels(
+    model: nn.Module, cfg: RunConfig, *, device: str, capability: tuple[int, int] = DEFAULT_GPU_CAPABILITY
+) -> str:
+    """The path the MoE layer's calls of a training micro-batch take, by the rule the layer reads
+    (moe/kernel_rule.py): model.kernels resolved for `device`, the compute dtype and `capability`, then, under
+    auto, chosen for the micro-batch's mean rows per expert. The plan cannot see the machine the run will have:
+    `capability` is the GPU it plans for (an H100 unless told) and triton is taken as installed (a GPU install,
+    `pip install -e '.[gpu]'`; without it auto runs grouped_mm at every size). The layer chooses per call: one
+    with fewer rows (a short last batch, generation) can take triton where the plan says grouped_mm."""
+    m = cfg.model
+    dtype = getattr(torch, resolve_compute_dtype(m.compute_dtype, device))
+    kernels = resolve_auto(device, dtype, capability, with_triton=True) if m.kernels == "auto" else m.kernels
+    moe = [mod for mod in model.modules() if is_experts_module(mod)]
+    experts = expert_dims(moe[0])[0] if moe else 1
+    k = getattr(model.config, "num_experts_per_tok", 0) or 1
+    return call_path(kernels, micro_batch_tokens(cfg) * k, experts, m.fused_below_rows)
+
+
+def dequant_buffer_bytes(
+    model: nn.Module, cfg: RunConfig, *, device: str, capability: tuple[int, int] = DEFAULT_GPU_CAPABILITY
+) -> int:
     """grouped_mm's decoded expert stack, alive during one projection: the largest stack in the compute dtype,
-    or model.dequant_buffer_mb when smaller (decoded a chunk of experts at a time). Counted when the run uses
-    grouped_mm: kernels: grouped_mm, or auto on CUDA at or above model.fused_below_rows rows per expert."""
+    or model.dequant_buffer_mb when smaller (decoded a chunk of experts at a time). Counted when the layer runs
+    grouped_mm for a training micro-batch (planned_kernels: the GPU of `capability`)."""
     moe = [m for m in model.modules() if is_experts_module(m)]
-    if not moe:
+    if not moe or planned_kernels(model, cfg, device=device, capability=capability) != "grouped_mm":
         return 0
     m = cfg.model
     experts, hidden, inter = expert_dims(moe[0])
-    k = getattr(model.config, "num_experts_per_tok", 0) or 1
-    rows_per_expert = micro_batch_tokens(cfg) * k / experts
-    dtype = resolve_compute_dtype(m.compute_dtype, device)
-    # auto takes grouped_mm only where torch has its fused kernel: bf16 on sm_90/sm_100. The plan does not know
-    # the GPU, so in bf16 it counts the buffer (an H100's case; on other GPUs auto runs triton and needs none).
-    grouped = m.kernels == "grouped_mm" or (
-        m.kernels == "auto" and device == "cuda" and dtype == "bfloat16" and rows_per_expert >= m.fused_below_rows
-    )
-    if not grouped:
-        return 0
-    d = DTYPE_BYTES[dtype]
+    d = DTYPE_BYTES[resolve_compute_dtype(m.compute_dtype, device)]
     gated = 2 if getattr(moe[0], "has_gate", True) else 1
     expert_bytes = gated * inter * hidden * d
     return experts_per_chunk(experts, expert_bytes, dequant_budget_bytes(m.dequant_buffer_mb)) * expert_bytes
@@ -247,8 +264,16 @@ def autotune_bytes(cfg: RunConfig, *, device: str) -> int:
     return AUTOTUNE_FLUSH_BYTES
 
 
-def one_device_plan(cfg: RunConfig, model: nn.Module, targets: list[str], *, device: str) -> Plan:
-    """Bytes by kind of the run `cfg` in one process on `device`: what ddp puts on every GPU."""
+def one_device_plan(
+    cfg: RunConfig,
+    model: nn.Module,
+    targets: list[str],
+    *,
+    device: str,
+    capability: tuple[int, int] = DEFAULT_GPU_CAPABILITY,
+) -> Plan:
+    """Bytes by kind of the run `cfg` in one process on `device` (a GPU of `capability` on CUDA): what ddp puts
+    on every GPU."""
     plan = Plan(model_type=model.config.model_type, params=sum(p.numel() for p in model.parameters()))
     plan.bytes.update(weight_bytes(model, cfg, device=device))
     sizes = lora_tensor_sizes(model, cfg, targets)
@@ -261,7 +286,7 @@ def one_device_plan(cfg: RunConfig, model: nn.Module, targets: list[str], *, dev
     plan.bytes["activations_estimate"] = activation_bytes(model, cfg, device=device)
     plan.bytes["loss_logits"] = loss_bytes(model, cfg)
     plan.bytes["runtime"] = RUNTIME_BYTES["cuda" if device == "cuda" else "cpu"]
-    if buffer := dequant_buffer_bytes(model, cfg, device=device):
+    if buffer := dequant_buffer_bytes(model, cfg, device=device, capability=capability):
         plan.bytes["dequant_buffer"] = buffer
     if flush := autotune_bytes(cfg, device=device):
         plan.bytes["autotune_flush"] = flush

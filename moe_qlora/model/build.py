@@ -7,7 +7,6 @@ run's entry, which first decides from the whole run config where the model goes 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,12 +16,16 @@ from transformers import AutoTokenizer
 from moe_qlora.common.memory import release_freed_memory
 from moe_qlora.config.sections import LoraSection, ModelSection, RunConfig, resolve_compute_dtype
 from moe_qlora.model.adapters import attach_adapters, configure_checkpointing, trainable_parameters
+from moe_qlora.model.checkpoint_files import check_model_path
 from moe_qlora.model.distributed import SINGLE, Ranks, device_of, shard_model
 from moe_qlora.model.kernel_choice import describe_kernels, resolve_kernels
-from moe_qlora.model.loading import LoadOptions, check_model_path, load_model, parameter_bytes_by_kind
+from moe_qlora.model.loaded_model import parameter_bytes_by_kind
+from moe_qlora.model.loading import LoadOptions, load_model
+from moe_qlora.model.model_path import resolve_model_path
+from moe_qlora.model.peft_adapter import load_adapter
 from moe_qlora.model.placement import offloaded_layers, sharding_chosen, size
-from moe_qlora.model.tiny import resolve_model_path
-from moe_qlora.moe.experts import experts_modules, set_moe_kernels, stack_names
+from moe_qlora.moe.expert_stacks import experts_modules, stack_names
+from moe_qlora.moe.experts import set_moe_kernels
 from moe_qlora.moe.nf4 import NF4Stack
 from moe_qlora.moe.offload import host_layer_bytes, offload_experts
 
@@ -31,10 +34,6 @@ EXPERT_FORMAT_WORDS = {  # model.expert_format as the run states it at load
     "nf4": "NF4 (quantized while loading)",
     "mxfp4": "MXFP4 as published (the checkpoint's own bytes)",
 }
-
-# Reads an adapter folder into the model's LoRA (export.adapter.load_adapter): (model, folder, lora) -> tensors read.
-# Passed in, since export/ sits above model/ (it writes what model/ trains).
-AdapterReader = Callable[[object, str, LoraSection], int]
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,6 @@ def load_policy(
     ranks: Ranks = SINGLE,
     *,
     shardable: bool = True,
-    read_adapter: AdapterReader | None = None,
 ):
     """A training run's model: its placement decided (sharding_chosen, offloaded_layers), then built
     (build_policy); (model, trainable params, ranks)."""
@@ -93,7 +91,6 @@ def load_policy(
         recompute=recompute,
         placement=placement,
         ranks=ranks,
-        read_adapter=read_adapter,
     )
 
 
@@ -107,14 +104,11 @@ def build_policy(
     recompute: Recompute = Recompute(),
     placement: Placement = Placement(),
     ranks: Ranks = SINGLE,
-    read_adapter: AdapterReader | None = None,
 ):
-    """The quantized model with its adapters (new, drawn from `seed`, or lora.init_from through `read_adapter`),
+    """The quantized model with its adapters (new, drawn from `seed`, or read from lora.init_from),
     offload, MoE kernels and checkpointing, sharded with FSDP2 when `placement` says so; (model, trainable params,
     ranks). A sharded run on CUDA loads on the host and moves each rank's shards to its GPU, so no GPU ever holds
     the whole model."""
-    if lora_cfg.init_from and read_adapter is None:  # never a run that silently starts from new LoRA instead
-        raise TypeError("lora.init_from is set: build_policy needs read_adapter (export.adapter.load_adapter)")
     device = policy_device(model_cfg)
     opts = LoadOptions(
         device="cpu" if placement.sharded else device,
@@ -131,7 +125,7 @@ def build_policy(
     start_expert_offload(model, model_cfg, opts.experts_on_host, device, console)
     choose_kernels(model, model_cfg, device, opts.compute_dtype, console)
     if lora_cfg.init_from:
-        n = read_adapter(model, lora_cfg.init_from, lora_cfg)
+        n = load_adapter(model, lora_cfg.init_from, lora_cfg)
         console.print(f"LoRA initialised from {lora_cfg.init_from} ({n} tensors)")
     n_ckpt = configure_checkpointing(model, enabled=recompute.enabled, interval=recompute.interval)
     if placement.sharded:

@@ -154,8 +154,8 @@ def shard_model(model, ranks: Ranks) -> Ranks:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    from moe_qlora.moe.experts import make_stacks_shardable
     from moe_qlora.moe.nf4 import make_linears_shardable
+    from moe_qlora.moe.stack_surgery import make_stacks_shardable
 
     make_stacks_shardable(model)
     make_linears_shardable(model)

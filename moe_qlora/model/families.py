@@ -1,6 +1,6 @@
 """Per-family entries: the LoRA targets a user fine-tuning that family would pick by default.
 
-Experts get per-expert LoRA (experts.py) in every family; this table names the nn.Linear modules that get
+Experts get per-expert LoRA (expert_lora.py) in every family; this table names the nn.Linear modules that get
 PEFT LoRA: attention projections, and the dense MLPs that shared experts and dense-first layers use.
 A family not listed gets the generic names that exist in the model. Whatever the targets, a module whose
 LoRA the installed PEFT would not load back as trained (a rank-1 adapter is round-tripped through PEFT to
@@ -94,7 +94,7 @@ def language_model_only(model: nn.Module, targets: list[str]) -> list[str]:
     """`targets` narrowed to the decoder layers that hold the MoE experts, where a name also matches Linears of
     a vision tower or an audio encoder (MiniMax-M3-VL's vision layers have q_proj too): a text fine-tune has no
     use for them, and no export writes them (llama.cpp keeps encoders in a separate mmproj file)."""
-    from moe_qlora.moe.experts import experts_modules
+    from moe_qlora.moe.expert_stacks import experts_modules
 
     stacks = tuple({n.rsplit(".layers.", 1)[0] + ".layers." for n, _ in experts_modules(model) if ".layers." in n})
     if not stacks:

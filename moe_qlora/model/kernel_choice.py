@@ -4,33 +4,28 @@ and what is installed, and the line the run prints about it.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from moe_qlora.config.sections import ConfigError
+from moe_qlora.moe.kernel_rule import resolve_auto, triton_installed
 from moe_qlora.moe.kernels import tiles
-from moe_qlora.moe.kernels.grouped_mm import has_fused_path
 
 
 def resolve_kernels(choice: str, device: str, dtype: torch.dtype, capability: tuple[int, int] | None = None) -> str:
-    """model.kernels to what runs: auto is the per-call choice between Triton and grouped_mm on CUDA where
-    torch._grouped_mm has its CUTLASS kernel (sm_90 / sm_100 in bf16), Triton alone on the other GPUs (the 24 GB
-    cards) and dtypes, grouped_mm alone without triton, the torch reference on the CPU; grouped_mm runs anywhere.
-    capability: the GPU's (major, minor), read from the device when None."""
+    """model.kernels to what runs. auto by the rule the layer and the plan read (kernel_rule.resolve_auto): the
+    per-call choice between Triton and grouped_mm on CUDA where torch._grouped_mm has its CUTLASS kernel (sm_90 /
+    sm_100 in bf16), Triton alone on the other GPUs (the 24 GB cards) and dtypes, grouped_mm alone without
+    triton, the torch reference on the CPU. torch and grouped_mm run anywhere; triton is refused without triton,
+    or off CUDA outside Triton's interpreter. capability: the GPU's (major, minor), read from the device when None."""
     interpreted = tiles.interpreted()  # TRITON_INTERPRET, read once with the kernel settings
+    if choice == "auto":
+        return resolve_auto(device, dtype, capability, with_triton=triton_installed())
     if choice in ("torch", "grouped_mm"):
         return choice
-    if choice == "auto" and device != "cuda":
-        return "torch"
-    if importlib.util.find_spec("triton") is None:
-        if choice == "auto":
-            return "grouped_mm"
+    if not triton_installed():
         raise ConfigError("model.kernels: triton, but triton is not installed (pip install -e '.[gpu]')")
     if device != "cuda" and not interpreted:
         raise ConfigError("model.kernels: triton needs a CUDA device (or TRITON_INTERPRET=1, as the tests use)")
-    if choice == "auto" and not has_fused_path(capability or torch.cuda.get_device_capability(), dtype):
-        return "triton"
     return choice
 
 

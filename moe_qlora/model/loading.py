@@ -8,13 +8,8 @@ are never in memory together; its checkpoint conversions (per-expert legacy layo
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import re
-import struct
-from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,24 +23,21 @@ from transformers.quantizers.base import get_keys_to_not_convert
 from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
-from moe_qlora.common.hub import check_hub_model
 from moe_qlora.common.memory import release_freed_memory
+from moe_qlora.model.checkpoint_files import (
+    check_model_path,
+    checkpoint_files,
+    lazy_state_dict,
+    local_checkpoint,
+    stored_dtype,
+)
 from moe_qlora.model.classes import text_generation_class
-from moe_qlora.model.distributed import local_shard
-from moe_qlora.model.published import (
-    ExpertReader,
-    ModelLoadError,
-    chosen_expert_format,
-    dequantized_as_read,
-    stacks_read_by_expert,
-)
-from moe_qlora.moe.experts import (
-    EXPERT_PARAMS,
-    apply_moe_qlora_experts,
-    expect_mxfp4_stacks,
-    experts_modules,
-    is_experts_module,
-)
+from moe_qlora.model.loaded_model import assert_experts_quantized, declared_experts
+from moe_qlora.model.published import chosen_expert_format, dequantized_as_read
+from moe_qlora.model.published_experts import ExpertReader, stacks_read_by_expert
+from moe_qlora.model.published_tensors import ModelLoadError
+from moe_qlora.moe.expert_stacks import experts_modules
+from moe_qlora.moe.experts import apply_moe_qlora_experts
 from moe_qlora.moe.layouts import (
     adopt_dense_input_experts,
     adopt_split_gate_up_experts,
@@ -53,9 +45,9 @@ from moe_qlora.moe.layouts import (
     quantized_stack_names,
     unsupported_layout,
 )
-from moe_qlora.moe.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX
-from moe_qlora.moe.nf4 import BLOCKSIZE, quantize_stack, stack_nbytes
+from moe_qlora.moe.nf4 import BLOCKSIZE, quantize_stack
 from moe_qlora.moe.offload import move_param
+from moe_qlora.moe.stack_surgery import declare_mxfp4_stacks
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +159,7 @@ class MoEQLoRAQuantizer(Bnb4BitHfQuantizer):
         adopt_dense_input_experts(model)  # before loading, so their stacks are quantized as experts
         adopt_split_gate_up_experts(model)
         if self.quantization_config.experts_mxfp4:
-            expect_mxfp4_stacks(model)
+            declare_mxfp4_stacks(model)
         for name in self.quantization_config.stacks_read_by_expert:  # loaded after, by quantize_read_by_expert
             if ignored_on_load(model, name):
                 continue
@@ -205,159 +197,6 @@ class LoadOptions:
     # compute device as soon as it is quantized; everything else is stored where it is computed (`device`)
     experts_on_host: frozenset[str] = frozenset()
     expert_format: str = "auto"  # auto | nf4 | mxfp4 (published.chosen_expert_format)
-
-
-# Files a tokenizer is read from (fast, sentencepiece, BPE, WordPiece, tiktoken; a remote-code tokenizer's config)
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer.model",
-    "spiece.model",
-    "vocab.json",
-    "vocab.txt",
-    "tokenizer_config.json",
-    "*.tiktoken",
-)
-NO_TOKENIZER = "no tokenizer files (tokenizer.json, tokenizer.model or vocab.json: save the tokenizer beside the model)"
-NO_WEIGHTS = "no weight files (*.safetensors; .bin weights are not read)"
-
-
-def check_model_path(name_or_path: str, *, tokenizer: bool = True) -> None:
-    """A local-looking path must exist and hold a config, weight files and (`tokenizer`) tokenizer files, all
-    named in one sentence before any data or weight is read; else it is a hub id."""
-    looks_local = os.path.isabs(name_or_path) or name_or_path.startswith((".", "~")) or os.path.exists(name_or_path)
-    if not looks_local:
-        check_hub_model(name_or_path, ModelLoadError)
-        return
-    path = Path(os.path.expanduser(name_or_path))
-    if not path.is_dir():
-        raise ModelLoadError(f"model path {name_or_path!r} does not exist")
-    if not (path / "config.json").exists():
-        raise ModelLoadError(f"model path {name_or_path!r} has no config.json")
-    missing = [NO_TOKENIZER] if tokenizer and not has_any(path, TOKENIZER_FILES) else []
-    if not has_weights(path):
-        missing.append(NO_WEIGHTS)
-    if missing:
-        raise ModelLoadError(f"model path {name_or_path!r} has {' and '.join(missing)}")
-
-
-def has_any(folder: Path, patterns: tuple[str, ...]) -> bool:
-    """Whether a file of `folder` matches one of the glob `patterns`."""
-    return any(next(folder.glob(p), None) is not None for p in patterns)
-
-
-def has_weights(folder: Path) -> bool:
-    """Whether `folder` holds a checkpoint's safetensors (an index, or a weights file that is not an adapter)."""
-    if (folder / "model.safetensors.index.json").exists():
-        return True
-    return any(not f.name.startswith("adapter_") for f in folder.glob("*.safetensors"))
-
-
-def local_checkpoint(name_or_path: str) -> Path:
-    """A local folder holding the checkpoint: the path itself, or the hub snapshot (config and safetensors)."""
-    path = Path(os.path.expanduser(name_or_path))
-    if path.is_dir():
-        return path
-    from huggingface_hub import snapshot_download
-
-    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
-    # top-level files only: openai/gpt-oss-20b also ships original/ (13 GB more) and metal/ weights
-    return Path(snapshot_download(name_or_path, allow_patterns=patterns, ignore_patterns=["*/*"]))
-
-
-def checkpoint_files(folder: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: the shards its index names, or every weights file."""
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [s for s in shards if not (folder / s).exists()]
-        if missing:
-            raise ModelLoadError(f"{index} names shards that are not there: {', '.join(missing[:3])}")
-        return [folder / s for s in shards]
-    files = sorted(f for f in folder.glob("*.safetensors") if not f.name.startswith("adapter_"))
-    if not files:
-        raise ModelLoadError(f"{folder} has {NO_WEIGHTS}")
-    return files
-
-
-TORCH_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "F8_E8M0": torch.float8_e8m0fnu,  # block scales stored as e8m0 (scale_fmt ue8m0)
-}
-
-
-class LazyTensor:
-    """One tensor of a safetensors file, read on `[...]` straight into its own buffer (one copy).
-
-    The two readers safetensors offers cost more here: mmap leaves every touched page resident until the
-    file is closed (the whole checkpoint, by the end of loading), and its pread backend holds the bytes
-    twice while it builds the tensor (measured: 577 MiB high-water for a 288 MiB tensor).
-    """
-
-    def __init__(self, path: Path, dtype: str, shape: list[int], start: int, end: int):
-        self.path, self.dtype_name, self.shape, self.start, self.end = path, dtype, shape, start, end
-
-    def get_dtype(self) -> str:
-        return self.dtype_name
-
-    def get_shape(self) -> list[int]:
-        return list(self.shape)
-
-    def __getitem__(self, index):
-        if index is not Ellipsis:
-            raise ValueError(f"LazyTensor reads whole tensors only ([...]), not [{index!r}]")
-        buffer = torch.empty(self.end - self.start, dtype=torch.uint8)
-        with open(self.path, "rb") as f:
-            f.seek(self.start)
-            if f.readinto(buffer.numpy()) != buffer.numel():
-                raise ModelLoadError(f"{self.path}: truncated safetensors file")
-        return buffer.view(TORCH_DTYPES[self.dtype_name]).reshape(self.shape)
-
-
-def read_safetensors_index(path: Path) -> dict[str, LazyTensor]:
-    """The tensors of one safetensors file: an 8-byte header length, a JSON header, then the data."""
-    try:
-        with open(path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            if header_len > path.stat().st_size - 8:
-                raise ValueError(f"header length {header_len} exceeds the file")
-            header = json.loads(f.read(header_len))
-    except (OSError, ValueError, struct.error, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
-        raise ModelLoadError(f"{path}: not a readable safetensors file ({exc})") from None
-    header.pop("__metadata__", None)
-    base = 8 + header_len
-    unknown = {v["dtype"] for v in header.values()} - TORCH_DTYPES.keys()
-    if unknown:
-        raise ModelLoadError(f"{path}: tensors of dtype {sorted(unknown)} are not supported")
-    return {
-        k: LazyTensor(path, v["dtype"], v["shape"], base + v["data_offsets"][0], base + v["data_offsets"][1])
-        for k, v in header.items()
-    }
-
-
-@contextmanager
-def lazy_state_dict(files: list[Path]):
-    """{name: LazyTensor} over all files of a checkpoint; nothing is read until transformers asks."""
-    state = {}
-    for f in files:
-        state.update(read_safetensors_index(f))
-    yield state
-
-
-def stored_dtype(state: dict) -> torch.dtype:
-    """The floating dtype most tensors of the checkpoint are stored in."""
-    counts = Counter(t.get_dtype() for t in state.values() if TORCH_DTYPES[t.get_dtype()].is_floating_point)
-    return TORCH_DTYPES[counts.most_common(1)[0][0]] if counts else torch.float32
 
 
 def load_model(opts: LoadOptions):
@@ -434,8 +273,8 @@ def load_model(opts: LoadOptions):
 
 
 def quantize_read_by_expert(model, stacks: dict, opts: LoadOptions) -> None:
-    """Each stack of `stacks` ({parameter name: published.FusedExpertsTensor}) quantized to NF4 an expert at a time
-    as each is decoded, and set on its module: a layer's experts are never whole in bf16 (published.py)."""
+    """Each stack of `stacks` ({parameter name: published_experts.FusedExpertsTensor}) quantized to NF4 an expert at
+    a time as each is decoded, and set on its module: a layer's experts are never whole in bf16."""
     for name, fused in stacks.items():
         if ignored_on_load(model, name):
             continue
@@ -508,82 +347,3 @@ def keep_linears_differentiable(model) -> None:
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             module.support_avx512bf16_for_cpu = False
-
-
-EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-
-
-def declared_experts(config) -> int:
-    """The number of routed experts a config declares (0 for a dense model)."""
-    for key in EXPERT_COUNT_FIELDS:
-        try:
-            value = getattr(config, key, None)
-        except Exception:  # a per-layer attribute of a heterogeneous config
-            continue
-        if isinstance(value, int) and value > 1:
-            return value
-    return getattr(getattr(config, "ffn_config", None), "moe_num_experts", 0) or 0
-
-
-def looks_like_experts(name: str, module) -> bool:
-    """An experts container by its name (class `...Experts`, attribute `experts` / `shared_experts`)."""
-    return type(module).__name__.lower().endswith("experts") or name.rsplit(".", 1)[-1] in ("experts", "shared_experts")
-
-
-def unquantized_expert_stacks(model) -> list[str]:
-    """Expert stacks left in high precision, each with why.
-
-    Experts are found by what they are: modules on transformers' experts interface (their stacks must be NF4
-    now), and modules that hold 3D expert-like stacks but are not on that interface (a layout moe-qlora does
-    not compute). Other 3D weights (the short convolutions of Mamba / linear-attention layers) are not experts.
-    """
-    found = []
-    for name, module in model.named_modules():
-        stacks = {n: p for n, p in module.named_parameters(recurse=False) if p.dim() == 3 and p.is_floating_point()}
-        stacks = {n: p for n, p in stacks.items() if not isinstance(p, bnb.nn.Params4bit)}
-        if not stacks:
-            continue
-        if is_experts_module(module):
-            why = "the quantizer did not convert"
-        elif looks_like_experts(name, module):
-            why = f"{type(module).__name__} is not on transformers' experts interface (an unknown expert layout)"
-        else:
-            continue
-        found += [f"{why}: {name}.{n} {tuple(p.shape)} {p.dtype}" for n, p in stacks.items()]
-    return found
-
-
-def assert_experts_quantized(model) -> None:
-    """Strict check: every expert stack is NF4; names what was found unquantized and why."""
-    leftovers = unquantized_expert_stacks(model)
-    if leftovers:
-        raise ModelLoadError(
-            "expert stacks moe-qlora cannot keep in NF4: "
-            + "; ".join(leftovers[:4])
-            + (f" and {len(leftovers) - 4} more" if len(leftovers) > 4 else "")
-        )
-
-
-def parameter_bytes_by_kind(model) -> dict[str, int]:
-    """Bytes of the model's weights this process holds, by kind: NF4 experts, MXFP4 experts, other 4-bit weights,
-    LoRA, the rest (of a sharded model: this rank's shards, the experts' codes and scales as parameters of their
-    own)."""
-    kinds = {"experts_nf4": 0, "linear_4bit": 0, "lora": 0, "other": 0}  # and experts_mxfp4 where there are
-    shardable = tuple(f"{n}_{part}" for n in EXPERT_PARAMS for part in ("nf4", "absmax"))
-    mxfp4 = tuple(f"{n}{part}" for n in EXPERT_PARAMS for part in (BLOCKS_SUFFIX, SCALES_SUFFIX))
-    for name, p in model.named_parameters():
-        local = local_shard(p)
-        if name.rsplit(".", 1)[-1] in mxfp4:
-            kinds["experts_mxfp4"] = kinds.get("experts_mxfp4", 0) + local.numel() * local.element_size()
-        elif isinstance(p, bnb.nn.Params4bit):
-            kind = "experts_nf4" if name.rsplit(".", 1)[-1] in EXPERT_PARAMS else "linear_4bit"
-            kinds[kind] += stack_nbytes(p)
-        elif name.rsplit(".", 1)[-1] in shardable:
-            kinds["experts_nf4"] += local.numel() * local.element_size()
-        elif name.rsplit(".", 1)[-1] in ("weight_nf4", "weight_absmax"):  # a ShardableLinear4bit
-            kinds["linear_4bit"] += local.numel() * local.element_size()
-        elif p.requires_grad or "lora" in name:
-            kinds["lora"] += local.numel() * local.element_size()
-        else:
-            kinds["other"] += local.numel() * local.element_size()
-    return kinds

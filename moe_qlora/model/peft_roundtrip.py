@@ -25,6 +25,7 @@ from moe_qlora.model.classes import text_model_from_config
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."
+TRAINED_ON = "moe_qlora.json"  # beside the adapter: the base quantization it was trained on (export.adapter)
 
 
 def clean_base_config(config):

@@ -25,9 +25,10 @@ def sharding_chosen(cfg: RunConfig, ranks: Ranks, model_path: str, console: Cons
     if cfg.train.parallel == "auto":
         if not shardable or device.type != "cuda":
             return False
+        from moe_qlora.model.budget import this_gpu_capability
         from moe_qlora.model.plan import plan_run
 
-        need = plan_run(cfg, name_or_path=model_path, device="cuda").total
+        need = plan_run(cfg, name_or_path=model_path, device="cuda", capability=this_gpu_capability()).total
         have = torch.cuda.get_device_properties(device).total_memory
         console.print(
             f"train.parallel auto: the run needs {need / 2**30:.1f} GiB on one GPU of "
@@ -53,6 +54,7 @@ def offloaded_layers(
     mode = cfg.model.expert_offload
     if mode == "none" or sharded or (mode == "auto" and device != "cuda"):
         return frozenset()
+    from moe_qlora.model.budget import this_gpu_capability
     from moe_qlora.model.plan import plan_run
 
     if device != "cuda":  # all, on the CPU: the same schedule from host to host (what CPU tests drive)
@@ -62,7 +64,7 @@ def offloaded_layers(
         return frozenset(name for name, _ in expert_layers(meta_model(model_path)))
 
     gib = gpu_gib if gpu_gib is not None else torch.cuda.get_device_properties(device).total_memory / 2**30
-    plan = plan_run(cfg, name_or_path=model_path, device="cuda", gpu_gib=gib)
+    plan = plan_run(cfg, name_or_path=model_path, device="cuda", gpu_gib=gib, capability=this_gpu_capability())
     if plan.offload is None:
         return frozenset()
     check_host_memory(plan.offload.host_bytes, plan.offload.layers, mode)

@@ -15,6 +15,7 @@ from torch import nn
 
 from moe_qlora.config.sections import RunConfig, resolve_compute_dtype
 from moe_qlora.model.budget import (
+    DEFAULT_GPU_CAPABILITY,
     DEFAULT_GPU_GIB,
     DTYPE_BYTES,
     LORA_BYTES,
@@ -48,13 +49,15 @@ def plan_run(
     gpus: int = 1,
     parallel: str | None = None,
     gpu_gib: float = DEFAULT_GPU_GIB,
+    capability: tuple[int, int] = DEFAULT_GPU_CAPABILITY,
 ) -> Plan:
     """Bytes by kind one GPU holds for the run `cfg` on `gpus` devices of `gpu_gib` GiB each, and what each
     sends per optimizer step. `parallel`: auto, ddp or fsdp (default: cfg.train.parallel). `model`:
-    meta_model(name_or_path), when already built (planning many configurations of one model)."""
+    meta_model(name_or_path), when already built (planning many configurations of one model). `capability`:
+    the GPUs' (major, minor), which decides the MoE kernels `auto` takes (budget.planned_kernels)."""
     model = model if model is not None else meta_model(name_or_path, cfg.model.trust_remote_code)
     targets = resolve_targets(model, cfg.lora.target_modules)  # round-trips a probe adapter through PEFT: once
-    plan = one_device_plan(cfg, model, targets, device=device)
+    plan = one_device_plan(cfg, model, targets, device=device, capability=capability)
     apply_expert_offload(plan, model, cfg, device=device, gpu_bytes=int(gpu_gib * 2**30))
     plan.gpus, plan.gpu_bytes = gpus, int(gpu_gib * 2**30)
     requested = parallel or cfg.train.parallel
@@ -129,7 +132,7 @@ def rows_and_row_numel(shape: tuple[int, ...]) -> tuple[int, int]:
 
 def sharded_tensors(model: nn.Module, cfg: RunConfig, targets: list[str], *, device: str) -> list[ShardedTensor]:
     """Every tensor FSDP shards (distributed.shard_model). Each NF4 expert stack becomes two, experts on dim 0
-    (experts.make_stacks_shardable): uint8 codes, half a byte a weight, and fp32 block scales, one per 64
+    (stack_surgery.make_stacks_shardable): uint8 codes, half a byte a weight, and fp32 block scales, one per 64
     weights (nested scales decoded): 4.5 bits a weight whatever model.expert_double_quant says. So does each
     4-bit linear whose rows hold whole NF4 blocks, output rows on dim 0 (nf4.make_linears_shardable); the others
     are not here: they stay whole. Then the weights kept in the compute dtype and the fp32 LoRA tensors."""

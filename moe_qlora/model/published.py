@@ -3,40 +3,31 @@ Qwen3's and GLM-4.5's FP8 releases: `quant_method: fp8` with `weight_block_size`
 experts are FP4 with `expert_dtype: fp4`) and gpt-oss's MXFP4 experts (`quant_method: mxfp4`) are dequantized
 tensor by tensor as they are read, then quantized to NF4 like any bf16 checkpoint; every other quantized format is
 refused by name, never silently read as something else.
-
-MXFP4 (OCP microscaling): `<stack>_blocks` (E, out, G, 16) bytes hold two e2m1 values each, the low nibble first,
-and `<stack>_scales` (E, out, G) one e8m0 exponent (bias 127) per 32 values along the input: W[e, i, o] =
-e2m1[nibble] * 2^(scale - 127), stored transposed to the model's (E, in, out) stacks. Every such value is exact
-in bf16 (two mantissa bits and an fp32-range exponent), so the decoded stack is the published model itself.
-
-FP8 block scaling: W[i, j] = q[i, j] * s[i // b0, j // b1], q in float8 e4m3, s the `weight_scale_inv` grid of
-ceil(rows / b0) x ceil(cols / b1) fp32 scales, (b0, b1) = weight_block_size. A dimension that is not a multiple
-of its block ends in a partial block (DeepSeek-V3's kv_a_proj_with_mqa: 576 rows, 4.5 blocks of 128), which is
-why the block size is read from the config and never inferred from the grid's shape. A weight's scales are stored
-as `<m>.weight_scale_inv`, or `<m>.scale` (DeepSeek-V4-Flash) or `<m>.qscale_weight` (Mistral Large 4), the names
-transformers' FP8 quantizer renames.
-
-FP4 experts (`expert_dtype: fp4`, DeepSeek-V4-Flash): an int8 weight (rows, cols / 2) of two e2m1 values a byte,
-the low nibble first, and a scale per 32 values along each row (rows, cols / 32): MXFP4's values, one expert at a
-time. With e8m0 scales (`scale_fmt: ue8m0`) the bytes are kept as MXFP4 stacks like gpt-oss's (model.expert_format
-auto or mxfp4), gathered per layer; otherwise, or with expert_format nf4, decoded exactly (with e8m0 scales every
-value is exact in bf16) and quantized to NF4.
+The formats' tensors, decoded as read, are in published_tensors; per-expert weights read as the model's fused
+stacks in published_experts.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-import torch
-
-from moe_qlora.moe.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, decode_values
+from moe_qlora.model.published_experts import (
+    fp4_stacks_kept,
+    fused_expert_stacks,
+)
+from moe_qlora.model.published_tensors import (
+    FP4_GROUP,
+    Fp4RowTensor,
+    Fp8BlockTensor,
+    ModelLoadError,
+    Mxfp4Tensor,
+)
+from moe_qlora.moe.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX
 
 SCALE_SUFFIX = "_scale_inv"  # weight -> weight_scale_inv
 SCALE_NAMES = ("weight_scale_inv", "scale", "qscale_weight")  # <m>.weight's scales, under any of these
 FP8_STORED = ("F8_E4M3", "F8_E5M2")
 FP4_STORED = ("I8",)  # expert_dtype fp4: two e2m1 codes a byte
-FP4_GROUP = 32  # FP4 values that share a scale, along a row
 INSTEAD = {  # a format moe-qlora does not read, and what to load instead
     "gptq": "a GPTQ checkpoint holds int4 weights of its own scheme: load the unquantized release",
     "awq": "an AWQ checkpoint holds int4 weights of its own scheme: load the unquantized release",
@@ -44,106 +35,6 @@ INSTEAD = {  # a format moe-qlora does not read, and what to load instead
     "bitsandbytes": "a checkpoint saved in bitsandbytes 4/8-bit: load the unquantized release (moe-qlora quantizes "
     "it to NF4 itself)",
 }
-
-
-class ModelLoadError(ValueError):
-    """A model path or checkpoint that cannot be loaded as asked."""
-
-
-class Fp8BlockTensor:
-    """An FP8 weight and its block scales, read as one bf16 tensor on `[...]` (the LazyTensor interface that
-    transformers' loader reads state-dict entries through); the scales then go."""
-
-    def __init__(self, name: str, weight, scale, block: tuple[int, int]):
-        self.name, self.weight, self.scale, self.block = name, weight, scale, block  # checked by fp8_state
-
-    def get_dtype(self) -> str:
-        return "BF16"
-
-    def get_shape(self) -> list[int]:
-        return self.weight.get_shape()
-
-    def __getitem__(self, index):
-        return dequantize_blocks(self.weight[index], scale_values(self.scale[index]), self.block)
-
-
-def scale_values(scale: torch.Tensor) -> torch.Tensor:
-    """The scales as fp32 multipliers: fp32 / bf16 / fp16 / float8_e8m0fnu as stored; uint8 as e8m0 exponents,
-    2^(b - 127) (checkpoints with `scale_fmt: ue8m0` that store the exponents as bytes)."""
-    if scale.dtype == torch.uint8:
-        return torch.exp2(scale.float() - 127)
-    return scale.float()
-
-
-def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """q (rows, cols) fp8 times each element's block scale (scale: (ceil(rows/b0), ceil(cols/b1)) fp32), rounded
-    once to bf16; one row of blocks at a time in fp32 (a whole DeepSeek-V3 dense weight would be 0.5 GiB)."""
-    rows, cols = q.shape
-    b0, b1 = block
-    out = torch.empty(rows, cols, dtype=torch.bfloat16)
-    for i in range(scale.shape[0]):
-        band = slice(i * b0, (i + 1) * b0)
-        out[band] = (q[band].float() * scale[i].repeat_interleave(b1)[:cols]).to(torch.bfloat16)
-    return out
-
-
-class Fp4RowTensor:
-    """An FP4 weight (rows, cols / 2) and its scales (rows, cols / 32), read whole as one bf16 (rows, cols) tensor
-    on `[...]`."""
-
-    def __init__(self, name: str, weight, scale):
-        self.name, self.weight, self.scale = name, weight, scale  # checked by fp8_state
-
-    def get_dtype(self) -> str:
-        return "BF16"
-
-    def get_shape(self) -> list[int]:
-        rows, half = self.weight.get_shape()
-        return [rows, 2 * half]
-
-    def __getitem__(self, index):
-        if index is not Ellipsis:
-            raise ValueError(f"{self.name}: read whole ([...]), not [{index!r}]")
-        return decode_fp4_rows(self.weight[...], self.scale[...])
-
-
-def decode_fp4_rows(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(rows, cols / 2) int8 of e2m1 pairs, low nibble first, and (rows, cols / 32) scales -> (rows, cols) bf16:
-    each value times its group's scale, rounded once (exact for e8m0 scales)."""
-    rows = packed.shape[0]
-    codes = packed.contiguous().view(torch.uint8).reshape(-1)
-    if scale.dtype == torch.uint8:
-        return decode_values(codes, scale.reshape(-1)).view(rows, -1).to(torch.bfloat16)
-    unit = torch.full((scale.numel(),), 127, dtype=torch.uint8)  # 2^0: the values alone, then the float scales
-    values = decode_values(codes, unit).view(rows, -1, FP4_GROUP)
-    return (values * scale_values(scale)[..., None]).view(rows, -1).to(torch.bfloat16)
-
-
-class Mxfp4Tensor:
-    """An MXFP4 expert stack (its blocks and scales) read as one bf16 (E, in, out) tensor on `[...]`, decoded one
-    expert at a time (a gpt-oss-120b stack decoded whole in fp32 would be 4 GiB)."""
-
-    def __init__(self, name: str, blocks, scales):
-        self.name, self.blocks, self.scales = name, blocks, scales
-
-    def get_dtype(self) -> str:
-        return "BF16"
-
-    def get_shape(self) -> list[int]:
-        experts, out, groups, half = self.blocks.get_shape()
-        return [experts, groups * half * 2, out]
-
-    def __getitem__(self, index):
-        blocks, scales = self.blocks[index], self.scales[index]
-        stack = torch.empty(self.get_shape(), dtype=torch.bfloat16)
-        for e in range(stack.shape[0]):
-            stack[e] = decode_mxfp4(blocks[e], scales[e]).T
-        return stack
-
-
-def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """(out, G, 16) bytes and (out, G) e8m0 exponents -> (out, G * 32) fp32 values."""
-    return decode_values(blocks.reshape(-1), scales.reshape(-1)).view(scales.shape[0], -1)
 
 
 def quantization_configs(config) -> list:
@@ -321,168 +212,6 @@ def checked_fp4_scale(name: str, scale_key: str, state: dict, fp4: bool, folder:
             f"int8 (rows, cols / 2) weight and ({', '.join(SCALE_DTYPES)}) scales (rows, cols / {FP4_GROUP})"
         )
     return scale
-
-
-class FusedExpertsTensor:
-    """Per-expert FP8 weights read as the fused (E, sum of rows, cols) bf16 stack the model holds, one expert at a
-    time into one buffer: transformers' own merge (MergeModulelist, then Concatenate for gate and up) keeps each
-    expert's decoded tensor, their stack and the concatenation alive together, about twice a layer's experts in
-    bf16 (measured: 523 MiB over the load's bound with bench_load.py --format fp8)."""
-
-    def __init__(self, name: str, parts: list[list]):
-        self.name, self.parts = name, parts  # parts[source][expert]: the tensors concatenated along rows
-
-    def get_dtype(self) -> str:
-        return "BF16"
-
-    def get_shape(self) -> list[int]:
-        rows = sum(part[0].get_shape()[0] for part in self.parts)
-        return [len(self.parts[0]), rows, self.parts[0][0].get_shape()[1]]
-
-    def __getitem__(self, index):
-        if index is not Ellipsis:
-            raise ValueError(f"{self.name}: read whole ([...]), not [{index!r}]")
-        out = torch.empty(self.get_shape(), dtype=torch.bfloat16)
-        for e in range(out.shape[0]):
-            out[e] = self.expert(e)
-        return out
-
-    def expert(self, e: int) -> torch.Tensor:
-        """Expert e alone: (sum of rows, cols) bf16."""
-        return torch.cat([part[e][...] for part in self.parts])
-
-
-class Fp4StackBytes:
-    """The stored bytes of a fused FP4 stack as MXFP4's `<stack>_blocks` (E, out, G, 16) or `<stack>_scales`
-    (E, out, G): each expert's sources' rows concatenated (gate before up), nothing decoded. An FP4 row of
-    (cols / 2) bytes is its G groups of 16 bytes, low nibble first as in MXFP4, so the bytes are already MXFP4's."""
-
-    def __init__(self, fused: FusedExpertsTensor, part: str):
-        self.fused, self.part = fused, part  # part: "weight" (the codes) or "scale" (the e8m0 exponents)
-
-    def get_dtype(self) -> str:
-        return "U8"
-
-    def get_shape(self) -> list[int]:
-        experts, rows, cols = self.fused.get_shape()
-        groups = cols // FP4_GROUP
-        return [experts, rows, groups, FP4_GROUP // 2] if self.part == "weight" else [experts, rows, groups]
-
-    def __getitem__(self, index):
-        if index is not Ellipsis:
-            suffix = BLOCKS_SUFFIX if self.part == "weight" else SCALES_SUFFIX
-            raise ValueError(f"{self.fused.name}{suffix}: read whole ([...]), not [{index!r}]")
-        out = torch.empty(self.get_shape(), dtype=torch.uint8)
-        for e in range(out.shape[0]):
-            rows = [getattr(part[e], self.part)[...].contiguous().view(torch.uint8) for part in self.fused.parts]
-            out[e] = torch.cat(rows).view(out.shape[1:])
-        return out
-
-
-def fp4_stacks_kept(state: dict, folder: Path) -> dict:
-    """`state` with every fused stack of FP4 experts as MXFP4 `<stack>_blocks` and `<stack>_scales` of the stored
-    bytes (model.expert_format mxfp4); an FP4 weight left out of a stack, or scales that are not e8m0 bytes,
-    cannot be kept so: ModelLoadError."""
-    out = {}
-    for name, tensor in state.items():
-        parts = tensor.parts if isinstance(tensor, FusedExpertsTensor) else [[tensor]]
-        if not any(isinstance(p, Fp4RowTensor) for part in parts for p in part):
-            out[name] = tensor
-            continue
-        if not isinstance(tensor, FusedExpertsTensor) or any(type(p) is not Fp4RowTensor for q in parts for p in q):
-            raise ModelLoadError(
-                f"{folder}: {name}: an FP4 weight outside a stack of FP4 experts cannot be kept as MXFP4: use "
-                "model.expert_format nf4"
-            )
-        scales = {p.scale.get_dtype() for part in parts for p in part}
-        if not scales <= {"U8", "F8_E8M0"}:
-            raise ModelLoadError(
-                f"{folder}: {name}: FP4 scales stored as {sorted(scales)}, not e8m0: kept as MXFP4 only with e8m0 "
-                "scales; use model.expert_format nf4"
-            )
-        out[name + BLOCKS_SUFFIX] = Fp4StackBytes(tensor, "weight")
-        out[name + SCALES_SUFFIX] = Fp4StackBytes(tensor, "scale")
-    return out
-
-
-class ExpertReader:
-    """A FusedExpertsTensor as nf4.quantize_stack reads a stack: `shape`, and `[e]` expert e decoded alone."""
-
-    def __init__(self, fused: FusedExpertsTensor):
-        self.fused, self.shape = fused, tuple(fused.get_shape())
-
-    def __getitem__(self, e: int) -> torch.Tensor:
-        return self.fused.expert(e)
-
-
-def stacks_read_by_expert(state: dict, model_type: str | None) -> dict[str, FusedExpertsTensor]:
-    """The fused FP8/FP4 stacks moe-qlora quantizes itself, an expert at a time as each is decoded, instead of
-    handing transformers the stack, under the name transformers' renames give them (DeepSeek-V4's ffn -> mlp,
-    MiniMax-M2's block_sparse_moe -> mlp; the base model's prefix, where the checkpoint has none, is added where
-    the model is at hand: loading.stack_of). Each tensor's own `name` is its key in `state`."""
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming, apply_renamings
-
-    renamings = [r for r in get_checkpoint_conversion_mapping(model_type) or [] if isinstance(r, WeightRenaming)]
-    fused = {apply_renamings(k, renamings): v for k, v in state.items() if isinstance(v, FusedExpertsTensor)}
-    # a module's stacks all or none: one left to transformers would be the module's only stack while it loads,
-    # and a module without its stacks is no experts module to the quantizer (its other stack left in bf16)
-    stacks = {k.rsplit(".", 1)[1] for k in fused}
-    modules = {k.rsplit(".", 1)[0] for k in fused}
-    whole = {m for m in modules if all(f"{m}.{stack}" in fused for stack in stacks)}
-    return {k: v for k, v in fused.items() if k.rsplit(".", 1)[0] in whole}
-
-
-def fused_expert_stacks(state: dict, model_type: str | None) -> dict:
-    """Per-expert FP8 (or FP4) weights grouped into FusedExpertsTensor stacks under the names transformers'
-    checkpoint conversion for `model_type` gives them (a converter that stacks experts, MergeModulelist(0), and
-    concatenates its sources along rows, Concatenate(1): gate and up into gate_up_proj); transformers' renames
-    (DeepSeek-V4's ffn -> mlp) then apply to the stack's name. Only complete groups (every source for experts
-    0..E-1, all quantized) are fused; anything else is left to transformers."""
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    from transformers.core_model_loading import WeightConverter
-
-    for converter in get_checkpoint_conversion_mapping(model_type) or []:
-        ops = [(type(op).__name__, getattr(op, "dim", None)) for op in getattr(converter, "operations", [])]
-        stacks = ops in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)])
-        if isinstance(converter, WeightConverter) and stacks and len(converter.target_patterns) == 1:
-            state = fuse_converter_sources(state, list(converter.source_patterns), converter.target_patterns[0])
-    return state
-
-
-def literal_pattern(pattern: str, wildcards: int) -> str | None:
-    """A converter's pattern as the literal key text it stands for (transformers writes a dot either way, `.` or
-    `\\.`), or None when it uses more of regex than that or has not `wildcards` `*`s: left to transformers."""
-    text = pattern.replace(r"\.", ".")
-    return text if re.fullmatch(r"[\w.*]+", text) and text.count("*") == wildcards else None
-
-
-def fuse_converter_sources(state: dict, sources: list[str], target: str) -> dict:
-    """`state` with each complete group of per-expert quantized keys matching `sources` (one `*` for the expert
-    index) replaced by one FusedExpertsTensor named prefix + `target`."""
-    literal = [literal_pattern(s, 1) for s in sources]
-    target = literal_pattern(target, 0)
-    if None in literal or target is None:
-        return state
-    matchers = [re.compile(r"^(.*?)" + r"(\d+)".join(map(re.escape, s.split("*"))) + "$") for s in literal]
-    groups: dict[str, list[dict[int, str]]] = {}
-    for key in state:
-        for i, matcher in enumerate(matchers):
-            if m := matcher.match(key):
-                groups.setdefault(m.group(1), [{} for _ in sources])[i][int(m.group(2))] = key
-    out = dict(state)
-    for prefix, per_source in groups.items():
-        experts = len(per_source[0])
-        complete = all(sorted(keys) == list(range(experts)) for keys in per_source)
-        decoded = (Fp8BlockTensor, Fp4RowTensor)
-        if not complete or not all(isinstance(state[k], decoded) for keys in per_source for k in keys.values()):
-            continue
-        parts = [[state[keys[e]] for e in range(experts)] for keys in per_source]
-        for keys in per_source:
-            for k in keys.values():
-                del out[k]
-        out[prefix + target] = FusedExpertsTensor(prefix + target, parts)
-    return out
 
 
 def mxfp4_state(state: dict, folder: Path) -> dict:

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 from transformers.integrations.moe import _default_apply_gate
 
-from moe_qlora.moe.experts import is_experts_module, moe_qlora_experts_forward, stack_names
+from moe_qlora.moe.expert_stacks import is_experts_module, stack_names
+from moe_qlora.moe.experts import moe_qlora_experts_forward
 from moe_qlora.moe.layer_state import layer_state, read_state
 
 # Experts classes off transformers' interface whose stacks and math the MoE layer computes exactly once they

@@ -121,7 +121,7 @@ def check_quantizable(shape: tuple[int, ...]) -> None:
 def quantize_stack(weight, *, double_quant: bool = False, device=None) -> bnb.nn.Params4bit:
     """Quantize a (E, O, I) expert stack to a frozen bitsandbytes Params4bit (NF4, blocksize 64), on `device`
     (default: the stack's). `weight` is a tensor, or anything with a `shape` whose `[e]` gives expert e (O, I):
-    a checkpoint's experts read one at a time (published.ExpertReader), never whole.
+    a checkpoint's experts read one at a time (published_experts.ExpertReader), never whole.
 
     Experts are quantized one at a time, each upcast to fp32 alone, so a bf16 stack is never copied whole;
     blocks never straddle experts, so the result equals bitsandbytes quantizing the fp32 stack at once.

@@ -1,5 +1,5 @@
 """AdamW (torch's, or bitsandbytes' 8-bit) with element-wise gradient clipping (`gclip`), global-norm
-clipping, the optimizer step inside the backward, and the LR schedule.
+clipping, and the optimizer step inside the backward.
 
 Order per step: global norm measured (logged pre-clip) -> optional global-norm scaling -> each element
 clamped to [-gclip, gclip] -> the AdamW moment update. The clamp bounds what one outlier element can
@@ -74,19 +74,6 @@ def clip_global_norm(params, max_norm: float) -> float:
         for part in parts:
             part.mul_((max_norm / (norm + 1e-6)).to(part.dtype))
     return float(norm)
-
-
-def lr_multiplier(step: int, *, total_steps: int, warmup_steps: int, schedule: str) -> float:
-    """Factor on the base LR at optimizer step `step` (0-based): linear warmup, then constant/linear/cosine to 0."""
-    if warmup_steps and step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    span = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / span)
-    if schedule == "linear":
-        return 1.0 - progress
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def build_optimizer(params, train_cfg) -> torch.optim.Optimizer:

@@ -20,7 +20,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from moe_qlora.common.reporting import NoReporters, Reporters
 from moe_qlora.config.methods import check_method
 from moe_qlora.config.sections import DataSection, RunConfig
-from moe_qlora.export.adapter import load_adapter
 from moe_qlora.export.prompt_format import write_prompt_format
 from moe_qlora.model.build import load_policy
 from moe_qlora.model.distributed import any_rank, launched_world_size, raise_together, whole_trainable
@@ -43,8 +42,9 @@ from moe_qlora.train.runs import (
     stop_if_asked,
     write_adapter,
 )
-from moe_qlora.train.steps import continue_at_world_size, schedule_at
-from moe_qlora.train.update import after_step, build_schedule, router_load, write_router_layers
+from moe_qlora.train.schedule import lr_schedule
+from moe_qlora.train.steps import continue_at_world_size
+from moe_qlora.train.update import after_step, router_load, write_router_layers
 
 
 class Recipe(ABC):
@@ -120,7 +120,7 @@ class Recipe(ABC):
         seed_everything(cfg.train.seed)  # and again: what loading consumed (e.g. a cold cache) must not matter
         self.optimizer = build_optimizer(self.params, cfg.train)
         self.total = self.count_steps()
-        self.scheduler = build_schedule(self.optimizer, self.total * self.updates_per_step(), cfg.train)
+        self.scheduler = self.schedule_after(0)
         self.identity = {**config_identity(cfg.model_dump(mode="json")), **self.data_identity()}
         self.done = resume_if_asked(
             cfg,
@@ -142,7 +142,7 @@ class Recipe(ABC):
     def load_model(self) -> None:
         """The model as the run config places it, from lora.init_from when given: model, params, ranks."""
         self.model, self.params, self.ranks = load_policy(
-            self.cfg, self.model_path, self.console, self.ranks, shardable=self.shardable, read_adapter=load_adapter
+            self.cfg, self.model_path, self.console, self.ranks, shardable=self.shardable
         )
 
     @property
@@ -226,6 +226,15 @@ class Recipe(ABC):
 
     # ------------------------------------------------------------- shared by the methods that need it
 
+    def schedule_after(self, steps: int):
+        """The LR schedule over the run's `total` steps, as it stands after `steps` of them: the one place a
+        recipe's steps become the schedule's optimizer updates (x updates_per_step), for the schedule setup()
+        starts with and the one a resume at another world size is put back on alike."""
+        per_step = self.updates_per_step()
+        return lr_schedule(
+            self.optimizer, self.cfg.train, total_updates=self.total * per_step, done_updates=steps * per_step
+        )
+
     def continue_data_parallel(self, num_items: int) -> None:
         """After a resume: a checkpoint of another world size goes on from the same place in the data (its
         steps, schedule and records follow: steps.continue_at_world_size); then the data-parallel line."""
@@ -233,7 +242,7 @@ class Recipe(ABC):
         resumed_at = self.done.step
         self.done, self.total = continue_at_world_size(self.done, ranks, num_items, cfg, self.total, self.console)
         if self.done.step != resumed_at:
-            self.scheduler = schedule_at(self.optimizer, self.total, self.done.step, cfg.train)
+            self.scheduler = self.schedule_after(self.done.step)
             if ranks.main and self.done.step < resumed_at:  # more ranks: fewer, larger steps; records start again
                 truncate_metrics(self.out / "metrics.jsonl", self.done.step)
         if ranks.enabled:

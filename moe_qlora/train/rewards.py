@@ -20,7 +20,8 @@ from typing import NamedTuple
 
 import torch
 
-from moe_qlora.config.sections import ConfigError, RewardFunctionSpec
+from moe_qlora.config.grpo import RewardFunctionSpec
+from moe_qlora.config.sections import ConfigError
 from moe_qlora.model.distributed import SINGLE, Ranks, sum_scalars
 
 log = logging.getLogger(__name__)

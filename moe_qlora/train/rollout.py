@@ -13,7 +13,8 @@ import torch
 from rich.console import Console
 from transformers import GenerationConfig
 
-from moe_qlora.config.sections import DataSection, GrpoSection, RunConfig
+from moe_qlora.config.grpo import GrpoSection
+from moe_qlora.config.sections import DataSection, RunConfig
 from moe_qlora.data.examples import _check_messages, token_ids
 from moe_qlora.data.sources import DataError, entry_path, load_rows
 from moe_qlora.model.distributed import Ranks, rank_slice

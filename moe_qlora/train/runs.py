@@ -29,7 +29,7 @@ from moe_qlora.config.sections import ConfigError, RunConfig
 from moe_qlora.export.adapter import save_adapter, verify_adapter
 from moe_qlora.export.writers import WRITERS
 from moe_qlora.model.distributed import SINGLE, Ranks, any_rank, join, leave, raise_together
-from moe_qlora.model.tiny import resolve_model_path
+from moe_qlora.model.model_path import resolve_model_path
 from moe_qlora.train.checkpoint import RunProgress, checkpoint_dirs
 
 RUN_FILES = ("metrics.jsonl", "rollouts.jsonl", "adapter")

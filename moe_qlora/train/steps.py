@@ -1,5 +1,5 @@
-"""Which examples each optimizer step takes on each rank, how many steps a run has, where a resumed run at
-another world size continues, and the learning-rate schedule at a step.
+"""Which examples each optimizer step takes on each rank, how many steps a run has, and where a resumed run at
+another world size continues.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from moe_qlora.config.sections import RunConfig
 from moe_qlora.data.examples import IGNORE, Example, epoch_order, micro_batches
 from moe_qlora.model.distributed import SINGLE, Ranks
 from moe_qlora.train.checkpoint import RunProgress
-from moe_qlora.train.update import build_schedule
 
 
 def optimizer_steps(examples: list[Example], cfg: RunConfig, ranks: Ranks = SINGLE):
@@ -76,16 +75,6 @@ def continue_at_world_size(
         "point. The result will not be bit-identical to an uninterrupted run."
     )
     return replace(done, step=step, epoch=min(position // num_examples, cfg.train.epochs - 1)), total
-
-
-def schedule_at(optimizer, total: int, step: int, train_cfg):
-    """The LR schedule over `total` steps, as it stands after `step` of them."""
-    schedule = build_schedule(optimizer, total, train_cfg)
-    schedule.last_epoch = step
-    for group, base, factor in zip(optimizer.param_groups, schedule.base_lrs, schedule.lr_lambdas, strict=True):
-        group["lr"] = base * factor(step)
-    schedule._last_lr = [group["lr"] for group in optimizer.param_groups]
-    return schedule
 
 
 IDLE = " (idle)"  # the source suffix of an idle row

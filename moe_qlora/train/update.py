@@ -1,5 +1,5 @@
 """What every training method does after its step's gradients: the update (clipping, and the NaN policy that skips
-it), the loss-spike flag, the learning-rate schedule, and the router's load per expert.
+it), the loss-spike flag, and the router's load per expert.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from moe_qlora.common.fileio import atomic_write_text
 from moe_qlora.common.memory import release_freed_memory
 from moe_qlora.model.adapters import expert_loras
 from moe_qlora.train.checkpoint import RunProgress
-from moe_qlora.train.optim import clip_global_norm, lr_multiplier
+from moe_qlora.train.optim import clip_global_norm
 from moe_qlora.train.position import StepPosition
 
 
@@ -89,13 +89,3 @@ def router_load(model) -> list[list[float]]:
         out.append([round(s, 4) for s in shares[start : start + n]])
         start += n
     return out
-
-
-def build_schedule(optimizer, total_updates: int, train_cfg):
-    """Warmup then constant, linear or cosine decay over `total_updates` optimizer steps."""
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: lr_multiplier(
-            s, total_steps=total_updates, warmup_steps=train_cfg.warmup_steps, schedule=train_cfg.schedule
-        ),
-    )

@@ -18,19 +18,15 @@ from typer.testing import CliRunner
 
 from moe_qlora.cli.app import app
 from moe_qlora.config.sections import ConfigError, LoraSection
-from moe_qlora.export.adapter import (
-    ADAPTER_WEIGHTS,
-    AdapterMismatchError,
-    AdapterVerificationError,
-    load_adapter,
-    save_adapter,
-    verify_adapter,
-)
+from moe_qlora.export.adapter import ADAPTER_WEIGHTS, AdapterVerificationError, save_adapter, verify_adapter
 from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.model.families import narrowest_loadable
 from moe_qlora.model.loading import LoadOptions, load_model
-from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config, tiny_config_any
-from moe_qlora.moe.experts import UnsupportedExpertsError
+from moe_qlora.model.peft_adapter import AdapterMismatchError, load_adapter
+from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
+from moe_qlora.moe.expert_stacks import UnsupportedExpertsError
+
+from helpers.tiny_configs import tiny_config_any
 
 ROOT = Path(__file__).resolve().parents[2]
 AUTO = LoraSection(rank=4, alpha=8.0, target_modules="auto")

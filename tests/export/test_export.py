@@ -9,10 +9,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from moe_qlora.config.sections import LoraSection
-from moe_qlora.export.adapter import dequantized_base_state_dict, expert_lora_to_peft, peft_to_expert_lora, save_adapter
+from moe_qlora.export.adapter import dequantized_base_state_dict, save_adapter
 from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.model.loading import LoadOptions, load_model
-from moe_qlora.moe.experts import ExpertLoRA
+from moe_qlora.model.peft_adapter import expert_lora_to_peft, peft_to_expert_lora
+from moe_qlora.moe.expert_lora import ExpertLoRA
 
 LORA = LoraSection(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "o_proj"])
 

@@ -25,7 +25,9 @@ from moe_qlora.export import family_tables, gguf_archs, gguf_lora, peft_factors,
 from moe_qlora.export.adapter import save_adapter
 from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.model.loading import LoadOptions, load_model
-from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config_any
+from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model
+
+from helpers.tiny_configs import tiny_config_any
 
 TOL = 1e-5
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]

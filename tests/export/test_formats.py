@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from moe_qlora.config.load import validate_config
 from moe_qlora.export import family_tables, gguf_archs, gguf_lora, peft_factors, per_expert_lora, vllm_lora
-from moe_qlora.model.tiny import resolve_model_path
+from moe_qlora.model.model_path import resolve_model_path
 from moe_qlora.train import sft as trainer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -26,11 +26,13 @@ from moe_qlora.config.sections import ConfigError, LoraSection
 from moe_qlora.export.adapter import save_adapter, verify_adapter
 from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.model.classes import text_model_from_config
-from moe_qlora.model.loading import LoadOptions, ModelLoadError, declared_experts, load_model
-from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config_any
-from moe_qlora.moe.experts import UnsupportedExpertsError, experts_modules
+from moe_qlora.model.loaded_model import declared_experts
+from moe_qlora.model.loading import LoadOptions, ModelLoadError, load_model
+from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model
+from moe_qlora.moe.expert_stacks import UnsupportedExpertsError, experts_modules
 
 from helpers.oracle import assert_all_close, ragged_routing, run_experts_pair
+from helpers.tiny_configs import tiny_config_any
 
 REFUSALS = (ModelLoadError, UnsupportedExpertsError, ConfigError)
 LORA = LoraSection(rank=4, alpha=8.0, target_modules="auto")

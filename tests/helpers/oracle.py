@@ -12,7 +12,8 @@ import torch
 from torch.func import functional_call
 
 from moe_qlora.model.loading import LoadOptions, load_model
-from moe_qlora.moe.experts import attach_expert_lora, stack_names
+from moe_qlora.moe.expert_lora import attach_expert_lora
+from moe_qlora.moe.expert_stacks import stack_names
 from moe_qlora.moe.layer_state import layer_state
 from moe_qlora.moe.layouts import DENSE_INPUT_EXPERTS
 from moe_qlora.moe.nf4 import dequantize_param

@@ -15,7 +15,8 @@ from moe_qlora.export.adapter import dequantized_base_state_dict, save_adapter
 from moe_qlora.inference import merge as merge_module
 from moe_qlora.inference.merge import MergeError, merge_adapter
 from moe_qlora.model.adapters import attach_adapters
-from moe_qlora.model.loading import LoadOptions, checkpoint_files, load_model
+from moe_qlora.model.checkpoint_files import checkpoint_files
+from moe_qlora.model.loading import LoadOptions, load_model
 from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
 from moe_qlora.moe.layouts import consumer_stack_names
 

@@ -267,7 +267,8 @@ from moe_qlora.config.sections import LoraSection
 from moe_qlora.data.examples import collate
 from moe_qlora.model.distributed import full_tensor, join, leave, local_shard, shard_model
 from moe_qlora.model.loading import LoadOptions, load_model
-from moe_qlora.model.tiny import build_byte_tokenizer, ensure_tiny
+from moe_qlora.model.model_path import ensure_tiny
+from moe_qlora.model.tiny import build_byte_tokenizer
 from moe_qlora.train.sft import accumulate_gradients
 
 ranks = join(60)

@@ -16,7 +16,8 @@ from moe_qlora.export.adapter import dequantized_base_state_dict, save_adapter
 from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.model.loading import LoadOptions, load_model
 from moe_qlora.model.tiny import TINY_FAMILIES, build_byte_tokenizer, save_tiny_model, tiny_config
-from moe_qlora.moe.experts import experts_modules, set_moe_kernels
+from moe_qlora.moe.expert_stacks import experts_modules
+from moe_qlora.moe.experts import set_moe_kernels
 from moe_qlora.moe.layer_state import layer_state
 from moe_qlora.train.sft import train
 
@@ -245,7 +246,8 @@ def test_a_dense_model_trains_as_plain_qlora_with_a_warning(tmp_path, caplog):
 
 @pytest.mark.parametrize("attribute", ["has_post_expert_norm"])  # non-gated experts are supported (nemotron_h)
 def test_unsupported_expert_layouts_are_refused_by_name(tiny_mixtral_dir, attribute):
-    from moe_qlora.moe.experts import UnsupportedExpertsError, attach_expert_lora
+    from moe_qlora.moe.expert_lora import attach_expert_lora
+    from moe_qlora.moe.expert_stacks import UnsupportedExpertsError
 
     model = load_model(LoadOptions(str(tiny_mixtral_dir)))
     experts = model.model.layers[1].mlp.experts

@@ -9,9 +9,10 @@ from typer.testing import CliRunner
 
 from moe_qlora.cli.app import app
 from moe_qlora.config.sections import LoraSection
-from moe_qlora.export.adapter import AdapterMismatchError, adapter_state_dict, load_adapter, save_adapter
+from moe_qlora.export.adapter import save_adapter
 from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.model.loading import LoadOptions, load_model
+from moe_qlora.model.peft_adapter import AdapterMismatchError, adapter_state_dict, load_adapter
 from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]

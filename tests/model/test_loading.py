@@ -5,7 +5,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from moe_qlora.model.loading import LoadOptions, ModelLoadError, assert_experts_quantized, load_model
+from moe_qlora.model.loaded_model import assert_experts_quantized
+from moe_qlora.model.loading import LoadOptions, ModelLoadError, load_model
 from moe_qlora.moe.experts import EXPERTS_IMPLEMENTATION
 from moe_qlora.moe.nf4 import dequantize_param
 
@@ -70,7 +71,8 @@ def test_strict_check_names_experts_off_the_interface_and_ignores_convolutions()
     import pytest
     from torch import nn
 
-    from moe_qlora.model.loading import ModelLoadError, assert_experts_quantized
+    from moe_qlora.model.loaded_model import assert_experts_quantized
+    from moe_qlora.model.loading import ModelLoadError
 
     class DbrxLikeExperts(nn.Module):
         def __init__(self):
@@ -92,8 +94,10 @@ def test_a_multimodal_moe_trains_its_text_model_with_the_vision_tower_frozen_unq
     model's experts in NF4 and linears in 4-bit, the vision tower's linears kept in the compute dtype."""
     import bitsandbytes as bnb
 
-    from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config_any
-    from moe_qlora.moe.experts import experts_modules
+    from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model
+    from moe_qlora.moe.expert_stacks import experts_modules
+
+    from helpers.tiny_configs import tiny_config_any
 
     tok = build_byte_tokenizer()
     path = save_tiny_model(tmp_path / "vl", tiny_config_any("qwen3_vl_moe", len(tok)), tokenizer=tok)

@@ -18,14 +18,19 @@ from peft import PeftModel, get_peft_model_state_dict
 from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
 
 from moe_qlora.config.sections import LoraSection
-from moe_qlora.export.adapter import PEFT_PREFIX, adapter_state_dict, dequantized_base_state_dict, save_adapter
+from moe_qlora.export.adapter import dequantized_base_state_dict, save_adapter
 from moe_qlora.model.adapters import attach_adapters
-from moe_qlora.model.loading import LoadOptions, ModelLoadError, load_model, parameter_bytes_by_kind
-from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config, tiny_config_any
-from moe_qlora.moe.experts import experts_modules, kernel_self_check, set_moe_kernels
+from moe_qlora.model.loaded_model import parameter_bytes_by_kind
+from moe_qlora.model.loading import LoadOptions, ModelLoadError, load_model
+from moe_qlora.model.peft_adapter import adapter_state_dict
+from moe_qlora.model.peft_roundtrip import PEFT_PREFIX
+from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
+from moe_qlora.moe.expert_stacks import experts_modules
+from moe_qlora.moe.experts import kernel_self_check, set_moe_kernels
 
 from helpers.oracle import assert_close_scaled, next_token_gradients, randomize_lora_b
 from helpers.published import publish_gpt_oss_mxfp4, publish_v4_flash
+from helpers.tiny_configs import tiny_config_any
 
 LORA = LoraSection(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"], router=True)
 FAMILIES = {  # model type: (publisher, transformers' dequantizing config, LoRA)
@@ -186,8 +191,8 @@ def test_an_adapter_records_the_expert_format_it_was_trained_on(gpt_oss_mxfp4, t
     """moe_qlora.json says which experts the adapter learned against, so generate and merge rebuild that base: an
     MXFP4 run's record says mxfp4, an NF4 run's nf4, and a record written before the setting existed (its experts
     were NF4 then) reads as nf4, not as auto (which now keeps this checkpoint in MXFP4)."""
-    from moe_qlora.export.adapter import TRAINED_ON
     from moe_qlora.inference.generate import trained_quantization
+    from moe_qlora.model.peft_roundtrip import TRAINED_ON
 
     folder, _, _ = gpt_oss_mxfp4
     for expert_format in ("mxfp4", "nf4"):

@@ -13,11 +13,13 @@ from moe_qlora.cli.app import app
 from moe_qlora.config.load import validate_config
 from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.model.budget import meta_model
-from moe_qlora.model.loading import LoadOptions, load_model, parameter_bytes_by_kind
+from moe_qlora.model.loaded_model import parameter_bytes_by_kind
+from moe_qlora.model.loading import LoadOptions, load_model
 from moe_qlora.model.plan import plan_run
-from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config, tiny_config_any
+from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
 
 from helpers.published import publish_gpt_oss_mxfp4, publish_v4_flash
+from helpers.tiny_configs import tiny_config_any
 
 ROOT = Path(__file__).resolve().parents[2]
 

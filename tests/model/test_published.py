@@ -68,7 +68,7 @@ def checkpoints(tmp_path_factory):
 def test_each_decoded_weight_is_the_formats_definition_exactly(checkpoints):
     """Before NF4: every decoded weight equals the oracle's bf16, bit for bit (an ulp off would pass the NF4
     comparison below unseen)."""
-    from moe_qlora.model.loading import lazy_state_dict
+    from moe_qlora.model.checkpoint_files import lazy_state_dict
     from moe_qlora.model.published import fp8_state
 
     fp8, oracle, _ = checkpoints
@@ -85,8 +85,9 @@ def test_per_expert_fp8_weights_are_read_as_fused_stacks(checkpoints):
     """Each MoE layer's per-expert FP8 weights are read as the model's fused stacks, one expert at a time into one
     bf16 buffer (transformers' merge holds about two copies); the byte-for-byte test above holds them to the
     definition. A layer missing one expert's weight is left to transformers whole."""
-    from moe_qlora.model.loading import lazy_state_dict
-    from moe_qlora.model.published import FusedExpertsTensor, dequantized_as_read
+    from moe_qlora.model.checkpoint_files import lazy_state_dict
+    from moe_qlora.model.published import dequantized_as_read
+    from moe_qlora.model.published_experts import FusedExpertsTensor
 
     fp8, _, _ = checkpoints
     with lazy_state_dict([fp8 / "model.safetensors"]) as state:
@@ -109,8 +110,9 @@ def test_fused_stacks_are_quantized_an_expert_at_a_time_under_the_models_names(c
     """The loader quantizes every fused stack itself as each expert is decoded (the load above is that path), under
     the name the model gives it: DeepSeek-V3's keep their checkpoint names; under a name transformers renames
     (MiniMax-M2's block_sparse_moe -> mlp) a stack is claimed under the renamed one."""
-    from moe_qlora.model.loading import lazy_state_dict
-    from moe_qlora.model.published import dequantized_as_read, stacks_read_by_expert
+    from moe_qlora.model.checkpoint_files import lazy_state_dict
+    from moe_qlora.model.published import dequantized_as_read
+    from moe_qlora.model.published_experts import stacks_read_by_expert
 
     fp8, _, _ = checkpoints
     with lazy_state_dict([fp8 / "model.safetensors"]) as state:
@@ -131,11 +133,12 @@ def test_renamed_stacks_load_as_transformers_dequantizes_them(tmp_path):
     """MiniMax-M2's FP8 release: per-expert w1/w2/w3 under block_sparse_moe, which transformers renames to mlp.
     The loader quantizes those stacks itself under the renamed names, an expert at a time, and the model is
     transformers' own dequantization (FineGrainedFP8Config(dequantize=True), saved in bf16), byte for byte."""
-    from moe_qlora.model.loading import lazy_state_dict
-    from moe_qlora.model.published import dequantized_as_read, stacks_read_by_expert
-    from moe_qlora.model.tiny import tiny_config_any
+    from moe_qlora.model.checkpoint_files import lazy_state_dict
+    from moe_qlora.model.published import dequantized_as_read
+    from moe_qlora.model.published_experts import stacks_read_by_expert
 
     from helpers.published import publish_fp8, transformers_dequantized
+    from helpers.tiny_configs import tiny_config_any
 
     tok = build_byte_tokenizer()
     source = save_tiny_model(tmp_path / "source", tiny_config_any("minimax_m2", len(tok)), seed=0, tokenizer=tok)
@@ -297,7 +300,7 @@ def test_the_mxfp4_decode_is_transformers_own(gpt_oss_checkpoints):
     gives the same bf16 stacks as ours, bit for bit."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from moe_qlora.model.loading import lazy_state_dict
+    from moe_qlora.model.checkpoint_files import lazy_state_dict
     from moe_qlora.model.published import mxfp4_state
 
     (folder, *_), stacks = gpt_oss_checkpoints

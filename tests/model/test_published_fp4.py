@@ -17,9 +17,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moe_qlora.model.loading import LoadOptions, ModelLoadError, lazy_state_dict, load_model
-from moe_qlora.model.published import decode_fp4_rows, fp8_state
-from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config_any
+from moe_qlora.model.checkpoint_files import lazy_state_dict
+from moe_qlora.model.loading import LoadOptions, ModelLoadError, load_model
+from moe_qlora.model.published import fp8_state
+from moe_qlora.model.published_tensors import decode_fp4_rows
+from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model
 
 from helpers.published import (
     E2M1,
@@ -31,6 +33,7 @@ from helpers.published import (
     transformers_dequantized,
     write_variants,
 )
+from helpers.tiny_configs import tiny_config_any
 
 BLOCK = (128, 128)
 
@@ -197,7 +200,7 @@ def test_per_expert_fp4_weights_are_read_as_fused_stacks(flash):
     """DeepSeek-V4's converter patterns (`\\.experts.*.w1.weight`) group the per-expert FP4 keys into the model's
     stacks under the checkpoint's module path (transformers renames ffn to mlp as it loads them), not through
     transformers' merge; test_v4_flash_loads_as_its_definition shows the stacks are right (gate before up)."""
-    from moe_qlora.model.published import FusedExpertsTensor, fused_expert_stacks, stacks_read_by_expert
+    from moe_qlora.model.published_experts import FusedExpertsTensor, fused_expert_stacks, stacks_read_by_expert
 
     (published, *_), _ = flash
     with lazy_state_dict([published / "model.safetensors"]) as state:

@@ -17,9 +17,10 @@ from peft import PeftModel, get_peft_model_state_dict
 from transformers import AutoModelForCausalLM
 
 from moe_qlora.config.sections import LoraSection
-from moe_qlora.export.adapter import adapter_state_dict, dequantized_base_state_dict, save_adapter
+from moe_qlora.export.adapter import dequantized_base_state_dict, save_adapter
 from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.model.loading import LoadOptions, load_model
+from moe_qlora.model.peft_adapter import adapter_state_dict
 from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
 
 from helpers.oracle import assert_close_scaled, next_token_gradients, randomize_lora_b

@@ -158,7 +158,7 @@ def test_default_gates_take_the_op_and_other_gates_the_function(quantized, famil
     GPT-OSS's clamped, interleaved gate runs the autograd Function, which calls the module's own gate."""
     import moe_qlora.moe.grouped_layer as grouped_layer
     from moe_qlora.model.loading import LoadOptions, load_model
-    from moe_qlora.model.tiny import ensure_tiny
+    from moe_qlora.model.model_path import ensure_tiny
 
     calls = []
     real = grouped_layer.grouped_experts_op

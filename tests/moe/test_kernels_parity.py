@@ -8,7 +8,7 @@ import torch
 from test_moe_parity import BROKEN, CASES, _swap_gate_up, routing_case
 
 from moe_qlora.model.loading import LoadOptions, load_model
-from moe_qlora.model.tiny import ensure_tiny
+from moe_qlora.model.model_path import ensure_tiny
 from moe_qlora.moe.experts import _frozen_experts, deferred_lora_gradients, set_moe_kernels
 from moe_qlora.moe.layer_state import layer_state
 

@@ -8,18 +8,14 @@ import pytest
 
 from moe_qlora.common.streams import CheckedStreams
 from moe_qlora.model.loading import LoadOptions, load_model
-from moe_qlora.model.tiny import ensure_tiny
-from moe_qlora.moe.experts import (
-    attach_expert_lora,
-    deferred_lora_gradients,
-    experts_modules,
-    kernel_self_check,
-    make_stacks_shardable,
-    set_moe_kernels,
-)
+from moe_qlora.model.model_path import ensure_tiny
+from moe_qlora.moe.expert_lora import attach_expert_lora
+from moe_qlora.moe.expert_stacks import experts_modules
+from moe_qlora.moe.experts import deferred_lora_gradients, kernel_self_check, set_moe_kernels
 from moe_qlora.moe.kernels.grouped_mm import dequant_budget_bytes
 from moe_qlora.moe.layer_state import NEVER_SET, MoELayerState, layer_state, read_state
 from moe_qlora.moe.offload import offload_experts
+from moe_qlora.moe.stack_surgery import make_stacks_shardable
 
 
 @pytest.fixture

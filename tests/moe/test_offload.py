@@ -22,9 +22,10 @@ from moe_qlora.config.sections import ConfigError, LoraSection, check_shardable
 from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.model.budget import meta_model
 from moe_qlora.model.loading import LoadOptions, load_model
+from moe_qlora.model.model_path import ensure_tiny
 from moe_qlora.model.plan import plan_run
-from moe_qlora.model.tiny import ensure_tiny
-from moe_qlora.moe.experts import experts_modules, set_moe_kernels
+from moe_qlora.moe.expert_stacks import experts_modules
+from moe_qlora.moe.experts import set_moe_kernels
 from moe_qlora.moe.offload import ExpertOffloader, offload_experts
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from moe_qlora.moe import self_check
-from moe_qlora.moe.experts import experts_modules, kernel_self_check, set_moe_kernels
+from moe_qlora.moe.expert_stacks import experts_modules
+from moe_qlora.moe.experts import kernel_self_check, set_moe_kernels
 
 from helpers.oracle import quantized_with_lora, ragged_routing
 

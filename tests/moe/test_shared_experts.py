@@ -11,8 +11,9 @@ from torch.func import functional_call
 from moe_qlora.config.sections import LoraSection
 from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.model.loading import LoadOptions, load_model
-from moe_qlora.model.tiny import ensure_tiny
-from moe_qlora.moe.experts import experts_modules, set_moe_kernels
+from moe_qlora.model.model_path import ensure_tiny
+from moe_qlora.moe.expert_stacks import experts_modules
+from moe_qlora.moe.experts import set_moe_kernels
 from moe_qlora.moe.nf4 import dequantize_param, quantize_stack
 
 from helpers.oracle import assert_close_scaled, leaves, lora_delta, randomize_lora_b

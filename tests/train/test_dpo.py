@@ -106,7 +106,7 @@ def scored(cfg, model_path, tok, out: Path):
     """The reference scores of every demo pair under `cfg`'s step-0 policy, computed afresh into `out`."""
     from moe_qlora.data.preference import build_pairs
 
-    model = build_policy(cfg.model, cfg.lora, model_path, Console(quiet=True), seed=0, read_adapter=None)[0]
+    model = build_policy(cfg.model, cfg.lora, model_path, Console(quiet=True), seed=0)[0]
     pairs, _ = build_pairs(cfg.data, tok)
     cfg = cfg.model_copy(update={"output": cfg.output.model_copy(update={"dir": str(out)})})
     key = reference_fingerprint(cfg, model_path, pairs)

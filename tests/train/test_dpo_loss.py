@@ -21,9 +21,10 @@ from moe_qlora.config.preference import DpoSection
 from moe_qlora.config.sections import DataSection, LoraSection, TrainSection
 from moe_qlora.data.examples import DataStats
 from moe_qlora.data.preference import tokenize_pair
-from moe_qlora.export.adapter import adapter_state_dict, dequantized_base_state_dict, save_adapter
+from moe_qlora.export.adapter import dequantized_base_state_dict, save_adapter
 from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.model.loading import LoadOptions, load_model
+from moe_qlora.model.peft_adapter import adapter_state_dict
 from moe_qlora.model.tiny import build_byte_tokenizer
 from moe_qlora.train.dpo import StepTotals, micro_batch_loss
 from moe_qlora.train.position import StepContext

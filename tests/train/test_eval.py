@@ -12,7 +12,6 @@ from safetensors.torch import load_file
 
 from moe_qlora.config.sections import ConfigError
 from moe_qlora.data.examples import eval_split
-from moe_qlora.export.adapter import load_adapter
 from moe_qlora.model import build
 from moe_qlora.train import runs
 from moe_qlora.train import sft as trainer
@@ -56,7 +55,7 @@ def test_eval_loss_is_logged_equals_a_direct_computation_and_leaves_training_unc
     # The last eval equals the token-mean loss of the final adapter over the file, computed directly.
     final = config(tmp_path / "x", lora={"init_from": str(tmp_path / "eval" / "adapter")})
     model_path, tokenizer = build.load_tokenizer(final.model)
-    model, _, _ = build.load_policy(final, model_path, Console(quiet=True), read_adapter=load_adapter)
+    model, _, _ = build.load_policy(final, model_path, Console(quiet=True))
     examples, _ = trainer.build_examples(config(tmp_path / "x").data, tokenizer)
     direct = trainer.eval_loss(model, examples, tokenizer.pad_token_id, config(tmp_path / "x").train)
     assert logged[-1][1] == pytest.approx(direct, rel=1e-6)

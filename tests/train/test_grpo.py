@@ -14,7 +14,8 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from moe_qlora.cli.app import app
-from moe_qlora.config.sections import GrpoSection, LoraSection
+from moe_qlora.config.grpo import GrpoSection
+from moe_qlora.config.sections import LoraSection
 from moe_qlora.data.examples import collate
 from moe_qlora.model.adapters import adapters_disabled, attach_adapters
 from moe_qlora.model.loading import LoadOptions, load_model
@@ -194,11 +195,10 @@ def test_offline_scored_completions_train_towards_the_better_ones(tmp_path):
 
 
 def _right_minus_wrong(cfg) -> float:
-    from moe_qlora.export.adapter import load_adapter
     from moe_qlora.model.build import load_policy
     from moe_qlora.train.rollout import load_offline_groups, offline_rollouts
 
-    model, _, _ = load_policy(cfg, _tiny(), Console(quiet=True), read_adapter=load_adapter)
+    model, _, _ = load_policy(cfg, _tiny(), Console(quiet=True))
     model.eval()
     groups = load_offline_groups(cfg.grpo.offline_file, cfg.data, TOK)
     rollouts = offline_rollouts(groups, TOK, 32)
@@ -210,7 +210,7 @@ def _right_minus_wrong(cfg) -> float:
 
 
 def _tiny():
-    from moe_qlora.model.tiny import resolve_model_path
+    from moe_qlora.model.model_path import resolve_model_path
 
     return resolve_model_path("builtin:tiny-mixtral")
 

@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from moe_qlora.config.sections import GrpoSection
+from moe_qlora.config.grpo import GrpoSection
 from moe_qlora.train.grpo import BatchTotals, micro_batch_loss, rows_to_run, split_matters
 from moe_qlora.train.grpo_loss import Objective
 from moe_qlora.train.losses import ChunkedTokenLogProbsAndEntropy, completion_logprobs_and_entropy
@@ -255,7 +255,7 @@ def test_a_model_gives_the_same_entropy_chunked_and_whole(tiny_policy):
 @pytest.fixture(scope="module")
 def tiny_policy():
     from moe_qlora.model.loading import LoadOptions, load_model
-    from moe_qlora.model.tiny import ensure_tiny
+    from moe_qlora.model.model_path import ensure_tiny
 
     model = load_model(LoadOptions(str(ensure_tiny("mixtral"))))
     ids = torch.randint(5, 200, (2, 24), generator=torch.Generator().manual_seed(0))

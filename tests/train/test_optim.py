@@ -1,11 +1,9 @@
-"""AdamW with gclip against a step computed by hand; the LR schedule's shape."""
-
-import math
+"""AdamW with gclip against a step computed by hand; the global-norm clip."""
 
 import pytest
 import torch
 
-from moe_qlora.train.optim import ClippedAdamW, clip_global_norm, lr_multiplier
+from moe_qlora.train.optim import ClippedAdamW, clip_global_norm
 
 LR, B1, B2, EPS, WD = 0.1, 0.9, 0.99, 1e-8, 0.01
 
@@ -63,13 +61,3 @@ def test_global_norm_clip_reports_pre_clip_norm_and_scales():
     p.grad = torch.tensor([3.0, 4.0])
     assert clip_global_norm([p], 1.0) == pytest.approx(5.0)
     assert float(p.grad.norm()) == pytest.approx(1.0, rel=1e-5)
-
-
-def test_schedule_warmup_then_cosine_to_zero():
-    kw = dict(total_steps=10, warmup_steps=2)
-    assert [lr_multiplier(s, schedule="cosine", **kw) for s in (0, 1)] == [0.5, 1.0]
-    assert lr_multiplier(2, schedule="cosine", **kw) == pytest.approx(1.0)
-    assert lr_multiplier(6, schedule="cosine", **kw) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
-    assert lr_multiplier(10, schedule="cosine", **kw) == pytest.approx(0.0, abs=1e-12)
-    assert lr_multiplier(6, schedule="linear", **kw) == pytest.approx(0.5)
-    assert lr_multiplier(9, schedule="constant", **kw) == 1.0

@@ -7,7 +7,8 @@ import types
 import pytest
 import torch
 
-from moe_qlora.config.sections import ConfigError, RewardFunctionSpec
+from moe_qlora.config.grpo import RewardFunctionSpec
+from moe_qlora.config.sections import ConfigError
 from moe_qlora.train.rewards import RewardError, flat_groups, group_advantages, resolve_reward, score
 
 

@@ -6,8 +6,9 @@ with the forward that does not ask for router logits at all."""
 import pytest
 import torch
 
+from moe_qlora.config.grpo import GrpoSection
 from moe_qlora.config.preference import DpoSection
-from moe_qlora.config.sections import ConfigError, GrpoSection, LoraSection, TrainSection
+from moe_qlora.config.sections import ConfigError, LoraSection, TrainSection
 from moe_qlora.data.examples import Example, collate
 from moe_qlora.data.preference import PreferencePair
 from moe_qlora.model.adapters import attach_adapters

@@ -1,0 +1,51 @@
+"""The model shapes the training benchmarks run (bench_train.py, step_roofline.py): each preset's architecture and
+sizes, and the transformers config it builds. Kept apart so that the two scripts import it, not each other."""
+
+from __future__ import annotations
+
+PRESETS = {
+    # Issue 2: Mixtral architecture, 4 layers, 32 experts, top-4, hidden 1024, expert intermediate 512.
+    "mixtral": dict(arch="mixtral", hidden=1024, layers=4, experts=32, top_k=4, inter=512, vocab=4096),
+    # The brief's CPU bar: a Qwen3-MoE-like model of the same size.
+    "qwen3": dict(arch="qwen3_moe", hidden=1024, layers=4, experts=32, top_k=4, inter=512, vocab=4096),
+    # GPU: two layers of Qwen3-30B-A3B at full width (128 experts, top-8, expert intermediate 768, 32 heads of 128)
+    "qwen3-30b-a3b": dict(
+        arch="qwen3_moe",
+        hidden=2048,
+        layers=2,
+        experts=128,
+        top_k=8,
+        inter=768,
+        vocab=32000,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+    ),
+}
+
+
+def build_config(p):
+    common = dict(
+        vocab_size=p["vocab"],
+        hidden_size=p["hidden"],
+        num_hidden_layers=p["layers"],
+        num_attention_heads=p.get("heads", 16),
+        num_key_value_heads=p.get("kv_heads", 4),
+        max_position_embeddings=4096,
+        num_experts_per_tok=p["top_k"],
+    )
+    if p["arch"] == "mixtral":
+        from transformers import MixtralConfig
+
+        return MixtralConfig(num_local_experts=p["experts"], intermediate_size=p["inter"], **common)
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        num_experts=p["experts"],
+        moe_intermediate_size=p["inter"],
+        intermediate_size=4 * p["inter"],
+        head_dim=p.get("head_dim", 64),
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        **common,
+    )
