@@ -31,15 +31,15 @@ stages=(wheels preflight gpu-tests kernels kernels-parity checks offload train-b
 cpu_only="not compiles_for and not mma_kind_is_what and not launchers_run_as_on_a_gpu and not autotuner_is_built"
 command[wheels]='if [ -d .whl ]; then '"$python"' -m pip install -q --no-index --no-deps --no-compile --upgrade --target .gpu-site .whl/*.whl; else echo "no .whl/: using the installed packages"; fi'
 estimate[wheels]=1
-command[preflight]="$python"' -c "import torch, triton, bitsandbytes, transformers, peft, pydantic, gguf, datasets, pytest, moe_qlora
+command[preflight]="$python"' -c "import torch, triton, bitsandbytes, transformers, peft, pydantic, gguf, datasets, pytest, xdist, moe_qlora
 assert torch.cuda.is_available(), \"no CUDA device\"
 print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__, \"bitsandbytes\", bitsandbytes.__version__, \"on\", torch.cuda.get_device_name())"'
 estimate[preflight]=1
-command[gpu-tests]="$python -m pytest -q -m gpu tests/moe/test_gpu.py"
+command[gpu-tests]="$python -m pytest -q -n 0 -m gpu tests/moe/test_gpu.py"
 estimate[gpu-tests]=2
-command[kernels]="$python -m pytest -q tests/moe/test_kernels.py -k '$cpu_only'"
+command[kernels]="$python -m pytest -q -n 0 tests/moe/test_kernels.py -k '$cpu_only'"
 estimate[kernels]=6
-command[kernels-parity]="$python -m pytest -q tests/moe/test_kernels_parity.py tests/moe/test_self_check.py"
+command[kernels-parity]="$python -m pytest -q -n 0 tests/moe/test_kernels_parity.py tests/moe/test_self_check.py"
 estimate[kernels-parity]=2
 command[checks]="$python scripts/gpu_checks.py --json \$OUT/gpu_checks.json"
 estimate[checks]=4

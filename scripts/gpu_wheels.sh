@@ -19,6 +19,7 @@ wheels=(
   transformers==5.24.0 peft==0.21.2 bitsandbytes==0.50.2 gguf==0.19.0
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
   datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+  pytest-xdist==3.8.0 execnet==2.1.2
 )
 platforms=()
 for tag in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_24_x86_64 manylinux_2_27_x86_64 \

@@ -12,6 +12,11 @@ from pathlib import Path
 # it is what running `TRITON_INTERPRET=1 pytest` does. With CUDA the kernels are compiled and run for real.
 if os.environ.get("CUDA_VISIBLE_DEVICES", None) != "" and not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Under pytest-xdist each worker takes one core: the workers are the parallelism, and two threads a worker (or a
+# worker's CLI subprocess) on two cores would make the OpenMP pools spin against each other. Set before torch is
+# imported, so the worker and every subprocess it starts read it.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest
 import torch
@@ -20,7 +25,8 @@ from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model
 
 from helpers.tiny_configs import tiny_mixtral_config
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+IN_XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
+torch.set_num_threads(1 if IN_XDIST_WORKER else min(2, os.cpu_count() or 1))
 
 
 def interpreting() -> bool:
@@ -33,8 +39,13 @@ def dev() -> str:
     return "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests need CUDA: on a machine without it they are skipped, saying so."""
+    """Tests of the trained demo share one xdist worker, so the demo is trained once (`--dist loadgroup`); `gpu`
+    tests need CUDA: on a machine without it they are skipped, saying so."""
+    for item in items:
+        if "demo_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("demo_run"))
     if torch.cuda.is_available():
         return
     reason = (

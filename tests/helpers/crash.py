@@ -14,9 +14,18 @@ import torch
 from safetensors.torch import load_file
 
 
+def subprocess_threads() -> str:
+    """OMP_NUM_THREADS of a test's CLI subprocess: 1 under pytest-xdist (each worker has a core), else 2."""
+    return "1" if "PYTEST_XDIST_WORKER" in os.environ else "2"
+
+
 def isolated_env(tmp_path_factory) -> dict:
-    """The environment of the subprocesses: a private model cache, 2 threads."""
-    return {**os.environ, "MOE_QLORA_CACHE": str(tmp_path_factory.mktemp("cache")), "OMP_NUM_THREADS": "2"}
+    """The environment of the subprocesses: a private model cache, one thread a core the test may use."""
+    return {
+        **os.environ,
+        "MOE_QLORA_CACHE": str(tmp_path_factory.mktemp("cache")),
+        "OMP_NUM_THREADS": subprocess_threads(),
+    }
 
 
 def cli_command(subcommand: str, config: Path, out: Path, *extra: str) -> list[str]:
