@@ -20,12 +20,10 @@ def subprocess_threads() -> str:
 
 
 def isolated_env(tmp_path_factory) -> dict:
-    """The environment of the subprocesses: a private model cache, one thread a core the test may use."""
-    return {
-        **os.environ,
-        "MOE_QLORA_CACHE": str(tmp_path_factory.mktemp("cache")),
-        "OMP_NUM_THREADS": subprocess_threads(),
-    }
+    """The environment of the subprocesses: the session's model cache (conftest's, never the user's: the builtin
+    model is generated once a session, not once a module), one thread a core the test may use."""
+    cache = str(tmp_path_factory.getbasetemp() / "moe-qlora-cache")
+    return {**os.environ, "MOE_QLORA_CACHE": cache, "OMP_NUM_THREADS": subprocess_threads()}
 
 
 def cli_command(subcommand: str, config: Path, out: Path, *extra: str) -> list[str]:

@@ -22,7 +22,10 @@ STEPS = ["--set", "train.max_steps=6", "--set", "train.warmup_steps=2"]
 
 
 def env_for(tmp_path, **extra) -> dict:
-    return {**os.environ, "MOE_QLORA_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1", **extra}
+    """The ranks' environment: one thread each, and the session's model cache (conftest's, beside `tmp_path`), so
+    the builtin model is generated once a session, not once a test."""
+    cache = str(tmp_path.parent / "moe-qlora-cache")
+    return {**os.environ, "MOE_QLORA_CACHE": cache, "OMP_NUM_THREADS": "1", **extra}
 
 
 def records(run: Path) -> list[dict]:
