@@ -251,7 +251,7 @@ NOTES = {
     "train.betas": "AdamW's moment decay rates",
     "train.eps": "AdamW's epsilon",
     "train.schedule": "the learning rate after warmup",
-    "train.warmup_steps": "optimizer steps of linear warmup",
+    "train.warmup_steps": "optimizer steps of linear warmup (a run shorter than it warms up over its whole length)",
     "train.seed": "LoRA initialisation, the data order, the eval split and GRPO's sampling",
     "train.log_every": "a metrics.jsonl record and, off a terminal, a progress line every N optimizer steps",
     "grpo.max_new_tokens": "most tokens sampled per completion",

@@ -66,23 +66,26 @@ def default_export_path(adapter: str, fmt: str) -> Path:
     return folder.with_name(folder.name + DEFAULT_OUT_SUFFIX[fmt])
 
 
-def check_export_target(adapter: str, out: Path, fmt: str, force: bool) -> None:
-    """Refuse to replace what is at `out` without --force, a target of the wrong kind (a folder for a .gguf file,
-    a file for a folder) even with it, and the adapter folder itself; then check that `out` can be written."""
+def check_output_target(adapter: str, out: Path, kind: str, force: bool, *, writer: str) -> None:
+    """What export and merge write to `out` (a `kind`: file or folder) replaces what is there only with --force;
+    never the adapter itself, a folder holding it, or a target of the other kind, even with it. An empty folder is
+    written into as it is. Then `out` is checked writable, before minutes of work."""
     from moe_qlora.common.fileio import check_writable
     from moe_qlora.config.sections import ConfigError
 
-    kind = "file" if fmt == "gguf" else "folder"
-    if out.resolve() == Path(adapter).resolve():
+    target, source = out.resolve(), Path(adapter).resolve()
+    if target == source:
         raise ConfigError(f"{out} is the adapter folder itself; give --out another path")
+    if target in source.parents:
+        raise ConfigError(f"{out} holds the adapter {adapter}: writing there would replace it; give --out another path")
     if out.exists() and out.is_dir() != (kind == "folder"):
         raise ConfigError(
-            f"{out} is a {'folder' if out.is_dir() else 'file'}, and --format {fmt} writes a {kind}; "
-            "give --out another path"
+            f"{out} is a {'folder' if out.is_dir() else 'file'}, and {writer} writes a {kind}; give --out another path"
         )
-    if out.exists() and not force:
+    if out.exists() and (out.is_file() or any(out.iterdir())) and not force:
+        what = "already exists" if out.is_file() else "is a folder that is not empty"
         raise ConfigError(
-            f"{out} already exists; pass --force to replace it (the new one is written beside it, then renamed over it)"
+            f"{out} {what}; pass --force to replace it (the new one is written beside it, then renamed over it)"
         )
     check_writable(out)
 
@@ -123,7 +126,7 @@ def export(
             if on and fmt != "gguf":
                 raise ConfigError(f"{flag} names llama.cpp's tensors: it goes with --format gguf, not {fmt}")
         target = Path(out) if out else default_export_path(adapter, fmt)
-        check_export_target(adapter, target, fmt, force)
+        check_output_target(adapter, target, "file" if fmt == "gguf" else "folder", force, writer=f"--format {fmt}")
         with run_lock_for(target) or nullcontext():  # beside a live run's adapter: refused, nothing written
             path = writers[fmt](adapter, target)
     except user_errors() as exc:
@@ -163,15 +166,17 @@ def merge(
     dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 | float16 | float32"),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="largest safetensors shard"),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda (where the 4-bit model is decoded)"),
+    force: bool = typer.Option(False, "--force", help="replace what --out holds (atomically: written, then renamed)"),
     debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
 ):
     """A full Hugging Face checkpoint: every 4-bit weight dequantized plus its LoRA update (never into 4-bit)."""
     quiet_libraries()
-    from moe_qlora.common.fileio import check_writable
     from moe_qlora.inference.merge import MergeError, merge_adapter
 
     try:
-        check_writable(out)  # before minutes of loading and merging
+        check_output_target(
+            adapter, Path(out), "folder", force, writer="merge"
+        )  # before minutes of loading and merging
         with run_lock_for(out) or nullcontext():  # into a live run's folder: refused before any loading
             report = merge_adapter(
                 adapter,

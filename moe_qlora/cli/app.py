@@ -1,7 +1,7 @@
 """Command line: `moe-qlora train`, `grpo`, `dpo`, `plan`, `check-norms`, `plot`, `export`, `merge`, `generate`.
 
 A user error (bad config, bad data, missing model, unreadable adapter) prints one sentence and exits 2; an
-aborted run, or an adapter that would not load as trained, exits 1. `--debug` shows the traceback instead.
+aborted run, or an adapter that would not load as trained, exits 1. `--debug` shows the traceback too.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 import typer
 
 from moe_qlora.cli import adapter, generate, plan_plot, run
-from moe_qlora.cli.common import console, err_console
+from moe_qlora.cli.common import console, err_console, show_traceback
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
 app.command(epilog=run.TRAIN_EPILOG)(run.train)
@@ -58,12 +58,19 @@ def main() -> None:
     """The console entry point. A full disk in any command (export, merge, plot, ...; train and grpo also name
     their last checkpoint) is one sentence and exit code 1; a folder the filesystem will not let it write (no
     permission, read-only, a file in the way) one sentence and exit code 2; tracebacks only with --debug."""
+    from moe_qlora.common.cpu_threads import choose_cpu_threads
     from moe_qlora.common.fileio import DiskFullError, UnwritableError
 
+    chosen = choose_cpu_threads()  # before torch is imported: OpenMP reads it once
+    if chosen is not None and chosen.passive:
+        err_console.print(
+            f"note: this machine is busy (load {chosen.busy:.1f} on {chosen.cores} cores): torch computes with "
+            f"{chosen.threads} thread{'s' * (chosen.threads > 1)} (set OMP_NUM_THREADS to choose)",
+            highlight=False,
+        )
     try:
         app(args=with_resume_path(sys.argv[1:]), prog_name="moe-qlora")
     except (DiskFullError, UnwritableError) as exc:
-        if "--debug" in sys.argv:
-            raise
+        show_traceback(exc, "--debug" in sys.argv)
         err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         sys.exit(1 if isinstance(exc, DiskFullError) else 2)

@@ -60,9 +60,18 @@ def user_errors() -> tuple[type[Exception], ...]:
     )
 
 
-def fail(exc: Exception, debug: bool, code: int = 2) -> None:
-    """Print `exc` as one red sentence and exit with `code`; with --debug raise it (the traceback)."""
+def show_traceback(exc: BaseException, debug: bool) -> None:
+    """With --debug, the traceback of `exc` on stderr, before its one sentence: the exit code stays the one the
+    error has (2 for a user's error, 1 for a failed run), so a script that checks it reads the same with or
+    without --debug."""
     if debug:
-        raise exc
+        import traceback
+
+        traceback.print_exception(exc, file=sys.stderr)
+
+
+def fail(exc: Exception, debug: bool, code: int = 2) -> None:
+    """Print `exc` as one red sentence (after its traceback with --debug) and exit with `code`."""
+    show_traceback(exc, debug)
     err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)

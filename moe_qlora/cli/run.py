@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from moe_qlora.cli.common import console, err_console, fail, quiet_libraries, user_errors
+from moe_qlora.cli.common import console, err_console, fail, quiet_libraries, show_traceback, user_errors
 
 TRAIN_EPILOG = """Examples:
 
@@ -80,12 +80,17 @@ def check_paths_before_loading(cfg, *, hub: bool = True) -> None:
     if hub and not local and not name.startswith("builtin:"):
         check_hub_model(name, ConfigError)
     from moe_qlora.common.hub import looks_local
-    from moe_qlora.data.sources import entry_path
+    from moe_qlora.data.sources import DataError, check_data_file, entry_path
 
     for key in ("train_files", "eval_files"):
         for f in map(entry_path, getattr(cfg.data, key)):
             if looks_local(f) and not Path(f).exists():
                 raise ConfigError(f"data.{key}: {f}: no such file (relative paths are relative to the config)")
+            try:
+                if Path(f).is_file():
+                    check_data_file(Path(f))
+            except DataError as exc:
+                raise ConfigError(f"data.{key}: {exc}") from None
     check_router_aux_loss(cfg, name if local else None)
     from moe_qlora.common.reporting import missing_reporters
 
@@ -178,8 +183,7 @@ def _run(
     except (TrainingAborted, AdapterVerificationError) as exc:
         fail(exc, debug, code=1)
     except StepFailed as exc:
-        if debug:
-            raise
+        show_traceback(exc, debug)
         err_console.print(
             f"[red]error:[/red] {exc}\nresume with: {resume_command(command, config, overrides)}",
             highlight=False,
@@ -187,8 +191,7 @@ def _run(
         )
         raise typer.Exit(1) from None
     except DiskFullError as exc:
-        if debug:
-            raise
+        show_traceback(exc, debug)
         err_console.print(
             f"[red]error:[/red] {exc}. {last_good_checkpoint(cfg)}; free some space, then resume "
             f"with: {resume_command(command, config, overrides)}",

@@ -144,6 +144,15 @@ def current_umask() -> int:
     return mask
 
 
+def save_safetensors(tensors: dict, path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file, leaving the file the mode open() would give it (0666 less the umask): safetensors
+    creates its files 0600 whatever the umask, so a server running as another user could not read the weights."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~current_umask())
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     """`text` into `path` through a temporary file beside it and a rename."""
     path = Path(path)

@@ -86,8 +86,15 @@ def check_hub_model(repo_id: str, error: type[Exception], how: str | None = None
     no retry) and goes offline when it cannot be reached. Raises `error` in one sentence naming the model and
     `how` to get it (default: download it, or a local folder)."""
     from huggingface_hub import HfApi, constants, try_to_load_from_cache
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+    from huggingface_hub.utils import validate_repo_id
 
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise error(
+            f"model {repo_id!r}: no such folder ({os.path.abspath(repo_id)}), and not a hub id (owner/name) either"
+        ) from None
     cached = isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
     how = how or f"download it first (hf download {repo_id}) or set model.name_or_path to a local folder"
     if constants.HF_HUB_OFFLINE:

@@ -252,8 +252,6 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _consistent(self):
         t = self.train
-        if t.max_steps and t.warmup_steps >= t.max_steps:
-            raise ValueError(f"train.warmup_steps ({t.warmup_steps}) covers all of train.max_steps ({t.max_steps})")
         if t.max_steps and t.save_every > t.max_steps:
             raise ValueError(f"train.save_every ({t.save_every}) is beyond train.max_steps ({t.max_steps})")
         if t.optimizer_in_backward and t.grad_accum > 1:

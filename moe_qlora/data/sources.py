@@ -52,6 +52,19 @@ def first_bad_json_line(path: Path) -> str | None:
     return None
 
 
+def first_non_utf8_line(path: Path) -> str | None:
+    """The first line of a JSON / JSONL file that is not UTF-8, named with the offending byte; None when all are.
+    (pyarrow builds the table from such bytes and fails only when a row is read, far from the file.)"""
+    with path.open("rb") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                byte = f"byte 0x{line[exc.start]:02x} at column {exc.start + 1}"
+                return f"{path}:{n}: not UTF-8 text ({byte}); save the file as UTF-8"
+    return None
+
+
 def entry_path(entry) -> str:
     return entry if isinstance(entry, str) else entry.path
 
@@ -82,14 +95,24 @@ def open_dataset(source) -> tuple[object, str]:
     return read_hub(source), f"{source.path}[{source.split}]"
 
 
-def read_file(path: Path):
-    from datasets import load_dataset
-
+def check_data_file(path: Path) -> str:
+    """The reader of a data file (json or parquet), after what can be told without parsing it: its type, that it
+    holds something, and (JSON, JSONL) that it is UTF-8 text. Cheap and torch-free: the CLI runs it before the
+    heavy imports, so a bad file is named in seconds, not after a minute of loading."""
     reader = DATA_SUFFIXES.get(path.suffix.lower())
     if reader is None:
         raise DataError(f"{path}: unsupported file type {path.suffix!r} (expected .jsonl, .json or .parquet)")
     if is_empty(path, text=reader == "json"):
         raise DataError(f"{path}: the file is empty: it holds no rows")
+    if reader == "json" and (bad := first_non_utf8_line(path)):
+        raise DataError(bad)
+    return reader
+
+
+def read_file(path: Path):
+    from datasets import load_dataset
+
+    reader = check_data_file(path)
     try:
         with library_errors_silenced():
             return load_dataset(reader, data_files=str(path), split="train")

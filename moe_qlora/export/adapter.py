@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from moe_qlora.common.fileio import atomic_dir
+from moe_qlora.common.fileio import atomic_dir, save_safetensors
 from moe_qlora.config.sections import LoraSection
 from moe_qlora.model.adapters import target_parameter_names
 from moe_qlora.model.peft_adapter import adapter_state_dict
@@ -77,7 +77,7 @@ def save_adapter(model, out_dir: str | Path, *, cfg: LoraSection, base_model_nam
     state = adapter_state_dict(model)
     config = adapter_config(model, cfg, base_model_name_or_path)
     with atomic_dir(out_dir, sum(t.numel() * t.element_size() for t in state.values())) as tmp:
-        save_file(state, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        save_safetensors(state, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / TRAINED_ON).write_text(json.dumps({"base_quantization": base_quantization(model)}, indent=2))
         config_dict = config.to_dict()
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(_jsonable(config_dict), indent=2, sort_keys=True))

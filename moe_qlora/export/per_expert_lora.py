@@ -10,9 +10,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from moe_qlora.common.fileio import atomic_dir
+from moe_qlora.common.fileio import atomic_dir, save_safetensors
 from moe_qlora.export.family_tables import DSV4_MODULES, PER_EXPERT_UNREAD, ExportError, FamilyNames
 from moe_qlora.export.peft_factors import EXPERT_KEY, LINEAR_KEY, check_one_decoder, expert_layers, read_run_adapter
 
@@ -120,6 +119,6 @@ def write_per_expert(adapter_dir: str | Path, out_dir: str | Path, *, rename: tu
     linears = sorted({m["proj"] for k in converted if (m := LINEAR_KEY.fullmatch(k))})
     new_config = {**config, "target_modules": linears, "target_parameters": None}
     with atomic_dir(out_dir) as tmp:
-        save_file(converted, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(converted, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(new_config, indent=2, sort_keys=True))
     return Path(out_dir)

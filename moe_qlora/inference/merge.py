@@ -22,9 +22,8 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from safetensors.torch import save_file
 
-from moe_qlora.common.fileio import atomic_dir
+from moe_qlora.common.fileio import atomic_dir, save_safetensors
 from moe_qlora.export.adapter import plain_key
 from moe_qlora.export.norms import check_norms
 from moe_qlora.inference.generate import load_for_generation
@@ -235,7 +234,7 @@ class ShardWriter:
             return
         tensors = {k: v.contiguous() for k, v in self.revert(self.pending).items()}
         name = f"part-{len(self.files):05d}.safetensors"
-        save_file(tensors, str(self.folder / name), metadata={"format": "pt"})
+        save_safetensors(tensors, str(self.folder / name), metadata={"format": "pt"})
         self.files.append((name, list(tensors)))
         self.pending, self.size = {}, 0
 

@@ -14,7 +14,7 @@ from rich.console import Console
 from transformers import AutoTokenizer
 
 from moe_qlora.common.memory import release_freed_memory
-from moe_qlora.config.sections import LoraSection, ModelSection, RunConfig, resolve_compute_dtype
+from moe_qlora.config.sections import ConfigError, LoraSection, ModelSection, RunConfig, resolve_compute_dtype
 from moe_qlora.model.adapters import attach_adapters, configure_checkpointing, trainable_parameters
 from moe_qlora.model.checkpoint_files import check_model_path
 from moe_qlora.model.distributed import SINGLE, Ranks, device_of, shard_model
@@ -64,7 +64,14 @@ def load_tokenizer(model: ModelSection):
 
 
 def policy_device(model: ModelSection) -> str:
-    """model.device with auto resolved: the GPU when there is one."""
+    """model.device with auto resolved: the GPU when there is one. cuda asked of a torch without CUDA (its CPU
+    build, or no GPU visible) is refused in one sentence, before anything is loaded."""
+    if model.device == "cuda" and not torch.cuda.is_available():
+        build = "a CPU build of torch" if torch.version.cuda is None else "no CUDA device visible to torch"
+        raise ConfigError(
+            f"model.device is cuda, but this machine has {build} ({torch.__version__}): install the CUDA build "
+            "of torch your driver supports, or set model.device: auto"
+        )
     return model.device if model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
 
 

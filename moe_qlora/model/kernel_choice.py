@@ -22,10 +22,13 @@ def resolve_kernels(choice: str, device: str, dtype: torch.dtype, capability: tu
         return resolve_auto(device, dtype, capability, with_triton=triton_installed())
     if choice in ("torch", "grouped_mm"):
         return choice
+    if device != "cuda" and not interpreted:  # installing triton would not help here: say what runs instead
+        raise ConfigError(
+            f"model.kernels: triton runs on an NVIDIA GPU, and this run is on the {device}: set model.kernels: auto "
+            "(the torch reference here, the Triton kernels on a GPU)"
+        )
     if not triton_installed():
-        raise ConfigError("model.kernels: triton, but triton is not installed (pip install -e '.[gpu]')")
-    if device != "cuda" and not interpreted:
-        raise ConfigError("model.kernels: triton needs a CUDA device (or TRITON_INTERPRET=1, as the tests use)")
+        raise ConfigError("model.kernels: triton, but triton is not installed: pip install -e '.[gpu]' (it needs CUDA)")
     return choice
 
 

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
+from moe_qlora.common.fileio import save_safetensors
 from moe_qlora.model.classes import text_model_from_config
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -167,7 +168,7 @@ def target_modules_failing_round_trip(
         state = get_peft_model_state_dict(peft_model)
     state = {k: torch.full(v.shape, float(i + 1)) for i, (k, v) in enumerate(state.items())}
     with tempfile.TemporaryDirectory(prefix="moe-qlora-probe-") as tmp:
-        save_file(state, str(Path(tmp) / ADAPTER_WEIGHTS))
+        save_safetensors(state, str(Path(tmp) / ADAPTER_WEIGHTS))
         peft_model.peft_config["default"].save_pretrained(tmp)
         report = load_like_peft(Path(tmp), config, **skeleton_kwargs)
     return report, report.failing_modules()

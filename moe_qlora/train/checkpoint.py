@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from moe_qlora.common.fileio import atomic_dir
+from moe_qlora.common.fileio import atomic_dir, save_safetensors
 from moe_qlora.common.injection import injected_faults
 from moe_qlora.model.distributed import full_tensor, shard_like
 from moe_qlora.train.optim import restore_state
@@ -205,16 +205,20 @@ def _versions() -> dict[str, str]:
 def save_checkpoint(
     run_dir: Path, tensors: dict, scheduler, *, progress: RunProgress, identity: dict, keep: int
 ) -> Path:
-    """Write a complete checkpoint atomically; keep the newest `keep`. tensors: checkpoint_tensors(model,
+    """Write a complete checkpoint atomically; keep the newest `keep` (those past it removed before writing, the
+    oldest of the rest after). tensors: checkpoint_tensors(model,
     optimizer) (gathered by every rank first in sharded runs). `identity`: config hash (and the config:
     config_identity), dataset fp."""
     target = Path(run_dir) / "checkpoints" / f"step-{progress.step:08d}"
     scheduler_state = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
     needed = sum(t.numel() * t.element_size() for part in tensors.values() for t in part.values())
+    # Room first: checkpoints past `keep` go before this one is written, so a run stopped by a full disk resumes
+    # once train.keep_checkpoints is lowered; `keep` of them stay while it is written, should the write fail.
+    prune_checkpoints(Path(run_dir), keep)
     with atomic_dir(target, needed) as tmp:
-        save_file(tensors["trainable"], tmp / "trainable.safetensors")
-        save_file(tensors["optimizer"], tmp / "optimizer.safetensors")
-        save_file(_rng_tensors(), tmp / "rng.safetensors")
+        save_safetensors(tensors["trainable"], tmp / "trainable.safetensors")
+        save_safetensors(tensors["optimizer"], tmp / "optimizer.safetensors")
+        save_safetensors(_rng_tensors(), tmp / "rng.safetensors")
         failpoint("checkpoint-write", progress.step)
         _, _, pos, has_gauss, cached = np.random.get_state()
         state = {
@@ -298,6 +302,13 @@ def load_checkpoint(
     saved = load_file(str(checkpoint / "trainable.safetensors"))
     if saved.keys() != params.keys():
         raise CheckpointError(f"{checkpoint}: trainable tensors differ from this model's (another adapter layout?)")
+    if reshaped := [n for n, p in params.items() if tuple(saved[n].shape) != tuple(p.shape)]:
+        name = reshaped[0]
+        raise CheckpointError(
+            f"{checkpoint}: {len(reshaped)} trainable tensor(s) have another shape than this run's ({name}: "
+            f"{tuple(saved[name].shape)} saved, {tuple(params[name].shape)} now; lora.rank changed?): a resume, even "
+            "with --resume-anyway, goes on with the same LoRA; start a new run (another output.dir) for this one"
+        )
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(shard_like(p, saved[name]))  # a sharded run takes its shard of the whole tensor

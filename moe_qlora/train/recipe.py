@@ -17,7 +17,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from moe_qlora.common.reporting import NoReporters, Reporters
+from moe_qlora.common.reporting import NoReporters, Reporters, read_jsonl
 from moe_qlora.config.methods import check_method
 from moe_qlora.config.sections import DataSection, RunConfig
 from moe_qlora.export.prompt_format import write_prompt_format
@@ -366,6 +366,11 @@ class LossRecipe(Recipe):
         every = record["skipped"] or "eval_loss" in record or number % self.cfg.train.log_every == 0
         return every or number == self.total
 
+    def logged_losses(self) -> list[float]:
+        """The finite losses of metrics.jsonl: the whole run's, so the summary's best counts steps before a resume."""
+        logged = [r.get("loss") for r in read_jsonl(Path(self.metrics.path))] if self.metrics.path else []
+        return [x for x in logged if isinstance(x, int | float) and math.isfinite(x)]
+
     def after_update(self, record: dict) -> None:
         if not record["skipped"]:
             self.scheduler.step()  # a skipped step is not taken: the schedule does not move either
@@ -375,7 +380,7 @@ class LossRecipe(Recipe):
     def result(self, adapter_dir: Path, seconds: float) -> TrainResult:
         losses = self.history
         finite = [x for x in losses if math.isfinite(x)]
-        last, best = (finite[-1], min(finite)) if finite else (None, None)
+        last, best = finite[-1] if finite else None, min(finite + self.logged_losses(), default=None)
         metrics = self.metrics.path
         RunSummary(self.command, len(losses), seconds, self.tokens, last, best, adapter_dir, metrics).print(
             self.console

@@ -16,9 +16,9 @@ from huggingface_hub import try_to_load_from_cache
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from safetensors import SafetensorError
-from safetensors.torch import load_file, safe_open, save_file
+from safetensors.torch import load_file, safe_open
 
-from moe_qlora.common.fileio import atomic_dir
+from moe_qlora.common.fileio import atomic_dir, save_safetensors
 from moe_qlora.config.sections import RunConfig, resolve_compute_dtype
 from moe_qlora.data.preference import PreferencePair
 from moe_qlora.model.build import policy_device
@@ -87,7 +87,7 @@ def read_cached(path: Path, expected: str, count: int) -> PairLogps | None:
 def write_cached(out: Path, logps: PairLogps, key: str) -> None:
     tensors = {k: getattr(logps, k).contiguous() for k in FIELDS}
     with atomic_dir(out / REFERENCE_DIR) as tmp:
-        save_file(tensors, tmp / LOGPS_FILE, metadata={"fingerprint": key})
+        save_safetensors(tensors, tmp / LOGPS_FILE, metadata={"fingerprint": key})
 
 
 @torch.no_grad()

@@ -15,7 +15,10 @@ import torch
 
 def lr_multiplier(update: int, *, total_updates: int, warmup_updates: int, schedule: str) -> float:
     """Factor on the base LR at optimizer update `update` (0-based): linear warmup over `warmup_updates`, then
-    constant, or linear or cosine decay reaching 0 at `total_updates`."""
+    constant, or linear or cosine decay reaching 0 at `total_updates`. A warmup as long as the run or longer (a
+    smoke test of a few steps: --set train.max_steps=3) is clamped to it: the LR reaches its peak at the last
+    update, as transformers' and TRL's schedules let a short run do, instead of refusing the run."""
+    warmup_updates = min(warmup_updates, total_updates)
     if warmup_updates and update < warmup_updates:
         return (update + 1) / warmup_updates
     if schedule == "constant":

@@ -98,3 +98,42 @@ def test_a_mistyped_builtin_model_suggests_the_right_one(config):
     code, _, err = cli(["train", "--config", str(config), "--set", "model.name_or_path=builtin:tiny-mixtrl"])
     assert code == 2 and "Traceback" not in err
     assert "unknown builtin model 'builtin:tiny-mixtrl'; did you mean 'builtin:tiny-mixtral'?" in err
+
+
+def test_a_data_file_that_is_not_utf8_or_empty_is_named_before_any_heavy_import(config, tmp_path):
+    """A byte that is not UTF-8 on line 2 (pyarrow reads the file and fails only when the row is read) ended in a
+    UnicodeDecodeError traceback; an empty file was named only after the heavy imports. Both are one sentence
+    naming the file (and the line and byte), exit 2, before torch is imported."""
+    rows = tmp_path / "latin1.jsonl"
+    rows.write_bytes(b'{"prompt": "a", "completion": "b"}\n{"prompt": "caf\xe9", "completion": "c"}\n')
+    code, torch_imported, err = cli(["train", "--config", str(config), "--set", f"data.train_files=[{rows}]"])
+    assert code == 2 and not torch_imported and "Traceback" not in err, err
+    assert f"data.train_files: {rows}:2: not UTF-8 text (byte 0xe9 at column 16); save the file as UTF-8" in err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    code, torch_imported, err = cli(["train", "--config", str(config), "--set", f"data.train_files=[{empty}]"])
+    assert code == 2 and not torch_imported and f"{empty}: the file is empty: it holds no rows" in err, err
+
+
+def test_cuda_asked_of_a_torch_without_cuda_is_one_sentence(config):
+    """model.device: cuda where torch has no CUDA (this CPU build; on a GPU machine, no device visible) ended in
+    torch's `AssertionError: Torch not compiled with CUDA enabled`."""
+    sets = ["--set", "model.device=cuda", "--set", "train.max_steps=1"]
+    code, _, err = cli(["train", "--config", str(config), *sets], CUDA_VISIBLE_DEVICES="")
+    assert code == 2 and "Traceback" not in err and "AssertionError" not in err, err
+    assert "model.device is cuda, but this machine has" in err and "or set model.device: auto" in err
+
+
+def test_plan_of_a_path_that_is_neither_a_folder_nor_a_hub_id_is_one_sentence():
+    """A relative path that does not exist, with more than one slash, ended in huggingface_hub's HFValidationError."""
+    code, _, err = cli(["plan", "--model", "some/missing/relative/path"])
+    assert code == 2 and "HFValidationError" not in err and "Traceback" not in err, err
+    assert f"no such folder ({Path.cwd() / 'some/missing/relative/path'}), and not a hub id (owner/name)" in err
+
+
+def test_debug_shows_the_traceback_and_keeps_the_exit_code(config):
+    """--debug turned a user error's exit code 2 into a traceback's 1: a script checking the code read another
+    failure. Now the traceback comes before the same sentence, and the code stays 2."""
+    code, _, err = cli(["train", "--config", str(config), "--set", "data.train_files=[nope.jsonl]", "--debug"])
+    assert code == 2 and "Traceback (most recent call last)" in err
+    assert f"error: data.train_files: {Path.cwd() / 'nope.jsonl'}: no such file" in err

@@ -213,6 +213,57 @@ def test_export_writes_beside_the_adapter_and_replaces_only_with_force(adapter):
     )
 
 
+def test_merge_and_export_never_replace_what_they_did_not_write_unless_forced(adapter, tmp_path):
+    """`merge --out DIR` emptied DIR (exit 0, no --force asked): a folder holding a file of the user's is refused
+    without --force, the file kept; the folder holding the adapter is refused even with it (by merge and export),
+    nothing of it touched; an empty folder is written into; --force replaces a folder's contents."""
+    runner = CliRunner()
+    notes = tmp_path / "mine" / "notes.txt"
+    notes.parent.mkdir()
+    notes.write_text("keep me")
+    refused = runner.invoke(app, ["merge", str(adapter), "--out", str(notes.parent)])
+    message = " ".join(refused.output.split())
+    assert refused.exit_code == 2 and f"error: {notes.parent} is a folder that is not empty; pass --force" in message
+    assert notes.read_text() == "keep me"
+    run = adapter.parent
+    before = sorted(p.name for p in run.iterdir())
+    for args in (["merge", str(adapter)], ["export", str(adapter), "--format", "vllm"]):
+        held = runner.invoke(app, [*args, "--out", str(run), "--force"])
+        assert held.exit_code == 2 and f"{run} holds the adapter" in " ".join(held.output.split()), held.output
+    assert sorted(p.name for p in run.iterdir()) == before and (adapter / "adapter_model.safetensors").is_file()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    merged = runner.invoke(app, ["merge", str(adapter), "--out", str(empty)])
+    assert merged.exit_code == 0 and (empty / "config.json").is_file(), merged.output
+    forced = runner.invoke(app, ["merge", str(adapter), "--out", str(notes.parent), "--force"])
+    assert forced.exit_code == 0 and not notes.exists() and (notes.parent / "config.json").is_file(), forced.output
+
+
+def test_weights_are_written_with_the_mode_the_umask_gives(adapter, tmp_path):
+    """safetensors creates its files 0600 whatever the umask: a server running as another user got "Permission
+    denied" on a merged model. Every weight file moe-qlora writes gets what open() gives (0666 less the umask)."""
+    from safetensors.torch import save_file
+
+    from moe_qlora.common.fileio import save_safetensors
+
+    old = os.umask(0o022)
+    try:
+        runner = CliRunner()
+        assert runner.invoke(app, ["merge", str(adapter), "--out", str(tmp_path / "merged")]).exit_code == 0
+        out = tmp_path / "per-expert"
+        assert runner.invoke(app, ["export", str(adapter), "--format", "per-expert", "--out", str(out)]).exit_code == 0
+        weights = [adapter / "adapter_model.safetensors", out / "adapter_model.safetensors"]
+        weights += sorted((tmp_path / "merged").glob("*.safetensors"))
+        assert len(weights) >= 3 and {f.stat().st_mode & 0o777 for f in weights} == {0o644}, weights
+        save_file({"a": torch.zeros(1)}, str(tmp_path / "plain.safetensors"))  # broken control: safetensors' own
+        assert (tmp_path / "plain.safetensors").stat().st_mode & 0o777 == 0o600
+        os.umask(0o027)
+        save_safetensors({"a": torch.zeros(1)}, tmp_path / "private.safetensors")
+        assert (tmp_path / "private.safetensors").stat().st_mode & 0o777 == 0o640  # a stricter umask is honoured
+    finally:
+        os.umask(old)
+
+
 # ------------------------------------------------------------------------------ train: model folder and data
 
 
@@ -257,7 +308,7 @@ def test_an_empty_data_file_is_named(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n  \n")
     cfg = config_file(tmp_path, "builtin:tiny-mixtral", tmp_path / "empty.jsonl")
     err, _ = refused_in_process(["train", "--config", str(cfg)])
-    assert err == f"error: {tmp_path / 'empty.jsonl'}: the file is empty: it holds no rows"
+    assert err == f"error: data.train_files: {tmp_path / 'empty.jsonl'}: the file is empty: it holds no rows"
     assert not (tmp_path / "runs").exists()
 
 

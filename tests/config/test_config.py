@@ -61,8 +61,8 @@ def test_shipped_configs_validate_and_say_how_to_run(path):
 
 
 def test_contradictory_options_are_refused(tmp_path):
-    path = write(tmp_path, BASE + "train:\n  max_steps: 10\n  warmup_steps: 10\n")
-    with pytest.raises(ConfigError, match=r"warmup_steps \(10\) covers all of train.max_steps \(10\)"):
+    path = write(tmp_path, BASE + "train:\n  max_steps: 2\n  save_every: 3\n")
+    with pytest.raises(ConfigError, match=r"train.save_every \(3\) is beyond train.max_steps \(2\)"):
         load_config(path)
 
 

@@ -39,6 +39,22 @@ def test_auto_on_the_cpu_is_the_torch_reference():
     assert resolve_kernels("auto", "cpu", FP32) == "torch"
 
 
+def test_triton_asked_on_the_cpu_says_what_runs_here_not_what_to_install(override_kernel_settings, monkeypatch):
+    """Installing triton does not make it run on a CPU: the advice is model.kernels: auto, whether or not triton is
+    installed; on CUDA without triton, the [gpu] extra."""
+    from moe_qlora.config.sections import ConfigError
+
+    override_kernel_settings(interpreted=False)  # as a user's run, not the tests' interpreter
+    for installed in (True, False):
+        monkeypatch.setattr(kernel_choice, "triton_installed", lambda installed=installed: installed)
+        with pytest.raises(
+            ConfigError, match=r"runs on an NVIDIA GPU, and this run is on the cpu: set model.kernels: auto"
+        ):
+            resolve_kernels("triton", "cpu", FP32)
+    with pytest.raises(ConfigError, match=r"triton is not installed: pip install -e '\.\[gpu\]' \(it needs CUDA\)"):
+        resolve_kernels("triton", "cuda", BF16, (9, 0))
+
+
 def test_the_run_says_what_runs_and_why():
     assert describe_kernels("auto", 64, "auto").startswith("auto per layer call: triton below 64 rows per expert")
     assert "no fused kernel for this GPU and dtype" in describe_kernels("triton", 64, "auto")

@@ -60,6 +60,27 @@ def test_sigkill_at_a_random_step_then_resume_is_exact(config, env, reference, t
     assert_same_run(tmp_path, reference)
 
 
+def test_the_summarys_best_loss_counts_the_steps_before_a_resume(tmp_path):
+    """The summary's best was this invocation's steps alone: after a resume, the resumed part's. It is the whole
+    run's, read from metrics.jsonl (which holds the steps before the resume too)."""
+    from rich.console import Console
+
+    from moe_qlora.common.reporting import NoReporters
+    from moe_qlora.train.sft import SftRecipe
+
+    logged = [(1, 3.0), (2, 0.5), (3, 2.0), (4, 1.5)]  # steps 1-2 before the resume, 3-4 after
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": {x}}}\n' for s, x in logged))
+    recipe = object.__new__(SftRecipe)  # what result() reads of a recipe that resumed at step 2 and ran 2 steps
+    recipe.command, recipe.tokens, recipe.history = "train", 100, [2.0, 1.5]
+    recipe.metrics, recipe.console = NoReporters(tmp_path), Console(record=True, width=200)
+    recipe.result(tmp_path / "adapter", seconds=1.0)
+    assert "1.5000 at the end, best 0.5000" in recipe.console.export_text()
+    (tmp_path / "metrics.jsonl").unlink()  # control: without the run's log, the resumed steps' best
+    recipe.console = Console(record=True, width=200)
+    recipe.result(tmp_path / "adapter", seconds=1.0)
+    assert "best 1.5000" in recipe.console.export_text()
+
+
 def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(config, env, reference, tmp_path):
     proc = run(config, tmp_path, env, failpoint="checkpoint-write@8")
     assert proc.returncode == -signal.SIGKILL
@@ -95,7 +116,12 @@ def test_resuming_with_another_config_is_refused_unless_asked(config, env, tmp_p
     assert proc.returncode == 2
     assert "configuration differs" in proc.stderr and "Traceback" not in proc.stderr
     assert "(train.lr 0.005 -> 0.001)" in " ".join(proc.stderr.split())  # the key that changed, old -> new
-    proc = run(config, tmp_path, env, "--resume-anyway", "--set", "train.lr=1e-3")
+    proc = run(config, tmp_path, env, "--resume-anyway", "--set", "lora.rank=8")  # another LoRA: never resumable
+    said = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r"\(\d+(, \d+)*\) saved, \(\d+(, \d+)*\) now; lora\.rank changed\?", said), said
+    assert "start a new run" in said
+    proc = run(config, tmp_path, env, "--resume-anyway", "--set", "train.lr=1e-3")  # the checkpoint left intact
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout
 

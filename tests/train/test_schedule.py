@@ -26,6 +26,22 @@ def test_schedule_warmup_then_cosine_to_zero():
     assert lr_multiplier(9, schedule="constant", **kw) == 1.0
 
 
+def test_a_warmup_longer_than_the_run_is_clamped_to_it_not_refused():
+    """`--set train.max_steps=3` on the demo (warmup_steps 5) was refused; the warmup now ends at the run's last
+    update, as transformers' and TRL's schedules let a smoke test of a few steps run."""
+    clamped = [lr_multiplier(u, total_updates=3, warmup_updates=5, schedule="cosine") for u in range(3)]
+    assert clamped == pytest.approx([1 / 3, 2 / 3, 1.0])  # unclamped it would have stopped at 3/5 of the LR
+    assert [lr_multiplier(u, total_updates=3, warmup_updates=3, schedule="cosine") for u in range(3)] == clamped
+    cfg = validate_config(
+        {
+            "model": {"name_or_path": "builtin:tiny-mixtral"},
+            "data": {"train_files": ["x.jsonl"]},
+            "train": {"max_steps": 3, "warmup_steps": 5},
+        }
+    )
+    assert (cfg.train.max_steps, cfg.train.warmup_steps) == (3, 5)
+
+
 class StepsNotUpdates(GrpoRecipe):
     """Broken control: the old split, setup() building the schedule over updates (steps x updates_per_step) and a
     resume putting the run back on one over steps (what steps.schedule_at was given)."""
