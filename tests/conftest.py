@@ -39,28 +39,8 @@ def dev() -> str:
     return "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
 
 
-# Module-scoped fixtures that run the CLI or a compiler once for a module's tests (a two-rank run, a reference
-# run, the kernel report): the tests that use one share an xdist worker, so it runs once, not once a worker.
-RUN_ONCE = {"runs", "fsdp_run", "reference", "reported_run", "report"}
-
-
-def runs_once_for(item) -> bool:
-    """Whether `item` uses one of its own module's RUN_ONCE fixtures."""
-    module = item.nodeid.split("::")[0]
-    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-    return any(name in RUN_ONCE and d[-1].scope == "module" and d[-1].baseid == module for name, d in defs.items())
-
-
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under `--dist loadgroup`, tests that share what is costly to make run on one xdist worker, so it is made
-    once, not once a worker: the trained demo (a session fixture), and each module's RUN_ONCE fixture.
-    `gpu` tests need CUDA: on a machine without it they are skipped, saying so."""
-    for item in items:
-        if "demo_run" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("demo_run"))
-        elif runs_once_for(item):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    """`gpu` tests need CUDA: on a machine without it they are skipped, saying so."""
     if torch.cuda.is_available():
         return
     reason = (

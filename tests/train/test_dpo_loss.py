@@ -146,7 +146,7 @@ def our_loss_and_gradients(setup, d: DpoSection):
     ctx = StepContext(TrainSection(loss_chunk_tokens=16))
     loss, _ = micro_batch_loss(model, pairs, reference if d.uses_reference else None, d, totals, ctx, pad_id)
     loss.backward()
-    return float(loss), gradients_by_adapter_key(model, adapter_state_dict)
+    return float(loss.detach()), gradients_by_adapter_key(model, adapter_state_dict)
 
 
 def oracle_loss_and_gradients(setup, d: DpoSection, *, reference_from_policy=False, swapped=False):
