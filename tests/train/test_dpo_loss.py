@@ -161,7 +161,7 @@ def oracle_loss_and_gradients(setup, d: DpoSection, *, reference_from_policy=Fal
         reference = {k: (v[0].detach(), v[1]) for k, v in policy.items()} if reference_from_policy else peft_reference
     loss = paper_loss(policy, reference, d)
     loss.backward()
-    return float(loss), gradients_by_adapter_key(peft_model, lambda m: get_peft_model_state_dict(m))
+    return float(loss.detach()), gradients_by_adapter_key(peft_model, lambda m: get_peft_model_state_dict(m))
 
 
 def assert_matches(ours, oracle):
