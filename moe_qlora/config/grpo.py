@@ -41,8 +41,10 @@ class GrpoSection(Section):
         None, gt=0, description="upper clip (DAPO's clip-higher); default 0.28 with loss_type dapo, else clip_eps"
     )
     kl_coef: float = Field(0.0, ge=0, description="beta of the KL penalty to the base model (adapters off); 0: off")
-    use_bias_correction_kl: bool = Field(
-        False, description="the KL estimate times the ratio pi / pi_old (DeepSeek-V3.2's unbiased KL, 2512.02556)"
+    use_bias_correction_kl: bool | None = Field(
+        None,
+        description="the KL estimate times the ratio pi / pi_old (DeepSeek-V3.2's unbiased KL, 2512.02556); "
+        "default: on whenever kl_coef is (TRL 1.16's default, true)",
     )
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group",
@@ -148,19 +150,26 @@ class GrpoSection(Section):
             )
         if self.use_bias_correction_kl and not self.kl_coef:
             raise ValueError("use_bias_correction_kl corrects the KL term, which is off (kl_coef: 0)")
-        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
-            raise ValueError(
-                "loss_type vespo weights by the product of the token ratios: importance_sampling_level must be token"
-            )
-        if self.loss_type == "luspo" and (
-            self.importance_sampling_level != "sequence" or self.kl_coef or self.top_entropy_quantile < 1
-        ):
-            raise ValueError(
-                "loss_type luspo is GSPO's sequence loss times the length: it needs "
-                "importance_sampling_level: sequence, without kl_coef or top_entropy_quantile "
-                "(TRL then averages over padding positions too)"
-            )
+        if self.use_bias_correction_kl is None:
+            self.use_bias_correction_kl = bool(self.kl_coef)  # TRL 1.16: true by default
         return self
+
+    def advice(self) -> list[str]:
+        """What TRL 1.16 warns about in a setting it still computes: settings that differ from the papers."""
+        notes = []
+        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
+            notes.append("loss_type luspo: the paper's setup is importance_sampling_level: sequence")
+        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
+            notes.append(
+                "loss_type vespo weights by the sequence's likelihood ratio itself: importance_sampling_level: "
+                "sequence changes only the ratio in the KL's bias correction"
+            )
+        if self.importance_sampling_level == "sequence" and self.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+            notes.append(
+                f"importance_sampling_level sequence with loss_type {self.loss_type} sums per-token terms, which "
+                "weights each completion by its length; GSPO's setup is loss_type grpo"
+            )
+        return notes
 
     @model_validator(mode="after")
     def _rewards_or_offline(self):

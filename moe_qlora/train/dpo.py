@@ -2,7 +2,7 @@
 reference policy scored once before the first step (reference.py), chosen and rejected in one forward.
 
 One optimizer step sees `grad_accum` micro-batches of pairs; each adds its pairs' losses / P, with P the pairs of
-the whole step (on every rank), plus sft_weight x its chosen tokens' NLL / C (C: the step's chosen tokens) and
+the whole step (on every rank), plus nll_weight x its chosen tokens' NLL / C (C: the step's chosen tokens) and
 router_aux_loss_coef x its auxiliary loss / M (M: the step's micro-batches), so the step's gradient is that of
 the loss over all of its pairs at once.
 """
@@ -33,7 +33,7 @@ from moe_qlora.train.steps import count_steps, optimizer_steps
 from moe_qlora.train.update import apply_update
 
 STATISTICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
-LOGPS = ("logps/chosen", "logps/rejected", "log_odds_ratio", "log_odds_chosen")
+LOGPS = ("logps/chosen", "logps/rejected", "log_odds_ratio", "log_odds_chosen", "wpo_weight")
 
 
 @dataclass(frozen=True)
@@ -68,28 +68,44 @@ def micro_batch_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """One micro-batch's share of the step's loss, and its sums of the logged statistics."""
     logps, aux = pair_forward(
-        model, pairs, pad_id, chunk=ctx.train.loss_chunk_tokens, router_logits=has_router_aux_loss(model)
+        model,
+        pairs,
+        pad_id,
+        chunk=ctx.train.loss_chunk_tokens,
+        ld_alpha=d.ld_alpha,
+        wpo=d.use_weighting,
+        router_logits=has_router_aux_loss(model),
     )
-    terms = preference_losses(logps, reference_of(reference, pairs, logps.chosen.device), d)
-    loss = terms.losses.sum() / totals.pairs
-    stats = {"preference_loss": float(terms.losses.detach().sum()) / totals.pairs, **pair_statistics(terms, logps)}
-    if d.sft_weight:
-        nll = -logps.chosen.sum() / totals.chosen_tokens
-        loss = loss + d.sft_weight * nll
-        stats["nll_loss"] = float(nll.detach())
-    stats["loss"] = float(loss.detach())  # as eval_loss: without the auxiliary term, as in train and grpo
+    loss, stats = pair_batch_loss(logps, reference_of(reference, pairs, logps.chosen.device), d, totals)
     if aux is not None:
         stats["aux_loss"] = float(aux.detach()) / totals.micro_batches
     return loss + aux_term(aux, ctx.aux_coef / totals.micro_batches), stats
 
 
+def pair_batch_loss(
+    logps: PairLogps, reference: PairLogps | None, d: DpoSection, totals: StepTotals
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """A micro-batch's share of the step's preference loss from its pairs' scores: its pairs' losses / P, plus
+    nll_weight x its chosen tokens' NLL / C; and its sums of the logged statistics."""
+    terms = preference_losses(logps, reference, d)
+    loss = terms.losses.sum() / totals.pairs
+    stats = {"preference_loss": float(terms.losses.detach().sum()) / totals.pairs, **pair_statistics(terms, logps)}
+    if d.nll_weight:
+        nll = -logps.chosen_plain.sum() / totals.chosen_tokens
+        loss = loss + d.nll_weight * nll
+        stats["nll_loss"] = float(nll.detach())
+    stats["loss"] = float(loss.detach())  # as eval_loss: without the auxiliary term, as in train and grpo
+    return loss, stats
+
+
 def statistic_names(model, d: DpoSection) -> tuple[str, ...]:
     """What a micro-batch sums, the same on every rank (a rank left without pairs sums zeros under these keys)."""
     optional = {
-        "nll_loss": bool(d.sft_weight),
+        "nll_loss": bool(d.nll_weight),
         "aux_loss": has_router_aux_loss(model),
-        "log_odds_ratio": d.loss_type == "orpo",
-        "log_odds_chosen": d.loss_type == "orpo",
+        "log_odds_ratio": d.reference_free == "orpo",
+        "log_odds_chosen": d.reference_free == "orpo",
+        "wpo_weight": d.use_weighting,
     }
     return (
         "loss",

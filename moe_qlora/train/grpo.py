@@ -208,7 +208,7 @@ def micro_batch_loss(
     bonus = None
     if g.entropy_coef:
         covered = mask if keep is None else keep
-        bonus = entropy_weights(covered, g.loss_type, total_tokens=totals.tokens, micro_batches=totals.micro_batches)
+        bonus = entropy_weights(covered, micro_batches=totals.micro_batches)
     terms = MicroBatchTerms(logp, old_lp, ref_lp, advantages, weights, keep, entropies, bonus)
     return grpo_token_loss(terms, objective)
 
@@ -287,6 +287,8 @@ class GrpoRecipe(Recipe):
     spikes = False
 
     def load(self) -> None:
+        for note in self.cfg.grpo.advice():
+            self.console.print(f"[yellow]note:[/] {note}")
         self.model_path, self.tokenizer = load_tokenizer(self.cfg.model)
         self.source = RolloutSource(self.cfg, self.tokenizer, self.console)
         self.load_model()

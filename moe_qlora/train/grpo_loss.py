@@ -51,13 +51,13 @@ def token_weights(
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
-def entropy_weights(mask: torch.Tensor, loss_type: str, *, total_tokens: int, micro_batches: int) -> torch.Tensor:
-    """Each kept token's share of the entropy bonus, as TRL normalises it: the batch's token mean for dapo, cispo
-    and vespo (divided by every completion token, kept or not); else this micro-batch's mean over its kept
-    tokens, averaged over micro-batches. mask: (B, T), the completion tokens the bonus covers."""
+def entropy_weights(mask: torch.Tensor, *, micro_batches: int) -> torch.Tensor:
+    """Each kept token's share of the entropy bonus, as TRL 1.16 normalises it for every loss type: this
+    micro-batch's mean entropy over the tokens the bonus covers, averaged over the step's micro-batches (TRL:
+    divided by the gradient accumulation steps). The bonus is a mean token entropy, whatever the policy term's
+    normaliser. mask: (B, T), the completion tokens the bonus covers (the top-entropy tokens under
+    top_entropy_quantile)."""
     mask = mask.float()
-    if loss_type in TOKEN_MEAN_TYPES:
-        return mask / total_tokens
     return mask / (mask.sum().clamp(min=1) * micro_batches)
 
 

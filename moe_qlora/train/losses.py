@@ -154,10 +154,14 @@ def chunked_loss_matches(model, batch) -> str | None:
     return None if err <= CHECK_TOL else f"its logits differ from the head's output by {err:.3g} (a logit transform?)"
 
 
-def token_logprobs(model, batch, *, scale: float = 1.0, chunk: int = 0, entropy: bool = False, **model_kwargs):
+def token_logprobs(
+    model, batch, *, scale: float = 1.0, chunk: int = 0, entropy: bool = False, sum_sq: bool = False, **model_kwargs
+):
     """log p(labels[t+1] | ..t) * s-scaled logits for every position, (B, L-1) fp32, 0 where ignored; the mask;
     and the model output (for its auxiliary loss). chunk > 0: through the head `chunk` tokens at a time.
-    entropy: the output also carries `token_entropy`, (B, L-1) fp32, each position's differentiable entropy."""
+    entropy: the output also carries `token_entropy`, (B, L-1) fp32, each position's differentiable entropy.
+    sum_sq: it carries `token_log_sum_sq`, (B, L-1) fp32, log sum_v p_v^2 at each position, without gradient
+    (WPO's weights)."""
     targets = batch["labels"][:, 1:]
     mask = targets != IGNORE
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask"), "use_cache": False}
@@ -177,13 +181,33 @@ def token_logprobs(model, batch, *, scale: float = 1.0, chunk: int = 0, entropy:
         else:
             logp = ChunkedTokenLogProbs.apply(hidden, head.weight, head.bias, flat_targets, scale, chunk)
         logp = logp.view(targets.shape)
+        if sum_sq:
+            out.token_log_sum_sq = chunked_log_sum_sq(hidden.detach(), head.weight, head.bias, scale, chunk)
+            out.token_log_sum_sq = out.token_log_sum_sq.view(targets.shape)
     else:
         out = model(**inputs, **model_kwargs)
         logp = _full_logprobs(out.logits[:, :-1], targets.clamp(min=0), scale)
         if entropy:
             q = torch.log_softmax(out.logits[:, :-1].float() * scale, dim=-1)
             out.token_entropy = -(q.exp() * q).sum(dim=-1)
+        if sum_sq:
+            with torch.no_grad():
+                out.token_log_sum_sq = log_sum_sq_probs(out.logits[:, :-1].float() * scale)
     return logp * mask, mask, out
+
+
+def log_sum_sq_probs(z: torch.Tensor) -> torch.Tensor:
+    """log sum_v p_v^2 of softmax(z) over the last dimension: logsumexp(2z) - 2 logsumexp(z)."""
+    return torch.logsumexp(2 * z, dim=-1) - 2 * torch.logsumexp(z, dim=-1)
+
+
+@torch.no_grad()
+def chunked_log_sum_sq(hidden, weight, bias, scale: float, chunk: int) -> torch.Tensor:
+    """log_sum_sq_probs of the head's logits, `chunk` tokens at a time: hidden (N, H) -> (N,) fp32."""
+    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk):
+        out[start : start + chunk] = log_sum_sq_probs(_chunk_logits(hidden[start : start + chunk], weight, bias, scale))
+    return out
 
 
 def has_router_aux_loss(model) -> bool:

@@ -44,6 +44,8 @@ def reference_fingerprint(cfg: RunConfig, model_path: str, pairs: list[Preferenc
         files_digest(Path(lora.init_from)) if lora.init_from else None,
         *([p.index, p.chosen.input_ids, p.chosen.labels, p.rejected.input_ids, p.rejected.labels] for p in pairs),
     ]
+    if cfg.dpo.ld_alpha is not None:  # LD-DPO's sums; without it the records (and older runs' keys) are as before
+        records.append(["ld_alpha", cfg.dpo.ld_alpha])
     return fingerprint(records)
 
 
@@ -91,16 +93,18 @@ def write_cached(out: Path, logps: PairLogps, key: str) -> None:
 
 
 @torch.no_grad()
-def score_pairs(model, pairs: list[PreferencePair], pad_id: int, size: int, chunk: int, advance) -> list[tuple]:
+def score_pairs(
+    model, pairs: list[PreferencePair], pad_id: int, size: int, chunk: int, advance, ld_alpha=None
+) -> list[tuple]:
     """(index, chosen, rejected, chosen tokens, rejected tokens) of each pair, in eval mode (no dropout),
-    `size` pairs (2 x size rows) per forward; advance(n) after each."""
+    `size` pairs (2 x size rows) per forward; advance(n) after each. ld_alpha: LD-DPO's weighting of the sums."""
     was_training = model.training
     model.eval()
     rows = []
     try:
         for start in range(0, len(pairs), size):
             group = pairs[start : start + size]
-            logps = pair_forward(model, group, pad_id, chunk=chunk)[0]
+            logps = pair_forward(model, group, pad_id, chunk=chunk, ld_alpha=ld_alpha)[0]
             values = zip(*(getattr(logps, k).tolist() for k in FIELDS), strict=True)
             rows += [(p.index, *v) for p, v in zip(group, values, strict=True)]
             advance(len(group))
@@ -127,7 +131,8 @@ def reference_logps(
         task = bar.add_task("reference", total=len(mine))
         t = cfg.train
         advance = functools.partial(bar.advance, task)
-        rows = local_stretch(ranks, score_pairs, model, mine, pad_id, t.micro_batch_size, t.loss_chunk_tokens, advance)
+        size, chunk, ld_alpha = t.micro_batch_size, t.loss_chunk_tokens, cfg.dpo.ld_alpha
+        rows = local_stretch(ranks, score_pairs, model, mine, pad_id, size, chunk, advance, ld_alpha)
     rows = sorted(gather_objects(ranks, rows))
     logps = PairLogps(*(torch.tensor(column, dtype=torch.float32) for column in list(zip(*rows, strict=True))[1:]))
     if ranks.main:

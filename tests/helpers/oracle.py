@@ -112,11 +112,11 @@ def run_experts_pair(experts, config, x, top_k_index, top_k_weights, mutate=None
     return ours, ref
 
 
-def assert_close_scaled(name, a, b):
-    """max |a - b| <= REL_TOL * max |b|: fp32 reordering error relative to the tensor's magnitude."""
+def assert_close_scaled(name, a, b, rel_tol: float = REL_TOL):
+    """max |a - b| <= rel_tol * max |b|: fp32 reordering error relative to the tensor's magnitude."""
     assert a.shape == b.shape, f"{name}: shape {tuple(a.shape)} != {tuple(b.shape)}"
     err, scale = float((a - b).abs().max()), float(b.abs().max())
-    assert scale > 0 and err <= REL_TOL * scale, f"{name}: max error {err:.3g} over {REL_TOL:g} * {scale:.3g}"
+    assert scale > 0 and err <= rel_tol * scale, f"{name}: max error {err:.3g} over {rel_tol:g} * {scale:.3g}"
 
 
 PAIR_NAMES = [

@@ -131,6 +131,9 @@ def test_the_stored_reference_is_reused_and_recomputed_when_what_it_depends_on_c
     (tmp_path / "out" / REFERENCE_DIR / LOGPS_FILE).write_bytes(b"torn")  # a damaged file is recomputed too
     scored(other_lora, model_path, tok, tmp_path / "out")
     assert calls == [1, 1, 1]
+    ld = other_lora.model_copy(update={"dpo": other_lora.dpo.model_copy(update={"ld_alpha": 0.0})})
+    scored(ld, model_path, tok, tmp_path / "out")  # LD-DPO's sums are other scores (tests/train/test_dpo_loss.py)
+    assert calls == [1, 1, 1, 1]
 
 
 # ------------------------------------------------------------------------------- resume and ranks
@@ -246,7 +249,7 @@ def test_the_dry_run_prints_a_config_that_loads_back(tmp_path, env):
         printed.write_text(proc.stdout)
         cfg = load_config(printed)
         assert cfg.dpo.loss_type == loss_type and cfg.dpo.beta == (2.0 if loss_type == "simpo" else 0.1)
-        assert cfg.dpo.sft_weight == (1.0 if loss_type == "orpo" else 0.0)
+        assert cfg.dpo.nll_weight == (1.0 if loss_type == "orpo" else 0.0)
 
 
 def test_a_resume_without_the_stored_reference_scores_it_again_from_the_step_0_policy(uninterrupted, env, tmp_path):

@@ -1,13 +1,15 @@
-"""GRPO's objectives and options at parity with TRL's GRPOTrainer (read at TRL main f2cd577, = v1.9.0's trainer):
-loss types cispo, sapo, luspo and vespo, delta, use_bias_correction_kl, the off-policy mask, the entropy quantile
-and bonus, scale_rewards, multi_objective_aggregation and rewards that abstain (None).
+"""GRPO's objectives and options at parity with TRL 1.16's GRPOTrainer: loss types cispo, sapo, luspo and vespo,
+delta, use_bias_correction_kl (on by default in 1.16), the off-policy mask, the entropy quantile and bonus (a
+per-micro-batch mean in 1.16, for every loss type), scale_rewards, multi_objective_aggregation and rewards that
+abstain (None).
 
-The oracle: TRL's `_compute_loss` for one micro-batch, written out below in plain torch from its definitions
-(one process, gradient accumulation over the micro-batches, TRL's order of masks and normalisers), against
-moe-qlora's micro-batch losses summed over the same split. Inputs are random, with rows of length 1, a fully
-masked row, a row of advantage 0 and a policy that has moved since sampling (ratios away from 1). Tolerance:
-1e-6 relative, fp32 sums of ~30 terms in another order. Each case names a broken control: the same config with
-one option changed, which must not match (so the comparison can fail).
+The oracle is TRL's own code: GRPOTrainer._compute_loss of the installed trl (1.16.0, pinned in the test extra),
+called on the same log-prob tables, advantages and masks (helpers.trl_oracle), one micro-batch at a time with
+its gradient accumulation, against moe-qlora's micro-batch losses summed over the same split. Inputs are random,
+with rows of length 1, a fully masked row, a row of advantage 0 and a policy that has moved since sampling
+(ratios away from 1). Tolerance: 1e-6 relative, fp32 sums of ~30 terms in another order. Each case names a broken
+control: the same config with one option changed on our side, which must not match (so the comparison can fail).
+A TRL upgrade that changes a formula fails these tests.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from moe_qlora.train.grpo import BatchTotals, micro_batch_loss, rows_to_run, spl
 from moe_qlora.train.grpo_loss import Objective
 from moe_qlora.train.losses import ChunkedTokenLogProbsAndEntropy, completion_logprobs_and_entropy
 from moe_qlora.train.rewards import RewardFunction, batch_moments, group_advantages, rollout_advantages, score
+
+from helpers import trl_oracle
 
 ROWS, TOKENS, MICRO = 6, 5, 3  # two micro-batches of three rows
 LENGTHS = [5, 1, 0, 3, 5, 2]  # a row of one token, a fully masked row
@@ -46,88 +50,32 @@ def inputs(seed: int = 0):
     return logp, old, ref, adv, mask, entropies
 
 
-# ----------------------------------------------------------------------------------- TRL's loss, written out
+# ------------------------------------------------------------------------------------------ TRL's own loss
 
 
-def trl_micro_loss(logp, old, ref, a, mask, ent, g: GrpoSection, *, n_glob: float, ga: int) -> torch.Tensor:
-    """TRL GRPOTrainer._compute_loss of one micro-batch (num_processes 1), term by term."""
-    mask = mask.float()
-    eps_low, eps_high = g.clip_eps, g.clip_eps_high if g.clip_eps_high is not None else g.clip_eps
-    entropy_mask = None
-    if g.top_entropy_quantile < 1.0:
-        threshold = torch.quantile(ent.detach()[mask.bool()].float(), 1 - g.top_entropy_quantile)
-        entropy_mask = ((ent.detach() * mask) >= threshold) & mask.bool()
-    log_ratio = logp - old
-    if g.importance_sampling_level == "token":
-        log_iw = log_ratio
-    else:
-        log_iw = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    coef_1 = torch.exp(log_iw)
-    a = a.unsqueeze(1)
-    if g.kl_coef:
-        per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
-        if g.use_bias_correction_kl:
-            per_token_kl = per_token_kl * coef_1
-    if g.loss_type == "cispo":
-        per_token_loss = -torch.clamp(coef_1, max=eps_high).detach() * a * logp
-    elif g.loss_type == "sapo":
-        t = torch.where(a > 0, g.sapo_temperature_pos, g.sapo_temperature_neg)
-        per_token_loss = -torch.sigmoid(t * (coef_1 - 1)) * 4 / t * a
-    elif g.loss_type == "vespo":
-        with torch.no_grad():
-            seq = torch.sum(torch.clamp(log_ratio, -20.0, 20.0) * mask, dim=-1, keepdim=True)
-            log_w = torch.clamp(seq, math.log(1e-8), 20.0)
-            pos = a >= 0
-            k = torch.where(pos, g.vespo_k_pos, g.vespo_k_neg)
-            lam = torch.where(pos, g.vespo_lambda_pos, g.vespo_lambda_neg).clamp(min=1e-4)
-            phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-        per_token_loss = -phi * a * logp
-    else:
-        coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
-        if g.delta is not None:
-            coef_1 = torch.clamp(coef_1, max=g.delta)
-        per_token_loss = -torch.min(coef_1 * a, coef_2 * a)
-    if g.off_policy_mask_threshold is not None:
-        kl_div = old - logp.detach()
-        avg = (kl_div * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
-        per_token_loss = per_token_loss * ((a >= 0) | (avg <= g.off_policy_mask_threshold)).float()
-    if entropy_mask is not None:
-        per_token_loss = per_token_loss * entropy_mask
-    if g.kl_coef:
-        per_token_loss = per_token_loss + g.kl_coef * per_token_kl
-    b = per_token_loss.size(0)
-    if g.loss_type in ("grpo", "sapo"):
-        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / ga
-    elif g.loss_type == "bnpo":
-        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0) / ga
-    elif g.loss_type == "dr_grpo":
-        loss = (per_token_loss * mask).sum() / (b * g.max_new_tokens) / ga
-    elif g.loss_type in ("cispo", "dapo", "vespo"):
-        loss = (per_token_loss * mask).sum() / max(n_glob, 1.0)
-    else:  # luspo, at the sequence level: per_token_loss is one value a row
-        loss = (per_token_loss[:, :1] * mask.sum(1, keepdim=True)).mean() / ga
-    if g.entropy_coef:
-        effective = mask if entropy_mask is None else mask * entropy_mask
-        if g.loss_type in ("cispo", "dapo", "vespo"):
-            bonus = (ent * effective).sum() / max(n_glob, 1.0)
-        else:
-            bonus = (ent * effective).sum() / effective.sum().clamp(min=1.0) / ga
-        loss = loss - g.entropy_coef * bonus
-    return loss
+def trl_options(g: GrpoSection, options: dict) -> dict:
+    """GRPOConfig keys for a case: the options the case sets, in TRL's names, and the defaults moe-qlora keeps
+    apart on purpose passed explicitly (the completion budget, and clip_eps_high: 0.28 with dapo, cispo's cap 5)."""
+    names = {"kl_coef": "beta", "clip_eps": "epsilon"}
+    config = {names.get(k, k): v for k, v in options.items() if k != "clip_eps_high"}
+    return {**config, "epsilon_high": g.clip_eps_high, "max_completion_length": g.max_new_tokens}
+
+
+def trl_loss(g: GrpoSection, options: dict):
+    """TRL 1.16's GRPOTrainer._compute_loss over the micro-batches, gradients accumulated as its Trainer does."""
+    logp, old, ref, adv, mask, ent = inputs()
+    trainer = trl_oracle.grpo_trainer(ROWS // MICRO, **trl_options(g, options))
+    n_glob = int(mask.sum())
+    total = sum(
+        trl_oracle.grpo_micro_loss(trainer, *part, batch_tokens=n_glob)
+        for part in split(logp, old, ref, adv, mask, ent)
+    )
+    total.backward()
+    return total.detach(), logp.grad, ent.grad
 
 
 def split(*tensors):
     return [[t[i : i + MICRO] for t in tensors] for i in range(0, ROWS, MICRO)]
-
-
-def trl_loss(g: GrpoSection):
-    logp, old, ref, adv, mask, ent = inputs()
-    n_glob = float(mask.sum())
-    total = sum(
-        trl_micro_loss(*part, g, n_glob=n_glob, ga=ROWS // MICRO) for part in split(logp, old, ref, adv, mask, ent)
-    )
-    total.backward()
-    return total.detach(), logp.grad, ent.grad
 
 
 def our_loss(g: GrpoSection):
@@ -150,7 +98,16 @@ CASES = {  # id: (options, the broken control's change)
     "cispo-default-cap": ({"loss_type": "cispo"}, {"clip_eps_high": 0.2}),
     "sapo": ({"loss_type": "sapo"}, {"sapo_temperature_neg": 2.0}),
     "luspo": ({"loss_type": "luspo", "importance_sampling_level": "sequence"}, {"loss_type": "grpo"}),
+    "luspo-token": ({"loss_type": "luspo"}, {"importance_sampling_level": "sequence"}),
+    "luspo-kl-quantile": (
+        {"loss_type": "luspo", "importance_sampling_level": "sequence", "kl_coef": 0.1, "top_entropy_quantile": 0.4},
+        {"top_entropy_quantile": 1.0},
+    ),
     "vespo": ({"loss_type": "vespo"}, {"vespo_k_neg": 1.0}),
+    "vespo-sequence-kl": (
+        {"loss_type": "vespo", "importance_sampling_level": "sequence", "kl_coef": 0.1},
+        {"importance_sampling_level": "token"},
+    ),
     "gspo": ({"loss_type": "grpo", "importance_sampling_level": "sequence"}, {"importance_sampling_level": "token"}),
     "delta": ({"delta": 1.5}, {"delta": None}),
     "delta-grpo-sequence": (
@@ -158,7 +115,9 @@ CASES = {  # id: (options, the broken control's change)
         {"delta": None},
     ),
     "kl": ({"kl_coef": 0.1}, {"kl_coef": 0.2}),
-    "kl-bias-corrected": ({"kl_coef": 0.1, "use_bias_correction_kl": True}, {"use_bias_correction_kl": False}),
+    "kl-default-is-bias-corrected": ({"kl_coef": 0.1}, {"use_bias_correction_kl": False}),
+    "kl-not-bias-corrected": ({"kl_coef": 0.1, "use_bias_correction_kl": False}, {"use_bias_correction_kl": True}),
+    "kl-bias-corrected": ({"kl_coef": 0.1, "use_bias_correction_kl": True}, {"kl_coef": 0.2}),
     "kl-bias-corrected-sequence": (
         {"kl_coef": 0.1, "use_bias_correction_kl": True, "loss_type": "grpo", "importance_sampling_level": "sequence"},
         {"use_bias_correction_kl": False},
@@ -175,6 +134,11 @@ CASES = {  # id: (options, the broken control's change)
         {"entropy_coef": 0.0},
     ),
     "entropy-bonus-dapo-quantile": ({"entropy_coef": 0.05, "top_entropy_quantile": 0.4}, {"entropy_coef": 0.0}),
+    "entropy-bonus-cispo": ({"loss_type": "cispo", "entropy_coef": 0.05}, {"entropy_coef": 0.1}),
+    "entropy-bonus-vespo-quantile": (
+        {"loss_type": "vespo", "entropy_coef": 0.05, "top_entropy_quantile": 0.4},
+        {"top_entropy_quantile": 1.0},
+    ),
 }
 
 
@@ -183,7 +147,7 @@ def test_loss_and_gradients_match_trls_compute_loss(case):
     options, broken = CASES[case]
     g = section(**options)
     loss, grad, ent_grad = our_loss(g)
-    ref_loss, ref_grad, ref_ent_grad = trl_loss(g)
+    ref_loss, ref_grad, ref_ent_grad = trl_loss(g, options)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-7)
     if g.entropy_coef:
@@ -267,15 +231,11 @@ def tiny_policy():
 # ----------------------------------------------------------------------------------- rewards and advantages
 
 
-def nanstd(x: torch.Tensor) -> torch.Tensor:
-    """TRL's trainer/utils.nanstd: the unbiased std of the non-NaN values."""
-    variance = torch.nanmean((x - torch.nanmean(x, keepdim=True)) ** 2)
-    count = torch.sum(~torch.isnan(x))
-    return torch.sqrt(variance * (count / (count - 1)))
-
-
 def trl_advantages(per_fn: torch.Tensor, weights: torch.Tensor, group: int, scale: str, aggregation: str):
-    """TRL's advantages from rewards_per_func (N, K) with NaN for None, written out."""
+    """TRL 1.16's advantages from rewards_per_func (N, K) with NaN for None, as _generate_and_score_completions
+    computes them (written out: it is not callable without generating), with TRL's own nanstd."""
+    from trl.trainer.utils import nanstd
+
     unscorable = torch.isnan(per_fn).all(dim=1)
     if aggregation == "sum_then_normalize":
         rewards = (per_fn * weights[None]).nansum(dim=1)
@@ -349,8 +309,6 @@ def test_scale_rewards_takes_trls_old_booleans_and_batch_uses_the_whole_batchs_s
     [
         ({"delta": 1.2}, r"must be above 1 \+ clip_eps_high"),
         ({"loss_type": "sapo", "delta": 2.0}, "has none"),
-        ({"loss_type": "vespo", "importance_sampling_level": "sequence"}, "must be token"),
-        ({"loss_type": "luspo"}, "importance_sampling_level: sequence"),
         ({"use_bias_correction_kl": True}, "kl_coef: 0"),
         ({"top_entropy_quantile": 0.0}, "greater than 0"),
     ],
@@ -360,15 +318,48 @@ def test_options_an_objective_would_ignore_are_refused(options, message):
         section(**options)
 
 
-def test_defaults_are_trls_but_cispos_cap():
-    g = section()
-    assert (g.loss_type, g.scale_rewards, g.multi_objective_aggregation, g.use_bias_correction_kl) == (
-        "dapo",
-        "group",
-        "sum_then_normalize",
-        False,
+def test_defaults_are_trl_1_16s_but_the_kept_differences():
+    """Every objective key's default against GRPOConfig's own, but those docs/training.md names as kept apart:
+    the upper clip (0.28 with dapo; cispo's cap 5, TRL falls back to epsilon 0.2), the group size and the
+    completion budget."""
+    from trl import GRPOConfig
+
+    trl = trl_oracle.config(GRPOConfig)
+    g, with_kl = section(), section(kl_coef=0.1)
+    same_name = (
+        "loss_type",
+        "scale_rewards",
+        "multi_objective_aggregation",
+        "delta",
+        "off_policy_mask_threshold",
+        "top_entropy_quantile",
+        "entropy_coef",
+        "importance_sampling_level",
+        "mask_truncated_completions",
+        "temperature",
+        "top_p",
+        "sapo_temperature_pos",
+        "sapo_temperature_neg",
+        "vespo_k_pos",
+        "vespo_lambda_pos",
+        "vespo_k_neg",
+        "vespo_lambda_neg",
     )
-    assert (g.delta, g.off_policy_mask_threshold, g.top_entropy_quantile, g.entropy_coef) == (None, None, 1.0, 0.0)
-    assert (g.sapo_temperature_pos, g.sapo_temperature_neg) == (1.0, 1.05)
-    assert (g.vespo_k_pos, g.vespo_lambda_pos, g.vespo_k_neg, g.vespo_lambda_neg) == (2.0, 3.0, 3.0, 2.0)
-    assert section(loss_type="cispo").clip_eps_high == 5.0  # TRL falls back to epsilon (0.2)
+    ours = {k: getattr(g, k) for k in same_name}
+    ours.update(beta=g.kl_coef, epsilon=g.clip_eps, num_iterations=g.passes)
+    ours["use_bias_correction_kl"] = with_kl.use_bias_correction_kl
+    assert ours == {k: getattr(trl, k) for k in ours}
+    assert g.use_bias_correction_kl is False  # no KL term to correct
+    assert (trl.epsilon_high, g.clip_eps_high, section(loss_type="cispo").clip_eps_high) == (None, 0.28, 5.0)
+    budget = GrpoSection.model_fields["max_new_tokens"].default
+    assert (g.group_size, trl.num_generations, budget, trl.max_completion_length) == (4, 8, 32, 512)
+
+
+def test_settings_trl_warns_about_are_computed_with_its_note():
+    """luspo at the token level and vespo at the sequence level are computed as TRL 1.16 computes them (the
+    cases above); moe-qlora prints TRL's advice beside them, and none for the papers' setups."""
+    assert "importance_sampling_level: sequence" in " ".join(section(loss_type="luspo").advice())
+    assert "KL" in " ".join(section(loss_type="vespo", importance_sampling_level="sequence").advice())
+    assert "length" in " ".join(section(importance_sampling_level="sequence").advice())  # dapo
+    assert section(loss_type="luspo", importance_sampling_level="sequence").advice() == []
+    assert section(loss_type="grpo", importance_sampling_level="sequence").advice() == []
