@@ -25,6 +25,7 @@ from moe_qlora.config.load import validate_section
 from moe_qlora.config.sections import ConfigError, LoraSection, ModelSection
 from moe_qlora.export.norms import AdapterReadError
 from moe_qlora.model.adapters import adapters_disabled
+from moe_qlora.moe.experts import generation_kernels
 
 
 @dataclass
@@ -213,7 +214,7 @@ def generate(
     )
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     off = adapters_disabled(model) if not adapter else contextlib.nullcontext()
-    with off:
+    with off, generation_kernels(model):
         out = model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen, streamer=streamer
         )

@@ -21,6 +21,7 @@ from moe_qlora.moe.grouped_layer import moe_lora_experts_grouped
 from moe_qlora.moe.kernel_names import KERNELS
 from moe_qlora.moe.kernel_rule import call_path
 from moe_qlora.moe.layer_state import FUSED_BELOW_ROWS, layer_state, read_state
+from moe_qlora.moe.nf4 import NF4Stack
 from moe_qlora.moe.reference_layer import DeferredWeightGrads, FrozenExperts, MoEPlan, moe_lora_experts
 from moe_qlora.moe.routing import route
 from moe_qlora.moe.self_check import KernelSelfCheck, with_injected_fault
@@ -80,6 +81,8 @@ def moe_qlora_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     factors = lora.factors() if lora is not None else None
     rows = hidden_states.shape[0] * top_k_index.shape[1]
     kernels = call_path(state.kernels, rows, frozen.gate_up.num_experts, state.fused_below_rows)
+    if state.generating:
+        kernels = generation_path(kernels, frozen, hidden_states.dtype)
     budget = state.dequant_budget
 
     def run(path, x, weights, lora_factors, call_plan):
@@ -89,6 +92,38 @@ def moe_qlora_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     if checker is not None and kernels != "torch" and not torch.compiler.is_compiling():
         kernels = checker.path_for(kernels, hidden_states, top_k_index, top_k_weights, factors, plan, run)
     return run(kernels, hidden_states, top_k_weights, factors, plan)
+
+
+# CPU generation: an experts layer whose decoded gate_up stack fits in this many bytes runs the grouped formulation
+# (each stack decoded whole by one call, then torch._grouped_mm): at decode steps every expert is hit and the
+# per-expert loop's Python cost per expert is what a small layer's step costs. A larger stack runs the per-expert
+# reference, which decodes each expert into a cache-sized buffer (scripts/bench_rollout.py, docs/benchmarks.md:
+# builtin:tiny-mixtral's 0.5 MiB stacks 1.7x faster grouped; the qwen3 preset's 128 MiB ones 3x slower).
+GROUPED_GENERATION_BYTES = 8 * 2**20
+
+
+def generation_path(kernels: str, frozen: FrozenExperts, dtype: torch.dtype) -> str:
+    """The path of a layer call during generation: the CPU reference's grouped formulation for small NF4 stacks
+    (GROUPED_GENERATION_BYTES); any other choice as is (on CUDA, auto and triton already take the fused kernel
+    at decode shapes). Both compute the same function in the same dtype (tests/moe/test_generation_path.py)."""
+    if kernels != "torch" or not isinstance(frozen.gate_up, NF4Stack):
+        return kernels
+    experts, rows, cols = frozen.gate_up.shape
+    return "grouped_mm" if experts * rows * cols * dtype.itemsize <= GROUPED_GENERATION_BYTES else kernels
+
+
+@contextmanager
+def generation_kernels(model) -> Iterator[None]:
+    """Within the block `model`'s experts layers run the path generation_path picks for their calls (a GRPO
+    rollout, `moe-qlora generate`); the training forward and every scoring pass keep the configured one."""
+    states = [layer_state(module) for _, module in experts_modules(model)]
+    for state in states:
+        state.generating = True
+    try:
+        yield
+    finally:
+        for state in states:
+            state.generating = False
 
 
 def run_moe_path(path: str, x, weights, lora, plan: MoEPlan, dequant_budget: int | None) -> torch.Tensor:

@@ -43,6 +43,8 @@ class MoELayerState:
     Layout (layouts.py): `split_gate_up`, shared experts stored as gate / up / down stacks (Inkling); `adopted`, an
     experts class off transformers' interface given its attributes (Inkling, Llama-4); `top_k`, the block's top-k
     that bounds a dense-input module's picked rows (Llama-4).
+    Generation (experts.generation_kernels): `generating`, set while a model generates, so the layer may take the
+    path that suits decode steps (few rows per expert, no gradient).
     """
 
     kernels: str = "torch"
@@ -57,6 +59,7 @@ class MoELayerState:
     split_gate_up: bool = False
     adopted: bool = False
     top_k: int | None = None
+    generating: bool = False
 
 
 # What read_state answers for a module with no state attached. Never written: writers go through layer_state.

@@ -265,8 +265,9 @@ def grpo_step(
         write_rollouts(rollout_log, step, rollouts, rewards, per_fn, advantages)
     if source.reward_errors:
         record["reward_errors"] = source.reward_errors
+    record.update(rollout_metrics(rollouts, rewards, per_fn, advantages, group_sizes))
     record.update(
-        rollout_metrics(rollouts, rewards, per_fn, advantages, group_sizes),
+        rollout_tokens_per_s=rollout_speed(record["completion_tokens_total"], source.sampling_s),
         step=step,
         lr=lr,
         generation_s=t_gen,
@@ -275,6 +276,12 @@ def grpo_step(
         sources=sorted({r.prompt.source for r in rollouts}),
     )
     return record
+
+
+def rollout_speed(tokens: int, sampling_s: float) -> float:
+    """Completion tokens sampled per second: the whole batch's tokens over this rank's time in generate (ranks
+    sample their shares at once); 0 for offline rollouts, which sample nothing."""
+    return tokens / sampling_s if sampling_s > 0 else 0.0
 
 
 class GrpoRecipe(Recipe):
@@ -334,6 +341,7 @@ class GrpoRecipe(Recipe):
             "reward": f"{record['reward_mean']:.3f}",
             "kl": f"{record.get('kl', 0):.4f}",
             "gen": f"{record['generation_s']:.1f}s",
+            "tok/s": f"{record['rollout_tokens_per_s']:,.0f}",
             "train": f"{record['training_s']:.1f}s",
         }
 

@@ -7,6 +7,7 @@ A rollout is one (prompt, completion) pair with its token ids; the completion en
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -18,6 +19,7 @@ from moe_qlora.config.sections import DataSection, RunConfig
 from moe_qlora.data.examples import _check_messages, token_ids
 from moe_qlora.data.sources import DataError, entry_path, load_rows
 from moe_qlora.model.distributed import Ranks, rank_slice
+from moe_qlora.moe.experts import generation_kernels
 from moe_qlora.train.checkpoint import fingerprint
 from moe_qlora.train.position import StepPosition
 from moe_qlora.train.rewards import RewardPolicy, resolve_reward, score
@@ -162,12 +164,13 @@ def sample_rollouts(model, tokenizer, prompts: list[PromptRow], cfg: GrpoSection
     was_training = model.training
     model.eval()  # no dropout while sampling; checkpointed layers keep the KV cache only in eval mode
     try:
-        out = model.generate(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            generation_config=generation_config(cfg, tokenizer),
-            tokenizer=tokenizer,
-        )
+        with generation_kernels(model):
+            out = model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                generation_config=generation_config(cfg, tokenizer),
+                tokenizer=tokenizer,
+            )
     finally:
         model.train(was_training)
     generated = out[:, ids.shape[1] :].tolist()
@@ -240,6 +243,7 @@ class RolloutSource:
     def __init__(self, cfg: RunConfig, tokenizer, console: Console):
         g = cfg.grpo
         self.cfg, self.tokenizer, self.offline = cfg, tokenizer, g.offline_file is not None
+        self.sampling_s = 0.0  # the last collect's time in generate (a rank's own share of the prompts)
         self.reward_errors = 0  # samples of the last collect() scored 0 after a reward function failed
         if self.offline:
             self.items = load_offline_groups(g.offline_file, cfg.data, tokenizer)
@@ -267,7 +271,9 @@ class RolloutSource:
             rollouts = offline_rollouts(batch, self.tokenizer, self.cfg.data.max_seq_len)
             return rollouts, [r for grp in batch for r in grp.rewards], {}, [len(grp.completions) for grp in batch]
         with position.within("generation"):
+            started = time.perf_counter()
             rollouts = sample_rollouts(model, self.tokenizer, batch, self.cfg.grpo)
+            self.sampling_s = time.perf_counter() - started
         prompts, completions = [r.prompt.text for r in rollouts], [r.text for r in rollouts]
         g = self.cfg.grpo
         policy = RewardPolicy(on_error=g.reward_errors, timeout_s=g.reward_timeout_s, step=position.step)

@@ -75,12 +75,16 @@ def test_demo_reward_rises_from_the_cli(tmp_path):
         "completion_tokens",
         "flat_groups",
         "generation_s",
+        "rollout_tokens_per_s",
         "training_s",
         "grad_norm",
         "lr",
         "router_load",
     } <= set(step)
     assert all("clip_fraction" in r for r in records if r["sequences_trained"])  # (none while every group is flat)
+    # the rollout speed: the step's completion tokens over the time in generate, a part of generation_s
+    assert all(r["rollout_tokens_per_s"] >= r["completion_tokens_total"] / r["generation_s"] > 0 for r in records)
+    assert "tok/s" in proc.stdout + proc.stderr
     rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     assert len(rollouts) == 60 * 10 * 16  # steps x prompts x group size
     assert {"step", "prompt", "completion", "reward", "rewards", "advantage", "completion_tokens"} <= set(rollouts[0])
