@@ -3,6 +3,10 @@ sizes, and the transformers config it builds. Kept apart so that the two scripts
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import torch
+
 PRESETS = {
     # Issue 2: Mixtral architecture, 4 layers, 32 experts, top-4, hidden 1024, expert intermediate 512.
     "mixtral": dict(arch="mixtral", hidden=1024, layers=4, experts=32, top_k=4, inter=512, vocab=4096),
@@ -49,3 +53,20 @@ def build_config(p):
         decoder_sparse_step=1,
         **common,
     )
+
+
+def ensure_checkpoint(preset: str) -> Path:
+    """The benchmark model, generated once (bf16 safetensors, seed 0) into the moe-qlora cache."""
+    from moe_qlora.model.model_path import cache_dir
+    from moe_qlora.model.tiny import build_byte_tokenizer
+
+    path = cache_dir() / f"bench-{preset}"
+    if (path / "config.json").exists():
+        return path
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(build_config(PRESETS[preset]), dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    build_byte_tokenizer().save_pretrained(path)
+    return path

@@ -3,6 +3,7 @@ its generation against transformers `generate` + bitsandbytes 4-bit + PEFT on th
 
     python scripts/bench_rollout.py                     # builtin:tiny-mixtral, 4 prompts x 8, 32 new tokens, CPU
     python scripts/bench_rollout.py --prompts 8 --group-size 16 --max-new-tokens 64 --json out.json
+    python scripts/bench_rollout.py --preset qwen3 --prompts 8 --group-size 8 --max-new-tokens 128   # Qwen3-MoE-like
     python scripts/bench_rollout.py --device cuda --model /path/to/checkpoint --steps 3
     python scripts/bench_rollout.py --model /path/to/checkpoint --threads 16   # a real model on a quiet CPU
 
@@ -50,6 +51,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_presets import PRESETS, ensure_checkpoint  # noqa: E402
 
 CONTENDERS = ["moe-qlora", "transformers+bnb+peft", "transformers+bnb"]
 PHASES = ("generation", "scoring", "update")
@@ -428,6 +432,11 @@ def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--model", default="builtin:tiny-mixtral", help="a builtin:tiny-* model or a local checkpoint")
+    ap.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="bench_train.py's model of this preset (random weights, generated once into the cache) as --model",
+    )
     ap.add_argument("--prompts", type=int, default=4, help="prompts per step (the demo's rows, cycled)")
     ap.add_argument("--group-size", type=int, default=8, help="completions sampled per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=32)
@@ -467,6 +476,8 @@ def main() -> None:
         )
         print(json.dumps(run))
         return
+    if args.preset:
+        args.model = str(ensure_checkpoint(args.preset))
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp:
         args.prompts_file = write_prompts(Path(tmp) / "prompts.jsonl", args.prompts)
         results = [run_contender(name, args) for name in args.only]

@@ -35,30 +35,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))  # bench_presets, step_roofline
 
-from bench_presets import PRESETS, build_config  # noqa: E402
+from bench_presets import PRESETS, ensure_checkpoint  # noqa: E402
 
 CONTENDERS = ["moe-qlora", "moe-qlora-bf16", "transformers+bnb+peft", "transformers+bnb+peft-fp32", "experts4bit-qlora"]
 # run by default where installed (pip install experts4bit-qlora): another fused-experts QLoRA trainer, bf16 only
 OPTIONAL = {"experts4bit-qlora": "experts4bit_qlora"}
 LORA_RANK = 8  # expert LoRA of every contender (alpha 2r)
 PEFT = {"bfloat16": "transformers+bnb+peft", "float32": "transformers+bnb+peft-fp32"}  # by compute dtype
-
-
-def ensure_checkpoint(preset: str) -> Path:
-    """The benchmark model, generated once (bf16 safetensors, seed 0) into the moe-qlora cache."""
-    from moe_qlora.model.model_path import cache_dir
-    from moe_qlora.model.tiny import build_byte_tokenizer
-
-    path = cache_dir() / f"bench-{preset}"
-    if (path / "config.json").exists():
-        return path
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(build_config(PRESETS[preset]), dtype=torch.bfloat16)
-    model.save_pretrained(path)
-    build_byte_tokenizer().save_pretrained(path)
-    return path
 
 
 def setup_moe_qlora(path, dtype, double_quant, device="cpu"):

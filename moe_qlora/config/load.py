@@ -107,7 +107,10 @@ def _where(path: tuple, source: str, text: str | None, sets: dict[tuple, str]) -
     if given:
         return f"--set {sets[max(given, key=len)]}"
     line = _yaml_line(text, path)
-    return f"{source}:{line}" if line else source
+    where = f"{source}:{line}" if line else source
+    # A check of a whole section (several keys together): the --set values inside it are part of the story.
+    within = [pair for k, pair in sets.items() if k[: len(path)] == tuple(map(str, path)) and len(k) > len(path)]
+    return where + "".join(f" with --set {pair}" for pair in within)
 
 
 def _describe(err: dict, source: str, text: str | None, sets: dict[tuple, str]) -> str:
@@ -124,6 +127,8 @@ def _describe(err: dict, source: str, text: str | None, sets: dict[tuple, str]) 
     if err["type"] == "missing":
         return f"{where}: missing required key {key!r}"
     got = err.get("input")
+    if isinstance(got, BaseModel | dict):  # a section's own check: the section's keys are the story, not its repr
+        return f"{where}: {key}: {err['msg']}"
     return f"{where}: {key}: {err['msg']} (got {got!r})" if path else f"{where}: {err['msg']}"
 
 

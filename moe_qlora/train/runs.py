@@ -170,7 +170,8 @@ class RunSummary:
             + (f"; {what} {self.final:.4f} at the end, best {self.best:.4f}" if self.final is not None else ""),
             highlight=False,
         )
-        console.print(f"adapter: {self.adapter}\nmetrics: {self.metrics}", highlight=False)
+        # soft_wrap: a path or a command stays one line, whatever the terminal's width, so it copies whole
+        console.print(f"adapter: {self.adapter}\nmetrics: {self.metrics}", highlight=False, soft_wrap=True)
         console.print(
             "next:\n"
             f"  moe-qlora check-norms {self.adapter}      # are the LoRA factors healthy?\n"
@@ -178,6 +179,7 @@ class RunSummary:
             f"  moe-qlora export {self.adapter} --format gguf --out {self.adapter}.gguf      # llama.cpp\n"
             f'  or with PEFT: PeftModel.from_pretrained(base_model, "{self.adapter}") (see the README)',
             highlight=False,
+            soft_wrap=True,
         )
 
 

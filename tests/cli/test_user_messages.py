@@ -459,3 +459,32 @@ def test_plot_into_a_path_under_a_file_is_one_sentence(monkeypatch, capsys, tmp_
     err = " ".join(capsys.readouterr().err.split())
     assert exit_.value.code == 2 and "Traceback" not in err
     assert err == f"error: cannot write {tmp_path / 'taken' / 'p'}: {tmp_path / 'taken'} is a file, not a folder"
+
+
+def test_the_next_commands_stay_one_line_at_80_columns(tmp_path):
+    """At the end of a run, the suggested commands wrapped mid-command at 80 columns (issue 62): each is one line
+    now, however long the adapter's path, so it copies whole."""
+    from rich.console import Console
+
+    from moe_qlora.train.runs import RunSummary
+
+    adapter = tmp_path / "a-run-folder-with-a-long-descriptive-name-as-people-give-them" / "adapter"
+    summary = RunSummary("train", 210, 19.0, 48_000, 0.22, 0.19, adapter, adapter.parent / "metrics.jsonl")
+    console = Console(width=80, file=io.StringIO())
+    summary.print(console)
+    lines = console.file.getvalue().splitlines()
+    commands = [line for line in lines if line.lstrip().startswith("moe-qlora ")]
+    assert len(commands) == 3 and all(str(adapter) in line for line in commands), lines
+    assert f"adapter: {adapter}" in lines
+    assert max(len(line) for line in commands) > 80  # the control: these lines would not fit otherwise
+
+
+def test_a_sections_check_names_the_set_values_inside_it(tmp_path):
+    """A check of several keys together failed on --set values blamed the file's section alone (issue 62): the
+    --set values inside the section are named beside its line, and the section is not printed whole."""
+    path = config_file(tmp_path, "builtin:tiny-mixtral")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["dpo.loss_type=aot", "dpo.use_weighting=true"])
+    message = " ".join(str(info.value).split())
+    assert "with --set dpo.loss_type=aot with --set dpo.use_weighting=true: dpo:" in message, message
+    assert "sorts the pairs" in message and "DpoSection(" not in message

@@ -120,10 +120,12 @@ def test_resuming_with_another_config_is_refused_unless_asked(config, env, tmp_p
     said = " ".join(proc.stderr.split())
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert re.search(r"\(\d+(, \d+)*\) saved, \(\d+(, \d+)*\) now; lora\.rank changed\?", said), said
-    assert "start a new run" in said
+    assert "start a new run (another output.dir)" in said
     proc = run(config, tmp_path, env, "--resume-anyway", "--set", "train.lr=1e-3")  # the checkpoint left intact
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout
+    proc = run(config, tmp_path / "new-run", env, "--set", "lora.rank=8")  # the advice followed: it trains
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_a_failed_save_stops_the_run_and_leaves_the_previous_checkpoint(config, env, tmp_path):
