@@ -1,0 +1,81 @@
+"""The grouped MoE layer reads nothing back from the device, forward or backward (issue 58: zero host syncs in a
+layer step, so that the step can be captured as a CUDA graph), proved on the CPU.
+
+The op's own implementation (not only the glue torch.compile traces around it) runs on fake tensors:
+FakeTensorMode gives every tensor a shape and a dtype but no values, so any host read of a device value
+(.tolist(), .item(), a data-dependent shape, a bool of a tensor) raises. The path is grouped_mm in bf16, as on an
+H100 (torch._grouped_mm's meta function takes bf16 only), with nested NF4 scales and expert LoRA, through
+bitsandbytes' decode, the routing plan, the grouped GEMMs, the gate, the combine, and the backward's input,
+routing-weight and LoRA gradients. The control: the same layer under a decode budget (model.dequant_buffer_mb)
+decodes a chunk of experts at a time, which needs each chunk's row range on the host, and is caught.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+from moe_qlora.moe.grouped_layer import grouped_experts_backward_op, grouped_experts_op
+
+from helpers.oracle import quantized_with_lora
+
+HOST_READS = (DataDependentOutputException, GuardOnDataDependentSymNode)
+
+
+@pytest.fixture(scope="module")
+def experts(tiny_mixtral_dir):
+    return quantized_with_lora(tiny_mixtral_dir, "cpu", expert_double_quant=True).model.layers[0].mlp.experts
+
+
+def op_arguments(module, budget: int | None):
+    """grouped_experts_op's arguments for 12 tokens through `module`, in bf16, as moe_lora_experts_grouped builds
+    them (budget: grouped_mm's decode limit in bytes)."""
+    from moe_qlora.moe.experts import _frozen_experts
+    from moe_qlora.moe.grouped_layer import op_inputs
+    from moe_qlora.moe.reference_layer import MoEPlan
+    from moe_qlora.moe.routing import route
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 64, generator=g, dtype=torch.bfloat16)
+    top_k_index = torch.randint(0, 8, (12, 2), generator=g)
+    weights = torch.rand(12, 2, generator=g, dtype=torch.bfloat16)
+    lora = tuple(f.detach().bfloat16() for f in module.moe_lora.factors())
+    plan = MoEPlan(_frozen_experts(module), route(top_k_index, 8), module.moe_lora.scale)
+    return op_inputs(x, weights, lora, plan, "grouped_mm", budget, True)
+
+
+def on_fake_tensors(mode: FakeTensorMode, values):
+    if isinstance(values, torch.Tensor):
+        return mode.from_tensor(values)
+    if isinstance(values, list | tuple):
+        return type(values)(on_fake_tensors(mode, v) for v in values)
+    return values
+
+
+def forward_and_backward(module, budget: int | None = None):
+    """The op's forward then its backward, their implementations called on fake tensors."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    x, weights, lora, frozen, floats, ints, kernels, keep_h = on_fake_tensors(mode, op_arguments(module, budget))
+    with mode:
+        out, h, p1, p2 = grouped_experts_op._init_fn(x, weights, lora, frozen, floats, ints, kernels, keep_h)
+        grads = grouped_experts_backward_op._init_fn(
+            torch.ones_like(out), x, weights, [h, p1, p2], lora, frozen, floats, ints, kernels
+        )
+    return out, grads
+
+
+def test_a_layer_step_reads_nothing_back_from_the_device(experts):
+    out, grads = forward_and_backward(experts)
+    assert out.shape == (12, 64) and out.dtype == torch.bfloat16
+    grad_x, grad_w, *lora_grads = grads
+    assert grad_x.shape == (12, 64) and grad_w.shape == (12, 2)
+    assert [tuple(g.shape) for g in lora_grads] == [tuple(f.shape) for f in experts.moe_lora.factors()]
+
+
+def test_the_chunked_decode_reads_its_row_ranges_back_and_is_caught(experts):
+    """The control: one expert decoded at a time (a budget of one expert's bytes) needs the offsets on the host."""
+    one_expert = 256 * 64 * 2  # gate_up (2I, H) of one expert in bf16
+    with pytest.raises(HOST_READS):
+        forward_and_backward(experts, budget=one_expert)
