@@ -10,6 +10,7 @@ KL, masks, normalisers, the f-divergences, every loss type's formula, WPO's weig
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 from collections import defaultdict
 from types import SimpleNamespace
@@ -46,8 +47,9 @@ def _training_module() -> torch.nn.Module:
 
 
 def config(cls, **kwargs):
-    """A TRL config (GRPOConfig, DPOConfig) for one CPU process, its output folder a fresh temporary one."""
-    out = tempfile.mkdtemp(prefix="trl-oracle-")
+    """A TRL config (GRPOConfig, DPOConfig) for one CPU process. Its output folder is named, never written: no
+    trainer built here saves anything."""
+    out = os.path.join(tempfile.gettempdir(), "moe-qlora-trl-oracle")
     return cls(output_dir=out, report_to="none", use_cpu=True, bf16=False, **kwargs)
 
 
