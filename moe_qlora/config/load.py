@@ -226,6 +226,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
 # Keys that name files or folders: relative ones are relative to the config file (as in torchtune and
 # axolotl), or to the current directory for --set values.
 PATH_KEYS = (
+    ("model", "chat_template"),
     ("data", "train_files"),
     ("data", "eval_files"),
     ("output", "dir"),

@@ -30,6 +30,12 @@ class ModelSection(Section):
     expert_double_quant: bool = Field(True, description="quantize the experts' block scales too (~8% smaller, QLoRA)")
     linear_double_quant: bool = Field(True, description="double quantization for the 4-bit linears (as in QLoRA)")
     trust_remote_code: bool = Field(False, description="run model code shipped with the checkpoint")
+    chat_template: str | None = Field(
+        None,
+        description="a Jinja chat template file that replaces the tokenizer's own (TRL's chat_template_path, "
+        "axolotl's chat_template_jinja); the adapter folder keeps it as chat_template.jinja, and generate and "
+        "merge use it",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: the GPU when there is one, else the CPU")
     strict_quantization: bool = Field(True, description="fail if any expert stack stays in high precision")
     kernels: Literal[KERNEL_CHOICES] = Field(

@@ -53,6 +53,10 @@ def policy_sections_for(adapter_dir: Path, *, device: str, kernels: str) -> tupl
         "kernels": kernels,
         **trained_quantization(adapter_dir),
     }
+    from moe_qlora.model.build import CHAT_TEMPLATE_FILE
+
+    if (adapter_dir / CHAT_TEMPLATE_FILE).is_file():  # the run's model.chat_template
+        model["chat_template"] = str(adapter_dir / CHAT_TEMPLATE_FILE)
     lora = {
         "rank": config["r"],
         "alpha": config["lora_alpha"],

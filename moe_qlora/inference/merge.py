@@ -300,4 +300,14 @@ def merge_adapter(
         verify_against_adapter(adapter_dir, report)
         report.shards, report.bytes = writer.finish()
         copy_base_files(Path(model.name_or_path), tmp, DTYPES[dtype])
+        keep_chat_template(adapter_dir, tmp)
     return report
+
+
+def keep_chat_template(adapter_dir: Path, out: Path) -> None:
+    """The run's own chat template (model.chat_template, kept in the adapter folder) over the base's: transformers
+    reads chat_template.jinja before a template in tokenizer_config.json."""
+    from moe_qlora.model.build import CHAT_TEMPLATE_FILE
+
+    if (adapter_dir / CHAT_TEMPLATE_FILE).is_file():
+        shutil.copy2(adapter_dir / CHAT_TEMPLATE_FILE, out / CHAT_TEMPLATE_FILE)

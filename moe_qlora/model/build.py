@@ -8,6 +8,7 @@ run's entry, which first decides from the whole run config where the model goes 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -60,7 +61,23 @@ def load_tokenizer(model: ModelSection):
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=model.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if model.chat_template:
+        tokenizer.chat_template = read_chat_template(model.chat_template)
     return model_path, tokenizer
+
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # the name transformers saves and reads a tokenizer's template under
+
+
+def read_chat_template(path: str) -> str:
+    """model.chat_template's text: a Jinja file, refused in one sentence when it is missing, empty or not text."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"model.chat_template: {path} is not a readable Jinja template file ({exc})") from None
+    if not text.strip():
+        raise ConfigError(f"model.chat_template: {path} is empty")
+    return text
 
 
 def policy_device(model: ModelSection) -> str:

@@ -20,7 +20,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from moe_qlora.common.reporting import NoReporters, Reporters, read_jsonl
 from moe_qlora.config.methods import check_method
 from moe_qlora.config.sections import DataSection, RunConfig
-from moe_qlora.export.prompt_format import write_prompt_format
 from moe_qlora.model.build import load_policy
 from moe_qlora.model.distributed import any_rank, launched_world_size, raise_together, whole_trainable
 from moe_qlora.train.checkpoint import RunProgress, checkpoint_tensors, config_identity, save_checkpoint
@@ -37,6 +36,7 @@ from moe_qlora.train.runs import (
     launched,
     output_dir_locked,
     plain_progress_line,
+    record_rendering,
     save_verified_adapter,
     seed_everything,
     stop_if_asked,
@@ -218,7 +218,7 @@ class Recipe(ABC):
         with whole_trainable(self.model, self.ranks):
             if self.ranks.main:
                 write_adapter(self.model, self.out, self.cfg, self.model_path, self.console)
-                write_prompt_format(adapter_dir, self.prompt_data())
+                record_rendering(adapter_dir, self.prompt_data(), self.cfg.model, self.tokenizer)
         return adapter_dir
 
     def cleanup(self) -> None:
@@ -261,7 +261,7 @@ class Recipe(ABC):
         with whole_trainable(self.model, self.ranks):
             if self.ranks.main:
                 save_verified_adapter(self.model, self.out / "adapter-best", self.cfg, self.model_path)
-                write_prompt_format(self.out / "adapter-best", self.prompt_data())
+                record_rendering(self.out / "adapter-best", self.prompt_data(), self.cfg.model, self.tokenizer)
         return {"eval_best": True}
 
     # ------------------------------------------------------------------------- what methods define

@@ -24,10 +24,13 @@ import numpy as np
 import torch
 from rich.console import Console
 
+from moe_qlora.common.fileio import atomic_write_text
 from moe_qlora.common.lock import LOCK_NAME, LockUnsupported, RunLock
-from moe_qlora.config.sections import ConfigError, RunConfig
+from moe_qlora.config.sections import ConfigError, DataSection, ModelSection, RunConfig
 from moe_qlora.export.adapter import save_adapter, verify_adapter
+from moe_qlora.export.prompt_format import write_prompt_format
 from moe_qlora.export.writers import WRITERS
+from moe_qlora.model.build import CHAT_TEMPLATE_FILE
 from moe_qlora.model.distributed import SINGLE, Ranks, any_rank, join, leave, raise_together
 from moe_qlora.model.model_path import resolve_model_path
 from moe_qlora.train.checkpoint import RunProgress, checkpoint_dirs
@@ -254,6 +257,14 @@ def save_verified_adapter(model, adapter_dir: Path, cfg: RunConfig, model_path: 
     (raises AdapterVerificationError if not; the adapter stays written either way). Returns the tensor count."""
     save_adapter(model, adapter_dir, cfg=cfg.lora, base_model_name_or_path=model_path)
     return verify_adapter(model, adapter_dir)
+
+
+def record_rendering(adapter_dir: Path, data: DataSection, model_cfg: ModelSection, tokenizer) -> None:
+    """How the run rendered its prompts, beside its adapter: the prompt format (moe_qlora.json) and, with
+    model.chat_template, the template itself (chat_template.jinja), which generate and merge then use."""
+    write_prompt_format(adapter_dir, data)
+    if model_cfg.chat_template:
+        atomic_write_text(adapter_dir / CHAT_TEMPLATE_FILE, tokenizer.chat_template)
 
 
 def write_adapter(model, out: Path, cfg: RunConfig, model_path: str, console: Console) -> Path:
