@@ -88,6 +88,25 @@ class LoraSection(Section):
         "auto", description="nn.Linear names that get PEFT LoRA; auto: the family's defaults (attention, shared MLPs)"
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _peft_variants(cls, data):
+        """PEFT's LoRA variants, refused by name with what to do (else they would read as unknown keys)."""
+        if not isinstance(data, dict):
+            return data
+        if data.get("use_rslora"):
+            raise ValueError(
+                "use_rslora: rsLoRA scales by alpha / sqrt(rank), and moe-qlora's expert and linear LoRA by "
+                "alpha / rank, the scale every export writes; for rsLoRA's, set lora.alpha to alpha x sqrt(rank) "
+                "(rank 16, alpha 16: lora.alpha 64), which is the same model"
+            )
+        if data.get("use_dora"):
+            raise ValueError(
+                "use_dora: DoRA is not supported: the experts' LoRA has no magnitude vector, and DoRA on the "
+                "linears alone would leave most of the model's LoRA plain; drop the key"
+            )
+        return {k: v for k, v in data.items() if k not in ("use_rslora", "use_dora")}
+
     @model_validator(mode="after")
     def _something_to_train(self):
         if not self.experts and not self.target_modules:

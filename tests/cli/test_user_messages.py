@@ -488,3 +488,15 @@ def test_a_sections_check_names_the_set_values_inside_it(tmp_path):
     message = " ".join(str(info.value).split())
     assert "with --set dpo.loss_type=aot with --set dpo.use_weighting=true: dpo:" in message, message
     assert "sorts the pairs" in message and "DpoSection(" not in message
+
+
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [("use_rslora", r"set lora\.alpha to alpha x sqrt\(rank\)"), ("use_dora", "DoRA is not supported")],
+)
+def test_peft_lora_variants_are_refused_by_name_with_what_to_do(tmp_path, key, message):
+    """rsLoRA and DoRA (PEFT's) are named, not reported as unknown keys; false is accepted and means nothing."""
+    path = config_file(tmp_path, "builtin:tiny-mixtral")
+    with pytest.raises(ConfigError, match=message):
+        load_config(path, [f"lora.{key}=true"])
+    assert load_config(path, [f"lora.{key}=false"]).lora.rank == 8
