@@ -2,6 +2,7 @@
 generation with the KV cache agrees with the training forward, the reference policy is the base model,
 offline scored completions train the same way, and user errors are named."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -20,6 +21,7 @@ from moe_qlora.data.examples import collate
 from moe_qlora.model.adapters import adapters_disabled, attach_adapters
 from moe_qlora.model.loading import LoadOptions, load_model
 from moe_qlora.model.tiny import build_byte_tokenizer
+from moe_qlora.moe.experts import generation_kernels
 from moe_qlora.train.grpo import grpo, rollout_examples
 from moe_qlora.train.losses import completion_logprobs
 from moe_qlora.train.rollout import PromptRow, completion_end, sample_rollouts
@@ -101,9 +103,11 @@ def test_demo_reward_rises_from_the_cli(tmp_path):
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
 
 
-def test_generation_with_the_kv_cache_matches_the_training_forward(policy):
-    """The log-probs generate() computes step by step (KV cache, MoE layer in inference mode) equal the
-    teacher-forced log-probs of the same tokens in one forward, within fp32 accumulation-order noise (1e-4)."""
+@pytest.mark.parametrize("fast", [False, True], ids=["plain", "generation-path"])
+def test_generation_with_the_kv_cache_matches_the_training_forward(policy, fast):
+    """The log-probs generate() computes step by step (KV cache, MoE layer in inference mode, and with the
+    rollout's generation path: experts.generation_kernels) equal the teacher-forced log-probs of the same tokens
+    in one forward, within fp32 accumulation-order noise (1e-4)."""
     prompts = [
         PromptRow("p:1", TOK("Add: 2+3\n")["input_ids"], "Add: 2+3\n"),
         PromptRow("p:2", TOK("Reverse: stone, please\n")["input_ids"], "Reverse: stone, please\n"),
@@ -116,7 +120,7 @@ def test_generation_with_the_kv_cache_matches_the_training_forward(policy):
     ids, mask = left_pad([p.ids for p in prompts], TOK.pad_token_id)
     gen = generation_config(cfg, TOK)
     gen.return_dict_in_generate, gen.output_logits = True, True
-    with torch.inference_mode():
+    with torch.inference_mode(), generation_kernels(policy) if fast else contextlib.nullcontext():
         out = policy.generate(input_ids=ids, attention_mask=mask, generation_config=gen)
     steps = torch.stack(out.logits, dim=1).log_softmax(-1)  # (B, new, V)
     new = out.sequences[:, ids.shape[1] :]
