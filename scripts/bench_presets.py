@@ -25,21 +25,10 @@ PRESETS = {
         kv_heads=4,
         head_dim=128,
     ),
-    # GPU rollouts (issue 59): four layers of Qwen3-30B-A3B at full width, with its vocabulary (the head is a
-    # decode step's largest single matmul)
-    "qwen3-30b-a3b-4l": dict(
-        arch="qwen3_moe",
-        hidden=2048,
-        layers=4,
-        experts=128,
-        top_k=8,
-        inter=768,
-        vocab=151936,
-        heads=32,
-        kv_heads=4,
-        head_dim=128,
-    ),
 }
+# GPU rollouts (issue 59): four layers of Qwen3-30B-A3B at full width, with its vocabulary (the head is a decode
+# step's largest single matmul)
+PRESETS["qwen3-30b-a3b-4l"] = {**PRESETS["qwen3-30b-a3b"], "layers": 4, "vocab": 151936}
 
 
 def build_config(p):
