@@ -155,7 +155,7 @@ def max_relative_difference(got: list, expected: list) -> float:
 
 def measure(layer, x, idx, weights, seed, repeats):
     """(best wall seconds, best GPU seconds by CUDA events or None, peak MiB above what was allocated before
-    the step) of forward + backward.
+    the step, every timed run's GPU seconds) of forward + backward.
 
     Peak: CUDA's allocator peak, or on the CPU the resident-set watermark (VmHWM, restarted before each step
     after freed heap pages are returned), both minus the memory held before the step: the step's
@@ -188,7 +188,7 @@ def measure(layer, x, idx, weights, seed, repeats):
             times.append(seconds)
             gpu_times.append(start.elapsed_time(end) / 1e3 if cuda else None)
             peaks.append(peak - before)
-    return min(times), (min(gpu_times) if cuda else None), max(peaks)
+    return min(times), (min(gpu_times) if cuda else None), max(peaks), (gpu_times if cuda else [])
 
 
 def stored_mib(layer) -> float:
@@ -243,9 +243,19 @@ CONTENDERS = [
 ]
 
 
-def bench_shape(shape_name, dims, token_counts, *, device, dtype, rank, repeats):
-    """Every contender at every token count for one layer shape; each layer is built (and quantized, on the
-    device) once and reused across token counts. Returns (rows, rooflines)."""
+def path_taken(kernels: str, rows: int, num_experts: int) -> str:
+    """The path a layer call of `rows` rows takes with `kernels` as a default run sets it (auto: by rows per
+    expert against model.fused_below_rows); the self-check may still send it elsewhere (self_check_fallbacks)."""
+    from moe_qlora.config.sections import ModelSection
+    from moe_qlora.moe.kernel_rule import call_path
+
+    return call_path(kernels, rows, num_experts, ModelSection.model_fields["fused_below_rows"].default)
+
+
+def bench_shape(shape_name, dims, token_counts, *, device, dtype, rank, repeats, only=None, deadline=None):
+    """Every contender (or those named in `only`) at every token count for one layer shape; each layer is built
+    (and quantized, on the device) once and reused across token counts. A token count reached after `deadline`
+    (time.monotonic()) is not measured: its rows say so. Returns (rows, rooflines)."""
     import copy
 
     from moe_qlora.moe.experts import kernel_self_check
@@ -257,7 +267,20 @@ def bench_shape(shape_name, dims, token_counts, *, device, dtype, rank, repeats)
     peft_reference = copy.deepcopy(peft_layer).float()
     experts_config(peft_reference)._experts_implementation = "eager"
     rows, rooflines = [], {}
+    contenders = [c for c in CONTENDERS if only is None or c[0] in only]
     for tokens in token_counts:
+        if deadline is not None and time.monotonic() > deadline:
+            rows += [
+                {
+                    "shape": shape_name,
+                    "tokens": tokens,
+                    "rank": rank,
+                    "contender": name,
+                    "skipped": "not measured: out of time",
+                }
+                for name, _, _ in contenders
+            ]
+            continue
         g = torch.Generator().manual_seed(1)
         x = torch.randn(tokens, hidden, generator=g).to(device, dtype)
         logits = torch.randn(tokens, num_experts, generator=g)
@@ -280,8 +303,9 @@ def bench_shape(shape_name, dims, token_counts, *, device, dtype, rank, repeats)
             "ours": step(ours_layer, x.float(), idx, weights.float(), seed),
             "peft": step(peft_reference, x.float(), idx, weights.float(), seed),
         }
-        for name, owner, kind in CONTENDERS:
-            row = {"shape": shape_name, "hidden": hidden, "intermediate": inter, "tokens": tokens, "contender": name}
+        for name, owner, kind in contenders:
+            row = {"shape": shape_name, "hidden": hidden, "intermediate": inter, "tokens": tokens, "rank": rank}
+            row["contender"] = name
             if kind in ("triton", "auto") and owner == "ours" and not cuda:
                 rows.append(row | {"skipped": "needs CUDA"})
                 continue
@@ -293,7 +317,7 @@ def bench_shape(shape_name, dims, token_counts, *, device, dtype, rank, repeats)
                 experts_config(layer)._experts_implementation = kind
             try:
                 error = max_relative_difference(step(layer, x, idx, weights, seed), expected[owner])
-                seconds, gpu_seconds, peak = measure(layer, x, idx, weights, seed, repeats)
+                seconds, gpu_seconds, peak, gpu_all = measure(layer, x, idx, weights, seed, repeats)
             except Exception as exc:  # a contender that cannot run this case says why, the others go on
                 rows.append(row | {"skipped": f"{type(exc).__name__}: {exc}"[:200]})
                 continue
@@ -308,6 +332,8 @@ def bench_shape(shape_name, dims, token_counts, *, device, dtype, rank, repeats)
                 | {
                     "seconds": seconds,
                     "gpu_seconds": gpu_seconds,
+                    "gpu_seconds_all": gpu_all,
+                    "path": path_taken(kind, tokens * top_k, num_experts) if owner == "ours" else kind,
                     "step_peak_mib": peak,
                     "stored_mib": stored_mib(layer),
                     "bytes": nbytes,

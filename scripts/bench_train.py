@@ -37,9 +37,19 @@ sys.path.insert(0, str(ROOT / "scripts"))  # bench_presets, step_roofline
 
 from bench_presets import PRESETS, ensure_checkpoint  # noqa: E402
 
-CONTENDERS = ["moe-qlora", "moe-qlora-bf16", "transformers+bnb+peft", "transformers+bnb+peft-fp32", "experts4bit-qlora"]
-# run by default where installed (pip install experts4bit-qlora): another fused-experts QLoRA trainer, bf16 only
-OPTIONAL = {"experts4bit-qlora": "experts4bit_qlora"}
+CONTENDERS = [
+    "moe-qlora",
+    "moe-qlora-bf16",
+    "transformers+bnb+peft",
+    "transformers+bnb+peft-fp32",
+    "experts4bit-qlora",
+    "unsloth",
+]
+# run by default where installed: experts4bit-qlora (pip install experts4bit-qlora grouped-nf4-gemm), another
+# fused-experts QLoRA trainer, bf16 only; Unsloth (CUDA only)
+OPTIONAL = {"experts4bit-qlora": "experts4bit_qlora", "unsloth": "unsloth"}
+GPU_ONLY = ("unsloth",)
+CPU_ONLY = ("moe-qlora-bf16", "transformers+bnb+peft-fp32")  # on a GPU every contender computes in bf16
 LORA_RANK = 8  # expert LoRA of every contender (alpha 2r)
 PEFT = {"bfloat16": "transformers+bnb+peft", "float32": "transformers+bnb+peft-fp32"}  # by compute dtype
 
@@ -69,6 +79,42 @@ def setup_moe_qlora(path, dtype, double_quant, device="cpu"):
 
 
 def setup_experts4bit(path, dtype, double_quant, device="cpu"):
+    """experts4bit-qlora: on a GPU its documented fast path (recipe.prepare_qlora_training: experts streamed into
+    NF4, grouped-nf4-gemm's fused grouped kernel with its dgrad kernel, attention projections in NF4, expert LoRA
+    only as the others here); on the CPU the same without the CUDA-only kernel, below."""
+    if device != "cpu":
+        from experts4bit_qlora.recipe import QLoRASetup, prepare_qlora_training
+
+        setup = QLoRASetup(r=LORA_RANK, alpha=2 * LORA_RANK, train_attention=False, attn_4bit=True)
+        return prepare_qlora_training(str(path), setup, device=device).model
+    return setup_experts4bit_cpu(path, dtype, double_quant)
+
+
+def setup_unsloth(path, dtype, double_quant, device="cuda"):
+    """Unsloth's documented QLoRA path (FastLanguageModel in 4-bit, LoRA on the experts' fused gate_up and down
+    projections, its own gradient checkpointing). `unsloth` is imported first, as its documentation asks: it
+    patches transformers at import."""
+    if device == "cpu":
+        raise ValueError("Unsloth trains on CUDA only")
+    from unsloth import FastLanguageModel
+
+    model, _ = FastLanguageModel.from_pretrained(
+        str(path), max_seq_length=MAX_SEQ, dtype=dtype, load_in_4bit=True, local_files_only=True
+    )
+    return FastLanguageModel.get_peft_model(
+        model,
+        r=LORA_RANK,
+        lora_alpha=2 * LORA_RANK,
+        target_modules=["gate_up_proj", "down_proj"],
+        use_gradient_checkpointing="unsloth",
+        random_state=0,
+    )
+
+
+MAX_SEQ = 16384  # the longest sequence a contender is set up for (Unsloth's max_seq_length)
+
+
+def setup_experts4bit_cpu(path, dtype, double_quant, device="cpu"):
     """experts4bit-qlora's documented path without its CUDA-only grouped kernel: experts streamed into NF4 under
     its ExpertsLoRA (bf16 factors), attention projections in bitsandbytes 4-bit, non-reentrant checkpointing.
     It trains in bf16 only; its experts' double quantization is its own default."""
@@ -172,31 +218,46 @@ def profiled_step(model, batch, loss_chunk: int, optimizer_s: float, vocab: int)
     return {k: round(v, 3) for k, v in sorted(split.items(), key=lambda kv: -kv[1])}
 
 
+SETUPS = {
+    "moe-qlora": setup_moe_qlora,
+    "moe-qlora-bf16": setup_moe_qlora,
+    "transformers+bnb+peft": setup_peft,
+    "transformers+bnb+peft-fp32": setup_peft,
+    "experts4bit-qlora": setup_experts4bit,
+    "unsloth": setup_unsloth,
+}
+
+
 class Contender:
-    """One contender loaded in this process: its model, AdamW and batch (seed 0). step() runs and times one
-    training step (forward + backward + AdamW, then what the trainer does after every step)."""
+    """One contender loaded in this process: its model, AdamW and batch (seed 0) of `seq` tokens. step() runs and
+    times one training step (forward + backward + AdamW, then what the trainer does after every step);
+    use_seq() moves to another sequence length with the model loaded once."""
 
     def __init__(self, name: str, preset: str, seq: int, double_quant: bool, loss_chunk: int, device: str):
         torch.set_num_threads(int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1)))
-        path = ensure_checkpoint(preset)
+        path = ensure_checkpoint(preset, device)
         t0 = time.perf_counter()
         bf16 = device != "cpu" or name in ("moe-qlora-bf16", "transformers+bnb+peft", "experts4bit-qlora")
-        self.name, self.seq, self.loss_chunk, self.device = name, seq, loss_chunk, device
+        self.name, self.preset, self.loss_chunk, self.device = name, preset, loss_chunk, device
         self.dtype = torch.bfloat16 if bf16 else torch.float32
-        setup = setup_peft if name.startswith("transformers+bnb+peft") else setup_moe_qlora
-        setup = setup_experts4bit if name == "experts4bit-qlora" else setup
-        self.model = setup(path, self.dtype, double_quant, device)
+        self.model = SETUPS[name](path, self.dtype, double_quant, device)
         self.load_s = time.perf_counter() - t0
         self.load_peaks = device_peaks(device)
-        if device != "cpu":  # the steps' own peak from here (loading's is reported apart)
-            torch.cuda.reset_peak_memory_stats()
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=1e-4)
-        ids = torch.randint(10, PRESETS[preset]["vocab"], (1, seq), generator=torch.Generator().manual_seed(0))
-        ids = ids.to(device)
-        self.batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+        self.use_seq(seq)
+
+    def use_seq(self, seq: int) -> None:
+        """A fresh batch of `seq` tokens (seed 0), the step records cleared, the device's peak restarted (the
+        steps' own peak from here: loading's is reported apart)."""
+        ids = torch.randint(10, PRESETS[self.preset]["vocab"], (1, seq), generator=torch.Generator().manual_seed(0))
+        ids = ids.to(self.device)
+        self.seq, self.batch = seq, {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
         self.losses, self.opt_times = [], []
+        if self.device != "cpu":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
 
     def step(self) -> float:
         from moe_qlora.common.memory import release_freed_memory
@@ -231,6 +292,7 @@ class Contender:
         return {
             **where,
             "contender": self.name,
+            "seq": self.seq,
             "compute_dtype": str(self.dtype).removeprefix("torch."),
             "load_s": round(self.load_s, 2),
             "step_s": round(step_s, 3),
@@ -246,12 +308,21 @@ class Contender:
         }
 
 
-def worker(name: str, args) -> dict:
-    """Runs in the subprocess, alone (GPU, or --sequential): load, then time `steps` training steps after one
-    warm-up step."""
-    c = Contender(name, args.preset, args.seq, not args.single_quant, args.loss_chunk, args.device)
-    times = [c.step() for _ in range(args.steps + 1)][1:]
-    return c.result(times, profile=args.roofline)
+def worker(name: str, args) -> list[dict]:
+    """Runs in the subprocess, alone (GPU, or --sequential): load once, then at each of args.seqs time `steps`
+    training steps after one warm-up step. A length that runs out of device memory says so, and the next
+    one still runs."""
+    c = Contender(name, args.preset, args.seqs[0], not args.single_quant, args.loss_chunk, args.device)
+    results = []
+    for seq in args.seqs:
+        try:
+            c.use_seq(seq)
+            times = [c.step() for _ in range(args.steps + 1)][1:]
+            results.append(c.result(times, profile=args.roofline))
+        except torch.OutOfMemoryError as exc:
+            c.opt.zero_grad(set_to_none=True)
+            results.append({"contender": name, "seq": seq, "error": f"out of memory: {str(exc).splitlines()[0]}"})
+    return results
 
 
 REPLY = "@bench_train "  # starts every line of the turn protocol on a --serve worker's stdout (other lines: not)
@@ -378,7 +449,7 @@ def run_packing(args) -> list[dict]:
 
 def worker_command(name: str, args, mode: str) -> list[str]:
     """The subprocess that runs contender `name`: mode `--worker` (alone) or `--serve` (in turns)."""
-    cmd = [sys.executable, __file__, mode, name, "--preset", args.preset, "--seq", str(args.seq)]
+    cmd = [sys.executable, __file__, mode, name, "--preset", args.preset, "--seq", *map(str, args.seqs)]
     cmd += ["--steps", str(args.steps), "--loss-chunk", str(args.loss_chunk), "--device", args.device]
     return cmd + (["--single-quant"] if args.single_quant else []) + (["--roofline"] if args.roofline else [])
 
@@ -388,10 +459,18 @@ def worker_command(name: str, args, mode: str) -> list[str]:
 WORKER_ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
 
 
-def run_contender(name, args) -> dict:
-    proc = subprocess.run(worker_command(name, args, "--worker"), env=WORKER_ENV, capture_output=True, text=True)
+def run_contender(name, args, timeout: float | None = None) -> list[dict]:
+    """Contender `name` alone in a subprocess: a result per sequence length, or one error naming what stopped
+    it (its last line of stderr; `timeout` seconds passed)."""
+    try:
+        proc = subprocess.run(
+            worker_command(name, args, "--worker"), env=WORKER_ENV, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return [{"contender": name, "error": f"not measured: still running after {timeout:.0f} s"}]
     if proc.returncode != 0:
-        return {"contender": name, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
+        why = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exited with {proc.returncode}"
+        return [{"contender": name, "error": why}]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -490,7 +569,7 @@ def add_paired_ratios(results: list[dict], rounds: list[dict[str, float]]) -> No
             r["paired_with"] = reference
 
 
-def planned_bytes(path: Path, args) -> int:
+def planned_bytes(path: Path, args, seq: int) -> int:
     """`moe-qlora plan`'s total for the step this script times: bf16, batch 1, expert LoRA r8 only, AdamW,
     checkpointing every layer."""
     from moe_qlora.config.load import load_config
@@ -503,7 +582,7 @@ def planned_bytes(path: Path, args) -> int:
         "model.expert_double_quant": not args.single_quant,
         "model.linear_double_quant": not args.single_quant,
         "lora.target_modules": "[]",
-        "data.max_seq_len": args.seq,
+        "data.max_seq_len": seq,
         "train.micro_batch_size": 1,
         "train.grad_accum": 1,
         "train.loss_chunk_tokens": args.loss_chunk,
@@ -512,10 +591,10 @@ def planned_bytes(path: Path, args) -> int:
     return plan_run(cfg, name_or_path=str(path), device=args.device).total
 
 
-def device_columns(r: dict, plan: int | None, device: str) -> tuple[str, ...]:
+def device_columns(r: dict, plans: dict[int, int], device: str) -> tuple[str, ...]:
     if device == "cpu":
         return ()
-    reserved = r["peak_reserved_mib"]
+    reserved, plan = r["peak_reserved_mib"], plans.get(r["seq"])
     ratio = f"{reserved * 2**20 / plan:.2f}" if plan else "-"
     return f"{r['tokens_per_s']:,.0f}", f"{reserved:,.0f}", ratio, f"{r['load_peak_reserved_mib']:,.0f}"
 
@@ -529,20 +608,21 @@ def paired_column(r: dict) -> str:
     return f"{r['paired_x']:.3f}{other}"
 
 
-def print_table(results, args, plan=None):
+def print_table(results, args, plans=None):
     from rich.console import Console
     from rich.table import Table
 
     p = PRESETS[args.preset]
     title = (
         f"{p['arch']}: {p['layers']} layers, {p['experts']} experts top-{p['top_k']}, hidden {p['hidden']}, "
-        f"expert intermediate {p['inter']}; seq {args.seq}, batch 1, expert LoRA r8, checkpointing"
+        f"expert intermediate {p['inter']}, vocab {p['vocab']}; batch 1, expert LoRA r8, checkpointing"
     )
     table = Table(title=title)
     device_cols = ("tokens/s", "step peak reserved MiB", "reserved / plan", "load peak reserved MiB")
     device_cols = device_cols if args.device != "cpu" else ()
     for col in (
         "contender",
+        "seq",
         "dtype",
         "step s",
         "min s",
@@ -557,18 +637,20 @@ def print_table(results, args, plan=None):
         table.add_column(col, justify="right")
     for r in results:
         if "error" in r:
-            table.add_row(r["contender"], "", "error: " + r["error"][:60], *[""] * (7 + len(device_cols)))
+            seq = str(r.get("seq", ""))
+            table.add_row(r["contender"], seq, "", "error: " + r["error"][:60], *[""] * (7 + len(device_cols)))
             continue
         pm = r["param_mib"]
         experts = pm.get("experts_nf4") or pm.get("experts_dense", 0)
         kind = "NF4" if pm.get("experts_nf4") else "dense"
         table.add_row(
             r["contender"],
+            str(r["seq"]),
             r["compute_dtype"],
             f"{r['step_s']:.3f}",
             f"{r['step_s_min']:.3f}",
             paired_column(r),
-            *device_columns(r, plan, args.device),
+            *device_columns(r, plans or {}, args.device),
             f"{r['peak_rss_mib']:.0f}",
             f"{experts:.1f} {kind}",
             f"{pm['linear_4bit']:.1f}",
@@ -616,10 +698,19 @@ def roofline(results: list[dict], args) -> dict:
     return limits
 
 
+def contenders_for(device: str, names: list[str]) -> list[str]:
+    """The contenders of `names` that run on `device`: on a GPU every contender computes in bf16 (the CPU's
+    second dtype is left out), Unsloth on a GPU only."""
+    leave_out = CPU_ONLY if device != "cpu" else GPU_ONLY
+    return [name for name in names if name not in leave_out]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="mixtral")
-    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument(
+        "--seq", type=int, nargs="+", default=[512], help="tokens a step; several on a GPU (each contender loads once)"
+    )
     ap.add_argument("--steps", type=int, default=3)
     installed = [c for c in CONTENDERS if c not in OPTIONAL or importlib.util.find_spec(OPTIONAL[c]) is not None]
     ap.add_argument("--only", nargs="*", choices=CONTENDERS, default=installed)
@@ -645,6 +736,11 @@ def main():
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     ap.add_argument("--packing-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.seqs, args.seq = args.seq, args.seq[0]
+    if len(args.seqs) > 1 and args.device == "cpu" and not (args.worker or args.sequential):
+        ap.error("several --seq lengths run each contender alone: on a GPU, or with --sequential")
+    if "unsloth" in (args.worker, args.serve):
+        import unsloth  # noqa: F401  (first: it patches transformers at import)
     if args.packing_worker:
         import logging
 
@@ -685,26 +781,25 @@ def main():
         else:
             print(json.dumps(worker(args.worker, args)))
         return
-    path = ensure_checkpoint(args.preset)
-    if args.device != "cpu":
-        # on a GPU "moe-qlora" and "transformers+bnb+peft" already compute in bf16; experts4bit-qlora's GPU path
-        # wants its own grouped-nf4-gemm kernel, which setup_experts4bit does not set up
-        cpu_only = ("moe-qlora-bf16", "transformers+bnb+peft-fp32", "experts4bit-qlora")
-        args.only = [name for name in args.only if name not in cpu_only]
+    path = ensure_checkpoint(args.preset, args.device)
+    args.only = contenders_for(args.device, args.only)
     in_turns = args.device == "cpu" and not args.sequential and len(args.only) > 1
-    results = run_in_turns(args.only, args) if in_turns else [run_contender(name, args) for name in args.only]
-    plan = planned_bytes(path, args) if args.device != "cpu" else None
-    print_table(results, args, plan)
+    if in_turns:
+        results = run_in_turns(args.only, args)
+    else:
+        results = [r for name in args.only for r in run_contender(name, args)]
+    plans = {seq: planned_bytes(path, args, seq) for seq in args.seqs} if args.device != "cpu" else {}
+    print_table(results, args, plans)
     limits = roofline(results, args) if args.roofline else {}
     payload = {
         "preset": args.preset,
         "config": PRESETS[args.preset],
-        "seq": args.seq,
+        "seq": args.seqs,
         "threads": os.cpu_count(),
         "double_quant": not args.single_quant,
         "loss_chunk": args.loss_chunk,
         "device": args.device,
-        "plan_mib": plan and round(plan / 2**20, 1),
+        "plan_mib": {seq: round(plan / 2**20, 1) for seq, plan in plans.items()},
         "torch": torch.__version__,
         "results": results,
         "roofline": limits,

@@ -20,14 +20,16 @@
 # measured 80 s with the checkpoint built); `bench-qwen3` and `bench-mixtral` 3 min each (6 contenders x 4 token
 # counts; Mixtral at 3 token counts measured: about 150 s); `profile` 1 min (scripts/profile_moe.py: measured
 # 30 s); `rollout` 4 min (scripts/bench_rollout.py: a GRPO step on four Qwen3-30B-A3B-wide layers, 8 prompts x 16
-# completions of 256 tokens, against transformers generate + bitsandbytes + PEFT; not measured yet). About 32
-# minutes in all: more than one session's device time (15 minutes), so a session runs the stages it needs most.
+# completions of 256 tokens, against transformers generate + bitsandbytes + PEFT; not measured yet); `perf` 7 min
+# (scripts/perf.py: issue 58's layer, training-step and plan figures in one JSON, within its 420 s budget; not
+# measured yet). About 39 minutes in all: more than one session's device time (15 minutes), so a session runs the
+# stages it needs most: `wheels`, `preflight` and `perf` first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 limit=${STAGE_TIMEOUT:-540}
 declare -A command estimate
-stages=(wheels preflight gpu-tests kernels kernels-parity checks offload train-bench rollout bench-qwen3 bench-mixtral profile)
+stages=(wheels preflight perf gpu-tests kernels kernels-parity checks offload train-bench rollout bench-qwen3 bench-mixtral profile)
 # CPU-only tests inside the kernel test files (AOT compiles in a subprocess, the launcher run with a stubbed JIT).
 cpu_only="not compiles_for and not mma_kind_is_what and not launchers_run_as_on_a_gpu and not autotuner_is_built"
 command[wheels]='if [ -d .whl ]; then '"$python"' -m pip install -q --no-index --no-deps --no-compile --upgrade --target .gpu-site .whl/*.whl; else echo "no .whl/: using the installed packages"; fi'
@@ -50,6 +52,8 @@ command[train-bench]="$python scripts/bench_train.py --device cuda --preset qwen
 estimate[train-bench]=2
 command[rollout]="$python scripts/bench_rollout.py --device cuda --preset qwen3-30b-a3b-4l --prompts 8 --group-size 16 --max-new-tokens 256 --steps 1 --json \$OUT/bench_rollout.json"
 estimate[rollout]=4
+command[perf]="$python scripts/perf.py --json \$OUT/perf.json"
+estimate[perf]=7
 command[profile]="$python scripts/profile_moe.py --json \$OUT/profile.json"
 estimate[profile]=1
 command[bench-qwen3]="$python scripts/bench_moe.py --full --shape qwen3-30b-a3b --json \$OUT/bench_qwen3.json"
@@ -71,6 +75,9 @@ run_stage() {
   [ -n "${command[$stage]:-}" ] || { echo "unknown stage: $stage (bash scripts/gpu_check.sh --stages)" >&2; return 2; }
   mkdir -p "$OUT"
   export PYTHONPATH="$PWD/.gpu-site:$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_INTERPRET=0 OUT
+  # the commit the figures are of: a lent machine gets the tree without .git, so the caller may pass it
+  MOE_QLORA_COMMIT=${MOE_QLORA_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+  export MOE_QLORA_COMMIT
   timeout "$limit" bash -c "${command[$stage]}" 2>&1 | tee "$OUT/$stage.log"
   local rc=${PIPESTATUS[0]} verdict=PASS
   [ "$rc" -eq 124 ] && verdict=TIMEOUT

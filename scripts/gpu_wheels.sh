@@ -7,7 +7,11 @@
 #     bash scripts/gpu_check.sh wheels "$OUT" && bash scripts/gpu_check.sh preflight "$OUT"   # then the others
 # bitsandbytes' wheel (43 MB) is repacked without the libraries no CUDA 12.6+ torch loads (CUDA 11.8-12.4, ROCm,
 # XPU): 20 MB; bitsandbytes picks its library by torch.version.cuda, and torch 2.9+ is built for 12.6 and later.
-# Versions are the ones CI tests with (pyproject's test pins, and what the CPU install resolves today).
+# Versions are the ones CI tests with (pyproject's test pins, and what the CPU install resolves today), and
+# experts4bit-qlora with its grouped-nf4-gemm kernel, a contender of scripts/perf.py (1.1 MB, no other needs).
+# Unsloth is not carried: its wheel alone is 28.6 MB (26.0 of them its studio's web assets), it pins
+# transformers <= 5.17, trl <= 1.15 and datasets < 5 against the 5.24, 1.16 and 5.2 tested here, and it requires
+# xformers, torchao, diffusers and cut_cross_entropy, which the image lacks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dest=.whl
@@ -20,6 +24,7 @@ wheels=(
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
   datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
   pytest-xdist==3.8.0 execnet==2.1.2
+  experts4bit-qlora==0.58.1 grouped-nf4-gemm==0.51.0
 )
 platforms=()
 for tag in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_24_x86_64 manylinux_2_27_x86_64 \
