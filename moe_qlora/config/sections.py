@@ -69,11 +69,11 @@ class ModelSection(Section):
         "computing and the next arriving; 1: no prefetch)",
     )
     dequant_buffer_mb: float | None = Field(
-        256,
+        2048,
         gt=0,
-        description="grouped_mm: decode at most this much of an expert stack at once (chunks of experts "
-        "above it; one host sync per chunked projection; Qwen3-30B-A3B's gate_up stack is 768 MiB in bf16); "
-        "null: no limit",
+        description="grouped_mm: decode at most this much of an expert stack at once (above it, windows of "
+        "columns of every expert, each window's GEMM over all rows again; Qwen3-30B-A3B's gate_up stack is "
+        "768 MiB in bf16, Mixtral-8x7B's 1,792 MiB: whole at the default); null: no limit",
     )
 
 

@@ -26,7 +26,7 @@ from moe_qlora.model.loading import linears_not_quantized
 from moe_qlora.model.published import chosen_expert_format
 from moe_qlora.moe.expert_stacks import expert_dims, is_experts_module
 from moe_qlora.moe.kernel_rule import call_path, resolve_auto
-from moe_qlora.moe.kernels.grouped_mm import dequant_budget_bytes, experts_per_chunk
+from moe_qlora.moe.kernels.grouped_mm import decode_peak_bytes, dequant_budget_bytes, experts_per_chunk
 from moe_qlora.moe.kernels.tiles import autotune_requested
 from moe_qlora.moe.layouts import adopt_dense_input_experts, adopt_split_gate_up_experts, quantized_stack_names
 from moe_qlora.moe.mxfp4 import BLOCKSIZE as MXFP4_BLOCKSIZE
@@ -238,18 +238,31 @@ def planned_kernels(
 def dequant_buffer_bytes(
     model: nn.Module, cfg: RunConfig, *, device: str, capability: tuple[int, int] = DEFAULT_GPU_CAPABILITY
 ) -> int:
-    """grouped_mm's decoded expert stack, alive during one projection: the largest stack in the compute dtype,
-    or model.dequant_buffer_mb when smaller (decoded a chunk of experts at a time). Counted when the layer runs
-    grouped_mm for a training micro-batch (planned_kernels: the GPU of `capability`)."""
+    """grouped_mm's decode of an expert stack, alive during one projection (grouped_mm.decode_peak_bytes): the
+    largest stack whole in the compute dtype, or above model.dequant_buffer_mb a window of its columns with what
+    the window needs; MXFP4 stacks a chunk of experts at a time. Counted when the layer runs grouped_mm for a
+    training micro-batch (planned_kernels: the GPU of `capability`)."""
     moe = [m for m in model.modules() if is_experts_module(m)]
     if not moe or planned_kernels(model, cfg, device=device, capability=capability) != "grouped_mm":
         return 0
     m = cfg.model
     experts, hidden, inter = expert_dims(moe[0])
     d = DTYPE_BYTES[resolve_compute_dtype(m.compute_dtype, device)]
+    budget = dequant_budget_bytes(m.dequant_buffer_mb)
     gated = 2 if getattr(moe[0], "has_gate", True) else 1
-    expert_bytes = gated * inter * hidden * d
-    return experts_per_chunk(experts, expert_bytes, dequant_budget_bytes(m.dequant_buffer_mb)) * expert_bytes
+    if experts_in_mxfp4(model, cfg):
+        expert_bytes = gated * inter * hidden * d
+        return experts_per_chunk(experts, expert_bytes, budget) * expert_bytes
+    rows = micro_batch_tokens(cfg) * (getattr(model.config, "num_experts_per_tok", 0) or 1)
+    stored = [(experts, gated * inter, hidden), (experts, hidden, inter)]  # gate_up, down as (E, out, in)
+    if getattr(moe[0], "is_transposed", False):
+        stored = [(e, cols, out) for e, out, cols in stored]
+    forward = not getattr(moe[0], "is_transposed", False)  # the forward reads W^T of an (E, out, in) stack
+    return max(
+        decode_peak_bytes(shape, transpose, BLOCKSIZE, d, budget, rows)
+        for shape in stored
+        for transpose in (forward, not forward)
+    )
 
 
 AUTOTUNE_FLUSH_BYTES = 256 * 2**20  # triton.testing.do_bench clears the L2 with this buffer between timings

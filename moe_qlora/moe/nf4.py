@@ -106,6 +106,48 @@ class NF4Stack:
         """Experts first..end-1 as (end - first, O, I) in `dtype` (bitsandbytes' decode: dequantize_experts)."""
         return dequantize_experts(self, first, end, dtype)
 
+    def decode_rows(self, first: int, end: int, dtype: torch.dtype, scales: torch.Tensor | None = None):
+        """Stored rows first..end-1 of every expert: (E, end - first, I) in `dtype`. Their codes must fill whole
+        quant blocks (first * I and end * I multiples of the blocksize: window_granule). scales: the stack's
+        fp32 block scales (experts_absmax(0, E)) when already decoded, so that windows share one decode."""
+        experts, rows, cols = self.shape
+        lo, hi = first * cols, end * cols
+        if lo % self.blocksize or hi % self.blocksize:
+            raise ValueError(f"rows {first}..{end} of {cols} codes do not start and end on quant blocks")
+        codes = self.packed.view(experts, rows * cols // 2)[:, lo // 2 : hi // 2]
+        blocks = self._scales(scales).view(experts, -1)[:, lo // self.blocksize : hi // self.blocksize]
+        return _decode_blocks(codes, blocks, self.blocksize, dtype).view(experts, end - first, cols)
+
+    def decode_columns(self, first: int, end: int, dtype: torch.dtype, scales: torch.Tensor | None = None):
+        """Stored columns first..end-1 of every expert: (E, O, end - first) in `dtype`; each row's run of them is
+        whole quant blocks (the row length, first and end multiples of the blocksize). scales as decode_rows'."""
+        experts, rows, cols = self.shape
+        b = self.blocksize
+        if cols % b or first % b or end % b:
+            raise ValueError(f"columns {first}..{end} of rows of {cols} codes are not whole quant blocks of {b}")
+        codes = self.packed.view(experts, rows, cols // 2)[:, :, first // 2 : end // 2]
+        blocks = self._scales(scales).view(experts, rows, cols // b)[:, :, first // b : end // b]
+        return _decode_blocks(codes, blocks, b, dtype).view(experts, rows, end - first)
+
+    def _scales(self, scales: torch.Tensor | None) -> torch.Tensor:
+        return scales if scales is not None else self.experts_absmax(0, self.num_experts)
+
+
+def _decode_blocks(codes: torch.Tensor, scales: torch.Tensor, blocksize: int, dtype: torch.dtype) -> torch.Tensor:
+    """bitsandbytes' decode of whole blocks gathered from a stack (a window of it): codes (..., n/2) uint8 and
+    their block scales (..., n/blocksize) fp32 in the same order, flat in `dtype`. The gathered codes are a
+    quarter of the decoded window's bytes in bf16."""
+    codes, scales = codes.contiguous().view(-1), scales.contiguous().view(-1)
+    state = bnbF.QuantState(
+        absmax=scales,
+        shape=decode_shape(codes.numel() * 2, blocksize),
+        code=_nf4_code(str(codes.device)),
+        blocksize=blocksize,
+        quant_type="nf4",
+        dtype=dtype,
+    )
+    return bnbF.dequantize_4bit(codes, state).view(-1)
+
 
 def check_quantizable(shape: tuple[int, ...]) -> None:
     """Raise unless every expert of a (E, O, I) stack fills whole NF4 blocks."""

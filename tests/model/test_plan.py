@@ -119,9 +119,16 @@ def test_optimizer_in_backward_plans_one_layers_gradients():
 @pytest.mark.parametrize(
     "settings,expected_mib",
     [
-        # Qwen3-30B-A3B gate_up: 128 experts x 1536 x 2048 bf16 = 768 MiB; 256 MiB budget -> 42 experts (252 MiB)
-        ([], 128 * 1536 * 2048 * 2 * 42 // 128 / 2**20),
+        # Qwen3-30B-A3B gate_up: 128 experts x 1536 x 2048 bf16 = 768 MiB, whole under the default 2048 MiB
+        ([], 768.0),
         (["model.dequant_buffer_mb=null"], 768.0),  # no budget: the whole largest stack
+        # 256 MiB: windows; the largest is down's forward, 1360 of its 2048 output columns (a 192 KiB column of
+        # 128 x 768 bf16 weights, 1365 fit, rounded down to 16 bytes): the window, its codes (half a byte each)
+        # and fp32 scales (one per 64), down's fp32 scales (24 MiB / 2), and the window's output for 2048 x 8 rows
+        (
+            ["model.dequant_buffer_mb=256"],
+            (128 * 768 * 1360 * (2 + 0.5 + 4 / 64) + 128 * 2048 * 768 * 4 / 64 + 16384 * 1360 * 2) / 2**20,
+        ),
         (["model.kernels=triton"], None),  # the fused kernel decodes in registers: no buffer
         (["data.max_seq_len=128"], None),  # auto: 128 x 8 / 128 = 8 rows per expert < 16 -> triton
         (["model.compute_dtype=float32"], None),  # auto in fp32: torch has no fused grouped_mm -> triton

@@ -6,8 +6,9 @@ FakeTensorMode gives every tensor a shape and a dtype but no values, so any host
 (.tolist(), .item(), a data-dependent shape, a bool of a tensor) raises. The path is grouped_mm in bf16, as on an
 H100 (torch._grouped_mm's meta function takes bf16 only), with nested NF4 scales and expert LoRA, through
 bitsandbytes' decode, the routing plan, the grouped GEMMs, the gate, the combine, and the backward's input,
-routing-weight and LoRA gradients. The control: the same layer under a decode budget (model.dequant_buffer_mb)
-decodes a chunk of experts at a time, which needs each chunk's row range on the host, and is caught.
+routing-weight and LoRA gradients, with the stacks decoded whole or (under model.dequant_buffer_mb) a window of
+columns at a time. The control: decoding a chunk of experts at a time, which needs each chunk's row range on the
+host, is caught.
 """
 
 from __future__ import annotations
@@ -74,8 +75,21 @@ def test_a_layer_step_reads_nothing_back_from_the_device(experts):
     assert [tuple(g.shape) for g in lora_grads] == [tuple(f.shape) for f in experts.moe_lora.factors()]
 
 
-def test_the_chunked_decode_reads_its_row_ranges_back_and_is_caught(experts):
-    """The control: one expert decoded at a time (a budget of one expert's bytes) needs the offsets on the host."""
-    one_expert = 256 * 64 * 2  # gate_up (2I, H) of one expert in bf16
+ONE_EXPERT = 256 * 64 * 2  # gate_up (2I, H) of one expert in bf16
+
+
+def test_a_stack_decoded_in_windows_under_a_budget_reads_nothing_back(experts):
+    """Under model.dequant_buffer_mb (here one expert's bytes) the stacks are decoded a window of columns at a time,
+    each window's GEMM over all rows: nothing read back either."""
+    out, grads = forward_and_backward(experts, budget=ONE_EXPERT)
+    assert out.shape == (12, 64) and grads[0].shape == (12, 64)
+
+
+def test_the_decode_by_chunks_of_experts_reads_its_row_ranges_back_and_is_caught(experts, monkeypatch):
+    """The control: the same budget with no window possible (an MXFP4 stack, a row that is not whole blocks; forced
+    here) decodes a chunk of experts at a time, which needs the offsets on the host."""
+    from moe_qlora.moe.kernels import grouped_mm
+
+    monkeypatch.setattr(grouped_mm, "window_columns", lambda weight, itemsize, budget: None)
     with pytest.raises(HOST_READS):
-        forward_and_backward(experts, budget=one_expert)
+        forward_and_backward(experts, budget=ONE_EXPERT)

@@ -11,6 +11,7 @@ from moe_qlora.model.loading import LoadOptions, load_model
 from moe_qlora.model.model_path import ensure_tiny
 from moe_qlora.moe.experts import _frozen_experts, deferred_lora_gradients, set_moe_kernels
 from moe_qlora.moe.layer_state import layer_state
+from moe_qlora.moe.nf4 import NF4Stack
 
 from helpers.oracle import assert_all_close, quantized_with_lora, run_experts_pair
 
@@ -170,17 +171,29 @@ def test_bf16_layer_stays_close_to_the_fp32_reference(quantized, kernels, dev):
     assert worst_error(outputs_and_grads(kernels, torch.bfloat16, torch.ones_like(weights)), ref) > bound
 
 
+@pytest.mark.parametrize("decode", ["windows", "experts"])
 @pytest.mark.parametrize("case", ["ragged", "empty_experts"])
-def test_grouped_mm_decoding_chunks_of_experts_matches_eager(quantized, case):
-    """Above model.dequant_buffer_mb the stack is decoded a chunk of experts at a time (here 3 of 8 experts,
-    chunks 0-2, 3-5, 6-7, some empty): the same oracle and tolerance as the unchunked layer."""
+def test_grouped_mm_decoding_part_of_a_stack_at_a_time_matches_eager(quantized, case, decode, monkeypatch):
+    """Above model.dequant_buffer_mb (here 3.5 experts' fp32 bytes) a stack is decoded in parts: windows of output
+    columns of every expert (the forward's gate_up in windows of 112, 112 and 32 of its 256 columns, down's 56 and 8
+    of 64, the input gradient through down in 2 x 64), or, where no window falls on quant blocks (forced here),
+    chunks of experts (3 of 8: 0-2, 3-5, 6-7, some empty). The same oracle and tolerance as the whole layer."""
     from moe_qlora.moe.kernels import grouped_mm
+    from moe_qlora.moe.kernels.ops import GroupedWeight
 
     module = quantized.model.layers[0].mlp.experts
     per_expert = module.gate_up_proj.quant_state.shape[1:].numel() * 4  # fp32 bytes of one decoded expert
+    if decode == "experts":
+        monkeypatch.setattr(grouped_mm, "window_columns", lambda weight, itemsize, budget: None)
     try:
         set_moe_kernels(quantized, "grouped_mm", dequant_buffer_mb=3.5 * per_expert / 2**20)
-        assert grouped_mm.experts_per_chunk(8, per_expert, layer_state(module).dequant_budget) == 3
+        budget = layer_state(module).dequant_budget
+        assert grouped_mm.experts_per_chunk(8, per_expert, budget) == 3
+        if decode == "windows":
+            gate_up = GroupedWeight.quantized(NF4Stack.from_param(module.gate_up_proj), transpose=True)
+            down = GroupedWeight.quantized(NF4Stack.from_param(module.down_proj), transpose=True)
+            assert grouped_mm.window_columns(gate_up, 4, budget) == 112
+            assert grouped_mm.window_columns(down, 4, budget) == 56
         kind, tokens, k = CASES[case]
         idx, weights = routing_case(kind, tokens, 8, k)
         x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(5)).to(module.gate_up_proj.device)

@@ -46,6 +46,34 @@ def test_per_expert_decode_equals_bitsandbytes_whole_stack(shape, double_quant):
 
 
 @pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize(
+    ("shape", "rows", "columns"),
+    [
+        ((3, 64, 32), [(0, 2), (10, 64)], []),  # 32 codes a row: row windows of even rows; no column window
+        ((5, 48, 128), [(7, 8), (0, 48)], [(64, 128), (0, 64)]),  # 2 blocks a row
+        ((4, 96, 192), [(1, 95)], [(0, 192), (64, 128)]),  # 3 blocks a row; 288 blocks an expert straddle 256
+    ],
+)
+def test_a_window_of_rows_or_columns_decodes_to_the_same_bits_as_the_whole_stack(shape, rows, columns, double_quant):
+    """grouped_mm's windows (every expert's stored rows first..end, or columns): bitsandbytes' decode of the gathered
+    blocks with the scales decoded once, bit for bit the whole stack's decode sliced. Controls: a window whose edge
+    cuts a block is refused, and scales taken one block off give other values."""
+    torch.manual_seed(0)
+    stack = NF4Stack.from_param(quantize_stack(torch.randn(shape) * 0.05, double_quant=double_quant))
+    whole = dequantize_stack(stack, torch.bfloat16)
+    scales = stack.experts_absmax(0, shape[0])
+    for first, end in rows:
+        assert torch.equal(stack.decode_rows(first, end, torch.bfloat16, scales), whole[:, first:end])
+    for first, end in columns:
+        assert torch.equal(stack.decode_columns(first, end, torch.bfloat16), whole[:, :, first:end])
+    with pytest.raises(ValueError, match="quant blocks"):
+        stack.decode_columns(32, 64, torch.bfloat16) if shape[2] % 64 == 0 else stack.decode_rows(0, 1, torch.bfloat16)
+    first, end = rows[0]
+    shifted = torch.roll(scales, 1)
+    assert not torch.equal(stack.decode_rows(first, end, torch.bfloat16, shifted), whole[:, first:end])
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
 def test_a_decode_past_bitsandbytes_int_limit_is_split_into_calls_of_whole_experts(double_quant, monkeypatch):
     """bitsandbytes counts elements in a C int: a larger decode runs as several calls (here the limit is cut to
     2.5 experts, so 7 experts take 4 calls of 2, 2, 2, 1) and gives the same bits as one call."""

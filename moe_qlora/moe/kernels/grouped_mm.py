@@ -1,11 +1,13 @@
 """The dequantize + grouped GEMM backend (`model.kernels: grouped_mm`): the same three primitives as ops.py
 (grouped_matmul, grouped_matmul_silu_mul, grouped_outer_product) on torch._grouped_mm.
 
-Each NF4 projection is decoded whole (all experts, or a chunk of experts above `model.dequant_buffer_mb`,
-the `budget` argument) into a compute-dtype tensor, then one grouped GEMM runs every expert's rows: CUTLASS
-on sm_90, a loop on the CPU. Offsets stay on the device, so nothing here waits on the host except the
-chunked mode (one sync per projection call, to slice rows; used only when a layer's decoded stack exceeds
-the budget). LoRA is never merged into the decoded weights: its thin products are grouped GEMMs of their own.
+Each NF4 projection is decoded whole into a compute-dtype tensor, then one grouped GEMM runs every expert's rows:
+CUTLASS on sm_90, a loop on the CPU. Above `model.dequant_buffer_mb` (the `budget` argument) the stack is decoded a
+window of output columns at a time, every expert's, and each window's GEMM runs all rows: the row ranges stay on the
+device, so nothing here waits on the host. Only a stack whose windows cannot fall on quant blocks (an MXFP4 one, a
+row length that is not whole blocks) is decoded a chunk of experts at a time, which needs each chunk's row range on
+the host: one sync per projection call. LoRA is never merged into the decoded weights: its thin products are
+grouped GEMMs of their own.
 
 torch._grouped_mm's contract: mat_a (S, K) x mat_b (E, K, N) with offs (E,) int32 cumulative row ends
 -> (S, N); or mat_a (M, S) x mat_b (S, N) -> (E, M, N), the sum over each group's rows (ragged K: OUT_PROD_ID).
@@ -15,10 +17,13 @@ are zero-padded, which is exact.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from moe_qlora.moe.kernels.ops import GroupedWeight, LowRank, silu_mul
+from moe_qlora.moe.nf4 import MAX_DECODE_ELEMENTS, NF4Stack
 
 ALIGN_BYTES = 16
 
@@ -102,14 +107,91 @@ def experts_per_chunk(num_experts: int, expert_bytes: int, budget: int | None) -
     return max(1, min(num_experts, budget // expert_bytes))
 
 
+def window_granule(shape: tuple[int, int, int], transpose: bool, blocksize: int) -> int | None:
+    """The output columns of W_e (N) a decode window of a stored (E, R, C) NF4 stack is a multiple of, so that it is
+    whole quant blocks of every expert; None when no window is (a stored row that is not whole blocks read along N).
+    Forward (transposed): N is the stored rows, and g rows of C codes fill whole blocks when g C is a multiple
+    of the blocksize. Input gradient: N is the stored columns, each row's run of them whole blocks."""
+    cols = shape[2]
+    if transpose:
+        return blocksize // math.gcd(cols, blocksize)
+    return blocksize if cols % blocksize == 0 else None
+
+
+def window_width(shape: tuple[int, int, int], transpose: bool, blocksize: int, itemsize: int, budget: int):
+    """Columns of W_e decoded at once under `budget` bytes (a multiple of window_granule and of 16 bytes, at least
+    one such step, at most bitsandbytes' element count per call), or None when the stack cannot be windowed."""
+    granule = window_granule(shape, transpose, blocksize)
+    if granule is None:
+        return None
+    granule = math.lcm(granule, ALIGN_BYTES // itemsize)  # whole 16-byte rows: no padding copy in gmm_rows
+    column = shape[0] * (shape[2] if transpose else shape[1])  # one output column's elements over every expert
+    fits = min(budget // (column * itemsize), MAX_DECODE_ELEMENTS // column)
+    return max(granule, fits // granule * granule)
+
+
+def window_columns(weight: GroupedWeight, itemsize: int, budget: int) -> int | None:
+    """window_width of `weight`; None for dense and MXFP4 weights (decoded a chunk of experts at a time)."""
+    if not isinstance(weight.quant, NF4Stack):
+        return None
+    return window_width(weight.shape, weight.transpose, weight.quant.blocksize, itemsize, budget)
+
+
+def decode_peak_bytes(shape, transpose: bool, blocksize: int, itemsize: int, budget: int | None, rows: int) -> int:
+    """The most bytes one projection of `rows` rows through a stored (E, R, C) NF4 stack holds for its decode: the
+    whole decoded stack within `budget`; above it a window with its gathered codes and fp32 scales, the stack's
+    fp32 scales decoded once, and the window's GEMM output before it is copied into place (what the plan
+    counts as dequant_buffer)."""
+    experts, stored_rows, cols = shape
+    numel = experts * stored_rows * cols
+    width = (
+        window_width(shape, transpose, blocksize, itemsize, budget) if budget and numel * itemsize > budget else None
+    )
+    if width is None:
+        return numel * itemsize
+    window = numel // (stored_rows if transpose else cols) * width
+    gathered = window // 2 + window // blocksize * 4
+    return window * itemsize + gathered + numel // blocksize * 4 + rows * width * itemsize
+
+
 def _project(rows: torch.Tensor, weight: GroupedWeight, offsets: torch.Tensor, budget: int | None) -> torch.Tensor:
-    """rows (S, K) sorted by expert -> (S, N) through each row's expert weight; an NF4 stack is decoded a chunk
-    of experts at a time when it exceeds `budget` bytes in the rows' dtype."""
+    """rows (S, K) sorted by expert -> (S, N) through each row's expert weight; an NF4 stack of more than
+    `budget` bytes in the rows' dtype is decoded a window of columns at a time (_project_by_windows), or when it
+    cannot be, a chunk of experts at a time (_project_by_experts)."""
+    num_experts = weight.shape[0]
+    decoded = num_experts * weight.k * weight.n * rows.element_size()
+    if weight.quant is None or not budget or decoded <= budget:
+        return gmm_rows(rows, _dense_experts(weight, 0, num_experts, rows.dtype), _ends(offsets))
+    width = window_columns(weight, rows.element_size(), budget)
+    if width is not None:
+        return _project_by_windows(rows, weight, offsets, width)
+    return _project_by_experts(rows, weight, offsets, budget)
+
+
+def _project_by_windows(rows, weight: GroupedWeight, offsets: torch.Tensor, width: int) -> torch.Tensor:
+    """_project with W decoded `width` output columns at a time for every expert: one grouped GEMM of all rows
+    per window, written into its columns of the output. The block scales are decoded once for every window;
+    the windows' number comes from the shapes alone, so nothing waits on the host."""
+    stack: NF4Stack = weight.quant
+    scales = stack.experts_absmax(0, stack.num_experts)
+    out = rows.new_empty(rows.shape[0], weight.n)
+    ends = _ends(offsets)
+    for first in range(0, weight.n, width):
+        end = min(first + width, weight.n)
+        if weight.transpose:  # W_e = stored^T: its columns are the stored rows
+            window = stack.decode_rows(first, end, rows.dtype, scales).transpose(1, 2)
+        else:
+            window = stack.decode_columns(first, end, rows.dtype, scales)
+        out[:, first:end] = gmm_rows(rows, window, ends)
+    return out
+
+
+def _project_by_experts(rows, weight: GroupedWeight, offsets: torch.Tensor, budget: int) -> torch.Tensor:
+    """_project with W decoded a chunk of experts at a time (a stack no window fits): each chunk's rows are a
+    data-dependent range, read on the host."""
     num_experts = weight.shape[0]
     expert_bytes = weight.shape[1] * weight.shape[2] * rows.element_size()
-    chunk = experts_per_chunk(num_experts, expert_bytes, budget if weight.quant is not None else None)
-    if chunk >= num_experts:
-        return gmm_rows(rows, _dense_experts(weight, 0, num_experts, rows.dtype), _ends(offsets))
+    chunk = experts_per_chunk(num_experts, expert_bytes, budget)
     host = offsets.tolist()  # the chunked mode's one sync: each chunk owns a data-dependent row range
     out = rows.new_empty(rows.shape[0], weight.n)
     for lo in range(0, num_experts, chunk):
