@@ -89,6 +89,12 @@ class NF4Stack:
         if self.nested is None:
             return self.absmax[lo:hi].float()
         absmax2, code2, offset = self.nested
+        if lo % NESTED_BLOCKSIZE == 0:
+            # A range starting on a group of 256 blocks (the whole stack, a window's): bitsandbytes' blockwise decode,
+            # one kernel reading a byte a block, the same fp32 code2[q] * absmax2[i // 256] as below.
+            groups = absmax2[lo // NESTED_BLOCKSIZE : -(-hi // NESTED_BLOCKSIZE)]
+            state2 = bnbF.QuantState(absmax=groups, code=code2, blocksize=NESTED_BLOCKSIZE, dtype=torch.float32)
+            return bnbF.dequantize_blockwise(self.absmax[lo:hi], state2) + offset
         # Block i of the flat stack is scaled by absmax2[i // 256]; slices need not align with 256.
         nested_idx = torch.arange(lo, hi, device=self.absmax.device) // NESTED_BLOCKSIZE
         return code2[self.absmax[lo:hi].long()] * absmax2[nested_idx] + offset

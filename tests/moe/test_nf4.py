@@ -73,6 +73,23 @@ def test_a_window_of_rows_or_columns_decodes_to_the_same_bits_as_the_whole_stack
     assert not torch.equal(stack.decode_rows(first, end, torch.bfloat16, shifted), whole[:, first:end])
 
 
+def test_nested_block_scales_of_any_range_are_their_definition():
+    """Block i's scale is code2[q_i] * absmax2[i // 256] + offset (bitsandbytes' double quantization), whether the
+    range starts on a group of 256 blocks (bitsandbytes' blockwise kernel decodes it) or not (gathered in torch).
+    7 experts of 288 blocks: expert ranges straddle groups. Control: the groups read one off."""
+    torch.manual_seed(0)
+    stack = NF4Stack.from_param(quantize_stack(torch.randn(7, 96, 192) * 0.05, double_quant=True))
+    absmax2, code2, offset = stack.nested
+    i = torch.arange(stack.absmax.numel())
+    defined = code2[stack.absmax.long()] * absmax2[i // 256] + offset
+    per_expert = 96 * 192 // 64
+    for first, end in [(0, 7), (0, 1), (1, 3), (6, 7)]:  # (0, *): aligned; the others start mid-group
+        got = stack.experts_absmax(first, end)
+        assert torch.equal(got, defined[first * per_expert : end * per_expert])
+    shifted = code2[stack.absmax.long()] * absmax2[(i // 256 + 1).clamp(max=absmax2.numel() - 1)] + offset
+    assert not torch.equal(stack.experts_absmax(0, 7), shifted)
+
+
 @pytest.mark.parametrize("double_quant", [False, True])
 def test_a_decode_past_bitsandbytes_int_limit_is_split_into_calls_of_whole_experts(double_quant, monkeypatch):
     """bitsandbytes counts elements in a C int: a larger decode runs as several calls (here the limit is cut to
