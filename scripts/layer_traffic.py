@@ -4,14 +4,14 @@ the operations a GPU would launch, the bytes each reads and writes, and whether 
     python scripts/layer_traffic.py                                  # Qwen3-30B-A3B and Mixtral-8x7B, 512..16k tokens
     python scripts/layer_traffic.py --shape qwen3-30b-a3b --tokens 4096 --ops   # every operation, largest first
 
-The layer runs its real code (the registered op's forward and backward, the grouped_mm path in bf16 with nested NF4
-scales, expert LoRA rank 8 and the default decode budget) on fake tensors: shapes and dtypes, no values, so a
-16k-token Mixtral layer is counted in a second and any host read (.tolist(), .item(), a data-dependent shape)
-raises. Each operation that is not a view or an allocation is one launch; its bytes are its inputs' and outputs'
-(an upper bound on its HBM traffic: an index_select counts its whole source). Their sum over the H100's bandwidth
-(3.35 TB/s) is what the layer's memory traffic costs at best, set beside the roofline bench_moe.py prints (the bytes
-the layer must read and the FLOPs it must do). Not counted: what a kernel does inside (a GEMM's re-reads of its
-operands from L2), and the Triton path, whose kernels do not run on fake tensors.
+The layer runs its real code (the routing plan, the registered op's forward and backward, the grouped_mm path in
+bf16 with nested NF4 scales, expert LoRA rank 8 and the default decode budget) on fake tensors: shapes and dtypes,
+no values, so a 16k-token Mixtral layer is counted in a second and any host read (.tolist(), .item(), a shape that
+depends on values) raises. Each operation that is not a view or an allocation is one launch; its bytes are its
+inputs' and outputs' (an upper bound on its HBM traffic: an index_select counts its whole source). Their sum over
+the H100's bandwidth (3.35 TB/s) is what the layer's memory traffic costs at best, set beside the roofline
+bench_moe.py prints (the bytes the layer must read and the FLOPs it must do). Not counted: what a kernel does inside
+(a GEMM's re-reads of its operands from L2), and the Triton path, whose kernels do not run on fake tensors.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ NO_LAUNCH = {
 # A launch's kind, by the first name fragment it holds (the table's rows).
 KINDS = [
     ("decode", ("dequantize", "bitsandbytes")),
+    ("row steps (fused)", ("moe_qlora::",)),
     ("grouped GEMM", ("_grouped_mm",)),
     ("gather / scatter", ("index", "gather", "scatter", "take", "searchsorted", "sort", "argsort")),
     ("copy / cast / pad", ("copy", "_to_copy", "clone", "constant_pad", "cat", "stack", "contiguous")),
@@ -117,7 +118,9 @@ class CountingMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.__name__.split(".")[0]
-        launches = func.namespace == "bitsandbytes" or (func.namespace == "aten" and name.rstrip("_") not in NO_LAUNCH)
+        # bitsandbytes' kernels and this package's row steps (kernels/rows.py: one Triton kernel each on a GPU)
+        own = func.namespace in ("bitsandbytes", "moe_qlora")
+        launches = own or (func.namespace == "aten" and name.rstrip("_") not in NO_LAUNCH)
         if launches:
             key = f"{func.namespace}::{name}" + (f" at {_caller()}" if self.where else "")
             self.traffic.launches[key] += 1
@@ -148,10 +151,17 @@ def fake_stack(mode: FakeTensorMode, shape: tuple[int, int, int]):
 
 
 def layer_step_traffic(
-    shape: str, tokens: int, *, rank: int = 8, kernels: str = "grouped_mm", where: bool = False
+    shape: str,
+    tokens: int,
+    *,
+    rank: int = 8,
+    kernels: str = "grouped_mm",
+    where: bool = False,
+    budget_mb: float | None = None,
 ) -> Traffic:
     """The traffic of one forward + backward of the registered op at `shape` (bench_moe.SHAPES) and `tokens`,
-    with the default model.dequant_buffer_mb. Raises if any operation reads a value back to the host."""
+    with model.dequant_buffer_mb `budget_mb` (None: its default). Raises if any operation reads a value back to
+    the host."""
     from moe_qlora.config.sections import ModelSection
     from moe_qlora.moe.grouped_layer import grouped_experts_backward_op, grouped_experts_op, op_inputs
     from moe_qlora.moe.kernels.grouped_mm import dequant_budget_bytes
@@ -160,6 +170,7 @@ def layer_step_traffic(
     from moe_qlora.moe.routing import route
 
     hidden, inter, experts, top_k = SHAPES[shape]
+    default_budget_mb = ModelSection.model_fields["dequant_buffer_mb"].default
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     frozen = FrozenExperts(
         gate_up=fake_stack(mode, (experts, 2 * inter, hidden)),
@@ -169,7 +180,7 @@ def layer_step_traffic(
     )
     g = torch.Generator().manual_seed(0)
     top_k_index = torch.rand(tokens, experts, generator=g).topk(top_k, dim=-1).indices
-    budget = dequant_budget_bytes(ModelSection.model_fields["dequant_buffer_mb"].default)
+    budget = dequant_budget_bytes(budget_mb if budget_mb is not None else default_budget_mb)
     with mode:
         x = torch.empty(tokens, hidden, dtype=torch.bfloat16)
         weights = torch.empty(tokens, top_k, dtype=torch.bfloat16)
@@ -179,11 +190,10 @@ def layer_step_traffic(
             torch.empty(experts, rank, inter, dtype=torch.bfloat16),
             torch.empty(experts, hidden, rank, dtype=torch.bfloat16),
         ]
-        routing = route(mode.from_tensor(top_k_index), experts)
-    plan = MoEPlan(frozen, routing, 2.0)
     counting = CountingMode(where)
-    args = op_inputs(x, weights, lora, plan, kernels, budget, True)
-    with mode, counting:
+    with mode, counting:  # the routing plan counted too: the experts module builds it at every call
+        plan = MoEPlan(frozen, route(mode.from_tensor(top_k_index), experts), 2.0)
+        args = op_inputs(x, weights, lora, plan, kernels, budget, True)
         out, h, p1, p2 = grouped_experts_op._init_fn(*args)
         _, weights_, lora_, frozen_, floats, ints, kernels_, _ = args
         grouped_experts_backward_op._init_fn(

@@ -8,82 +8,45 @@ traces a whole MoE block without a graph break. Shape letters as in reference_la
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 
+from moe_qlora.moe.grouped_ops import (
+    GroupedOps,
+    grouped_ops,
+    matmul_apart,
+    offsets_for,
+    row_steps_by_triton,
+    rows_of_tokens,
+)
 from moe_qlora.moe.nf4 import NF4Stack
 from moe_qlora.moe.reference_layer import FrozenExperts, MoEPlan, gate_with_vjp, routing_weight_dot
 from moe_qlora.moe.routing import RoutedTokens
-
-
-@dataclass(frozen=True)
-class GroupedOps:
-    """grouped_matmul, grouped_matmul_silu_mul and grouped_outer_product with kernels.ops' contracts: the
-    Triton kernels, the dequantize + torch._grouped_mm backend, or the per-expert torch references.
-    host_offsets: the ops take the offsets as a host list (the references loop over experts in Python);
-    otherwise as the (E+1,) device tensor, so the layer never waits on the host."""
-
-    matmul: Callable
-    matmul_silu_mul: Callable
-    outer: Callable
-    host_offsets: bool = False
-    fused_gather: bool = False  # the matmuls read rows through `gather` at no extra cost (_rows_of_tokens)
-
-
-def grouped_ops(kind: str, dequant_budget: int | None = None) -> GroupedOps:
-    """The ops of backend `kind`; dequant_budget: grouped_mm's decoded-stack limit in bytes (None: none)."""
-    from moe_qlora.moe.kernels import ops
-
-    if kind == "triton":
-        return GroupedOps(ops.grouped_matmul, ops.grouped_matmul_silu_mul, ops.grouped_outer_product, fused_gather=True)
-    if kind == "grouped_mm":
-        from moe_qlora.moe.kernels import grouped_mm as gmm
-
-        return GroupedOps(
-            functools.partial(gmm.grouped_matmul, budget=dequant_budget),
-            functools.partial(gmm.grouped_matmul_silu_mul, budget=dequant_budget),
-            gmm.grouped_outer_product,
-        )
-    return GroupedOps(
-        ops.grouped_matmul_reference,
-        ops.grouped_matmul_silu_mul_reference,
-        ops.grouped_outer_product_reference,
-        host_offsets=True,
-    )
-
-
-def _offsets_for(ops: GroupedOps, rt: RoutedTokens):
-    return rt.offsets if ops.host_offsets else rt.offsets_device
-
-
-def _rows_of_tokens(ops: GroupedOps, t: torch.Tensor, token: torch.Tensor):
-    """(rows, gather) to pass to the ops for a (T, ·) per-token operand read by several grouped matmuls: the
-    Triton kernels gather inside the matmul (t, token); the others get the (S, ·) rows gathered once here
-    instead of once per matmul (rows, None)."""
-    return (t, token) if ops.fused_gather else (t.index_select(0, token), None)
 
 
 def grouped_forward(x, routing_weights, lora, plan: MoEPlan, ops: GroupedOps, *, keep_h: bool):
     """The grouped layer's forward: h = MUL_MAT_ID(x, W1) (+ LoRA), a = gate(h), y = MUL_MAT_ID(a, W2)
     (+ LoRA), out = sum_k w y. lora: (A1, B1, A2, B2) or four None. Returns (out (T, H), h (S, 2I) or None
     when not keep_h and the gate is fused, p1 and p2 (S, r) or None): what the backward needs."""
+    from moe_qlora.moe.kernels import rows
     from moe_qlora.moe.kernels.ops import GroupedWeight as GW
     from moe_qlora.moe.kernels.ops import LowRank
 
     gate_up_a, gate_up_b, down_a, down_b = lora
     ex, rt, c = plan.experts, plan.routing, plan.lora_scale
-    off, token, has_lora = _offsets_for(ops, rt), rt.token, gate_up_a is not None
-    xs, gather = _rows_of_tokens(ops, x, token)
+    off, token, has_lora = offsets_for(ops, rt), rt.token, gate_up_a is not None
+    by_triton = row_steps_by_triton(ops, x)
+    xs, gather = rows_of_tokens(ops, x, token)
     # Stored (E, out, in): x W^T reads W transposed; GPT-OSS stores (E, in, out) and reads it as is.
     w1 = GW.quantized(ex.gate_up, transpose=not ex.transposed)
     p1 = p2 = lora1 = lora2 = None
     if has_lora:  # x A1^T: (S, r); the up-projection c p1 B1^T is fused into the gate_up matmul
         p1 = ops.matmul(xs, GW.dense(gate_up_a, transpose=True), off, gather=gather)
         lora1 = LowRank(p1, GW.dense(gate_up_b, transpose=True), c)
-    if ex.gate_is_silu_mul:  # silu(gate) * up in the matmul's epilogue; h (S, 2I) kept for the backward
+    if ex.gate_is_silu_mul and ops.matmul_parts is not None:  # the gate's row step adds the LoRA term, keeps h
+        y1, low1, scale1 = matmul_apart(ops, xs, w1, off, gather=gather, bias=ex.gate_up_bias, lora=lora1)
+        a = rows.silu_mul(y1, low1, scale1, keep_h, by_triton)
+        h = y1 if keep_h else None
+    elif ex.gate_is_silu_mul:  # silu(gate) * up in the matmul's epilogue; h (S, 2I) kept for the backward
         h, a = ops.matmul_silu_mul(xs, w1, off, gather=gather, bias=ex.gate_up_bias, lora=lora1, keep_h=keep_h)
     else:
         h = ops.matmul(xs, w1, off, gather=gather, bias=ex.gate_up_bias, lora=lora1)  # (S, 2I)
@@ -92,8 +55,9 @@ def grouped_forward(x, routing_weights, lora, plan: MoEPlan, ops: GroupedOps, *,
         p2 = ops.matmul(a, GW.dense(down_a, transpose=True), off)
         lora2 = LowRank(p2, GW.dense(down_b, transpose=True), c)
     w2 = GW.quantized(ex.down, transpose=not ex.transposed)
-    y = ops.matmul(a, w2, off, bias=ex.down_bias, lora=lora2)  # (S, H)
-    out = rt.combine(y, routing_weights)  # sum over each token's K rows: a gather, no atomics
+    y, low2, scale2 = matmul_apart(ops, a, w2, off, bias=ex.down_bias, lora=lora2)  # (S, H)
+    # sum over each token's K rows (and the LoRA term left apart): a gather, no atomics
+    out = rows.combine(y, low2, scale2, rt.inverse, routing_weights, rt.top_k, by_triton)
     return out, h, p1, p2
 
 
@@ -102,39 +66,49 @@ def grouped_backward(grad_out, x, routing_weights, h, p1, p2, lora, plan: MoEPla
     without LoRA or when deferred to plan.deferred. The input gradient goes through the same grouped matmul
     over the transposed NF4 experts, the LoRA gradients by OUT_PROD_ID, and the routing-weight gradient is
     <a, J^T g> + <b2, g> (exact, no division by w; see MoELoRAFunction)."""
+    from moe_qlora.moe.kernels import rows
     from moe_qlora.moe.kernels.ops import GroupedWeight as GW
     from moe_qlora.moe.kernels.ops import LowRank
 
     a1, b1, a2, b2 = lora
     ex, rt, c = plan.experts, plan.routing, plan.lora_scale
-    off, token, has_lora = _offsets_for(ops, rt), rt.token, a1 is not None
+    off, token, has_lora = offsets_for(ops, rt), rt.token, a1 is not None
+    by_triton = row_steps_by_triton(ops, x)
     g = grad_out.to(x.dtype)
-    gs, gather = _rows_of_tokens(ops, g, token)
+    gs, gather = rows_of_tokens(ops, g, token)
     w = routing_weights.reshape(-1).index_select(0, rt.order).to(x.dtype)[:, None]  # (S, 1)
-    act, gate_vjp = gate_with_vjp(ex.gate, h, silu_mul=ex.gate_is_silu_mul)
     # The LoRA weight gradients (OUT_PROD_ID), run now or pushed to plan.deferred; `later` holds their
     # operands, filled as the backward produces them.
     later = {}
     # u = J^T g = g W2 + (c g B2) A2: the down projection's input gradient before the routing weight,
-    # (S, I), with the LoRA path fused into the transposed-experts matmul.
+    # (S, I), with the LoRA path fused into the transposed-experts matmul (or added by the gate's row step).
     lora2 = None
     if has_lora:
         q2 = c * ops.matmul(gs, GW.dense(b2, transpose=False), off, gather=gather)  # c g B2: (S, r)
         lora2 = LowRank(q2, GW.dense(a2, transpose=False))
-        later.update(q2w=q2 * w, act=act, g=g, p2w=p2 * w)
-    u = ops.matmul(gs, GW.quantized(ex.down, transpose=ex.transposed), off, gather=gather, lora=lora2)
-    dot = routing_weight_dot(act, u)
+        later.update(q2w=q2 * w, g=gs, g_gather=gather, p2w=p2 * w)  # g's rows as gathered for u
+    w_down = GW.quantized(ex.down, transpose=ex.transposed)
+    u, low_u, scale_u = matmul_apart(ops, gs, w_down, off, gather=gather, lora=lora2)
+    if ex.gate_is_silu_mul:  # act, <act, u> and the gate's vjp at u w in one row step
+        grad_h, act, dot = rows.silu_mul_backward(h, u, low_u, scale_u, w.view(-1), by_triton)
+    else:
+        u = u if low_u is None else u.add_(low_u, alpha=scale_u)
+        act, gate_vjp = gate_with_vjp(ex.gate, h)
+        dot = routing_weight_dot(act, u)
+        grad_h = gate_vjp(u * w)
+    later["act"] = act
     if ex.down_bias is not None:
         g_rows = gs if gather is None else g.index_select(0, token)
         dot += (g_rows.float() * ex.down_bias.float().index_select(0, rt.expert)).sum(-1)
-    grad_h = gate_vjp(u * w)
     lora1 = None
     if has_lora:
         dp1 = c * ops.matmul(grad_h, GW.dense(b1, transpose=False), off)  # (S, r)
         lora1 = LowRank(dp1, GW.dense(a1, transpose=False))
         later.update(x=x, dp1=dp1, grad_h=grad_h, p1=p1)
-    grad_rows = ops.matmul(grad_h, GW.quantized(ex.gate_up, transpose=ex.transposed), off, lora=lora1)  # (S, H)
-    grad_x = rt.combine(grad_rows.to(x.dtype))  # a token's K rows each send a gradient back to it
+    w_up = GW.quantized(ex.gate_up, transpose=ex.transposed)
+    grad_rows, low_x, scale_x = matmul_apart(ops, grad_h, w_up, off, lora=lora1)  # (S, H)
+    # a token's K rows each send a gradient back to it
+    grad_x = rows.combine(grad_rows.to(x.dtype), low_x, scale_x, rt.inverse, None, rt.top_k, by_triton)
     grad_w = dot.index_select(0, rt.inverse).view_as(routing_weights)  # sorted rows back to (T, K)
     grads = [None] * 4
     if has_lora:
@@ -170,12 +144,12 @@ class MoELoRAGroupedFunction(torch.autograd.Function):
 
 def _lora_weight_grads(ops: GroupedOps, t: dict, rt: RoutedTokens, c: float) -> list[torch.Tensor]:
     """dA1, dB1, dA2, dB2 (fp32) as per-expert outer products of the rows' operands `t`: OUT_PROD_ID."""
-    off, token = _offsets_for(ops, rt), rt.token
+    off, token = offsets_for(ops, rt), rt.token
     # dA1[e] = sum_s dp1_s (x) x_s; the gathered operand (x) must come first, so transpose after.
     d_a1 = ops.outer(t["x"], t["dp1"], off, gather=token).transpose(1, 2)
     d_b1 = c * ops.outer(t["grad_h"], t["p1"], off)  # dB1[e] = c sum_s dh_s (x) p1_s
     d_a2 = ops.outer(t["q2w"], t["act"], off)  # dA2[e] = sum_s (w c g B2)_s (x) a_s
-    d_b2 = c * ops.outer(t["g"], t["p2w"], off, gather=token)  # dB2[e] = c sum_s g_s (x) (w p2)_s
+    d_b2 = c * ops.outer(t["g"], t["p2w"], off, gather=t["g_gather"])  # dB2[e] = c sum_s g_s (x) (w p2)_s
     return [d_a1, d_b1, d_a2, d_b2]
 
 

@@ -673,6 +673,16 @@ def test_grouped_outer_product_compiles_for_ampere_and_hopper(compiled_variants,
     assert r["cubin_bytes"] > 1000 and r["tensor_core_mma"] == (dtype == "bf16")
 
 
+@pytest.mark.parametrize("arch", [80, 90], ids=["sm_80", "sm_90"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("step", ["silu_mul", "silu_mul_backward", "combine"])
+def test_the_row_steps_compile_for_ampere_and_hopper(compiled_variants, arch, dtype, step):
+    """The row steps (kernels/rows.py) at Qwen3-30B-A3B's shapes with their LoRA terms: element-wise and row
+    reductions, no tensor cores, a few bytes of shared memory at most (the backward's row sum)."""
+    r = compiled_variants[f"rows/{step}/{dtype}/sm_{arch}"]
+    assert r["cubin_bytes"] > 1000 and not r["tensor_core_mma"] and r["shared_bytes"] <= 1024
+
+
 def test_the_autotuner_keys_on_the_rows_per_expert_class(monkeypatch):
     """The autotuner times a config once per key; without the rows in it, the first token count of a tile class
     chose the config for every later one (a 2x-8x larger batch included). The key holds rows per expert rounded
@@ -710,7 +720,8 @@ import json, torch
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction
 from moe_qlora.moe.kernels import ops, tiles
-from moe_qlora.moe.grouped_layer import MoELoRAGroupedFunction, grouped_ops
+from moe_qlora.moe.grouped_layer import MoELoRAGroupedFunction
+from moe_qlora.moe.grouped_ops import grouped_ops
 from moe_qlora.moe.reference_layer import FrozenExperts, MoEPlan
 from moe_qlora.moe.nf4 import NF4Stack, quantize_stack
 from moe_qlora.moe.routing import route

@@ -21,7 +21,7 @@ import warnings
 # name: (launch, expert weights: "nf4", "nf4_nested" or "mxfp4"). The NF4 kernels with and without nested
 # (double-quantized) scales, gpt-oss's MXFP4 (e2m1 codes, e8m0 scales) in the forward and through the transposed
 # experts, the dense LoRA A projection, the fused silu(gate) * up epilogue, and the outer product of the LoRA
-# gradients.
+# gradients. The row steps between the GEMMs (kernels/rows.py) are compiled too, as "rows/<name>".
 VARIANTS = {
     "grouped_matmul/dense": ("lora_a_dense", "nf4_nested"),
     "grouped_matmul/nf4": ("down_nf4_nested", "nf4"),
@@ -52,8 +52,11 @@ def compile_all(archs: list[int]) -> list[dict]:
                 }
                 for weights in ("nf4", "nf4_nested", "mxfp4")
             }
-            for name, (launch_name, weights) in VARIANTS.items():
-                compiled = compile_as_jit(launches[weights][launch_name], arch)
+            named = [(name, launches[weights][launch]) for name, (launch, weights) in VARIANTS.items()]
+            row_shape = {k: SHAPE[k] for k in ("hidden", "inter", "tokens", "top_k")}
+            named += [(f"rows/{launch.name}", launch) for launch in capture_row_launches(**row_shape, dtype=dtype)]
+            for name, launch in named:
+                compiled = compile_as_jit(launch, arch)
                 results.append(
                     {
                         "variant": f"{name}/{dtype_name}/sm_{arch}",
@@ -217,6 +220,46 @@ def capture_launches(
     finally:
         for n, kernel in real.items():
             setattr(triton_kernels, n, kernel)
+    return recorded
+
+
+class _Recorder:
+    """Stands in for a jitted kernel: `kernel[grid](*args, **kwargs)` records the launch instead of running it."""
+
+    def __init__(self, name: str, kernel, recorded: list):
+        self.name, self.kernel, self.recorded = name, kernel, recorded
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.recorded.append(Launch(self.name, self.kernel, grid, args, kwargs))
+
+
+def capture_row_launches(*, hidden: int, inter: int, tokens: int, top_k: int, dtype=None) -> list[Launch]:
+    """The three row steps of one layer step (kernels/rows.py: the gate, its backward, the combine; each with its
+    LoRA term), recorded from the real launchers on CPU tensors of the real shapes."""
+    import torch
+
+    from moe_qlora.moe.kernels import row_kernels, rows
+
+    dtype = dtype or torch.bfloat16
+    n = tokens * top_k
+    y, u = torch.zeros(n, 2 * inter, dtype=dtype), torch.zeros(n, inter, dtype=dtype)
+    sorted_rows, weights = torch.zeros(n, hidden, dtype=dtype), torch.zeros(tokens, top_k, dtype=dtype)
+    names = {
+        "_silu_mul_kernel": "silu_mul",
+        "_silu_mul_backward_kernel": "silu_mul_backward",
+        "_combine_kernel": "combine",
+    }
+    recorded: list[Launch] = []
+    real = {name: getattr(row_kernels, name) for name in names}
+    try:
+        for name, kernel in real.items():
+            setattr(row_kernels, name, _Recorder(names[name], kernel, recorded))
+        rows.silu_mul(y, y.clone(), 2.0, True, True)
+        rows.silu_mul_backward(y, u, u.clone(), 2.0, torch.zeros(n, dtype=dtype), True)
+        rows.combine(sorted_rows, sorted_rows.clone(), 2.0, torch.arange(n), weights, top_k, True)
+    finally:
+        for name, kernel in real.items():
+            setattr(row_kernels, name, kernel)
     return recorded
 
 

@@ -21,6 +21,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from moe_qlora.moe.kernels.ops import GroupedWeight, LowRank, silu_mul
 from moe_qlora.moe.nf4 import MAX_DECODE_ELEMENTS, NF4Stack
@@ -71,13 +72,26 @@ def gmm_outer(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Ten
     a, b = _pad_to(a, 1, align).contiguous(), _pad_to(b, 1, align).contiguous()
     out = torch._grouped_mm(a.t(), b, offs=ends)  # a.t(): (M, S) column-major, the layout ragged K needs
     # An expert without rows must get exactly zero; on sm_100 this mode leaves such groups unwritten (garbage,
-    # possibly NaN: pytorch/pytorch#172439), so they are selected out (where, not a product, which keeps NaN).
-    empty = ends == torch.cat([ends.new_zeros(1), ends[:-1]])
-    return torch.where(empty[:, None, None], 0.0, out[:, :m, :n])
+    # possibly NaN: pytorch/pytorch#172439), so they are filled (masked_fill, not a product, which keeps NaN).
+    empty = _EMPTY_GROUPS.get(ends)
+    if empty is None:
+        empty = _EMPTY_GROUPS[ends] = ends == torch.cat([ends.new_zeros(1), ends[:-1]])
+    return out[:, :m, :n].masked_fill(empty[:, None, None], 0.0)
+
+
+# Per layer call, made once: the int32 row ends torch._grouped_mm takes, by the (E+1,) offsets they come from, and
+# which groups are empty, by those ends. Keyed by identity and held weakly: the routing plan keeps its offsets (and
+# so these) from the forward to the end of the backward, and a layer call's dozen GEMMs share them (each was a
+# launch of its own).
+_ENDS = WeakIdKeyDictionary()
+_EMPTY_GROUPS = WeakIdKeyDictionary()
 
 
 def _ends(offsets: torch.Tensor) -> torch.Tensor:
-    return offsets[1:].to(torch.int32)
+    ends = _ENDS.get(offsets)
+    if ends is None:
+        ends = _ENDS[offsets] = offsets[1:].to(torch.int32)
+    return ends
 
 
 def _expert_of_rows(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -215,16 +229,24 @@ def grouped_matmul(
 ):
     """Y (S, N) = x[gather] @ W_e + bias[e] + c P @ L_e per expert e's rows; ops.grouped_matmul_reference's
     contract with `offsets` an (E+1,) device tensor. budget: decoded-stack limit in bytes (None: none)."""
+    y, low = grouped_matmul_parts(x, weight, offsets, gather=gather, bias=bias, lora=lora, budget=budget)
+    return y if low is None else y.add_(low, alpha=lora.scale)
+
+
+def grouped_matmul_parts(
+    x, weight: GroupedWeight, offsets: torch.Tensor, *, gather=None, bias=None, lora=None, budget=None
+):
+    """grouped_matmul's two GEMM outputs apart: (x[gather] @ W_e + bias[e], P @ L_e or None), so that the row step
+    that reads Y next adds c times the second on its way (kernels/rows.py) instead of a pass of its own."""
     rows = x if gather is None else x.index_select(0, gather)
     y = _project(rows, weight, offsets, budget)
     if bias is not None:
         y += bias.to(y.dtype).index_select(0, _expert_of_rows(offsets, y.shape[0]))
-    if lora is not None:
-        low = gmm_rows(
-            lora.p.to(y.dtype), _dense_experts(lora.weight, 0, lora.weight.shape[0], y.dtype), _ends(offsets)
-        )
-        y.add_(low, alpha=lora.scale)
-    return y
+    if lora is None:
+        return y, None
+    return y, gmm_rows(
+        lora.p.to(y.dtype), _dense_experts(lora.weight, 0, lora.weight.shape[0], y.dtype), _ends(offsets)
+    )
 
 
 def grouped_matmul_silu_mul(x, weight, offsets, *, gather=None, bias=None, lora=None, keep_h=True, budget=None):
