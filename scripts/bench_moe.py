@@ -238,9 +238,21 @@ CONTENDERS = [
     ("moe-qlora grouped_mm", "ours", "grouped_mm"),
     ("moe-qlora auto", "ours", "auto"),
     ("moe-qlora torch", "ours", "torch"),
+    # the 24 GB cards' kernels (sm_80 / sm_89: mma.sync, their tile list) on this GPU: issue 58's item 4
+    ("moe-qlora triton, sm_80 configs", "ours", "triton@80"),
     ("transformers grouped_mm + PEFT", "peft", "grouped_mm"),
     ("transformers eager + PEFT", "peft", "eager"),
 ]
+
+
+def target_arch(arch: str | None):
+    """Launches inside take `arch`'s config list (tiles.MATMUL_CONFIGS) on any GPU, autotuned over it; none: the
+    device's own."""
+    import contextlib
+
+    from moe_qlora.moe.kernels.tiles import kernel_settings_overridden
+
+    return kernel_settings_overridden(target_arch=int(arch)) if arch else contextlib.nullcontext()
 
 
 def path_taken(kernels: str, rows: int, num_experts: int) -> str:
@@ -306,6 +318,7 @@ def bench_shape(shape_name, dims, token_counts, *, device, dtype, rank, repeats,
         for name, owner, kind in contenders:
             row = {"shape": shape_name, "hidden": hidden, "intermediate": inter, "tokens": tokens, "rank": rank}
             row["contender"] = name
+            kind, arch = kind.split("@") if "@" in kind else (kind, None)
             if kind in ("triton", "auto") and owner == "ours" and not cuda:
                 rows.append(row | {"skipped": "needs CUDA"})
                 continue
@@ -316,8 +329,9 @@ def bench_shape(shape_name, dims, token_counts, *, device, dtype, rank, repeats,
                 layer = peft_layer
                 experts_config(layer)._experts_implementation = kind
             try:
-                error = max_relative_difference(step(layer, x, idx, weights, seed), expected[owner])
-                seconds, gpu_seconds, peak, gpu_all = measure(layer, x, idx, weights, seed, repeats)
+                with target_arch(arch):
+                    error = max_relative_difference(step(layer, x, idx, weights, seed), expected[owner])
+                    seconds, gpu_seconds, peak, gpu_all = measure(layer, x, idx, weights, seed, repeats)
             except Exception as exc:  # a contender that cannot run this case says why, the others go on
                 rows.append(row | {"skipped": f"{type(exc).__name__}: {exc}"[:200]})
                 continue

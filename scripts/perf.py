@@ -7,8 +7,9 @@ import), and each step's peak reserved memory against `moe-qlora plan`.
 
 Order, most needed first: the layer at LoRA rank 8 (Qwen3-30B-A3B's and Mixtral-8x7B's shapes, 512 to 16k tokens),
 the training step (eight Qwen3-30B-A3B layers at full width with its 151,936-token vocabulary, at 4k, 8k and 16k
-tokens, each contender loaded once), then the layer at rank 16. Whatever the budget leaves out is listed as not
-measured. The JSON is rewritten after each part, so a stage stopped by its timeout keeps what it measured:
+tokens, each contender loaded once), the layer at rank 16, then the Triton kernels with the 24 GB cards' config
+list (sm_80 / sm_89) beside this GPU's own at the two largest token counts. Whatever the budget leaves out is
+listed as not measured. The JSON is rewritten after each part, so a stage stopped by its timeout keeps what it measured:
 
     {"device": "NVIDIA H100 80GB HBM3", "commit": "<sha>", "layer": [{"shape": "qwen3-30b-a3b", "tokens": 4096,
      "rank": 8, "contender": "moe-qlora auto", "gpu_ms": 9.9, "x_roofline": 15.6, ...}, ...],
@@ -43,6 +44,8 @@ import bench_train  # noqa: E402
 from bench_presets import PRESETS  # noqa: E402
 
 LAYER_CONTENDERS = ["moe-qlora auto", "moe-qlora grouped_mm", "moe-qlora triton", "transformers grouped_mm + PEFT"]
+# issue 58's item 4: the Triton kernels with the 24 GB cards' config list (sm_80 / sm_89) on this GPU, beside the own
+SMALL_GPU_CONTENDERS = ["moe-qlora triton, sm_80 configs", "moe-qlora triton"]
 PEFT_LAYER = "transformers grouped_mm + PEFT"
 TRAIN_CONTENDERS = ["moe-qlora", "transformers+bnb+peft", "experts4bit-qlora", "unsloth"]
 PEFT_TRAIN = "transformers+bnb+peft"
@@ -203,8 +206,8 @@ class PerfRun:
 
             atomic_write_text(self.args.json, json.dumps(self.doc, indent=1))
 
-    def layers(self, rank: int, deadline: float) -> None:
-        """Every layer shape at `rank`, token counts past `deadline` not measured."""
+    def layers(self, rank: int, deadline: float, only=tuple(LAYER_CONTENDERS), tokens=None) -> None:
+        """Every layer shape at `rank` for the contenders `only`, token counts past `deadline` not measured."""
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
         for shape in self.plan["shapes"]:
             hidden, inter, experts, top_k = bench_moe.SHAPES[shape]
@@ -213,12 +216,12 @@ class PerfRun:
             rows, _ = bench_moe.bench_shape(
                 shape,
                 dims,
-                self.plan["tokens"],
+                tokens or self.plan["tokens"],
                 device=self.device,
                 dtype=dtype,
                 rank=rank,
                 repeats=self.args.repeats,
-                only=LAYER_CONTENDERS,
+                only=list(only),
                 deadline=deadline,
             )
             self.doc["layer"] += [layer_record(r) for r in rows]
@@ -297,7 +300,8 @@ def main():
         run.train(run.deadline(0.85))
     if args.only != "train":
         for rank in later:
-            run.layers(rank, run.deadline(1.0))
+            run.layers(rank, run.deadline(0.9))
+        run.layers(first, run.deadline(1.0), only=SMALL_GPU_CONTENDERS, tokens=run.plan["tokens"][-2:])
     run.save()
     print_tables(run.doc)
     print(json.dumps({k: run.doc[k] for k in ("device", "commit", "layer_summary", "train_summary")}))
