@@ -588,7 +588,9 @@ def planned_bytes(path: Path, args, seq: int) -> int:
         "train.loss_chunk_tokens": args.loss_chunk,
     }
     cfg = load_config(ROOT / "configs" / "demo.yaml", [f"{k}={v}" for k, v in sets.items()])
-    return plan_run(cfg, name_or_path=str(path), device=args.device).total
+    from moe_qlora.model.budget import this_gpu_capability  # the kernels this GPU's `auto` takes
+
+    return plan_run(cfg, name_or_path=str(path), device=args.device, capability=this_gpu_capability()).total
 
 
 def device_columns(r: dict, plans: dict[int, int], device: str) -> tuple[str, ...]:
@@ -741,6 +743,10 @@ def main():
         ap.error("several --seq lengths run each contender alone: on a GPU, or with --sequential")
     if "unsloth" in (args.worker, args.serve):
         import unsloth  # noqa: F401  (first: it patches transformers at import)
+    if (args.worker or args.serve or "").startswith("moe-qlora"):
+        from moe_qlora.common.cuda_allocator import choose_cuda_allocator
+
+        choose_cuda_allocator()  # what `moe-qlora train` runs with; the others keep torch's default allocator
     if args.packing_worker:
         import logging
 

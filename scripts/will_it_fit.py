@@ -6,9 +6,10 @@ sequence lengths, with the memory knobs that matter, against common GPU sizes.
 
 Settings: batch 1, LoRA rank 16 on every expert and the attention projections (the automatic targets),
 gradient checkpointing, bf16 compute, NF4 with double quantization, chunked loss, kernels: auto (all
-defaults; auto holds grouped_mm's decode buffer, at most model.dequant_buffer_mb, where it picks it). A GPU
-"fits" when the plan is at most its memory less 0.5 GiB of headroom (allocator fragmentation; the CUDA
-context is already a row of the plan).
+defaults). The columns plan for a GPU below 80 GB (an Ada or Ampere card, where auto runs the Triton kernels: no
+decoded stack), the last for an 80 GB H100 (auto runs grouped_mm at these lengths and holds its decoded stack
+and rows: `moe-qlora plan --gpu-gb` chooses the same way). A GPU "fits" when the plan is at most its memory less
+0.5 GiB of headroom (allocator fragmentation; the CUDA context is already a row of the plan).
 """
 
 from __future__ import annotations
@@ -22,19 +23,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 MODELS = ["qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v2-lite"]
-# Columns: train settings, and model settings beside the defaults. kernels: triton decodes NF4 inside the
-# matmul, so it has no grouped_mm decode buffer (model.dequant_buffer_mb) to hold.
+# Columns: train settings, and model settings beside the defaults; the GPU each is planned for (below).
 OPTIMIZERS = {
     "adamw": ({"optimizer": "adamw"}, {}),
     "adamw_8bit": ({"optimizer": "adamw_8bit"}, {}),
-    "adamw_8bit, kernels: triton": ({"optimizer": "adamw_8bit"}, {"kernels": "triton"}),
     "adamw_8bit, in backward": ({"optimizer": "adamw_8bit", "optimizer_in_backward": True}, {}),
     # every MoE layer's experts in pinned host memory, two layers on the GPU at a time (moe/offload.py)
     "adamw_8bit, in backward, expert_offload: all": (
         {"optimizer": "adamw_8bit", "optimizer_in_backward": True},
         {"expert_offload": "all"},
     ),
+    "adamw_8bit, 80 GB H100": ({"optimizer": "adamw_8bit"}, {}),
 }
+H100_COLUMN = "adamw_8bit, 80 GB H100"
 # NVIDIA's "GB" on a card is GiB (an RTX 3060 12GB has 12,288 MiB)
 GPUS_GIB = {
     "6 GB": 6,
@@ -52,7 +53,7 @@ HEADROOM_GIB = 0.5
 
 def plans(seqs: list[int]) -> list[dict]:
     from moe_qlora.config.load import validate_config
-    from moe_qlora.model.budget import meta_model
+    from moe_qlora.model.budget import DEFAULT_GPU_CAPABILITY, SMALLER_GPU_CAPABILITY, meta_model
     from moe_qlora.model.plan import plan_run
 
     rows = []
@@ -70,21 +71,28 @@ def plans(seqs: list[int]) -> list[dict]:
                         "train": {"micro_batch_size": 1, **train},
                     }
                 )
-                row[label] = round(plan_run(cfg, name_or_path=path, device="cuda", model=model).total / 2**30, 2)
+                gpu = DEFAULT_GPU_CAPABILITY if label == H100_COLUMN else SMALLER_GPU_CAPABILITY
+                plan = plan_run(cfg, name_or_path=path, device="cuda", model=model, capability=gpu)
+                row[label] = round(plan.total / 2**30, 2)
             rows.append(row)
     return rows
 
 
-def smallest_gpu(gib: float) -> str:
-    return next((name for name, size in GPUS_GIB.items() if gib <= size - HEADROOM_GIB), "> 80 GB")
+def smallest_gpu(row: dict) -> str:
+    """The smallest GPU the row's best plan for its class fits: below 80 GB the smaller cards' columns, at 80 the
+    H100's."""
+    smaller = min(v for k, v in row.items() if k in OPTIMIZERS and k != H100_COLUMN)
+    for name, size in GPUS_GIB.items():
+        if (smaller if size < 80 else row[H100_COLUMN]) <= size - HEADROOM_GIB:
+            return name
+    return "> 80 GB"
 
 
 def markdown(rows: list[dict]) -> str:
     head = ["model", "seq", *[f"{k} (GiB)" for k in OPTIMIZERS], "smallest GPU"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        best = min(r[k] for k in OPTIMIZERS)
-        cells = [r["model"], str(r["seq"]), *[f"{r[k]:.1f}" for k in OPTIMIZERS], smallest_gpu(best)]
+        cells = [r["model"], str(r["seq"]), *[f"{r[k]:.1f}" for k in OPTIMIZERS], smallest_gpu(r)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -59,8 +59,10 @@ def main() -> None:
     their last checkpoint) is one sentence and exit code 1; a folder the filesystem will not let it write (no
     permission, read-only, a file in the way) one sentence and exit code 2; tracebacks only with --debug."""
     from moe_qlora.common.cpu_threads import choose_cpu_threads
+    from moe_qlora.common.cuda_allocator import choose_cuda_allocator
     from moe_qlora.common.fileio import DiskFullError, UnwritableError
 
+    choose_cuda_allocator()  # before CUDA allocates: expandable segments, unless the user set the allocator
     chosen = choose_cpu_threads()  # before torch is imported: OpenMP reads it once
     if chosen is not None and chosen.passive:
         err_console.print(

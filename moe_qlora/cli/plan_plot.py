@@ -32,7 +32,11 @@ def plan(
         None, "--parallel", help="auto, ddp or fsdp (default: train.parallel); auto: ddp if the run fits one GPU"
     ),
     gpu_gb: float = typer.Option(
-        80.0, "--gpu-gb", min=0.0, help="memory of one GPU in GiB (2^30 bytes); exit 1 when the run does not fit it"
+        80.0,
+        "--gpu-gb",
+        min=0.0,
+        help="memory of one GPU in GiB (2^30 bytes); exit 1 when the run does not fit it. From 80 the GPU is planned "
+        "as an H100 (MoE kernels: grouped_mm), below as a 24-48 GB card (Triton)",
     ),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
     debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
@@ -49,13 +53,22 @@ def plan(
         fail(exc, debug)
     quiet_libraries()
     try:
+        from moe_qlora.model.budget import capability_for_memory
         from moe_qlora.model.model_path import resolve_model_path
         from moe_qlora.model.plan import PARALLEL_MODES, plan_run
 
         if parallel is not None and parallel not in PARALLEL_MODES:
             raise ConfigError(f"--parallel {parallel}: give one of {', '.join(PARALLEL_MODES)}")
         name_or_path = resolve_model_path(model or cfg.model.name_or_path)
-        result = plan_run(cfg, name_or_path=name_or_path, device=device, gpus=gpus, parallel=parallel, gpu_gib=gpu_gb)
+        result = plan_run(
+            cfg,
+            name_or_path=name_or_path,
+            device=device,
+            gpus=gpus,
+            parallel=parallel,
+            gpu_gib=gpu_gb,
+            capability=capability_for_memory(gpu_gb),
+        )
     except (*user_errors(), OSError) as exc:
         fail(exc, debug)
     to_fit = None

@@ -41,6 +41,17 @@ DEFAULT_GPU_GIB = 80.0
 DEFAULT_GPU_CAPABILITY = (9, 0)  # the GPU a plan is for unless told: an H100, whose 80 GiB is DEFAULT_GPU_GIB
 
 
+SMALLER_GPU_CAPABILITY = (8, 9)  # below 80 GB: the 24 and 48 GB cards (Ada, Ampere), the A100 40GB (sm_80)
+
+
+def capability_for_memory(gpu_gib: float) -> tuple[int, int]:
+    """The GPU `plan --gpu-gb` plans for when told only its memory: from 80 GB an H100 (sm_90, whose bf16 grouped
+    GEMMs are CUTLASS's, so `auto` decodes stacks for torch._grouped_mm); below, an Ada or Ampere card, where
+    `auto` runs the Triton kernels (no decoded stack). An A100 80GB is planned as an H100: the larger plan. A MIG
+    slice of an H100 runs grouped_mm on less: a run's own plan reads its GPU (this_gpu_capability)."""
+    return DEFAULT_GPU_CAPABILITY if gpu_gib >= DEFAULT_GPU_GIB else SMALLER_GPU_CAPABILITY
+
+
 def this_gpu_capability() -> tuple[int, int]:
     """The (major, minor) of this machine's GPU, for a plan made inside a run; DEFAULT_GPU_CAPABILITY without one."""
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else DEFAULT_GPU_CAPABILITY
@@ -265,6 +276,27 @@ def dequant_buffer_bytes(
     )
 
 
+def moe_backward_bytes(
+    model: nn.Module, cfg: RunConfig, *, device: str, capability: tuple[int, int] = DEFAULT_GPU_CAPABILITY
+) -> int:
+    """The grouped layer's backward at its peak, besides what its forward saved (activation_bytes: h and the LoRA
+    projections) and the decoded stack (dequant_buffer_bytes): while it projects the gradient back through gate_up
+    (grouped_layer.grouped_backward), its S = tokens x K rows of the gate's gradient (2I) and activation (I), the
+    projected rows (H) and, on grouped_mm, the output gradient's gathered rows and the LoRA term kept apart for the
+    combine (H each), in the compute dtype. One layer's (the one in its backward), when the layer runs a grouped
+    path (planned_kernels); the per-expert reference works an expert at a time."""
+    moe = [m for m in model.modules() if is_experts_module(m)]
+    kernels = planned_kernels(model, cfg, device=device, capability=capability) if moe else "torch"
+    if kernels not in ("triton", "grouped_mm"):
+        return 0
+    _, hidden, inter = expert_dims(moe[0])
+    gated = 2 if getattr(moe[0], "has_gate", True) else 1
+    rows = micro_batch_tokens(cfg) * (getattr(model.config, "num_experts_per_tok", 0) or 1)
+    hidden_rows = 1 if kernels == "triton" else 2 + int(cfg.lora.experts)
+    d = DTYPE_BYTES[resolve_compute_dtype(cfg.model.compute_dtype, device)]
+    return rows * (hidden_rows * hidden + gated * inter + inter) * d
+
+
 AUTOTUNE_FLUSH_BYTES = 256 * 2**20  # triton.testing.do_bench clears the L2 with this buffer between timings
 
 
@@ -301,6 +333,8 @@ def one_device_plan(
     plan.bytes["runtime"] = RUNTIME_BYTES["cuda" if device == "cuda" else "cpu"]
     if buffer := dequant_buffer_bytes(model, cfg, device=device, capability=capability):
         plan.bytes["dequant_buffer"] = buffer
+    if rows := moe_backward_bytes(model, cfg, device=device, capability=capability):
+        plan.bytes["moe_backward"] = rows
     if flush := autotune_bytes(cfg, device=device):
         plan.bytes["autotune_flush"] = flush
     if not any(is_experts_module(m) for m in model.modules()):

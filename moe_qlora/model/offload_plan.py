@@ -79,12 +79,18 @@ def window_bytes(offloaded: list[int], resident: int) -> int:
     return min(resident, len(offloaded)) * max(offloaded, default=0)
 
 
+# What `expert_offload: auto` leaves free of the GPU's memory: the caching allocator keeps more than the allocated
+# peak (its rounding, blocks freed but held), and a plan that fills the card to the byte runs out at the first
+# step whose rows fragment it. The "fits" of scripts/will_it_fit.py and of the recipes' headers leaves the same.
+OFFLOAD_HEADROOM_BYTES = 512 * 2**20
+
+
 def layers_to_offload(total: int, layers: list[int], resident: int, gpu_bytes: int) -> int | None:
-    """The fewest layers (first in model order) whose offload brings `total` within `gpu_bytes`; None if even
-    all of them do not."""
+    """The fewest layers (first in model order) whose offload brings `total` within `gpu_bytes` less
+    OFFLOAD_HEADROOM_BYTES; None if even all of them do not."""
     for k in range(len(layers) + 1):
         saved = sum(layers[:k]) - window_bytes(layers[:k], resident)
-        if total - saved <= gpu_bytes:
+        if total - saved <= gpu_bytes - OFFLOAD_HEADROOM_BYTES:
             return k
     return None
 

@@ -186,7 +186,7 @@ def shard_plan(plan: Plan, tensors: list[ShardedTensor], cfg: RunConfig, model: 
     """Turn the one-device `plan` into one rank's bytes under fsdp over plan.gpus ranks. Sharded: experts,
     4-bit linears (by row), compute-dtype weights, LoRA, its gradients and optimizer state (one rank's shard of
     each tensor). Whole: 4-bit linears whose rows split NF4 blocks, activations, loss, runtime, the decode
-    buffer, the autotuner's flush buffer. Added: all_gather_buffers, the unsharded
+    buffer, the MoE backward's rows, the autotuner's flush buffer. Added: all_gather_buffers, the unsharded
     parameters of the largest decoder layer twice (the one computing and the next, prefetched), and
     root_unsharded, the root's (embeddings, final norm, head), held from the forward to the end of the backward."""
     n = plan.gpus

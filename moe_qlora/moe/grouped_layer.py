@@ -96,6 +96,7 @@ def grouped_backward(grad_out, x, routing_weights, h, p1, p2, lora, plan: MoEPla
         act, gate_vjp = gate_with_vjp(ex.gate, h)
         dot = routing_weight_dot(act, u)
         grad_h = gate_vjp(u * w)
+    del u, low_u  # the backward's peak comes with the next projection: (S, H) rows twice
     later["act"] = act
     if ex.down_bias is not None:
         g_rows = gs if gather is None else g.index_select(0, token)
