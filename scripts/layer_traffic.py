@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -158,12 +159,21 @@ def layer_step_traffic(
     kernels: str = "grouped_mm",
     where: bool = False,
     budget_mb: float | None = None,
+    checkpointed: bool = False,
 ) -> Traffic:
     """The traffic of one forward + backward of the registered op at `shape` (bench_moe.SHAPES) and `tokens`,
-    with model.dequant_buffer_mb `budget_mb` (None: its default). Raises if any operation reads a value back to
-    the host."""
+    with model.dequant_buffer_mb `budget_mb` (None: its default). checkpointed: a training step's share under
+    activation checkpointing, forward, recomputed forward and backward, the recompute handing its decoded stacks to
+    the backward as the layer does when they decode whole. Raises if any operation reads a value back to the
+    host."""
     from moe_qlora.config.sections import ModelSection
-    from moe_qlora.moe.grouped_layer import grouped_experts_backward_op, grouped_experts_op, op_inputs
+    from moe_qlora.moe.grouped_layer import (
+        KEPT_STACKS,
+        NO_STACKS,
+        grouped_experts_backward_op,
+        grouped_experts_op,
+        op_inputs,
+    )
     from moe_qlora.moe.kernels.grouped_mm import dequant_budget_bytes
     from moe_qlora.moe.kernels.ops import silu_mul
     from moe_qlora.moe.reference_layer import FrozenExperts, MoEPlan
@@ -194,10 +204,16 @@ def layer_step_traffic(
     with mode, counting:  # the routing plan counted too: the experts module builds it at every call
         plan = MoEPlan(frozen, route(mode.from_tensor(top_k_index), experts), 2.0)
         args = op_inputs(x, weights, lora, plan, kernels, budget, True)
-        out, h, p1, p2 = grouped_experts_op._init_fn(*args)
+        if checkpointed:
+            whole = all(math.prod(s.shape) * 2 <= (budget or math.inf) for s in (frozen.gate_up, frozen.down))
+            stacks = KEPT_STACKS if kernels == "grouped_mm" and whole else NO_STACKS
+            grouped_experts_op._init_fn(*args)  # the first forward, whose saved tensors checkpointing drops
+            plan = MoEPlan(frozen, route(mode.from_tensor(top_k_index), experts), 2.0)
+            args = op_inputs(x, weights, lora, plan, kernels, budget, True, decoded_stacks=stacks)
+        out, h, p1, p2, *stacks = grouped_experts_op._init_fn(*args)
         _, weights_, lora_, frozen_, floats, ints, kernels_, _ = args
         grouped_experts_backward_op._init_fn(
-            torch.empty_like(out), x, weights_, [h, p1, p2], lora_, frozen_, floats, ints, kernels_
+            torch.empty_like(out), x, weights_, [h, p1, p2, *stacks], lora_, frozen_, floats, ints, kernels_
         )
     return counting.traffic
 
@@ -208,13 +224,16 @@ def main():
     ap.add_argument("--tokens", type=int, nargs="*", default=[512, 4096, 16384])
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--ops", action="store_true", help="also every operation and where it runs, by bytes")
+    ap.add_argument(
+        "--checkpointed", action="store_true", help="a checkpointed training step: forward, recompute, backward"
+    )
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
     results = []
     for shape in args.shape or list(SHAPES):
         hidden, inter, experts, top_k = SHAPES[shape]
         for tokens in args.tokens:
-            traffic = layer_step_traffic(shape, tokens, rank=args.rank, where=args.ops)
+            traffic = layer_step_traffic(shape, tokens, rank=args.rank, where=args.ops, checkpointed=args.checkpointed)
             per_expert = 3 * hidden * inter * (0.5 + 1 / 64 + 4 / (64 * 256))
             must_read, flops, ideal = roofline(tokens, hidden, inter, top_k, args.rank, experts, per_expert, 2)
             moved = traffic.total_bytes()

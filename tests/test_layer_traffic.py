@@ -48,3 +48,17 @@ def test_the_counting_catches_a_host_read_and_counts_each_torch_operation(monkey
     )
     chained = layer_traffic.layer_step_traffic("qwen3-30b-a3b", 512)
     assert chained.total_launches() >= fused.total_launches() + 8
+
+
+def test_a_checkpointed_step_decodes_each_stack_in_its_two_forwards_only():
+    """Under activation checkpointing a layer runs forward, recomputed forward, backward: the recompute hands the
+    stacks it decoded whole to the backward (4 decodes of codes, not 6). Control: stacks over the decode budget,
+    decoded in windows, are not handed over and the backward decodes its own."""
+    kept = layer_traffic.layer_step_traffic("qwen3-30b-a3b", 4096, checkpointed=True)
+    assert kept.launches["bitsandbytes::dequantize_4bit"] == 4
+    # 256 MiB: the forward decodes gate_up in 3 windows and down in 2, the backward down in 2 and gate_up in 4; each
+    # of the three passes decodes its own
+    windowed = layer_traffic.layer_step_traffic("qwen3-30b-a3b", 4096, checkpointed=True, budget_mb=256)
+    once = layer_traffic.layer_step_traffic("qwen3-30b-a3b", 4096, budget_mb=256)
+    decodes = "bitsandbytes::dequantize_4bit"
+    assert (once.launches[decodes], windowed.launches[decodes]) == (5 + 6, 5 + 5 + 6)

@@ -251,7 +251,8 @@ def dequant_buffer_bytes(
 ) -> int:
     """grouped_mm's decode of an expert stack, alive during one projection (grouped_mm.decode_peak_bytes): the
     largest stack whole in the compute dtype, or above model.dequant_buffer_mb a window of its columns with what
-    the window needs; MXFP4 stacks a chunk of experts at a time. Counted when the layer runs grouped_mm for a
+    the window needs; MXFP4 stacks a chunk of experts at a time. With checkpointing, both stacks decoded whole
+    are held from a layer's recompute to the end of its backward. Counted when the layer runs grouped_mm for a
     training micro-batch (planned_kernels: the GPU of `capability`)."""
     moe = [m for m in model.modules() if is_experts_module(m)]
     if not moe or planned_kernels(model, cfg, device=device, capability=capability) != "grouped_mm":
@@ -269,6 +270,10 @@ def dequant_buffer_bytes(
     if getattr(moe[0], "is_transposed", False):
         stored = [(e, cols, out) for e, out, cols in stored]
     forward = not getattr(moe[0], "is_transposed", False)  # the forward reads W^T of an (E, out, in) stack
+    whole = [math.prod(shape) * d for shape in stored]
+    if cfg.train.gradient_checkpointing and all(not budget or b <= budget for b in whole):
+        # a recomputed layer hands both stacks, decoded whole, to its backward (grouped_layer: KEPT_STACKS)
+        return sum(whole)
     return max(
         decode_peak_bytes(shape, transpose, BLOCKSIZE, d, budget, rows)
         for shape in stored

@@ -15,11 +15,11 @@ from torch import nn
 
 from moe_qlora.config.sections import RunConfig, resolve_compute_dtype
 from moe_qlora.model.budget import (
-    DEFAULT_GPU_CAPABILITY,
     DEFAULT_GPU_GIB,
     DTYPE_BYTES,
     LORA_BYTES,
     Plan,
+    capability_for_memory,
     classified_weights,
     experts_in_mxfp4,
     four_bit_bytes,
@@ -49,12 +49,14 @@ def plan_run(
     gpus: int = 1,
     parallel: str | None = None,
     gpu_gib: float = DEFAULT_GPU_GIB,
-    capability: tuple[int, int] = DEFAULT_GPU_CAPABILITY,
+    capability: tuple[int, int] | None = None,
 ) -> Plan:
     """Bytes by kind one GPU holds for the run `cfg` on `gpus` devices of `gpu_gib` GiB each, and what each
     sends per optimizer step. `parallel`: auto, ddp or fsdp (default: cfg.train.parallel). `model`:
     meta_model(name_or_path), when already built (planning many configurations of one model). `capability`:
-    the GPUs' (major, minor), which decides the MoE kernels `auto` takes (budget.planned_kernels)."""
+    the GPUs' (major, minor), which decides the MoE kernels `auto` takes (budget.planned_kernels); None: the GPU
+    `gpu_gib` names (budget.capability_for_memory: an H100 from 80 GB, a 24-48 GB card below)."""
+    capability = capability or capability_for_memory(gpu_gib)
     model = model if model is not None else meta_model(name_or_path, cfg.model.trust_remote_code)
     targets = resolve_targets(model, cfg.lora.target_modules)  # round-trips a probe adapter through PEFT: once
     plan = one_device_plan(cfg, model, targets, device=device, capability=capability)

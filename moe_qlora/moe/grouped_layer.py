@@ -37,7 +37,7 @@ def grouped_forward(x, routing_weights, lora, plan: MoEPlan, ops: GroupedOps, *,
     by_triton = row_steps_by_triton(ops, x)
     xs, gather = rows_of_tokens(ops, x, token)
     # Stored (E, out, in): x W^T reads W transposed; GPT-OSS stores (E, in, out) and reads it as is.
-    w1 = GW.quantized(ex.gate_up, transpose=not ex.transposed)
+    w1 = GW.quantized(ex.gate_up, transpose=not ex.transposed, key="gate_up")
     p1 = p2 = lora1 = lora2 = None
     if has_lora:  # x A1^T: (S, r); the up-projection c p1 B1^T is fused into the gate_up matmul
         p1 = ops.matmul(xs, GW.dense(gate_up_a, transpose=True), off, gather=gather)
@@ -54,7 +54,7 @@ def grouped_forward(x, routing_weights, lora, plan: MoEPlan, ops: GroupedOps, *,
     if has_lora:
         p2 = ops.matmul(a, GW.dense(down_a, transpose=True), off)
         lora2 = LowRank(p2, GW.dense(down_b, transpose=True), c)
-    w2 = GW.quantized(ex.down, transpose=not ex.transposed)
+    w2 = GW.quantized(ex.down, transpose=not ex.transposed, key="down")
     y, low2, scale2 = matmul_apart(ops, a, w2, off, bias=ex.down_bias, lora=lora2)  # (S, H)
     # sum over each token's K rows (and the LoRA term left apart): a gather, no atomics
     out = rows.combine(y, low2, scale2, rt.inverse, routing_weights, rt.top_k, by_triton)
@@ -87,7 +87,7 @@ def grouped_backward(grad_out, x, routing_weights, h, p1, p2, lora, plan: MoEPla
         q2 = c * ops.matmul(gs, GW.dense(b2, transpose=False), off, gather=gather)  # c g B2: (S, r)
         lora2 = LowRank(q2, GW.dense(a2, transpose=False))
         later.update(q2w=q2 * w, g=gs, g_gather=gather, p2w=p2 * w)  # g's rows as gathered for u
-    w_down = GW.quantized(ex.down, transpose=ex.transposed)
+    w_down = GW.quantized(ex.down, transpose=ex.transposed, key="down")
     u, low_u, scale_u = matmul_apart(ops, gs, w_down, off, gather=gather, lora=lora2)
     if ex.gate_is_silu_mul:  # act, <act, u> and the gate's vjp at u w in one row step
         grad_h, act, dot = rows.silu_mul_backward(h, u, low_u, scale_u, w.view(-1), by_triton)
@@ -106,7 +106,7 @@ def grouped_backward(grad_out, x, routing_weights, h, p1, p2, lora, plan: MoEPla
         dp1 = c * ops.matmul(grad_h, GW.dense(b1, transpose=False), off)  # (S, r)
         lora1 = LowRank(dp1, GW.dense(a1, transpose=False))
         later.update(x=x, dp1=dp1, grad_h=grad_h, p1=p1)
-    w_up = GW.quantized(ex.gate_up, transpose=ex.transposed)
+    w_up = GW.quantized(ex.gate_up, transpose=ex.transposed, key="gate_up")
     grad_rows, low_x, scale_x = matmul_apart(ops, grad_h, w_up, off, lora=lora1)  # (S, H)
     # a token's K rows each send a gradient back to it
     grad_x = rows.combine(grad_rows.to(x.dtype), low_x, scale_x, rt.inverse, None, rt.top_k, by_triton)
@@ -170,9 +170,31 @@ def moe_lora_experts_grouped(
     nf4 = isinstance(plan.experts.gate_up, NF4Stack)
     if plan.experts.gate_is_silu_mul and plan.deferred is None and not offloaded and nf4:
         keep_h = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, routing_weights, *lora))
-        out, _, _, _ = grouped_experts_op(*op_inputs(x, routing_weights, lora, plan, kernels, dequant_budget, keep_h))
-        return out
+        stacks = NO_STACKS
+        if keep_h and kernels == "grouped_mm" and _decodes_whole(plan, x.dtype, dequant_budget):
+            stacks = KEPT_STACKS if _recomputing() else STACK_SHAPES
+        args = op_inputs(x, routing_weights, lora, plan, kernels, dequant_budget, keep_h, decoded_stacks=stacks)
+        return grouped_experts_op(*args)[0]
     return MoELoRAGroupedFunction.apply(x, routing_weights, *lora, plan, grouped_ops(kernels, dequant_budget))
+
+
+# What grouped_experts_op returns of the stacks grouped_mm decoded whole (ints[9]): nothing; tensors of their shapes
+# that hold nothing (one zero, expanded); or the stacks, which the backward then reads instead of decoding them
+# again. A checkpointed layer's first forward and its recompute must save tensors of the same shapes
+# (torch.utils.checkpoint checks), so the first returns the shapes and the recompute the stacks.
+NO_STACKS, STACK_SHAPES, KEPT_STACKS = 0, 1, 2
+
+
+def _recomputing() -> bool:
+    """Whether this forward runs inside a backward: activation checkpointing's recompute, whose saved tensors the
+    layer's own backward reads next (torch.utils.checkpoint, use_reentrant=False, recomputes in an unpack hook)."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
+def _decodes_whole(plan: MoEPlan, dtype: torch.dtype, budget: int | None) -> bool:
+    """Whether grouped_mm decodes both stacks whole (each within the budget) rather than in windows."""
+    stacks = (plan.experts.gate_up, plan.experts.down)
+    return not budget or all(s.num_experts * s.expert_numel * dtype.itemsize <= budget for s in stacks)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -190,10 +212,21 @@ def _stack_tensors(stack: NF4Stack) -> list[torch.Tensor | None]:
     return [stack.packed, stack.absmax, absmax2, code2]
 
 
-def op_inputs(x, routing_weights, lora, plan: MoEPlan, kernels: str, dequant_budget: int | None, keep_h: bool):
+def op_inputs(
+    x,
+    routing_weights,
+    lora,
+    plan: MoEPlan,
+    kernels: str,
+    dequant_budget: int | None,
+    keep_h: bool,
+    *,
+    decoded_stacks: int = NO_STACKS,
+):
     """grouped_experts_op's arguments for one call: (x, routing_weights, lora (4, None-able), frozen tensors
     (routing 6, gate_up 4, down 4, biases 2), floats (2 nested offsets, LoRA scale), ints (both stack
-    shapes, blocksize, transposed, the decode budget or 0), kernels, keep_h)."""
+    shapes, blocksize, transposed, the decode budget or 0, decoded_stacks), kernels, keep_h). decoded_stacks:
+    NO_STACKS, STACK_SHAPES or KEPT_STACKS (grouped_mm's stacks decoded whole, returned for the backward)."""
     ex, rt = plan.experts, plan.routing
     frozen = [
         *(getattr(rt, f) for f in _ROUTING_FIELDS),
@@ -204,6 +237,7 @@ def op_inputs(x, routing_weights, lora, plan: MoEPlan, kernels: str, dequant_bud
     ]
     offsets = [s.nested[2] if s.nested is not None else 0.0 for s in (ex.gate_up, ex.down)]
     ints = [*ex.gate_up.shape, *ex.down.shape, ex.gate_up.blocksize, int(ex.transposed), dequant_budget or 0]
+    ints.append(decoded_stacks)
     return x, routing_weights, list(lora), frozen, [*offsets, float(plan.lora_scale)], ints, kernels, keep_h
 
 
@@ -235,8 +269,8 @@ def _plan_from(frozen, floats, ints, top_k: int) -> MoEPlan:
     return MoEPlan(frozen_experts, rt, floats[2])
 
 
-def _ops_from(kernels: str, ints) -> GroupedOps:
-    return grouped_ops(kernels, ints[8] or None)
+def _ops_from(kernels: str, ints, decoded: dict | None = None) -> GroupedOps:
+    return grouped_ops(kernels, ints[8] or None, decoded)
 
 
 @torch.library.custom_op("moe_qlora::grouped_experts", mutates_args=())
@@ -249,14 +283,27 @@ def grouped_experts_op(
     ints: list[int],
     kernels: str,
     keep_h: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out (T, H), h (S, 2I) or (0, 2I), p1 (S, r), p2 (S, r)); r = 0 without LoRA."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out (T, H), h (S, 2I) or (0, 2I), p1 (S, r), p2 (S, r), gate_up, down); r = 0 without LoRA; the stacks as
+    ints[9] asks (_decoded_stacks)."""
     plan = _plan_from(frozen, floats, ints, routing_weights.shape[1])
-    out, h, p1, p2 = grouped_forward(x, routing_weights, tuple(lora), plan, _ops_from(kernels, ints), keep_h=keep_h)
+    decoded = {} if ints[9] == KEPT_STACKS else None
+    ops = _ops_from(kernels, ints, decoded)
+    out, h, p1, p2 = grouped_forward(x, routing_weights, tuple(lora), plan, ops, keep_h=keep_h)
     h = h if h is not None else x.new_empty(0, plan.experts.up_width)
     no_rank = x.new_empty(routing_weights.numel(), 0)
     outputs = (out, h, p1 if p1 is not None else no_rank, p2 if p2 is not None else no_rank.clone())
-    return tuple(_as_faked(t) for t in outputs)
+    return *(_as_faked(t) for t in outputs), *_decoded_stacks(x, ints, decoded)
+
+
+def _decoded_stacks(x: torch.Tensor, ints, decoded: dict | None) -> list[torch.Tensor]:
+    """The op's last two outputs: (0,) twice; one zero expanded to each stack's stored shape (no memory); or the
+    stacks grouped_mm decoded, contiguous."""
+    if ints[9] == NO_STACKS:
+        return [x.new_empty(0), x.new_empty(0)]
+    if ints[9] == STACK_SHAPES or decoded is None:
+        return [x.new_zeros(()).expand(ints[0:3]), x.new_zeros(()).expand(ints[3:6])]
+    return [decoded["gate_up"], decoded["down"]]
 
 
 def _as_faked(t: torch.Tensor) -> torch.Tensor:
@@ -271,11 +318,13 @@ def _grouped_experts_fake(x, routing_weights, lora, frozen, floats, ints, kernel
     rows, transposed = routing_weights.numel(), bool(ints[7])
     width = ints[2] if transposed else ints[1]
     rank = lora[0].shape[1] if lora[0] is not None else 0
+    kept = [x.new_empty(ints[0:3]), x.new_empty(ints[3:6])] if ints[9] == KEPT_STACKS else None
     return (
         x.new_empty(x.shape),
         x.new_empty(rows if keep_h else 0, width),
         x.new_empty(rows, rank),
         x.new_empty(rows, rank),
+        *(kept or _decoded_stacks(x, ints, None)),
     )
 
 
@@ -291,10 +340,14 @@ def grouped_experts_backward_op(
     ints: list[int],
     kernels: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad x, grad routing weights, dA1, dB1, dA2, dB2) from the forward's saved (h, p1, p2); the last four
-    (0,) without LoRA."""
+    """(grad x, grad routing weights, dA1, dB1, dA2, dB2) from the forward's saved (h, p1, p2, and the stacks it
+    decoded whole or two (0,)); the last four (0,) without LoRA."""
     plan = _plan_from(frozen, floats, ints, routing_weights.shape[1])
-    h, p1, p2 = saved
+    h, p1, p2, gate_up, down = saved
+    # the stacks themselves, not expanded zeros: a checkpointed layer's backward node and its ints are its first
+    # forward's, while its saved tensors are the recompute's
+    kept = gate_up.numel() > 0 and gate_up.stride(0) > 0
+    decoded = {"gate_up": gate_up, "down": down} if kept else None
     has_lora = lora[0] is not None
     grads = grouped_backward(
         grad_out,
@@ -305,7 +358,7 @@ def grouped_experts_backward_op(
         p2 if has_lora else None,
         tuple(lora),
         plan,
-        _ops_from(kernels, ints),
+        _ops_from(kernels, ints, decoded),
     )
     return tuple(_as_faked(g) if g is not None else x.new_empty(0) for g in grads)
 
@@ -321,16 +374,16 @@ def _grouped_experts_backward_fake(grad_out, x, routing_weights, saved, lora, fr
 
 def _setup_context(ctx, inputs, output):
     x, routing_weights, lora, frozen, floats, ints, kernels, _ = inputs
-    _, h, p1, p2 = output
+    _, h, p1, p2, gate_up, down = output
     ctx.floats, ctx.ints, ctx.kernels, ctx.num_frozen = floats, ints, kernels, len(frozen)
-    ctx.save_for_backward(x, routing_weights, h, p1, p2, *lora, *frozen)
+    ctx.save_for_backward(x, routing_weights, h, p1, p2, gate_up, down, *lora, *frozen)
 
 
-def _grouped_experts_backward(ctx, grad_out, _grad_h, _grad_p1, _grad_p2):
-    x, routing_weights, h, p1, p2, *rest = ctx.saved_tensors
+def _grouped_experts_backward(ctx, grad_out, *_grad_saved):
+    x, routing_weights, h, p1, p2, gate_up, down, *rest = ctx.saved_tensors
     lora, frozen = rest[:4], rest[4:]
     grads = grouped_experts_backward_op(
-        grad_out, x, routing_weights, [h, p1, p2], lora, frozen, ctx.floats, ctx.ints, ctx.kernels
+        grad_out, x, routing_weights, [h, p1, p2, gate_up, down], lora, frozen, ctx.floats, ctx.ints, ctx.kernels
     )
     lora_grads = [g if p is not None else None for g, p in zip(grads[2:], lora, strict=True)]
     return grads[0], grads[1], lora_grads, None, None, None, None, None

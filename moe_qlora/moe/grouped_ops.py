@@ -31,8 +31,9 @@ class GroupedOps:
     row_kernels: str = "torch"
 
 
-def grouped_ops(kind: str, dequant_budget: int | None = None) -> GroupedOps:
-    """The ops of backend `kind`; dequant_budget: grouped_mm's decoded-stack limit in bytes (None: none)."""
+def grouped_ops(kind: str, dequant_budget: int | None = None, decoded: dict | None = None) -> GroupedOps:
+    """The ops of backend `kind`; dequant_budget: grouped_mm's decoded-stack limit in bytes (None: none); decoded:
+    where grouped_mm keeps (and finds) the layer step's stacks decoded whole, by name."""
     from moe_qlora.moe.kernels import ops
 
     if kind == "triton":
@@ -47,10 +48,10 @@ def grouped_ops(kind: str, dequant_budget: int | None = None) -> GroupedOps:
         from moe_qlora.moe.kernels import grouped_mm as gmm
 
         return GroupedOps(
-            functools.partial(gmm.grouped_matmul, budget=dequant_budget),
-            functools.partial(gmm.grouped_matmul_silu_mul, budget=dequant_budget),
+            functools.partial(gmm.grouped_matmul, budget=dequant_budget, decoded=decoded),
+            functools.partial(gmm.grouped_matmul_silu_mul, budget=dequant_budget, decoded=decoded),
             gmm.grouped_outer_product,
-            matmul_parts=functools.partial(gmm.grouped_matmul_parts, budget=dequant_budget),
+            matmul_parts=functools.partial(gmm.grouped_matmul_parts, budget=dequant_budget, decoded=decoded),
             row_kernels="device",
         )
     return GroupedOps(

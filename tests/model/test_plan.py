@@ -119,9 +119,11 @@ def test_optimizer_in_backward_plans_one_layers_gradients():
 @pytest.mark.parametrize(
     "settings,expected_mib",
     [
-        # Qwen3-30B-A3B gate_up: 128 experts x 1536 x 2048 bf16 = 768 MiB, whole under the default 2048 MiB
-        ([], 768.0),
-        (["model.dequant_buffer_mb=null"], 768.0),  # no budget: the whole largest stack
+        # Qwen3-30B-A3B gate_up: 128 experts x 1536 x 2048 bf16 = 768 MiB, down 384 MiB, each whole under the default
+        # 2048 MiB: a checkpointed layer's recompute hands both to its backward
+        ([], 768.0 + 384.0),
+        (["model.dequant_buffer_mb=null"], 768.0 + 384.0),  # no budget: the same
+        (["train.gradient_checkpointing=false"], 768.0),  # no recompute: the largest stack, one projection at a time
         # 256 MiB: windows; the largest is down's forward, 1360 of its 2048 output columns (a 192 KiB column of
         # 128 x 768 bf16 weights, 1365 fit, rounded down to 16 bytes): the window, its codes (half a byte each)
         # and fp32 scales (one per 64), down's fp32 scales (24 MiB / 2), and the window's output for 2048 x 8 rows

@@ -19,7 +19,7 @@ def quantized(tiny_mixtral_dir):
     return quantized_with_lora(tiny_mixtral_dir, "cpu", expert_double_quant=True)
 
 
-def _op_args(module, x, idx, weights):
+def _op_args(module, x, idx, weights, stacks=0):
     """The op's arguments for one experts module, as moe_lora_experts_grouped builds them."""
     from moe_qlora.moe.experts import _frozen_experts
     from moe_qlora.moe.grouped_layer import op_inputs
@@ -27,30 +27,34 @@ def _op_args(module, x, idx, weights):
     from moe_qlora.moe.routing import route
 
     plan = MoEPlan(_frozen_experts(module), route(idx, 8), module.moe_lora.scale)
-    return op_inputs(x, weights, module.moe_lora.factors(), plan, "grouped_mm", None, True)
+    return op_inputs(x, weights, module.moe_lora.factors(), plan, "grouped_mm", None, True, decoded_stacks=stacks)
 
 
 # bf16 at rank 4: grouped_mm pads the rank to 8 (16 bytes) and slices it back, the case whose strides once
-# differed from the fake's; fp32: no padding.
+# differed from the fake's; fp32: no padding. stacks: the decoded stacks' outputs, none, their shapes only (a
+# checkpointed layer's first forward), the stacks (its recompute; the backward reads them).
+@pytest.mark.parametrize("stacks", [0, 1, 2], ids=["no_stacks", "stack_shapes", "kept_stacks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_registered_ops_pass_opcheck(quantized, dtype):
+def test_the_registered_ops_pass_opcheck(quantized, dtype, stacks):
     """Schema, fake (meta) shapes and strides, autograd registration and dispatch of moe_qlora::grouped_experts
     and of its backward op (whose dA1 is OUT_PROD_ID's transposed result)."""
     module = quantized.model.layers[0].mlp.experts
     assert module.gate_up_proj.quant_state.nested  # nested scales go through the op too
     idx, weights = routing_case("ragged", 7, 8, 2)
     x = torch.randn(7, 64, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_(True)
-    args = _op_args(module, x, idx, weights.to(dtype).requires_grad_(True))
+    args = _op_args(module, x, idx, weights.to(dtype).requires_grad_(True), stacks)
     torch.library.opcheck(
         grouped_experts_op, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration")
     )
     x, weights, lora, frozen, floats, ints, kernels, _ = args
-    _, h, p1, p2 = grouped_experts_op(*args)
+    _, h, p1, p2, gate_up, down = grouped_experts_op(*args)
+    held = gate_up.numel() > 0 and gate_up.stride(0) > 0  # the stack itself, not one zero expanded to its shape
+    assert (gate_up.numel() > 0, held) == (stacks > 0, stacks == 2)
     backward_args = (
         torch.randn_like(x),
         x.detach(),
         weights.detach(),
-        [h, p1, p2],
+        [h, p1, p2, gate_up, down],
         lora,
         frozen,
         floats,

@@ -60,9 +60,9 @@ def forward_and_backward(module, budget: int | None = None):
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     x, weights, lora, frozen, floats, ints, kernels, keep_h = on_fake_tensors(mode, op_arguments(module, budget))
     with mode:
-        out, h, p1, p2 = grouped_experts_op._init_fn(x, weights, lora, frozen, floats, ints, kernels, keep_h)
+        out, h, p1, p2, *stacks = grouped_experts_op._init_fn(x, weights, lora, frozen, floats, ints, kernels, keep_h)
         grads = grouped_experts_backward_op._init_fn(
-            torch.ones_like(out), x, weights, [h, p1, p2], lora, frozen, floats, ints, kernels
+            torch.ones_like(out), x, weights, [h, p1, p2, *stacks], lora, frozen, floats, ints, kernels
         )
     return out, grads
 

@@ -226,3 +226,43 @@ def test_grouped_mm_lora_gradients_of_experts_without_rows_are_zero(quantized, g
         monkeypatch.setattr(torch, "_grouped_mm", leaves_empty_groups_unwritten)
     ours, ref = run(quantized, "grouped_mm", "empty_experts")
     assert_all_close(ours, ref)
+
+
+def test_a_recomputed_layer_hands_its_decoded_stacks_to_its_backward(quantized, monkeypatch):
+    """Under activation checkpointing (torch.utils.checkpoint without reentrance, as training runs it), the grouped_mm
+    layer's recomputed forward runs inside the backward, decodes both stacks whole, and its own backward reads them
+    instead of decoding them again: 4 decodes a step, not 6. The gradients are bit for bit those of the layer that
+    decodes again (the same decode). Control: a first forward outside any backward keeps nothing."""
+    from torch.utils.checkpoint import checkpoint
+
+    from moe_qlora.moe import grouped_layer
+    from moe_qlora.moe.nf4 import NF4Stack
+
+    module = quantized.model.layers[0].mlp.experts
+    factors = module.moe_lora.factors()
+    idx, weights = routing_case("ragged", 13, 8, 2)
+    x = torch.randn(13, 64, generator=torch.Generator().manual_seed(5))
+    upstream = torch.randn(13, 64, generator=torch.Generator().manual_seed(7))
+    decodes = []
+    real_decode = NF4Stack.decode
+    monkeypatch.setattr(NF4Stack, "decode", lambda self, *a: decodes.append(self.shape) or real_decode(self, *a))
+
+    def step():
+        decodes.clear()
+        xi = x.clone().requires_grad_(True)
+        for p in factors:
+            p.grad = None
+        out = checkpoint(module, xi, idx, weights, use_reentrant=False)
+        (out * upstream).sum().backward()
+        return len(decodes), [xi.grad, *[p.grad.clone() for p in factors]]
+
+    set_moe_kernels(quantized, "grouped_mm")
+    try:
+        kept, grads = step()
+        monkeypatch.setattr(grouped_layer, "_recomputing", lambda: False)
+        again, grads_again = step()
+    finally:
+        set_moe_kernels(quantized, "torch")
+    assert (kept, again) == (4, 6)
+    for a, b in zip(grads, grads_again, strict=True):
+        assert torch.equal(a, b)

@@ -99,6 +99,17 @@ def _expert_of_rows(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.searchsorted(offsets[1:], rows, right=True)
 
 
+def _whole_stack(weight: GroupedWeight, dtype: torch.dtype, decoded: dict | None) -> torch.Tensor:
+    """W_e of every expert as (E, K, N): an NF4 stack decoded whole, or taken from `decoded` (stored layout, by the
+    weight's key) where this layer step decoded it already, and put there when `decoded` is given."""
+    if decoded is None or weight.key is None or weight.quant is None:
+        return _dense_experts(weight, 0, weight.shape[0], dtype)
+    stored = decoded.get(weight.key)
+    if stored is None:
+        stored = decoded[weight.key] = weight.quant.decode(0, weight.shape[0], dtype)
+    return stored.transpose(1, 2) if weight.transpose else stored
+
+
 def _dense_experts(weight: GroupedWeight, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
     """W_e as (hi - lo, K, N) for experts lo..hi-1: NF4 decoded into a fresh buffer, dense ones viewed."""
     if weight.quant is not None:
@@ -168,14 +179,15 @@ def decode_peak_bytes(shape, transpose: bool, blocksize: int, itemsize: int, bud
     return window * itemsize + gathered + numel // blocksize * 4 + rows * width * itemsize
 
 
-def _project(rows: torch.Tensor, weight: GroupedWeight, offsets: torch.Tensor, budget: int | None) -> torch.Tensor:
+def _project(rows, weight: GroupedWeight, offsets: torch.Tensor, budget: int | None, decoded: dict | None = None):
     """rows (S, K) sorted by expert -> (S, N) through each row's expert weight; an NF4 stack of more than
     `budget` bytes in the rows' dtype is decoded a window of columns at a time (_project_by_windows), or when it
-    cannot be, a chunk of experts at a time (_project_by_experts)."""
+    cannot be, a chunk of experts at a time (_project_by_experts). decoded: stacks decoded whole, shared by name
+    (_whole_stack)."""
     num_experts = weight.shape[0]
-    decoded = num_experts * weight.k * weight.n * rows.element_size()
-    if weight.quant is None or not budget or decoded <= budget:
-        return gmm_rows(rows, _dense_experts(weight, 0, num_experts, rows.dtype), _ends(offsets))
+    whole = num_experts * weight.k * weight.n * rows.element_size()
+    if weight.quant is None or not budget or whole <= budget:
+        return gmm_rows(rows, _whole_stack(weight, rows.dtype, decoded), _ends(offsets))
     width = window_columns(weight, rows.element_size(), budget)
     if width is not None:
         return _project_by_windows(rows, weight, offsets, width)
@@ -226,20 +238,24 @@ def grouped_matmul(
     bias=None,
     lora: LowRank | None = None,
     budget: int | None = None,
+    decoded: dict | None = None,
 ):
     """Y (S, N) = x[gather] @ W_e + bias[e] + c P @ L_e per expert e's rows; ops.grouped_matmul_reference's
-    contract with `offsets` an (E+1,) device tensor. budget: decoded-stack limit in bytes (None: none)."""
-    y, low = grouped_matmul_parts(x, weight, offsets, gather=gather, bias=bias, lora=lora, budget=budget)
+    contract with `offsets` an (E+1,) device tensor. budget: decoded-stack limit in bytes (None: none); decoded:
+    the layer step's stacks decoded whole, shared by name."""
+    y, low = grouped_matmul_parts(
+        x, weight, offsets, gather=gather, bias=bias, lora=lora, budget=budget, decoded=decoded
+    )
     return y if low is None else y.add_(low, alpha=lora.scale)
 
 
 def grouped_matmul_parts(
-    x, weight: GroupedWeight, offsets: torch.Tensor, *, gather=None, bias=None, lora=None, budget=None
+    x, weight: GroupedWeight, offsets: torch.Tensor, *, gather=None, bias=None, lora=None, budget=None, decoded=None
 ):
     """grouped_matmul's two GEMM outputs apart: (x[gather] @ W_e + bias[e], P @ L_e or None), so that the row step
     that reads Y next adds c times the second on its way (kernels/rows.py) instead of a pass of its own."""
     rows = x if gather is None else x.index_select(0, gather)
-    y = _project(rows, weight, offsets, budget)
+    y = _project(rows, weight, offsets, budget, decoded)
     if bias is not None:
         y += bias.to(y.dtype).index_select(0, _expert_of_rows(offsets, y.shape[0]))
     if lora is None:
@@ -249,9 +265,11 @@ def grouped_matmul_parts(
     )
 
 
-def grouped_matmul_silu_mul(x, weight, offsets, *, gather=None, bias=None, lora=None, keep_h=True, budget=None):
+def grouped_matmul_silu_mul(
+    x, weight, offsets, *, gather=None, bias=None, lora=None, keep_h=True, budget=None, decoded=None
+):
     """(h or None, silu(gate) * up) on a gate_up stack; grouped_matmul_silu_mul_reference's contract."""
-    h = grouped_matmul(x, weight, offsets, gather=gather, bias=bias, lora=lora, budget=budget)
+    h = grouped_matmul(x, weight, offsets, gather=gather, bias=bias, lora=lora, budget=budget, decoded=decoded)
     return (h if keep_h else None), silu_mul(h)
 
 

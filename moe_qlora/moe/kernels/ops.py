@@ -27,14 +27,15 @@ class GroupedWeight:
     shape: tuple[int, int, int]  # stored (E, R, C)
     transpose: bool
     quant: NF4Stack | MXFP4Stack | None = None
+    key: str | None = None  # the stack's name in a layer ("gate_up", "down"): its decode may be shared by name
 
     @classmethod
     def dense(cls, w: torch.Tensor, *, transpose: bool) -> GroupedWeight:
         return cls(w, tuple(w.shape), transpose)
 
     @classmethod
-    def quantized(cls, stack: NF4Stack | MXFP4Stack, *, transpose: bool) -> GroupedWeight:
-        return cls(stack.packed, tuple(stack.shape), transpose, stack)
+    def quantized(cls, stack: NF4Stack | MXFP4Stack, *, transpose: bool, key: str | None = None) -> GroupedWeight:
+        return cls(stack.packed, tuple(stack.shape), transpose, stack, key)
 
     @property
     def k(self) -> int:
