@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moe_qlora.moe.kernels import tiles  # noqa: E402
-from moe_qlora.moe.kernels.aot import capture_launches, compile_as_jit  # noqa: E402
+from moe_qlora.moe.kernels.aot import capture_launches, compile_as_jit, nvidia_tool, resource_usage  # noqa: E402
 
 SHAPES = {  # hidden, inter, E, top-k
     "qwen3-30b-a3b": (2048, 768, 128, 8),
@@ -41,12 +41,6 @@ GPUS = {
 }
 TOKENS, RANK = 2048, 16
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
-
-
-def nvidia_tool(name: str) -> str:
-    import triton
-
-    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
 def sass_of(cubin: bytes) -> tuple[list[str], dict[str, int]]:
@@ -242,22 +236,6 @@ def implied_ceilings(c: dict, loop_instructions: int, warps: int, arch: int) -> 
         "tensor_core_ceiling_pct": round(100 * mma_clocks / clocks, 1),
         "hbm_ceiling_pct": round(min(100.0, 100 * weight_bytes * gpu["sms"] / clocks / hbm_per_clock), 1),
     }
-
-
-def resource_usage(compiled) -> tuple[int, int]:
-    """(registers, spilled bytes: stack + local) from cuobjdump's resource usage of the cubin."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        text = subprocess.run(
-            [nvidia_tool("cuobjdump"), "-res-usage", f.name], check=True, capture_output=True, text=True
-        ).stdout
-
-    def figure(name):
-        m = re.search(rf"{name}:(\d+)", text)
-        return int(m.group(1)) if m else 0
-
-    return figure("REG"), figure("STACK") + figure("LOCAL")
 
 
 def main() -> None:

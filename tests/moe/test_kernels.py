@@ -678,9 +678,11 @@ def test_grouped_outer_product_compiles_for_ampere_and_hopper(compiled_variants,
 @pytest.mark.parametrize("step", ["silu_mul", "silu_mul_backward", "combine"])
 def test_the_row_steps_compile_for_ampere_and_hopper(compiled_variants, arch, dtype, step):
     """The row steps (kernels/rows.py) at Qwen3-30B-A3B's shapes with their LoRA terms: element-wise and row
-    reductions, no tensor cores, a few bytes of shared memory at most (the backward's row sum)."""
+    reductions, no tensor cores, a few bytes of shared memory at most (the backward's row sum), no spill (cuobjdump's
+    resource usage)."""
     r = compiled_variants[f"rows/{step}/{dtype}/sm_{arch}"]
     assert r["cubin_bytes"] > 1000 and not r["tensor_core_mma"] and r["shared_bytes"] <= 1024
+    assert r["spilled_bytes"] == 0 and r["registers"] <= 128  # room for 4 warps x 4 blocks on an SM
 
 
 def test_the_autotuner_keys_on_the_rows_per_expert_class(monkeypatch):

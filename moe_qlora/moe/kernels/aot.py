@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import subprocess
 import sys
+import tempfile
 import warnings
+from pathlib import Path
 
 # The variants compiled, each as one of a layer's real launches (capture_launches) at Qwen3-30B-A3B's shapes:
 # name: (launch, expert weights: "nf4", "nf4_nested" or "mxfp4"). The NF4 kernels with and without nested
@@ -57,9 +61,12 @@ def compile_all(archs: list[int]) -> list[dict]:
             named += [(f"rows/{launch.name}", launch) for launch in capture_row_launches(**row_shape, dtype=dtype)]
             for name, launch in named:
                 compiled = compile_as_jit(launch, arch)
+                registers, spilled = resource_usage(compiled)
                 results.append(
                     {
                         "variant": f"{name}/{dtype_name}/sm_{arch}",
+                        "registers": registers,
+                        "spilled_bytes": spilled,
                         "cubin_bytes": len(compiled.asm["cubin"]),
                         "tensor_core_mma": "mma" in compiled.asm["ptx"],
                         "shared_bytes": compiled.metadata.shared,
@@ -261,6 +268,29 @@ def capture_row_launches(*, hidden: int, inter: int, tokens: int, top_k: int, dt
         for name, kernel in real.items():
             setattr(row_kernels, name, kernel)
     return recorded
+
+
+def nvidia_tool(name: str) -> str:
+    """The path of one of NVIDIA's binary tools (cuobjdump, nvdisasm) shipped inside triton's wheel."""
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def resource_usage(compiled) -> tuple[int, int]:
+    """(registers, spilled bytes: stack + local) from cuobjdump's resource usage of the cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        text = subprocess.run(
+            [nvidia_tool("cuobjdump"), "-res-usage", f.name], check=True, capture_output=True, text=True
+        ).stdout
+
+    def figure(name):
+        m = re.search(rf"{name}:(\d+)", text)
+        return int(m.group(1)) if m else 0
+
+    return figure("REG"), figure("STACK") + figure("LOCAL")
 
 
 def compile_as_jit(launch: Launch, arch: int):
