@@ -264,6 +264,13 @@ def path_taken(kernels: str, rows: int, num_experts: int) -> str:
     return call_path(kernels, rows, num_experts, ModelSection.model_fields["fused_below_rows"].default)
 
 
+def out_of_time_row(shape_name: str, tokens: int, rank: int, contender: str) -> dict:
+    return {"shape": shape_name, "tokens": tokens, "rank": rank, "contender": contender, "skipped": OUT_OF_TIME}
+
+
+OUT_OF_TIME = "not measured: out of time"
+
+
 def bench_shape(shape_name, dims, token_counts, *, device, dtype, rank, repeats, only=None, deadline=None):
     """Every contender (or those named in `only`) at every token count for one layer shape; each layer is built
     (and quantized, on the device) once and reused across token counts. A token count reached after `deadline`
@@ -274,24 +281,23 @@ def bench_shape(shape_name, dims, token_counts, *, device, dtype, rank, repeats,
 
     hidden, inter, num_experts, top_k = dims
     cuda = device == "cuda"
+    contenders = [c for c in CONTENDERS if only is None or c[0] in only]
+
+    def out_of_time():
+        return deadline is not None and time.monotonic() > deadline
+
+    if out_of_time():  # read before the layers are built: building a real shape takes seconds
+        return [
+            out_of_time_row(shape_name, tokens, rank, name) for tokens in token_counts for name, *_ in contenders
+        ], {}
     ours_layer = ours(*experts_module(*dims, torch.float32, device), "torch", rank)
     peft_layer = peft(*experts_module(*dims, dtype, device), "grouped_mm", rank)
     peft_reference = copy.deepcopy(peft_layer).float()
     experts_config(peft_reference)._experts_implementation = "eager"
     rows, rooflines = [], {}
-    contenders = [c for c in CONTENDERS if only is None or c[0] in only]
     for tokens in token_counts:
-        if deadline is not None and time.monotonic() > deadline:
-            rows += [
-                {
-                    "shape": shape_name,
-                    "tokens": tokens,
-                    "rank": rank,
-                    "contender": name,
-                    "skipped": "not measured: out of time",
-                }
-                for name, _, _ in contenders
-            ]
+        if out_of_time():
+            rows += [out_of_time_row(shape_name, tokens, rank, name) for name, *_ in contenders]
             continue
         g = torch.Generator().manual_seed(1)
         x = torch.randn(tokens, hidden, generator=g).to(device, dtype)

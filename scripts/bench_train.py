@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))  # bench_presets, step_roofline
 
 from bench_presets import PRESETS, ensure_checkpoint  # noqa: E402
+from worker_runs import emit, run_worker  # noqa: E402
 
 CONTENDERS = [
     "moe-qlora",
@@ -308,21 +309,32 @@ class Contender:
         }
 
 
-def worker(name: str, args) -> list[dict]:
+def worker(name: str, args) -> None:
     """Runs in the subprocess, alone (GPU, or --sequential): load once, then at each of args.seqs time `steps`
-    training steps after one warm-up step. A length that runs out of device memory says so, and the next
-    one still runs."""
+    training steps after one warm-up step, each length's figures handed to the driver as soon as they are
+    measured (a time limit keeps the lengths done). A length that runs out of device memory says so, and the
+    next one still runs."""
     c = Contender(name, args.preset, args.seqs[0], not args.single_quant, args.loss_chunk, args.device)
-    results = []
     for seq in args.seqs:
+        _hang_if_asked(name, seq)
         try:
             c.use_seq(seq)
             times = [c.step() for _ in range(args.steps + 1)][1:]
-            results.append(c.result(times, profile=args.roofline))
+            emit(c.result(times, profile=args.roofline))
         except torch.OutOfMemoryError as exc:
             c.opt.zero_grad(set_to_none=True)
-            results.append({"contender": name, "seq": seq, "error": f"out of memory: {str(exc).splitlines()[0]}"})
-    return results
+            emit({"contender": name, "seq": seq, "error": f"out of memory: {str(exc).splitlines()[0]}"})
+
+
+# The tests' stand-in for a contender that never finishes a length: BENCH_TRAIN_HANG_AT=NAME:SEQ makes contender
+# NAME wait forever before SEQ (scripts/perf.py's time limits are tested with it).
+HANG_AT = "BENCH_TRAIN_HANG_AT"
+
+
+def _hang_if_asked(name: str, seq: int) -> None:
+    if os.environ.get(HANG_AT) == f"{name}:{seq}":
+        while True:
+            time.sleep(60)
 
 
 REPLY = "@bench_train "  # starts every line of the turn protocol on a --serve worker's stdout (other lines: not)
@@ -460,18 +472,13 @@ WORKER_ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
 
 
 def run_contender(name, args, timeout: float | None = None) -> list[dict]:
-    """Contender `name` alone in a subprocess: a result per sequence length, or one error naming what stopped
-    it (its last line of stderr; `timeout` seconds passed)."""
-    try:
-        proc = subprocess.run(
-            worker_command(name, args, "--worker"), env=WORKER_ENV, capture_output=True, text=True, timeout=timeout
-        )
-    except subprocess.TimeoutExpired:
-        return [{"contender": name, "error": f"not measured: still running after {timeout:.0f} s"}]
-    if proc.returncode != 0:
-        why = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exited with {proc.returncode}"
-        return [{"contender": name, "error": why}]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """Contender `name` alone in a subprocess: a result per sequence length it finished, then, if it stopped
+    early (an error, or `timeout` seconds passed), one error row per length it did not finish, naming why."""
+    run = run_worker(worker_command(name, args, "--worker"), timeout=timeout, env=WORKER_ENV)
+    done = {r["seq"] for r in run.records}
+    if run.error is None:
+        return run.records
+    return run.records + [{"contender": name, "seq": seq, "error": run.error} for seq in args.seqs if seq not in done]
 
 
 class TurnTaker:
@@ -785,7 +792,7 @@ def main():
         if args.serve:
             serve(args.serve, args)
         else:
-            print(json.dumps(worker(args.worker, args)))
+            worker(args.worker, args)
         return
     path = ensure_checkpoint(args.preset, args.device)
     args.only = contenders_for(args.device, args.only)

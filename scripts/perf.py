@@ -63,8 +63,23 @@ FULL = dict(
     preset="qwen3-30b-a3b-8l",
     seqs=[4096, 8192, 16384],
     steps=2,
+    # a training contender given less than train_min_s is not started (loading the 8-layer preset alone takes
+    # about that); ours and what users run instead are given train_floor_s at least, when that much is left
+    # (below it the weighted share cuts off the 16k length first)
+    train_min_s=30,
+    train_floor_s=90,
 )
-TINY = dict(shapes=["qwen3-30b-a3b"], tokens=[32], ranks=[8], shrink=32, preset="tiny-qwen3", seqs=[64, 128], steps=1)
+TINY = dict(
+    shapes=["qwen3-30b-a3b"],
+    tokens=[32],
+    ranks=[8],
+    shrink=32,
+    preset="tiny-qwen3",
+    seqs=[64, 128],
+    steps=1,
+    train_min_s=5,
+    train_floor_s=10,
+)
 
 
 def commit() -> str:
@@ -174,12 +189,18 @@ def train_summary(train: list[dict]) -> list[dict]:
 
 
 class PerfRun:
-    """One run's figures, rewritten to `json_path` after every part."""
+    """One run's figures, rewritten to `json_path` after every part.
+
+    The budget holds for the whole run: prepare() first builds what the training part needs (its checkpoint,
+    generated on the device the first time, and `plan`'s totals) and times it; the parts then share what is
+    left by the fractions deadline() takes, so a cold start shortens every part a little, not the training
+    part alone."""
 
     def __init__(self, args, plan: dict):
         self.args, self.plan = args, plan
         self.device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
-        self.start = time.monotonic()
+        self.start = self.parts_start = time.monotonic()
+        self.train_setup = None
         self.doc = {
             "device": device_name(self.device),
             "commit": commit(),
@@ -191,8 +212,32 @@ class PerfRun:
             "not_measured": [],
         }
 
+    def prepare(self) -> None:
+        """The training part's checkpoint and plans, before the parts' clock starts; the device memory it took
+        handed back."""
+        t0 = time.monotonic()
+        preset, seqs = self.plan["preset"], self.plan["seqs"]
+        args = SimpleNamespace(
+            preset=preset,
+            seqs=seqs,
+            steps=self.plan["steps"],
+            loss_chunk=1024,
+            device=self.device,
+            single_quant=False,
+            roofline=False,
+        )
+        path = bench_train.ensure_checkpoint(preset, self.device)
+        plans = {seq: bench_train.planned_bytes(path, args, seq) for seq in seqs}
+        self.train_setup = (args, plans)
+        release_device_memory(self.device)
+        self.doc["prepare_s"] = round(time.monotonic() - t0, 1)
+        self.parts_start = time.monotonic()
+        self.save()
+
     def deadline(self, share: float) -> float:
-        return self.start + share * self.args.budget_s
+        """When the parts' first `share` of the time left after prepare() ends."""
+        left = max(0.0, self.args.budget_s - (self.parts_start - self.start))
+        return self.parts_start + share * left
 
     def save(self) -> None:
         self.doc["elapsed_s"] = round(time.monotonic() - self.start, 1)
@@ -228,33 +273,48 @@ class PerfRun:
             )
             self.doc["layer"] += [layer_record(r) for r in rows]
             self.save()
+        release_device_memory(self.device)
 
     def train(self, deadline: float) -> None:
-        """Each training contender in a process of its own, loaded once for every sequence length; one that
-        cannot import or load says why."""
-        preset, seqs = self.plan["preset"], self.plan["seqs"]
-        args = SimpleNamespace(
-            preset=preset,
-            seqs=seqs,
-            steps=self.plan["steps"],
-            loss_chunk=1024,
-            device=self.device,
-            single_quant=False,
-            roofline=False,
-        )
-        path = bench_train.ensure_checkpoint(preset, self.device)
-        plans = {seq: bench_train.planned_bytes(path, args, seq) for seq in seqs}
+        """Each training contender in a process of its own, loaded once for every sequence length, each length's
+        figures kept as they come; one that cannot import or load, or runs out of its time, says why."""
+        args, plans = self.train_setup
+        preset = self.plan["preset"]
+        release_device_memory(self.device)
+        self.doc["parent_reserved_mib_during_train"] = reserved_mib(self.device)
         names = bench_train.contenders_for(self.device, TRAIN_CONTENDERS)
-        weights = [TRAIN_WEIGHTS.get(name, 1) for name in names]
         for i, name in enumerate(names):
-            # each contender's weighted share of what is left (what one leaves goes to the next)
-            share = (deadline - time.monotonic()) * weights[i] / sum(weights[i:])
-            if share < 30:
-                results = [{"contender": name, "error": "not measured: out of time"}]
+            weights = [TRAIN_WEIGHTS.get(n, 1) for n in names[i:]]
+            share = train_share(deadline - time.monotonic(), weights, self.plan["train_floor_s"])
+            if share < self.plan["train_min_s"]:
+                results = [{"contender": name, "seq": seq, "error": "not measured: out of time"} for seq in args.seqs]
             else:
                 results = bench_train.run_contender(name, args, timeout=share)
             self.doc["train"] += [train_record(r, preset, plans) for r in results]
             self.save()
+
+
+def train_share(left_s: float, weights: list[float], floor_s: float) -> float:
+    """The first of the contenders' time: its weighted share of `left_s`, raised to `floor_s` (or all that is
+    left, if less) for a contender of weight above 1; what one leaves goes to the next."""
+    share = left_s * weights[0] / sum(weights)
+    if weights[0] > 1:
+        share = max(share, min(floor_s, left_s))
+    return share
+
+
+def release_device_memory(device: str) -> None:
+    """The parent's cached device memory handed back, so the training contenders' processes have the GPU to
+    themselves (bar this process's CUDA context) and measure their own peaks."""
+    import gc
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def reserved_mib(device: str) -> float | None:
+    return round(torch.cuda.memory_reserved() / 2**20, 1) if device == "cuda" else None
 
 
 def _version(module: str) -> str | None:
@@ -298,6 +358,8 @@ def main():
     ap.add_argument("--only", choices=["layer", "train"], help="one part")
     args = ap.parse_args()
     run = PerfRun(args, TINY if args.tiny else FULL)
+    if args.only != "layer":
+        run.prepare()
     first, *later = run.plan["ranks"]
     if args.only != "train":
         run.layers(first, run.deadline(0.4))

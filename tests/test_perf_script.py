@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import bench_train  # noqa: E402
 import perf  # noqa: E402
 
 
@@ -118,3 +119,48 @@ def test_train_records_and_summary_compare_with_peft_and_the_plan():
     summary = {r["contender"]: r for r in perf.train_summary([*records, failed])}
     assert summary["moe-qlora"]["x_peft_tokens_per_s"] == 2.0 and summary["moe-qlora"]["x_peft_reserved"] == 0.44
     assert "unsloth" not in summary
+
+
+def test_the_budget_holds_from_a_cold_start_with_a_contender_that_hangs(tmp_path):
+    """The training part from an empty cache (the checkpoint generated inside the run) with moe-qlora hanging
+    before its second length: the run ends within its budget, moe-qlora's finished length is kept and the
+    unfinished one says it ran out of time, and the next contender still gets its share. Control: the cache
+    is empty (the checkpoint is built by this run) and the hang really held moe-qlora past its share."""
+    budget = 60
+    env = os.environ | {"MOE_QLORA_CACHE": str(tmp_path / "cache"), bench_train.HANG_AT: "moe-qlora:128"}
+    out = tmp_path / "perf.json"
+    cmd = [
+        sys.executable,
+        "scripts/perf.py",
+        "--tiny",
+        "--only",
+        "train",
+        "--budget-s",
+        str(budget),
+        "--json",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3 * budget)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert (tmp_path / "cache" / "bench-tiny-qwen3" / "config.json").exists() and doc["prepare_s"] > 0
+    # 10 s of slack: the contender running at the deadline is stopped at its share's end, at most a poll later
+    assert doc["elapsed_s"] <= budget + 10
+    rows = {(r["contender"], r["seq"]): r for r in doc["train"]}
+    assert rows["moe-qlora", 64]["tokens_per_s"] > 0
+    assert rows["moe-qlora", 128]["not_measured"].startswith("not measured: still running after")
+    assert rows[perf.PEFT_TRAIN, 64]["tokens_per_s"] > 0
+    assert {(r["contender"], r["seq"]) for r in doc["not_measured"]} >= {("moe-qlora", 128)}
+
+
+@pytest.mark.parametrize(
+    ("left", "weights", "share"),
+    [
+        (400.0, [3, 3, 1, 1], 150.0),  # the weighted share, above the floor
+        (160.0, [3, 3, 1, 1], 90.0),  # 60 s weighted, raised to the 90 s floor
+        (50.0, [3, 1, 1], 50.0),  # the floor cut to what is left
+        (40.0, [1, 1], 20.0),  # a contender of weight 1 gets no floor
+    ],
+)
+def test_each_training_contender_gets_its_share_and_the_target_two_a_floor(left, weights, share):
+    assert perf.train_share(left, weights, perf.FULL["train_floor_s"]) == share
