@@ -40,7 +40,11 @@ def dev() -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests need CUDA: on a machine without it they are skipped, saying so."""
+    """`gpu` tests need CUDA: on a machine without it they are skipped, saying so. A test of the ahead-of-time
+    compiles (fixture `compiled_variants`) is a CPU's check: marked `cpu_only`, which the GPU stages leave out."""
+    for item in items:
+        if "compiled_variants" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cpu_only)
     if torch.cuda.is_available():
         return
     reason = (

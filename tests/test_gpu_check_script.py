@@ -43,3 +43,29 @@ def test_a_failing_stage_says_fail(tmp_path):
     assert (tmp_path / "verdicts.txt").read_text() == "FAIL  preflight\n"
     proc = subprocess.run(["bash", "scripts/gpu_check.sh", "nonsense"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown stage" in proc.stderr
+
+
+def collected(*args: str) -> set[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return {line for line in proc.stdout.splitlines() if "::" in line}
+
+
+def test_the_kernels_stage_leaves_out_every_ahead_of_time_compile():
+    """The `kernels` stage runs tests/moe/test_kernels.py on the GPU without its CPU-only tests: none of the AOT
+    compiles (the row steps' among them, which a name filter once let through) nor the stubbed-launcher runs.
+    Read from the stage's own command, collected as pytest would run it."""
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--stages"], cwd=ROOT, capture_output=True, text=True)
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("kernels ")]
+    marker = re.search(r"-m '([^']+)'", line).group(1)
+    stage = collected("-m", marker, "tests/moe/test_kernels.py")
+    cpu_only = collected("-m", "cpu_only", "tests/moe/test_kernels.py")
+    aot = {t for t in collected("tests/moe/test_kernels.py") if re.search(r"compiles?_for", t)}
+    assert stage and not stage & cpu_only
+    assert any("row_steps_compile_for" in t for t in aot) and aot <= cpu_only

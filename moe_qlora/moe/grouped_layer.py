@@ -9,6 +9,7 @@ traces a whole MoE block without a graph break. Shape letters as in reference_la
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from moe_qlora.moe.grouped_ops import (
     GroupedOps,
@@ -181,8 +182,27 @@ def moe_lora_experts_grouped(
 # What grouped_experts_op returns of the stacks grouped_mm decoded whole (ints[9]): nothing; tensors of their shapes
 # that hold nothing (one zero, expanded); or the stacks, which the backward then reads instead of decoding them
 # again. A checkpointed layer's first forward and its recompute must save tensors of the same shapes
-# (torch.utils.checkpoint checks), so the first returns the shapes and the recompute the stacks.
+# (torch.utils.checkpoint checks), so the first returns the shapes and the recompute the stacks. Which of the two
+# the backward got is said by a host flag saved beside them, never read off the tensors: a saved-tensor hook
+# that stores tensors densely (torch.autograd.graph.save_on_cpu, activation offload) turns the expanded zero into
+# a stack of zeros that looks like a real one.
 NO_STACKS, STACK_SHAPES, KEPT_STACKS = 0, 1, 2
+
+
+def _host_flag(value: bool) -> torch.Tensor:
+    """A () bool tensor on the host holding `value`, real even under FakeTensorMode (its value is known on the
+    host, so reading it back is no device read)."""
+    with unset_fake_temporarily():
+        return torch.tensor(value)
+
+
+def _read_host_flag(flag: torch.Tensor) -> bool:
+    """_host_flag's value, read without a device sync (the flag lives on the host). A fake flag (a compiled graph's
+    trace, which never runs the real backward) reads as not kept."""
+    if is_fake(flag):
+        return False
+    with unset_fake_temporarily():
+        return bool(flag)
 
 
 def _recomputing() -> bool:
@@ -283,9 +303,9 @@ def grouped_experts_op(
     ints: list[int],
     kernels: str,
     keep_h: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out (T, H), h (S, 2I) or (0, 2I), p1 (S, r), p2 (S, r), gate_up, down); r = 0 without LoRA; the stacks as
-    ints[9] asks (_decoded_stacks)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out (T, H), h (S, 2I) or (0, 2I), p1 (S, r), p2 (S, r), gate_up, down, kept ()); r = 0 without LoRA; the
+    stacks as ints[9] asks (_decoded_stacks), and kept (a host bool) says whether they are the stacks."""
     plan = _plan_from(frozen, floats, ints, routing_weights.shape[1])
     decoded = {} if ints[9] == KEPT_STACKS else None
     ops = _ops_from(kernels, ints, decoded)
@@ -293,7 +313,7 @@ def grouped_experts_op(
     h = h if h is not None else x.new_empty(0, plan.experts.up_width)
     no_rank = x.new_empty(routing_weights.numel(), 0)
     outputs = (out, h, p1 if p1 is not None else no_rank, p2 if p2 is not None else no_rank.clone())
-    return *(_as_faked(t) for t in outputs), *_decoded_stacks(x, ints, decoded)
+    return *(_as_faked(t) for t in outputs), *_decoded_stacks(x, ints, decoded), _host_flag(decoded is not None)
 
 
 def _decoded_stacks(x: torch.Tensor, ints, decoded: dict | None) -> list[torch.Tensor]:
@@ -325,6 +345,7 @@ def _grouped_experts_fake(x, routing_weights, lora, frozen, floats, ints, kernel
         x.new_empty(rows, rank),
         x.new_empty(rows, rank),
         *(kept or _decoded_stacks(x, ints, None)),
+        torch.empty((), dtype=torch.bool, device="cpu"),
     )
 
 
@@ -340,14 +361,13 @@ def grouped_experts_backward_op(
     ints: list[int],
     kernels: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad x, grad routing weights, dA1, dB1, dA2, dB2) from the forward's saved (h, p1, p2, and the stacks it
-    decoded whole or two (0,)); the last four (0,) without LoRA."""
+    """(grad x, grad routing weights, dA1, dB1, dA2, dB2) from the forward's saved (h, p1, p2, the stacks it
+    decoded whole or their placeholders, and its kept flag); the last four (0,) without LoRA."""
     plan = _plan_from(frozen, floats, ints, routing_weights.shape[1])
-    h, p1, p2, gate_up, down = saved
-    # the stacks themselves, not expanded zeros: a checkpointed layer's backward node and its ints are its first
-    # forward's, while its saved tensors are the recompute's
-    kept = gate_up.numel() > 0 and gate_up.stride(0) > 0
-    decoded = {"gate_up": gate_up, "down": down} if kept else None
+    h, p1, p2, gate_up, down, kept = saved
+    # the flag, not ctx.ints: a checkpointed layer's backward node and its ints are its first forward's, while its
+    # saved tensors (the flag among them) are the recompute's
+    decoded = {"gate_up": gate_up, "down": down} if _read_host_flag(kept) else None
     has_lora = lora[0] is not None
     grads = grouped_backward(
         grad_out,
@@ -374,16 +394,16 @@ def _grouped_experts_backward_fake(grad_out, x, routing_weights, saved, lora, fr
 
 def _setup_context(ctx, inputs, output):
     x, routing_weights, lora, frozen, floats, ints, kernels, _ = inputs
-    _, h, p1, p2, gate_up, down = output
+    _, h, p1, p2, gate_up, down, kept = output
     ctx.floats, ctx.ints, ctx.kernels, ctx.num_frozen = floats, ints, kernels, len(frozen)
-    ctx.save_for_backward(x, routing_weights, h, p1, p2, gate_up, down, *lora, *frozen)
+    ctx.save_for_backward(x, routing_weights, h, p1, p2, gate_up, down, kept, *lora, *frozen)
 
 
 def _grouped_experts_backward(ctx, grad_out, *_grad_saved):
-    x, routing_weights, h, p1, p2, gate_up, down, *rest = ctx.saved_tensors
-    lora, frozen = rest[:4], rest[4:]
+    x, routing_weights, *saved = ctx.saved_tensors
+    saved, lora, frozen = saved[:6], saved[6:10], saved[10:]
     grads = grouped_experts_backward_op(
-        grad_out, x, routing_weights, [h, p1, p2, gate_up, down], lora, frozen, ctx.floats, ctx.ints, ctx.kernels
+        grad_out, x, routing_weights, saved, lora, frozen, ctx.floats, ctx.ints, ctx.kernels
     )
     lora_grads = [g if p is not None else None for g, p in zip(grads[2:], lora, strict=True)]
     return grads[0], grads[1], lora_grads, None, None, None, None, None

@@ -47,14 +47,15 @@ def test_the_registered_ops_pass_opcheck(quantized, dtype, stacks):
         grouped_experts_op, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration")
     )
     x, weights, lora, frozen, floats, ints, kernels, _ = args
-    _, h, p1, p2, gate_up, down = grouped_experts_op(*args)
+    _, h, p1, p2, gate_up, down, kept = grouped_experts_op(*args)
     held = gate_up.numel() > 0 and gate_up.stride(0) > 0  # the stack itself, not one zero expanded to its shape
-    assert (gate_up.numel() > 0, held) == (stacks > 0, stacks == 2)
+    assert (gate_up.numel() > 0, held, bool(kept)) == (stacks > 0, stacks == 2, stacks == 2)
+    assert kept.device.type == "cpu"  # read by the backward without waiting for the device
     backward_args = (
         torch.randn_like(x),
         x.detach(),
         weights.detach(),
-        [h, p1, p2, gate_up, down],
+        [h, p1, p2, gate_up, down, kept],
         lora,
         frozen,
         floats,

@@ -530,6 +530,7 @@ def test_launch_goes_through_the_autotuner_unless_switched_off(monkeypatch, over
     assert (plain_kw["num_warps"], plain_kw["num_stages"]) == (default.num_warps, default.num_stages)
 
 
+@pytest.mark.cpu_only
 def test_the_autotuner_is_built_over_the_architectures_candidates():
     """Triton's autotuner wraps the real kernel (compiled, so outside the interpreter) with one Config per
     candidate and the shape and variant keys."""
@@ -761,6 +762,7 @@ print(json.dumps({"launches": out, "timed": len(timed)}))
 """
 
 
+@pytest.mark.cpu_only
 def test_launchers_run_as_on_a_gpu_through_the_autotuner():
     """A whole layer's forward and backward through the launchers as a GPU runs them: compiled kernels (no
     TRITON_INTERPRET), autotuning on, Triton's own Autotuner timing every serving candidate, with only the
@@ -827,6 +829,7 @@ print(json.dumps(rows))
 """
 
 
+@pytest.mark.cpu_only
 def test_mma_kind_is_what_the_compiler_emits_on_sm_90():
     """tiles.mma_kind, which keeps the autotuner's candidates to the default's instruction, against the PTX of
     every sm_90 candidate that serves Qwen3-30B-A3B's down projection, compiled as the JIT specializes it, in

@@ -232,37 +232,51 @@ def test_a_recomputed_layer_hands_its_decoded_stacks_to_its_backward(quantized, 
     """Under activation checkpointing (torch.utils.checkpoint without reentrance, as training runs it), the grouped_mm
     layer's recomputed forward runs inside the backward, decodes both stacks whole, and its own backward reads them
     instead of decoding them again: 4 decodes a step, not 6. The gradients are bit for bit those of the layer that
-    decodes again (the same decode). Control: a first forward outside any backward keeps nothing."""
+    decodes again (the same decode). Control: a first forward outside any backward keeps nothing.
+
+    Saved tensors stored densely on the host (save_on_cpu on a GPU, activation offload) turn the first forward's
+    placeholders into stacks of zeros: the backward still tells them from the stacks, by the flag saved with them,
+    and decodes again (a backward that judged by the tensors' strides took the zeros for weights)."""
     from torch.utils.checkpoint import checkpoint
 
     from moe_qlora.moe import grouped_layer
     from moe_qlora.moe.nf4 import NF4Stack
 
     module = quantized.model.layers[0].mlp.experts
+    dev = module.gate_up_proj.device
     factors = module.moe_lora.factors()
-    idx, weights = routing_case("ragged", 13, 8, 2)
-    x = torch.randn(13, 64, generator=torch.Generator().manual_seed(5))
-    upstream = torch.randn(13, 64, generator=torch.Generator().manual_seed(7))
+    idx, weights = (t.to(dev) for t in routing_case("ragged", 13, 8, 2))
+    x = torch.randn(13, 64, generator=torch.Generator().manual_seed(5)).to(dev)
+    upstream = torch.randn(13, 64, generator=torch.Generator().manual_seed(7)).to(dev)
     decodes = []
     real_decode = NF4Stack.decode
     monkeypatch.setattr(NF4Stack, "decode", lambda self, *a: decodes.append(self.shape) or real_decode(self, *a))
 
-    def step():
+    def offloaded(*args):
+        # what save_on_cpu(pin_memory=True) does on a GPU: each saved tensor copied into a new dense host tensor
+        # (on a CPU save_on_cpu keeps host tensors as they are)
+        def pack(t):
+            return t.device, torch.empty(t.shape, dtype=t.dtype).copy_(t)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda packed: packed[1].to(packed[0])):
+            return module(*args)
+
+    def step(run):
         decodes.clear()
         xi = x.clone().requires_grad_(True)
         for p in factors:
             p.grad = None
-        out = checkpoint(module, xi, idx, weights, use_reentrant=False)
-        (out * upstream).sum().backward()
+        (run(xi) * upstream).sum().backward()
         return len(decodes), [xi.grad, *[p.grad.clone() for p in factors]]
 
     set_moe_kernels(quantized, "grouped_mm")
     try:
-        kept, grads = step()
+        kept, grads = step(lambda xi: checkpoint(module, xi, idx, weights, use_reentrant=False))
+        dense, grads_dense = step(lambda xi: offloaded(xi, idx, weights))
         monkeypatch.setattr(grouped_layer, "_recomputing", lambda: False)
-        again, grads_again = step()
+        again, grads_again = step(lambda xi: checkpoint(module, xi, idx, weights, use_reentrant=False))
     finally:
         set_moe_kernels(quantized, "torch")
-    assert (kept, again) == (4, 6)
-    for a, b in zip(grads, grads_again, strict=True):
-        assert torch.equal(a, b)
+    assert (kept, dense, again) == (4, 4, 6)
+    for a, b, c in zip(grads, grads_dense, grads_again, strict=True):
+        assert torch.equal(a, c) and torch.equal(b, c)
