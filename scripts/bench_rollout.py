@@ -41,7 +41,6 @@ import functools
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_presets import PRESETS, ensure_checkpoint  # noqa: E402
+from worker_runs import emit, run_worker  # noqa: E402
 
 CONTENDERS = ["moe-qlora", "transformers+bnb+peft", "transformers+bnb"]
 PHASES = ("generation", "scoring", "update")
@@ -331,7 +331,8 @@ def transformers_worker(cfg, name: str, steps: int, experts: str | None) -> dict
 # ------------------------------------------------------------------------------------------ the driver
 
 
-def run_contender(name: str, args) -> dict:
+def run_contender(name: str, args, timeout: float | None = None) -> dict:
+    """Contender `name` in a subprocess of its own, for at most `timeout` seconds: its figures, or why not."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     cmd = [
         sys.executable,
@@ -356,11 +357,17 @@ def run_contender(name: str, args) -> dict:
         str(args.threads),
     ]
     cmd += ["--hf-experts", args.hf_experts] if args.hf_experts else []
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
-    if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines()
-        return {"contender": name, "error": lines[-1] if lines else f"exit status {proc.returncode}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    run = run_worker(cmd, timeout=timeout, env=env, cwd=ROOT)
+    if run.error is not None or not run.records:
+        return {"contender": name, "error": run.error or "handed over no figures"}
+    return run.records[-1]
+
+
+def contender_timeout(budget_s: float | None, start: float, contenders_left: int) -> float | None:
+    """An equal share of what is left of `budget_s` (None: no limit); what one contender leaves goes to the next."""
+    if budget_s is None:
+        return None
+    return max(0.0, budget_s - (time.monotonic() - start)) / contenders_left
 
 
 def holds(r: dict) -> str:
@@ -455,7 +462,13 @@ def parse_args():
         choices=["eager", "grouped_mm", "batched_mm"],
         help="transformers' experts_implementation (default: its own choice)",
     )
-    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--json", type=Path, help="also write the results here (rewritten after each contender)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        help="seconds for the whole run, the checkpoint included: each contender is given an equal share of what "
+        "is left, and one still running at its share's end is stopped and said not measured (default: no limit)",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--prompts-file", type=Path, help=argparse.SUPPRESS)
     return ap.parse_args()
@@ -474,14 +487,27 @@ def main() -> None:
             if args.worker == "moe-qlora"
             else transformers_worker(cfg, args.worker, args.steps, args.hf_experts)
         )
-        print(json.dumps(run))
+        emit(run)
         return
+    start = time.monotonic()
     if args.preset:
-        args.model = str(ensure_checkpoint(args.preset))
+        args.model = str(ensure_checkpoint(args.preset, args.device))  # drawn on the GPU: seconds, not minutes
+    results = []
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp:
         args.prompts_file = write_prompts(Path(tmp) / "prompts.jsonl", args.prompts)
-        results = [run_contender(name, args) for name in args.only]
+        for i, name in enumerate(args.only):
+            results.append(run_contender(name, args, contender_timeout(args.budget_s, start, len(args.only) - i)))
+            save(args, results)
     print_tables(results, args)
+    payload = save(args, results)
+    print(json.dumps(payload))
+    if any("error" in r for r in results):
+        sys.exit(1)
+
+
+def save(args, results: list[dict]) -> dict:
+    """The run's JSON (to --json, atomically, after every contender: a stage stopped by its timeout keeps what
+    was measured)."""
     payload = {
         "model": args.model,
         "device": args.device,
@@ -490,14 +516,15 @@ def main() -> None:
         "max_new_tokens": args.max_new_tokens,
         "steps": args.steps,
         "threads": args.threads,
+        "budget_s": args.budget_s,
         "torch": torch.__version__,
         "results": results,
     }
-    print(json.dumps(payload))
     if args.json:
-        args.json.write_text(json.dumps(payload, indent=2))
-    if any("error" in r for r in results):
-        sys.exit(1)
+        from moe_qlora.common.fileio import atomic_write_text
+
+        atomic_write_text(args.json, json.dumps(payload, indent=2))
+    return payload
 
 
 if __name__ == "__main__":

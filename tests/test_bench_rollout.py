@@ -54,3 +54,28 @@ def test_bench_rollout_splits_a_step_and_counts_generated_tokens(tmp_path):
         assert 0 < r["tokens"] <= PROMPTS * GROUP * NEW_TOKENS
         assert 0 < r["decode_steps"] <= NEW_TOKENS and r["tokens_per_s"] > 0
     assert ours["param_mib"]["experts_nf4"] > 0 and rows["transformers+bnb+peft"]["param_mib"]["experts_dense"] > 0
+
+
+def test_a_contender_past_its_share_of_the_budget_is_stopped_and_what_ran_is_kept(tmp_path):
+    """--budget-s 2: each contender is stopped at the end of its share (the first 1 s, the second what is left),
+    each says so in the JSON, written as each one ends, and the run exits 1."""
+    out = tmp_path / "rollout.json"
+    cmd = [sys.executable, "scripts/bench_rollout.py", "--budget-s", "2", "--only", "moe-qlora", "transformers+bnb"]
+    proc = subprocess.run([*cmd, "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    payload = json.loads(out.read_text())
+    assert payload["budget_s"] == 2
+    assert [r["contender"] for r in payload["results"]] == ["moe-qlora", "transformers+bnb"]
+    assert all(r["error"].startswith("not measured: still running after") for r in payload["results"])
+
+
+def test_each_contender_gets_an_equal_share_of_what_is_left():
+    import time
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_rollout
+
+    start = time.monotonic()
+    assert bench_rollout.contender_timeout(None, start, 3) is None
+    assert bench_rollout.contender_timeout(300, start, 3) == pytest.approx(100, abs=1)
+    assert bench_rollout.contender_timeout(300, start - 600, 2) == 0
