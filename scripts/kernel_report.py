@@ -87,6 +87,66 @@ def _is_mma(op: str) -> bool:
     return op.startswith(("HMMA", "HGMMA", "WGMMA", "IMMA"))
 
 
+def mma_feed(loop: list[str]) -> dict:
+    """How the K loop feeds the tensor cores, read from its SASS (instructions predicated never, `@!PT`, left out):
+
+    mma_a_from_registers            every HGMMA takes A from registers (`HGMMA... Rd, Ra, gdesc[...]`), not from
+                                    a shared-memory descriptor; HMMA (sm_80) always reads registers: True; no MMA:
+                                    None
+    wgmma_max_pending               the wgmma groups left in flight by the loop's strictest wait
+                                    (`WARPGROUP.DEPBAR.LE gsb0, N`): 0 drains the MMAs every K-step, >= 1 overlaps
+                                    them with the next step's loads and decode; None without HGMMA
+    barriers_per_kstep              BAR.* (CTA-wide barriers) in the loop
+    decoded_tile_stores_per_kstep   STS* (stores to shared memory) in the loop: the decoded weight tile's round
+                                    trip to the MMA, and the NF4 table's refills
+    table_loads_per_kstep           LDS* that are not ldmatrix (LDSM): Triton's tl.gather of the NF4 table reads
+                                    it from shared memory, one load per decoded weight"""
+    live = [x for x in loop if not re.search(r"@!PT\b", x)]
+    ops = [_opcode(x) for x in live]
+    hgmma = [x for x, op in zip(live, ops, strict=True) if op.startswith("HGMMA")]
+    waits = [int(m.group(1), 16) for x in live if (m := re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*(0x[0-9a-f]+)", x))]
+    if hgmma:
+        a_regs = all(re.search(r"HGMMA\S*\s+R\d+,\s*R\d+,", x) for x in hgmma)
+    else:
+        a_regs = True if any(op.startswith("HMMA") for op in ops) else None
+    return {
+        "mma_a_from_registers": a_regs,
+        "wgmma_max_pending": (min(waits) if waits else None) if hgmma else None,
+        "barriers_per_kstep": sum(op.startswith("BAR.") or op == "BAR" for op in ops),
+        "decoded_tile_stores_per_kstep": sum(op.startswith("STS") for op in ops),
+        "table_loads_per_kstep": sum(op.startswith("LDS") and not op.startswith("LDSM") for op in ops),
+    }
+
+
+# Issue 67's item 2, per NF4 launch: what the fastest 4-bit kernels' K loops look like (Machete, Marlin).
+ITEM2 = dict(max_regs=240, max_barriers_per_kstep=1, max_instr_per_weight_element=5.0)
+
+
+def item2_misses(row: dict) -> list[str]:
+    """Which of issue 67's targets an NF4 launch's row misses (none: [])."""
+    if row.get("instr_per_weight_element") is None:
+        return []
+    misses = []
+    if row["spills"]:
+        misses.append(f"spills {row['spills']} B")
+    if row["regs"] > ITEM2["max_regs"]:
+        misses.append(f"{row['regs']} registers")
+    if row["instr_per_weight_element"] > ITEM2["max_instr_per_weight_element"]:
+        misses.append(f"{row['instr_per_weight_element']} instructions per decoded weight")
+    if row["table_loads_per_kstep"]:
+        misses.append(f"{row['table_loads_per_kstep']} NF4 table loads from shared memory")
+    if row["arch"] == "90":
+        if not row["wgmma_max_pending"]:
+            misses.append("wgmma drained every K-step")
+        if not row["mma_a_from_registers"] and row["decoded_tile_stores_per_kstep"]:
+            misses.append("decoded tile stored to shared memory for the MMA")
+        if row["barriers_per_kstep"] > ITEM2["max_barriers_per_kstep"]:
+            misses.append(f"{row['barriers_per_kstep']} barriers per K-step")
+    elif row["decoded_tile_stores_per_kstep"]:
+        misses.append("decoded tile through shared memory")
+    return misses
+
+
 _CODE_TILE_LOAD = re.compile(r"(?:tt\.load|async_copy_global_to_local).*tensor<(\d+)x(\d+)x!tt\.ptr<(i8|i32)>, (#\w+)>")
 
 
@@ -203,7 +263,9 @@ def _report_config(
             "widest_packed_load_bytes": _packed_load_bytes(compiled.asm["ttgir"]) if nf4 else None,
             "blocks": [c["BLOCK_M"], c["BLOCK_N"], c.get("BLOCK_K", c.get("BLOCK_S"))],
             "swap_ab": bool(c.get("SWAP_AB")),
+            **mma_feed(loop),
         }
+        row["item2_misses"] = item2_misses(row)
         rows.append(row | implied_ceilings(c, len(loop), meta.num_warps, arch))
     return rows
 

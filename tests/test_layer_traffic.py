@@ -62,3 +62,26 @@ def test_a_checkpointed_step_decodes_each_stack_in_its_two_forwards_only():
     once = layer_traffic.layer_step_traffic("qwen3-30b-a3b", 4096, budget_mb=256)
     decodes = "bitsandbytes::dequantize_4bit"
     assert (once.launches[decodes], windowed.launches[decodes]) == (5 + 6, 5 + 5 + 6)
+
+
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_the_triton_grid_order_reads_each_activation_tile_about_once(shape):
+    """Issue 67, item 3: under the L2 model (layer_traffic.l2_reads), the Triton path's launches at 4096 and 16384
+    tokens read each activation tile (a matmul's rows, an outer product's operands) from HBM at most twice, and all
+    their operands in at most twice the bytes of each tile read once. Control: the order before (the row tiles
+    fastest, group size 0) reads an activation tile once per N block: 32 times at Qwen3-30B-A3B, 224 at Mixtral."""
+    for tokens in (4096, 16384):
+        summary = layer_traffic.grid_summary(layer_traffic.triton_grid_reads(shape, tokens))
+        assert summary["most_activation_reads"] <= 2
+        assert summary["bytes_read"] <= 2 * summary["bytes_once"]
+    before = layer_traffic.grid_summary(layer_traffic.triton_grid_reads(shape, 4096, group_m=0))
+    assert before["most_activation_reads"] == {"qwen3-30b-a3b": 32, "mixtral-8x7b": 224}[shape]
+
+
+def test_the_l2_model_reads_a_tile_again_only_once_it_is_evicted():
+    """A tile is read once while it stays among the L2's most recent bytes, again after others pushed it out."""
+    hot = [("x", 0, 10), ("w", 0, 10), ("x", 0, 10), ("w", 1, 10), ("x", 0, 10)]
+    assert layer_traffic.l2_reads(hot, l2_bytes=20)["x"].most_reads == 1
+    cold = [("x", 0, 10), ("w", 0, 10), ("w", 1, 10), ("x", 0, 10)]
+    reads = layer_traffic.l2_reads(cold, l2_bytes=20)
+    assert reads["x"].most_reads == 2 and reads["x"].bytes_read == 20 and reads["w"].bytes_once == 20

@@ -136,3 +136,47 @@ def test_training_on_triton_kernels_follows_the_torch_reference(tmp_path):
     # over 6 AdamW steps at lr 5e-3 that stays far below 1e-3 of the loss.
     torch.testing.assert_close(torch.tensor(triton_losses), torch.tensor(torch_losses), rtol=1e-3, atol=1e-4)
     assert triton_losses[-1] < triton_losses[0]
+
+
+@pytest.mark.parametrize("kernels", ["grouped_mm", "triton"])
+def test_a_layer_step_replays_as_cuda_graphs_bit_for_bit_for_any_routing(tiny_mixtral_dir, kernels):
+    """Issue 67, item 4: the MoE layer's forward and backward captured as CUDA graphs after warming up (autotuning
+    done), then replayed with another batch and another routing of the same token count: output, input gradient
+    and every LoRA gradient equal eager's on the same inputs bit for bit (the same kernels in the same order; the
+    tile maps and grids depend on shapes alone, tests/moe/test_host_syncs.py). The replay on a second routing is
+    the control that a graph frozen on the first one's row counts would fail."""
+    from moe_qlora.moe.experts import set_moe_kernels
+
+    from helpers.oracle import quantized_with_lora
+
+    model = quantized_with_lora(tiny_mixtral_dir, "cuda", expert_double_quant=True)
+    set_moe_kernels(model, kernels)
+    module = model.model.layers[0].mlp.experts
+    factors = module.moe_lora.factors()
+
+    def batch(seed, skewed):
+        """64 tokens routed top-2 over 8 experts; skewed: every token to experts 0 and 1, six experts empty."""
+        g = torch.Generator().manual_seed(seed)
+        scores = torch.rand(64, 8, generator=g) + (torch.arange(8) < 2) * float(skewed)
+        weights, idx = scores.softmax(-1).topk(2, dim=-1)
+        x = torch.randn(64, 64, generator=g)
+        return x.cuda().requires_grad_(True), idx.cuda(), weights.cuda()
+
+    def eager(x, idx, weights):
+        for p in factors:
+            p.grad = None
+        x = x.detach().clone().requires_grad_(True)
+        out = module(x, idx, weights)
+        out.backward(torch.ones_like(out))
+        return [out.detach(), x.grad, *[p.grad.clone() for p in factors]]
+
+    graphed = torch.cuda.make_graphed_callables(module, batch(1, False), num_warmup_iters=3)
+    for seed, skewed in ((2, False), (3, True)):
+        x, idx, weights = batch(seed, skewed)
+        for p in factors:
+            p.grad = None
+        out = graphed(x, idx, weights)
+        out.backward(torch.ones_like(out))
+        replayed = [out.detach(), x.grad, *[p.grad.clone() for p in factors]]
+        for got, want in zip(replayed, eager(x, idx, weights), strict=True):
+            assert torch.equal(got, want)

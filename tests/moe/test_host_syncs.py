@@ -93,3 +93,61 @@ def test_the_decode_by_chunks_of_experts_reads_its_row_ranges_back_and_is_caught
     monkeypatch.setattr(grouped_mm, "window_columns", lambda weight, itemsize, budget: None)
     with pytest.raises(HOST_READS):
         forward_and_backward(experts, budget=ONE_EXPERT)
+
+
+class RecordedKernel:
+    """Stands in for a jitted Triton kernel on fake tensors: `kernel[grid](*args, **kwargs)` records the grid."""
+
+    def __init__(self, launches: list):
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append(grid(kwargs) if callable(grid) else grid)
+
+
+@pytest.fixture
+def triton_launches_recorded(monkeypatch, override_kernel_settings):
+    """The Triton kernels replaced by recorders (the launchers, tile maps and row steps run for real on whatever
+    tensors they get), as a GPU launches them (sm_90's configs, not the interpreter's blocks), autotuning off; the
+    NF4 levels' cached tensor made real before any fake mode."""
+    from moe_qlora.moe.kernels import ops, triton_kernels
+
+    launches = []
+    for name in ("_grouped_matmul_kernel", "_grouped_outer_product_kernel"):
+        monkeypatch.setattr(triton_kernels, name, RecordedKernel(launches))
+    override_kernel_settings(autotune=False, interpreted=False, block_override=None, target_arch=90)
+    ops._levels("cpu")
+    return launches
+
+
+def test_the_triton_path_launches_read_nothing_back_and_allocate_by_shapes_alone(experts, triton_launches_recorded):
+    """Issue 67, item 4 (capture-safety without a GPU): the Triton path's forward and backward, launchers and all
+    (tile maps, split-K workspaces, grids, the row steps), run on fake tensors: nothing read back, no allocation
+    or grid whose size depends on a value, so a CUDA graph captured for one routing replays for any other of the
+    same token count. The grouped_mm path is proven so above. Control: a tile map built from the counts on the
+    host is caught."""
+    from moe_qlora.moe.kernels import ops
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    x, weights, lora, frozen, floats, ints, _, keep_h = on_fake_tensors(mode, op_arguments(experts, None))
+    with mode:
+        out, h, p1, p2, *stacks = grouped_experts_op._init_fn(x, weights, lora, frozen, floats, ints, "triton", keep_h)
+        grads = grouped_experts_backward_op._init_fn(
+            torch.ones_like(out), x, weights, [h, p1, p2, *stacks], lora, frozen, floats, ints, "triton"
+        )
+    assert out.shape == (12, 64) and [tuple(g.shape) for g in grads[2:]] == [tuple(f.shape) for f in lora]
+    # forward: LoRA A, gate_up with its epilogue, down; backward: the input gradients and the weight gradients
+    assert len(triton_launches_recorded) >= 10
+    assert all(isinstance(dim, int) for grid in triton_launches_recorded for dim in grid)
+    host_tiles = ops.expert_tiles
+
+    def tiles_from_host_counts(offsets, num_rows, block_m, group_m=1):
+        offsets.tolist()  # what a launcher sizing its grid by the real tiles would do
+        return host_tiles(offsets, num_rows, block_m, group_m)
+
+    ops.expert_tiles = tiles_from_host_counts
+    try:
+        with pytest.raises(HOST_READS), mode:
+            grouped_experts_op._init_fn(x, weights, lora, frozen, floats, ints, "triton", keep_h)
+    finally:
+        ops.expert_tiles = host_tiles

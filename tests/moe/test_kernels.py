@@ -14,6 +14,8 @@ import sys
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from moe_qlora.moe.kernels import ops, tiles
 from moe_qlora.moe.kernels.ops import (
@@ -26,6 +28,7 @@ from moe_qlora.moe.kernels.ops import (
     grouped_outer_product,
     grouped_outer_product_reference,
 )
+from moe_qlora.moe.kernels.triton_kernels import _output_block
 from moe_qlora.moe.nf4 import NF4Stack, dequantize_stack, quantize_stack
 
 # (dtype, atol, rtol). fp32: products are exact (ieee dot); only the summation order differs, ~1e-6
@@ -207,7 +210,7 @@ def recorded_launches(monkeypatch, override_kernel_settings) -> list[dict]:
     class Recorder:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                launches.append(kwargs)
+                launches.append(kwargs | {"grid": grid})
                 return real[grid](*args, **kwargs)
 
             return launch
@@ -524,7 +527,9 @@ def test_launch_goes_through_the_autotuner_unless_switched_off(monkeypatch, over
     short = sum(not c.tall and tiles.mma_kind(c, 90, swap=True) == "wgmma" for c in tiles.MATMUL_CONFIGS[90])
     assert short == sum(not c.tall for c in tiles.MATMUL_CONFIGS[90]) - 1
     assert tuned == f"autotuned_90_{short}" and "BLOCK_N" not in tuned_kw and tuned_kw["K_PACKED"]
-    assert tuned_grid({"BLOCK_N": 32})[1] == 7 and tuned_grid({"BLOCK_N": 64})[1] == 4  # N = 200
+    # one program per (row tile, N block): (row tiles a group, N blocks, groups), N = 200
+    (group, n_32, groups), (_, n_64, _) = tuned_grid({"BLOCK_N": 32}), tuned_grid({"BLOCK_N": 64})
+    assert (n_32, n_64) == (7, 4) and group * groups >= ops.tile_bound(offsets[-1], 6, tiles.SWAP_AB_BLOCK_M)
     default = tiles.MATMUL_CONFIGS[90][0]
     assert plain == "plain" and plain_kw["BLOCK_N"] == default.block_n and plain_kw["BLOCK_K"] == default.block_k
     assert (plain_kw["num_warps"], plain_kw["num_stages"]) == (default.num_warps, default.num_stages)
@@ -561,18 +566,21 @@ SPLIT_K_CASES = {
 }
 
 
+@pytest.mark.parametrize("group_m", [1, 2, 0], ids=["n_fastest", "groups_of_2", "tiles_fastest"])
 @pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES)
 @pytest.mark.parametrize("path", list(SPLIT_K_CASES))
 def test_split_k_matches_reference_and_is_deterministic(
-    dev, dtype, atol, rtol, path, monkeypatch, override_kernel_settings
+    dev, dtype, atol, rtol, path, group_m, monkeypatch, override_kernel_settings
 ):
     """Few tiles for the SMs: each tile's K is shared by SPLIT_K programs writing partial sums, and a second
     launch adds them in split order and runs the epilogue (bias, LoRA term, silu x up). K = 384 is six 64-wide
     K-steps (7 on the byte path), split three ways. Against the reference (same bounds as above), twice with
-    the same bits, on each NF4 path and the byte-reading one (odd sizes); the broken control (the reducing
-    launch told of one split fewer: the last split's sums dropped) is caught."""
-    from moe_qlora.moe.kernels import triton_kernels
+    the same bits, on each NF4 path and the byte-reading one (odd sizes), in three grid orders (which program
+    takes which output block and partial-sums slot: groups of 1, 2 and all row tiles); the broken control (the
+    reducing launch told of one split fewer: the last split's sums dropped) is caught."""
+    from moe_qlora.moe.kernels import tiles, triton_kernels
 
+    monkeypatch.setattr(tiles, "GROUP_M", group_m)
     default_blocks(monkeypatch, override_kernel_settings, 90, swap=path == "k_packed_swapped_down", split_k_max=3)
     offsets = offsets_of(ROUTINGS["ragged"])
     g = torch.Generator().manual_seed(31)
@@ -601,6 +609,9 @@ def test_split_k_matches_reference_and_is_deterministic(
     }[path]
     assert (launches[0]["K_PACKED"], launches[0]["N_PACKED"]) == packed
     assert launches[0]["SWAP_AB"] == (path == "k_packed_swapped_down")
+    # the grid (group, N blocks x splits, groups): one group of all the row tiles when group_m is 0
+    group, _, groups = launches[0]["grid"]
+    assert group == group_m or (group_m == 0 and groups == 1)
     assert launches[0]["EVEN_K"] == (path != "bytes")  # K = 384: whole 64-wide steps, unmasked; 392 is not
     if dtype == torch.float32:
         torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
@@ -619,6 +630,34 @@ def test_split_k_matches_reference_and_is_deterministic(
 
     monkeypatch.setattr(triton_kernels, "_grouped_matmul_kernel", DropLastSplit())
     assert (run().float() - expected.float()).abs().max() > 0.1
+
+
+@triton.jit
+def _output_block_probe(out_ptr):
+    tile, n_block, _, _ = _output_block(1, 0)
+    pid = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+    tl.store(out_ptr + 2 * pid, tile)
+    tl.store(out_ptr + 2 * pid + 1, n_block)
+
+
+def test_programs_take_the_output_blocks_the_host_map_says(dev):
+    """The kernel's map from the program started pid-th to (row tile, N block) (_output_block, run in a probe
+    kernel on the launchers' grid (group, N blocks, groups)) is tiles.grid_block, which scripts/layer_traffic.py
+    reads the order from, for groups of 1, 2 and 8 and for one group of all, at 7 row tiles (padded to whole groups,
+    as ops.expert_tiles pads them) and 5 N blocks: every output block taken exactly once. Control: the map of
+    another group size differs."""
+    n_blocks = 5
+    for group_m in (1, 2, 8, 0):
+        num_tiles = -(-7 // group_m) * group_m if group_m else 7
+        group = group_m or num_tiles
+        out = torch.full((num_tiles * n_blocks, 2), -1, dtype=torch.int32, device=dev)
+        _output_block_probe[(group, n_blocks, num_tiles // group)](out)
+        host = [tiles.grid_block(pid, num_tiles, n_blocks, group_m) for pid in range(num_tiles * n_blocks)]
+        assert [tuple(r) for r in out.tolist()] == host
+        assert sorted(host) == [(t, n) for t in range(num_tiles) for n in range(n_blocks)]
+        other_m = 1 if group_m == 2 else 2
+        other = [tiles.grid_block(pid, num_tiles, n_blocks, other_m) for pid in range(num_tiles * n_blocks)]
+        assert other != host
 
 
 @pytest.mark.usefixtures("small_triton_blocks")

@@ -115,24 +115,26 @@ def grouped_outer_product_reference(a, b, offsets: list[int], *, gather=None):
 # ------------------------------------------------------------------------------------------ launchers
 
 
-def tile_bound(num_rows: int, num_experts: int, block_m: int) -> int:
-    """The most BLOCK_M-row tiles S rows sorted over E experts can fill: the grid of a grouped launch."""
-    return -(-num_rows // block_m) + min(num_experts, num_rows)
+def tile_bound(num_rows: int, num_experts: int, block_m: int, group_m: int = 1) -> int:
+    """The most BLOCK_M-row tiles S rows sorted over E experts can fill, rounded up to whole groups of group_m:
+    the row tiles of a grouped launch's grid."""
+    bound = -(-num_rows // block_m) + min(num_experts, num_rows)
+    return -(-bound // max(group_m, 1)) * max(group_m, 1)
 
 
-def expert_tiles(offsets: torch.Tensor, num_rows: int, block_m: int) -> torch.Tensor:
+def expert_tiles(offsets: torch.Tensor, num_rows: int, block_m: int, group_m: int = 1) -> torch.Tensor:
     """(num_tiles, 3) int32 (expert, first row, end row) of each BLOCK_M-row tile, built on the device.
 
     The grid size must not depend on the data (no host sync), so it is the upper bound
     ceil(S / BLOCK_M) + min(E, S) (each expert with rows, at most S of them, wastes at most one partial
-    tile): tile_bound(S, E, BLOCK_M). Tile i belongs to the expert whose
+    tile), rounded up to whole groups of group_m: tile_bound(S, E, BLOCK_M, group_m). Tile i belongs to the expert whose
     cumulative tile count first exceeds i, and tiles past the last one are (0, 0, 0), which the kernel
     skips at once. offsets: (E+1,) int64 device tensor."""
     counts = offsets[1:] - offsets[:-1]
     tiles_per_expert = (counts + block_m - 1) // block_m
     tile_ends = torch.cumsum(tiles_per_expert, 0)
     num_experts = counts.shape[0]
-    tile = torch.arange(tile_bound(num_rows, num_experts, block_m), device=offsets.device)
+    tile = torch.arange(tile_bound(num_rows, num_experts, block_m, group_m), device=offsets.device)
     expert = torch.searchsorted(tile_ends, tile, right=True)
     valid = expert < num_experts
     expert = expert.clamp(max=num_experts - 1)
@@ -249,10 +251,14 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
         # would decode a whole step with one block's scale
         raise RuntimeError(f"packed NF4 path chosen, but a candidate's step spans quant blocks: {configs}")
     bm = tiles.SWAP_AB_BLOCK_M if swap else configs[0].block_m  # the candidates share their class's BLOCK_M
-    tile_map = expert_tiles(device_offsets(offsets, x.device), num_rows, bm)
+    group = tiles.group_m(bm, weight.k, x.element_size()) or tile_bound(num_rows, weight.shape[0], bm)
+    group = max(group, -(-tile_bound(num_rows, weight.shape[0], bm) // 65535))  # the grid's z: 65,535 at most
+    tile_map = expert_tiles(device_offsets(offsets, x.device), num_rows, bm, group)
+    groups = tile_map.shape[0] // group
     default = configs[0]
     n_blocks = -(-n // default.block_n)
-    split = tiles.split_k(tile_map.shape[0] * n_blocks, -(-weight.k // default.block_k))
+    # the split from the tiles before their padding to whole groups (the same split as before grouping)
+    split = tiles.split_k(tile_bound(num_rows, weight.shape[0], bm) * n_blocks, -(-weight.k // default.block_k))
     if split > 1:  # both launches must agree on the blocks: the default config, not autotuned
         configs = configs[:1]
     if len(configs) > 1:
@@ -329,11 +335,12 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
         BLOCK_M=bm,
         **meta,
     )
+    # one program per (row tile, N block), launched a group of row tiles at a time (triton_kernels._output_block)
     if split == 1:
-        kernel[lambda m: (tile_map.shape[0], -(-n // m["BLOCK_N"]))](*args, PHASE=0, **flags)
+        kernel[lambda m: (group, -(-n // m["BLOCK_N"]), groups)](*args, PHASE=0, **flags)
     else:  # partial sums over each split's K-steps, then their sum in split order and the epilogue
-        kernel[(tile_map.shape[0], n_blocks, split)](*args, PHASE=1, **flags)
-        kernel[(tile_map.shape[0], n_blocks)](*args, PHASE=2, **flags)
+        kernel[(group, n_blocks * split, groups)](*args, PHASE=1, **flags)
+        kernel[(group, n_blocks, groups)](*args, PHASE=2, **flags)
     return y, act
 
 

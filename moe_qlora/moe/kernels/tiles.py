@@ -92,6 +92,39 @@ SPLIT_K_MAX = 4
 SPLIT_K_SMS = 132
 
 
+# The order of a grouped matmul's programs (row tile, N block), and so of their start: groups of row tiles, within a
+# group the tiles fastest, then the N blocks (the grid (group, N blocks, groups): triton_kernels._output_block;
+# grid_block below is the same map). 1: every N block of a row tile before the next tile; 0: one group of all, every
+# row tile of an N block before the next block (the order before issue 67), which re-reads all the activations once
+# per N block (up to 224 times: Mixtral-8x7B's gate_up). A group's
+# activation tiles stay in L2 while it sweeps the N blocks, and each expert's weight columns are read once per
+# group: as many row tiles as GROUP_L2_BYTES of activations hold (group_m), measured with scripts/layer_traffic.py's
+# L2 model (--grid). GROUP_M set: every launch takes it (the tests).
+GROUP_M: int | None = None
+GROUP_L2_BYTES = 32 * 2**20  # two thirds of the H100's L2 (50 MB): the rest holds the weight tiles streaming past
+GROUP_M_MAX = 16
+
+
+def group_m(block_m: int, k: int, itemsize: int) -> int:
+    """Row tiles per group for a launch whose activation tile is block_m x k of `itemsize` bytes: the largest
+    power of two up to GROUP_M_MAX whose tiles fit GROUP_L2_BYTES, at least 1 (GROUP_M when set; 0: one group of
+    all the tiles)."""
+    if GROUP_M is not None:
+        return GROUP_M
+    fit = max(1, min(GROUP_M_MAX, GROUP_L2_BYTES // (block_m * k * itemsize)))
+    return 1 << (fit.bit_length() - 1)
+
+
+def grid_block(pid: int, num_tiles: int, n_blocks: int, group_m: int) -> tuple[int, int]:
+    """(row tile, N block) of the pid-th program to start: triton_kernels._output_block on the host (num_tiles a
+    multiple of group_m; 0: one group of all)."""
+    if group_m == 0:
+        return pid % num_tiles, pid // num_tiles
+    in_group = group_m * n_blocks
+    r = pid % in_group
+    return (pid // in_group) * group_m + r % group_m, r // group_m
+
+
 # Candidates per GPU architecture (compute capability x 10). A launch is timed over the candidates that serve
 # it (MatmulConfig.serves), and with autotuning off (MOE_QLORA_AUTOTUNE=0), in the interpreter and in the
 # ahead-of-time report it takes the first of them: the first entry for 64-row tiles, the first tall one that

@@ -194,21 +194,42 @@ def _weight_dot(x, w, acc, SWAP_AB: tl.constexpr, IEEE: tl.constexpr, DOT_FP32: 
 
 
 @triton.jit
+def _output_block(SPLIT_K: tl.constexpr, PHASE: tl.constexpr):
+    """(row tile, N block, N blocks, split) of this program on the grid (GROUP, N blocks [x SPLIT_K in PHASE 1],
+    row tiles / GROUP): the grid's x runs fastest, so a group of GROUP row tiles takes each N block in turn and its
+    programs resident at once share both its activation rows and each expert's weight columns through L2
+    (tiles.group_m; tiles.grid_block is the same map on the host). Read off the program ids alone, which the
+    compiler re-reads where it needs them rather than keeping them in registers through the K loop."""
+    tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+    if PHASE == 1:
+        return tile, tl.program_id(1) // SPLIT_K, tl.num_programs(1) // SPLIT_K, tl.program_id(1) % SPLIT_K
+    return tile, tl.program_id(1), tl.num_programs(1), 0
+
+
+@triton.jit
 def _partial_sums_slot(
-    ws_ptr, tile, split, SPLIT_K: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+    ws_ptr, block, split, SPLIT_K: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 ):
-    """Pointers (BLOCK_M, BLOCK_N) to split `split`'s gate (or only) partial sums of (tile, this N block) in
-    the split-K workspace; the up tile follows at + BLOCK_M * BLOCK_N when GLU."""
-    slot = (tile.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * SPLIT_K + split
+    """Pointers (BLOCK_M, BLOCK_N) to split `split`'s gate (or only) partial sums of output block `block` (tile *
+    N blocks + N block) in the split-K workspace; the up tile follows at + BLOCK_M * BLOCK_N when GLU."""
+    slot = block.to(tl.int64) * SPLIT_K + split
     size: tl.constexpr = BLOCK_M * BLOCK_N * (2 if GLU else 1)
     return ws_ptr + slot * size + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
 
 
 @triton.jit
 def _store_partial_sums(
-    ws_ptr, tile, acc, acc_up, SPLIT_K: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+    ws_ptr,
+    block,
+    split,
+    acc,
+    acc_up,
+    SPLIT_K: tl.constexpr,
+    GLU: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    slot = _partial_sums_slot(ws_ptr, tile, tl.program_id(2), SPLIT_K, GLU, BLOCK_M, BLOCK_N)
+    slot = _partial_sums_slot(ws_ptr, block, split, SPLIT_K, GLU, BLOCK_M, BLOCK_N)
     tl.store(slot, acc)
     if GLU:
         tl.store(slot + BLOCK_M * BLOCK_N, acc_up)
@@ -216,14 +237,14 @@ def _store_partial_sums(
 
 @triton.jit
 def _sum_partial_sums(
-    ws_ptr, tile, SPLIT_K: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+    ws_ptr, block, SPLIT_K: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 ):
     """The (gate, up) accumulators of a tile as the sum of its splits' partial sums, always in split order (so
     two runs give the same bits, whatever order the splits ran in)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for split in tl.static_range(SPLIT_K):
-        slot = _partial_sums_slot(ws_ptr, tile, split, SPLIT_K, GLU, BLOCK_M, BLOCK_N)
+        slot = _partial_sums_slot(ws_ptr, block, split, SPLIT_K, GLU, BLOCK_M, BLOCK_N)
         acc += tl.load(slot)
         if GLU:
             acc_up += tl.load(slot + BLOCK_M * BLOCK_N)
@@ -352,7 +373,7 @@ def _grouped_matmul_kernel(
         N_W = 2 * N
     else:
         N_W = N
-    tile = tl.program_id(0)
+    tile, n_block, n_blocks, split = _output_block(SPLIT_K, PHASE)
     e = tl.load(tiles_ptr + tile * 3)
     start = tl.load(tiles_ptr + tile * 3 + 1)
     end = tl.load(tiles_ptr + tile * 3 + 2)
@@ -360,7 +381,7 @@ def _grouped_matmul_kernel(
         return
     rows = start + tl.arange(0, BLOCK_M)
     row_ok = rows < end
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     if GATHER:
         src = tl.load(gather_ptr + rows, mask=row_ok, other=0)
     else:
@@ -382,7 +403,7 @@ def _grouped_matmul_kernel(
         k_hi = K
     elif PHASE == 1:  # this split's whole K-steps
         k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-        k_lo = tl.program_id(2) * k_per_split
+        k_lo = split * k_per_split
         k_hi = tl.minimum(K, k_lo + k_per_split)
     else:  # the partial sums are in ws already
         k_lo = 0
@@ -455,7 +476,7 @@ def _grouped_matmul_kernel(
                 offset2,
                 e,
                 offs_k,
-                tl.program_id(1) * BLOCK_N,
+                n_block * BLOCK_N,
                 k_ok,
                 stride_we,
                 stride_wk,
@@ -516,10 +537,10 @@ def _grouped_matmul_kernel(
         acc = tl.trans(acc)
         acc_up = tl.trans(acc_up)
     if PHASE == 1:
-        _store_partial_sums(ws_ptr, tile, acc, acc_up, SPLIT_K, GLU, BLOCK_M, BLOCK_N)
+        _store_partial_sums(ws_ptr, tile * n_blocks + n_block, split, acc, acc_up, SPLIT_K, GLU, BLOCK_M, BLOCK_N)
     else:
         if PHASE == 2:
-            acc, acc_up = _sum_partial_sums(ws_ptr, tile, SPLIT_K, GLU, BLOCK_M, BLOCK_N)
+            acc, acc_up = _sum_partial_sums(ws_ptr, tile * n_blocks + n_block, SPLIT_K, GLU, BLOCK_M, BLOCK_N)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + e * stride_be + offs_n, mask=offs_n < N_W, other=0.0).to(tl.float32)[None, :]
             if GLU:
