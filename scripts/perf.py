@@ -8,8 +8,11 @@ import), and each step's peak reserved memory against `moe-qlora plan`.
 Order, most needed first: the layer at LoRA rank 8 (Qwen3-30B-A3B's and Mixtral-8x7B's shapes, 512 to 16k tokens),
 the training step (eight Qwen3-30B-A3B layers at full width with its 151,936-token vocabulary, at 4k, 8k and 16k
 tokens, each contender loaded once), the layer at rank 16, then the Triton kernels with the 24 GB cards' config
-list (sm_80 / sm_89) beside this GPU's own at the two largest token counts. Whatever the budget leaves out is
-listed as not measured. The JSON is rewritten after each part, so a stage stopped by its timeout keeps what it measured:
+list (sm_80 / sm_89) beside this GPU's own at the two largest token counts. The budget holds for the whole run:
+the training part's checkpoint (generated on the GPU the first time) and plans are built first (`prepare_s`), and
+the parts share what is left; each training contender hands over every length as it is measured, so one stopped at
+its share's end keeps the lengths it finished. Whatever the budget leaves out is listed as not measured. The JSON is
+rewritten after each part, so a stage stopped by its timeout keeps what it measured:
 
     {"device": "NVIDIA H100 80GB HBM3", "commit": "<sha>", "layer": [{"shape": "qwen3-30b-a3b", "tokens": 4096,
      "rank": 8, "contender": "moe-qlora auto", "gpu_ms": 9.9, "x_roofline": 15.6, ...}, ...],

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 # The variants compiled, each as one of a layer's real launches (capture_launches) at Qwen3-30B-A3B's shapes:
@@ -110,7 +111,7 @@ class Launch:
         return {k: v for k, v in self.kwargs.items() if k.isupper()}
 
 
-def capture_launches(
+def layer_launch_calls(
     *,
     hidden: int,
     inter: int,
@@ -120,18 +121,17 @@ def capture_launches(
     rank: int,
     dtype=None,
     nested: bool = True,
-    arch: int = 90,
     weights: str | None = None,
-) -> list[Launch]:
-    """The six launches of one MoE layer's forward and backward (bf16 unless `dtype`, NF4 with nested scales
-    unless not `nested`, or `weights` "nf4" / "nf4_nested" / "mxfp4", whose launches are named with "mxfp4" in
-    place of "nf4_nested"; LoRA), recorded from the real launchers on CPU tensors of the real shapes (weights
-    are zeros: only shapes, strides and alignment matter here), with `arch`'s default config (autotuning
-    off: the config the GPU runs with MOE_QLORA_AUTOTUNE=0, and the autotuner's first candidate). Uniform
-    routing: tokens * top_k rows, spread evenly over the experts."""
+    device: str = "cpu",
+) -> list[tuple[str, Callable[[], object]]]:
+    """(name, call) for the six launches of one MoE layer's forward and backward through the real launchers (bf16
+    unless `dtype`, NF4 with nested scales unless not `nested`, or `weights` "nf4" / "nf4_nested" / "mxfp4"; LoRA),
+    on tensors of the real shapes on `device` (weights zeros; activations uninitialised on the CPU, where only
+    their shapes are read and untouched pages take no memory, zeros elsewhere). Uniform routing: tokens * top_k
+    rows, spread evenly over the experts. capture_launches records them; scripts/sweep_kernels.py times them."""
     import torch
 
-    from moe_qlora.moe.kernels import ops, tiles, triton_kernels
+    from moe_qlora.moe.kernels import ops
     from moe_qlora.moe.mxfp4 import MXFP4Stack
     from moe_qlora.moe.nf4 import NF4Stack
 
@@ -156,31 +156,23 @@ def capture_launches(
         second = (torch.zeros(-(-blocks // 256)), torch.zeros(256), 0.0)  # uint8 scale codes, then their scales
         return NF4Stack(packed, torch.zeros(blocks, dtype=torch.uint8), second, (experts, out, inp))
 
-    w1, w2 = nf4(2 * inter, hidden), nf4(hidden, inter)
-    a1, b1 = torch.zeros(experts, rank, hidden), torch.zeros(experts, 2 * inter, rank)
-    a2, b2 = torch.zeros(experts, rank, inter), torch.zeros(experts, hidden, rank)
-    # activations uninitialised: only their shapes are read, and untouched pages take no memory (Mixtral's (S, 2I)
-    # gradient at 16k tokens is 1.9 GB)
-    x, g = torch.empty(tokens, hidden, dtype=dtype), torch.empty(tokens, hidden, dtype=dtype)
-    token = torch.arange(rows) % tokens
-    counts = torch.full((experts,), rows // experts)
-    counts[: rows % experts] += 1
-    offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
-    p = torch.empty(rows, rank, dtype=dtype)
-    act, grad_h = torch.empty(rows, inter, dtype=dtype), torch.empty(rows, 2 * inter, dtype=dtype)
+    def activation(*shape):  # Mixtral's (S, 2I) gradient at 16k tokens is 1.9 GB: on the CPU never touched
+        return torch.empty(*shape, dtype=dtype) if device == "cpu" else torch.zeros(*shape, dtype=dtype)
+
+    with torch.device(device):
+        w1, w2 = nf4(2 * inter, hidden), nf4(hidden, inter)
+        a1, b1 = torch.zeros(experts, rank, hidden), torch.zeros(experts, 2 * inter, rank)
+        a2, b2 = torch.zeros(experts, rank, inter), torch.zeros(experts, hidden, rank)
+        x, g = activation(tokens, hidden), activation(tokens, hidden)
+        token = torch.arange(rows) % tokens
+        counts = torch.full((experts,), rows // experts)
+        counts[: rows % experts] += 1
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+        p = activation(rows, rank)
+        act, grad_h = activation(rows, inter), activation(rows, 2 * inter)
     GW, LowRank = ops.GroupedWeight, ops.LowRank
 
-    recorded: list[Launch] = []
-    real = {n: getattr(triton_kernels, n) for n in ("_grouped_matmul_kernel", "_grouped_outer_product_kernel")}
-
-    class Recorder:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: recorded.append(Launch("", self.kernel, grid, args, kwargs))
-
-    launches = [
+    return [
         ("lora_a_dense", lambda: ops.grouped_matmul(x, GW.dense(a1, transpose=True), offsets, gather=token)),
         (
             "gate_up_nf4_nested_silu_mul",
@@ -216,6 +208,50 @@ def capture_launches(
         ),
         ("outer_product", lambda: ops.grouped_outer_product(x, p, offsets, gather=token)),
     ]
+
+
+def capture_launches(
+    *,
+    hidden: int,
+    inter: int,
+    experts: int,
+    top_k: int,
+    tokens: int,
+    rank: int,
+    dtype=None,
+    nested: bool = True,
+    arch: int = 90,
+    weights: str | None = None,
+) -> list[Launch]:
+    """The six launches of one MoE layer's forward and backward (bf16 unless `dtype`, NF4 with nested scales
+    unless not `nested`, or `weights` "nf4" / "nf4_nested" / "mxfp4", whose launches are named with "mxfp4" in
+    place of "nf4_nested"; LoRA), recorded from the real launchers on CPU tensors of the real shapes
+    (layer_launch_calls: only shapes, strides and alignment matter here), with `arch`'s default config (autotuning
+    off: the config the GPU runs with MOE_QLORA_AUTOTUNE=0, and the autotuner's first candidate). Uniform
+    routing: tokens * top_k rows, spread evenly over the experts."""
+    from moe_qlora.moe.kernels import tiles, triton_kernels
+
+    launches = layer_launch_calls(
+        hidden=hidden,
+        inter=inter,
+        experts=experts,
+        top_k=top_k,
+        tokens=tokens,
+        rank=rank,
+        dtype=dtype,
+        nested=nested,
+        weights=weights,
+    )
+    recorded: list[Launch] = []
+    real = {n: getattr(triton_kernels, n) for n in ("_grouped_matmul_kernel", "_grouped_outer_product_kernel")}
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: recorded.append(Launch("", self.kernel, grid, args, kwargs))
+
     try:
         for n, kernel in real.items():
             setattr(triton_kernels, n, Recorder(kernel))
