@@ -20,6 +20,7 @@ from transformers import AutoConfig
 from transformers.quantizers.quantizers_utils import should_convert_module
 
 from moe_qlora.config.sections import RunConfig, resolve_compute_dtype
+from moe_qlora.model.attention import choose_attention, eager_attention_bytes, position_limit_note
 from moe_qlora.model.classes import text_model_from_config
 from moe_qlora.model.families import matches_target
 from moe_qlora.model.loading import linears_not_quantized
@@ -194,8 +195,8 @@ def activation_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> int:
 
     Checkpointed layers keep their input (N H d); the others, and the one being recomputed, keep a layer's
     activations: ~12 N H d for attention, norms and residuals, N K (2I + 2r) d for the MoE rows (h and the
-    LoRA projections) and 2 N E fp32 for the router. SDPA's memory-efficient kernels are assumed (no N x N
-    attention matrix). The loss is its own row (loss_bytes).
+    LoRA projections) and 2 N E fp32 for the router. Attention without an N x N matrix (SDPA, flex); eager
+    attention's matrices are their own row (attention_bytes), as is the loss (loss_bytes).
     """
     c, t, lora = model.config, cfg.train, cfg.lora
     tokens = micro_batch_tokens(cfg)
@@ -208,6 +209,24 @@ def activation_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> int:
     checkpointed = math.ceil(layers / t.checkpoint_interval) if t.gradient_checkpointing else 0
     kept_full = layers - checkpointed + (1 if checkpointed else 0)
     return checkpointed * tokens * hidden * d + kept_full * per_layer
+
+
+def attention_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> int:
+    """Eager attention's score matrices (attention.eager_attention_bytes) when the family runs it on `device`
+    (attention.choose_attention), else 0: SDPA's and flex attention's blocks are small beside the activations."""
+    if not choose_attention(type(model), device).builds_scores:
+        return 0
+    c, t = model.config.get_text_config(), cfg.train
+    rows = t.micro_batch_size * (2 if cfg.dpo is not None else 1)
+    layers = c.num_hidden_layers
+    checkpointed = math.ceil(layers / t.checkpoint_interval) if t.gradient_checkpointing else 0
+    return eager_attention_bytes(
+        rows=rows,
+        heads=c.num_attention_heads,
+        seq_len=cfg.data.max_seq_len,
+        itemsize=DTYPE_BYTES[resolve_compute_dtype(cfg.model.compute_dtype, device)],
+        layers_kept=layers - checkpointed + (1 if checkpointed else 0),
+    )
 
 
 def loss_bytes(model: nn.Module, cfg: RunConfig) -> int:
@@ -334,6 +353,12 @@ def one_device_plan(
         optimizer=sum(optimizer_state_bytes(n, cfg.train.optimizer) for n in sizes),
     )
     plan.bytes["activations_estimate"] = activation_bytes(model, cfg, device=device)
+    attention = choose_attention(type(model), device)
+    if scores := attention_bytes(model, cfg, device=device):
+        plan.bytes["eager_attention"] = scores
+    plan.notes.append(f"attention: {attention.describe()}")
+    if note := position_limit_note(model.config, cfg.data.max_seq_len):
+        plan.notes.append(note)
     plan.bytes["loss_logits"] = loss_bytes(model, cfg)
     plan.bytes["runtime"] = RUNTIME_BYTES["cuda" if device == "cuda" else "cpu"]
     if buffer := dequant_buffer_bytes(model, cfg, device=device, capability=capability):

@@ -148,6 +148,7 @@ def build_policy(
     model = attach_adapters(load_model(opts), lora_cfg, seed=seed, device=opts.device)
     start_expert_offload(model, model_cfg, opts.experts_on_host, device, console)
     choose_kernels(model, model_cfg, device, opts.compute_dtype, console)
+    console.print(f"attention: {model.attention_choice.describe()}")
     if lora_cfg.init_from:
         n = load_adapter(model, lora_cfg.init_from, lora_cfg)
         console.print(f"LoRA initialised from {lora_cfg.init_from} ({n} tensors)")

@@ -24,6 +24,7 @@ from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
 from moe_qlora.common.memory import release_freed_memory
+from moe_qlora.model.attention import choose_attention
 from moe_qlora.model.checkpoint_files import (
     check_model_path,
     checkpoint_files,
@@ -221,6 +222,7 @@ def load_model(opts: LoadOptions):
             f"{model_class.__name__}: not supported: a diffusion language model, trained to denoise "
             "masked tokens; moe-qlora trains next-token prediction, the wrong objective for it"
         )
+    attention = choose_attention(model_class, opts.device)
     with lazy_state_dict(files) as state:
         # FP8 block-scaled weights decoded as read, MXFP4 experts too unless kept; other formats refused
         state = dequantized_as_read(state, config, folder, keep_mxfp4=expert_format == "mxfp4")
@@ -238,6 +240,7 @@ def load_model(opts: LoadOptions):
         model = model_class.from_pretrained(
             None,
             config=config,
+            attn_implementation=attention.implementation,
             state_dict=state,
             quantization_config=quant,
             dtype=stored_dtype(state),
@@ -247,6 +250,7 @@ def load_model(opts: LoadOptions):
         quantize_read_by_expert(model, by_expert, opts)
     model.name_or_path = str(folder)
     model.expert_format = expert_format
+    model.attention_choice = attention
     fuse_gate_up(model, lambda stack: quantize_stack(stack, double_quant=opts.expert_double_quant))
     cast_unquantized(model, opts.compute_dtype)
     release_freed_memory()

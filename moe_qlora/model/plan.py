@@ -187,10 +187,11 @@ def fsdp_communication_bytes(tensors: list[ShardedTensor], gpus: int, grad_accum
 def shard_plan(plan: Plan, tensors: list[ShardedTensor], cfg: RunConfig, model: nn.Module, *, device: str) -> None:
     """Turn the one-device `plan` into one rank's bytes under fsdp over plan.gpus ranks. Sharded: experts,
     4-bit linears (by row), compute-dtype weights, LoRA, its gradients and optimizer state (one rank's shard of
-    each tensor). Whole: 4-bit linears whose rows split NF4 blocks, activations, loss, runtime, the decode
-    buffer, the MoE backward's rows, the autotuner's flush buffer. Added: all_gather_buffers, the unsharded
-    parameters of the largest decoder layer twice (the one computing and the next, prefetched), and
-    root_unsharded, the root's (embeddings, final norm, head), held from the forward to the end of the backward."""
+    each tensor). Whole: 4-bit linears whose rows split NF4 blocks, activations (eager attention's matrices too),
+    loss, runtime, the decode buffer, the MoE backward's rows, the autotuner's flush buffer. Added:
+    all_gather_buffers, the unsharded parameters of the largest decoder layer twice (the one computing and the
+    next, prefetched), and root_unsharded, the root's (embeddings, final norm, head), held from the forward to the
+    end of the backward."""
     n = plan.gpus
     kinds = ("experts_nf4", "experts_mxfp4", "linear_4bit", "other")
     shard = {kind: sum(t.shard_bytes(n) for t in tensors if t.kind == kind) for kind in kinds}

@@ -71,6 +71,17 @@ def write_router_layers(out: Path, model) -> None:
     atomic_write_text(out / ROUTER_LAYERS, json.dumps(names, indent=1))
 
 
+def write_run_choices(out: Path, model, seq_len: int) -> None:
+    """run_choices.json: what the run chose that its config does not say: the attention it runs and why."""
+    attention = getattr(model, "attention_choice", None)
+    if attention is None:  # a model not loaded by load_model (a test's stand-in)
+        return
+    atomic_write_text(
+        out / "run_choices.json",
+        json.dumps({"attention": attention.implementation, "attention_why": attention.why, "max_seq_len": seq_len}),
+    )
+
+
 def router_load(model) -> list[list[float]]:
     """Share of routed rows per expert, per MoE layer, since the last call (then reset). All layers go through
     one collective (data parallel: each rank routes its own rows, the run's load is their sum) and one sync."""

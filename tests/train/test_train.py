@@ -76,6 +76,9 @@ def test_demo_trains_from_the_cli_loss_falls_and_adapter_is_healthy(demo_run):
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last < 0.3 * first, (first, last)
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "epoch"} <= set(records[0])
+    # the attention it ran, said at the start and recorded with the run (Mixtral: SDPA)
+    assert json.loads((demo_run.out / "run_choices.json").read_text())["attention"] == "sdpa"
+    assert "attention: sdpa" in demo_run.proc.stdout
     check = subprocess.run(
         [sys.executable, "-m", "moe_qlora", "check-norms", str(demo_run.out / "adapter")],
         cwd=ROOT,
