@@ -14,6 +14,9 @@ Why page-locked: a copy from the device into pageable memory makes the host wait
 through a page-locked buffer), so a queued copy needs a page-locked destination. Why registering an exact-size
 tensor rather than `pin_memory=True`: torch's pinned allocator rounds each block up to a power of two (up to 2x
 for a block of LoRA weights and moments) and caches freed blocks for the life of the process.
+
+Beside them, host_flag / read_host_flag: a value known on the host carried through autograd's saved tensors as a
+() CPU tensor and read back without waiting for the device (the grouped MoE layer's kept-stacks flag).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 
 class CpuRuntime:
@@ -109,3 +113,19 @@ def runtime_for(device: torch.device | str) -> CpuRuntime:
     """The runtime for tensors on `device`: CudaRuntime on a CUDA device, else CpuRuntime."""
     device = torch.device(device)
     return CudaRuntime(device) if device.type == "cuda" else CpuRuntime()
+
+
+def host_flag(value: bool) -> torch.Tensor:
+    """A () bool tensor on the host holding `value`, real even under FakeTensorMode (its value is known on the
+    host, so reading it back is no device read)."""
+    with unset_fake_temporarily():
+        return torch.tensor(value)
+
+
+def read_host_flag(flag: torch.Tensor) -> bool:
+    """host_flag's value, read without a device sync (the flag lives on the host). A fake flag (a compiled graph's
+    trace, which never runs the real backward) reads as False."""
+    if is_fake(flag):
+        return False
+    with unset_fake_temporarily():
+        return bool(flag)

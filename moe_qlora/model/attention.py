@@ -28,6 +28,20 @@ class AttentionChoice:
     def describe(self) -> str:
         return f"{self.implementation} ({self.why})"
 
+    def load_kwargs(self) -> dict:
+        """from_pretrained's arguments for this choice: flex attention asked for by name; SDPA and eager are what
+        transformers picks by itself, and naming them would force them on every sub-model too (a multimodal
+        model's audio or vision tower without SDPA refuses it: Gemma-4)."""
+        return {"attn_implementation": self.implementation} if self.implementation == "flex_attention" else {}
+
+    def as_loaded(self, config) -> AttentionChoice:
+        """This choice, or what the loaded model's text config says it runs where that differs."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        loaded = getattr(text, "_attn_implementation", None) or self.implementation
+        if loaded == self.implementation:
+            return self
+        return AttentionChoice(loaded, f"transformers' choice for {type(text).__name__}")
+
 
 def choose_attention(model_class: type, device: str) -> AttentionChoice:
     """The attention `model_class` (a transformers PreTrainedModel class) runs on `device`."""

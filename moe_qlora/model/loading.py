@@ -240,7 +240,7 @@ def load_model(opts: LoadOptions):
         model = model_class.from_pretrained(
             None,
             config=config,
-            attn_implementation=attention.implementation,
+            **attention.load_kwargs(),
             state_dict=state,
             quantization_config=quant,
             dtype=stored_dtype(state),
@@ -250,7 +250,7 @@ def load_model(opts: LoadOptions):
         quantize_read_by_expert(model, by_expert, opts)
     model.name_or_path = str(folder)
     model.expert_format = expert_format
-    model.attention_choice = attention
+    model.attention_choice = attention.as_loaded(model.config)
     fuse_gate_up(model, lambda stack: quantize_stack(stack, double_quant=opts.expert_double_quant))
     cast_unquantized(model, opts.compute_dtype)
     release_freed_memory()

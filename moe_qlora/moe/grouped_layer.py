@@ -9,8 +9,8 @@ traces a whole MoE block without a graph break. Shape letters as in reference_la
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
+from moe_qlora.common.device_runtime import host_flag, read_host_flag
 from moe_qlora.moe.grouped_ops import (
     GroupedOps,
     grouped_ops,
@@ -189,22 +189,6 @@ def moe_lora_experts_grouped(
 NO_STACKS, STACK_SHAPES, KEPT_STACKS = 0, 1, 2
 
 
-def _host_flag(value: bool) -> torch.Tensor:
-    """A () bool tensor on the host holding `value`, real even under FakeTensorMode (its value is known on the
-    host, so reading it back is no device read)."""
-    with unset_fake_temporarily():
-        return torch.tensor(value)
-
-
-def _read_host_flag(flag: torch.Tensor) -> bool:
-    """_host_flag's value, read without a device sync (the flag lives on the host). A fake flag (a compiled graph's
-    trace, which never runs the real backward) reads as not kept."""
-    if is_fake(flag):
-        return False
-    with unset_fake_temporarily():
-        return bool(flag)
-
-
 def _recomputing() -> bool:
     """Whether this forward runs inside a backward: activation checkpointing's recompute, whose saved tensors the
     layer's own backward reads next (torch.utils.checkpoint, use_reentrant=False, recomputes in an unpack hook)."""
@@ -313,7 +297,7 @@ def grouped_experts_op(
     h = h if h is not None else x.new_empty(0, plan.experts.up_width)
     no_rank = x.new_empty(routing_weights.numel(), 0)
     outputs = (out, h, p1 if p1 is not None else no_rank, p2 if p2 is not None else no_rank.clone())
-    return *(_as_faked(t) for t in outputs), *_decoded_stacks(x, ints, decoded), _host_flag(decoded is not None)
+    return *(_as_faked(t) for t in outputs), *_decoded_stacks(x, ints, decoded), host_flag(decoded is not None)
 
 
 def _decoded_stacks(x: torch.Tensor, ints, decoded: dict | None) -> list[torch.Tensor]:
@@ -367,7 +351,7 @@ def grouped_experts_backward_op(
     h, p1, p2, gate_up, down, kept = saved
     # the flag, not ctx.ints: a checkpointed layer's backward node and its ints are its first forward's, while its
     # saved tensors (the flag among them) are the recompute's
-    decoded = {"gate_up": gate_up, "down": down} if _read_host_flag(kept) else None
+    decoded = {"gate_up": gate_up, "down": down} if read_host_flag(kept) else None
     has_lora = lora[0] is not None
     grads = grouped_backward(
         grad_out,

@@ -20,7 +20,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from moe_qlora.common.reporting import NoReporters, Reporters, read_jsonl
 from moe_qlora.config.methods import check_method
 from moe_qlora.config.sections import DataSection, RunConfig
-from moe_qlora.model.attention import position_limit_note
 from moe_qlora.model.build import load_policy
 from moe_qlora.model.distributed import any_rank, launched_world_size, raise_together, whole_trainable
 from moe_qlora.train.checkpoint import RunProgress, checkpoint_tensors, config_identity, save_checkpoint
@@ -117,9 +116,7 @@ class Recipe(ABC):
         self.context = StepContext(cfg.train, self.ranks, self.position, aux_coef)
         if self.ranks.main:
             write_router_layers(self.out, self.model)
-            write_run_choices(self.out, self.model, cfg.data.max_seq_len)
-        if note := position_limit_note(self.model.config, cfg.data.max_seq_len):
-            self.console.print(f"note: {note}")
+            write_run_choices(self.out, self.model, cfg.data.max_seq_len, self.console)
         self.prepare_data()
         seed_everything(cfg.train.seed)  # and again: what loading consumed (e.g. a cold cache) must not matter
         self.optimizer = build_optimizer(self.params, cfg.train)

@@ -71,8 +71,13 @@ def write_router_layers(out: Path, model) -> None:
     atomic_write_text(out / ROUTER_LAYERS, json.dumps(names, indent=1))
 
 
-def write_run_choices(out: Path, model, seq_len: int) -> None:
-    """run_choices.json: what the run chose that its config does not say: the attention it runs and why."""
+def write_run_choices(out: Path, model, seq_len: int, console) -> None:
+    """run_choices.json: what the run chose that its config does not say: the attention it runs and why; and a
+    length past the model's positions said."""
+    from moe_qlora.model.attention import position_limit_note
+
+    if note := position_limit_note(model.config, seq_len):
+        console.print(f"note: {note}")
     attention = getattr(model, "attention_choice", None)
     if attention is None:  # a model not loaded by load_model (a test's stand-in)
         return
