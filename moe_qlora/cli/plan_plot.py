@@ -39,6 +39,9 @@ def plan(
         "as an H100 (MoE kernels: grouped_mm), below as a 24-48 GB card (Triton)",
     ),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+    longest: bool = typer.Option(
+        False, "--longest", help="the longest data.max_seq_len that fits --gpu-gb, the rest of the config as it is"
+    ),
     debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
 ):
     """Memory a run needs, by kind, from the model's config.json alone (no weights are read); with --gpus, one
@@ -60,6 +63,8 @@ def plan(
         if parallel is not None and parallel not in PARALLEL_MODES:
             raise ConfigError(f"--parallel {parallel}: give one of {', '.join(PARALLEL_MODES)}")
         name_or_path = resolve_model_path(model or cfg.model.name_or_path)
+        if longest:
+            return print_longest(cfg, name_or_path, device, gpu_gb, gpus=gpus, parallel=parallel)
         result = plan_run(
             cfg,
             name_or_path=name_or_path,
@@ -83,6 +88,27 @@ def plan(
         console.print(fit_verdict(result, gpu_gb, to_fit), highlight=False)
     if not result.fits:
         raise typer.Exit(1)
+
+
+def print_longest(cfg, name_or_path: str, device: str, gpu_gb: float, **plan_args) -> None:
+    """plan --longest: the longest data.max_seq_len that fits (exit 0), or that none does (exit 1); a length past
+    the model's positions said too."""
+    from moe_qlora.model.attention import position_limit_note
+    from moe_qlora.model.budget import meta_model
+    from moe_qlora.model.fitting import LONGEST_STEP, longest_seq_len
+
+    found = longest_seq_len(cfg, name_or_path, device, gpu_gib=gpu_gb, **plan_args)
+    if found is None:
+        console.print(f"not even data.max_seq_len={LONGEST_STEP} fits a {gpu_gb:g} GiB GPU with this config")
+        raise typer.Exit(1)
+    seq_len, total = found
+    console.print(
+        f"longest data.max_seq_len that fits a {gpu_gb:g} GiB GPU: {seq_len:,} tokens ({total:,.2f} GiB planned, "
+        f"micro-batch {cfg.train.micro_batch_size}; --set data.max_seq_len={seq_len})",
+        highlight=False,
+    )
+    if note := position_limit_note(meta_model(name_or_path, cfg.model.trust_remote_code).config, seq_len):
+        console.print(f"note: {note}", highlight=False)
 
 
 def plan_config(config: str | None, model: str | None, overrides: list[str]):

@@ -99,6 +99,26 @@ def settings_to_fit(cfg, model_path: str, device: str, *, gpu_gib: float, **plan
     return [], total
 
 
+LONGEST_STEP = 128  # tokens: plan --longest tries multiples of it
+LONGEST_MAX = 1 << 21  # 2,097,152 tokens: the search's ceiling
+
+
+def longest_seq_len(cfg, model_path: str, device: str, *, gpu_gib: float, **plan_args) -> tuple[int, float] | None:
+    """(the longest data.max_seq_len, a multiple of LONGEST_STEP up to LONGEST_MAX, whose plan fits one GPU of
+    gpu_gib GiB with the rest of `cfg` as it is; its planned GiB), or None when not even LONGEST_STEP tokens fit.
+    A plan's total never falls as the length grows, so a bisection: about 15 plans of one meta model."""
+    replan = Replan(cfg, model_path, device, gpu_gib=gpu_gib, **plan_args)
+
+    def planned(steps: int) -> float:
+        return replan.total([f"data.max_seq_len={steps * LONGEST_STEP}"])
+
+    fit, over = 0, LONGEST_MAX // LONGEST_STEP + 1  # fit: the longest known to fit (0: none); over: the shortest not
+    while over - fit > 1:
+        mid = (fit + over) // 2
+        fit, over = (mid, over) if planned(mid) <= gpu_gib else (fit, mid)
+    return (fit * LONGEST_STEP, planned(fit)) if fit else None
+
+
 def knob_lines(savings: list[tuple[str, float]]) -> str:
     """The knobs an out-of-memory run can turn, in order of planned saving; empty when the plan has none."""
     if not savings:

@@ -116,3 +116,27 @@ def test_a_length_past_the_models_positions_is_said_with_what_the_family_does_th
         max_position_embeddings=512, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}
     )
     assert "yarn, factor 4.0" in position_limit_note(yarn, 4096)
+
+
+def test_plan_longest_finds_the_longest_length_that_fits(tmp_path):
+    """plan --longest (issue 68, item 5): for a tiny gpt-oss on the CPU (eager attention: its N^2 matrices make the
+    total grow fastest) and a GPU of the plan at 1,000 tokens, the length found fits and 128 tokens more do not;
+    a GPU below the plan at 128 tokens finds none (the control), and the CLI says the length and exits 0."""
+    from typer.testing import CliRunner
+
+    from moe_qlora.cli.app import app
+    from moe_qlora.model.fitting import LONGEST_STEP, Replan, longest_seq_len
+
+    tok = build_byte_tokenizer()
+    path = save_tiny_model(tmp_path / "gpt_oss", tiny_config("gpt_oss", len(tok)), tokenizer=tok)
+    cfg = validate_config({"model": {"name_or_path": str(path)}, "data": {"train_files": ["unused.jsonl"]}})
+    replan = Replan(cfg, str(path), "cpu")
+    gpu_gib = replan.total(["data.max_seq_len=1000"])
+    seq_len, planned = longest_seq_len(cfg, str(path), "cpu", gpu_gib=gpu_gib)
+    assert seq_len % LONGEST_STEP == 0 and 896 <= seq_len < 1000 + LONGEST_STEP
+    assert planned <= gpu_gib < replan.total([f"data.max_seq_len={seq_len + LONGEST_STEP}"])
+    assert longest_seq_len(cfg, str(path), "cpu", gpu_gib=0.5 * replan.total(["data.max_seq_len=128"])) is None
+    args = ["plan", "--model", str(path), "--device", "cpu", "--gpu-gb", str(gpu_gib), "--longest"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert f"--set data.max_seq_len={seq_len}" in result.output
