@@ -566,7 +566,9 @@ SPLIT_K_CASES = {
 }
 
 
-@pytest.mark.parametrize("group_m", [1, 2, 0], ids=["n_fastest", "groups_of_2", "tiles_fastest"])
+# groups of 2 (the group arithmetic, a last group padded) and one group of all (the order before issue 67); the
+# groups tiles.group_m chooses run in every other kernel test
+@pytest.mark.parametrize("group_m", [2, 0], ids=["groups_of_2", "tiles_fastest"])
 @pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPES)
 @pytest.mark.parametrize("path", list(SPLIT_K_CASES))
 def test_split_k_matches_reference_and_is_deterministic(
@@ -576,7 +578,7 @@ def test_split_k_matches_reference_and_is_deterministic(
     launch adds them in split order and runs the epilogue (bias, LoRA term, silu x up). K = 384 is six 64-wide
     K-steps (7 on the byte path), split three ways. Against the reference (same bounds as above), twice with
     the same bits, on each NF4 path and the byte-reading one (odd sizes), in three grid orders (which program
-    takes which output block and partial-sums slot: groups of 1, 2 and all row tiles); the broken control (the
+    takes which output block and partial-sums slot: groups of 2 and of all row tiles); the broken control (the
     reducing launch told of one split fewer: the last split's sums dropped) is caught."""
     from moe_qlora.moe.kernels import tiles, triton_kernels
 
