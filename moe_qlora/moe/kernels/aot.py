@@ -210,38 +210,16 @@ def layer_launch_calls(
     ]
 
 
-def capture_launches(
-    *,
-    hidden: int,
-    inter: int,
-    experts: int,
-    top_k: int,
-    tokens: int,
-    rank: int,
-    dtype=None,
-    nested: bool = True,
-    arch: int = 90,
-    weights: str | None = None,
-) -> list[Launch]:
-    """The six launches of one MoE layer's forward and backward (bf16 unless `dtype`, NF4 with nested scales
-    unless not `nested`, or `weights` "nf4" / "nf4_nested" / "mxfp4", whose launches are named with "mxfp4" in
-    place of "nf4_nested"; LoRA), recorded from the real launchers on CPU tensors of the real shapes
-    (layer_launch_calls: only shapes, strides and alignment matter here), with `arch`'s default config (autotuning
-    off: the config the GPU runs with MOE_QLORA_AUTOTUNE=0, and the autotuner's first candidate). Uniform
-    routing: tokens * top_k rows, spread evenly over the experts."""
+def capture_launches(*, arch: int = 90, **layer) -> list[Launch]:
+    """The six launches of one MoE layer's forward and backward (`layer`: layer_launch_calls' keywords; launches of
+    `weights` "mxfp4" named with "mxfp4" in place of "nf4_nested"), recorded from the real launchers on CPU tensors of
+    the real shapes (only shapes, strides and alignment matter here), with `arch`'s default config (autotuning off:
+    the config the GPU runs with MOE_QLORA_AUTOTUNE=0, and the autotuner's first candidate). Uniform routing:
+    tokens * top_k rows, spread evenly over the experts."""
     from moe_qlora.moe.kernels import tiles, triton_kernels
 
-    launches = layer_launch_calls(
-        hidden=hidden,
-        inter=inter,
-        experts=experts,
-        top_k=top_k,
-        tokens=tokens,
-        rank=rank,
-        dtype=dtype,
-        nested=nested,
-        weights=weights,
-    )
+    launches = layer_launch_calls(**layer)
+    weights = layer.get("weights")
     recorded: list[Launch] = []
     real = {n: getattr(triton_kernels, n) for n in ("_grouped_matmul_kernel", "_grouped_outer_product_kernel")}
 

@@ -251,14 +251,14 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
         # would decode a whole step with one block's scale
         raise RuntimeError(f"packed NF4 path chosen, but a candidate's step spans quant blocks: {configs}")
     bm = tiles.SWAP_AB_BLOCK_M if swap else configs[0].block_m  # the candidates share their class's BLOCK_M
-    group = tiles.group_m(bm, weight.k, x.element_size()) or tile_bound(num_rows, weight.shape[0], bm)
-    group = max(group, -(-tile_bound(num_rows, weight.shape[0], bm) // 65535))  # the grid's z: 65,535 at most
+    row_tiles = tile_bound(num_rows, weight.shape[0], bm)  # before padding to whole groups
+    group = max(tiles.group_m(bm, weight.k, x.element_size()) or row_tiles, -(-row_tiles // 65535))  # z <= 65,535
     tile_map = expert_tiles(device_offsets(offsets, x.device), num_rows, bm, group)
     groups = tile_map.shape[0] // group
     default = configs[0]
     n_blocks = -(-n // default.block_n)
     # the split from the tiles before their padding to whole groups (the same split as before grouping)
-    split = tiles.split_k(tile_bound(num_rows, weight.shape[0], bm) * n_blocks, -(-weight.k // default.block_k))
+    split = tiles.split_k(row_tiles * n_blocks, -(-weight.k // default.block_k))
     if split > 1:  # both launches must agree on the blocks: the default config, not autotuned
         configs = configs[:1]
     if len(configs) > 1:
