@@ -3,6 +3,7 @@ steps, and the tensor-for-tensor comparison of the adapters two runs end with.""
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -100,10 +101,33 @@ def signal_after_steps(
 
 
 def free_port() -> int:
-    """A TCP port free on this machine now (the rendezvous of a torchrun the tests start)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on this machine now, for the rendezvous of a torchrun the tests start.
+
+    Drawn below the kernel's ephemeral range, so no outgoing connection (gloo's, another worker's) can take it
+    between this check and torchrun's listen, and from a slice of its own per pytest-xdist worker, so two workers
+    never draw the same one. Asking the kernel for port 0 instead gave an ephemeral port that a gloo connection
+    of a concurrent test took first (EADDRINUSE in CI)."""
+    low, high = ephemeral_ports()[0] - 12_000, ephemeral_ports()[0]
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    span = (high - low) // 8
+    start = low + (worker % 8) * span
+    for port in random.sample(range(start, start + span), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in {start}-{start + span}")
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel hands out to sockets bound to port 0 (Linux's default when it cannot be read)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def torchrun(args: list[str], env: dict, timeout: int = 600) -> subprocess.CompletedProcess:
