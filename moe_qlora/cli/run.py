@@ -193,7 +193,7 @@ def _run(
     except DiskFullError as exc:
         show_traceback(exc, debug)
         err_console.print(
-            f"[red]error:[/red] {exc}. {last_good_checkpoint(cfg)}; free some space, then resume "
+            f"[red]error:[/red] {exc}. {last_good_checkpoint(cfg)}; {room_advice(cfg, exc)}, then resume "
             f"with: {resume_command(command, config, overrides)}",
             highlight=False,
             soft_wrap=True,
@@ -221,6 +221,30 @@ def last_good_checkpoint(cfg) -> str:
     if found is None:
         return "No checkpoint was written yet (the run starts over)"
     return f"The last good checkpoint, {found}, is intact"
+
+
+def room_advice(cfg, exc) -> str:
+    """What frees the room the next checkpoint needs: the older checkpoints when there are some (a resume with
+    train.keep_checkpoints=1 removes them before it writes), else space freed by hand. The newest checkpoint stays
+    until the next one is complete, so with one kept there is nothing the run itself can give back."""
+    from moe_qlora.common.fileio import human_bytes
+    from moe_qlora.train.checkpoint import checkpoint_dirs
+
+    kept = checkpoint_dirs(Path(cfg.output.dir))
+    short = max(exc.needed - exc.free, 0) if exc.needed is not None and exc.free is not None else None
+    older = sum(f.stat().st_size for d in kept[1:] for f in d.rglob("*") if f.is_file())
+    if len(kept) > 1 and (short is None or older >= short):
+        return (
+            f"add --set train.keep_checkpoints=1 to the resume, which removes the {len(kept) - 1} older "
+            f"checkpoint(s) ({human_bytes(older)}) before it writes the next, or free some space"
+        )
+    amount = f"at least {human_bytes(short)}" if short else "some space"
+    if kept:
+        return (
+            f"free {amount} on that disk (the newest checkpoint stays until the next one is complete, so a lower "
+            "train.keep_checkpoints frees nothing)"
+        )
+    return f"free {amount} on that disk"
 
 
 GRPO_EPILOG = """Examples:

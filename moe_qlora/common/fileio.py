@@ -59,6 +59,8 @@ def refusal(path: Path, cause: OSError) -> str:
         return f"this user may not write in {folder} (permission denied)"
     if cause.errno == errno.EBUSY:
         return "it is in use or a mount point, so it cannot be replaced; write into a folder inside it"
+    if cause.errno == errno.ENOENT:
+        return f"{folder} takes no new files (a virtual file system such as /proc or /sys?)"
     if cause.errno == errno.EISDIR:
         return "it is a folder, and a file was to be written there"
     return f"{cause.strerror or cause} (in {folder})"
@@ -85,7 +87,10 @@ def check_writable(path: str | Path) -> None:
     with unwritable_named(path):
         if not folder.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(folder))
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.probe-")
+        try:
+            fd, probe = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.probe-")
+        except FileNotFoundError as exc:  # the folder is there: a file system that makes no files in it (/proc)
+            raise UnwritableError(path, exc) from exc
         os.close(fd)
         os.remove(probe)
 

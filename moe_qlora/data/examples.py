@@ -43,6 +43,8 @@ class DataStats:
     truncated: int = 0
     dropped_overlength: int = 0
     dropped_no_target: int = 0
+    cut_to_no_target: int = 0  # of dropped_no_target: rows that had targets, all past max_seq_len
+    longest_cut_prompt: int = 0  # the most tokens before the first target among those rows
     target_tokens: int = 0
     formats: dict[str, int] = field(default_factory=dict)
 
@@ -165,7 +167,10 @@ def tokenize_row(row: dict, tokenizer, cfg: DataSection, source: str, stats: Dat
             stats.dropped_overlength += 1
             return None
         stats.truncated += 1
-        ids, labels = ids[: cfg.max_seq_len], labels[: cfg.max_seq_len]
+        full_labels, ids, labels = labels, ids[: cfg.max_seq_len], labels[: cfg.max_seq_len]
+        if not any(t != IGNORE for t in labels[1:]) and (first := first_target(full_labels)) is not None:
+            stats.cut_to_no_target += 1
+            stats.longest_cut_prompt = max(stats.longest_cut_prompt, first)
     # The label of position t is predicted from position t-1: the first label is never used.
     n_targets = sum(1 for t in labels[1:] if t != IGNORE)
     if n_targets == 0:
@@ -190,6 +195,24 @@ def row_reward(row: dict, source: str) -> float:
     return float(value)
 
 
+def first_target(labels: list[int]) -> int | None:
+    """The position of the first label trained on (the first label is never used), None when there is none."""
+    return next((i for i, t in enumerate(labels) if i > 0 and t != IGNORE), None)
+
+
+def dropped_counts(stats: DataStats, max_seq_len: int) -> str:
+    """'N over max_seq_len, M with no target left', saying which of the M lost their targets to truncation and
+    what length keeps them: the truncation, not the rows, is then what to change."""
+    text = f"{stats.dropped_overlength} over max_seq_len, {stats.dropped_no_target} with no target left"
+    if stats.cut_to_no_target:
+        text += (
+            f", {stats.cut_to_no_target} of them because truncating to data.max_seq_len {max_seq_len} cut away every "
+            f"target token (the latest first target is token {stats.longest_cut_prompt + 1}: data.max_seq_len "
+            f"{stats.longest_cut_prompt + 1} or more keeps at least one of each)"
+        )
+    return text
+
+
 def build_examples(cfg: DataSection, tokenizer, *, rewards: bool = False) -> tuple[list[Example], DataStats]:
     """Tokenize every row; with `rewards`, each example's weight is its row's raw reward (mapped later)."""
     stats = DataStats()
@@ -203,13 +226,13 @@ def build_examples(cfg: DataSection, tokenizer, *, rewards: bool = False) -> tup
     dropped = stats.dropped_overlength + stats.dropped_no_target
     if examples and dropped > cfg.max_dropped_share * stats.rows:
         raise DataError(
-            f"{dropped} of {stats.rows} rows dropped ({stats.dropped_overlength} over max_seq_len, "
-            f"{stats.dropped_no_target} with no target left), over data.max_dropped_share {cfg.max_dropped_share}"
+            f"{dropped} of {stats.rows} rows dropped ({dropped_counts(stats, cfg.max_seq_len)}), over "
+            f"data.max_dropped_share {cfg.max_dropped_share}"
         )
     if not examples:
         raise DataError(
             f"no trainable rows in {', '.join(map(entry_path, cfg.train_files))} ({stats.rows} read, "
-            f"{stats.dropped_overlength} over max_seq_len, {stats.dropped_no_target} with no target left)"
+            f"{dropped_counts(stats, cfg.max_seq_len)})"
         )
     return examples, stats
 

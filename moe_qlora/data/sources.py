@@ -40,13 +40,23 @@ class DataError(ValueError):
     """A dataset row or file that cannot be trained on; names the file and row."""
 
 
+ROW_NEEDS = (
+    "a row needs 'text', or 'prompt' with 'completion', or 'messages' (a list of role/content turns); "
+    "docs/configs.md shows each"
+)
+
+
 def first_bad_json_line(path: Path) -> str | None:
+    """The first line of a JSONL file datasets cannot make a row of, said with its number; None when all can."""
     with path.open(encoding="utf-8", errors="replace") as f:
         for n, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    if not isinstance(json.loads(line.strip()), dict):  # (a torn last line: "Unterminated")
+                    row = json.loads(line.strip())
+                    if not isinstance(row, dict):  # (a torn last line: "Unterminated")
                         return f"{path}:{n}: expected a JSON object per line"
+                    if not row:  # datasets: 'Instruction "train" corresponds to no data!'
+                        return f"{path}:{n}: an empty row ({{}}); {ROW_NEEDS}"
                 except json.JSONDecodeError as exc:
                     return f"{path}:{n}: not valid JSON ({exc.msg})"
     return None

@@ -17,17 +17,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+
+from moe_qlora.model.adapter_file import (
+    AdapterReadError,
+    adapter_weights_path,
+    read_adapter_config,
+    read_safetensors,
+)
 
 OUTLIER_FACTOR = 10.0
 MIN_GROUP_FOR_OUTLIERS = 4
 # PEFT nests wrappers in parameter order, the first projection innermost: gate_up_proj; up_proj when not gated;
 # gate_proj then up_proj for split stacks (Inkling's shared experts)
 PARAM_ORDER = ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
-
-
-class AdapterReadError(ValueError):
-    """The file cannot be read as a LoRA adapter (exit code 2)."""
 
 
 @dataclass
@@ -63,26 +65,14 @@ class NormReport:
 
 def read_adapter_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | None, Path]:
     """Tensors of an adapter file (or folder) and its adapter_config.json when present beside it; a llama.cpp
-    LoRA .gguf is read too (read_gguf_adapter)."""
+    LoRA .gguf is read too (read_gguf_adapter). Non-finite values are read as they are: check-norms names them."""
     path = Path(path)
     if path.suffix == ".gguf":
         return read_gguf_adapter(path)
-    weights = path / "adapter_model.safetensors" if path.is_dir() else path
-    if not weights.is_file():
-        raise AdapterReadError(f"{path}: no such adapter file")
-    try:
-        with safe_open(str(weights), framework="pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise AdapterReadError(f"{weights}: not a readable safetensors file ({exc})") from None
+    weights = adapter_weights_path(path)
     config_path = weights.parent / "adapter_config.json"
-    config = None
-    if config_path.is_file():
-        try:
-            config = json.loads(config_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise AdapterReadError(f"{config_path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    return tensors, config, weights
+    config = read_adapter_config(config_path) if config_path.is_file() else None
+    return read_safetensors(weights), config, weights
 
 
 def read_gguf_adapter(path: Path) -> tuple[dict[str, torch.Tensor], dict, Path]:

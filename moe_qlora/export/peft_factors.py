@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from moe_qlora.export.base_fit import refuse_other_base
 from moe_qlora.export.family_tables import (
     FAMILIES,
     NOT_EXPORTED,
@@ -23,6 +24,7 @@ from moe_qlora.export.family_tables import (
     base_model_type,
 )
 from moe_qlora.export.norms import read_adapter_tensors
+from moe_qlora.model.adapter_file import refuse_non_finite
 
 EXPERT_KEY = re.compile(
     r"(?P<prefix>.*?)\.layers\.(?P<layer>\d+)\.(?:(?P<path>.+)\.)?experts\.(?P<inner>base_layer\.)?"
@@ -57,6 +59,7 @@ def read_run_adapter(adapter_dir: str | Path) -> tuple[dict[str, torch.Tensor], 
     tensors, config, source = read_adapter_tensors(adapter_dir)
     if config is None:
         raise ExportError(f"{adapter_dir}: no adapter_config.json beside {source.name}")
+    refuse_non_finite(tensors, source, "export")
     model_type = base_model_type(config, Path(adapter_dir))
     if model_type in NOT_EXPORTED:
         raise ExportError(
@@ -70,6 +73,7 @@ def read_run_adapter(adapter_dir: str | Path) -> tuple[dict[str, torch.Tensor], 
         )
     if config.get("use_rslora") or config.get("rank_pattern") or config.get("alpha_pattern"):
         raise ExportError(f"{adapter_dir}: rsLoRA or per-module ranks/alphas are not written by these formats")
+    refuse_other_base(tensors, config, Path(adapter_dir))
     return tensors, config, model_type, FAMILIES[model_type]
 
 

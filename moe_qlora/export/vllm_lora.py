@@ -9,10 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from moe_qlora.common.fileio import atomic_dir
+from moe_qlora.export.base_fit import refuse_other_base
 from moe_qlora.export.family_tables import VLLM_NO_MOE_LORA, VLLM_VERSION, ExportError, base_model_type, vllm_layout
 from moe_qlora.export.norms import read_adapter_tensors
 from moe_qlora.export.peft_factors import LINEAR_KEY
 from moe_qlora.export.per_expert_lora import write_per_expert
+from moe_qlora.model.adapter_file import refuse_non_finite
 
 # Routers vLLM loads a LoRA for but never applies, so that it would be silently ignored: Nemotron-H's is skipped
 # with a log line (lora/model_manager.py); the blocks that hand their gate to the fused-MoE runner get it back
@@ -78,9 +80,10 @@ def write_vllm(adapter_dir: str | Path, out_dir: str | Path) -> Path:
     expert weights, per-expert keys elsewhere; a family vLLM serves no MoE LoRA for is refused by name."""
     import shutil
 
-    tensors, config, _ = read_adapter_tensors(adapter_dir)
+    tensors, config, source = read_adapter_tensors(adapter_dir)
     if config is None:
         raise ExportError(f"{adapter_dir}: no adapter_config.json")
+    refuse_non_finite(tensors, source, "export")
     model_type = base_model_type(config, Path(adapter_dir))
     if model_type in VLLM_NO_MOE_LORA:
         raise ExportError(
@@ -102,6 +105,7 @@ def write_vllm(adapter_dir: str | Path, out_dir: str | Path) -> Path:
         )
     if vllm_layout(model_type) != "fused-3d":  # per-expert, or its refusal with the reason
         return write_per_expert(adapter_dir, out_dir, rename=VLLM_RENAMED.get(model_type))
+    refuse_other_base(tensors, config, Path(adapter_dir))  # (write_per_expert checks its own)
     with atomic_dir(out_dir) as tmp:
         for name in ("adapter_model.safetensors", "adapter_config.json"):
             shutil.copyfile(Path(adapter_dir) / name, tmp / name)

@@ -23,7 +23,7 @@ from transformers import GenerationConfig, TextStreamer
 
 from moe_qlora.config.load import validate_section
 from moe_qlora.config.sections import ConfigError, LoraSection, ModelSection
-from moe_qlora.export.norms import AdapterReadError
+from moe_qlora.model.adapter_file import AdapterReadError, read_checked_adapter
 from moe_qlora.model.adapters import adapters_disabled
 from moe_qlora.moe.experts import generation_kernels
 
@@ -37,14 +37,18 @@ class Sampling:
     seed: int = 0
 
 
-def policy_sections_for(adapter_dir: Path, *, device: str, kernels: str) -> tuple[ModelSection, LoraSection]:
+def policy_sections_for(
+    adapter_dir: Path, *, device: str, kernels: str, doing: str = "generate with"
+) -> tuple[ModelSection, LoraSection]:
     """The model and lora sections that rebuild the adapter's model (base from adapter_config.json, its LoRA
-    layout) and load the adapter into it (lora.init_from)."""
+    layout) and load the adapter into it (lora.init_from). The adapter is read and checked first (readable,
+    finite, naming its base), before minutes of loading the base: an adapter that cannot be used for `doing`
+    is said in one sentence."""
     config_path = adapter_dir / "adapter_config.json"
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise AdapterReadError(f"{config_path}: not a readable adapter config ({exc})") from None
+    _, config = read_checked_adapter(adapter_dir, doing)
+    for key in ("base_model_name_or_path", "r", "lora_alpha"):
+        if key not in config:
+            raise AdapterReadError(f"{config_path}: no {key!r} (PEFT writes it; this file is not a LoRA adapter's)")
     parameters = config.get("target_parameters") or []
     targets = config.get("target_modules") or []
     model = {
@@ -89,12 +93,19 @@ def trained_quantization(adapter_dir: Path) -> dict[str, bool | str]:
     return {"expert_format": "nf4", **recorded}
 
 
-def load_for_generation(adapter_dir: str | Path, console: Console, *, device: str = "auto", kernels: str = "auto"):
-    """(model with the adapter loaded, tokenizer)."""
+def load_for_generation(
+    adapter_dir: str | Path,
+    console: Console,
+    *,
+    device: str = "auto",
+    kernels: str = "auto",
+    doing: str = "generate with",
+):
+    """(model with the adapter loaded, tokenizer); `doing`: what the caller does with it, said when refused."""
     from moe_qlora.model.build import build_policy, load_tokenizer
 
     adapter_dir = Path(adapter_dir)
-    model_cfg, lora_cfg = policy_sections_for(adapter_dir, device=device, kernels=kernels)
+    model_cfg, lora_cfg = policy_sections_for(adapter_dir, device=device, kernels=kernels, doing=doing)
     model_path, tokenizer = load_tokenizer(model_cfg)
     model, _, _ = build_policy(model_cfg, lora_cfg, model_path, console)
     model.eval()

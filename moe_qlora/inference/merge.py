@@ -290,7 +290,7 @@ def merge_adapter(
     if dtype not in DTYPES:
         raise MergeError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
-    model, _ = load_for_generation(adapter_dir, console, device=device, kernels="torch")
+    model, _ = load_for_generation(adapter_dir, console, device=device, kernels="torch", doing="merge")
     report = MergeReport(out=out_dir)
     with atomic_dir(out_dir) as tmp, torch.no_grad():
         writer = ShardWriter(tmp, max_shard_bytes, checkpoint_layout(model))

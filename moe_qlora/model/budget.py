@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig
 from transformers.quantizers.quantizers_utils import should_convert_module
 
 from moe_qlora.config.sections import RunConfig, resolve_compute_dtype
 from moe_qlora.model.attention import choose_attention, eager_attention_bytes, position_limit_note
+from moe_qlora.model.checkpoint_files import read_model_config
 from moe_qlora.model.classes import text_model_from_config
 from moe_qlora.model.families import matches_target
 from moe_qlora.model.loading import linears_not_quantized
@@ -91,7 +91,7 @@ class Plan:
 
 
 def meta_model(name_or_path: str, trust_remote_code: bool = False) -> nn.Module:
-    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    config = read_model_config(name_or_path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = text_model_from_config(config, trust_remote_code=trust_remote_code)
     adopt_dense_input_experts(model)

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from moe_qlora.common.memory import release_freed_memory
 from moe_qlora.config.sections import ConfigError, LoraSection, ModelSection, RunConfig, resolve_compute_dtype
 from moe_qlora.model.adapters import attach_adapters, configure_checkpointing, trainable_parameters
-from moe_qlora.model.checkpoint_files import check_model_path
+from moe_qlora.model.checkpoint_files import check_model_path, read_model_config
 from moe_qlora.model.distributed import SINGLE, Ranks, device_of, shard_model
 from moe_qlora.model.kernel_choice import describe_kernels, resolve_kernels
 from moe_qlora.model.loaded_model import parameter_bytes_by_kind
@@ -58,6 +58,7 @@ def load_tokenizer(model: ModelSection):
     """(resolved model path, tokenizer with a pad token)."""
     model_path = resolve_model_path(model.name_or_path)
     check_model_path(model_path)
+    read_model_config(model_path, trust_remote_code=model.trust_remote_code)  # a damaged config.json: one sentence
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=model.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

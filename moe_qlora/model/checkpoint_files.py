@@ -49,6 +49,24 @@ def check_model_path(name_or_path: str, *, tokenizer: bool = True) -> None:
         raise ModelLoadError(f"model path {name_or_path!r} has {' and '.join(missing)}")
 
 
+def read_model_config(name_or_path: str, *, trust_remote_code: bool = False):
+    """transformers' config of a model folder or hub id; a folder without config.json, or a config.json
+    transformers refuses (a field of the wrong type, no model_type, not JSON), in one sentence naming the file."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
+    path = Path(os.path.expanduser(name_or_path))
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ModelLoadError(f"model path {name_or_path!r} has no config.json (the model's architecture and sizes)")
+    where = path / "config.json" if path.is_dir() else f"the config.json of {name_or_path}"
+    try:
+        return AutoConfig.from_pretrained(
+            str(path) if path.is_dir() else name_or_path, trust_remote_code=trust_remote_code
+        )
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as exc:
+        raise ModelLoadError(f"{where}: transformers cannot read it: {' '.join(str(exc).split())}") from None
+
+
 def has_any(folder: Path, patterns: tuple[str, ...]) -> bool:
     """Whether a file of `folder` matches one of the glob `patterns`."""
     return any(next(folder.glob(p), None) is not None for p in patterns)

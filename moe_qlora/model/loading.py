@@ -15,7 +15,7 @@ from pathlib import Path
 
 import bitsandbytes as bnb
 import torch
-from transformers import AutoConfig, BitsAndBytesConfig
+from transformers import BitsAndBytesConfig
 from transformers.core_model_loading import ConversionOps
 from transformers.integrations.bitsandbytes import Bnb4bitQuantize
 from transformers.quantizers.auto import register_quantization_config, register_quantizer
@@ -30,6 +30,7 @@ from moe_qlora.model.checkpoint_files import (
     checkpoint_files,
     lazy_state_dict,
     local_checkpoint,
+    read_model_config,
     stored_dtype,
 )
 from moe_qlora.model.classes import text_generation_class
@@ -209,7 +210,7 @@ def load_model(opts: LoadOptions):
     check_model_path(opts.name_or_path, tokenizer=False)
     folder = local_checkpoint(opts.name_or_path)
     files = checkpoint_files(folder)
-    config = AutoConfig.from_pretrained(str(folder), trust_remote_code=opts.trust_remote_code)
+    config = read_model_config(str(folder), trust_remote_code=opts.trust_remote_code)
     expert_format = chosen_expert_format(config, opts.expert_format, folder)
     if expert_format == "mxfp4" and opts.experts_on_host:
         raise ModelLoadError(

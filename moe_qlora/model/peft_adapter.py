@@ -10,15 +10,14 @@ inner one, reached as `base_layer`. Writing and verifying an adapter folder is e
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
-from safetensors.torch import load_file
 
 from moe_qlora.config.sections import LoraSection
-from moe_qlora.model.peft_roundtrip import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, first_few
+from moe_qlora.model.adapter_file import read_checked_adapter
+from moe_qlora.model.peft_roundtrip import PEFT_PREFIX, first_few
 from moe_qlora.moe.expert_lora import ExpertLoRA
 from moe_qlora.moe.expert_stacks import experts_modules
 from moe_qlora.moe.layer_state import read_state
@@ -183,11 +182,7 @@ def load_adapter(model, adapter_dir: str | Path, cfg: LoraSection) -> int:
     keys and drop them silently), else the load is refused too.
     """
     adapter_dir = Path(adapter_dir)
-    try:
-        saved = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
-        config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
-    except (OSError, ValueError) as exc:
-        raise AdapterMismatchError(f"{adapter_dir}: not a readable adapter ({exc})") from None
+    saved, config = read_checked_adapter(adapter_dir, "load")
     other_scaling = {k: config[k] for k in ("use_rslora", "alpha_pattern", "rank_pattern") if config.get(k)}
     if other_scaling:  # PEFT would scale these by alpha/sqrt(r) or per module; this run's LoRA uses alpha/r
         raise AdapterMismatchError(

@@ -16,7 +16,15 @@ from rich.console import Console
 
 from moe_qlora.common.memory import release_freed_memory
 from moe_qlora.config.sections import RunConfig
-from moe_qlora.data.examples import IGNORE, Example, apply_reward_weights, build_examples, collate, eval_split
+from moe_qlora.data.examples import (
+    IGNORE,
+    Example,
+    apply_reward_weights,
+    build_examples,
+    collate,
+    dropped_counts,
+    eval_split,
+)
 from moe_qlora.model.build import load_tokenizer
 from moe_qlora.model.distributed import SINGLE, Ranks, sum_gradients, sum_scalars
 from moe_qlora.train.checkpoint import dataset_fingerprint
@@ -225,8 +233,8 @@ class SftRecipe(LossRecipe):
             )
         console.print(
             f"data: {stats.rows} rows -> {len(examples)} examples, {stats.target_tokens} target tokens; "
-            f"truncated {stats.truncated}, dropped {stats.dropped_overlength} over max_seq_len and "
-            f"{stats.dropped_no_target} with no target left; formats {stats.formats}"
+            f"truncated {stats.truncated}, dropped {dropped_counts(stats, cfg.data.max_seq_len)}; "
+            f"formats {stats.formats}"
         )
         self.examples = examples
         self.load_model()

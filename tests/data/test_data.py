@@ -76,6 +76,32 @@ def test_truncation_is_counted_and_fully_masked_rows_are_dropped():
     assert stats.dropped_overlength == 1
 
 
+def test_rows_whose_targets_truncation_cut_away_say_so_with_the_length_that_keeps_them(tmp_path):
+    """A 76-token chat row at max_seq_len 64 used to read "0 over max_seq_len ... 16 with no target left", as if
+    the rows had no targets: the truncation cut them, and the message says so with the length that keeps one."""
+    rows = tmp_path / "long.jsonl"
+    turn = {"messages": [{"role": "user", "content": "w" * 100}, {"role": "assistant", "content": "yes"}]}
+    rows.write_text((json.dumps(turn) + "\n") * 16)
+    first = next(i for i, t in enumerate(row(turn).labels) if i > 0 and t != IGNORE)
+    with pytest.raises(DataError) as info:
+        build_examples(DataSection(train_files=[str(rows)], max_seq_len=64), TOK)
+    said = str(info.value)
+    assert "16 with no target left, 16 of them because truncating to data.max_seq_len 64 cut away every" in said
+    assert f"data.max_seq_len {first + 1} or more keeps at least one" in said
+    kept, stats = build_examples(DataSection(train_files=[str(rows)], max_seq_len=first + 1), TOK)
+    assert len(kept) == 16 and stats.cut_to_no_target == 0  # the length it names is enough
+    with pytest.raises(DataError, match="16 of them because truncating"):  # and one token less is not
+        build_examples(DataSection(train_files=[str(rows)], max_seq_len=first), TOK)
+
+
+def test_a_file_of_empty_rows_says_what_a_row_needs(tmp_path):
+    """datasets' own words were 'Instruction "train" corresponds to no data!'."""
+    rows = tmp_path / "empty-rows.jsonl"
+    rows.write_text("{}\n")
+    with pytest.raises(DataError, match=r"empty-rows.jsonl:1: an empty row \(\{\}\); a row needs 'text', or 'prompt'"):
+        build_examples(DataSection(train_files=[str(rows)]), TOK)
+
+
 def test_epoch_order_is_seeded_and_changes_every_epoch():
     assert epoch_order(50, seed=1, epoch=0) == epoch_order(50, seed=1, epoch=0)
     assert epoch_order(50, seed=1, epoch=0) != epoch_order(50, seed=1, epoch=1)

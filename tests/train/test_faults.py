@@ -161,6 +161,8 @@ def test_a_full_disk_stops_the_run_with_one_message_and_keeps_the_last_checkpoin
     assert kept and all(verify(c) is None for c in kept)
     assert f"The last good checkpoint, {kept[-1]}, is intact" in proc.stderr.replace("\n", "")
     assert not list((out / "checkpoints").glob(".step-*"))  # no half-written folder left
+    if small_disk:  # older checkpoints are there to free: the advice names the setting that frees them
+        assert "add --set train.keep_checkpoints=1 to the resume" in " ".join(proc.stderr.split())
     # The advice that follows works: with fewer checkpoints kept, the resume makes room before it writes (pruning
     # only after the new one is written, it filled the same disk again at its first save).
     sets = ["--set", "train.save_every=5", "--set", "train.keep_checkpoints=1", "--set", "train.max_steps=200"]
