@@ -64,6 +64,14 @@ VLLM_IGNORED_MODULE = {
         )
     },
 }
+# The shared expert's gate of the Qwen2-MoE block and the blocks built like it: vLLM wraps mlp.shared_expert_gate
+# with the LoRA layer, but the shared expert multiplies through its own expert_gate attribute, which still holds
+# the unwrapped layer (qwen2_moe.py's Qwen2MoeMLP, reused by qwen3_next.py and qwen3_5.py)
+_SHARED_GATE = {
+    "mlp.shared_expert_gate": "the shared expert calls its expert_gate attribute, which holds the unwrapped layer "
+    "(models/qwen2_moe.py, Qwen2MoeMLP)"
+}
+VLLM_IGNORED_MODULE.update(dict.fromkeys(("qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"), _SHARED_GATE))
 # Modules vLLM's class names otherwise than transformers (a LoRA under transformers' name would load unused)
 # (Laguna's is mlp.shared_expert there, but a LoRA on its shared expert does not load in PEFT: refused in training)
 VLLM_RENAMED = {
@@ -73,6 +81,30 @@ VLLM_RENAMED = {
         ("granitemoe", "granitemoeshared", "granitemoe_swa"), ("block_sparse_moe.router.", "block_sparse_moe.gate.")
     ),
 }
+
+
+def trained_modules(keys) -> set[str]:
+    """'mlp.shared_expert_gate', 'self_attn.q_proj', ...: each LoRA key's module path inside its decoder layer."""
+    return {f"{m['path']}.{m['proj']}" for k in keys if (m := LINEAR_KEY.fullmatch(k))}
+
+
+def vllm_refusal(model_type: str, trained: set[str]) -> str | None:
+    """Why vLLM would load this family's LoRA on one of the `trained` modules and never apply it (a router, a
+    module its forward bypasses), with what to do; None when it applies every one."""
+    router, why = VLLM_IGNORED_ROUTER.get(model_type, (None, ""))
+    if router in trained:
+        return (
+            f"{model_type}: vLLM {VLLM_VERSION} does not apply a LoRA to this family's router "
+            f"({router}: {why}), so it would be ignored; train with lora.router: false"
+        )
+    ignored = VLLM_IGNORED_MODULE.get(model_type, {})
+    if modules := sorted(trained & set(ignored)):
+        return (
+            f"{model_type}: vLLM {VLLM_VERSION} does not apply a LoRA to {', '.join(modules)} "
+            f"({ignored[modules[0]]}), so it would be ignored; train without it (leave it out of "
+            "lora.target_modules)"
+        )
+    return None
 
 
 def write_vllm(adapter_dir: str | Path, out_dir: str | Path) -> Path:
@@ -90,19 +122,8 @@ def write_vllm(adapter_dir: str | Path, out_dir: str | Path) -> Path:
             f"{model_type}: vLLM {VLLM_VERSION} serves no MoE LoRA for it "
             f"({VLLM_NO_MOE_LORA[model_type]}); use the run's PEFT adapter, or gguf"
         )
-    trained = {f"{m['path']}.{m['proj']}" for k in tensors if (m := LINEAR_KEY.fullmatch(k))}
-    router, why = VLLM_IGNORED_ROUTER.get(model_type, (None, ""))
-    if router in trained:
-        raise ExportError(
-            f"{model_type}: vLLM {VLLM_VERSION} does not apply a LoRA to this family's router "
-            f"({router}: {why}), so it would be ignored; train with lora.router: false"
-        )
-    ignored = VLLM_IGNORED_MODULE.get(model_type, {})
-    if modules := sorted(trained & set(ignored)):
-        raise ExportError(
-            f"{model_type}: vLLM {VLLM_VERSION} does not apply a LoRA to {', '.join(modules)} "
-            f"({ignored[modules[0]]}), so it would be ignored; train without it"
-        )
+    if refusal := vllm_refusal(model_type, trained_modules(tensors)):
+        raise ExportError(refusal)
     if vllm_layout(model_type) != "fused-3d":  # per-expert, or its refusal with the reason
         return write_per_expert(adapter_dir, out_dir, rename=VLLM_RENAMED.get(model_type))
     refuse_other_base(tensors, config, Path(adapter_dir))  # (write_per_expert checks its own)

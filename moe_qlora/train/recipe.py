@@ -114,9 +114,9 @@ class Recipe(ABC):
         raise_together(self.ranks, failure)
         aux_coef = router_aux_coefficient(self.model, cfg.train.router_aux_loss_coef)
         self.context = StepContext(cfg.train, self.ranks, self.position, aux_coef)
+        write_run_choices(self.out, self.model, cfg, self.console, writer=self.ranks.main)  # may refuse: every rank
         if self.ranks.main:
             write_router_layers(self.out, self.model)
-            write_run_choices(self.out, self.model, cfg.data.max_seq_len, self.console)
         self.prepare_data()
         seed_everything(cfg.train.seed)  # and again: what loading consumed (e.g. a cold cache) must not matter
         self.optimizer = build_optimizer(self.params, cfg.train)

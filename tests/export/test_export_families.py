@@ -717,6 +717,50 @@ def test_vllm_format_refuses_lora_granite_shared_mlp_would_ignore(tmp_path):
     assert any(".shared_mlp.output_linear.lora_B." in k for k in keys)
 
 
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_next"])
+def test_vllm_format_refuses_the_shared_expert_gate_vllm_bypasses(tmp_path, family):
+    """vLLM wraps mlp.shared_expert_gate with its LoRA layer, but the shared expert multiplies through its own
+    expert_gate attribute, the unwrapped layer (found by vLLM's own loading: tests/export/test_vllm_oracle.py): a
+    LoRA on it would load and never apply. Refused by name; the same adapter without it is written."""
+    adapter = family_adapter(tmp_path / "gate", family, router=False, targets=["q_proj", "shared_expert_gate"])
+    with pytest.raises(
+        family_tables.ExportError,
+        match=rf"{family}: vLLM 0.33.0 does not apply a LoRA to mlp.shared_expert_gate .the shared expert calls",
+    ):
+        vllm_lora.write_vllm(adapter, tmp_path / "v")
+    assert not (tmp_path / "v").exists()
+    control = family_adapter(tmp_path / "plain", family, router=False, targets=["q_proj"])
+    assert (vllm_lora.write_vllm(control, tmp_path / "v") / "adapter_model.safetensors").is_file()
+
+
+def test_training_a_target_vllm_would_not_apply_says_so_at_the_start(tmp_path):
+    """Said before the first step; refused there when the run is to export for vLLM at its end (before, the
+    export at the end failed after the whole training)."""
+    from typer.testing import CliRunner
+
+    from moe_qlora.cli.app import app
+
+    def train(*sets):
+        args = [
+            "train",
+            "--config",
+            str(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"),
+            "--set",
+            "model.name_or_path=builtin:tiny-qwen2-moe",
+        ]
+        sets = ("lora.target_modules=[q_proj,shared_expert_gate]", "train.max_steps=1", *sets)
+        result = CliRunner().invoke(app, [*args, *(a for s in sets for a in ("--set", s))])
+        return result.exit_code, " ".join(result.output.split())
+
+    code, output = train(f"output.dir={tmp_path / 'noted'}")
+    assert code == 0, output
+    said = "will not export with --format vllm: qwen2_moe: vLLM 0.33.0 does not apply a LoRA to mlp.shared_expert_gate"
+    assert said in output and output.index(said) < output.index("adapter:")
+    code, output = train(f"output.dir={tmp_path / 'refused'}", "output.export_formats=[vllm]")
+    assert code == 2 and "output.export_formats: vllm, and qwen2_moe: vLLM 0.33.0 does not apply" in output, output
+    assert not (tmp_path / "refused" / "adapter").exists() and not (tmp_path / "refused" / "metrics.jsonl").exists()
+
+
 def test_vllm_format_renames_shared_experts_to_vllms_module_names(tmp_path, monkeypatch):
     """Hunyuan-V3's shared expert is mlp.shared_mlp in vLLM (mlp.shared_experts in transformers): a LoRA under
     the transformers name would load and match no module. The per-expert format keeps transformers' name."""
@@ -787,14 +831,14 @@ def render_family_table() -> str:
                 vllm += f"; `{vllm_lora.VLLM_RENAMED[mt][0]}` renamed `{vllm_lora.VLLM_RENAMED[mt][1]}`"
             if mt in per_expert_lora.HUB_MODULE_NAMES:
                 vllm += "; every module under the checkpoints' own names (`attn.wq_a` ...)"
-            if mt in vllm_lora.VLLM_IGNORED_MODULE:
-                ignored = ", ".join(f"`{m}`" for m in vllm_lora.VLLM_IGNORED_MODULE[mt])
-                vllm += f"; LoRA refused on {ignored} (vLLM ignores it)"
             if mt in per_expert_lora.HUB_FUSED_ATTENTION:
                 vllm += (
                     f"; q, k, v as one `{per_expert_lora.HUB_FUSED_ATTENTION[mt][0]}` LoRA of rank 3r (vLLM's "
                     f"`--max-lora-rank` at least that), o_proj as `{per_expert_lora.HUB_FUSED_ATTENTION[mt][1]}`"
                 )
+        if mt in vllm_lora.VLLM_IGNORED_MODULE and not vllm.startswith("refused"):
+            ignored = ", ".join(f"`{m}`" for m in vllm_lora.VLLM_IGNORED_MODULE[mt])
+            vllm += f"; LoRA refused on {ignored} (vLLM does not apply it)"
         if mt in vllm_lora.VLLM_IGNORED_ROUTER and not vllm.startswith("refused"):
             vllm += f"; router LoRA refused (vLLM ignores `{vllm_lora.VLLM_IGNORED_ROUTER[mt][0]}`)"
         extra_kinds = ", ".join(sorted(gguf_archs.GGUF_EXTRA_LORA_KINDS.get(n.gguf_arch, ())))
