@@ -74,5 +74,7 @@ def main() -> None:
         app(args=with_resume_path(sys.argv[1:]), prog_name="moe-qlora")
     except (DiskFullError, UnwritableError) as exc:
         show_traceback(exc, "--debug" in sys.argv)
-        err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        from rich.markup import escape
+
+        err_console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(1 if isinstance(exc, DiskFullError) else 2)

@@ -73,5 +73,7 @@ def show_traceback(exc: BaseException, debug: bool) -> None:
 def fail(exc: Exception, debug: bool, code: int = 2) -> None:
     """Print `exc` as one red sentence (after its traceback with --debug) and exit with `code`."""
     show_traceback(exc, debug)
-    err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+    from rich.markup import escape  # a message may hold [a,b] (a --set list), which rich would read as a style
+
+    err_console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)

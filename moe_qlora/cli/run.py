@@ -160,6 +160,8 @@ def _run(
         if note := dry_run_note(cfg.model.name_or_path):
             err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
         return
+    from rich.markup import escape
+
     from moe_qlora.common.fileio import DiskFullError
     from moe_qlora.export.adapter import AdapterVerificationError
     from moe_qlora.train.faults import StepFailed
@@ -185,7 +187,7 @@ def _run(
     except StepFailed as exc:
         show_traceback(exc, debug)
         err_console.print(
-            f"[red]error:[/red] {exc}\nresume with: {resume_command(command, config, overrides)}",
+            "[red]error:[/red] " + escape(f"{exc}\nresume with: {resume_command(command, config, overrides)}"),
             highlight=False,
             soft_wrap=True,
         )
@@ -193,8 +195,11 @@ def _run(
     except DiskFullError as exc:
         show_traceback(exc, debug)
         err_console.print(
-            f"[red]error:[/red] {exc}. {last_good_checkpoint(cfg)}; {room_advice(cfg, exc)}, then resume "
-            f"with: {resume_command(command, config, overrides)}",
+            "[red]error:[/red] "
+            + escape(
+                f"{exc}. {last_good_checkpoint(cfg)}; {room_advice(cfg, exc)}, then resume "
+                f"with: {resume_command(command, config, overrides)}"
+            ),
             highlight=False,
             soft_wrap=True,
         )

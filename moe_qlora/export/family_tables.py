@@ -213,6 +213,32 @@ class ExportError(ConfigError):
     """An adapter this format cannot express (a family or a module it does not know), said by name."""
 
 
+class UnexportableModules(ExportError):
+    """LoRA on modules a format cannot carry: {module path in its layer ('self_attn.kv_b_proj'): why}, the first
+    reason said in full and every module named, so that one retraining fixes them all."""
+
+    def __init__(self, modules: dict[str, str], advice: str = ""):
+        self.modules = modules = dict(sorted(modules.items()))  # the same sentence whatever order they came in
+        first = next(iter(modules.values()))
+        others = sorted(set(modules) - {next(iter(modules))})
+        more = f"; the same for {', '.join(others)}" if others else ""
+        super().__init__(first + more + (f"; {advice}" if advice else ""))
+
+    def with_advice(self, advice: str) -> UnexportableModules:
+        return UnexportableModules(self.modules, advice)
+
+
+def targets_without(targets: list[str], modules: set[str]) -> list[str]:
+    """lora.target_modules with every name that reaches one of `modules` (module paths inside a layer) left out."""
+    return [t for t in targets if not any(m == t or m.endswith(f".{t}") for m in modules)]
+
+
+def retrain_advice(config: dict, modules: set[str], fmt: str) -> str:
+    """The --set that trains what `fmt` carries: the adapter's targets without those reaching `modules`."""
+    kept = targets_without(sorted(config.get("target_modules") or []), modules)
+    return f"to export --format {fmt}, train with --set lora.target_modules=[{','.join(kept)}]"
+
+
 def base_model_type(config: dict, where: Path) -> str:
     """model_type of the adapter's base, from its config.json (a local folder, builtin:, or the hub cache)."""
     from transformers import AutoConfig

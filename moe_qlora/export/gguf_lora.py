@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from moe_qlora.common.fileio import disk_full_named, unwritable_named
-from moe_qlora.export.family_tables import ExportError, FamilyNames
+from moe_qlora.export.family_tables import ExportError, FamilyNames, UnexportableModules, retrain_advice
 from moe_qlora.export.gguf_archs import (
     GGUF_ALWAYS_FUSED_QKV,
     GGUF_FUSABLE_GATE_UP,
@@ -67,9 +67,14 @@ def gguf_tensors(
     n_head = base.num_attention_heads
     n_kv = getattr(base, "num_key_value_heads", None) or n_head
     tensor_names = gguf_name_map(names.gguf_arch, 1 + max((layer for layer, _, _ in factors), default=0))
+    refused: dict[str, str] = {}  # every module llama.cpp would not apply, said at once with what exports
     for (layer, path, proj), ab in factors.items():
         for piece_path, piece_proj, a, b in gguf_pieces(names.gguf_arch, path, proj, ab["A"], ab["B"], base):
-            name = gguf_linear_name(tensor_names, names.gguf_arch, layer, piece_path, piece_proj)
+            try:
+                name = gguf_linear_name(tensor_names, names.gguf_arch, layer, piece_path, piece_proj)
+            except ExportError as exc:
+                refused.setdefault(f"{path}.{proj}", str(exc))
+                continue
             if names.permute_qk and name.endswith((".attn_q", ".attn_k")):
                 b = permute_rows_for_rope(b, n_head if name.endswith(".attn_q") else n_kv)
             if f"{name}.weight.lora_a" in out:  # two modules on one tensor: never write one over the other
@@ -78,6 +83,8 @@ def gguf_tensors(
                 )
             out[f"{name}.weight.lora_a"] = a
             out[f"{name}.weight.lora_b"] = b
+    if refused:
+        raise UnexportableModules(refused)
     if fuse_qkv or names.gguf_arch in GGUF_ALWAYS_FUSED_QKV:
         out = fused_qkv(out, always=names.gguf_arch in GGUF_ALWAYS_FUSED_QKV)
     return {k: v.contiguous().clone() for k, v in out.items()}
@@ -190,9 +197,12 @@ def write_gguf(
             "architecture, so no base has attn_qkv; export without --fuse-qkv"
         )
     base = AutoConfig.from_pretrained(resolve_model_path(config["base_model_name_or_path"])).get_text_config()
-    converted = gguf_tensors(
-        tensors, int(config["r"]), names, base, fuse_gate_up_exps=fuse_gate_up_exps, fuse_qkv=fuse_qkv
-    )
+    try:
+        converted = gguf_tensors(
+            tensors, int(config["r"]), names, base, fuse_gate_up_exps=fuse_gate_up_exps, fuse_qkv=fuse_qkv
+        )
+    except UnexportableModules as exc:
+        raise exc.with_advice(retrain_advice(config, set(exc.modules), "gguf")) from None
     out_file = Path(out_file)
     with unwritable_named(out_file):
         out_file.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,14 @@ from pathlib import Path
 
 from moe_qlora.common.fileio import atomic_dir
 from moe_qlora.export.base_fit import refuse_other_base
-from moe_qlora.export.family_tables import VLLM_NO_MOE_LORA, VLLM_VERSION, ExportError, base_model_type, vllm_layout
+from moe_qlora.export.family_tables import (
+    VLLM_NO_MOE_LORA,
+    VLLM_VERSION,
+    ExportError,
+    base_model_type,
+    retrain_advice,
+    vllm_layout,
+)
 from moe_qlora.export.norms import read_adapter_tensors
 from moe_qlora.export.peft_factors import LINEAR_KEY
 from moe_qlora.export.per_expert_lora import write_per_expert
@@ -88,9 +95,10 @@ def trained_modules(keys) -> set[str]:
     return {f"{m['path']}.{m['proj']}" for k in keys if (m := LINEAR_KEY.fullmatch(k))}
 
 
-def vllm_refusal(model_type: str, trained: set[str]) -> str | None:
+def vllm_refusal(model_type: str, trained: set[str], config: dict | None = None) -> str | None:
     """Why vLLM would load this family's LoRA on one of the `trained` modules and never apply it (a router, a
-    module its forward bypasses), with what to do; None when it applies every one."""
+    module its forward bypasses), with what to do (the --set of the adapter_config's targets that exports, given
+    `config`); None when it applies every one."""
     router, why = VLLM_IGNORED_ROUTER.get(model_type, (None, ""))
     if router in trained:
         return (
@@ -101,8 +109,8 @@ def vllm_refusal(model_type: str, trained: set[str]) -> str | None:
     if modules := sorted(trained & set(ignored)):
         return (
             f"{model_type}: vLLM {VLLM_VERSION} does not apply a LoRA to {', '.join(modules)} "
-            f"({ignored[modules[0]]}), so it would be ignored; train without it (leave it out of "
-            "lora.target_modules)"
+            f"({ignored[modules[0]]}), so it would be ignored; "
+            + (retrain_advice(config, set(modules), "vllm") if config else "train without it")
         )
     return None
 
@@ -122,7 +130,7 @@ def write_vllm(adapter_dir: str | Path, out_dir: str | Path) -> Path:
             f"{model_type}: vLLM {VLLM_VERSION} serves no MoE LoRA for it "
             f"({VLLM_NO_MOE_LORA[model_type]}); use the run's PEFT adapter, or gguf"
         )
-    if refusal := vllm_refusal(model_type, trained_modules(tensors)):
+    if refusal := vllm_refusal(model_type, trained_modules(tensors), config):
         raise ExportError(refusal)
     if vllm_layout(model_type) != "fused-3d":  # per-expert, or its refusal with the reason
         return write_per_expert(adapter_dir, out_dir, rename=VLLM_RENAMED.get(model_type))

@@ -73,20 +73,23 @@ def write_router_layers(out: Path, model) -> None:
 
 def write_run_choices(out: Path, model, cfg, console, *, writer: bool = True) -> None:
     """run_choices.json: what the run chose that its config does not say: the attention it runs and why; and,
-    said at the start, a length past the model's positions and LoRA that vLLM would not apply (refused when the
-    run is to export for vLLM at its end: better now than after the training)."""
+    said at the start, a length past the model's positions and the export formats that will refuse the adapter
+    (refused here when the run is to write that format at its end: better now than after the training)."""
     from moe_qlora.config.sections import ConfigError
+    from moe_qlora.export.exportability import export_refusals
     from moe_qlora.model.attention import position_limit_note
 
-    seq_len, refusal = cfg.data.max_seq_len, vllm_refusal_of(model)
-    if refusal and "vllm" in cfg.output.export_formats:  # on every rank, so that every rank stops
-        raise ConfigError(f"output.export_formats: vllm, and {refusal}")
+    seq_len = cfg.data.max_seq_len
+    peft = getattr(model, "peft_config", {}).get("default")
+    refusals = export_refusals(model, sorted(peft.target_modules or []) if peft else [], cfg.lora.rank)
+    if asked := [f for f in cfg.output.export_formats if f in refusals]:  # on every rank, so that every rank stops
+        raise ConfigError(f"output.export_formats: {asked[0]}, and {refusals[asked[0]]}")
     if not writer:
         return
     if note := position_limit_note(model.config, seq_len):
         console.print(f"note: {note}")
-    if refusal:
-        console.print(f"note: the adapter will not export with --format vllm: {refusal}", highlight=False)
+    for fmt, why in refusals.items():
+        console.print(f"note: the adapter will not export with --format {fmt}: {why}", highlight=False, markup=False)
     attention = getattr(model, "attention_choice", None)
     if attention is None:  # a model not loaded by load_model (a test's stand-in)
         return
@@ -94,22 +97,6 @@ def write_run_choices(out: Path, model, cfg, console, *, writer: bool = True) ->
         out / "run_choices.json",
         json.dumps({"attention": attention.implementation, "attention_why": attention.why, "max_seq_len": seq_len}),
     )
-
-
-def vllm_refusal_of(model) -> str | None:
-    """export --format vllm's refusal of this model's LoRA, known before training (export.vllm_lora.vllm_refusal
-    over the modules that carry LoRA)."""
-    from moe_qlora.export.vllm_lora import VLLM_IGNORED_MODULE, VLLM_IGNORED_ROUTER, trained_modules, vllm_refusal
-
-    model_type = model.config.model_type
-    if model_type not in VLLM_IGNORED_MODULE | VLLM_IGNORED_ROUTER:  # a multimodal model's text model
-        model_type = model.config.get_text_config().model_type
-    keys = [
-        f"{name}.lora_A.weight"
-        for name, m in model.named_modules()
-        if isinstance(getattr(m, "lora_A", None), torch.nn.ModuleDict)
-    ]
-    return vllm_refusal(model_type, trained_modules(keys))
 
 
 def router_load(model) -> list[list[float]]:

@@ -215,31 +215,47 @@ def _attribute_refs(module: nn.Module, depth: int = 3):
             stack.append((f"{path}.__self__", obj.__self__, left - 1))
 
 
-def bypassed_wrappers(model: nn.Module, manager) -> list[str]:
-    """Wrapped linear layers the model still reaches without their wrapper: the LoRA wrapper replaces the layer
-    under the one path the manager wrapped, but another registered path (named_modules with duplicates) or a
-    plain attribute can hold the same unwrapped layer, and a forward calling that one skips the LoRA (vLLM's
-    qwen2_moe keeps mlp.shared_expert_gate as mlp.shared_expert.expert_gate too). The only allowed holder is
-    the wrapper itself (its base_layer). MoE wrappers are left out: they put their LoRA into the runner's
-    own kernel (FusedMoEModularMethod), so the runner applies it whichever path calls it."""
+def _storage(t: torch.Tensor) -> int:
+    """Identity of a tensor's memory: a view or an alias of a weight shares it."""
+    return t.untyped_storage().data_ptr()
+
+
+def unwrapped_paths(model: nn.Module, manager) -> dict[str, list[str]]:
+    """{wrapped module: [where the model still holds its layer, or its weight, unwrapped]}. The LoRA wrapper
+    replaces the layer under the one path the manager wrapped, but another registered path (named_modules with
+    duplicates), a plain attribute, or another module's parameter, buffer or attribute sharing the weight's
+    memory can hold the same layer unwrapped, and a forward through that one skips the LoRA (vLLM's qwen2_moe
+    keeps mlp.shared_expert_gate as mlp.shared_expert.expert_gate too, a registered submodule of the shared
+    expert). The only allowed holders are the wrapper and its base_layer. MoE wrappers are left out: they put
+    their LoRA into the runner's own kernel (FusedMoEModularMethod), so the runner applies it whichever path
+    calls it. A weight copied at load or at the first forward (a fused or absorbed matrix) is not seen."""
     from vllm.lora.layers import FusedMoEWithLoRA
 
-    wrappers = {
-        id(w.base_layer): (name, w) for name, w in manager.modules.items() if not isinstance(w, FusedMoEWithLoRA)
-    }
-    found = set()
-    modules = dict(model.named_modules(remove_duplicate=False))
-    for path, module in modules.items():
-        if id(module) in wrappers:
-            parent, _, attr = path.rpartition(".")
-            name, wrapper = wrappers[id(module)]
-            if not (attr == "base_layer" and modules.get(parent) is wrapper):
-                found.add(f"{name} (unwrapped at {path})")
+    linear = {name: w for name, w in manager.modules.items() if not isinstance(w, FusedMoEWithLoRA)}
+    layers = {id(w.base_layer): name for name, w in linear.items()}
+    weights = {_storage(p): name for name, w in linear.items() for p in w.base_layer.parameters(recurse=False)}
+    owners = {name: {id(w), id(w.base_layer)} for name, w in linear.items()}
+    found: dict[str, set[str]] = {}
+
+    def flag(name: str, holder: nn.Module, where: str) -> None:
+        if id(holder) not in owners[name]:
+            found.setdefault(name, set()).add(where)
+
+    modules = list(model.named_modules(remove_duplicate=False))
+    parents = {path: module for path, module in modules}
+    for path, module in modules:
+        if id(module) in layers:
+            flag(layers[id(module)], parents[path.rpartition(".")[0]], path)
+        for pname, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is not None and _storage(t) in weights:
+                flag(weights[_storage(t)], module, f"{path}.{pname} (its weight)")
     for path, module in model.named_modules():
         for attr, obj in _attribute_refs(module):
-            if id(obj) in wrappers and not (isinstance(module, nn.Module) and module is wrappers[id(obj)][1]):
-                found.add(f"{wrappers[id(obj)][0]} (unwrapped at {path}.{attr}, an attribute)")
-    return sorted(found)
+            if id(obj) in layers:
+                flag(layers[id(obj)], module, f"{path}.{attr} (attribute)")
+            elif isinstance(obj, torch.Tensor) and obj.numel() and _storage(obj) in weights:
+                flag(weights[_storage(obj)], module, f"{path}.{attr} (attribute, its weight)")
+    return {name: sorted(paths) for name, paths in sorted(found.items())}
 
 
 # --- comparison -------------------------------------------------------------------------------------------------
@@ -315,7 +331,10 @@ def run_case(case: dict) -> dict:
         deltas = module_deltas(manager, lora)
         result["wrapped_modules"] = sorted(deltas)
         result["leftover"] = leftover_loras(manager, lora)
-        result["bypassed"] = bypassed_wrappers(model, manager)
+        unwrapped = unwrapped_paths(model, manager)
+        result["bypassed"] = [f"{m} (unwrapped at {', '.join(p)})" for m, p in unwrapped.items() if m in deltas]
+        # wrapped, bypassed too, but given no LoRA by this adapter: a target that would be bypassed if trained
+        result["bypassed_untrained"] = sorted(m for m in unwrapped if m not in deltas)
         # LoRA enabled for the merged load too (no adapter): the same MoE kernel, so the same weight layout
         merged = load_vllm_model(engine_config(case["merged"], int(case["rank"])))
         result["uncovered"] = uncovered_params(model, merged, deltas)
@@ -325,7 +344,7 @@ def run_case(case: dict) -> dict:
         result["dropped_err"] = compare(model, merged, deltas, drop_first=True)
     except Exception as exc:  # a case's failure is its result; the next case still runs
         traceback.print_exc()
-        result["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        result["error"] = traceback.format_exception_only(exc)[-1].strip()
     finally:
         model = manager = lora = merged = deltas = None  # noqa: F841 (free before the next case)
         gc.collect()
