@@ -1,4 +1,5 @@
-"""Command line: `moe-qlora train`, `grpo`, `dpo`, `plan`, `check-norms`, `plot`, `export`, `merge`, `generate`.
+"""Command line: `moe-qlora train`, `grpo`, `dpo`, `plan`, `check-norms`, `plot`, `export`, `merge`, `generate`,
+`verify`.
 
 A user error (bad config, bad data, missing model, unreadable adapter) prints one sentence and exits 2; an
 aborted run, or an adapter that would not load as trained, exits 1. `--debug` shows the traceback too.
@@ -10,7 +11,7 @@ import sys
 
 import typer
 
-from moe_qlora.cli import adapter, generate, plan_plot, run
+from moe_qlora.cli import adapter, generate, plan_plot, run, verify
 from moe_qlora.cli.common import console, err_console, show_traceback
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
@@ -23,6 +24,7 @@ app.command("plot")(plan_plot.plot_cmd)
 app.command(epilog=adapter.EXPORT_EPILOG)(adapter.export)
 app.command(epilog=adapter.MERGE_EPILOG)(adapter.merge)
 app.command("generate", epilog=generate.GENERATE_EPILOG)(generate.generate_cmd)
+app.command("verify", epilog=verify.VERIFY_EPILOG)(verify.verify_cmd)
 
 
 def _version(value: bool) -> None:

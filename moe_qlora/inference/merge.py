@@ -304,6 +304,16 @@ def merge_adapter(
     return report
 
 
+def merged_tensors_of(adapter_dir: Path, dtype: torch.dtype, console: Console) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint key, tensor) of what `merge` writes for the adapter in `dtype`, one tensor at a time (verify
+    compares a merged checkpoint with it without holding either whole)."""
+    model, _ = load_for_generation(adapter_dir, console, device="cpu", kernels="torch", doing="verify")
+    revert, report = checkpoint_layout(model), MergeReport(out=adapter_dir)
+    with torch.no_grad():
+        for key, tensor in merged_tensors(model, dtype, report):
+            yield from revert({key: tensor}).items()
+
+
 def keep_chat_template(adapter_dir: Path, out: Path) -> None:
     """The run's own chat template (model.chat_template, kept in the adapter folder) over the base's: transformers
     reads chat_template.jinja before a template in tokenizer_config.json."""

@@ -269,11 +269,11 @@ def relative_error(base: torch.Tensor, delta: torch.Tensor, merged: torch.Tensor
     return ((base + delta - merged).abs().max() / scale).item()
 
 
-def compare(base_model, merged_model, deltas: dict, *, roll: bool = False, drop_first: bool = False) -> float:
-    """Max over modules and parameters of relative_error, with vLLM's parameters of `base_model` (the LoRA
-    model: the wrapper's base_layer) and `merged_model` (no LoRA) under the same module path. `roll` moves each
-    MoE module's deltas to the next expert, `drop_first` zeroes the first module's: the broken controls."""
-    worst = 0.0
+def module_errors(base_model, merged_model, deltas: dict, *, roll: bool = False, drop_first: bool = False):
+    """{"module.parameter": relative_error} with vLLM's parameters of `base_model` (the LoRA model: the
+    wrapper's base_layer) and `merged_model` (no LoRA) under the same module path. `roll` moves each MoE
+    module's deltas to the next expert, `drop_first` zeroes the first module's: the broken controls."""
+    errors = {}
     for i, (name, params) in enumerate(deltas.items()):
         base_mod = base_model.get_submodule(name).base_layer
         merged_mod = merged_model.get_submodule(name)
@@ -286,8 +286,8 @@ def compare(base_model, merged_model, deltas: dict, *, roll: bool = False, drop_
             merged = merged_mod.get_parameter(pname).detach().float()
             if base.shape != delta.shape:
                 raise ValueError(f"{name}.{pname}: vLLM's weight is {tuple(base.shape)}, its LoRA {tuple(delta.shape)}")
-            worst = max(worst, relative_error(base, delta, merged))
-    return worst
+            errors[f"{name}.{pname}"] = relative_error(base, delta, merged)
+    return errors
 
 
 def uncovered_params(base_model, merged_model, deltas: dict) -> list[str]:
@@ -339,9 +339,11 @@ def run_case(case: dict) -> dict:
         merged = load_vllm_model(engine_config(case["merged"], int(case["rank"])))
         result["uncovered"] = uncovered_params(model, merged, deltas)
         result["modules_checked"] = len(deltas)
-        result["max_err"] = compare(model, merged, deltas)
-        result["rolled_err"] = compare(model, merged, deltas, roll=True)
-        result["dropped_err"] = compare(model, merged, deltas, drop_first=True)
+        errors = module_errors(model, merged, deltas)
+        result["max_err"] = max(errors.values(), default=0.0)
+        result["worst"] = max(errors, key=errors.get, default=None)  # the module.parameter of max_err
+        result["rolled_err"] = max(module_errors(model, merged, deltas, roll=True).values(), default=0.0)
+        result["dropped_err"] = max(module_errors(model, merged, deltas, drop_first=True).values(), default=0.0)
     except Exception as exc:  # a case's failure is its result; the next case still runs
         traceback.print_exc()
         result["error"] = traceback.format_exception_only(exc)[-1].strip()
