@@ -167,6 +167,11 @@ def fit_verdict(result, gpu_gb: float, to_fit: tuple[list[str], float] | None) -
     if result.fits:
         return f"fits: {total:,.2f} GiB{per_gpu} in a {gpu_gb:g} GiB GPU ({gpu_gb - total:,.2f} GiB to spare)"
     verdict = f"does not fit: {total:,.2f} GiB{per_gpu} is {total - gpu_gb:,.2f} GiB over a {gpu_gb:g} GiB GPU"
+    if eager := result.bytes.get("eager_attention", 0):  # only where nothing better runs: the CPU, for sinks
+        verdict += (
+            f"\neager attention's score matrices are {eager / 2**30:,.2f} GiB of it: on a CUDA GPU this family "
+            "runs flex attention, which builds none (moe-qlora plan --device cuda)"
+        )
     settings, planned = to_fit or ([], float("nan"))
     flags = " ".join(f"--set {s}" for s in settings)
     if len(settings) == 1:

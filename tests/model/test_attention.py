@@ -68,6 +68,12 @@ def test_plan_counts_eager_attention_where_it_runs_and_never_says_fits_for_it():
     assert eager.bytes["eager_attention"] == (1 + 2) * matrix  # every layer checkpointed: the recomputed one kept
     assert not eager.fits and eager.total - eager.bytes["eager_attention"] < eager.gpu_bytes
     assert any(n.startswith("attention: eager") for n in eager.notes)
+    from moe_qlora.cli.plan_plot import fit_verdict
+
+    said = fit_verdict(eager, 80, None)  # the advice names what makes it fit: a GPU where flex runs
+    assert f"eager attention's score matrices are {eager.bytes['eager_attention'] / 2**30:,.2f} GiB of it" in said
+    assert "on a CUDA GPU this family runs flex attention" in said
+    assert "eager attention" not in fit_verdict(flex, 1, None)  # control: not said where eager does not run
 
 
 MEASURE = """
