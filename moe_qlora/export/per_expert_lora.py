@@ -7,6 +7,7 @@ families. The fused gate_up LoRA becomes gate and up LoRAs sharing A: rows [:I] 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -105,9 +106,16 @@ def hub_linear_key(key: str, names: FamilyNames) -> str:
     return f"{m['prefix']}.layers.{m['layer']}.{path}.{m['proj']}.lora_{m['ab']}.weight"
 
 
-def write_per_expert(adapter_dir: str | Path, out_dir: str | Path, *, rename: tuple[str, str] | None = None) -> Path:
+def write_per_expert(
+    adapter_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    rename: tuple[str, str] | None = None,
+    transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+) -> Path:
     """The per-expert PEFT adapter of `adapter_dir` in `out_dir` (atomically); `rename`: (old, new) module path
-    fragment of the runtime's own names."""
+    fragment of the runtime's own names; `transform`: what the runtime does to the tensors as it loads them
+    done to the LoRA too (vLLM's Llama-4 reorders q's and k's rows)."""
     tensors, config, model_type, names = read_run_adapter(adapter_dir)
     if model_type in PER_EXPERT_UNREAD:
         raise ExportError(f"{model_type}: {PER_EXPERT_UNREAD[model_type]}")
@@ -116,6 +124,8 @@ def write_per_expert(adapter_dir: str | Path, out_dir: str | Path, *, rename: tu
         converted = hub_fused_attention(converted, *HUB_FUSED_ATTENTION[model_type])
     if rename:
         converted = {k.replace(*rename): v for k, v in converted.items()}
+    if transform:
+        converted = transform(converted)
     linears = sorted({m["proj"] for k in converted if (m := LINEAR_KEY.fullmatch(k))})
     new_config = {**config, "target_modules": linears, "target_parameters": None}
     with atomic_dir(out_dir) as tmp:

@@ -6,10 +6,13 @@ from the weight) refused by name rather than written to be ignored.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
+import torch
+
 from moe_qlora.common.fileio import atomic_dir
-from moe_qlora.export.base_fit import refuse_other_base
+from moe_qlora.export.base_fit import base_text_config, refuse_other_base
 from moe_qlora.export.family_tables import (
     VLLM_NO_MOE_LORA,
     VLLM_VERSION,
@@ -79,13 +82,33 @@ _SHARED_GATE = {
     "(models/qwen2_moe.py, Qwen2MoeMLP)"
 }
 VLLM_IGNORED_MODULE.update(dict.fromkeys(("qwen2_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"), _SHARED_GATE))
+# Llama-4: Llama4ForCausalLM.load_weights reorders q_proj's and k_proj's rows for its rotary kernel
+# (permute_qk_weight_for_rotary: each head's rows (i, j) for j in its 2 halves go to (j, i)) and leaves their LoRA
+# as loaded, so B's rows are reordered alike here (found by vLLM's own loading: tests/export/test_vllm_oracle.py)
+VLLM_ROTARY_PERMUTED = {"llama4", "llama4_text"}
+
+
+def rows_permuted_for_rotary(tensors: dict[str, torch.Tensor], heads: int, kv_heads: int) -> dict[str, torch.Tensor]:
+    """q_proj's and k_proj's lora_B (out, r) with rows in vLLM's Llama-4 order: per head, (out/heads/2, 2) -> (2,
+    out/heads/2), what permute_qk_weight_for_rotary does to the weight."""
+    out = dict(tensors)
+    for key, b in tensors.items():
+        if ".lora_B." in key and (".q_proj." in key or ".k_proj." in key):
+            n = kv_heads if ".k_proj." in key else heads
+            rows, r = b.shape
+            out[key] = b.view(n, rows // n // 2, 2, r).transpose(1, 2).reshape(rows, r).contiguous()
+    return out
+
+
 # Modules vLLM's class names otherwise than transformers (a LoRA under transformers' name would load unused)
 # (Laguna's is mlp.shared_expert there, but a LoRA on its shared expert does not load in PEFT: refused in training)
 VLLM_RENAMED = {
     "hy_v3": ("mlp.shared_experts.", "mlp.shared_mlp."),
-    # Granite's router: block_sparse_moe.router in transformers v5, a GateLinear named gate in vLLM
+    # Granite's and PhiMoE's router: block_sparse_moe.router in transformers v5, a GateLinear named gate in vLLM
+    # (PhiMoE's under the other name: vLLM refuses the whole adapter, "expected target modules in ...")
     **dict.fromkeys(
-        ("granitemoe", "granitemoeshared", "granitemoe_swa"), ("block_sparse_moe.router.", "block_sparse_moe.gate.")
+        ("granitemoe", "granitemoeshared", "granitemoe_swa", "phimoe"),
+        ("block_sparse_moe.router.", "block_sparse_moe.gate."),
     ),
 }
 
@@ -133,7 +156,12 @@ def write_vllm(adapter_dir: str | Path, out_dir: str | Path) -> Path:
     if refusal := vllm_refusal(model_type, trained_modules(tensors), config):
         raise ExportError(refusal)
     if vllm_layout(model_type) != "fused-3d":  # per-expert, or its refusal with the reason
-        return write_per_expert(adapter_dir, out_dir, rename=VLLM_RENAMED.get(model_type))
+        transform = None
+        if model_type in VLLM_ROTARY_PERMUTED:
+            text = base_text_config(config, Path(adapter_dir)).get_text_config()
+            heads, kv = text.num_attention_heads, text.num_key_value_heads
+            transform = partial(rows_permuted_for_rotary, heads=heads, kv_heads=kv)
+        return write_per_expert(adapter_dir, out_dir, rename=VLLM_RENAMED.get(model_type), transform=transform)
     refuse_other_base(tensors, config, Path(adapter_dir))  # (write_per_expert checks its own)
     with atomic_dir(out_dir) as tmp:
         for name in ("adapter_model.safetensors", "adapter_config.json"):

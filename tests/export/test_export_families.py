@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from test_formats import field_value, merged_minus_base, read_gguf, reference_permute
 
 from moe_qlora.config.sections import LoraSection
@@ -602,8 +603,6 @@ def per_expert_deltas(folder: Path, names: family_tables.FamilyNames, scale: flo
     """{(layer, expert, projection): scale * B A} from a per-expert adapter's keys, parsed independently."""
     import re
 
-    from safetensors.torch import load_file
-
     tensors = load_file(str(folder / "adapter_model.safetensors"))
     key = re.compile(rf".*\.layers\.(\d+)\.{re.escape(names.experts)}\.(\d+)\.(\w+)\.lora_A\.weight")
     out = {}
@@ -675,12 +674,19 @@ def test_vllm_format_is_the_per_expert_layout_where_vllm_reads_2d(exported, tmp_
     vllm = vllm_lora.write_vllm(adapter, tmp_path / "v") / "adapter_model.safetensors"
     if model_type in family_tables.VLLM_FUSED_3D:  # vLLM reads PEFT's fused 3D expert LoRA as written
         assert vllm.read_bytes() == (adapter / "adapter_model.safetensors").read_bytes()
+    elif model_type in vllm_lora.VLLM_ROTARY_PERMUTED:  # q's and k's B rows in vLLM's rotary order, all else as is
+        per_expert = load_file(
+            str(per_expert_lora.write_per_expert(adapter, tmp_path / "pe") / "adapter_model.safetensors")
+        )
+        got = load_file(str(vllm))
+        qk = [k for k in got if ".lora_B." in k and (".q_proj." in k or ".k_proj." in k)]
+        assert qk and got.keys() == per_expert.keys()
+        assert all(torch.equal(got[k], per_expert[k]) != (k in qk) for k in got)  # exactly q's and k's B moved
+        assert all(sorted(got[k].flatten().tolist()) == sorted(per_expert[k].flatten().tolist()) for k in qk)
     elif model_type not in vllm_lora.VLLM_RENAMED:
         per_expert = per_expert_lora.write_per_expert(adapter, tmp_path / "pe") / "adapter_model.safetensors"
         assert vllm.read_bytes() == per_expert.read_bytes()
     else:  # the per-expert layout under vLLM's module names (Granite's router is its block_sparse_moe.gate)
-        from safetensors.torch import load_file
-
         old, new = vllm_lora.VLLM_RENAMED[model_type]
         per_expert = load_file(
             str(per_expert_lora.write_per_expert(adapter, tmp_path / "pe") / "adapter_model.safetensors")
@@ -711,8 +717,6 @@ def test_vllm_format_refuses_lora_granite_shared_mlp_would_ignore(tmp_path):
     lora = LoraSection(rank=4, alpha=8.0, target_modules=["shared_mlp.output_linear"])
     model = attach_adapters(load_model(LoadOptions(base)), lora, seed=0)
     output_only = save_adapter(model, tmp_path / "out", cfg=lora, base_model_name_or_path=base)
-    from safetensors.torch import load_file
-
     keys = load_file(str(vllm_lora.write_vllm(output_only, tmp_path / "v") / "adapter_model.safetensors"))
     assert any(".shared_mlp.output_linear.lora_B." in k for k in keys)
 
@@ -769,8 +773,6 @@ def test_vllm_format_renames_shared_experts_to_vllms_module_names(tmp_path, monk
     lora = LoraSection(rank=4, alpha=8.0, target_modules=["shared_experts.gate_proj", "o_proj"])
     model = attach_adapters(load_model(LoadOptions(str(path))), lora, seed=0)
     adapter = save_adapter(model, tmp_path / "adapter", cfg=lora, base_model_name_or_path=str(path))
-    from safetensors.torch import load_file
-
     vllm = load_file(str(vllm_lora.write_vllm(adapter, tmp_path / "v") / "adapter_model.safetensors"))
     per_expert = load_file(
         str(per_expert_lora.write_per_expert(adapter, tmp_path / "pe") / "adapter_model.safetensors")
@@ -829,6 +831,8 @@ def render_family_table() -> str:
             vllm = f"per-expert `{n.experts}.M.{'/'.join(p for p in (n.gate, n.up, n.down) if p)}`"
             if mt in vllm_lora.VLLM_RENAMED:
                 vllm += f"; `{vllm_lora.VLLM_RENAMED[mt][0]}` renamed `{vllm_lora.VLLM_RENAMED[mt][1]}`"
+            if mt in vllm_lora.VLLM_ROTARY_PERMUTED:
+                vllm += "; q's and k's `lora_B` rows in the order vLLM's loader gives their weights (rotary)"
             if mt in per_expert_lora.HUB_MODULE_NAMES:
                 vllm += "; every module under the checkpoints' own names (`attn.wq_a` ...)"
             if mt in per_expert_lora.HUB_FUSED_ATTENTION:

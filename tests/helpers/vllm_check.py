@@ -14,12 +14,15 @@ buffers), then `merged` without LoRA. Generation does not run on the CPU build (
 the check is on weights: per wrapped module, vLLM's base weight plus the delta rebuilt from the wrapper's stacked
 buffers for the activated slot (what the kernels add at runtime) against vLLM's own load of the merged
 checkpoint, in vLLM's layout. Two broken controls must fail: MoE deltas rolled by one expert, and the first
-module's delta dropped. Besides, it lists LoRA weights that landed in no wrapper (leftover), wrapped layers that
-the model can still reach without their wrapper (bypassed: the LoRA is loaded but never applied there), and
-parameters PEFT's merge changed that no vLLM LoRA module covers (uncovered).
+module's delta dropped. Besides, it lists LoRA weights that landed in no wrapper (leftover), wrapped layers given
+a LoRA that the model can still reach without their wrapper (bypassed: loaded, never applied there; those given
+none go to bypassed_untrained: targets that would be bypassed if trained), and parameters PEFT's merge changed
+that no vLLM LoRA module covers (uncovered; a parameter the checkpoint lacks, left uninitialised by vLLM, shows
+there too).
 
 `out` receives a JSON list, one object per case: name, vllm, loaded_tensors, wrapped_modules, leftover,
-bypassed, uncovered, modules_checked, max_err, rolled_err, dropped_err, seconds, error.
+bypassed, bypassed_untrained, uncovered, modules_checked, max_err, worst (its module.parameter), rolled_err,
+dropped_err, seconds, error (null, or the exception's last line; the case's other fields are then partial).
 """
 
 from __future__ import annotations
@@ -233,7 +236,9 @@ def unwrapped_paths(model: nn.Module, manager) -> dict[str, list[str]]:
 
     linear = {name: w for name, w in manager.modules.items() if not isinstance(w, FusedMoEWithLoRA)}
     layers = {id(w.base_layer): name for name, w in linear.items()}
-    weights = {_storage(p): name for name, w in linear.items() for p in w.base_layer.parameters(recurse=False)}
+    # the weight the LoRA is added to: a router's other parameters (e_score_correction_bias) are shared with the
+    # runner by design, and reading them elsewhere bypasses nothing
+    weights = {_storage(w.base_layer.weight): name for name, w in linear.items() if hasattr(w.base_layer, "weight")}
     owners = {name: {id(w), id(w.base_layer)} for name, w in linear.items()}
     found: dict[str, set[str]] = {}
 
@@ -317,6 +322,16 @@ def count_lora_tensors(lora_dir: str) -> int:
         return len(list(f.keys()))
 
 
+def error_line(exc: BaseException) -> str:
+    """The traceback's last line, on one line (pydantic's span several), with the raising frame when the
+    exception says nothing (a bare assert)."""
+    text = " ".join(" ".join(traceback.format_exception_only(exc)).split())
+    if not str(exc) and exc.__traceback__ is not None:
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        text += f" at {frame.filename.rpartition('site-packages/')[2]}:{frame.lineno} ({frame.line})"
+    return text[:500]
+
+
 def run_case(case: dict) -> dict:
     """One case's result object: load base with the LoRA, then merged without, compare, free both."""
     import vllm
@@ -346,7 +361,7 @@ def run_case(case: dict) -> dict:
         result["dropped_err"] = max(module_errors(model, merged, deltas, drop_first=True).values(), default=0.0)
     except Exception as exc:  # a case's failure is its result; the next case still runs
         traceback.print_exc()
-        result["error"] = traceback.format_exception_only(exc)[-1].strip()
+        result["error"] = error_line(exc)
     finally:
         model = manager = lora = merged = deltas = None  # noqa: F841 (free before the next case)
         gc.collect()
