@@ -177,13 +177,73 @@ def verify_merged(adapter: Path, merged: Path, console) -> Row:
     return row("merged", merged, problem, len(where), how, "the base plus this adapter's deltas within half an ulp")
 
 
-def vllm_runtime_row(path: Path) -> Row:
-    """vLLM's own loading of the export: run where VLLM_PYTHON names a Python with vLLM, else said why not."""
-    import os
+VLLM_BASE_LIMIT = 4 * 2**30  # vLLM on the CPU holds the base twice in fp32 (with and without the LoRA), and PEFT once
 
-    if not os.environ.get("VLLM_PYTHON"):
-        return Row("vllm (runtime)", str(path), "not checked", "VLLM_PYTHON is not set (docs/export.md: vLLM's venv)")
-    return Row("vllm (runtime)", str(path), "not checked", "vLLM's loader is not run by verify yet")
+
+def vllm_runtime_row(adapter: Path, export: Path, config: dict) -> Row:
+    """vLLM's own loading of the export (export.vllm_runtime_check under VLLM_PYTHON, on the CPU): every tensor
+    lands in a wrapped module that the model calls, and base + vLLM's delta equals PEFT's fp32 merge within 1e-5
+    of the delta's scale. Run for bases up to VLLM_BASE_LIMIT; else, or without VLLM_PYTHON, said why not."""
+    import os
+    import subprocess
+
+    from moe_qlora.export import vllm_runtime_check
+    from moe_qlora.model.model_path import resolve_model_path
+
+    name = "vllm (runtime)"
+    if not (python := os.environ.get("VLLM_PYTHON")):
+        return Row(name, str(export), "not checked", "VLLM_PYTHON is not set (docs/export.md: vLLM in its own venv)")
+    base = Path(resolve_model_path(config["base_model_name_or_path"]))
+    size = sum(f.stat().st_size for f in base.glob("*.safetensors"))
+    if size > VLLM_BASE_LIMIT:
+        why = f"the base is {size / 2**30:.1f} GiB; vLLM on the CPU holds it twice in fp32 (checked up to 4 GiB)"
+        return Row(name, str(export), "not checked", why)
+    with tempfile.TemporaryDirectory(prefix="moe-qlora-vllm-") as tmp:
+        merged = peft_fp32_merge(adapter, base, Path(tmp) / "merged")
+        case = {"name": "export", "base": str(base), "lora": str(export), "merged": str(merged), "rank": config["r"]}
+        job = Path(tmp) / "job.json"
+        job.write_text(json.dumps({"cases": [case], "out": str(Path(tmp) / "out.json")}))
+        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+        proc = subprocess.run([python, vllm_runtime_check.__file__, str(job)], env=env, capture_output=True, text=True)
+        if proc.returncode != 0 or not (Path(tmp) / "out.json").exists():
+            return Row(name, str(export), "not checked", f"{python} could not run vLLM: {proc.stderr.strip()[-300:]}")
+        r = json.loads((Path(tmp) / "out.json").read_text())[0]
+    return vllm_verdict(r, export)
+
+
+def vllm_verdict(r: dict, export: Path) -> Row:
+    """The checker's result as a row: a load vLLM refuses or cannot do on the CPU is 'not checked' with its words."""
+    name = "vllm (runtime)"
+    if r["error"]:
+        return Row(name, str(export), "not checked", f"vLLM {r.get('vllm')} did not load it on the CPU: {r['error']}")
+    problems = [f"{k}: {first_few(r[k])}" for k in ("leftover", "bypassed", "uncovered") if r[k]]
+    if r["max_err"] > 1e-5:
+        problems.append(f"vLLM's delta is {r['max_err']:.3g} of the merge's scale off at {r['worst']}")
+    if problems:
+        return Row(name, str(export), "mismatch", f"vLLM {r['vllm']}: " + "; ".join(problems), r["loaded_tensors"])
+    detail = (
+        f"loaded by vLLM {r['vllm']}: every tensor applied by a wrapped module, {r['modules_checked']} of them "
+        "equal to PEFT's merge"
+    )
+    return Row(name, str(export), "ok", detail, r["loaded_tensors"])
+
+
+def peft_fp32_merge(adapter: Path, base: Path, out: Path) -> Path:
+    """PEFT's merge_and_unload of the adapter into the base in fp32, saved with the base's tokenizer: vLLM loads
+    it as the oracle of what its LoRA adds."""
+    import shutil
+
+    from peft import PeftModel
+    from transformers import AutoConfig
+
+    from moe_qlora.model.classes import text_generation_class
+
+    model = text_generation_class(AutoConfig.from_pretrained(base)).from_pretrained(base, dtype=torch.float32)
+    PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().save_pretrained(out)
+    for f in base.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, out / f.name)
+    return out
 
 
 def verify_all(adapter: Path, *, merged: Path | None, formats: list[str] | None, console) -> list[Row]:
@@ -211,7 +271,7 @@ def verify_all(adapter: Path, *, merged: Path | None, formats: list[str] | None,
         else:
             rows.append(verify_peft_layout(fmt, adapter, path, config))
             if fmt == "vllm":
-                rows.append(vllm_runtime_row(path))
+                rows.append(vllm_runtime_row(adapter, path, config))
     if merged is not None:
         rows.append(verify_merged(adapter, merged, console))
     return rows

@@ -2,7 +2,7 @@
 
 Per family: a tiny base, an adapter with random non-zero factors on its experts, attention, shared experts and
 router (where vLLM applies router LoRA), the vLLM export, and PEFT's own merge of the adapter into the fp32 base
-(the oracle). tests/helpers/vllm_check.py runs under VLLM_PYTHON, one process for every case: vLLM builds the
+(the oracle). moe_qlora/export/vllm_runtime_check.py runs under VLLM_PYTHON, one process for every case: vLLM builds the
 model, wraps it for LoRA, loads the export (PEFTHelper, LoRAModel.from_local_checkpoint, its MoE-format check),
 adds and activates it, and each wrapped module's base weight plus the delta rebuilt from vLLM's stacked LoRA
 buffers is compared with vLLM's own load of the merged checkpoint. Asserted per family: every exported tensor
@@ -24,18 +24,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 
-from moe_qlora.export import family_tables, vllm_lora
+from moe_qlora.export import family_tables, vllm_lora, vllm_runtime_check
+from moe_qlora.inference.verify import peft_fp32_merge
 
 pytestmark = pytest.mark.vllm
 VLLM_PYTHON = os.environ.get("VLLM_PYTHON")
-CHECKER = Path(__file__).resolve().parents[1] / "helpers" / "vllm_check.py"
+CHECKER = Path(vllm_runtime_check.__file__)
 TOL = 1e-5
 FAR = 0.1  # a control's error on the same scale: measured 1.0 (dropped) and 1.2-1.4 (rolled)
 
@@ -102,21 +101,6 @@ def patch_config(folder: Path, fields: dict) -> None:
     path.write_text(json.dumps(config, indent=2))
 
 
-def peft_merged(adapter: Path, base: Path, out: Path) -> Path:
-    """PEFT's merge_and_unload of the adapter into the fp32 base, saved with the base's tokenizer: the oracle."""
-    from peft import PeftModel
-    from transformers import AutoConfig
-
-    from moe_qlora.model.classes import text_generation_class
-
-    model = text_generation_class(AutoConfig.from_pretrained(base)).from_pretrained(base, dtype=torch.float32)
-    PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().save_pretrained(out)
-    for f in base.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy(f, out / f.name)
-    return out
-
-
 def make_case(work: Path, name: str, family: str, *, targets=None, router=None, force=False, unpermuted=False) -> dict:
     """The checker's case: the tiny base, the vLLM export and PEFT's merge, vLLM's config fields on both."""
     from test_export_families import family_adapter
@@ -131,7 +115,7 @@ def make_case(work: Path, name: str, family: str, *, targets=None, router=None, 
         if unpermuted:
             mp.setattr(vllm_lora, "VLLM_ROTARY_PERMUTED", set())
         lora = vllm_lora.write_vllm(adapter, work / name / "vllm")
-    merged = peft_merged(adapter, base, work / name / "merged")
+    merged = peft_fp32_merge(adapter, base, work / name / "merged")
     for folder in (base, merged):
         patch_config(folder, VLLM_CONFIG_FIELDS.get(family, {}))
     return {"name": name, "base": str(base), "lora": str(lora), "merged": str(merged), "rank": 4}
@@ -184,3 +168,19 @@ def test_llama4_q_and_k_lora_in_transformers_row_order_are_caught(results):
     r = results[UNPERMUTED_CONTROL[0]]
     assert r["error"] is None and r["max_err"] > FAR and "_proj" in r["worst"], r
     assert results["llama4_text"]["max_err"] <= TOL
+
+
+def test_verify_runs_vllm_on_the_export_and_names_a_bypassed_lora(results, tmp_path):
+    """`moe-qlora verify`'s vLLM row, through the same checker: ok for the Mixtral export, a mismatch naming the
+    bypassed gate for the shared_expert_gate LoRA written past the export's refusal."""
+    from moe_qlora.inference.verify import vllm_runtime_row
+
+    def row_of(family, **options):
+        case = make_case(tmp_path, f"verify-{family}", family, **options)
+        adapter = next(p for p in Path(case["lora"]).parent.iterdir() if p.name.endswith("-adapter"))
+        return vllm_runtime_row(adapter, Path(case["lora"]), json.loads((adapter / "adapter_config.json").read_text()))
+
+    good = row_of("mixtral")
+    assert good.status == "ok" and "loaded by vLLM 0.33.0" in good.detail, good
+    bad = row_of("qwen2_moe", targets=["q_proj", "shared_expert_gate"], force=True)
+    assert bad.status == "mismatch" and "bypassed: model.layers.0.mlp.shared_expert_gate" in bad.detail, bad

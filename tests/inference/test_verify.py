@@ -132,3 +132,24 @@ def test_a_missing_export_asked_for_and_an_export_of_another_base_are_one_senten
     code, output = invoke("verify", run / "adapter", "--format", "vllm")
     said = " ".join(output.split())
     assert code == 2 and "has base_model_name_or_path 'x'" in said and "the vllm export of another adapter" in said
+
+
+def test_the_vllm_row_says_why_vllm_did_not_run(exported, monkeypatch):
+    """Without VLLM_PYTHON, and with one that has no vLLM (this Python): 'not checked' and why, never 'ok'."""
+    import sys
+
+    from moe_qlora.inference.verify import vllm_runtime_row, vllm_verdict
+
+    config = json.loads((exported / "adapter_config.json").read_text())
+    monkeypatch.delenv("VLLM_PYTHON", raising=False)
+    row = vllm_runtime_row(exported, exported.parent / "adapter-vllm", config)
+    assert (row.status, row.detail.startswith("VLLM_PYTHON is not set")) == ("not checked", True)
+    monkeypatch.setenv("VLLM_PYTHON", sys.executable)
+    row = vllm_runtime_row(exported, exported.parent / "adapter-vllm", config)
+    assert row.status == "not checked" and "could not run vLLM" in row.detail and "vllm" in row.detail, row
+    result = {"vllm": "0.33.0", "error": None, "leftover": [], "bypassed": [], "uncovered": [], "max_err": 0.0}
+    result |= {"worst": "w", "modules_checked": 6, "loaded_tensors": 112}
+    assert vllm_verdict(result, exported).status == "ok"
+    for broken in ({"bypassed": ["model.layers.0.mlp.gate"]}, {"leftover": ["x"]}, {"max_err": 0.5}):
+        assert vllm_verdict(result | broken, exported).status == "mismatch", broken  # each check can fail
+    assert vllm_verdict(result | {"error": "ValueError: no"}, exported).status == "not checked"

@@ -1,8 +1,10 @@
 """Load a `--format vllm` adapter through vLLM's own LoRA path on the CPU and compare what it would add with PEFT.
 
-Runs under vLLM's Python (not the project's: it imports no moe_qlora), with VLLM_TARGET_DEVICE=cpu:
+A script run under vLLM's Python (not the project's: it imports nothing of moe_qlora, and vllm only inside its
+functions, so that the package imports it without vLLM), with VLLM_TARGET_DEVICE=cpu; `moe-qlora verify` and
+tests/export/test_vllm_oracle.py run it:
 
-    /work/vllm-venv/bin/python tests/helpers/vllm_check.py JOB.json
+    $VLLM_PYTHON moe_qlora/export/vllm_runtime_check.py JOB.json
 
 JOB.json: {"cases": [{"name", "base", "lora", "merged", "rank"}], "out": path}. `base` is a tiny HF checkpoint,
 `lora` the adapter folder the export wrote for vLLM, `merged` the same base with PEFT's merge_and_unload of the
@@ -35,11 +37,8 @@ import time
 import traceback
 from pathlib import Path
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
 LORA_ID = 1
 MAX_MODEL_LEN = 64
@@ -383,4 +382,6 @@ def main(job_path: str) -> int:
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit(f"usage: {sys.argv[0]} JOB.json")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # read when vllm is first imported, inside the functions
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     sys.exit(main(sys.argv[1]))
