@@ -137,6 +137,11 @@ def measure(model: Path, seq: int, label: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument(
+        "--model",
+        help="measure this model instead (a folder or builtin:tiny-<family>, e.g. builtin:tiny-gpt-oss: a family "
+        "whose attention is eager on the CPU, against builtin:tiny-qwen3-moe, which runs SDPA)",
+    )
     ap.add_argument("--seqs", type=int, nargs="+", default=[2048])
     ap.add_argument("--configs", nargs="+", default=list(CONFIGURATIONS), choices=list(CONFIGURATIONS))
     ap.add_argument("--json", type=Path, help="also write the results here")
@@ -146,7 +151,13 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.worker, args.seqs[0], args.label)))
         return
-    model = ensure_model(args.layers)
+    if args.model:
+        from moe_qlora.model.model_path import resolve_model_path
+
+        model = Path(resolve_model_path(args.model))
+    else:
+        model = ensure_model(args.layers)
+    name = args.model or f"Qwen3-30B-A3B layers x{args.layers}"
     results = []
     for seq in args.seqs:
         for label in args.configs:
@@ -169,7 +180,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"Peak memory of a training step: Qwen3-30B-A3B layers x{args.layers}, r16, batch 1, CPU fp32")
+    table = Table(title=f"Peak memory of a training step: {name}, r16, batch 1, CPU fp32")
     for col in ("configuration", "seq", "measured MiB", "planned MiB", "measured / planned"):
         table.add_column(col, justify="left" if col == "configuration" else "right")
     for r in results:
@@ -181,7 +192,7 @@ def main() -> None:
             f"{r['ratio']:.3f}",
         )
     Console().print(table)
-    payload = {"model": "qwen3-30b-a3b layers", "device": "cpu", "threads": torch.get_num_threads(), "results": results}
+    payload = {"model": name, "device": "cpu", "threads": torch.get_num_threads(), "results": results}
     print(json.dumps(payload))
     if args.json:
         args.json.write_text(json.dumps(payload, indent=2) + "\n")

@@ -61,9 +61,12 @@ def eager_attention_bytes(*, rows: int, heads: int, seq_len: int, itemsize: int,
     sequences of `seq_len` tokens: every layer whose activations are kept for the backward (`layers_kept`: the
     layers not checkpointed, plus the one being recomputed) keeps its probabilities (rows x heads x N x (N + 1):
     gpt-oss's sink column) for the matmul's and softmax's backward, and the layer being computed holds two more
-    such matrices at once (the scores and their softmax in the forward; the gradients of both in the backward)."""
+    such matrices at once (the scores and their softmax in the forward; the gradients of both in the backward).
+    Besides, the forward's additive causal mask (rows x 1 x N x N in the compute dtype), which transformers builds
+    for eager attention only (SDPA is given none): 256 MiB in fp32 at 8,192 tokens."""
     matrix = rows * heads * seq_len * (seq_len + 1) * itemsize
-    return (layers_kept + 2) * matrix
+    mask = rows * seq_len * seq_len * itemsize
+    return (layers_kept + 2) * matrix + mask
 
 
 def position_limit_note(config, seq_len: int) -> str | None:
