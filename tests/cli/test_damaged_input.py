@@ -12,13 +12,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from moe_qlora.cli.app import app
 from moe_qlora.config.sections import LoraSection
 from moe_qlora.model.adapter_file import AdapterReadError
+
+from helpers.adapters import random_adapter
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,19 +34,8 @@ def invoke(*args) -> tuple[int, str]:
 @pytest.fixture(scope="module")
 def adapter(tiny_mixtral_dir, tmp_path_factory):
     """An adapter of the tiny Mixtral (experts, q and v) with every factor non-zero, as a run writes it."""
-    from moe_qlora.export.adapter import save_adapter
-    from moe_qlora.model.adapters import attach_adapters
-    from moe_qlora.model.loading import LoadOptions, load_model
-
     lora = LoraSection(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
-    model = attach_adapters(load_model(LoadOptions(str(tiny_mixtral_dir))), lora, seed=0)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    out = tmp_path_factory.mktemp("run") / "adapter"
-    return save_adapter(model, out, cfg=lora, base_model_name_or_path=str(tiny_mixtral_dir))
+    return random_adapter(tiny_mixtral_dir, tmp_path_factory.mktemp("run") / "adapter", lora)[1]
 
 
 NAN_KEY = "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"  # (64, 4)

@@ -17,14 +17,12 @@ import torch
 
 from moe_qlora.config.sections import LoraSection
 from moe_qlora.export import family_tables, vllm_lora
-from moe_qlora.export.adapter import save_adapter
 from moe_qlora.export.exportability import export_refusals
 from moe_qlora.export.gguf_lora import write_gguf
 from moe_qlora.export.per_expert_lora import write_per_expert
-from moe_qlora.model.adapters import attach_adapters
-from moe_qlora.model.loading import LoadOptions, load_model
 from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model
 
+from helpers.adapters import random_adapter
 from helpers.tiny_configs import tiny_config_any
 
 WRITERS = {"gguf": write_gguf, "vllm": vllm_lora.write_vllm, "per-expert": write_per_expert}
@@ -43,13 +41,8 @@ def formats_of(model_type: str) -> list[str]:
 
 def adapter_of(base: Path, out: Path, lora: LoraSection):
     """(model with random non-zero LoRA, its adapter folder)."""
-    torch.manual_seed(0)
-    model = attach_adapters(load_model(LoadOptions(str(base))), lora, seed=0)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in (p for p in model.parameters() if p.requires_grad):
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return model, save_adapter(model, out, cfg=lora, base_model_name_or_path=str(base))
+    torch.manual_seed(0)  # PEFT draws lora_A from the global generator
+    return random_adapter(base, out, lora)
 
 
 def targets_of(adapter: Path) -> list[str]:

@@ -8,12 +8,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from moe_qlora.cli.app import app
 from moe_qlora.config.sections import LoraSection
+
+from helpers.adapters import random_adapter
 
 
 def invoke(*args) -> tuple[int, str]:
@@ -25,18 +26,7 @@ def invoke(*args) -> tuple[int, str]:
 
 def make_adapter(base: Path, out: Path, seed: int) -> Path:
     """An adapter of the tiny Mixtral (experts, q and v), every factor random and non-zero."""
-    from moe_qlora.export.adapter import save_adapter
-    from moe_qlora.model.adapters import attach_adapters
-    from moe_qlora.model.loading import LoadOptions, load_model
-
-    lora = LoraSection(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
-    model = attach_adapters(load_model(LoadOptions(str(base))), lora, seed=0)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return save_adapter(model, out, cfg=lora, base_model_name_or_path=str(base))
+    return random_adapter(base, out, LoraSection(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"]), seed=seed)[1]
 
 
 @pytest.fixture(scope="module")
