@@ -26,6 +26,7 @@ from moe_qlora.model.peft_adapter import AdapterMismatchError, load_adapter
 from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
 from moe_qlora.moe.expert_stacks import UnsupportedExpertsError
 
+from helpers.adapters import randomized
 from helpers.tiny_configs import tiny_config_any
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,15 +38,6 @@ SHARED = ["mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.sha
 def laguna_dir(tmp_path_factory):
     tok = build_byte_tokenizer()
     return save_tiny_model(tmp_path_factory.mktemp("laguna"), tiny_config("laguna", len(tok)), tokenizer=tok)
-
-
-def with_random_lora(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return model
 
 
 def peft_load(base_dir, adapter_dir):
@@ -65,7 +57,7 @@ def load_model_plain(path):
 
 def test_auto_targets_on_laguna_load_in_peft_with_every_tensor(laguna_dir, tmp_path, caplog):
     with caplog.at_level("WARNING"):
-        model = with_random_lora(attach_adapters(load_model(LoadOptions(str(laguna_dir))), AUTO, seed=0))
+        model = randomized(attach_adapters(load_model(LoadOptions(str(laguna_dir))), AUTO, seed=0))
     assert "not targeting model.layers.1.mlp.shared_experts" in caplog.text and "laguna" in caplog.text
     targets = model.peft_config["default"].target_modules
     assert {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "q_proj"} <= targets  # the dense layer keeps its LoRA
@@ -113,7 +105,7 @@ def test_expert_lora_peft_would_rename_away_is_refused_before_training(mistral_l
 def test_the_control_peft_really_drops_mistral_large4_expert_lora(mistral_large4_dir, tmp_path, monkeypatch):
     """Without the refusal, the adapter is written and PEFT's own load leaves its expert LoRA untouched."""
     monkeypatch.setattr("moe_qlora.model.adapters.refuse_parameter_lora_peft_would_drop", lambda *a: None)
-    model = with_random_lora(attach_adapters(load_model(LoadOptions(str(mistral_large4_dir))), AUTO, seed=0))
+    model = randomized(attach_adapters(load_model(LoadOptions(str(mistral_large4_dir))), AUTO, seed=0))
     adapter = save_adapter(model, tmp_path / "adapter", cfg=AUTO, base_model_name_or_path=str(mistral_large4_dir))
     with pytest.raises(AdapterVerificationError, match=r"experts.*stay at their initial value|stay at.*experts"):
         verify_adapter(model, adapter)
@@ -128,7 +120,7 @@ def test_explicit_shared_expert_target_on_laguna_is_refused_with_the_reason(lagu
 def test_the_control_peft_really_drops_laguna_shared_expert_lora(laguna_dir, tmp_path):
     """Without the check, an adapter with shared-expert LoRA is written; PEFT then leaves it at init."""
     model = get_peft_model(load_model_plain(laguna_dir), LoraConfig(r=4, target_modules=SHARED))
-    with_random_lora(model)
+    randomized(model)
     model.save_pretrained(str(tmp_path / "peft"))
     peft_model, missing_warnings = peft_load(laguna_dir, tmp_path / "peft")
     assert len(missing_warnings) == 1 and "shared_experts.gate_proj.lora_A" in missing_warnings[0]
@@ -141,7 +133,7 @@ def test_the_control_peft_really_drops_laguna_shared_expert_lora(laguna_dir, tmp
 def test_init_from_refuses_an_adapter_peft_would_load_partly(laguna_dir, tmp_path):
     """moe-qlora's own init_from used to drop these tensors with no word (B norm 0 in the model, 0.8 in the file)."""
     shared_lora = LoraConfig(r=4, lora_alpha=8, target_modules=SHARED)
-    source = with_random_lora(get_peft_model(load_model(LoadOptions(str(laguna_dir))), shared_lora))
+    source = randomized(get_peft_model(load_model(LoadOptions(str(laguna_dir))), shared_lora))
     lora = LoraSection(rank=4, alpha=8.0, experts=False, target_modules=SHARED)
     adapter = save_adapter(source, tmp_path / "adapter", cfg=lora, base_model_name_or_path=str(laguna_dir))
     target = get_peft_model(
@@ -154,7 +146,7 @@ def test_init_from_refuses_an_adapter_peft_would_load_partly(laguna_dir, tmp_pat
 @pytest.fixture(scope="module")
 def mixtral_adapter(tiny_mixtral_dir, tmp_path_factory):
     lora = LoraSection(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
-    model = with_random_lora(attach_adapters(load_model(LoadOptions(str(tiny_mixtral_dir))), lora, seed=0))
+    model = randomized(attach_adapters(load_model(LoadOptions(str(tiny_mixtral_dir))), lora, seed=0))
     adapter = save_adapter(
         model, tmp_path_factory.mktemp("a") / "adapter", cfg=lora, base_model_name_or_path=str(tiny_mixtral_dir)
     )
@@ -255,7 +247,7 @@ def test_an_adapter_trained_with_lora_dropout_loads_in_peft(tiny_mixtral_dir, tm
     """PEFT refuses LoRA on parameters (our experts) with lora_dropout != 0; dropout only acts in training,
     so the export writes 0 there, and the verification (which caught this) passes."""
     lora = LoraSection(rank=4, alpha=8.0, dropout=0.1, target_modules=["q_proj"])
-    model = with_random_lora(attach_adapters(load_model(LoadOptions(str(tiny_mixtral_dir))), lora, seed=0))
+    model = randomized(attach_adapters(load_model(LoadOptions(str(tiny_mixtral_dir))), lora, seed=0))
     adapter = save_adapter(model, tmp_path / "adapter", cfg=lora, base_model_name_or_path=str(tiny_mixtral_dir))
     assert verify_adapter(model, adapter) == 12
     peft_model, missing_warnings = peft_load(tiny_mixtral_dir, adapter)
@@ -289,6 +281,6 @@ def test_the_round_trip_probe_is_exact_on_a_bf16_checkpoint():
 def test_experts_only_needs_no_peft_targets(tiny_mixtral_dir, tmp_path):
     """target_modules: [] (LoRA on the experts alone) resolves, trains and verifies; PEFT is asked nothing."""
     lora = LoraSection(rank=4, alpha=8.0, target_modules=[])
-    model = with_random_lora(attach_adapters(load_model(LoadOptions(str(tiny_mixtral_dir))), lora, seed=0))
+    model = randomized(attach_adapters(load_model(LoadOptions(str(tiny_mixtral_dir))), lora, seed=0))
     adapter = save_adapter(model, tmp_path / "adapter", cfg=lora, base_model_name_or_path=str(tiny_mixtral_dir))
     assert verify_adapter(model, adapter) == 8  # 2 layers x 4 expert factors
