@@ -13,10 +13,10 @@ from peft import PeftModel, get_peft_model_state_dict
 
 from moe_qlora.export.family_tables import (
     FAMILIES,
-    NOT_EXPORTED,
     ExportError,
     UnexportableModules,
     retrain_advice,
+    tables_model_type,
     vllm_layout,
 )
 from moe_qlora.export.gguf_lora import gguf_tensors
@@ -31,17 +31,10 @@ def linear_lora_tensors(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().cpu() for k, v in state.items() if "moe_lora" not in k and ".experts." not in k}
 
 
-def export_model_type(config) -> str:
-    """model_type as the export tables name the family (a multimodal model's text model where they do not)."""
-    if config.model_type in (*FAMILIES, *NOT_EXPORTED, *VLLM_IGNORED_MODULE, *VLLM_IGNORED_ROUTER):
-        return config.model_type
-    return config.get_text_config().model_type
-
-
 def export_refusals(model, targets: list[str], rank: int) -> dict[str, str]:
     """{format: why `export --format` will refuse this run's adapter, with the --set that exports}; formats the
     family has no writer for at all are left to the export's own refusal."""
-    model_type = export_model_type(model.config)
+    model_type = tables_model_type(model.config, (*VLLM_IGNORED_MODULE, *VLLM_IGNORED_ROUTER))
     tensors = linear_lora_tensors(model)
     if model_type not in FAMILIES or not tensors:
         return {}

@@ -252,9 +252,15 @@ def base_model_type(config: dict, where: Path) -> str:
         base_config = AutoConfig.from_pretrained(resolve_model_path(base))
     except (OSError, ValueError) as exc:
         raise ExportError(f"{where}: cannot read the base model's config.json ({base}): {exc}") from None
-    if base_config.model_type in (*FAMILIES, *NOT_EXPORTED, *VLLM_FUSED_3D, *VLLM_NO_MOE_LORA):
-        return base_config.model_type
-    return base_config.get_text_config().model_type  # a multimodal model's text model
+    return tables_model_type(base_config)
+
+
+def tables_model_type(config, also: tuple[str, ...] = ()) -> str:
+    """model_type as these tables (and `also`) name the family: a multimodal model's text model where they do
+    not name the model itself."""
+    if config.model_type in (*FAMILIES, *NOT_EXPORTED, *VLLM_FUSED_3D, *VLLM_NO_MOE_LORA, *also):
+        return config.model_type
+    return config.get_text_config().model_type
 
 
 def vllm_layout(model_type: str) -> str:

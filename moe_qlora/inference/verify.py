@@ -60,10 +60,12 @@ def compare_tensors(expected: dict[str, torch.Tensor], found: dict[str, torch.Te
     return None
 
 
-def written_by(writer: Callable[..., Path], adapter: Path, **options) -> tuple[dict[str, torch.Tensor], dict]:
-    """(tensors, adapter_config or {}) that `writer` makes of the adapter now, written to a scratch folder."""
+def written_by(
+    writer: Callable[..., Path], adapter: Path, target: str = "out", **options
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, adapter_config or {}) that `writer` makes of the adapter now, written to a scratch `target`."""
     with tempfile.TemporaryDirectory(prefix="moe-qlora-verify-") as tmp:
-        out = writer(adapter, Path(tmp) / ("out.gguf" if writer.__name__ == "write_gguf" else "out"), **options)
+        out = writer(adapter, Path(tmp) / target, **options)
         if out.suffix == ".gguf":
             return gguf_tensors_of(out), {}
         return read_safetensors(out / ADAPTER_WEIGHTS), json.loads((out / ADAPTER_CONFIG).read_text())
@@ -99,7 +101,7 @@ def verify_gguf(adapter: Path, path: Path, config: dict) -> Row:
         "fuse_qkv": any(".attn_qkv." in k for k in found),
         "fuse_gate_up_exps": any(".ffn_gate_up_exps." in k for k in found),
     }
-    expected, _ = written_by(write_gguf, adapter, **options)
+    expected, _ = written_by(write_gguf, adapter, "out.gguf", **options)
     problem = compare_tensors(expected, found)
     if problem is None and gguf_alpha(path) != float(config["lora_alpha"]):
         problem = f"adapter.lora.alpha is {gguf_alpha(path)}, the adapter's lora_alpha {config['lora_alpha']}"
