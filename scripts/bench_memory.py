@@ -34,6 +34,7 @@ CONFIGURATIONS = {
     "adamw, chunked loss": {"optimizer": "adamw"},
     "adamw_8bit, chunked loss": {"optimizer": "adamw_8bit"},
     "adamw_8bit in backward, chunked loss": {"optimizer": "adamw_8bit", "optimizer_in_backward": True},
+    "adamw_8bit, chunked loss, MLP chunks of 1024": {"optimizer": "adamw_8bit", "mlp_chunk_tokens": 1024},
 }
 
 

@@ -153,6 +153,7 @@ def print_plan_json(result, gpu_gb: float, to_fit: tuple[list[str], float] | Non
                 "fits": result.fits,
                 "to_fit": fit,
                 "communication_bytes_per_step": result.communication_bytes_per_step,
+                "mlp_chunk_tokens": result.mlp_chunk_tokens,
                 "offload": dataclasses.asdict(result.offload) if result.offload else None,
             }
         )

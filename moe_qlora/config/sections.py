@@ -203,6 +203,13 @@ class TrainSection(Section):
         description="tokens per chunk through the output head for the loss (never the whole "
         "(tokens, vocab) logits); 0: full logits",
     )
+    mlp_chunk_tokens: int | Literal["auto"] = Field(
+        "auto",
+        description="tokens the MoE experts, shared experts and dense MLPs of a layer work on at once while "
+        "training, each chunk recomputed in its own backward, so their rows take a chunk's memory, not the "
+        "micro-batch's (one more MLP forward a step); auto: the largest chunk `moe-qlora plan` needs for the run "
+        "to fit the GPU (none when it fits without, and none on the CPU); 0: the whole micro-batch",
+    )
     router_aux_loss_coef: float | Literal["model"] = Field(
         0.0,
         description="train on the family's MoE load-balancing (auxiliary) loss times this, in train, dpo and grpo "
@@ -245,6 +252,13 @@ class TrainSection(Section):
     def _non_negative(cls, value):
         if value != "model" and value < 0:
             raise ValueError(f"must be >= 0 or `model`, got {value}")
+        return value
+
+    @field_validator("mlp_chunk_tokens")
+    @classmethod
+    def _chunk_non_negative(cls, value):
+        if value != "auto" and value < 0:
+            raise ValueError(f"must be >= 0 or `auto`, got {value}")
         return value
 
 

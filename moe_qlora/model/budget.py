@@ -82,6 +82,7 @@ class Plan:
     gpu_bytes: int = int(DEFAULT_GPU_GIB * 2**30)
     communication_bytes_per_step: int = 0
     offload: object = None  # offload_plan.OffloadPlan when model.expert_offload moves experts to the host
+    mlp_chunk_tokens: int = 0  # train.mlp_chunk_tokens as planned (auto resolved by plan.plan_run); 0: none
 
     @property
     def total(self) -> int:
@@ -193,13 +194,21 @@ def micro_batch_tokens(cfg: RunConfig) -> int:
     return rows * cfg.data.max_seq_len
 
 
+def mlp_row_tokens(cfg: RunConfig) -> int:
+    """Tokens the MoE layer and the MLPs work on at once: a chunk (moe/token_chunks.py), or the micro-batch
+    (train.mlp_chunk_tokens 0, or auto, which plan.plan_run resolves before it plans with it)."""
+    tokens, chunk = micro_batch_tokens(cfg), cfg.train.mlp_chunk_tokens
+    return min(tokens, chunk) if chunk not in (0, "auto") else tokens
+
+
 def activation_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> int:
     """An estimate of activation memory for one micro-batch (N = batch * seq tokens, d = compute bytes).
 
     Checkpointed layers keep their input (N H d); the others, and the one being recomputed, keep a layer's
     activations: ~12 N H d for attention, norms and residuals, N K (2I + 2r) d for the MoE rows (h and the
     LoRA projections) and 2 N E fp32 for the router. Attention without an N x N matrix (SDPA, flex); eager
-    attention's matrices are their own row (attention_bytes), as is the loss (loss_bytes).
+    attention's matrices are their own row (attention_bytes), as is the loss (loss_bytes). With MLP chunks
+    (train.mlp_chunk_tokens) the MoE rows are a chunk's, C K (2I + 2r) d, and each chunk keeps its input (N H d).
     """
     c, t, lora = model.config, cfg.train, cfg.lora
     tokens = micro_batch_tokens(cfg)
@@ -208,7 +217,10 @@ def activation_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> int:
     moe = [m for m in model.modules() if is_experts_module(m)]
     k = getattr(c, "num_experts_per_tok", 0) or 0
     experts, _, inter = expert_dims(moe[0]) if moe else (0, hidden, 0)
-    per_layer = 12 * tokens * hidden * d + tokens * k * (2 * inter + 2 * lora.rank) * d + 2 * tokens * experts * 4
+    rows = mlp_row_tokens(cfg)
+    chunk_inputs = tokens * hidden * d if rows < tokens else 0
+    moe_rows = rows * k * (2 * inter + 2 * lora.rank) * d
+    per_layer = 12 * tokens * hidden * d + chunk_inputs + moe_rows + 2 * tokens * experts * 4
     checkpointed = math.ceil(layers / t.checkpoint_interval) if t.gradient_checkpointing else 0
     kept_full = layers - checkpointed + (1 if checkpointed else 0)
     return checkpointed * tokens * hidden * d + kept_full * per_layer
@@ -265,7 +277,7 @@ def planned_kernels(
     moe = [mod for mod in model.modules() if is_experts_module(mod)]
     experts = expert_dims(moe[0])[0] if moe else 1
     k = getattr(model.config, "num_experts_per_tok", 0) or 1
-    return call_path(kernels, micro_batch_tokens(cfg) * k, experts, m.fused_below_rows)
+    return call_path(kernels, mlp_row_tokens(cfg) * k, experts, m.fused_below_rows)
 
 
 def dequant_buffer_bytes(
@@ -287,7 +299,7 @@ def dequant_buffer_bytes(
     if experts_in_mxfp4(model, cfg):
         expert_bytes = gated * inter * hidden * d
         return experts_per_chunk(experts, expert_bytes, budget) * expert_bytes
-    rows = micro_batch_tokens(cfg) * (getattr(model.config, "num_experts_per_tok", 0) or 1)
+    rows = mlp_row_tokens(cfg) * (getattr(model.config, "num_experts_per_tok", 0) or 1)
     stored = [(experts, gated * inter, hidden), (experts, hidden, inter)]  # gate_up, down as (E, out, in)
     if getattr(moe[0], "is_transposed", False):
         stored = [(e, cols, out) for e, out, cols in stored]
@@ -311,14 +323,14 @@ def moe_backward_bytes(
     (grouped_layer.grouped_backward), its S = tokens x K rows of the gate's gradient (2I) and activation (I), the
     projected rows (H) and, on grouped_mm, the output gradient's gathered rows and the LoRA term kept apart for the
     combine (H each), in the compute dtype. One layer's (the one in its backward), when the layer runs a grouped
-    path (planned_kernels); the per-expert reference works an expert at a time."""
+    path (planned_kernels); the per-expert reference works an expert at a time. A chunk's rows with MLP chunks."""
     moe = [m for m in model.modules() if is_experts_module(m)]
     kernels = planned_kernels(model, cfg, device=device, capability=capability) if moe else "torch"
     if kernels not in ("triton", "grouped_mm"):
         return 0
     _, hidden, inter = expert_dims(moe[0])
     gated = 2 if getattr(moe[0], "has_gate", True) else 1
-    rows = micro_batch_tokens(cfg) * (getattr(model.config, "num_experts_per_tok", 0) or 1)
+    rows = mlp_row_tokens(cfg) * (getattr(model.config, "num_experts_per_tok", 0) or 1)
     hidden_rows = 1 if kernels == "triton" else 2 + int(cfg.lora.experts)
     d = DTYPE_BYTES[resolve_compute_dtype(cfg.model.compute_dtype, device)]
     return rows * (hidden_rows * hidden + gated * inter + inter) * d

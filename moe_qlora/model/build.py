@@ -24,9 +24,9 @@ from moe_qlora.model.loaded_model import parameter_bytes_by_kind
 from moe_qlora.model.loading import LoadOptions, load_model
 from moe_qlora.model.model_path import resolve_model_path
 from moe_qlora.model.peft_adapter import load_adapter
-from moe_qlora.model.placement import offloaded_layers, sharding_chosen, size
+from moe_qlora.model.placement import mlp_chunk_chosen, offloaded_layers, sharding_chosen, size
 from moe_qlora.moe.expert_stacks import experts_modules, stack_names
-from moe_qlora.moe.experts import set_moe_kernels
+from moe_qlora.moe.experts import set_moe_kernels, set_token_chunks
 from moe_qlora.moe.nf4 import NF4Stack
 from moe_qlora.moe.offload import host_layer_bytes, offload_experts
 
@@ -48,10 +48,12 @@ class Placement:
 
 @dataclass(frozen=True)
 class Recompute:
-    """Activation checkpointing: off, or every `interval`th decoder layer recomputed in the backward."""
+    """Activation checkpointing: off, or every `interval`th decoder layer recomputed in the backward; and the
+    tokens the MoE layer and MLPs work on at once (moe/token_chunks.py; 0: all of them)."""
 
     enabled: bool = False
     interval: int = 1
+    mlp_chunk_tokens: int = 0
 
 
 def load_tokenizer(model: ModelSection):
@@ -106,7 +108,8 @@ def load_policy(
     device = policy_device(cfg.model)
     sharded = sharding_chosen(cfg, ranks, model_path, console, shardable=shardable)
     placement = Placement(sharded, offloaded_layers(cfg, model_path, device, sharded))
-    recompute = Recompute(cfg.train.gradient_checkpointing, cfg.train.checkpoint_interval)
+    chunk = mlp_chunk_chosen(cfg, ranks, model_path, console, sharded=sharded)
+    recompute = Recompute(cfg.train.gradient_checkpointing, cfg.train.checkpoint_interval, chunk)
     return build_policy(
         cfg.model,
         cfg.lora,
@@ -154,6 +157,12 @@ def build_policy(
         n = load_adapter(model, lora_cfg.init_from, lora_cfg)
         console.print(f"LoRA initialised from {lora_cfg.init_from} ({n} tensors)")
     n_ckpt = configure_checkpointing(model, enabled=recompute.enabled, interval=recompute.interval)
+    if recompute.mlp_chunk_tokens:
+        experts, mlps = set_token_chunks(model, recompute.mlp_chunk_tokens)
+        console.print(
+            f"MLP chunks: {experts} MoE layers and {mlps} other MLPs work on {recompute.mlp_chunk_tokens} tokens "
+            "at a time while training (train.mlp_chunk_tokens)"
+        )
     if placement.sharded:
         ranks = shard_model(model, ranks)
         move_unsharded_to(model, device_of(ranks))

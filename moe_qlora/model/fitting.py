@@ -106,7 +106,8 @@ LONGEST_MAX = 1 << 21  # 2,097,152 tokens: the search's ceiling
 def longest_seq_len(cfg, model_path: str, device: str, *, gpu_gib: float, **plan_args) -> tuple[int, float] | None:
     """(the longest data.max_seq_len, a multiple of LONGEST_STEP up to LONGEST_MAX, whose plan fits one GPU of
     gpu_gib GiB with the rest of `cfg` as it is; its planned GiB), or None when not even LONGEST_STEP tokens fit.
-    A plan's total never falls as the length grows, so a bisection: about 15 plans of one meta model."""
+    Whether a plan fits never turns from no to yes as the length grows (each setting's total grows with it, and
+    train.mlp_chunk_tokens auto takes the best of them), so a bisection: about 15 plans of one meta model."""
     replan = Replan(cfg, model_path, device, gpu_gib=gpu_gib, **plan_args)
 
     def planned(steps: int) -> float:

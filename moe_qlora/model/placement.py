@@ -40,6 +40,36 @@ def sharding_chosen(cfg: RunConfig, ranks: Ranks, model_path: str, console: Cons
     return True
 
 
+def mlp_chunk_chosen(cfg: RunConfig, ranks: Ranks, model_path: str, console: Console, *, sharded: bool) -> int:
+    """train.mlp_chunk_tokens as a number: as set, or auto as `plan` resolves it for this GPU (plan.auto_chunked_plan:
+    none when the run fits without chunks, and none on the CPU), said when it chunks."""
+    chunk = cfg.train.mlp_chunk_tokens
+    device = device_of(ranks)
+    if chunk != "auto":
+        return chunk
+    if device.type != "cuda":
+        return 0
+    from moe_qlora.model.budget import this_gpu_capability
+    from moe_qlora.model.plan import plan_run
+
+    gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+    plan = plan_run(
+        cfg,
+        name_or_path=model_path,
+        device="cuda",
+        gpus=ranks.world if sharded else 1,
+        parallel="fsdp" if sharded else "ddp",
+        gpu_gib=gib,
+        capability=this_gpu_capability(),
+    )
+    if plan.mlp_chunk_tokens:
+        console.print(
+            f"train.mlp_chunk_tokens auto -> {plan.mlp_chunk_tokens}: unchunked, the MoE rows would not fit "
+            f"{gib:.1f} GiB (moe-qlora plan)"
+        )
+    return plan.mlp_chunk_tokens
+
+
 def size(n: int) -> str:
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
 

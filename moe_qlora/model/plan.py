@@ -26,6 +26,7 @@ from moe_qlora.model.budget import (
     gradient_bytes,
     lora_tensor_shapes,
     meta_model,
+    micro_batch_tokens,
     one_device_plan,
     optimizer_state_bytes,
 )
@@ -55,10 +56,66 @@ def plan_run(
     sends per optimizer step. `parallel`: auto, ddp or fsdp (default: cfg.train.parallel). `model`:
     meta_model(name_or_path), when already built (planning many configurations of one model). `capability`:
     the GPUs' (major, minor), which decides the MoE kernels `auto` takes (budget.planned_kernels); None: the GPU
-    `gpu_gib` names (budget.capability_for_memory: an H100 from 80 GB, a 24-48 GB card below)."""
+    `gpu_gib` names (budget.capability_for_memory: an H100 from 80 GB, a 24-48 GB card below).
+    train.mlp_chunk_tokens auto is resolved here (auto_chunked_plan), as the run resolves it."""
     capability = capability or capability_for_memory(gpu_gib)
     model = model if model is not None else meta_model(name_or_path, cfg.model.trust_remote_code)
     targets = resolve_targets(model, cfg.lora.target_modules)  # round-trips a probe adapter through PEFT: once
+    given = dict(model=model, targets=targets, device=device, gpus=gpus, parallel=parallel, gpu_gib=gpu_gib)
+    if cfg.train.mlp_chunk_tokens == "auto":
+        return auto_chunked_plan(cfg, capability=capability, **given)
+    plan = plan_as_given(cfg, capability=capability, **given)
+    plan.mlp_chunk_tokens = chunk = cfg.train.mlp_chunk_tokens
+    if 0 < chunk < micro_batch_tokens(cfg):
+        plan.notes.append(f"train.mlp_chunk_tokens {chunk}: the MoE and MLP rows {chunk} tokens at a time")
+    return plan
+
+
+# The chunks train.mlp_chunk_tokens auto tries, largest first: a chunk's rows shrink with it, while below about
+# 1,024 tokens a grouped GEMM's rows per expert get too few to keep the tensor cores busy.
+AUTO_MLP_CHUNKS = (16384, 8192, 4096, 2048, 1024)
+
+
+def auto_chunked_plan(cfg: RunConfig, **given) -> Plan:
+    """The plan with train.mlp_chunk_tokens auto resolved: none when the run fits without chunks or off CUDA; else
+    the largest of AUTO_MLP_CHUNKS (below the micro-batch's tokens) with which it fits without moving experts to
+    the host; else none when it fits with offload (the copies it already pays for), and the smallest chunk when
+    it fits in no way (the most chunks can do; the plan then says what else it needs)."""
+    plan = plan_as_given(with_mlp_chunk(cfg, 0), **given)
+    if given["device"] != "cuda" or (plan.fits and plan.offload is None):
+        return plan
+    tokens = micro_batch_tokens(cfg)
+    chunked = None
+    for chunk in (c for c in AUTO_MLP_CHUNKS if c < tokens):
+        chunked = plan_as_given(with_mlp_chunk(cfg, chunk), **given)
+        chunked.mlp_chunk_tokens = chunk
+        if chunked.fits and chunked.offload is None:
+            break
+    if chunked is None or (plan.fits and not (chunked.fits and chunked.offload is None)):
+        return plan
+    chunked.notes.append(
+        f"train.mlp_chunk_tokens auto -> {chunked.mlp_chunk_tokens}: the MoE and MLP rows {chunked.mlp_chunk_tokens} "
+        f"tokens at a time (unchunked the run would need {plan.total / 2**30:,.2f} GiB)"
+    )
+    return chunked
+
+
+def with_mlp_chunk(cfg: RunConfig, chunk: int) -> RunConfig:
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"mlp_chunk_tokens": chunk})})
+
+
+def plan_as_given(
+    cfg: RunConfig,
+    *,
+    model: nn.Module,
+    targets: list[str],
+    device: str,
+    gpus: int,
+    parallel: str | None,
+    gpu_gib: float,
+    capability: tuple[int, int],
+) -> Plan:
+    """plan_run's plan of `cfg` with every setting as it says (train.mlp_chunk_tokens a number)."""
     plan = one_device_plan(cfg, model, targets, device=device, capability=capability)
     apply_expert_offload(plan, model, cfg, device=device, gpu_bytes=int(gpu_gib * 2**30))
     plan.gpus, plan.gpu_bytes = gpus, int(gpu_gib * 2**30)

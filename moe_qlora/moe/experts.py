@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 from torch import nn
@@ -16,7 +17,13 @@ from transformers.activations import SiLUActivation
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface, _default_apply_gate
 
 from moe_qlora.moe.expert_lora import ExpertLoRA
-from moe_qlora.moe.expert_stacks import experts_modules, holds_mxfp4, quantized_stack, stack_names
+from moe_qlora.moe.expert_stacks import (
+    experts_modules,
+    holds_mxfp4,
+    is_experts_module,
+    quantized_stack,
+    stack_names,
+)
 from moe_qlora.moe.grouped_layer import moe_lora_experts_grouped
 from moe_qlora.moe.kernel_names import KERNELS
 from moe_qlora.moe.kernel_rule import call_path
@@ -25,6 +32,7 @@ from moe_qlora.moe.nf4 import NF4Stack
 from moe_qlora.moe.reference_layer import DeferredWeightGrads, FrozenExperts, MoEPlan, moe_lora_experts
 from moe_qlora.moe.routing import route
 from moe_qlora.moe.self_check import KernelSelfCheck, with_injected_fault
+from moe_qlora.moe.token_chunks import chunk_module_tokens, over_token_chunks, token_wise_mlps
 
 EXPERTS_IMPLEMENTATION = "moe_qlora"
 
@@ -59,7 +67,16 @@ def _gates_with_silu_mul(module: nn.Module) -> bool:
 
 
 def moe_qlora_experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    """The registered experts implementation. hidden_states: (T, H), top_k_*: (T, K) -> (T, H)."""
+    """The registered experts implementation. hidden_states: (T, H), top_k_*: (T, K) -> (T, H); the tokens a
+    chunk at a time when set_token_chunks asked for it (token_chunks.py)."""
+    chunk = read_state(self).chunk_tokens
+    if not chunk:
+        return experts_call(self, hidden_states, top_k_index, top_k_weights)
+    return over_token_chunks(partial(experts_call, self), chunk, hidden_states, top_k_index, top_k_weights)
+
+
+def experts_call(self, hidden_states, top_k_index, top_k_weights):
+    """One call of the MoE layer on the tokens given: routing metadata, kernels chosen for its rows, LoRA."""
     state = read_state(self)
     if state.offload is not None:
         offloader, layer = state.offload
@@ -160,6 +177,19 @@ def set_moe_kernels(
         state.gate_is_silu_mul = _gates_with_silu_mul(module)
         state.self_check = checker
     return len(modules)
+
+
+def set_token_chunks(model, chunk: int) -> tuple[int, int]:
+    """Run every experts module, shared expert and dense MLP of `model` over `chunk` tokens at a time while
+    gradients are recorded (token_chunks.py; 0: the whole micro-batch again). Returns (experts modules, other
+    MLPs) set."""
+    experts = experts_modules(model)
+    for _, module in experts:
+        layer_state(module).chunk_tokens = chunk
+    mlps = token_wise_mlps(model, is_experts_module)
+    for _, module in mlps:
+        chunk_module_tokens(module, chunk)
+    return len(experts), len(mlps)
 
 
 def kernel_self_check(model) -> KernelSelfCheck | None:

@@ -45,6 +45,8 @@ class MoELayerState:
     that bounds a dense-input module's picked rows (Llama-4).
     Generation (experts.generation_kernels): `generating`, set while a model generates, so the layer may take the
     path that suits decode steps (few rows per expert, no gradient).
+    Chunks (experts.set_token_chunks): `chunk_tokens`, the tokens one call runs at once while gradients are recorded
+    (token_chunks.py; 0: all of them).
     """
 
     kernels: str = "torch"
@@ -60,6 +62,7 @@ class MoELayerState:
     adopted: bool = False
     top_k: int | None = None
     generating: bool = False
+    chunk_tokens: int = 0
 
 
 # What read_state answers for a module with no state attached. Never written: writers go through layer_state.
