@@ -60,12 +60,17 @@ def ensure_model(layers: int) -> Path:
     return path
 
 
+# model.kernels for every configuration (--kernels): auto is the per-expert torch reference on the CPU, whose
+# backward works an expert at a time; torch-grouped runs the grouped formulation a GPU runs, with its row tensors.
+KERNELS = {"value": "auto"}
+
+
 def run_config(model: Path, seq: int, train: dict, out: Path) -> dict:
     """The RunConfig dict of one measured configuration."""
     data = out / "data.jsonl"
     data.write_text(json.dumps({"text": "".join(chr(97 + i % 26) for i in range(seq + 64))}) + "\n")
     return {
-        "model": {"name_or_path": str(model), "compute_dtype": "auto"},
+        "model": {"name_or_path": str(model), "compute_dtype": "auto", "kernels": KERNELS["value"]},
         "lora": {"rank": 16, "alpha": 32, "experts": True, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
         "data": {"train_files": [str(data)], "format": "text", "max_seq_len": seq},
         "train": {
@@ -129,6 +134,7 @@ def planned(model: Path, seq: int, label: str) -> tuple[int, dict]:
 
 def measure(model: Path, seq: int, label: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", str(model), "--seqs", str(seq), "--label", label]
+    cmd += ["--kernels", KERNELS["value"]]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     if proc.returncode != 0:
         raise SystemExit(f"{label} at seq {seq} failed:\n{proc.stderr[-3000:]}")
@@ -146,9 +152,11 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, nargs="+", default=[2048])
     ap.add_argument("--configs", nargs="+", default=list(CONFIGURATIONS), choices=list(CONFIGURATIONS))
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--kernels", default="auto", help="model.kernels of every configuration (e.g. torch-grouped)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--label", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    KERNELS["value"] = args.kernels
     if args.worker:
         print(json.dumps(worker(args.worker, args.seqs[0], args.label)))
         return
@@ -193,7 +201,13 @@ def main() -> None:
             f"{r['ratio']:.3f}",
         )
     Console().print(table)
-    payload = {"model": name, "device": "cpu", "threads": torch.get_num_threads(), "results": results}
+    payload = {
+        "model": name,
+        "device": "cpu",
+        "kernels": args.kernels,
+        "threads": torch.get_num_threads(),
+        "results": results,
+    }
     print(json.dumps(payload))
     if args.json:
         args.json.write_text(json.dumps(payload, indent=2) + "\n")

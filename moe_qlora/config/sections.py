@@ -210,6 +210,13 @@ class TrainSection(Section):
         "micro-batch's (one more MLP forward a step); auto: the largest chunk `moe-qlora plan` needs for the run "
         "to fit the GPU (none when it fits without, and none on the CPU); 0: the whole micro-batch",
     )
+    offload_activations: bool | Literal["auto"] = Field(
+        "auto",
+        description="keep the checkpointed decoder layers' inputs in page-locked host memory from the forward to "
+        "the backward, copied on a side stream while the GPU computes (about two layers' stay on the GPU); needs "
+        "gradient_checkpointing; auto: when `moe-qlora plan` says the run does not fit the GPU without it (never "
+        "on the CPU)",
+    )
     router_aux_loss_coef: float | Literal["model"] = Field(
         0.0,
         description="train on the family's MoE load-balancing (auxiliary) loss times this, in train, dpo and grpo "
@@ -297,6 +304,11 @@ class RunConfig(Section):
             raise ValueError(
                 f"train.optimizer_in_backward updates each tensor as its gradient completes, so it cannot "
                 f"accumulate train.grad_accum ({t.grad_accum}) micro-batches first: set one of them off"
+            )
+        if t.offload_activations is True and not t.gradient_checkpointing:
+            raise ValueError(
+                "train.offload_activations keeps the checkpointed layers' inputs on the host: it needs "
+                "train.gradient_checkpointing (without it every activation stays where the forward made it)"
             )
         if t.optimizer_in_backward and t.max_grad_norm > 0:
             raise ValueError(

@@ -15,6 +15,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from moe_qlora.common.saved_offload import HostCopies, SavedOffload, copies_for
 from moe_qlora.config.sections import ConfigError, LoraSection
 from moe_qlora.model.families import resolve_targets
 from moe_qlora.model.peft_roundtrip import clean_base_config, first_few, target_modules_failing_round_trip
@@ -113,6 +114,30 @@ def configure_checkpointing(model, *, enabled: bool, interval: int) -> int:
         activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=interval
     )
     return sum(1 for m in base.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing)
+
+
+def offload_layer_inputs(model, device: torch.device, copies: HostCopies | None = None) -> SavedOffload:
+    """train.offload_activations: while the decoder runs a training forward (grad on, train mode), the tensors
+    autograd saves outside checkpoints, the checkpointed layers' inputs, go to host memory and come back for the
+    backward one layer ahead (common/saved_offload.py). `copies`: the device calls (a test's CheckedCopies)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = base.get_decoder()
+    offload = SavedOffload(copies if copies is not None else copies_for(device), device)
+    active = []
+
+    def enter(module, args):
+        if module.training and torch.is_grad_enabled():
+            hooks = offload.offloading()
+            hooks.__enter__()
+            active.append(hooks)
+
+    def leave(module, args, output):
+        if active:
+            active.pop().__exit__(None, None, None)
+
+    decoder.register_forward_pre_hook(enter)
+    decoder.register_forward_hook(leave, always_call=True)
+    return offload
 
 
 @contextlib.contextmanager

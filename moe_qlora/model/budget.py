@@ -19,7 +19,15 @@ from torch import nn
 from transformers.quantizers.quantizers_utils import should_convert_module
 
 from moe_qlora.config.sections import RunConfig, resolve_compute_dtype
-from moe_qlora.model.attention import choose_attention, eager_attention_bytes, position_limit_note
+from moe_qlora.model.activation_budget import (
+    DTYPE_BYTES,
+    activation_bytes,
+    attention_bytes,
+    host_activation_bytes,
+    loss_bytes,
+    mlp_row_tokens,
+)
+from moe_qlora.model.attention import choose_attention, position_limit_note
 from moe_qlora.model.checkpoint_files import read_model_config
 from moe_qlora.model.classes import text_model_from_config
 from moe_qlora.model.families import matches_target
@@ -33,7 +41,6 @@ from moe_qlora.moe.layouts import adopt_dense_input_experts, adopt_split_gate_up
 from moe_qlora.moe.mxfp4 import BLOCKSIZE as MXFP4_BLOCKSIZE
 from moe_qlora.moe.nf4 import BLOCKSIZE, NESTED_BLOCKSIZE
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 LORA_BYTES = 4  # LoRA master weights and their gradients are fp32
 # What the process holds besides the model: the CUDA context and cuBLAS workspaces on a GPU; on the CPU the
 # libraries (torch, transformers, peft, bitsandbytes, datasets) and what loading and tokenizing leave resident:
@@ -83,6 +90,8 @@ class Plan:
     communication_bytes_per_step: int = 0
     offload: object = None  # offload_plan.OffloadPlan when model.expert_offload moves experts to the host
     mlp_chunk_tokens: int = 0  # train.mlp_chunk_tokens as planned (auto resolved by plan.plan_run); 0: none
+    offload_activations: bool = False  # train.offload_activations as planned (auto resolved by plan.plan_run)
+    host_activation_bytes: int = 0  # the page-locked host memory the offloaded layer inputs take
 
     @property
     def total(self) -> int:
@@ -184,74 +193,6 @@ def optimizer_state_bytes(numel: int, optimizer: str) -> int:
     if optimizer == "adamw" or numel < 4096:
         return 8 * numel
     return 2 * numel + 2 * 4 * math.ceil(numel / 256)
-
-
-def micro_batch_tokens(cfg: RunConfig) -> int:
-    """Tokens one forward holds at most: micro_batch_size sequences of data.max_seq_len; a config with a `dpo:`
-    section is a `moe-qlora dpo` run, whose micro-batch of pairs is 2 x micro_batch_size sequences (chosen and
-    rejected in one forward)."""
-    rows = cfg.train.micro_batch_size * (2 if cfg.dpo is not None else 1)
-    return rows * cfg.data.max_seq_len
-
-
-def mlp_row_tokens(cfg: RunConfig) -> int:
-    """Tokens the MoE layer and the MLPs work on at once: a chunk (moe/token_chunks.py), or the micro-batch
-    (train.mlp_chunk_tokens 0, or auto, which plan.plan_run resolves before it plans with it)."""
-    tokens, chunk = micro_batch_tokens(cfg), cfg.train.mlp_chunk_tokens
-    return min(tokens, chunk) if chunk not in (0, "auto") else tokens
-
-
-def activation_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> int:
-    """An estimate of activation memory for one micro-batch (N = batch * seq tokens, d = compute bytes).
-
-    Checkpointed layers keep their input (N H d); the others, and the one being recomputed, keep a layer's
-    activations: ~12 N H d for attention, norms and residuals, N K (2I + 2r) d for the MoE rows (h and the
-    LoRA projections) and 2 N E fp32 for the router. Attention without an N x N matrix (SDPA, flex); eager
-    attention's matrices are their own row (attention_bytes), as is the loss (loss_bytes). With MLP chunks
-    (train.mlp_chunk_tokens) the MoE rows are a chunk's, C K (2I + 2r) d, and each chunk keeps its input (N H d).
-    """
-    c, t, lora = model.config, cfg.train, cfg.lora
-    tokens = micro_batch_tokens(cfg)
-    d, hidden = DTYPE_BYTES[resolve_compute_dtype(cfg.model.compute_dtype, device)], c.hidden_size
-    layers = c.num_hidden_layers
-    moe = [m for m in model.modules() if is_experts_module(m)]
-    k = getattr(c, "num_experts_per_tok", 0) or 0
-    experts, _, inter = expert_dims(moe[0]) if moe else (0, hidden, 0)
-    rows = mlp_row_tokens(cfg)
-    chunk_inputs = tokens * hidden * d if rows < tokens else 0
-    moe_rows = rows * k * (2 * inter + 2 * lora.rank) * d
-    per_layer = 12 * tokens * hidden * d + chunk_inputs + moe_rows + 2 * tokens * experts * 4
-    checkpointed = math.ceil(layers / t.checkpoint_interval) if t.gradient_checkpointing else 0
-    kept_full = layers - checkpointed + (1 if checkpointed else 0)
-    return checkpointed * tokens * hidden * d + kept_full * per_layer
-
-
-def attention_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> int:
-    """Eager attention's score matrices (attention.eager_attention_bytes) when the family runs it on `device`
-    (attention.choose_attention), else 0: SDPA's and flex attention's blocks are small beside the activations."""
-    if not choose_attention(type(model), device).builds_scores:
-        return 0
-    c, t = model.config.get_text_config(), cfg.train
-    rows = t.micro_batch_size * (2 if cfg.dpo is not None else 1)
-    layers = c.num_hidden_layers
-    checkpointed = math.ceil(layers / t.checkpoint_interval) if t.gradient_checkpointing else 0
-    return eager_attention_bytes(
-        rows=rows,
-        heads=c.num_attention_heads,
-        seq_len=cfg.data.max_seq_len,
-        itemsize=DTYPE_BYTES[resolve_compute_dtype(cfg.model.compute_dtype, device)],
-        layers_kept=layers - checkpointed + (1 if checkpointed else 0),
-    )
-
-
-def loss_bytes(model: nn.Module, cfg: RunConfig) -> int:
-    """Logits the loss holds at once. Chunked (train.loss_chunk_tokens, losses.py): one fp32 (chunk, vocab)
-    buffer reused for logits, softmax and gradient, plus logsumexp's temporary: 2 x 4 bytes. Full logits:
-    ~3 x (tokens, vocab) fp32 for the micro-batch (logits, log-softmax, gradient)."""
-    tokens = micro_batch_tokens(cfg)
-    chunk = cfg.train.loss_chunk_tokens
-    vocab = model.config.get_text_config().vocab_size
-    return 2 * 4 * min(tokens, chunk) * vocab if chunk else 3 * 4 * tokens * vocab
 
 
 def gradient_bytes(n_lora: int, model: nn.Module, cfg: RunConfig) -> int:
@@ -368,6 +309,12 @@ def one_device_plan(
         optimizer=sum(optimizer_state_bytes(n, cfg.train.optimizer) for n in sizes),
     )
     plan.bytes["activations_estimate"] = activation_bytes(model, cfg, device=device)
+    if host := host_activation_bytes(model, cfg, device=device):
+        plan.offload_activations, plan.host_activation_bytes = True, host
+        plan.notes.append(
+            f"train.offload_activations: the checkpointed layers' inputs in page-locked host memory "
+            f"({host / 2**30:,.2f} GiB of host memory, not counted above)"
+        )
     attention = choose_attention(type(model), device)
     if scores := attention_bytes(model, cfg, device=device):
         plan.bytes["eager_attention"] = scores

@@ -16,7 +16,12 @@ from transformers import AutoTokenizer
 
 from moe_qlora.common.memory import release_freed_memory
 from moe_qlora.config.sections import ConfigError, LoraSection, ModelSection, RunConfig, resolve_compute_dtype
-from moe_qlora.model.adapters import attach_adapters, configure_checkpointing, trainable_parameters
+from moe_qlora.model.adapters import (
+    attach_adapters,
+    configure_checkpointing,
+    offload_layer_inputs,
+    trainable_parameters,
+)
 from moe_qlora.model.checkpoint_files import check_model_path, read_model_config
 from moe_qlora.model.distributed import SINGLE, Ranks, device_of, shard_model
 from moe_qlora.model.kernel_choice import describe_kernels, resolve_kernels
@@ -24,7 +29,7 @@ from moe_qlora.model.loaded_model import parameter_bytes_by_kind
 from moe_qlora.model.loading import LoadOptions, load_model
 from moe_qlora.model.model_path import resolve_model_path
 from moe_qlora.model.peft_adapter import load_adapter
-from moe_qlora.model.placement import mlp_chunk_chosen, offloaded_layers, sharding_chosen, size
+from moe_qlora.model.placement import memory_helpers_chosen, offloaded_layers, sharding_chosen, size
 from moe_qlora.moe.expert_stacks import experts_modules, stack_names
 from moe_qlora.moe.experts import set_moe_kernels, set_token_chunks
 from moe_qlora.moe.nf4 import NF4Stack
@@ -49,11 +54,13 @@ class Placement:
 @dataclass(frozen=True)
 class Recompute:
     """Activation checkpointing: off, or every `interval`th decoder layer recomputed in the backward; and the
-    tokens the MoE layer and MLPs work on at once (moe/token_chunks.py; 0: all of them)."""
+    tokens the MoE layer and MLPs work on at once (moe/token_chunks.py; 0: all of them); whether the checkpointed
+    layers' inputs wait for the backward in host memory (common/saved_offload.py)."""
 
     enabled: bool = False
     interval: int = 1
     mlp_chunk_tokens: int = 0
+    offload_inputs: bool = False
 
 
 def load_tokenizer(model: ModelSection):
@@ -108,8 +115,8 @@ def load_policy(
     device = policy_device(cfg.model)
     sharded = sharding_chosen(cfg, ranks, model_path, console, shardable=shardable)
     placement = Placement(sharded, offloaded_layers(cfg, model_path, device, sharded))
-    chunk = mlp_chunk_chosen(cfg, ranks, model_path, console, sharded=sharded)
-    recompute = Recompute(cfg.train.gradient_checkpointing, cfg.train.checkpoint_interval, chunk)
+    chunk, offload = memory_helpers_chosen(cfg, ranks, model_path, console, sharded=sharded)
+    recompute = Recompute(cfg.train.gradient_checkpointing, cfg.train.checkpoint_interval, chunk, offload)
     return build_policy(
         cfg.model,
         cfg.lora,
@@ -162,6 +169,11 @@ def build_policy(
         console.print(
             f"MLP chunks: {experts} MoE layers and {mlps} other MLPs work on {recompute.mlp_chunk_tokens} tokens "
             "at a time while training (train.mlp_chunk_tokens)"
+        )
+    if recompute.offload_inputs and n_ckpt:
+        model.activation_offload = offload_layer_inputs(model, torch.device(device))
+        console.print(
+            f"train.offload_activations: the {n_ckpt} checkpointed layers' inputs wait for the backward in host memory"
         )
     if placement.sharded:
         ranks = shard_model(model, ranks)

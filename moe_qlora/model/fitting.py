@@ -21,6 +21,12 @@ KNOBS: list[tuple[str, Callable, Callable]] = [
     ("train.optimizer_in_backward", lambda c: "true", lambda c: not c.train.optimizer_in_backward),
     ("train.loss_chunk_tokens", lambda c: 1024, lambda c: c.train.loss_chunk_tokens == 0),
     ("train.gradient_checkpointing", lambda c: "true", lambda c: not c.train.gradient_checkpointing),
+    ("train.mlp_chunk_tokens", lambda c: "auto", lambda c: c.train.mlp_chunk_tokens == 0),
+    (
+        "train.offload_activations",
+        lambda c: "auto",
+        lambda c: c.train.offload_activations is False and c.train.gradient_checkpointing,
+    ),
     (
         "model.expert_offload",
         lambda c: "auto",

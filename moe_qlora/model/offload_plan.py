@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from moe_qlora.config.sections import RunConfig
-from moe_qlora.model.budget import Plan, experts_in_mxfp4, four_bit_bytes, micro_batch_tokens
+from moe_qlora.model.activation_budget import micro_batch_tokens
+from moe_qlora.model.budget import Plan, experts_in_mxfp4, four_bit_bytes
 from moe_qlora.moe.layouts import quantized_stack_names
 from moe_qlora.moe.nf4 import BLOCKSIZE, NESTED_BLOCKSIZE
 from moe_qlora.moe.offload import ALIGN

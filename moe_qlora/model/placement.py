@@ -40,15 +40,18 @@ def sharding_chosen(cfg: RunConfig, ranks: Ranks, model_path: str, console: Cons
     return True
 
 
-def mlp_chunk_chosen(cfg: RunConfig, ranks: Ranks, model_path: str, console: Console, *, sharded: bool) -> int:
-    """train.mlp_chunk_tokens as a number: as set, or auto as `plan` resolves it for this GPU (plan.auto_chunked_plan:
-    none when the run fits without chunks, and none on the CPU), said when it chunks."""
-    chunk = cfg.train.mlp_chunk_tokens
+def memory_helpers_chosen(
+    cfg: RunConfig, ranks: Ranks, model_path: str, console: Console, *, sharded: bool
+) -> tuple[int, bool]:
+    """(train.mlp_chunk_tokens, train.offload_activations) as numbers: as set, or auto as `plan` resolves them for
+    this GPU (plan.plan_with_autos: none when the run fits without, and none on the CPU), said when one helps. An
+    offload on a GPU whose host has not the memory free for the layer inputs is refused before loading."""
+    t = cfg.train
     device = device_of(ranks)
-    if chunk != "auto":
-        return chunk
-    if device.type != "cuda":
-        return 0
+    chunk = 0 if t.mlp_chunk_tokens == "auto" else t.mlp_chunk_tokens
+    offload = t.offload_activations is True
+    if device.type != "cuda" or not ("auto" in (t.mlp_chunk_tokens, t.offload_activations) or offload):
+        return chunk, offload
     from moe_qlora.model.budget import this_gpu_capability
     from moe_qlora.model.plan import plan_run
 
@@ -62,12 +65,20 @@ def mlp_chunk_chosen(cfg: RunConfig, ranks: Ranks, model_path: str, console: Con
         gpu_gib=gib,
         capability=this_gpu_capability(),
     )
-    if plan.mlp_chunk_tokens:
+    if (plan.mlp_chunk_tokens, plan.offload_activations) != (chunk, offload):
+        offloads = str(plan.offload_activations).lower()
         console.print(
-            f"train.mlp_chunk_tokens auto -> {plan.mlp_chunk_tokens}: unchunked, the MoE rows would not fit "
-            f"{gib:.1f} GiB (moe-qlora plan)"
+            f"auto: train.mlp_chunk_tokens {plan.mlp_chunk_tokens}, train.offload_activations {offloads}: without "
+            f"them the run would not fit {gib:.1f} GiB (moe-qlora plan)"
         )
-    return plan.mlp_chunk_tokens
+    available = available_host_bytes()
+    if plan.offload_activations and available is not None and plan.host_activation_bytes > available:
+        raise ConfigError(
+            f"train.offload_activations: the checkpointed layers' inputs need {size(plan.host_activation_bytes)} "
+            f"of host memory; this machine has {size(available)} available. Free memory, or shorten "
+            "data.max_seq_len or train.micro_batch_size"
+        )
+    return plan.mlp_chunk_tokens, plan.offload_activations
 
 
 def size(n: int) -> str:

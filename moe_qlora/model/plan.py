@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from moe_qlora.config.sections import RunConfig, resolve_compute_dtype
+from moe_qlora.model.activation_budget import micro_batch_tokens
 from moe_qlora.model.budget import (
     DEFAULT_GPU_GIB,
     DTYPE_BYTES,
@@ -26,7 +27,6 @@ from moe_qlora.model.budget import (
     gradient_bytes,
     lora_tensor_shapes,
     meta_model,
-    micro_batch_tokens,
     one_device_plan,
     optimizer_state_bytes,
 )
@@ -62,9 +62,13 @@ def plan_run(
     model = model if model is not None else meta_model(name_or_path, cfg.model.trust_remote_code)
     targets = resolve_targets(model, cfg.lora.target_modules)  # round-trips a probe adapter through PEFT: once
     given = dict(model=model, targets=targets, device=device, gpus=gpus, parallel=parallel, gpu_gib=gpu_gib)
-    if cfg.train.mlp_chunk_tokens == "auto":
-        return auto_chunked_plan(cfg, capability=capability, **given)
-    plan = plan_as_given(cfg, capability=capability, **given)
+    if "auto" in (cfg.train.mlp_chunk_tokens, cfg.train.offload_activations):
+        return plan_with_autos(cfg, capability=capability, **given)
+    return planned_as_set(cfg, capability=capability, **given)
+
+
+def planned_as_set(cfg: RunConfig, **given) -> Plan:
+    plan = plan_as_given(cfg, **given)
     plan.mlp_chunk_tokens = chunk = cfg.train.mlp_chunk_tokens
     if 0 < chunk < micro_batch_tokens(cfg):
         plan.notes.append(f"train.mlp_chunk_tokens {chunk}: the MoE and MLP rows {chunk} tokens at a time")
@@ -76,32 +80,47 @@ def plan_run(
 AUTO_MLP_CHUNKS = (16384, 8192, 4096, 2048, 1024)
 
 
-def auto_chunked_plan(cfg: RunConfig, **given) -> Plan:
-    """The plan with train.mlp_chunk_tokens auto resolved: none when the run fits without chunks or off CUDA; else
-    the largest of AUTO_MLP_CHUNKS (below the micro-batch's tokens) with which it fits without moving experts to
-    the host; else none when it fits with offload (the copies it already pays for), and the smallest chunk when
-    it fits in no way (the most chunks can do; the plan then says what else it needs)."""
-    plan = plan_as_given(with_mlp_chunk(cfg, 0), **given)
-    if given["device"] != "cuda" or (plan.fits and plan.offload is None):
-        return plan
-    tokens = micro_batch_tokens(cfg)
-    chunked = None
-    for chunk in (c for c in AUTO_MLP_CHUNKS if c < tokens):
-        chunked = plan_as_given(with_mlp_chunk(cfg, chunk), **given)
-        chunked.mlp_chunk_tokens = chunk
-        if chunked.fits and chunked.offload is None:
+def auto_settings(cfg: RunConfig, device: str) -> list[tuple[int, bool]]:
+    """The (mlp_chunk_tokens, offload_activations) pairs the autos may take, in the order tried: each costs
+    something (one more MLP forward a step; host memory and PCIe copies beside the compute), so first neither,
+    then chunks from the largest, then the layer inputs on the host with each of those. Off CUDA: neither."""
+    t = cfg.train
+    auto_chunks = t.mlp_chunk_tokens == "auto"
+    if auto_chunks:
+        chunks = [0] + [c for c in AUTO_MLP_CHUNKS if c < micro_batch_tokens(cfg)] if device == "cuda" else [0]
+    else:
+        chunks = [t.mlp_chunk_tokens]
+    offload = [False, True] if device == "cuda" and t.gradient_checkpointing else [False]
+    offloads = offload if t.offload_activations == "auto" else [t.offload_activations]
+    return [(chunk, off) for off in offloads for chunk in chunks]
+
+
+def plan_with_autos(cfg: RunConfig, **given) -> Plan:
+    """The plan with train.mlp_chunk_tokens and train.offload_activations auto resolved (auto_settings): the first
+    setting with which the run fits without moving experts to the host; else as set without the autos' help when
+    that fits (with expert offload: copies it already pays for); else the last, the most they can do (the plan
+    then says what else it needs)."""
+    settings = auto_settings(cfg, given["device"])
+    plans = []
+    for chunk, offload in settings:
+        plan = planned_as_set(with_train(cfg, mlp_chunk_tokens=chunk, offload_activations=offload), **given)
+        plans.append(plan)
+        if plan.fits and plan.offload is None:
             break
-    if chunked is None or (plan.fits and not (chunked.fits and chunked.offload is None)):
-        return plan
-    chunked.notes.append(
-        f"train.mlp_chunk_tokens auto -> {chunked.mlp_chunk_tokens}: the MoE and MLP rows {chunked.mlp_chunk_tokens} "
-        f"tokens at a time (unchunked the run would need {plan.total / 2**30:,.2f} GiB)"
-    )
-    return chunked
+    first, chosen = plans[0], plans[-1]
+    if len(plans) > 1 and not (chosen.fits and chosen.offload is None) and first.fits:
+        chosen = first
+    if chosen is not first:
+        offload = str(chosen.offload_activations).lower()
+        chosen.notes.append(
+            f"auto: train.mlp_chunk_tokens {chosen.mlp_chunk_tokens}, train.offload_activations {offload} "
+            f"(without them the run would need {first.total / 2**30:,.2f} GiB)"
+        )
+    return chosen
 
 
-def with_mlp_chunk(cfg: RunConfig, chunk: int) -> RunConfig:
-    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"mlp_chunk_tokens": chunk})})
+def with_train(cfg: RunConfig, **train) -> RunConfig:
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update=train)})
 
 
 def plan_as_given(
