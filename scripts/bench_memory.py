@@ -61,7 +61,7 @@ def ensure_model(layers: int) -> Path:
 
 
 # model.kernels for every configuration (--kernels): auto is the per-expert torch reference on the CPU, whose
-# backward works an expert at a time; torch-grouped runs the grouped formulation a GPU runs, with its row tensors.
+# backward works an expert at a time; grouped_mm runs the grouped formulation a GPU runs, with its row tensors.
 KERNELS = {"value": "auto"}
 
 
@@ -152,7 +152,11 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, nargs="+", default=[2048])
     ap.add_argument("--configs", nargs="+", default=list(CONFIGURATIONS), choices=list(CONFIGURATIONS))
     ap.add_argument("--json", type=Path, help="also write the results here")
-    ap.add_argument("--kernels", default="auto", help="model.kernels of every configuration (e.g. torch-grouped)")
+    ap.add_argument(
+        "--kernels",
+        default="auto",
+        help="model.kernels of every configuration (e.g. grouped_mm: the grouped formulation, on the CPU too)",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--label", help=argparse.SUPPRESS)
     args = ap.parse_args()

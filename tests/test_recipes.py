@@ -121,9 +121,11 @@ def at_root(monkeypatch):
     monkeypatch.chdir(ROOT)
 
 
-def test_the_nine_recipes_are_there():
+def test_the_eleven_recipes_are_there():
     names = {p.stem for p in RECIPES}
     assert names == {
+        "qwen3-30b-a3b-long",
+        "gpt-oss-20b-long",
         "deepseek-v3-sft",
         "qwen3-30b-a3b-sft",
         "qwen3-30b-a3b-grpo",
