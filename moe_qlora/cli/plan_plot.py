@@ -107,8 +107,27 @@ def print_longest(cfg, name_or_path: str, device: str, gpu_gb: float, **plan_arg
         f"micro-batch {cfg.train.micro_batch_size}; --set data.max_seq_len={seq_len})",
         highlight=False,
     )
-    if note := position_limit_note(meta_model(name_or_path, cfg.model.trust_remote_code).config, seq_len):
+    model = meta_model(name_or_path, cfg.model.trust_remote_code)
+    if helped := autos_taken(cfg, seq_len, name_or_path, device, model, gpu_gb, **plan_args):
+        console.print(f"note: {helped}", highlight=False)
+    if note := position_limit_note(model.config, seq_len):
         console.print(f"note: {note}", highlight=False)
+
+
+def autos_taken(cfg, seq_len: int, name_or_path: str, device: str, model, gpu_gb: float, **plan_args) -> str | None:
+    """What train.mlp_chunk_tokens and train.offload_activations come to at `seq_len` (plan.plan_with_autos), with
+    the host memory an offload takes; None when neither is on."""
+    from moe_qlora.model.plan import plan_run
+
+    longest = cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_seq_len": seq_len})})
+    plan = plan_run(longest, name_or_path=name_or_path, device=device, model=model, gpu_gib=gpu_gb, **plan_args)
+    said = []
+    if plan.mlp_chunk_tokens:
+        said.append(f"the MoE rows {plan.mlp_chunk_tokens:,} tokens at a time (train.mlp_chunk_tokens)")
+    if plan.offload_activations:
+        host = plan.host_activation_bytes / 2**30
+        said.append(f"the layer inputs in {host:,.2f} GiB of host memory (train.offload_activations)")
+    return "at this length " + " and ".join(said) if said else None
 
 
 def plan_config(config: str | None, model: str | None, overrides: list[str]):
