@@ -17,6 +17,7 @@ and the tests' CheckedCopies, which completes copies only when told and raises o
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,8 +26,11 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_qlora.common.device_runtime import CudaRuntime
+from moe_qlora.common.settings import ReadOnce
 
 MIN_OFFLOAD_BYTES = 1 << 20  # smaller saved tensors (positions, masks, a short batch) are not worth a copy
+# MOE_QLORA_OFFLOAD_MIN_BYTES replaces it, read once: how the multi-process tests offload a tiny model's inputs.
+MIN_BYTES = ReadOnce(lambda: int(os.environ.get("MOE_QLORA_OFFLOAD_MIN_BYTES", MIN_OFFLOAD_BYTES)))
 
 
 class HostCopies:
@@ -110,7 +114,7 @@ class SavedOffload:
 
     copies: HostCopies
     device: torch.device
-    min_bytes: int = MIN_OFFLOAD_BYTES
+    min_bytes: int = field(default_factory=MIN_BYTES.current)
     order: list[Saved] = field(default_factory=list)  # this forward's offloaded tensors, in the order saved
     pool: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # free host blocks by size
     offloaded_bytes: int = 0  # bytes sent to the host since the last begin()

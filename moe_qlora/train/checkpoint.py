@@ -78,7 +78,8 @@ def sha256_file(path: Path) -> str:
 # model keys that change where the experts live, never a bit of what is computed (tests/moe/test_offload.py): a run
 # may resume with expert offload switched on or off.
 PLACEMENT = {"expert_offload", "offload_resident_layers"}
-# train keys that change when and where a run saves or logs, never what it computes.
+# train keys that change when and where a run saves or logs, or where it keeps what it computes, never what it
+# computes.
 BOOKKEEPING = {
     "resume",
     "save_every",
@@ -89,6 +90,10 @@ BOOKKEEPING = {
     "keep_best",
     "dist_timeout_s",
     "parallel",
+    # the long-context memory helpers: the same step, held in less memory (bitwise for the offload, to fp32
+    # rounding for the chunks, as for `parallel`): a run out of memory may resume with them turned on
+    "mlp_chunk_tokens",
+    "offload_activations",
 }
 
 

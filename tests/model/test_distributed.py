@@ -19,6 +19,12 @@ from helpers.published import publish_gpt_oss_mxfp4
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
 STEPS = ["--set", "train.max_steps=6", "--set", "train.warmup_steps=2"]
+# The FSDP runs train with the long-context memory helpers on: the MoE rows in chunks of 16 of the micro-batch's
+# tokens (nested checkpoints inside FSDP2's layers) and the layer inputs offloaded to the host (all of them: the
+# tiny model's are under the 1 MiB floor). Their checks then hold with both on: one process reproduced, a
+# checkpoint resumed bit for bit.
+LONG_CONTEXT = ["--set", "train.mlp_chunk_tokens=16", "--set", "train.offload_activations=true"]
+OFFLOAD_ALL = {"MOE_QLORA_OFFLOAD_MIN_BYTES": "0"}
 
 
 def env_for(tmp_path, **extra) -> dict:
@@ -88,10 +94,11 @@ def fsdp_run(runs, tmp_path_factory):
             "train.parallel=fsdp",
             "--set",
             "train.save_every=3",
+            *LONG_CONTEXT,
             "--set",
             f"output.dir={tmp / 'run'}",
         ],
-        env_for(tmp),
+        env_for(tmp, **OFFLOAD_ALL),
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return tmp / "run", proc
@@ -122,7 +129,8 @@ def test_fsdp_over_two_ranks_reproduces_one_process(runs, fsdp_run):
 
 def test_an_fsdp_checkpoint_resumes_exactly_at_the_same_world_size(fsdp_run, tmp_path):
     """Checkpoint step 3 of the 2-rank FSDP run (whole tensors, gathered), resumed by 2 FSDP ranks, each taking
-    its shards of LoRA and of the AdamW moments: the end is the uninterrupted run's adapter, bit for bit."""
+    its shards of LoRA and of the AdamW moments: the end is the uninterrupted run's adapter, bit for bit (the MoE
+    rows in chunks and the layer inputs offloaded in both, LONG_CONTEXT)."""
     run, _ = fsdp_run
     resumed = Path(shutil.copytree(run, tmp_path / "resumed"))
     proc = torchrun(
@@ -137,12 +145,13 @@ def test_an_fsdp_checkpoint_resumes_exactly_at_the_same_world_size(fsdp_run, tmp
             "train.parallel=fsdp",
             "--set",
             "train.save_every=3",
+            *LONG_CONTEXT,
             "--set",
             f"output.dir={resumed}",
             "--resume-from",
             str(resumed / "checkpoints" / "step-00000003"),
         ],
-        env_for(tmp_path),
+        env_for(tmp_path, **OFFLOAD_ALL),
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "resumed from" in proc.stdout and "warning" not in proc.stdout
