@@ -379,6 +379,10 @@ def _grouped_experts_backward_fake(grad_out, x, routing_weights, saved, lora, fr
 def _setup_context(ctx, inputs, output):
     x, routing_weights, lora, frozen, floats, ints, kernels, _ = inputs
     _, h, p1, p2, gate_up, down, kept = output
+    # Returned only to be saved here: no gradient flows into them, and autograd would hand the backward a zero
+    # gradient of each, materialized (2.4 GiB of fp32 zeros for Qwen3-30B-A3B's decoded stacks, a layer).
+    ctx.mark_non_differentiable(h, p1, p2, gate_up, down, kept)
+    ctx.set_materialize_grads(False)
     ctx.floats, ctx.ints, ctx.kernels, ctx.num_frozen = floats, ints, kernels, len(frozen)
     ctx.save_for_backward(x, routing_weights, h, p1, p2, gate_up, down, kept, *lora, *frozen)
 
