@@ -21,6 +21,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 BLOCKSIZE = 32
 SCALE_BIAS = 127
@@ -95,10 +96,11 @@ class MXFP4Stack:
 
 @functools.cache
 def _byte_values(device: str) -> torch.Tensor:
-    """(256, 2) fp32: the two e2m1 values of each byte, the low nibble's first."""
-    table = torch.tensor(E2M1, dtype=torch.float32)
-    byte = torch.arange(256)
-    return torch.stack((table[byte & 0x0F], table[byte >> 4]), dim=-1).to(device)
+    """(256, 2) fp32: the two e2m1 values of each byte, the low nibble's first (real under a fake mode too)."""
+    with unset_fake_temporarily():
+        table = torch.tensor(E2M1, dtype=torch.float32)
+        byte = torch.arange(256)
+        return torch.stack((table[byte & 0x0F], table[byte >> 4]), dim=-1).to(device)
 
 
 def e8m0_scales(exponents: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import bitsandbytes.functional as bnbF
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 BLOCKSIZE = 64
 # bitsandbytes' nested (double) quantization groups 256 block scales under one fp32 scale.
@@ -239,8 +240,10 @@ def dequantize_expert_reference(stack: NF4Stack, e: int, dtype: torch.dtype = to
 
 @functools.cache
 def _nf4_code(device: str) -> torch.Tensor:
-    """bitsandbytes' NF4 code table, built once per device (a third of a small expert's decode time otherwise)."""
-    return bnbF.get_4bit_type("nf4", device=device)
+    """bitsandbytes' NF4 code table, built once per device (a third of a small expert's decode time otherwise);
+    a real tensor even when first asked under a fake mode (tracing), which would otherwise cache a fake one."""
+    with unset_fake_temporarily():
+        return bnbF.get_4bit_type("nf4", device=device)
 
 
 def dequantize_expert(stack: NF4Stack, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -12,6 +12,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from moe_qlora.moe.kernels import tiles
 from moe_qlora.moe.mxfp4 import E2M1, MXFP4Stack
@@ -161,8 +162,10 @@ def _num_rows(offsets, x, gather) -> int:
 
 @functools.cache
 def _levels(device: str, mxfp4: bool = False) -> torch.Tensor:
-    """The 16 values a code decodes to: NF4's levels, or MXFP4's e2m1 values."""
-    return torch.tensor(E2M1 if mxfp4 else NF4_LEVELS, dtype=torch.float32, device=device)
+    """The 16 values a code decodes to: NF4's levels, or MXFP4's e2m1 values (cached tensors are made real even
+    when first asked under a fake mode: a cached fake one would reach a later real launch)."""
+    with unset_fake_temporarily():
+        return torch.tensor(E2M1 if mxfp4 else NF4_LEVELS, dtype=torch.float32, device=device)
 
 
 _MATMUL_TUNE_KEYS = [
@@ -358,7 +361,8 @@ def grouped_matmul_silu_mul(x, weight, offsets, *, gather=None, bias=None, lora=
 
 @functools.lru_cache(maxsize=16)
 def _offsets_tensor(offsets: tuple[int, ...], device: str) -> torch.Tensor:
-    return torch.tensor(offsets, dtype=torch.int64, device=device)
+    with unset_fake_temporarily():
+        return torch.tensor(offsets, dtype=torch.int64, device=device)
 
 
 def grouped_outer_product(a, b, offsets: list[int], *, gather=None):
