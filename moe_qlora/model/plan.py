@@ -97,9 +97,9 @@ def auto_settings(cfg: RunConfig, device: str) -> list[tuple[int, bool]]:
 
 def plan_with_autos(cfg: RunConfig, **given) -> Plan:
     """The plan with train.mlp_chunk_tokens and train.offload_activations auto resolved (auto_settings): the first
-    setting with which the run fits without moving experts to the host; else as set without the autos' help when
-    that fits (with expert offload: copies it already pays for); else the last, the most they can do (the plan
-    then says what else it needs)."""
+    setting with which the run fits without moving experts to the host; else as set without the autos' help
+    (what fits with expert offload keeps the copies it pays for already; what fits in no way is said as it is, with
+    the settings that would make it fit)."""
     settings = auto_settings(cfg, given["device"])
     plans = []
     for chunk, offload in settings:
@@ -108,8 +108,8 @@ def plan_with_autos(cfg: RunConfig, **given) -> Plan:
         if plan.fits and plan.offload is None:
             break
     first, chosen = plans[0], plans[-1]
-    if len(plans) > 1 and not (chosen.fits and chosen.offload is None) and first.fits:
-        chosen = first
+    if not (chosen.fits and chosen.offload is None):
+        return first
     if chosen is not first:
         offload = str(chosen.offload_activations).lower()
         chosen.notes.append(

@@ -101,10 +101,10 @@ def test_offloaded_layer_inputs_are_planned_on_the_host():
     assert any(f"({48 * layer_input / 2**30:,.2f} GiB of host memory" in n for n in notes)
 
 
-@pytest.mark.parametrize("gpu_gib", [30, 40, 55, 90])  # none fits; offload + 16k; 2k chunks; neither
+@pytest.mark.parametrize("gpu_gib", [30, 40, 55, 90])  # nothing fits; offload + 16k; 2k chunks; fits as is
 def test_auto_takes_the_first_setting_that_fits_in_its_order(long_qwen3, gpu_gib):
     """Both autos at 131,072 tokens: the oracle plans each (chunk, offload) pair of auto_settings' order as explicit
-    settings and takes the first that fits without expert offload (none fitting: the last, the most they do)."""
+    settings and takes the first that fits without expert offload (none fitting: the first, neither)."""
     cfg, model = long_qwen3
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"offload_activations": "auto"})})
     auto = plan_with(cfg, model, "auto", device="cuda", gpu_gib=gpu_gib)
