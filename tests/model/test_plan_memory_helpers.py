@@ -108,8 +108,9 @@ def test_auto_takes_the_first_setting_that_fits_in_its_order(long_qwen3, gpu_gib
     cfg, model = long_qwen3
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"offload_activations": "auto"})})
     auto = plan_with(cfg, model, "auto", device="cuda", gpu_gib=gpu_gib)
-    expected = None
-    for chunk, offload in auto_settings(with_chunk(cfg, "auto"), "cuda"):
+    settings = auto_settings(with_chunk(cfg, "auto"), "cuda")
+    expected = settings[0]
+    for chunk, offload in settings:
         explicit = plan_with(
             cfg.model_copy(update={"train": cfg.train.model_copy(update={"offload_activations": offload})}),
             model,
@@ -117,8 +118,8 @@ def test_auto_takes_the_first_setting_that_fits_in_its_order(long_qwen3, gpu_gib
             device="cuda",
             gpu_gib=gpu_gib,
         )
-        expected = (chunk, offload)
         if explicit.fits and explicit.offload is None:
+            expected = (chunk, offload)
             break
     assert (auto.mlp_chunk_tokens, auto.offload_activations) == expected
 
