@@ -254,18 +254,12 @@ class TrainSection(Section):
         min_length=1,
     )
 
-    @field_validator("router_aux_loss_coef")
+    @field_validator("router_aux_loss_coef", "mlp_chunk_tokens")
     @classmethod
-    def _non_negative(cls, value):
-        if value != "model" and value < 0:
-            raise ValueError(f"must be >= 0 or `model`, got {value}")
-        return value
-
-    @field_validator("mlp_chunk_tokens")
-    @classmethod
-    def _chunk_non_negative(cls, value):
-        if value != "auto" and value < 0:
-            raise ValueError(f"must be >= 0 or `auto`, got {value}")
+    def _non_negative(cls, value, info):
+        word = {"router_aux_loss_coef": "model", "mlp_chunk_tokens": "auto"}[info.field_name]
+        if value != word and value < 0:
+            raise ValueError(f"must be >= 0 or `{word}`, got {value}")
         return value
 
 
