@@ -2,13 +2,17 @@
 
     python scripts/bench_memory.py                      # Qwen3-30B-A3B layers, 2 of them, seq 2048, r16
     python scripts/bench_memory.py --layers 4 --seqs 2048 4096 --json out.json
+    python scripts/bench_memory.py --device cuda --gpu-gib 80 --seqs 32768 131072 --configs "long: MLP chunks of 8192"
 
 The model has Qwen3-30B-A3B's real layer sizes (hidden 2048, 128 experts of 768, top-8, vocab 151,936, untied
 head) but only `--layers` decoder layers, random bf16 weights generated once into the moe-qlora cache. Each
 configuration trains two steps through `moe_qlora.train.sft.train` (batch 1, LoRA r16 on the experts and
 q/k/v/o, gradient checkpointing) in its own subprocess on the CPU. The peak resident memory (VmHWM) is reset
 once the model is loaded, so what is measured is the training peak with the weights resident, which is what
-the planner models; the planner's figure is `plan_run` for the same config on the CPU (fp32 compute).
+the planner models; the planner's figure is `plan_run` for the same config on the CPU (fp32 compute). With
+`--device cuda` the measure is torch's peak reserved memory from the first step on (bf16), and the plan is made
+for a GPU of `--gpu-gib` (the process held to it with set_per_process_memory_fraction): the long-context check
+of the `long` stage of scripts/gpu_check.sh.
 Prints a table and JSON: {"results": [{"seq", "measured_peak_mib", "planned_mib", ...}, ...]}.
 """
 
@@ -35,6 +39,13 @@ CONFIGURATIONS = {
     "adamw_8bit, chunked loss": {"optimizer": "adamw_8bit"},
     "adamw_8bit in backward, chunked loss": {"optimizer": "adamw_8bit", "optimizer_in_backward": True},
     "adamw_8bit, chunked loss, MLP chunks of 1024": {"optimizer": "adamw_8bit", "mlp_chunk_tokens": 1024},
+    # long context, as configs/recipes/qwen3-30b-a3b-long.yaml trains (the layer inputs kept, then on the host)
+    "long: MLP chunks of 8192": {"optimizer": "adamw_8bit", "mlp_chunk_tokens": 8192, "offload_activations": False},
+    "long: MLP chunks of 8192, inputs on the host": {
+        "optimizer": "adamw_8bit",
+        "mlp_chunk_tokens": 8192,
+        "offload_activations": True,
+    },
 }
 
 
@@ -60,9 +71,12 @@ def ensure_model(layers: int) -> Path:
     return path
 
 
-# model.kernels for every configuration (--kernels): auto is the per-expert torch reference on the CPU, whose
-# backward works an expert at a time; grouped_mm runs the grouped formulation a GPU runs, with its row tensors.
-KERNELS = {"value": "auto"}
+# What every configuration runs with: model.kernels (--kernels: auto is the per-expert torch reference on the CPU,
+# whose backward works an expert at a time; grouped_mm the grouped formulation a GPU runs, with its row tensors);
+# the device (--device: cuda measures torch's peak reserved memory, not the process's RSS); on CUDA the memory the
+# process may use (--gpu-gib: an 80 GB card emulated on an H200 with set_per_process_memory_fraction), which the
+# plan is made for too.
+RUN = {"kernels": "auto", "device": "cpu", "gpu_gib": 0.0}
 
 
 def run_config(model: Path, seq: int, train: dict, out: Path) -> dict:
@@ -70,7 +84,12 @@ def run_config(model: Path, seq: int, train: dict, out: Path) -> dict:
     data = out / "data.jsonl"
     data.write_text(json.dumps({"text": "".join(chr(97 + i % 26) for i in range(seq + 64))}) + "\n")
     return {
-        "model": {"name_or_path": str(model), "compute_dtype": "auto", "kernels": KERNELS["value"]},
+        "model": {
+            "name_or_path": str(model),
+            "compute_dtype": "auto",
+            "kernels": RUN["kernels"],
+            "device": RUN["device"],
+        },
         "lora": {"rank": 16, "alpha": 32, "experts": True, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
         "data": {"train_files": [str(data)], "format": "text", "max_seq_len": seq},
         "train": {
@@ -84,6 +103,12 @@ def run_config(model: Path, seq: int, train: dict, out: Path) -> dict:
         },
         "output": {"dir": str(out / "run")},
     }
+
+
+def commit() -> str:
+    """The commit measured (a figure names its device and commit); 'unknown' outside a git checkout."""
+    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return os.environ.get("MOE_QLORA_COMMIT") or (proc.stdout.strip() if proc.returncode == 0 else "unknown")
 
 
 def reset_peak_rss() -> None:
@@ -102,15 +127,28 @@ def worker(model: str, seq: int, label: str) -> dict:
     out = Path(tempfile.mkdtemp(prefix="bench-memory-"))
     cfg = validate_config(run_config(Path(model), seq, CONFIGURATIONS[label], out))
     real_step, peaks, loaded = trainer.train_step, [], {}
+    cuda = RUN["device"] == "cuda"
+    if cuda and RUN["gpu_gib"]:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, RUN["gpu_gib"] * 2**30 / total))
+
+    def peak_mib() -> float:
+        return torch.cuda.max_memory_reserved() / 2**20 if cuda else peak_rss_mib()
 
     def measured_step(*args, **kwargs):
         if not peaks:
             release_freed_memory()
-            reset_peak_rss()
-            loaded["rss"] = peak_rss_mib()
+            if cuda:
+                torch.cuda.synchronize()
+                loaded["rss"] = torch.cuda.memory_reserved() / 2**20
+            else:
+                reset_peak_rss()
+                loaded["rss"] = peak_rss_mib()
         t0 = time.perf_counter()
         record = real_step(*args, **kwargs)
-        peaks.append((peak_rss_mib(), time.perf_counter() - t0))
+        if cuda:
+            torch.cuda.synchronize()
+        peaks.append((peak_mib(), time.perf_counter() - t0))
         return record
 
     trainer.train_step = measured_step
@@ -128,13 +166,14 @@ def planned(model: Path, seq: int, label: str) -> tuple[int, dict]:
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = validate_config(run_config(model, seq, CONFIGURATIONS[label], Path(tmp)))
-        plan = plan_run(cfg, name_or_path=str(model), device="cpu")
+        gpu = {"gpu_gib": RUN["gpu_gib"]} if RUN["device"] == "cuda" and RUN["gpu_gib"] else {}
+        plan = plan_run(cfg, name_or_path=str(model), device=RUN["device"], **gpu)
     return plan.total, {k: round(v / 2**20, 1) for k, v in plan.bytes.items()}
 
 
 def measure(model: Path, seq: int, label: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", str(model), "--seqs", str(seq), "--label", label]
-    cmd += ["--kernels", KERNELS["value"]]
+    cmd += ["--kernels", RUN["kernels"], "--device", RUN["device"], "--gpu-gib", str(RUN["gpu_gib"])]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     if proc.returncode != 0:
         raise SystemExit(f"{label} at seq {seq} failed:\n{proc.stderr[-3000:]}")
@@ -152,6 +191,8 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, nargs="+", default=[2048])
     ap.add_argument("--configs", nargs="+", default=list(CONFIGURATIONS), choices=list(CONFIGURATIONS))
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: peak reserved GPU memory")
+    ap.add_argument("--gpu-gib", type=float, default=0.0, help="cuda: the memory the run may use (0: the GPU's)")
     ap.add_argument(
         "--kernels",
         default="auto",
@@ -160,7 +201,7 @@ def main() -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--label", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    KERNELS["value"] = args.kernels
+    RUN.update(kernels=args.kernels, device=args.device, gpu_gib=args.gpu_gib)
     if args.worker:
         print(json.dumps(worker(args.worker, args.seqs[0], args.label)))
         return
@@ -193,7 +234,12 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"Peak memory of a training step: {name}, r16, batch 1, CPU fp32")
+    where = (
+        f"CUDA bf16, peak reserved{f' within {args.gpu_gib:g} GiB' if args.gpu_gib else ''}"
+        if args.device == "cuda"
+        else "CPU fp32, peak RSS"
+    )
+    table = Table(title=f"Peak memory of a training step: {name}, r16, batch 1, {where}")
     for col in ("configuration", "seq", "measured MiB", "planned MiB", "measured / planned"):
         table.add_column(col, justify="left" if col == "configuration" else "right")
     for r in results:
@@ -207,7 +253,9 @@ def main() -> None:
     Console().print(table)
     payload = {
         "model": name,
-        "device": "cpu",
+        "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
+        "gpu_gib": args.gpu_gib,
+        "commit": commit(),
         "kernels": args.kernels,
         "threads": torch.get_num_threads(),
         "results": results,

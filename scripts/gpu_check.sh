@@ -23,15 +23,17 @@
 # completions of 256 tokens, against transformers generate + bitsandbytes + PEFT; not measured yet); `perf` 7 min
 # (scripts/perf.py: issue 58's layer, training-step and plan figures in one JSON, within its 420 s budget; not
 # measured yet); `sweep` 8 min (scripts/sweep_kernels.py: every kernel config and grid order of a layer step at
-# both shapes, 512-16k tokens, within its 420 s budget, rows kept as measured; not measured yet). About 47 minutes in
-# all: more than one session's device time (15 minutes), so a session runs the stages it needs most: `wheels`,
-# `preflight` and `perf` first, then `sweep`.
+# both shapes, 512-16k tokens, within its 420 s budget, rows kept as measured; not measured yet); `long` 4 min
+# (scripts/bench_memory.py --device cuda: two Qwen3-30B-A3B-wide layers at 32,768 and 131,072 tokens held to 80
+# GiB, the MoE rows in 8,192-token chunks, the layer inputs kept or on the host: peak reserved against `plan`;
+# not measured yet). About 51 minutes in all: more than one session's device time (15 minutes), so a session runs
+# the stages it needs most: `wheels`, `preflight` and `perf` first, then `sweep`, then `long`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 limit=${STAGE_TIMEOUT:-540}
 declare -A command estimate
-stages=(wheels preflight perf sweep gpu-tests kernels kernels-parity checks offload train-bench rollout bench-qwen3 bench-mixtral profile)
+stages=(wheels preflight perf sweep long gpu-tests kernels kernels-parity checks offload train-bench rollout bench-qwen3 bench-mixtral profile)
 # CPU-only tests inside the kernel test files (AOT compiles in a subprocess, the launcher run with a stubbed JIT)
 # carry the marker cpu_only (tests/conftest.py marks every user of the AOT fixture).
 command[wheels]='if [ -d .whl ]; then '"$python"' -m pip install -q --no-index --no-deps --no-compile --upgrade --target .gpu-site .whl/*.whl; else echo "no .whl/: using the installed packages"; fi'
@@ -58,6 +60,8 @@ command[perf]="$python scripts/perf.py --json \$OUT/perf.json"
 estimate[perf]=7
 command[sweep]="$python scripts/sweep_kernels.py --budget-s 420 --out \$OUT/sweep.jsonl"
 estimate[sweep]=8
+command[long]="$python scripts/bench_memory.py --device cuda --gpu-gib 80 --seqs 32768 131072 --configs 'long: MLP chunks of 8192' 'long: MLP chunks of 8192, inputs on the host' --json \$OUT/long.json"
+estimate[long]=4
 command[profile]="$python scripts/profile_moe.py --json \$OUT/profile.json"
 estimate[profile]=1
 command[bench-qwen3]="$python scripts/bench_moe.py --full --shape qwen3-30b-a3b --json \$OUT/bench_qwen3.json"

@@ -1,5 +1,5 @@
 """scripts/gpu_check.sh fits a lent GPU machine: stages listed with their commands, each bounded by `timeout`,
-about 47 minutes in all by the script's estimate (no more than 49), nothing that a CPU does (AOT compiles, SASS
+about 51 minutes in all by the script's estimate (no more than 52), nothing that a CPU does (AOT compiles, SASS
 readings, torch.compile), and a stage that fails says FAIL (here: the pre-flight, which needs CUDA)."""
 
 import os
@@ -19,9 +19,9 @@ def test_stages_are_listed_bounded_and_gpu_only():
     stages = {line.split()[0]: int(line.split()[1][1:]) for line in lines}
     assert list(stages)[:2] == ["wheels", "preflight"] and {"checks", "bench-qwen3", "bench-mixtral"} <= set(stages)
     assert {"train-bench", "rollout"} <= set(stages)
-    assert all(minutes < 9 for minutes in stages.values()) and sum(stages.values()) <= 49
+    assert all(minutes < 9 for minutes in stages.values()) and sum(stages.values()) <= 52
     # issue 58's measurements come right after the two stages every session runs
-    assert list(stages)[2:4] == ["perf", "sweep"] and stages["perf"] <= 7
+    assert list(stages)[2:5] == ["perf", "sweep", "long"] and stages["perf"] <= 7
     assert re.search(r"total ~(\d+) min, each stage bounded by timeout 540 s", proc.stdout)
     for cpu_work in ("kernel_report", "test_compile", "kernels.aot", "test_kernel_report"):
         assert cpu_work not in proc.stdout
