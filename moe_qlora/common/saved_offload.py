@@ -106,6 +106,7 @@ class Saved:
     device_tensor: torch.Tensor | None  # until the copy to the host finished; again while prefetched
     event: object = None  # the copy to the host, then the copy back
     back: bool = False  # whether device_tensor is a copy back from the host (not the original)
+    index: int = 0  # its place in the forward's order: the one before it is read next in the backward
 
 
 @dataclass
@@ -117,14 +118,13 @@ class SavedOffload:
     min_bytes: int = field(default_factory=MIN_BYTES.current)
     order: list[Saved] = field(default_factory=list)  # this forward's offloaded tensors, in the order saved
     pool: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # free host blocks by size
-    offloaded_bytes: int = 0  # bytes sent to the host since the last begin()
     fetched_late: int = 0  # tensors the backward read before a prefetch had started them back (it waited whole)
     in_flight: dict[int, Saved] = field(default_factory=dict)  # id of a device tensor still held -> its entry
 
     def begin(self) -> None:
         """A forward starts. A host block goes back to the pool when autograd drops the tensor it holds (its graph
         freed by the backward, or deleted), not here: two graphs may be alive at once."""
-        self.order, self.offloaded_bytes, self.fetched_late, self.in_flight = [], 0, 0, {}
+        self.order, self.fetched_late, self.in_flight = [], 0, {}
 
     def worth_offloading(self, t: torch.Tensor) -> bool:
         return (
@@ -145,18 +145,17 @@ class SavedOffload:
         free = self.pool.get(nbytes)
         block = free.pop() if free else self.copies.host_block(nbytes)
         host = block.view(t.dtype).view(t.shape)
-        saved = Saved(host, block, t, self.copies.to_host(host, t))
+        saved = Saved(host, block, t, self.copies.to_host(host, t), index=len(self.order))
         weakref.finalize(saved, self.pool.setdefault(nbytes, []).append, block)
         self.order.append(saved)
         self.in_flight[id(t)] = saved
-        self.offloaded_bytes += nbytes
         return saved
 
     def release_finished(self) -> None:
         """Let go of the device tensors whose copy to the host has finished (checked without waiting)."""
-        for saved in self.order:
-            if saved.device_tensor is not None and not saved.back and self.copies.done(saved.event):
-                self.in_flight.pop(id(saved.device_tensor), None)
+        for key, saved in list(self.in_flight.items()):
+            if self.copies.done(saved.event):
+                del self.in_flight[key]
                 self.copies.release(saved.device_tensor)
                 saved.device_tensor = None
 
@@ -171,9 +170,8 @@ class SavedOffload:
         self.copies.read(tensor)
         if saved.back:  # a copy back is read once; the host copy stays for a second read
             saved.device_tensor, saved.back = None, False
-        index = next((i for i, s in enumerate(self.order) if s is saved), None)
-        if index:  # the one saved before it is read next in the backward: start bringing it back now
-            self.fetch(self.order[index - 1])
+        if 0 < saved.index < len(self.order) and self.order[saved.index] is saved:  # of the last forward
+            self.fetch(self.order[saved.index - 1])  # the one read next in the backward: on its way now
         return tensor
 
     def fetch(self, saved: Saved) -> None:
