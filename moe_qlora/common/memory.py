@@ -84,3 +84,14 @@ def available_host_bytes() -> int | None:
     except OSError:
         return None
     return None
+
+
+def unwritten(numel: int, dtype, device):
+    """(numel,) zeros whose pages are not resident until written: on the CPU an allocation over glibc's largest
+    mmap threshold (32 MiB) is fresh zeroed pages, so it is left as allocated; smaller ones may reuse heap
+    memory and are zeroed. Elsewhere plain zeros."""
+    import torch
+
+    out = torch.empty(numel, dtype=dtype, device=device)
+    small = numel * out.element_size() <= 32 * 2**20
+    return out.zero_() if small or out.device.type != "cpu" else out

@@ -142,8 +142,8 @@ def build_policy(
 ):
     """The quantized model with its adapters (new, drawn from `seed`, or read from lora.init_from),
     offload, MoE kernels and checkpointing, sharded with FSDP2 when `placement` says so; (model, trainable params,
-    ranks). A sharded run on CUDA loads on the host and moves each rank's shards to its GPU, so no GPU ever holds
-    the whole model."""
+    ranks). A sharded run quantizes each expert stack for the experts its rank keeps alone, on the host, and on
+    CUDA moves each rank's shards to its GPU, so neither host nor GPU ever holds the whole 4-bit experts."""
     device = policy_device(model_cfg)
     opts = LoadOptions(
         device="cpu" if placement.sharded else device,
@@ -155,6 +155,7 @@ def build_policy(
         trust_remote_code=model_cfg.trust_remote_code,
         strict=model_cfg.strict_quantization,
         experts_on_host=placement.experts_on_host,
+        expert_shard=ranks if placement.sharded else None,
     )
     model = attach_adapters(load_model(opts), lora_cfg, seed=seed, device=opts.device)
     start_expert_offload(model, model_cfg, opts.experts_on_host, device, console)

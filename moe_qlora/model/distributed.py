@@ -181,6 +181,13 @@ def shard_model(model, ranks: Ranks) -> Ranks:
     return replace(ranks, sharded=True)
 
 
+def shard_rows(rows: int, ranks: Ranks) -> range:
+    """The rows of dim 0 that FSDP2 keeps on this rank: torch.chunk's split into ceil(rows / world) per rank, the
+    last ranks maybe fewer or none (fully_shard's _chunk_with_empty)."""
+    per_rank = -(-rows // ranks.world)
+    return range(min(rows, ranks.rank * per_rank), min(rows, (ranks.rank + 1) * per_rank))
+
+
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a sharded (DTensor) tensor; the tensor itself otherwise."""
     from torch.distributed.tensor import DTensor

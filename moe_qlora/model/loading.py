@@ -34,12 +34,14 @@ from moe_qlora.model.checkpoint_files import (
     stored_dtype,
 )
 from moe_qlora.model.classes import text_generation_class
+from moe_qlora.model.distributed import Ranks, shard_rows
 from moe_qlora.model.loaded_model import assert_experts_quantized, declared_experts
 from moe_qlora.model.published import chosen_expert_format, dequantized_as_read
 from moe_qlora.model.published_experts import ExpertReader, stacks_read_by_expert
 from moe_qlora.model.published_tensors import ModelLoadError
 from moe_qlora.moe.expert_stacks import experts_modules
 from moe_qlora.moe.experts import apply_moe_qlora_experts
+from moe_qlora.moe.layer_state import read_state
 from moe_qlora.moe.layouts import (
     adopt_dense_input_experts,
     adopt_split_gate_up_experts,
@@ -69,6 +71,7 @@ class MoEQLoRAQuantConfig(BitsAndBytesConfig):
         experts_mxfp4: bool = False,
         experts_on_host: frozenset[str] = frozenset(),
         stacks_read_by_expert: frozenset[str] = frozenset(),
+        expert_shard: Ranks | None = None,
         **kwargs,
     ):
         kwargs.setdefault("load_in_4bit", True)
@@ -79,10 +82,15 @@ class MoEQLoRAQuantConfig(BitsAndBytesConfig):
         self.experts_on_host = experts_on_host  # experts modules stored on the host: a loading choice, not saved
         # expert stacks the loader quantizes itself as each expert is decoded (not handed to transformers): not saved
         self.stacks_read_by_expert = stacks_read_by_expert
+        self.expert_shard = expert_shard  # FSDP: quantize only the experts this rank keeps (shard_rows); not saved
         self.quant_method = QUANT_METHOD
 
     def to_dict(self):
-        saved = {k: v for k, v in super().to_dict().items() if k not in ("experts_on_host", "stacks_read_by_expert")}
+        saved = {
+            k: v
+            for k, v in super().to_dict().items()
+            if k not in ("experts_on_host", "stacks_read_by_expert", "expert_shard")
+        }
         formats = {"expert_double_quant": self.expert_double_quant, "experts_mxfp4": self.experts_mxfp4}
         return {**saved, **formats, "quant_method": QUANT_METHOD}
 
@@ -100,8 +108,10 @@ class _QuantizeOnLoad(ConversionOps):
             value = value[0] if isinstance(value, list) else value
             module, param_name = get_module_from_name(model, name)
             if param_name in quantized_stack_names(module):
-                double_quant = self.quantizer.quantization_config.expert_double_quant
-                result[name] = quantize_stack(value, double_quant=double_quant)
+                config = self.quantizer.quantization_config
+                # split gate/up stacks are fused after loading, from every expert's decoded weights: read whole
+                held = None if read_state(module).split_gate_up else held_experts(value.shape[0], config.expert_shard)
+                result[name] = quantize_stack(value, double_quant=config.expert_double_quant, held=held)
                 if name.rsplit(".", 1)[0] in self.quantizer.quantization_config.experts_on_host:
                     move_param(result[name], "cpu")  # stored on the host: the GPU never holds every expert
                 module._is_hf_initialized = True
@@ -199,6 +209,9 @@ class LoadOptions:
     # compute device as soon as it is quantized; everything else is stored where it is computed (`device`)
     experts_on_host: frozenset[str] = frozenset()
     expert_format: str = "auto"  # auto | nf4 | mxfp4 (published.chosen_expert_format)
+    # FSDP: this rank's place; each NF4 expert stack is quantized (and, without double quantization, read) for
+    # the experts the rank keeps alone, so no rank holds the whole 4-bit model while loading
+    expert_shard: Ranks | None = None
 
 
 def load_model(opts: LoadOptions):
@@ -237,6 +250,7 @@ def load_model(opts: LoadOptions):
             bnb_4bit_compute_dtype=opts.compute_dtype,
             experts_on_host=opts.experts_on_host,
             stacks_read_by_expert=frozenset(by_expert),
+            expert_shard=opts.expert_shard,
         )
         model = model_class.from_pretrained(
             None,
@@ -252,7 +266,12 @@ def load_model(opts: LoadOptions):
     model.name_or_path = str(folder)
     model.expert_format = expert_format
     model.attention_choice = attention.as_loaded(model.config)
-    fuse_gate_up(model, lambda stack: quantize_stack(stack, double_quant=opts.expert_double_quant))
+    fuse_gate_up(
+        model,
+        lambda stack: quantize_stack(
+            stack, double_quant=opts.expert_double_quant, held=held_experts(stack.shape[0], opts.expert_shard)
+        ),
+    )
     cast_unquantized(model, opts.compute_dtype)
     release_freed_memory()
     if torch.device(opts.device).type == "cuda":
@@ -284,11 +303,18 @@ def quantize_read_by_expert(model, stacks: dict, opts: LoadOptions) -> None:
         if ignored_on_load(model, name):
             continue
         path, module, stack = stack_of(model, name, removed=True)
-        param = quantize_stack(ExpertReader(fused), double_quant=opts.expert_double_quant, device=opts.device)
+        reader = ExpertReader(fused)
+        held = held_experts(reader.shape[0], opts.expert_shard)
+        param = quantize_stack(reader, double_quant=opts.expert_double_quant, device=opts.device, held=held)
         if path in opts.experts_on_host:
             move_param(param, "cpu")
         module.register_parameter(stack, param)
         release_freed_memory()
+
+
+def held_experts(num_experts: int, shard: Ranks | None) -> range | None:
+    """The experts a rank quantizes when loading for FSDP (those its shard keeps), or None: all of them."""
+    return None if shard is None or not shard.enabled else shard_rows(num_experts, shard)
 
 
 def ignored_on_load(model, name: str) -> bool:

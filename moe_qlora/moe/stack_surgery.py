@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moe_qlora.common.memory import unwritten
 from moe_qlora.moe.expert_stacks import experts_modules, holds_mxfp4, is_experts_module, stack_names
 from moe_qlora.moe.layer_state import layer_state, read_state
 from moe_qlora.moe.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX, check_encodable, published_shapes, stack_shape_of
@@ -37,18 +38,21 @@ def make_stacks_shardable(model: nn.Module) -> int:
     """Replace every NF4 expert stack (a Params4bit, whose block scales live in its quant_state where FSDP cannot
     see them) by two frozen parameters with the experts on dim 0, so FSDP2 shards them by expert:
     `{name}_nf4` (E, O*I/2) uint8 codes and `{name}_absmax` (E, O*I/64) fp32 scales, nested scales decoded
-    (the same fp32 values the kernels decode on the fly, so results do not change). Returns how many stacks."""
+    (the same fp32 values the kernels decode on the fly, so results do not change). Returns how many stacks.
+
+    A stack loaded for one rank's shard (quantize_stack's `held`) is copied for those experts alone, into
+    (E, ...) tensors whose other rows are never written: fully_shard reads only the rank's rows, so the whole
+    stack is never resident in host memory."""
     converted = 0
     for module in model.modules():
         if not is_experts_module(module) or read_state(module).shardable_shapes is not None or holds_mxfp4(module):
             continue  # MXFP4 blocks and scales are plain parameters with the experts on dim 0 already
         shapes, nested = {}, False
         for name in stack_names(module):
-            stack = NF4Stack.from_param(getattr(module, name))
+            param = getattr(module, name)
+            stack = NF4Stack.from_param(param)
             nested |= stack.nested is not None
-            e = stack.num_experts
-            packed = stack.experts_codes(0, e).reshape(e, -1).clone()
-            absmax = stack.experts_absmax(0, e).reshape(e, -1).float().clone()
+            packed, absmax = expert_rows(stack, getattr(param, "held_experts", None))
             del module._parameters[name]
             module.register_parameter(f"{name}_nf4", nn.Parameter(packed, requires_grad=False))
             module.register_parameter(f"{name}_absmax", nn.Parameter(absmax, requires_grad=False))
@@ -57,3 +61,16 @@ def make_stacks_shardable(model: nn.Module) -> int:
         state = layer_state(module)
         state.shardable_shapes, state.nested_scales = shapes, nested
     return converted
+
+
+def expert_rows(stack: NF4Stack, held: range | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E, N/2) uint8 codes and (E, N/B) fp32 scales of `stack`, a fresh copy; only experts `held` when given
+    (the other rows unwritten zeros: common.memory.unwritten)."""
+    e = stack.num_experts
+    held = range(e) if held is None else held
+    packed = unwritten(e * stack.expert_numel // 2, torch.uint8, stack.packed.device).view(e, -1)
+    absmax = unwritten(e * stack.expert_numel // stack.blocksize, torch.float32, stack.packed.device).view(e, -1)
+    if len(held):
+        packed[held.start : held.stop] = stack.experts_codes(held.start, held.stop).view(len(held), -1)
+        absmax[held.start : held.stop] = stack.experts_absmax(held.start, held.stop).view(len(held), -1).float()
+    return packed, absmax

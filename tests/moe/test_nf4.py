@@ -168,3 +168,59 @@ def test_a_shardable_linear4bit_computes_what_the_bitsandbytes_linear_did(nested
     with torch.no_grad():
         shardable.weight_nf4.copy_(shardable.weight_nf4.roll(1, dims=0))
     assert float((shardable(x) - expected).detach().abs().max()) > 1e-2
+
+
+class _CountingReader:
+    """A stack read an expert at a time, as published_experts.ExpertReader reads a checkpoint: which it read."""
+
+    def __init__(self, w: torch.Tensor):
+        self.w, self.shape, self.read = w, tuple(w.shape), []
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        self.read.append(e)
+        return self.w[e]
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_a_rank_quantizes_exactly_the_experts_fully_shard_keeps_on_it_and_reads_no_other(double_quant, world):
+    """Loading for FSDP (issue 70, item 1): each rank quantizes the experts its shard keeps, bit for bit what the
+    whole stack's quantization holds there (the nested scales too: their offset spans the stack), and fully_shard's
+    own chunking of the (E, ...) rows gives that rank exactly those experts. Without double quantization the
+    other experts are never read; with it they are (every block's scale is needed), and never stored."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    from moe_qlora.model.distributed import Ranks, shard_rows
+    from moe_qlora.moe.stack_surgery import expert_rows
+
+    torch.manual_seed(2)
+    w = (torch.randn(7, 32, 96) * 0.02).to(torch.bfloat16)
+    whole_codes, whole_absmax = expert_rows(NF4Stack.from_param(quantize_stack(w, double_quant=double_quant)), None)
+    for rank in range(world):
+        held = shard_rows(7, Ranks(rank=rank, world=world))
+        reader = _CountingReader(w)
+        param = quantize_stack(reader, double_quant=double_quant, held=held, device="cpu")
+        codes, absmax = expert_rows(NF4Stack.from_param(param), param.held_experts)
+        assert reader.read == (list(range(7)) if double_quant else list(held))
+        fsdp_codes = _chunk_with_empty(codes, world, dim=0)[rank]
+        fsdp_absmax = _chunk_with_empty(absmax, world, dim=0)[rank]
+        assert torch.equal(fsdp_codes, whole_codes[held.start : held.stop])
+        assert torch.equal(fsdp_absmax, whole_absmax[held.start : held.stop])
+        others = [e for e in range(7) if e not in held]
+        assert not codes[others].any() and not absmax[others].any()  # never written
+
+
+def test_the_shard_check_fails_for_a_rank_given_its_neighbours_experts():
+    """Control: a rank that quantized the wrong experts (its neighbour's range) does not hold what fully_shard
+    keeps on it."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    from moe_qlora.model.distributed import Ranks, shard_rows
+    from moe_qlora.moe.stack_surgery import expert_rows
+
+    torch.manual_seed(2)
+    w = (torch.randn(6, 32, 96) * 0.02).to(torch.bfloat16)
+    whole_codes, _ = expert_rows(NF4Stack.from_param(quantize_stack(w)), None)
+    wrong = shard_rows(6, Ranks(rank=1, world=2))
+    codes, _ = expert_rows(NF4Stack.from_param(quantize_stack(w, held=wrong)), wrong)
+    assert not torch.equal(_chunk_with_empty(codes, 2, dim=0)[0], whole_codes[0:3])
