@@ -6,6 +6,9 @@ quantized sizes.
                                                  # keys, fp8 e4m3 with 128 x 128 block scales (moe-qlora only:
                                                  # transformers + bnb cannot quantize an FP8 checkpoint to NF4)
     python scripts/bench_load.py --json out.json
+    python scripts/bench_load.py --ranks 2       # FSDP on gloo: each rank's peak RSS loading and sharding, each rank
+                                                 # quantizing only the experts it keeps, against the whole-model load
+                                                 # every rank did before (issue 70, item 1)
 
 The checkpoint (Qwen3-MoE architecture, random weights, seed 0) is written shard by shard, never whole in
 memory. Each loader runs in its own subprocess; peak RSS is its VmHWM and includes the ~450 MiB that
@@ -187,20 +190,116 @@ def worker(name: str, path: str) -> dict:
     }
 
 
+def rank_worker(name: str, path: str) -> dict:
+    """One gloo rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT set by rank_runs): load for FSDP, its experts alone
+    ("sliced") or the whole model as every rank did before ("whole"), then shard; its peak RSS through both."""
+    import logging
+
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    import bitsandbytes  # noqa: F401
+    import peft  # noqa: F401
+    import transformers  # noqa: F401
+
+    from moe_qlora.common.memory import peak_rss_mib
+    from moe_qlora.model.distributed import join, leave, local_shard, shard_model
+    from moe_qlora.model.loading import LoadOptions, load_model
+
+    ranks = join(600)
+    baseline = peak_rss_mib()
+    t = time.perf_counter()
+    shard = ranks if name == "sliced" else None
+    model = load_model(LoadOptions(path, compute_dtype=torch.bfloat16, expert_shard=shard))
+    peak_load = peak_rss_mib()
+    shard_model(model, ranks)
+    seconds = time.perf_counter() - t
+    kept = sum(local_shard(p).numel() * p.element_size() for p in model.parameters())
+    leave(ranks)
+    return {
+        "loader": f"fsdp, {name}",
+        "rank": ranks.rank,
+        "world": ranks.world,
+        "seconds": round(seconds, 1),
+        "baseline_mib": round(baseline, 1),
+        "peak_rss_load_mib": round(peak_load, 1),
+        "peak_rss_mib": round(peak_rss_mib(), 1),
+        "kept_mib": round(kept / 2**20, 1),
+    }
+
+
+def rank_runs(path: Path, world: int) -> list[dict]:
+    """Both loaders over `world` gloo ranks on this machine, one after the other; every rank's row."""
+    import os
+    import socket
+
+    rows = []
+    for name in ("whole", "sliced"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = []
+        for rank in range(world):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
+            command = [sys.executable, __file__, "--worker", name, "--path", str(path), "--ranks", str(world)]
+            procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        for proc in procs:
+            out, err = proc.communicate(timeout=1800)
+            if proc.returncode:
+                rows.append({"loader": f"fsdp, {name}", "error": err.strip().splitlines()[-1]})
+            else:
+                rows.append(json.loads(out.strip().splitlines()[-1]))
+    return rows
+
+
+def print_rank_runs(path: Path, world: int, args) -> None:
+    rows = rank_runs(path, world)
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"FSDP over {world} gloo ranks: host memory per rank, loading then sharding")
+    columns = ("loader", "rank", "peak RSS MiB", "peak - baseline", "of which loading", "kept MiB", "s")
+    for col in columns:
+        table.add_column(col, justify="right")
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["loader"], "error: " + r["error"][:80], *[""] * (len(columns) - 2))
+            continue
+        table.add_row(
+            r["loader"],
+            str(r["rank"]),
+            f"{r['peak_rss_mib']:,.0f}",
+            f"{r['peak_rss_mib'] - r['baseline_mib']:,.0f}",
+            f"{r['peak_rss_load_mib'] - r['baseline_mib']:,.0f}",
+            f"{r['kept_mib']:,.0f}",
+            f"{r['seconds']:.1f}",
+        )
+    Console(width=150).print(table)
+    payload = {"world": world, "format": args.format, "shape": SHAPE, "results": rows}
+    print(json.dumps(payload))
+    if args.json:
+        Path(args.json).write_text(json.dumps(payload, indent=2))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--path", default=None, help="where the generated checkpoint lives (default: the moe-qlora cache)")
     ap.add_argument("--only", nargs="*", default=None, help="loaders (default: both; fp8: moe-qlora)")
     ap.add_argument("--format", choices=["bf16", "fp8"], default="bf16", help="how the checkpoint is stored")
     ap.add_argument("--json")
+    ap.add_argument("--ranks", type=int, default=0, help="FSDP over this many gloo ranks: sliced against whole loads")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.path)))
+        print(json.dumps(rank_worker(args.worker, args.path) if args.ranks else worker(args.worker, args.path)))
         return
     from moe_qlora.model.model_path import cache_dir
 
     path = generate(Path(args.path) if args.path else cache_dir() / "bench-load-qwen3")
+    if args.ranks:
+        if args.format == "fp8":
+            path = generate_fp8(path, path.with_name(path.name + "-fp8"))
+        print_rank_runs(path, args.ranks, args)
+        return
     if args.format == "fp8":
         path = generate_fp8(path, path.with_name(path.name + "-fp8"))
     loaders = args.only or (["moe-qlora"] if args.format == "fp8" else ["moe-qlora", "transformers+bnb"])

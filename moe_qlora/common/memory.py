@@ -95,3 +95,10 @@ def unwritten(numel: int, dtype, device):
     out = torch.empty(numel, dtype=dtype, device=device)
     small = numel * out.element_size() <= 32 * 2**20
     return out.zero_() if small or out.device.type != "cpu" else out
+
+
+def written_only(t, start: int, end: int):
+    """A copy of the 1-D tensor `t` holding its elements start..end-1 alone, the rest unwritten zeros."""
+    out = unwritten(t.numel(), t.dtype, t.device)
+    out[start:end] = t[start:end]
+    return out

@@ -202,6 +202,9 @@ def test_a_rank_quantizes_exactly_the_experts_fully_shard_keeps_on_it_and_reads_
         param = quantize_stack(reader, double_quant=double_quant, held=held, device="cpu")
         codes, absmax = expert_rows(NF4Stack.from_param(param), param.held_experts)
         assert reader.read == (list(range(7)) if double_quant else list(held))
+        per = 32 * 96 // 64
+        stored = param.quant_state.absmax  # nested: only the held experts' scale codes kept
+        assert not stored[: held.start * per].any() and not stored[held.stop * per :].any()
         fsdp_codes = _chunk_with_empty(codes, world, dim=0)[rank]
         fsdp_absmax = _chunk_with_empty(absmax, world, dim=0)[rank]
         assert torch.equal(fsdp_codes, whole_codes[held.start : held.stop])
