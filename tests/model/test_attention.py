@@ -156,7 +156,8 @@ def test_a_tiny_gpt_oss_training_step_peaks_where_plan_says(tmp_path):
     of a training step at most 35% over `plan --device cpu` (measured 1.06 alone, as close as the SDPA family, the
     tiny qwen3-moe's 1.06; both were 1.3-1.4 before the CPU runtime was counted as a training process holds it;
     1.252 once in CI, in a subprocess beside the xdist workers: the bound leaves room for that). Control: the plan
-    without its eager_attention row (the SDPA assumption) is over 25% under."""
+    without its eager_attention row (the SDPA assumption) is over 35% under (measured 1.40 alone), so the bound
+    catches it."""
     out = tmp_path / "memory.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_memory.py"), "--model", "builtin:tiny-gpt-oss"]
     cmd += ["--seqs", "2048", "--configs", "adamw_8bit, chunked loss", "--json", str(out)]
@@ -165,4 +166,4 @@ def test_a_tiny_gpt_oss_training_step_peaks_where_plan_says(tmp_path):
     (row,) = json.loads(out.read_text())["results"]
     assert 0.9 <= row["ratio"] <= 1.35, row
     without_eager = row["planned_mib"] - row["plan_rows_mib"]["eager_attention"]
-    assert row["measured_peak_mib"] / without_eager > 1.25, row
+    assert row["measured_peak_mib"] / without_eager > 1.35, row
