@@ -10,6 +10,7 @@ takes the same clipping and NaN decisions. Rank 0 alone writes logs, checkpoints
 
 from __future__ import annotations
 
+import atexit
 import os
 import warnings
 from contextlib import contextmanager
@@ -37,6 +38,9 @@ class Ranks:
 
 
 SINGLE = Ranks()
+PARTING_TIMEOUT_S = 30  # how long a rank that failed waits at exit for its peers to print
+_parting_at_exit: list[Ranks] = []  # set once every rank raised the same failure
+_gloo_side: list = []  # under nccl, a gloo group for that bounded wait
 
 
 def launched_world_size() -> int:
@@ -56,6 +60,8 @@ def join(timeout_s: int) -> Ranks:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    if cuda and not _gloo_side:
+        _gloo_side.append(dist.new_group(backend="gloo"))  # for the bounded barrier of _part_after_printing
     return Ranks(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=local_rank)
 
 
@@ -67,7 +73,30 @@ def leave(ranks: Ranks, *, together: bool = True) -> None:
     if ranks.enabled and dist.is_initialized():
         if together:
             dist.barrier()
+        elif _parting_at_exit:
+            return  # every rank raised the same failure: they part at exit, once each has printed it
         dist.destroy_process_group()
+
+
+def _part_after_printing() -> None:
+    """At exit, after a failure every rank raised together: wait (at most PARTING_TIMEOUT_S) until every rank
+    is here, that is has printed its sentence, then leave the group. Without it the failed rank exits first
+    and torchrun's agent stops the others before they print what they got (seen once in CI). gloo's
+    monitored_barrier is bounded; under nccl it runs on the gloo group `join` made."""
+    if not dist.is_initialized():
+        return
+    try:
+        group = _gloo_side[0] if _gloo_side else None
+        dist.monitored_barrier(group=group, timeout=timedelta(seconds=PARTING_TIMEOUT_S))
+    except Exception:  # a peer already gone: nothing left to wait for
+        pass
+    dist.destroy_process_group()
+
+
+def _part_at_exit(ranks: Ranks) -> None:
+    if not _parting_at_exit:
+        _parting_at_exit.append(ranks)
+        atexit.register(_part_after_printing)
 
 
 def device_of(ranks: Ranks) -> torch.device:
@@ -125,6 +154,7 @@ def raise_together(ranks: Ranks, error: BaseException | None) -> None:
     failed = [(r, m) for r, m in enumerate(messages) if m is not None]
     if not failed:
         return
+    _part_at_exit(ranks)
     if error is not None:
         raise error
     rank, (kind, message) = failed[0]

@@ -379,6 +379,18 @@ if os.environ.get("RANK") == "1":
         raise DataError("rows.jsonl:3: unreadable on this node")
 
     trainer.build_examples = broken
+if os.environ.get("RANK") == "0":  # slow to reach its sentence: torchrun stops it unless rank 1 waits at exit
+    import time
+    import moe_qlora.model.distributed as distributed
+
+    leave = distributed.leave
+
+    def slow_leave(ranks, *, together=True):
+        if not together:
+            time.sleep(5)
+        leave(ranks, together=together)
+
+    distributed.leave = slow_leave
 """
 
 
