@@ -59,8 +59,8 @@ def check_dpo(cfg: RunConfig, *, world: int, source: str) -> None:
             cfg.train.optimizer_in_backward,
             "updates inside the backward; a DPO step's loss is normalised over all its pairs first",
         ),
-        "train.parallel: fsdp": (
-            cfg.train.parallel == "fsdp" and world > 1,
+        f"train.parallel: {cfg.train.parallel}": (
+            cfg.train.parallel in ("fsdp", "ep") and world > 1,
             "shards the model; dpo runs data parallel with ddp (the whole 4-bit model on every rank)",
         ),
     }
@@ -70,10 +70,10 @@ def check_dpo(cfg: RunConfig, *, world: int, source: str) -> None:
 
 
 def check_sharding(cfg: RunConfig, *, world: int, generates: bool) -> None:
-    """train.parallel: fsdp as asked, over several processes: what a sharded run cannot do (auto is decided, and
+    """train.parallel: fsdp or ep as asked, over several processes: what a sharded run cannot do (auto is decided, and
     checked the same way, when the model is placed: model/placement.py)."""
-    if cfg.train.parallel == "fsdp" and world > 1:
-        check_shardable(cfg, generates=generates)
+    if cfg.train.parallel in ("fsdp", "ep") and world > 1:
+        check_shardable(cfg, generates=generates, layout=cfg.train.parallel)
 
 
 CHECKS = {"train": check_sft, "grpo": check_grpo, "dpo": check_dpo}  # by command

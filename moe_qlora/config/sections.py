@@ -226,11 +226,13 @@ class TrainSection(Section):
     checkpoint_interval: int = Field(1, ge=1, description="checkpoint every Nth decoder layer")
     seed: int = 0
     log_every: int = Field(1, ge=1)
-    parallel: Literal["auto", "ddp", "fsdp"] = Field(
+    parallel: Literal["auto", "ddp", "fsdp", "ep"] = Field(
         "auto",
         description="under a launcher: ddp (the whole 4-bit model on every rank, LoRA gradients summed); fsdp "
         "(FSDP2: 4-bit weights, LoRA and AdamW state sharded across ranks, for a model that does not fit one "
-        "GPU; train only); auto: ddp when `moe-qlora plan` says the run fits one GPU (always on CPUs), else fsdp",
+        "GPU; train only); ep (expert parallelism: each rank holds its share of every MoE layer's experts and "
+        "their LoRA, the routed rows sent to them and back; the rest whole on every rank; train only); auto: ddp "
+        "when `moe-qlora plan` says the run fits one GPU (always on CPUs), else fsdp",
     )
     dist_timeout_s: int = Field(
         600, ge=10, description="data parallel: a rank waiting longer than this for the others stops the run"
@@ -321,22 +323,23 @@ def resolve_compute_dtype(choice: str, device: str) -> str:
     return "bfloat16" if device.startswith("cuda") else "float32"
 
 
-def check_shardable(cfg: RunConfig, *, generates: bool = False) -> None:
-    """Refuse what a sharded (train.parallel: fsdp) run cannot do: grpo (`generates`), 8-bit optimizers."""
+def check_shardable(cfg: RunConfig, *, generates: bool = False, layout: str = "fsdp") -> None:
+    """Refuse what a sharded run (train.parallel: fsdp, or ep: every rank joins each forward) cannot do: grpo
+    (`generates`), expert offload, 8-bit optimizers."""
     if generates:
         raise ConfigError(
-            "train.parallel: fsdp is for `train`: grpo samples on each rank, and each rank's "
-            "completions end after a different number of forwards, each of which FSDP would "
+            f"train.parallel: {layout} is for `train`: grpo samples on each rank, and each rank's "
+            "completions end after a different number of forwards, each of which a sharded model would "
             "make every rank join; use ddp (the whole 4-bit model on each GPU)"
         )
     if cfg.model.expert_offload != "none":
         raise ConfigError(
-            f"model.expert_offload: {cfg.model.expert_offload} with train.parallel: fsdp: FSDP already "
-            "splits the experts over the GPUs and gathers each layer's when it runs; offload is for "
-            "one GPU or ddp (set model.expert_offload: none, or train.parallel: ddp)"
+            f"model.expert_offload: {cfg.model.expert_offload} with train.parallel: {layout}: {layout} already "
+            "splits the experts over the GPUs; offload is for one GPU or ddp (set model.expert_offload: none, or "
+            "train.parallel: ddp)"
         )
     if cfg.train.optimizer != "adamw":
         raise ConfigError(
-            f"train.optimizer: {cfg.train.optimizer} keeps bitsandbytes state FSDP cannot shard; "
-            "use adamw with train.parallel: fsdp (its moments are sharded too)"
+            f"train.optimizer: {cfg.train.optimizer} keeps bitsandbytes state a sharded tensor cannot have; "
+            f"use adamw with train.parallel: {layout} (its moments are sharded too)"
         )

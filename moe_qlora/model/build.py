@@ -24,6 +24,7 @@ from moe_qlora.model.adapters import (
 )
 from moe_qlora.model.checkpoint_files import check_model_path, read_model_config
 from moe_qlora.model.distributed import SINGLE, Ranks, device_of, shard_model
+from moe_qlora.model.expert_parallel import split_experts
 from moe_qlora.model.kernel_choice import describe_kernels, resolve_kernels
 from moe_qlora.model.loaded_model import parameter_bytes_by_kind
 from moe_qlora.model.loading import LoadOptions, load_model
@@ -45,10 +46,17 @@ EXPERT_FORMAT_WORDS = {  # model.expert_format as the run states it at load
 @dataclass(frozen=True)
 class Placement:
     """Where the model goes: `sharded` over the ranks with FSDP2 (loaded on the host, each rank's shards then moved
-    to its device), and the experts modules (by name) whose NF4 stacks stay in host memory."""
+    to its device), or its experts split over them (`experts_split`, train.parallel: ep, loaded alike); and the
+    experts modules (by name) whose NF4 stacks stay in host memory."""
 
     sharded: bool = False
     experts_on_host: frozenset[str] = frozenset()
+    experts_split: bool = False
+
+    @property
+    def by_rank(self) -> bool:
+        """Whether each rank loads only its experts (fsdp's shards, ep's experts)."""
+        return self.sharded or self.experts_split
 
 
 @dataclass(frozen=True)
@@ -114,7 +122,8 @@ def load_policy(
     (build_policy); (model, trainable params, ranks)."""
     device = policy_device(cfg.model)
     sharded = sharding_chosen(cfg, ranks, model_path, console, shardable=shardable)
-    placement = Placement(sharded, offloaded_layers(cfg, model_path, device, sharded))
+    split = ranks.enabled and cfg.train.parallel == "ep"
+    placement = Placement(sharded, offloaded_layers(cfg, model_path, device, sharded or split), split)
     chunk, offload = memory_helpers_chosen(cfg, ranks, model_path, console, sharded=sharded)
     recompute = Recompute(cfg.train.gradient_checkpointing, cfg.train.checkpoint_interval, chunk, offload)
     return build_policy(
@@ -146,7 +155,7 @@ def build_policy(
     CUDA moves each rank's shards to its GPU, so neither host nor GPU ever holds the whole 4-bit experts."""
     device = policy_device(model_cfg)
     opts = LoadOptions(
-        device="cpu" if placement.sharded else device,
+        device="cpu" if placement.by_rank else device,
         name_or_path=model_path,
         compute_dtype=DTYPES[resolve_compute_dtype(model_cfg.compute_dtype, device)],
         expert_format=model_cfg.expert_format,
@@ -155,7 +164,7 @@ def build_policy(
         trust_remote_code=model_cfg.trust_remote_code,
         strict=model_cfg.strict_quantization,
         experts_on_host=placement.experts_on_host,
-        expert_shard=ranks if placement.sharded else None,
+        expert_shard=ranks if placement.by_rank else None,
     )
     model = attach_adapters(load_model(opts), lora_cfg, seed=seed, device=opts.device)
     start_expert_offload(model, model_cfg, opts.experts_on_host, device, console)
@@ -183,6 +192,10 @@ def build_policy(
             f"fsdp: 4-bit experts and linears, frozen weights, LoRA and optimizer state sharded over "
             f"{ranks.world} ranks"
         )
+    if placement.experts_split:
+        ranks = split_experts(model, ranks)
+        model.to(device_of(ranks))  # the rest, whole on every rank (the experts' rows and LoRA are there already)
+        console.print(f"ep: every MoE layer's experts and their LoRA split over {ranks.world} ranks, the rest whole")
     params = trainable_parameters(model)
     if not params:
         raise ValueError("no trainable parameters: lora.target_modules matched nothing and the model has no experts")

@@ -26,7 +26,12 @@ class Ranks:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
-    sharded: bool = False  # FSDP2: parameters, gradients and optimizer state sharded; FSDP reduces the gradients
+    sharded: bool = False  # fsdp or ep: some tensors are DTensor shards, and every rank runs every forward
+    experts_split: bool = False  # ep: each rank holds its experts alone (model.expert_parallel)
+
+    @property
+    def layout(self) -> str:
+        return "ep" if self.experts_split else "fsdp" if self.sharded else "ddp"
 
     @property
     def main(self) -> bool:
@@ -113,10 +118,14 @@ def sum_scalars(ranks: Ranks, *values: float) -> list[float]:
 
 
 def sum_gradients(ranks: Ranks, params: list[torch.Tensor]) -> None:
-    """p.grad <- sum over ranks of p.grad, for every trainable tensor (a rank with no rows this step
-    contributes zeros), through one flat buffer and one all_reduce. Under FSDP the backward has already
-    reduce-scattered them (summed: the divide factor is 1)."""
-    if not ranks.enabled or ranks.sharded:
+    """p.grad <- sum over ranks of p.grad, for every trainable tensor held whole on every rank (a rank with no rows
+    this step contributes zeros), through one flat buffer and one all_reduce. A sharded tensor's gradient (a
+    DTensor) is already summed: FSDP's backward reduce-scattered it (the divide factor is 1), and an ep rank's
+    experts got every rank's rows through the exchange."""
+    if not ranks.enabled:
+        return
+    params = [p for p in params if not is_sharded(p)]
+    if not params:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1).float() for g in grads])
@@ -216,6 +225,13 @@ def shard_rows(rows: int, ranks: Ranks) -> range:
     last ranks maybe fewer or none (fully_shard's _chunk_with_empty)."""
     per_rank = -(-rows // ranks.world)
     return range(min(rows, ranks.rank * per_rank), min(rows, (ranks.rank + 1) * per_rank))
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """Whether `t` is a DTensor (an FSDP shard, an ep rank's experts)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:

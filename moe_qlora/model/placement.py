@@ -17,7 +17,7 @@ def sharding_chosen(cfg: RunConfig, ranks: Ranks, model_path: str, console: Cons
     """train.parallel under several ranks: fsdp as asked, ddp as asked, and auto = ddp when `plan` says the run
     fits one device (always on the CPU, and for a method that is not `shardable`: grpo, dpo), fsdp otherwise.
     What a sharded run cannot do is refused before loading (config.check_shardable)."""
-    if not ranks.enabled or cfg.train.parallel == "ddp":
+    if not ranks.enabled or cfg.train.parallel in ("ddp", "ep"):
         return False
     if cfg.train.parallel == "auto" and cfg.model.expert_offload != "none":  # offload is how it fits one GPU
         return False

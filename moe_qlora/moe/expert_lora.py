@@ -57,10 +57,16 @@ class ExpertLoRA(nn.Module):
         nn.init.zeros_(self.down_b)
 
     def factors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return (self.gate_up_a, self.gate_up_b, self.down_a, self.down_b)
+        """The four factors as the kernels take them: under expert parallelism this rank's experts of each
+        (DTensor.to_local, through which autograd gives the DTensor its gradient)."""
+        return tuple(_local(p) for p in (self.gate_up_a, self.gate_up_b, self.down_a, self.down_b))
 
     def extra_repr(self) -> str:
         return f"experts={self.gate_up_a.shape[0]}, rank={self.rank}, alpha={self.alpha}"
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p  # a DTensor (expert parallelism): this rank's rows
 
 
 def compute_device(model: nn.Module) -> torch.device:

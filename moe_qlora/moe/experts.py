@@ -16,6 +16,7 @@ from torch import nn
 from transformers.activations import SiLUActivation
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface, _default_apply_gate
 
+from moe_qlora.moe.expert_dispatch import exchange_with_expert_ranks
 from moe_qlora.moe.expert_lora import ExpertLoRA
 from moe_qlora.moe.expert_stacks import (
     experts_modules,
@@ -68,7 +69,23 @@ def _gates_with_silu_mul(module: nn.Module) -> bool:
 
 def moe_qlora_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """The registered experts implementation. hidden_states: (T, H), top_k_*: (T, K) -> (T, H); the tokens a
-    chunk at a time when set_token_chunks asked for it (token_chunks.py)."""
+    chunk at a time when set_token_chunks asked for it (token_chunks.py); under expert parallelism the routed rows
+    exchanged with the ranks holding their experts first (expert_dispatch.py), the chunks then over the rows this
+    rank received, so every rank makes the same collectives whatever its tokens."""
+    state = read_state(self)
+    if state.expert_shard is not None:
+        out, routing = exchange_with_expert_ranks(
+            partial(experts_in_chunks, self), state.expert_shard, hidden_states, top_k_index, top_k_weights
+        )
+        lora: ExpertLoRA | None = getattr(self, "moe_lora", None)
+        if lora is not None and lora.active and self.training:
+            lora.routed_rows += routing.counts  # the rows this rank routed, to every expert, as without ranks
+        return out
+    return experts_in_chunks(self, hidden_states, top_k_index, top_k_weights)
+
+
+def experts_in_chunks(self, hidden_states, top_k_index, top_k_weights):
+    """experts_call on the rows given, `chunk_tokens` of them at a time when set."""
     chunk = read_state(self).chunk_tokens
     if not chunk:
         return experts_call(self, hidden_states, top_k_index, top_k_weights)
@@ -85,7 +102,8 @@ def experts_call(self, hidden_states, top_k_index, top_k_weights):
     lora: ExpertLoRA | None = getattr(self, "moe_lora", None)
     if lora is not None and not lora.active:
         lora = None
-    deferred = state.deferred_grads if lora is not None else None
+    split = state.expert_shard is not None  # LoRA's tensors are this rank's rows of DTensors: gradients by autograd
+    deferred = state.deferred_grads if lora is not None and not split else None
     plan = MoEPlan(
         frozen,
         route(top_k_index, frozen.gate_up.num_experts),
@@ -93,7 +111,7 @@ def experts_call(self, hidden_states, top_k_index, top_k_weights):
         deferred=deferred,
         lora_params=lora.factors() if deferred is not None else None,
     )
-    if lora is not None and self.training:
+    if lora is not None and self.training and not split:  # split: counted over every expert before the exchange
         lora.routed_rows += plan.routing.counts
     factors = lora.factors() if lora is not None else None
     rows = hidden_states.shape[0] * top_k_index.shape[1]

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from moe_qlora.moe.expert_dispatch import ExpertShard
     from moe_qlora.moe.reference_layer import DeferredWeightGrads
     from moe_qlora.moe.self_check import KernelSelfCheck
 
@@ -47,6 +48,8 @@ class MoELayerState:
     path that suits decode steps (few rows per expert, no gradient).
     Chunks (experts.set_token_chunks): `chunk_tokens`, the tokens one call runs at once while gradients are recorded
     (token_chunks.py; 0: all of them).
+    Expert parallelism (model.expert_parallel): `expert_shard`, the experts each rank holds (this module keeps only
+    its own rows), so every call exchanges its routed rows with the other ranks (expert_dispatch.py).
     """
 
     kernels: str = "torch"
@@ -63,6 +66,7 @@ class MoELayerState:
     top_k: int | None = None
     generating: bool = False
     chunk_tokens: int = 0
+    expert_shard: ExpertShard | None = None
 
 
 # What read_state answers for a module with no state attached. Never written: writers go through layer_state.

@@ -64,12 +64,15 @@ def clip_global_norm(params, max_norm: float) -> float:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0
-    parts = [local_shard(g) for g in grads]  # this rank's shards under FSDP, the gradients themselves otherwise
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(part.float()) for part in parts]))
-    if any(part is not g for part, g in zip(parts, grads, strict=True)):  # sharded: sqrt of the ranks' squares
-        squares = norm.square().double()
+    parts = [local_shard(g) for g in grads]  # this rank's shards under fsdp / ep, the gradients themselves otherwise
+    norms = [torch.linalg.vector_norm(part.float()) for part in parts]
+    norm = torch.linalg.vector_norm(torch.stack(norms))
+    shard = [n for n, part, g in zip(norms, parts, grads, strict=True) if part is not g]
+    if shard:  # the shards' squares summed over the ranks, the whole tensors' (the same on each) counted once
+        squares = torch.linalg.vector_norm(torch.stack(shard)).square().double()
         torch.distributed.all_reduce(squares)
-        norm = squares.sqrt()
+        whole = [n for n, part, g in zip(norms, parts, grads, strict=True) if part is g]
+        norm = (squares + (torch.linalg.vector_norm(torch.stack(whole)).square().double() if whole else 0.0)).sqrt()
     if max_norm > 0 and norm > max_norm:
         for part in parts:
             part.mul_((max_norm / (norm + 1e-6)).to(part.dtype))

@@ -249,7 +249,7 @@ class Recipe(ABC):
         if ranks.enabled:
             batch = ranks.world * cfg.train.micro_batch_size * cfg.train.grad_accum
             self.console.print(
-                f"data parallel ({'fsdp' if ranks.sharded else 'ddp'}): {ranks.world} ranks x "
+                f"data parallel ({ranks.layout}): {ranks.world} ranks x "
                 f"micro_batch_size {cfg.train.micro_batch_size}, global batch {batch}"
             )
 

@@ -285,7 +285,7 @@ from moe_qlora.train.sft import accumulate_gradients
 
 ranks = join(60)
 tok = build_byte_tokenizer()
-lora = LoraSection(rank=4, target_modules=["q_proj"])
+lora = LoraSection(rank=4, target_modules=["o_proj"])
 path = sys.argv[3] if len(sys.argv) > 3 else str(ensure_tiny("mixtral"))
 model = attach_adapters(load_model(LoadOptions(path)), lora, seed=0)
 g = torch.Generator().manual_seed(0)
@@ -296,12 +296,23 @@ with torch.no_grad():
 from moe_qlora.data.examples import Example
 rows = [Example(ids, ids, f"r{i}") for i, ids in enumerate(torch.randint(3, 250, (6, 17), generator=g).tolist())]
 rows[1] = Example(rows[1].input_ids[:9], rows[1].labels[:9], "short")
-mine = rows[ranks.rank * 3 : (ranks.rank + 1) * 3] if ranks.enabled else rows
+share = -(-len(rows) // ranks.world)
+mine = rows[ranks.rank * share : (ranks.rank + 1) * share] if ranks.enabled else rows
+if not mine:  # 6 rows over 4 ranks: the last has none, and runs a row with no target, as a run's step does
+    from moe_qlora.train.steps import idle_row
+
+    mine = [idle_row(rows[0])]
 shards = {}
 if sys.argv[2] == "fsdp" and ranks.enabled:
     ranks = shard_model(model, ranks)
     shards = {k: (tuple(local_shard(p).shape), tuple(p.shape)) for k, p in model.named_parameters()
               if k.endswith(("_nf4", "_blocks"))}
+if sys.argv[2] == "ep" and ranks.enabled:
+    from moe_qlora.model.expert_parallel import split_experts
+
+    ranks = split_experts(model, ranks)
+    shards = {k: (tuple(local_shard(p).shape), tuple(p.shape)) for k, p in model.named_parameters()
+              if "moe_lora" in k}
 loss, n, _ = accumulate_gradients(model, [collate(mine, 0)], ranks=ranks)
 grads = {k: full_tensor(p.grad) for k, p in model.named_parameters() if p.requires_grad}  # every rank gathers
 if ranks.main:
@@ -310,9 +321,9 @@ leave(ranks)
 """
 
 
-def gradients_of_one_and_two_ranks(tmp_path, parallel: str, *model_path: str) -> tuple[dict, dict]:
-    """GRADIENT_SCRIPT's results in one process and on two ranks under `parallel` (on `model_path`'s checkpoint,
-    the tiny Mixtral by default)."""
+def gradients_of_one_and_two_ranks(tmp_path, parallel: str, *model_path: str, world: int = 2) -> tuple[dict, dict]:
+    """GRADIENT_SCRIPT's results in one process and on `world` ranks under `parallel` (on `model_path`'s
+    checkpoint, the tiny Mixtral by default)."""
     script = tmp_path / "grad.py"
     script.write_text(GRADIENT_SCRIPT)
     env = env_for(tmp_path)
@@ -324,7 +335,7 @@ def gradients_of_one_and_two_ranks(tmp_path, parallel: str, *model_path: str) ->
         timeout=300,
     )
     assert one.returncode == 0, one.stderr[-2000:]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world)]
     cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     cmd += [str(script), str(tmp_path / "two.pt"), parallel, *model_path]
     two = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

@@ -1,0 +1,91 @@
+"""Expert parallelism (train.parallel: ep): every MoE layer's experts split over the ranks, each token's routed rows
+sent to the rank holding their expert and the results sent back (moe/expert_dispatch.py); the attention, the
+router, the shared experts and the dense layers replicated on every rank as under ddp (their LoRA gradients
+summed across ranks by sum_gradients).
+
+Rank r holds experts shard_rows(E)[r] of every layer (torch.chunk's split, the one FSDP2 makes, so loading reads
+and quantizes only those: loading.LoadOptions.expert_shard). Its 4-bit stacks and expert biases keep those rows
+alone, as plain tensors; its expert LoRA factors are DTensors sharded on dim 0 over the ranks, so the optimizer
+steps its rows alone, and checkpoints and the adapter gather them whole (distributed.full_tensor) as under fsdp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from moe_qlora.model.distributed import Ranks, device_of, shard_rows
+from moe_qlora.moe.expert_dispatch import ExpertShard
+from moe_qlora.moe.expert_stacks import UnsupportedExpertsError, experts_modules
+from moe_qlora.moe.layer_state import layer_state, read_state
+from moe_qlora.moe.stack_surgery import make_stacks_shardable
+
+
+def split_experts(model: nn.Module, ranks: Ranks) -> Ranks:
+    """Keep this rank's experts of every experts module of `model` (its LoRA attached), on its device; every
+    other tensor stays whole on every rank. Returns `ranks` marked sharded (collectives inside each forward and
+    backward: every rank runs each micro-batch) and experts_split."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = device_of(ranks)
+    mesh = init_device_mesh(device.type, (ranks.world,))
+    make_stacks_shardable(model)  # NF4 stacks as (E, ...) codes and scales, this rank's rows written
+    modules = experts_modules(model)
+    for name, module in modules:
+        check_splittable(module, name)
+        experts = module.moe_lora.gate_up_a.shape[0] if hasattr(module, "moe_lora") else expert_count(module)
+        held = shard_rows(experts, ranks)
+        keep_expert_rows(module, name, experts, held, device)
+        if hasattr(module, "moe_lora"):
+            shard_lora(module.moe_lora, held, mesh, device)
+        bounds = tuple(shard_rows(experts, replace(ranks, rank=r)).start for r in range(ranks.world)) + (experts,)
+        layer_state(module).expert_shard = ExpertShard(bounds, ranks.rank)
+    return replace(ranks, sharded=True, experts_split=True)
+
+
+def check_splittable(module: nn.Module, name: str) -> None:
+    """Refuse an experts module whose rows cannot be computed apart from the others' (experts that take every
+    token, weighted before the experts: an adopted layout such as Llama-4's) or whose stacks live on the host."""
+    state = read_state(module)
+    if state.adopted or state.top_k is not None:
+        raise UnsupportedExpertsError(
+            f"{name} ({type(module).__name__}) weights its tokens before its experts and takes every token; "
+            "train.parallel: ep cannot split it by expert: use fsdp or ddp"
+        )
+    if state.offload is not None:
+        raise UnsupportedExpertsError(f"{name}: model.expert_offload keeps its experts on the host; ep splits them")
+
+
+def expert_count(module: nn.Module) -> int:
+    return next(p.shape[0] for p in module._parameters.values() if p is not None)
+
+
+def keep_expert_rows(module: nn.Module, name: str, experts: int, held: range, device: torch.device) -> None:
+    """Every parameter of the experts module (codes, scales, MXFP4 blocks, biases: experts on dim 0) cut to the
+    rows `held`, a contiguous copy on `device`; the stacks' shapes said so."""
+    for key, p in list(module._parameters.items()):
+        if p is None:
+            continue
+        if p.dim() == 0 or p.shape[0] != experts:
+            raise UnsupportedExpertsError(
+                f"{name}.{key} {tuple(p.shape)} does not hold its {experts} experts on dim 0: "
+                "train.parallel: ep cannot split it"
+            )
+        rows = p.detach()[held.start : held.stop].to(device).contiguous()
+        module._parameters[key] = nn.Parameter(rows, requires_grad=p.requires_grad)
+    state = layer_state(module)
+    if state.shardable_shapes is not None:
+        state.shardable_shapes = {k: (len(held), *shape[1:]) for k, shape in state.shardable_shapes.items()}
+
+
+def shard_lora(lora: nn.Module, held: range, mesh, device: torch.device) -> None:
+    """The expert LoRA factors as DTensors sharded on dim 0, this rank's local part the rows `held` (their values
+    unchanged: every rank drew the same whole factors from the run's seed)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    for key, p in list(lora._parameters.items()):
+        local = p.detach()[held.start : held.stop].to(device).contiguous()
+        whole = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
+        lora._parameters[key] = nn.Parameter(whole, requires_grad=p.requires_grad)
