@@ -228,6 +228,68 @@ def test_a_checkpoint_of_two_fsdp_ranks_resumes_in_one_process_from_the_same_glo
     assert [r["step"] for r in records(run)][:3] == [1, 2, 3]  # the 2-rank steps before the checkpoint are kept
 
 
+EP_ARGS = ["--set", "train.micro_batch_size=2", "--set", "train.parallel=ep", "--set", "train.save_every=3"]
+
+
+@pytest.fixture(scope="module")
+def ep_run(tmp_path_factory):
+    """The demo for 6 steps on 2 ranks under train.parallel: ep, with the MoE rows in chunks and the layer inputs
+    offloaded (LONG_CONTEXT), a checkpoint at step 3."""
+    tmp = tmp_path_factory.mktemp("ep")
+    proc = torchrun(
+        ["train", "--config", str(DEMO), *STEPS, *EP_ARGS, *LONG_CONTEXT, "--set", f"output.dir={tmp / 'run'}"],
+        env_for(tmp, **OFFLOAD_ALL),
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return tmp / "run", proc
+
+
+def test_ep_over_two_ranks_reproduces_one_process(runs, ep_run):
+    """The same global batch as one process: losses and gradient norms within 1e-5 (the fsdp bounds: fp32 sums in
+    another order), the adapter (gathered whole, verified in PEFT by rank 0) within AdamW's noise, and the
+    checkpoint holding whole tensors under a one-process run's names and shapes."""
+    single, _, _ = runs
+    run, proc = ep_run
+    a, b = records(single), records(run)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6] and [r["tokens"] for r in a] == [r["tokens"] for r in b]
+    assert max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b, strict=True)) <= 1e-5
+    assert max(abs(x["grad_norm"] - y["grad_norm"]) / x["grad_norm"] for x, y in zip(a, b, strict=True)) <= 1e-5
+    said = " ".join(proc.stdout.split())
+    assert "ep: every MoE layer's experts and their LoRA split over 2 ranks" in said
+    assert "data parallel (ep): 2 ranks x micro_batch_size 2, global batch 8" in said
+    fa, fb = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in (single, run))
+    diff = torch.cat([(fa[k] - fb[k]).abs().flatten() for k in fa])
+    assert fa.keys() == fb.keys() and float(diff.max()) <= 5e-5
+    saved = load_file(str(run / "checkpoints" / "step-00000006" / "trainable.safetensors"))
+    mine = load_file(str(single / "checkpoints" / "step-00000006" / "trainable.safetensors"))
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in mine.items()}
+
+
+@pytest.mark.parametrize("layout", ["ep", "ddp"])
+def test_an_ep_checkpoint_resumes_under_ep_exactly_and_under_ddp_as_the_same_run(ep_run, tmp_path, layout):
+    """Checkpoint step 3 of the ep run (whole tensors), resumed by 2 ranks: under ep, each rank taking its experts'
+    rows of LoRA and AdamW moments, the end is the uninterrupted run's adapter bit for bit; under ddp (the whole
+    model on each rank: another layout) it is the same run within AdamW's noise (the bound above)."""
+    run, _ = ep_run
+    resumed = Path(shutil.copytree(run, tmp_path / "resumed"))
+    args = [*EP_ARGS, "--set", f"train.parallel={layout}"]
+    proc = torchrun(
+        ["train", "--config", str(DEMO), *STEPS, *args, *LONG_CONTEXT, "--set", f"output.dir={resumed}"]
+        + ["--resume-from", str(resumed / "checkpoints" / "step-00000003")],
+        env_for(tmp_path, **OFFLOAD_ALL),
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "resumed from" in proc.stdout and "warning" not in proc.stdout
+    assert [r["step"] for r in records(resumed)] == [1, 2, 3, 4, 5, 6]
+    a, b = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in (run, resumed))
+    assert a.keys() == b.keys()
+    if layout == "ep":
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    else:
+        assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 5e-5
+        assert any(not torch.equal(a[k], b[k]) for k in a)  # another layout: another order of the sums
+
+
 def test_two_ranks_reproduce_one_process_with_the_same_global_batch(runs):
     single, two, proc = runs
     a, b = records(single), records(two)
@@ -273,74 +335,87 @@ def test_two_ranks_with_expert_offload_give_bitwise_the_two_rank_run(runs, tmp_p
 
 
 GRADIENT_SCRIPT = """
-import json, sys, torch
+import sys, torch
 from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.config.sections import LoraSection
-from moe_qlora.data.examples import collate
+from moe_qlora.data.examples import Example, collate
 from moe_qlora.model.distributed import full_tensor, join, leave, local_shard, shard_model
 from moe_qlora.model.loading import LoadOptions, load_model
 from moe_qlora.model.model_path import ensure_tiny
-from moe_qlora.model.tiny import build_byte_tokenizer
 from moe_qlora.train.sft import accumulate_gradients
+from moe_qlora.train.steps import idle_row
 
-ranks = join(60)
-tok = build_byte_tokenizer()
+joined = join(60)
 lora = LoraSection(rank=4, target_modules=["o_proj"])
-path = sys.argv[3] if len(sys.argv) > 3 else str(ensure_tiny("mixtral"))
-model = attach_adapters(load_model(LoadOptions(path)), lora, seed=0)
-g = torch.Generator().manual_seed(0)
-with torch.no_grad():
-    for n, p in model.named_parameters():
-        if p.requires_grad:
-            p.normal_(0, 0.05, generator=g)
-from moe_qlora.data.examples import Example
-rows = [Example(ids, ids, f"r{i}") for i, ids in enumerate(torch.randint(3, 250, (6, 17), generator=g).tolist())]
-rows[1] = Example(rows[1].input_ids[:9], rows[1].labels[:9], "short")
-share = -(-len(rows) // ranks.world)
-mine = rows[ranks.rank * share : (ranks.rank + 1) * share] if ranks.enabled else rows
-if not mine:  # 6 rows over 4 ranks: the last has none, and runs a row with no target, as a run's step does
-    from moe_qlora.train.steps import idle_row
 
-    mine = [idle_row(rows[0])]
-shards = {}
-if sys.argv[2] == "fsdp" and ranks.enabled:
-    ranks = shard_model(model, ranks)
-    shards = {k: (tuple(local_shard(p).shape), tuple(p.shape)) for k, p in model.named_parameters()
-              if k.endswith(("_nf4", "_blocks"))}
-if sys.argv[2] == "ep" and ranks.enabled:
-    from moe_qlora.model.expert_parallel import split_experts
 
-    ranks = split_experts(model, ranks)
-    shards = {k: (tuple(local_shard(p).shape), tuple(p.shape)) for k, p in model.named_parameters()
-              if "moe_lora" in k}
-loss, n, _ = accumulate_gradients(model, [collate(mine, 0)], ranks=ranks)
-grads = {k: full_tensor(p.grad) for k, p in model.named_parameters() if p.requires_grad}  # every rank gathers
-if ranks.main:
-    torch.save({"loss": loss, "n": n, "grads": grads, "shards": shards}, sys.argv[1])
-leave(ranks)
+def gradient_of(path):
+    ranks = joined
+    expert_shard = ranks if sys.argv[2] in ("fsdp", "ep") and ranks.enabled else None
+    model = attach_adapters(load_model(LoadOptions(path, expert_shard=expert_shard)), lora, seed=0)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.05, generator=g)
+    rows = [Example(ids, ids, f"r{i}") for i, ids in enumerate(torch.randint(3, 250, (6, 17), generator=g).tolist())]
+    rows[1] = Example(rows[1].input_ids[:9], rows[1].labels[:9], "short")
+    share = -(-len(rows) // ranks.world)
+    mine = rows[ranks.rank * share : (ranks.rank + 1) * share] if ranks.enabled else rows
+    if not mine:  # 6 rows over 4 ranks: the last has none, and runs a row with no target, as a run's step does
+        mine = [idle_row(rows[0])]
+    shards = {}
+    if sys.argv[2] == "fsdp" and ranks.enabled:
+        ranks = shard_model(model, ranks)
+        shards = {k: (tuple(local_shard(p).shape), tuple(p.shape)) for k, p in model.named_parameters()
+                  if k.endswith(("_nf4", "_blocks"))}
+    if sys.argv[2] == "ep" and ranks.enabled:
+        from moe_qlora.model.expert_parallel import split_experts
+
+        ranks = split_experts(model, ranks)
+        shards = {k: (tuple(local_shard(p).shape), tuple(p.shape)) for k, p in model.named_parameters()
+                  if "moe_lora" in k or k.endswith(("_nf4", "_blocks"))}
+    loss, n, _ = accumulate_gradients(model, [collate(mine, 0)], ranks=ranks)
+    grads = {k: full_tensor(p.grad) for k, p in model.named_parameters() if p.requires_grad}  # every rank gathers
+    return {"loss": loss, "n": n, "grads": grads, "shards": shards}
+
+
+results = [gradient_of(path) for path in (sys.argv[3:] or [str(ensure_tiny("mixtral"))])]
+if joined.main:
+    torch.save(results, sys.argv[1])
+leave(joined)
 """
 
 
-def gradients_of_one_and_two_ranks(tmp_path, parallel: str, *model_path: str, world: int = 2) -> tuple[dict, dict]:
-    """GRADIENT_SCRIPT's results in one process and on `world` ranks under `parallel` (on `model_path`'s
-    checkpoint, the tiny Mixtral by default)."""
+def gradients_over_models(tmp_path, parallel: str, paths: list[str], *, world: int = 2, one=None):
+    """GRADIENT_SCRIPT's results for each of `paths` (the tiny Mixtral when empty) in one process (`one`: already
+    computed) and on `world` ranks under `parallel`: (one-process results, ranks' results), one launch each."""
     script = tmp_path / "grad.py"
     script.write_text(GRADIENT_SCRIPT)
     env = env_for(tmp_path)
-    one = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "one.pt"), "none", *model_path],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert one.returncode == 0, one.stderr[-2000:]
+    if one is None:
+        proc = subprocess.run(
+            [sys.executable, str(script), str(tmp_path / "one.pt"), "none", *paths],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        one = torch.load(tmp_path / "one.pt")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world)]
     cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    cmd += [str(script), str(tmp_path / "two.pt"), parallel, *model_path]
-    two = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
-    return torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    cmd += [str(script), str(tmp_path / f"{world}.pt"), parallel, *paths]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return one, torch.load(tmp_path / f"{world}.pt")
+
+
+def gradients_of_one_and_two_ranks(tmp_path, parallel: str, *model_path: str) -> tuple[dict, dict]:
+    """GRADIENT_SCRIPT's results in one process and on two ranks under `parallel` (on `model_path`'s checkpoint,
+    the tiny Mixtral by default)."""
+    one, two = gradients_over_models(tmp_path, parallel, list(model_path))
+    return one[0], two[0]
 
 
 def assert_same_gradients(a: dict, b: dict) -> None:
@@ -378,6 +453,38 @@ def test_fsdp_shards_mxfp4_experts_by_expert_and_keeps_the_one_process_gradient(
     blocks = {k: v for k, v in b["shards"].items() if k.endswith("_blocks")}
     assert len(blocks) == 4 and all(local == (4, *whole[1:]) and whole[0] == 8 for local, whole in blocks.values())
     assert_same_gradients(a, b)
+
+
+def test_expert_parallel_gradients_of_two_and_four_ranks_are_the_one_process_gradient(tmp_path):
+    """train.parallel: ep: each rank loads and keeps its experts alone (8 experts: 4 a rank over 2, 2 over 4), the
+    routed rows exchanged with all_to_all. The summed LoRA gradients, gathered whole, are the one-process gradient
+    within 1e-6 of its scale (assert_same_gradients: fp32 sums in another order) for Mixtral, Qwen3-MoE (a shared
+    expert), DeepSeek-V3 (grouped routing, its first layer dense), gpt-oss (biases, its own gate) in NF4 and as
+    published in MXFP4; over 4 ranks the last rank has no row of its own and runs a row with no target."""
+    tok = build_byte_tokenizer()
+    paths = [
+        str(save_tiny_model(tmp_path / family, tiny_config(family, len(tok)), seed=0, tokenizer=tok))
+        for family in ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
+    ]
+    paths.append(str(publish_gpt_oss_mxfp4(Path(paths[-1]), tmp_path / "gpt_oss_mxfp4")[0]))
+    one, two = gradients_over_models(tmp_path, "ep", paths, world=2)
+    _, four = gradients_over_models(tmp_path, "ep", paths, world=4, one=one)
+    for world, results in ((2, two), (4, four)):
+        for path, a, b in zip(paths, one, results, strict=True):
+            split = {k: v for k, v in b["shards"].items() if "moe_lora" in k or k.endswith(("_nf4", "_blocks"))}
+            # LoRA: DTensors of 8 experts, this rank's rows local; codes and blocks: this rank's rows alone.
+            assert split and all(
+                local[0] == 8 // world and whole[0] == (8 if "moe_lora" in k else 8 // world)
+                for k, (local, whole) in split.items()
+            ), path
+            assert_same_gradients(a, b)
+            experts = [k for k in a["grads"] if "moe_lora" in k]
+            assert experts and all(float(a["grads"][k].abs().max()) > 0 for k in experts)
+            # Control: a rank's experts that missed the rows of the other ranks (its own only) are far off.
+            assert any(
+                float((a["grads"][k] - b["grads"][k] / world).abs().max()) > 1e-3 * float(a["grads"][k].abs().max())
+                for k in experts
+            ), path
 
 
 FAIL_ON_RANK_1 = """
