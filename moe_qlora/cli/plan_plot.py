@@ -29,7 +29,10 @@ def plan(
     device: str = typer.Option("cuda", "--device", help="cuda or cpu (on cpu some linears stay unquantized)"),
     gpus: int = typer.Option(1, "--gpus", min=1, help="GPUs the run is spread over; the table shows one GPU's bytes"),
     parallel: str | None = typer.Option(
-        None, "--parallel", help="auto, ddp or fsdp (default: train.parallel); auto: ddp if the run fits one GPU"
+        None,
+        "--parallel",
+        help="auto, ddp, fsdp or ep (default: train.parallel); auto: ddp if the run fits one GPU, else fsdp or ep, "
+        "whichever fits and sends fewer bytes",
     ),
     gpu_gb: float = typer.Option(
         80.0,
@@ -183,7 +186,7 @@ def print_plan_json(result, gpu_gb: float, to_fit: tuple[list[str], float] | Non
 def fit_verdict(result, gpu_gb: float, to_fit: tuple[list[str], float] | None) -> str:
     """'fits' with the room left, or 'does not fit' with the settings that would make it (settings_to_fit)."""
     total = result.total / 2**30
-    per_gpu = " per GPU" if result.gpus > 1 or result.parallel == "fsdp" else ""
+    per_gpu = " per GPU" if result.gpus > 1 or result.parallel != "ddp" else ""
     if result.fits:
         return f"fits: {total:,.2f} GiB{per_gpu} in a {gpu_gb:g} GiB GPU ({gpu_gb - total:,.2f} GiB to spare)"
     verdict = f"does not fit: {total:,.2f} GiB{per_gpu} is {total - gpu_gb:,.2f} GiB over a {gpu_gb:g} GiB GPU"

@@ -30,7 +30,7 @@ from moe_qlora.model.loaded_model import parameter_bytes_by_kind
 from moe_qlora.model.loading import LoadOptions, load_model
 from moe_qlora.model.model_path import resolve_model_path
 from moe_qlora.model.peft_adapter import load_adapter
-from moe_qlora.model.placement import memory_helpers_chosen, offloaded_layers, sharding_chosen, size
+from moe_qlora.model.placement import memory_helpers_chosen, offloaded_layers, parallel_chosen, size
 from moe_qlora.moe.expert_stacks import experts_modules, stack_names
 from moe_qlora.moe.experts import set_moe_kernels, set_token_chunks
 from moe_qlora.moe.nf4 import NF4Stack
@@ -118,11 +118,11 @@ def load_policy(
     *,
     shardable: bool = True,
 ):
-    """A training run's model: its placement decided (sharding_chosen, offloaded_layers), then built
+    """A training run's model: its placement decided (parallel_chosen, offloaded_layers), then built
     (build_policy); (model, trainable params, ranks)."""
     device = policy_device(cfg.model)
-    sharded = sharding_chosen(cfg, ranks, model_path, console, shardable=shardable)
-    split = ranks.enabled and cfg.train.parallel == "ep"
+    parallel = parallel_chosen(cfg, ranks, model_path, console, shardable=shardable)
+    sharded, split = parallel == "fsdp", parallel == "ep"
     placement = Placement(sharded, offloaded_layers(cfg, model_path, device, sharded or split), split)
     chunk, offload = memory_helpers_chosen(cfg, ranks, model_path, console, sharded=sharded)
     recompute = Recompute(cfg.train.gradient_checkpointing, cfg.train.checkpoint_interval, chunk, offload)

@@ -13,31 +13,40 @@ from moe_qlora.config.sections import ConfigError, RunConfig, check_shardable
 from moe_qlora.model.distributed import Ranks, device_of
 
 
-def sharding_chosen(cfg: RunConfig, ranks: Ranks, model_path: str, console: Console, *, shardable: bool = True) -> bool:
-    """train.parallel under several ranks: fsdp as asked, ddp as asked, and auto = ddp when `plan` says the run
-    fits one device (always on the CPU, and for a method that is not `shardable`: grpo, dpo), fsdp otherwise.
-    What a sharded run cannot do is refused before loading (config.check_shardable)."""
-    if not ranks.enabled or cfg.train.parallel in ("ddp", "ep"):
-        return False
+def parallel_chosen(cfg: RunConfig, ranks: Ranks, model_path: str, console: Console, *, shardable: bool = True) -> str:
+    """train.parallel under several ranks (ddp when alone): as asked, and auto = ddp when `plan` says the run fits
+    one device (always on the CPU, and for a method that is not `shardable`: grpo, dpo), else fsdp or ep, the
+    one plan finds fitting and sending fewer bytes. What a sharded run cannot do is refused before loading
+    (config.check_shardable)."""
+    if not ranks.enabled or cfg.train.parallel == "ddp":
+        return "ddp"
     if cfg.train.parallel == "auto" and cfg.model.expert_offload != "none":  # offload is how it fits one GPU
-        return False
+        return "ddp"
     device = device_of(ranks)
-    if cfg.train.parallel == "auto":
+    chosen = cfg.train.parallel
+    if chosen == "auto":
         if not shardable or device.type != "cuda":
-            return False
+            return "ddp"
         from moe_qlora.model.budget import this_gpu_capability
         from moe_qlora.model.plan import plan_run
 
-        need = plan_run(cfg, name_or_path=model_path, device="cuda", capability=this_gpu_capability()).total
         have = torch.cuda.get_device_properties(device).total_memory
-        console.print(
-            f"train.parallel auto: the run needs {need / 2**30:.1f} GiB on one GPU of "
-            f"{have / 2**30:.1f} GiB (moe-qlora plan) -> {'fsdp' if need > have else 'ddp'}"
+        plan = plan_run(
+            cfg,
+            name_or_path=model_path,
+            device="cuda",
+            capability=this_gpu_capability(),
+            gpus=ranks.world,
+            parallel="auto",
+            gpu_gib=have / 2**30,
         )
-        if need <= have:
-            return False
-    check_shardable(cfg, generates=not shardable)  # as the recipe checked fsdp as asked: auto's choice too
-    return True
+        chosen = plan.parallel
+        why = next((note for note in plan.notes if note.startswith("parallel auto")), f"parallel auto -> {chosen}")
+        console.print(f"train.{why} (moe-qlora plan)")
+        if chosen == "ddp":
+            return "ddp"
+    check_shardable(cfg, generates=not shardable, layout=chosen)  # as the recipe checked it as asked: auto's too
+    return chosen
 
 
 def memory_helpers_chosen(

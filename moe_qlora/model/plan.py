@@ -8,6 +8,7 @@ Communication per optimizer step is counted for both. `moe-qlora plan` prints it
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ from moe_qlora.model.budget import (
     one_device_plan,
     optimizer_state_bytes,
 )
+from moe_qlora.model.ep_plan import ep_plan
 from moe_qlora.model.families import resolve_targets
 from moe_qlora.model.offload_plan import apply_expert_offload
 from moe_qlora.moe.mxfp4 import BLOCKSIZE as MXFP4_BLOCKSIZE
@@ -38,7 +40,7 @@ from moe_qlora.moe.nf4 import BLOCKSIZE
 # Bandwidth one GPU's collectives get, bytes/s each direction: NVLink 4 on an H100 SXM (900 GB/s both ways),
 # and a PCIe 4.0 x16 slot (32 GB/s raw, ~25 GB/s achieved).
 LINKS = {"NVLink 4": 450e9, "PCIe 4 x16": 25e9}
-PARALLEL_MODES = ("auto", "ddp", "fsdp")
+PARALLEL_MODES = ("auto", "ddp", "fsdp", "ep")
 
 
 def plan_run(
@@ -141,19 +143,31 @@ def plan_as_given(
     requested = parallel or cfg.train.parallel
     if requested not in PARALLEL_MODES:
         raise ValueError(f"parallel: {requested!r} is not one of {', '.join(PARALLEL_MODES)}")
-    plan.parallel, why = choose_parallel(requested, plan, gpus=gpus, gpu_gib=gpu_gib)
-    if plan.parallel == "fsdp":
-        shard_plan(plan, sharded_tensors(model, cfg, targets, device=device), cfg, model, device=device)
+    layouts = {
+        "fsdp": lambda p: shard_plan(p, sharded_tensors(model, cfg, targets, device=device), cfg, model, device=device),
+        "ep": lambda p: ep_plan(
+            p,
+            sharded_tensors(model, cfg, targets, device=device),
+            lora_tensor_shapes(model, cfg, targets),
+            model,
+            cfg,
+            device=device,
+        ),
+    }
+    plan.parallel, why = choose_parallel(requested, plan, layouts, gpus=gpus, gpu_gib=gpu_gib)
+    if plan.parallel in layouts:
+        layouts[plan.parallel](plan)
     else:
         plan.communication_bytes_per_step = ddp_communication_bytes(plan.bytes["lora"], gpus)
-    if gpus > 1 or plan.parallel == "fsdp":  # one GPU without sharding: the notes as they always were
+    if gpus > 1 or plan.parallel != "ddp":  # one GPU without sharding: the notes as they always were
         add_parallel_notes(plan, why, cfg, gpu_gib=gpu_gib)
     return plan
 
 
-def choose_parallel(requested: str, plan: Plan, *, gpus: int, gpu_gib: float) -> tuple[str, str]:
-    """(ddp or fsdp, why). auto, as the trainer decides it (placement.sharding_chosen): ddp when the one-device
-    plan fits one GPU of `gpu_gib` GiB, fsdp when it does not; on one GPU there is nothing to shard it over."""
+def choose_parallel(requested: str, plan: Plan, layouts: dict, *, gpus: int, gpu_gib: float) -> tuple[str, str]:
+    """(ddp, fsdp or ep, why). auto, as the trainer decides it (placement.parallel_chosen): ddp when the one-device
+    plan fits one GPU of `gpu_gib` GiB; when it does not, of fsdp and ep (`layouts`: each turns a copy of the plan
+    into one GPU's) the one that fits and sends fewer bytes per step; on one GPU there is nothing to split."""
     if requested != "auto":
         return requested, f"parallel: {requested}"
     if gpus == 1:
@@ -161,7 +175,17 @@ def choose_parallel(requested: str, plan: Plan, *, gpus: int, gpu_gib: float) ->
     need = plan.total / 2**30
     if plan.fits:
         return "ddp", f"parallel auto -> ddp: the whole run ({need:,.2f} GiB) fits one {gpu_gib:g} GiB GPU"
-    return "fsdp", f"parallel auto -> fsdp: the whole run ({need:,.2f} GiB) does not fit one {gpu_gib:g} GiB GPU"
+    options = {}
+    for name, apply in layouts.items():
+        options[name] = copy.deepcopy(plan)
+        apply(options[name])
+    fsdp, ep = options["fsdp"], options["ep"]
+    pick = "ep" if ep.fits and ep.communication_bytes_per_step < fsdp.communication_bytes_per_step else "fsdp"
+    sent = ", ".join(f"{k} {v.communication_bytes_per_step / 1e9:,.2f} GB" for k, v in options.items())
+    return pick, (
+        f"parallel auto -> {pick}: the whole run ({need:,.2f} GiB) does not fit one {gpu_gib:g} GiB GPU; sent by "
+        f"each GPU per step: {sent}"
+    )
 
 
 def ddp_communication_bytes(lora_bytes: int, gpus: int) -> int:
@@ -305,6 +329,16 @@ def add_parallel_notes(plan: Plan, why: str, cfg: RunConfig, *, gpu_gib: float) 
         plan.notes.append(
             f"ddp over {gpus}: each holds all of the above; the fp32 LoRA gradients are all-reduced once a step"
         )
+    elif plan.parallel == "ep":
+        plan.notes.append(
+            f"ep over {gpus}: each holds its share of every MoE layer's 4-bit experts (4.5 bits a weight: fp32 "
+            "scales), their LoRA, gradients and optimizer state; the rest whole; exchange_buffers: one MoE layer "
+            "call's rows sent, received, computed and returned"
+        )
+        plan.notes.append(
+            "communication: each MoE layer call's routed rows out and back in the forward, the backward and the "
+            "checkpointed forward's recompute (balanced routing assumed), and the whole tensors' LoRA gradients"
+        )
     else:
         plan.notes.append(
             f"fsdp over {gpus}, one FSDP group a decoder layer: 4-bit experts and linears (4.5 bits "
@@ -315,11 +349,11 @@ def add_parallel_notes(plan: Plan, why: str, cfg: RunConfig, *, gpu_gib: float) 
             "all_gather_buffers: two decoder layers unsharded (one prefetched); root_unsharded: "
             "embeddings, final norm and head, whole from the forward to the backward's end"
         )
-        if cfg.train.optimizer != "adamw":
-            plan.notes.append(
-                f"train refuses train.optimizer: {cfg.train.optimizer} under fsdp (bitsandbytes state "
-                "is not sharded): use adamw"
-            )
+    if plan.parallel != "ddp" and cfg.train.optimizer != "adamw":
+        plan.notes.append(
+            f"train refuses train.optimizer: {cfg.train.optimizer} under {plan.parallel} (bitsandbytes state "
+            "is not sharded): use adamw"
+        )
     verdict = "fits" if plan.fits else "does not fit"
     plan.notes.append(f"per GPU {plan.total / 2**30:,.2f} GiB: {verdict} in {gpu_gib:g} GiB")
     seconds = ", ".join(

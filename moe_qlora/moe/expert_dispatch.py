@@ -3,8 +3,9 @@ the model's router, sends every routed (token, slot) row to the rank holding its
 through its own experts, and gets the results back, which it weights and sums per token as one process does.
 
 Two all_to_all_single calls carry the rows (torch.distributed's functional collective with autograd, which sends
-their gradients back the other way), one more the expert id of each row and one the row counts (the split sizes: a host read, one per layer
-call). Rows sorted by expert are sorted by destination rank too, since each rank's experts are one range.
+their gradients back the other way), one more the expert id of each row and one the row counts (the split sizes:
+a host read, one per layer call). Rows sorted by expert are sorted by destination rank too, since each rank's
+experts are one range.
 Every rank must call the exchange for every layer call, with or without tokens: the collectives pair up.
 """
 
