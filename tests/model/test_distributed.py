@@ -538,22 +538,33 @@ def test_a_rank_that_fails_to_load_stops_every_rank_with_its_message(tmp_path):
     assert not (tmp_path / "out" / "adapter").exists()
 
 
-def test_fsdp_for_grpo_or_with_an_8bit_optimizer_is_refused_before_loading(tmp_path):
+@pytest.mark.parametrize("layout", ["fsdp", "ep"])
+def test_a_sharded_layout_for_grpo_dpo_offload_or_an_8bit_optimizer_is_refused_before_loading(tmp_path, layout):
     env = env_for(tmp_path, WORLD_SIZE="2")
+    sharded = ["--set", f"train.parallel={layout}"]
     for args, message in (
         (
-            ["grpo", "--config", str(ROOT / "configs" / "grpo-demo.yaml"), "--set", "train.parallel=fsdp"],
-            "train.parallel: fsdp is for `train`: grpo samples on each rank",
+            ["grpo", "--config", str(ROOT / "configs" / "grpo-demo.yaml"), *sharded],
+            f"train.parallel: {layout} is for `train`: grpo samples on each rank",
         ),
         (
-            ["train", "--config", str(DEMO), "--set", "train.parallel=fsdp", "--set", "train.optimizer=adamw_8bit"],
-            "train.optimizer: adamw_8bit keeps bitsandbytes state FSDP cannot shard",
+            ["dpo", "--config", str(ROOT / "configs" / "dpo-demo.yaml"), *sharded],
+            f"train.parallel: {layout} is not for `moe-qlora dpo`: it shards the model",
+        ),
+        (
+            ["train", "--config", str(DEMO), *sharded, "--set", "train.optimizer=adamw_8bit"],
+            f"train.optimizer: adamw_8bit keeps bitsandbytes state a sharded tensor cannot have; use adamw with "
+            f"train.parallel: {layout}",
+        ),
+        (
+            ["train", "--config", str(DEMO), *sharded, "--set", "model.expert_offload=all"],
+            f"model.expert_offload: all with train.parallel: {layout}: {layout} already splits the experts",
         ),
     ):
         proc = subprocess.run(
             [sys.executable, "-m", "moe_qlora", *args], env=env, capture_output=True, text=True, timeout=120
         )
-        assert proc.returncode == 2 and message in " ".join(proc.stderr.split())
+        assert proc.returncode == 2 and message in " ".join(proc.stderr.split()), (args, proc.stderr[-800:])
 
 
 def rank_pids(launcher_pid: int) -> dict[int, int]:

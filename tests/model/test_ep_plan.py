@@ -60,9 +60,9 @@ def test_ep_splits_the_experts_and_their_lora_and_keeps_the_rest_whole(tiny_mixt
     assert {k: v for k, v in ep.bytes.items() if k not in SPLIT_OR_ADDED} == {
         k: v for k, v in one.items() if k not in SPLIT_OR_ADDED
     }
-    # Traffic: 32 tokens (micro_batch_size 1) x top-2 x hidden 64 x bf16 per MoE layer call, out and back, in the forward, the backward
-    # and the checkpointed recompute, (N-1)/N of it leaving, 2 layers, 2 micro-batches; then the whole LoRA's
-    # gradients all-reduced (2 (N-1)/N of them).
+    # Traffic: 32 tokens (micro_batch_size 1) x top-2 x hidden 64 x bf16 per MoE layer call, out and back, in the
+    # forward, the backward and the checkpointed recompute, (N-1)/N of it leaving, 2 layers, 2 micro-batches; then
+    # the whole LoRA's gradients all-reduced (2 (N-1)/N of them).
     rows = 32 * 2 * 64 * 2
     exchange = 2 * 3 * 2 * rows * (gpus - 1) // gpus
     all_reduce = 2 * (gpus - 1) * 4 * sum(math.prod(s) for s in whole.values()) // gpus
