@@ -144,7 +144,7 @@ def test_recipe_validates_and_fits_the_gpu_its_header_names(path, at_root):
     text = path.read_text()
     rel = path.relative_to(ROOT)
     command = recipe_command(cfg)
-    launcher = "torchrun --nproc-per-node 8 -m moe_qlora" if cfg.train.parallel == "fsdp" else "moe-qlora"
+    launcher = "torchrun --nproc-per-node 8 -m moe_qlora" if cfg.train.parallel in ("fsdp", "ep") else "moe-qlora"
     assert text.startswith(f"# {launcher} {command} --config {rel}\n")
     assert re.search(r"^# Time per step: ", text, re.M), "the header says the time per step, or that it is unmeasured"
     assert Path(cfg.output.dir) == ROOT / "runs" / path.stem
