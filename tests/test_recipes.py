@@ -33,6 +33,7 @@ HEADROOM_GIB = 0.5  # as scripts/will_it_fit.py: allocator fragmentation (the CU
 # The hub id each recipe trains -> the folder of its config.json in configs/models/ (the hub's values, no weights).
 SHIPPED_CONFIGS = {
     "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b",
+    "Qwen/Qwen3-235B-A22B": "qwen3-235b-a22b",
     "mistralai/Mixtral-8x7B-v0.1": "mixtral-8x7b",
     "deepseek-ai/DeepSeek-V2-Lite": "deepseek-v2-lite",
     "openai/gpt-oss-20b": "gpt-oss-20b",  # its config.json as published (MXFP4 experts: quantization_config)
@@ -44,6 +45,7 @@ SHIPPED_CONFIGS = {
 # Total parameters as the model cards give them, in billions: the shipped config.json must build that model.
 PUBLISHED_PARAMS_B = {
     "qwen3-30b-a3b": 30.5,
+    "qwen3-235b-a22b": 235,
     "mixtral-8x7b": 46.7,
     "deepseek-v2-lite": 15.7,
     "gpt-oss-20b": 20.9,
@@ -121,9 +123,10 @@ def at_root(monkeypatch):
     monkeypatch.chdir(ROOT)
 
 
-def test_the_eleven_recipes_are_there():
+def test_the_twelve_recipes_are_there():
     names = {p.stem for p in RECIPES}
     assert names == {
+        "qwen3-235b-a22b-sft",
         "qwen3-30b-a3b-long",
         "gpt-oss-20b-long",
         "deepseek-v3-sft",
@@ -144,13 +147,15 @@ def test_recipe_validates_and_fits_the_gpu_its_header_names(path, at_root):
     text = path.read_text()
     rel = path.relative_to(ROOT)
     command = recipe_command(cfg)
-    launcher = "torchrun --nproc-per-node 8 -m moe_qlora" if cfg.train.parallel in ("fsdp", "ep") else "moe-qlora"
+    claims = fit_claims(text)
+    gpus = re.search(r"--gpus (\d+)", claims[0].command) if claims else None
+    several = cfg.train.parallel in ("fsdp", "ep")  # launched on as many GPUs as its plan line names
+    launcher = f"torchrun --nproc-per-node {gpus.group(1) if gpus else 1} -m moe_qlora" if several else "moe-qlora"
     assert text.startswith(f"# {launcher} {command} --config {rel}\n")
     assert re.search(r"^# Time per step: ", text, re.M), "the header says the time per step, or that it is unmeasured"
     assert Path(cfg.output.dir) == ROOT / "runs" / path.stem
     folder, config = shipped_config(cfg)
     assert config["model_type"] in TINY_FAMILIES  # the tiny model the settings are trained on below
-    claims = fit_claims(text)
     assert [c.device for c in claims][:1] == ["GPU"], "the header names the GPU the recipe is made for"
     kv = sampling_kv_cache_bytes(config, cfg) if cfg.grpo else 0
     if cfg.grpo:
