@@ -705,9 +705,11 @@ def test_online_grpo_over_two_ranks_samples_every_prompt_of_a_step_once_per_comp
         assert len({next(iter(s)) for s in by_group.values()}) == 3  # three different prompts
 
 
-def launch_two_nodes(args: list[str], env: dict, timeout: int = 600) -> list[subprocess.CompletedProcess]:
-    """Two 'nodes' of one process each on this machine, met through torchrun's c10d rendezvous, as on a cluster
-    (each node runs the same command with its own --node-rank)."""
+def launch_two_nodes(
+    args: list[str], env: dict, timeout: int = 600, per_node: int = 1
+) -> list[subprocess.CompletedProcess]:
+    """Two 'nodes' of `per_node` processes each on this machine, met through torchrun's c10d rendezvous, as on a
+    cluster (each node runs the same command with its own --node-rank)."""
     endpoint = f"127.0.0.1:{free_port()}"
     procs = [
         subprocess.Popen(
@@ -720,7 +722,7 @@ def launch_two_nodes(args: list[str], env: dict, timeout: int = 600) -> list[sub
                 "--node-rank",
                 str(node),
                 "--nproc-per-node",
-                "1",
+                str(per_node),
                 "--rdzv-backend",
                 "c10d",
                 "--rdzv-endpoint",
@@ -794,6 +796,30 @@ def test_accelerate_launch_and_two_nodes_run_the_same_data_parallel_steps(runs, 
     a, b = records(two), records(tmp_path / "run")
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6] and [r["tokens"] for r in a] == [r["tokens"] for r in b]
     assert max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b, strict=True)) <= 1e-6
+
+
+def test_ep_over_two_nodes_of_two_ranks_trains_checkpoints_and_resumes_as_one_node(runs, tmp_path):
+    """train.parallel: ep on two 'nodes' of 2 ranks (c10d rendezvous, LOCAL_RANK 0 and 1 on each): 4 ranks x
+    micro-batch 1 are one process's global batch of 4 (losses within 1e-5, as on one node), each rank holding 2
+    of the 8 experts; the checkpoint of step 3 resumed on two nodes ends on the uninterrupted adapter, bit for bit."""
+    single, _, _ = runs
+    args = ["train", "--config", str(DEMO), *STEPS, "--set", "train.micro_batch_size=1"]
+    args += ["--set", "train.parallel=ep", "--set", "train.save_every=3"]
+    env = env_for(tmp_path)
+    run = tmp_path / "run"
+    for proc in launch_two_nodes([*args, "--set", f"output.dir={run}"], env, per_node=2):
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    a, b = records(single), records(run)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6] and [r["tokens"] for r in a] == [r["tokens"] for r in b]
+    assert max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b, strict=True)) <= 1e-5
+    resumed = Path(shutil.copytree(run, tmp_path / "resumed"))
+    checkpoint = ["--resume-from", str(resumed / "checkpoints" / "step-00000003")]
+    procs = launch_two_nodes([*args, "--set", f"output.dir={resumed}", *checkpoint], env, per_node=2)
+    for proc in procs:
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert sum(p.stdout.count("data parallel (ep): 4 ranks x micro_batch_size 1, global batch 4") for p in procs) == 1
+    x, y = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in (run, resumed))
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
 def test_fsdp_with_a_rank_left_without_rows_and_an_eval_that_keeps_the_best(tmp_path):
