@@ -37,9 +37,10 @@ def check_grpo(cfg: RunConfig, *, world: int, source: str) -> None:
 
 def check_dpo(cfg: RunConfig, *, world: int, source: str) -> None:
     """Preference training over `world` processes: a dpo section, pairs as they are (no packing, no weights),
-    data parallel by whole pairs."""
+    data parallel by whole pairs (ddp, fsdp or ep)."""
     if cfg.dpo is None:
         raise ConfigError(f"{source}: no `dpo:` section; moe-qlora dpo needs one (`dpo: {{}}` for DPO's defaults)")
+    check_sharding(cfg, world=world, generates=False)
     refusals = {
         "train.objective: rwsft": (
             cfg.train.objective == "rwsft",
@@ -58,10 +59,6 @@ def check_dpo(cfg: RunConfig, *, world: int, source: str) -> None:
         "train.optimizer_in_backward": (
             cfg.train.optimizer_in_backward,
             "updates inside the backward; a DPO step's loss is normalised over all its pairs first",
-        ),
-        f"train.parallel: {cfg.train.parallel}": (
-            cfg.train.parallel in ("fsdp", "ep") and world > 1,
-            "shards the model; dpo runs data parallel with ddp (the whole 4-bit model on every rank)",
         ),
     }
     for key, (refused, why) in refusals.items():

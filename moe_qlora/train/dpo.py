@@ -29,7 +29,7 @@ from moe_qlora.train.preference_loss import PairLogps, pair_forward, pair_statis
 from moe_qlora.train.recipe import LossRecipe, TrainResult
 from moe_qlora.train.reference import FIELDS, reference_fingerprint, reference_logps
 from moe_qlora.train.resume import best_eval_so_far
-from moe_qlora.train.steps import count_steps, optimizer_steps
+from moe_qlora.train.steps import count_steps, is_idle, optimizer_steps
 from moe_qlora.train.update import apply_update
 
 STATISTICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
@@ -66,7 +66,9 @@ def micro_batch_loss(
     ctx: StepContext,
     pad_id: int,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """One micro-batch's share of the step's loss, and its sums of the logged statistics."""
+    """One micro-batch's share of the step's loss, and its sums of the logged statistics. An idle micro-batch (a
+    sharded run's rank without pairs: steps.idle_item) runs its forward and backward for the collectives, its
+    loss times 0 and its statistics none."""
     logps, aux = pair_forward(
         model,
         pairs,
@@ -77,6 +79,8 @@ def micro_batch_loss(
         router_logits=has_router_aux_loss(model),
     )
     loss, stats = pair_batch_loss(logps, reference_of(reference, pairs, logps.chosen.device), d, totals)
+    if all(is_idle(p) for p in pairs):
+        return loss * 0.0, {}
     if aux is not None:
         stats["aux_loss"] = float(aux.detach()) / totals.micro_batches
     return loss + aux_term(aux, ctx.aux_coef / totals.micro_batches), stats
@@ -138,19 +142,23 @@ def dpo_step(
     """One optimizer step over the micro-batches of pairs in `group` (this rank's); its metrics: the loss, TRL's
     rewards and log-probabilities as means over the step's pairs, the gradient norm."""
     ranks, groups = ctx.ranks, [mb for mb in group if mb]
-    local = [p for mb in groups for p in mb]
+    local = [p for mb in groups for p in mb if not is_idle(p)]
+    trained = [mb for mb in groups if not all(is_idle(p) for p in mb)]
     pairs, chosen, batches, tokens = map(
         int,
         sum_scalars(
             ranks,
             len(local),
             sum(chosen_targets(p) for p in local),
-            len(groups),
+            len(trained),
             sum(len(p.chosen.input_ids) + len(p.rejected.input_ids) for p in local),
         ),
     )
-    totals = StepTotals(pairs, max(chosen, 1), batches)
-    sums = local_stretch(ranks, backward_over, model, groups, reference, d, totals, ctx, pad_id)
+    totals = StepTotals(pairs, max(chosen, 1), max(batches, 1))
+    if ranks.sharded:  # collectives inside the forward and backward: a rank that fails there cannot meet the others
+        sums = backward_over(model, groups, reference, d, totals, ctx, pad_id)
+    else:
+        sums = local_stretch(ranks, backward_over, model, groups, reference, d, totals, ctx, pad_id)
     sums = dict(zip(sums, sum_scalars(ranks, *sums.values()), strict=True))
     sum_gradients(ranks, [p for p in model.parameters() if p.requires_grad])
     grad_norm, skipped = local_stretch(ranks, apply_update, optimizer, sums["loss"], ctx.train, ctx.position)
@@ -191,7 +199,6 @@ class DpoRecipe(LossRecipe):
     reference scored before the first step (not for simpo and orpo), an eval split with TRL's metrics."""
 
     command = "dpo"
-    shardable = False
 
     def load(self) -> None:
         cfg = self.cfg

@@ -53,7 +53,7 @@ class Recipe(ABC):
 
     command = "train"  # the progress bar's label and the summary's
     logs: tuple[str, ...] = ("metrics.jsonl",)  # the JSONL files a resume cuts back to its step
-    shardable = True  # FSDP may shard it (grpo samples, dpo scores pairs in uneven shares: they run ddp)
+    shardable = True  # fsdp or ep may split it (grpo samples a different number of forwards a rank: it runs ddp)
     spikes = True  # flag loss spikes (a loss against its moving average)
 
     def __init__(

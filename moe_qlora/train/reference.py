@@ -94,16 +94,30 @@ def write_cached(out: Path, logps: PairLogps, key: str) -> None:
 
 @torch.no_grad()
 def score_pairs(
-    model, pairs: list[PreferencePair], pad_id: int, size: int, chunk: int, advance, ld_alpha=None
+    model,
+    pairs: list[PreferencePair],
+    pad_id: int,
+    size: int,
+    chunk: int,
+    advance,
+    ld_alpha=None,
+    *,
+    forwards: int = 0,
+    spare: PreferencePair | None = None,
 ) -> list[tuple]:
     """(index, chosen, rejected, chosen tokens, rejected tokens) of each pair, in eval mode (no dropout),
-    `size` pairs (2 x size rows) per forward; advance(n) after each. ld_alpha: LD-DPO's weighting of the sums."""
+    `size` pairs (2 x size rows) per forward; advance(n) after each. ld_alpha: LD-DPO's weighting of the sums.
+    `forwards`: at least this many forwards, the ones past `pairs` scoring `spare` and dropping it (a sharded
+    run's ranks must join the same forwards)."""
     was_training = model.training
     model.eval()
     rows = []
     try:
-        for start in range(0, len(pairs), size):
+        for start in range(0, max(len(pairs), forwards * size), size):
             group = pairs[start : start + size]
+            if not group:
+                pair_forward(model, [spare], pad_id, chunk=chunk, ld_alpha=ld_alpha)
+                continue
             logps = pair_forward(model, group, pad_id, chunk=chunk, ld_alpha=ld_alpha)[0]
             values = zip(*(getattr(logps, k).tolist() for k in FIELDS), strict=True)
             rows += [(p.index, *v) for p, v in zip(group, values, strict=True)]
@@ -132,7 +146,12 @@ def reference_logps(
         t = cfg.train
         advance = functools.partial(bar.advance, task)
         size, chunk, ld_alpha = t.micro_batch_size, t.loss_chunk_tokens, cfg.dpo.ld_alpha
-        rows = local_stretch(ranks, score_pairs, model, mine, pad_id, size, chunk, advance, ld_alpha)
+        if ranks.sharded:  # every rank joins as many forwards as the largest share takes
+            share = -(-len(pairs) // ranks.world)
+            forwards = -(-share // size)
+            rows = score_pairs(model, mine, pad_id, size, chunk, advance, ld_alpha, forwards=forwards, spare=pairs[0])
+        else:
+            rows = local_stretch(ranks, score_pairs, model, mine, pad_id, size, chunk, advance, ld_alpha)
     rows = sorted(gather_objects(ranks, rows))
     logps = PairLogps(*(torch.tensor(column, dtype=torch.float32) for column in list(zip(*rows, strict=True))[1:]))
     if ranks.main:

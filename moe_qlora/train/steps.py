@@ -12,6 +12,7 @@ from rich.console import Console
 
 from moe_qlora.config.sections import RunConfig
 from moe_qlora.data.examples import IGNORE, Example, epoch_order, micro_batches
+from moe_qlora.data.preference import PreferencePair
 from moe_qlora.model.distributed import SINGLE, Ranks
 from moe_qlora.train.checkpoint import RunProgress
 
@@ -27,8 +28,8 @@ def optimizer_steps(examples: list[Example], cfg: RunConfig, ranks: Ranks = SING
         group = []
         for mb in micro_batches(examples, order, size * ranks.world):
             mine = mb[ranks.rank * size : (ranks.rank + 1) * size]
-            if not mine and ranks.sharded:  # every FSDP rank must run each forward: a row that trains nothing
-                mine = [idle_row(mb[0])]
+            if not mine and ranks.sharded:  # every fsdp / ep rank runs each forward: a row that trains nothing
+                mine = [idle_item(mb[0])]
             group.append(mine)
             if len(group) == t.grad_accum:
                 yield epoch, group
@@ -90,6 +91,18 @@ def idle_row(example: Example) -> Example:
         weight=0.0,
         token_weights=None if example.token_weights is None else [0.0] * len(example.token_weights),
     )
+
+
+def idle_item(item):
+    """An example as idle_row makes it, or a preference pair marked idle (its source): the pair keeps its tokens,
+    so its forward computes finite scores, and the DPO step multiplies its loss by 0 and counts it nowhere."""
+    if isinstance(item, PreferencePair):
+        return replace(item, source=item.source + IDLE)
+    return idle_row(item)
+
+
+def is_idle(item) -> bool:
+    return item.source.endswith(IDLE)
 
 
 def count_steps(num_examples: int, cfg: RunConfig, world: int = 1) -> int:

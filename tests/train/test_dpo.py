@@ -167,26 +167,39 @@ def test_sigkill_at_a_random_step_then_resume_is_exact_and_reuses_the_reference(
     assert_same_run(tmp_path, reference_run, history)
 
 
-def test_two_ddp_ranks_reproduce_one_process(env, tmp_path):
-    """Two ranks of 8 pairs a micro-batch against one process accumulating 2 micro-batches of 8: the same global
-    batch, so the same steps (no dropout: the ranks draw from their own generators). 56 pairs train: each epoch's
-    fourth step has 8, all on rank 0, so rank 1 joins its collectives with none."""
-    common = {"data": {"eval_fraction": 0.3}, "lora": {"dropout": 0.0}}
-    config = config_file(tmp_path, "two", train=RESUMED["train"], **common)
-    single = config_file(tmp_path, "single", train={**RESUMED["train"], "grad_accum": 2}, **common)
+COMMON = {"data": {"eval_fraction": 0.3}, "lora": {"dropout": 0.0}}
+
+
+@pytest.fixture(scope="module")
+def single_dpo(env, tmp_path_factory):
+    """One process accumulating 2 micro-batches of 8 pairs a step."""
+    tmp = tmp_path_factory.mktemp("dpo-single")
+    single = config_file(tmp, "single", train={**RESUMED["train"], "grad_accum": 2}, **COMMON)
     proc = moe_qlora("dpo", "--config", single, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp / "single"
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "ep"])
+def test_two_ranks_reproduce_one_process(single_dpo, env, tmp_path, layout):
+    """Two ranks of 8 pairs a micro-batch against one process accumulating 2 micro-batches of 8: the same global
+    batch, so the same steps (no dropout: the ranks draw from their own generators), under ddp, fsdp (the model
+    sharded) and ep (the experts split). 56 pairs train: each epoch's fourth step has 8, all on rank 0, so rank 1
+    joins its collectives with none (under fsdp and ep with a pair whose loss counts 0: every rank runs each
+    forward, the reference's scoring and the eval's too)."""
+    train = {**RESUMED["train"], "parallel": layout}
+    config = config_file(tmp_path, "two", train=train, **COMMON)
     two = torchrun(["dpo", "--config", str(config)], {**env, "OMP_NUM_THREADS": "1"})
     assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
-    assert "data parallel (ddp): 2 ranks x micro_batch_size 8, global batch 16" in two.stdout
-    a, b = records(tmp_path / "single"), records(tmp_path / "two")
+    assert f"data parallel ({layout}): 2 ranks x micro_batch_size 8, global batch 16" in two.stdout
+    a, b = records(single_dpo), records(tmp_path / "two")
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))
     assert [r["pairs"] for r in a][:4] == [16, 16, 16, 8]
     for x, y in zip(a, b, strict=True):
         assert x["pairs"] == y["pairs"]
         for key in ("loss", *TRL_METRICS):
             assert abs(x[key] - y[key]) <= 1e-5 * max(1.0, abs(x[key])), (key, x[key], y[key])
-    ra, rb = (load_file(str(tmp_path / r / REFERENCE_DIR / LOGPS_FILE)) for r in ("single", "two"))
+    ra, rb = (load_file(str(r / REFERENCE_DIR / LOGPS_FILE)) for r in (single_dpo, tmp_path / "two"))
     assert max(float((ra[k] - rb[k]).abs().max()) for k in ra) <= 1e-4  # each rank scored its share
 
 
@@ -204,7 +217,7 @@ def test_two_ddp_ranks_reproduce_one_process(env, tmp_path):
         ({"train": {"objective": "rwsft"}}, "train.objective: rwsft is not for `moe-qlora dpo`"),
         ({"data": {"format": "messages"}}, "data.format: messages is not for `moe-qlora dpo`"),
         ({"data": {"train_on_prompt": True}}, "data.train_on_prompt is not for `moe-qlora dpo`"),
-        ({"train": {"parallel": "fsdp"}, "WORLD_SIZE": "2"}, "train.parallel: fsdp is not for `moe-qlora dpo`"),
+        ({"train": {"parallel": "ep", "optimizer": "adamw_8bit"}, "WORLD_SIZE": "2"}, "adamw_8bit keeps bitsandbytes"),
     ],
 )
 def test_config_refusals_are_one_sentence_before_loading(tmp_path, env, changes, expected):
