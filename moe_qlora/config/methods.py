@@ -10,7 +10,7 @@ from moe_qlora.config.sections import ConfigError, RunConfig, check_shardable
 
 def check_sft(cfg: RunConfig, *, world: int, source: str) -> None:
     """SFT and reward-weighted SFT over `world` processes."""
-    check_sharding(cfg, world=world, generates=False)
+    check_sharding(cfg, world=world)
     if world > 1 and cfg.train.optimizer_in_backward:
         raise ConfigError(
             "train.optimizer_in_backward steps inside each rank's backward, before the gradients "
@@ -22,7 +22,7 @@ def check_grpo(cfg: RunConfig, *, world: int, source: str) -> None:
     """GRPO over `world` processes: a grpo section, no step inside the backward, the entropy quantile alone."""
     if cfg.grpo is None:
         raise ConfigError(f"{source}: no `grpo:` section; moe-qlora grpo needs at least grpo.rewards")
-    check_sharding(cfg, world=world, generates=True)
+    check_sharding(cfg, world=world)
     if cfg.train.optimizer_in_backward:
         raise ConfigError(
             "train.optimizer_in_backward is for `train` only: a GRPO step sums the gradients of all its "
@@ -40,7 +40,7 @@ def check_dpo(cfg: RunConfig, *, world: int, source: str) -> None:
     data parallel by whole pairs (ddp, fsdp or ep)."""
     if cfg.dpo is None:
         raise ConfigError(f"{source}: no `dpo:` section; moe-qlora dpo needs one (`dpo: {{}}` for DPO's defaults)")
-    check_sharding(cfg, world=world, generates=False)
+    check_sharding(cfg, world=world)
     refusals = {
         "train.objective: rwsft": (
             cfg.train.objective == "rwsft",
@@ -66,11 +66,11 @@ def check_dpo(cfg: RunConfig, *, world: int, source: str) -> None:
             raise ConfigError(f"{key} is not for `moe-qlora dpo`: it {why}")
 
 
-def check_sharding(cfg: RunConfig, *, world: int, generates: bool) -> None:
+def check_sharding(cfg: RunConfig, *, world: int) -> None:
     """train.parallel: fsdp or ep as asked, over several processes: what a sharded run cannot do (auto is decided, and
     checked the same way, when the model is placed: model/placement.py)."""
     if cfg.train.parallel in ("fsdp", "ep") and world > 1:
-        check_shardable(cfg, generates=generates, layout=cfg.train.parallel)
+        check_shardable(cfg, layout=cfg.train.parallel)
 
 
 CHECKS = {"train": check_sft, "grpo": check_grpo, "dpo": check_dpo}  # by command

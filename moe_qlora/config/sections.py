@@ -323,15 +323,9 @@ def resolve_compute_dtype(choice: str, device: str) -> str:
     return "bfloat16" if device.startswith("cuda") else "float32"
 
 
-def check_shardable(cfg: RunConfig, *, generates: bool = False, layout: str = "fsdp") -> None:
-    """Refuse what a sharded run (train.parallel: fsdp, or ep: every rank joins each forward) cannot do: grpo
-    (`generates`), expert offload, 8-bit optimizers."""
-    if generates:
-        raise ConfigError(
-            f"train.parallel: {layout} is for `train`: grpo samples on each rank, and each rank's "
-            "completions end after a different number of forwards, each of which a sharded model would "
-            "make every rank join; use ddp (the whole 4-bit model on each GPU)"
-        )
+def check_shardable(cfg: RunConfig, *, layout: str = "fsdp") -> None:
+    """Refuse what a sharded run (train.parallel: fsdp, or ep: every rank joins each forward) cannot do: expert
+    offload, 8-bit optimizers."""
     if cfg.model.expert_offload != "none":
         raise ConfigError(
             f"model.expert_offload: {cfg.model.expert_offload} with train.parallel: {layout}: {layout} already "

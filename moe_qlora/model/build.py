@@ -115,13 +115,11 @@ def load_policy(
     model_path: str,
     console: Console,
     ranks: Ranks = SINGLE,
-    *,
-    shardable: bool = True,
 ):
     """A training run's model: its placement decided (parallel_chosen, offloaded_layers), then built
     (build_policy); (model, trainable params, ranks)."""
     device = policy_device(cfg.model)
-    parallel = parallel_chosen(cfg, ranks, model_path, console, shardable=shardable)
+    parallel = parallel_chosen(cfg, ranks, model_path, console)
     sharded, split = parallel == "fsdp", parallel == "ep"
     placement = Placement(sharded, offloaded_layers(cfg, model_path, device, sharded or split), split)
     chunk, offload = memory_helpers_chosen(cfg, ranks, model_path, console, sharded=sharded)

@@ -13,11 +13,10 @@ from moe_qlora.config.sections import ConfigError, RunConfig, check_shardable
 from moe_qlora.model.distributed import Ranks, device_of
 
 
-def parallel_chosen(cfg: RunConfig, ranks: Ranks, model_path: str, console: Console, *, shardable: bool = True) -> str:
+def parallel_chosen(cfg: RunConfig, ranks: Ranks, model_path: str, console: Console) -> str:
     """train.parallel under several ranks (ddp when alone): as asked, and auto = ddp when `plan` says the run fits
-    one device (always on the CPU, and for a method that is not `shardable`: grpo, dpo), else fsdp or ep, the
-    one plan finds fitting and sending fewer bytes. What a sharded run cannot do is refused before loading
-    (config.check_shardable)."""
+    one device (always on the CPU), else fsdp or ep, the one plan finds fitting and sending fewer bytes. What a
+    sharded run cannot do is refused before loading (config.check_shardable)."""
     if not ranks.enabled or cfg.train.parallel == "ddp":
         return "ddp"
     if cfg.train.parallel == "auto" and cfg.model.expert_offload != "none":  # offload is how it fits one GPU
@@ -25,7 +24,7 @@ def parallel_chosen(cfg: RunConfig, ranks: Ranks, model_path: str, console: Cons
     device = device_of(ranks)
     chosen = cfg.train.parallel
     if chosen == "auto":
-        if not shardable or device.type != "cuda":
+        if device.type != "cuda":
             return "ddp"
         from moe_qlora.model.budget import this_gpu_capability
         from moe_qlora.model.plan import plan_run
@@ -45,7 +44,7 @@ def parallel_chosen(cfg: RunConfig, ranks: Ranks, model_path: str, console: Cons
         console.print(f"train.{why} (moe-qlora plan)")
         if chosen == "ddp":
             return "ddp"
-    check_shardable(cfg, generates=not shardable, layout=chosen)  # as the recipe checked it as asked: auto's too
+    check_shardable(cfg, layout=chosen)  # as the recipe checked it as asked: auto's choice too
     return chosen
 
 

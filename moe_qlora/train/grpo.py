@@ -130,11 +130,15 @@ def policy_update(model, optimizer, schedule, examples: list[Example], g, pad_id
         sum_scalars(ranks, local_tokens, len(examples), len(batches), sum(has_targets(examples[i]) for i in active)),
     )
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    frozen = local_stretch(ranks, frozen_policies, model, batches, g, ctx.train.loss_chunk_tokens)
+    if ranks.sharded:  # every rank joins each forward: as many micro-batches on each, the extra ones idle
+        most = max(gather_objects(ranks, [len(batches)]))
+        batches += [idle_batch(examples, pad_id, device)] * (most - len(batches))
+    stretch = run_together if ranks.sharded else local_stretch  # collectives inside: no rank may stop alone
+    frozen = stretch(ranks, frozen_policies, model, batches, g, ctx.train.loss_chunk_tokens)
     totals = BatchTotals(max(total_tokens, 1), total_sequences, total_batches)
     record = {"sequences_trained": trained, "passes": 0, "skipped": False, "loss": 0.0, "grad_norm": 0.0}
     for _ in range(g.passes):
-        sums = local_stretch(ranks, backward_pass, model, batches, frozen, g, totals, ctx)
+        sums = stretch(ranks, backward_pass, model, batches, frozen, g, totals, ctx)
         sums = dict(zip(sums, sum_scalars(ranks, *sums.values()), strict=True))
         if "entropy_sum" in sums:
             sums["entropy"] = sums.pop("entropy_sum") / max(total_tokens, 1)
@@ -146,6 +150,19 @@ def policy_update(model, optimizer, schedule, examples: list[Example], g, pad_id
         record["passes"] += 1
         schedule.step()
     return record
+
+
+def idle_batch(examples: list[Example], pad_id: int, device) -> dict:
+    """A micro-batch that trains nothing (no target, weight 0) for a sharded run's rank with fewer micro-batches
+    than another: its forward and backward join the others' collectives and add exactly 0."""
+    ids = examples[0].input_ids if examples else [pad_id, pad_id]
+    idle = Example(ids, [IGNORE] * len(ids), "idle", 0.0)
+    return {k: v.to(device) for k, v in collate([idle], pad_id).items()}
+
+
+def run_together(ranks, fn, *args, **kwargs):
+    """fn as is: local_stretch's place in a sharded run, where fn's forwards hold collectives."""
+    return fn(*args, **kwargs)
 
 
 def backward_pass(model, batches: list[dict], frozen: tuple, g, totals: BatchTotals, ctx: StepContext) -> dict:
@@ -249,9 +266,8 @@ def grpo_step(
     pad_id = source.tokenizer.pad_token_id
     t0 = time.perf_counter()
     lr = training["optimizer"].param_groups[0]["lr"]
-    rollouts, rewards, per_fn, group_sizes = local_stretch(
-        ranks, source.collect_share, model, batch, ranks, ctx.position
-    )
+    stretch = run_together if ranks.sharded else local_stretch  # sampling's forwards hold collectives there
+    rollouts, rewards, per_fn, group_sizes = stretch(ranks, source.collect_share, model, batch, ranks, ctx.position)
     t_gen = time.perf_counter() - t0
     weights = {f.name: f.weight for f in getattr(source, "functions", [])}  # offline: totals only
     advantages = rollout_advantages(rewards, per_fn, group_sizes, cfg.grpo, weights, ranks)
@@ -290,7 +306,6 @@ class GrpoRecipe(Recipe):
 
     command = "grpo"
     logs = ("metrics.jsonl", "rollouts.jsonl")
-    shardable = False
     spikes = False
 
     def load(self) -> None:
@@ -312,8 +327,8 @@ class GrpoRecipe(Recipe):
     def after_resume(self) -> None:
         if self.ranks.enabled:
             self.console.print(
-                f"data parallel (ddp): {self.ranks.world} ranks share each step's {self.cfg.grpo.prompts_per_step} "
-                "prompts by whole groups"
+                f"data parallel ({self.ranks.layout}): {self.ranks.world} ranks share each step's "
+                f"{self.cfg.grpo.prompts_per_step} prompts by whole groups"
             )
 
     def open_logs(self):

@@ -53,7 +53,6 @@ class Recipe(ABC):
 
     command = "train"  # the progress bar's label and the summary's
     logs: tuple[str, ...] = ("metrics.jsonl",)  # the JSONL files a resume cuts back to its step
-    shardable = True  # fsdp or ep may split it (grpo samples a different number of forwards a rank: it runs ddp)
     spikes = True  # flag loss spikes (a loss against its moving average)
 
     def __init__(
@@ -142,9 +141,7 @@ class Recipe(ABC):
 
     def load_model(self) -> None:
         """The model as the run config places it, from lora.init_from when given: model, params, ranks."""
-        self.model, self.params, self.ranks = load_policy(
-            self.cfg, self.model_path, self.console, self.ranks, shardable=self.shardable
-        )
+        self.model, self.params, self.ranks = load_policy(self.cfg, self.model_path, self.console, self.ranks)
 
     @property
     def training(self) -> dict:

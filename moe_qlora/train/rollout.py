@@ -154,8 +154,12 @@ def is_truncated(completion: list[int], tokenizer, *, max_new_tokens: int, stop:
 
 
 @torch.inference_mode()
-def sample_rollouts(model, tokenizer, prompts: list[PromptRow], cfg: GrpoSection) -> list[Rollout]:
-    """G completions of each prompt from the current policy (adapters on, eval mode, KV cache).
+def sample_rollouts(
+    model, tokenizer, prompts: list[PromptRow], cfg: GrpoSection, *, synced: bool = False
+) -> list[Rollout]:
+    """G completions of each prompt from the current policy (adapters on, eval mode, KV cache). `synced`: a
+    sharded run's ranks, each generating until every one is done (transformers' synced_gpus), so every forward
+    is joined by all of them.
 
     Returns P*G rollouts, prompt-major (the G of prompt 0 first), the order advantages assume.
     """
@@ -170,6 +174,7 @@ def sample_rollouts(model, tokenizer, prompts: list[PromptRow], cfg: GrpoSection
                 attention_mask=mask.to(device),
                 generation_config=generation_config(cfg, tokenizer),
                 tokenizer=tokenizer,
+                synced_gpus=synced,
             )
     finally:
         model.train(was_training)
@@ -262,7 +267,7 @@ class RolloutSource:
             )
 
     def collect(
-        self, model, batch: list, position: StepPosition, first: int = 0
+        self, model, batch: list, position: StepPosition, first: int = 0, synced: bool = False
     ) -> tuple[list[Rollout], list[float], dict[str, list[float]], list[int]]:
         """(rollouts, total rewards, rewards per function, group sizes) of one step's prompts, sampling and scoring
         marked as phases of `position`; a failing reward names its prompt as `first` + its place in `batch` (a
@@ -272,7 +277,7 @@ class RolloutSource:
             return rollouts, [r for grp in batch for r in grp.rewards], {}, [len(grp.completions) for grp in batch]
         with position.within("generation"):
             started = time.perf_counter()
-            rollouts = sample_rollouts(model, self.tokenizer, batch, self.cfg.grpo)
+            rollouts = sample_rollouts(model, self.tokenizer, batch, self.cfg.grpo, synced=synced)
             self.sampling_s = time.perf_counter() - started
         prompts, completions = [r.prompt.text for r in rollouts], [r.text for r in rollouts]
         g = self.cfg.grpo
@@ -298,5 +303,10 @@ class RolloutSource:
             return self.collect(model, mine, position)
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
             torch.manual_seed(hash((self.cfg.train.seed, position.step, ranks.rank)) % 2**63)
-            rollouts, rewards, per_fn, sizes = self.collect(model, mine, position, first) if mine else ([], [], {}, [])
+            if mine:
+                rollouts, rewards, per_fn, sizes = self.collect(model, mine, position, first, synced=ranks.sharded)
+            else:
+                rollouts, rewards, per_fn, sizes = [], [], {}, []
+                if ranks.sharded and not self.offline:  # no prompt here: sample one, dropped, to join the forwards
+                    sample_rollouts(model, self.tokenizer, batch[:1], self.cfg.grpo, synced=True)
         return [replace(r, group=r.group + first) for r in rollouts], rewards, per_fn, sizes

@@ -539,13 +539,20 @@ def test_a_rank_that_fails_to_load_stops_every_rank_with_its_message(tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "ep"])
-def test_a_sharded_layout_for_grpo_offload_or_an_8bit_optimizer_is_refused_before_loading(tmp_path, layout):
+def test_a_sharded_layout_with_expert_offload_or_an_8bit_optimizer_is_refused_before_loading(tmp_path, layout):
     env = env_for(tmp_path, WORLD_SIZE="2")
     sharded = ["--set", f"train.parallel={layout}"]
     for args, message in (
         (
-            ["grpo", "--config", str(ROOT / "configs" / "grpo-demo.yaml"), *sharded],
-            f"train.parallel: {layout} is for `train`: grpo samples on each rank",
+            [
+                "grpo",
+                "--config",
+                str(ROOT / "configs" / "grpo-demo.yaml"),
+                *sharded,
+                "--set",
+                "model.expert_offload=all",
+            ],
+            f"model.expert_offload: all with train.parallel: {layout}",
         ),
         (
             [
@@ -656,21 +663,34 @@ def grpo_config(tmp_path, name: str, **grpo) -> Path:
     return path
 
 
-def test_grpo_over_two_ranks_splits_prompts_by_whole_groups_and_reproduces_one_process(tmp_path):
-    offline = {"offline_file": str(ROOT / "data" / "demo_grpo_offline.jsonl")}
-    env = env_for(tmp_path)
+OFFLINE = {"offline_file": str(ROOT / "data" / "demo_grpo_offline.jsonl")}
+
+
+@pytest.fixture(scope="module")
+def grpo_one(tmp_path_factory):
+    """Offline GRPO in one process (grpo_config)."""
+    tmp = tmp_path_factory.mktemp("grpo-one")
     one = subprocess.run(
-        [sys.executable, "-m", "moe_qlora", "grpo", "--config", str(grpo_config(tmp_path, "one", **offline))],
-        env=env,
+        [sys.executable, "-m", "moe_qlora", "grpo", "--config", str(grpo_config(tmp, "one", **OFFLINE))],
+        env=env_for(tmp),
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert one.returncode == 0, one.stderr[-2000:]
-    two = torchrun(["grpo", "--config", str(grpo_config(tmp_path, "two", **offline))], env)
+    return tmp / "one"
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "ep"])
+def test_grpo_over_two_ranks_splits_prompts_by_whole_groups_and_reproduces_one_process(grpo_one, tmp_path, layout):
+    """Under fsdp and ep the rank with 1 group has fewer micro-batches than the rank with 2: it runs idle ones
+    (no target, weight 0), so every rank joins each forward of the scoring and of the update."""
+    env = env_for(tmp_path)
+    config = grpo_config(tmp_path, "two", **OFFLINE)
+    two = torchrun(["grpo", "--config", str(config), "--set", f"train.parallel={layout}"], env)
     assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
-    assert "data parallel (ddp): 2 ranks share each step's 3 prompts by whole groups" in two.stdout
-    a, b = records(tmp_path / "one"), records(tmp_path / "two")
+    assert f"data parallel ({layout}): 2 ranks share each step's 3 prompts by whole groups" in two.stdout
+    a, b = records(grpo_one), records(tmp_path / "two")
     assert [r["step"] for r in b] == [1, 2, 3, 4] and [r["passes"] for r in b] == [2] * 4
     for x, y in zip(a, b, strict=True):
         # Rewards 1, 0, 0, 0 in every group: advantages 1.5, -0.5 x 3; a group split 2 + 2 would give 0.7 and 0.
@@ -680,18 +700,19 @@ def test_grpo_over_two_ranks_splits_prompts_by_whole_groups_and_reproduces_one_p
             assert abs(x[key] - y[key]) <= 1e-6 * max(1.0, abs(x[key])), (key, x[key], y[key])
         assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-5 * x["grad_norm"]
     roll_a, roll_b = (
-        [json.loads(line) for line in (tmp_path / r / "rollouts.jsonl").read_text().splitlines()]
-        for r in ("one", "two")
+        [json.loads(line) for line in (r / "rollouts.jsonl").read_text().splitlines()]
+        for r in (grpo_one, tmp_path / "two")
     )
     strip = ("step", "group", "source", "completion", "advantage", "reward")
     assert [{k: r[k] for k in strip} for r in roll_a] == [{k: r[k] for k in strip} for r in roll_b]
-    fa, fb = (load_file(str(tmp_path / r / "adapter" / "adapter_model.safetensors")) for r in ("one", "two"))
+    fa, fb = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in (grpo_one, tmp_path / "two"))
     assert fa.keys() == fb.keys() and max(float((fa[k] - fb[k]).abs().max()) for k in fa) <= 5e-5
 
 
 def test_online_grpo_over_two_ranks_samples_every_prompt_of_a_step_once_per_completion(tmp_path):
     """Sampling: each rank samples G completions of its own prompts (seeded by step and rank); rank 0's
-    rollouts.jsonl holds the whole batch, every prompt of the step with exactly G completions."""
+    rollouts.jsonl holds the whole batch, every prompt of the step with exactly G completions; and under ep the
+    same rollouts."""
     cfg = grpo_config(
         tmp_path,
         "online",
@@ -710,6 +731,23 @@ def test_online_grpo_over_two_ranks_samples_every_prompt_of_a_step_once_per_comp
         assert len(mine) == 3 * 4 and sorted(by_group) == [0, 1, 2]
         assert all(len(sources) == 1 for sources in by_group.values())  # a group is one prompt
         assert len({next(iter(s)) for s in by_group.values()}) == 3  # three different prompts
+    # ep: the experts split, every rank generating until all are done (its forwards joined by the other rank,
+    # which samples 1 prompt's group against 2). Each rank draws from the same seeded generator as under ddp and
+    # the model computes the same function (to fp32 rounding): step 1's completions and rewards are ddp's. Its
+    # logged loss is the second pass's, after an update (AdamW's noise, see above), and step 2 samples from
+    # adapters that differ by it: a token may differ there.
+    ep = tmp_path / "online-ep"
+    proc = torchrun(
+        ["grpo", "--config", str(cfg), "--set", "train.max_steps=2", "--set", "train.parallel=ep"]
+        + ["--set", f"output.dir={ep}"],
+        env_for(tmp_path),
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    ep_rows = [json.loads(line) for line in (ep / "rollouts.jsonl").read_text().splitlines()]
+    keep = ("step", "group", "source", "completion", "reward")
+    first = [{k: r[k] for k in keep} for r in rows if r["step"] == 1]
+    assert len(first) == 12 and first == [{k: r[k] for k in keep} for r in ep_rows if r["step"] == 1]
+    assert len(ep_rows) == len(rows) and [r["step"] for r in records(ep)] == [1, 2]
 
 
 def launch_two_nodes(

@@ -36,7 +36,8 @@ def config(out: Path, *, grpo: dict | None = None, **train):
         (GrpoRecipe, {"grpo": {}, "train": {"optimizer_in_backward": True}}, 1, "is for `train` only"),
         (GrpoRecipe, {"grpo": {"top_entropy_quantile": 0.5}}, 2, "runs in one process for now"),
         (GrpoRecipe, {"grpo": {"top_entropy_quantile": 0.5}}, 1, None),  # control
-        (GrpoRecipe, {"grpo": {}, "train": {"parallel": "fsdp"}}, 2, "fsdp is for `train`"),
+        (GrpoRecipe, {"grpo": {}, "train": {"parallel": "ep", "optimizer": "adamw_8bit"}}, 2, "a sharded tensor"),
+        (GrpoRecipe, {"grpo": {}, "train": {"parallel": "ep"}}, 2, None),  # control: grpo runs under ep
         (SftRecipe, {"train": {"parallel": "fsdp"}}, 1, None),  # control: fsdp on one process is not sharding
     ],
 )
