@@ -26,6 +26,7 @@ from moe_qlora.model.distributed import Ranks, from_main, gather_objects, rank_s
 from moe_qlora.train.checkpoint import fingerprint
 from moe_qlora.train.faults import local_stretch
 from moe_qlora.train.preference_loss import PairLogps, pair_forward
+from moe_qlora.train.steps import idle_item, is_idle
 
 REFERENCE_DIR = "reference"
 LOGPS_FILE = "logps.safetensors"
@@ -101,27 +102,22 @@ def score_pairs(
     chunk: int,
     advance,
     ld_alpha=None,
-    *,
-    forwards: int = 0,
-    spare: PreferencePair | None = None,
 ) -> list[tuple]:
     """(index, chosen, rejected, chosen tokens, rejected tokens) of each pair, in eval mode (no dropout),
     `size` pairs (2 x size rows) per forward; advance(n) after each. ld_alpha: LD-DPO's weighting of the sums.
-    `forwards`: at least this many forwards, the ones past `pairs` scoring `spare` and dropping it (a sharded
-    run's ranks must join the same forwards)."""
+    An idle pair (steps.idle_item: a sharded run's filler, so every rank runs as many forwards) is scored and
+    dropped."""
     was_training = model.training
     model.eval()
     rows = []
     try:
-        for start in range(0, max(len(pairs), forwards * size), size):
+        for start in range(0, len(pairs), size):
             group = pairs[start : start + size]
-            if not group:
-                pair_forward(model, [spare], pad_id, chunk=chunk, ld_alpha=ld_alpha)
-                continue
             logps = pair_forward(model, group, pad_id, chunk=chunk, ld_alpha=ld_alpha)[0]
             values = zip(*(getattr(logps, k).tolist() for k in FIELDS), strict=True)
-            rows += [(p.index, *v) for p, v in zip(group, values, strict=True)]
-            advance(len(group))
+            scored = [(p.index, *v) for p, v in zip(group, values, strict=True) if not is_idle(p)]
+            rows += scored
+            advance(len(scored))
     finally:
         model.train(was_training)
     return rows
@@ -146,10 +142,10 @@ def reference_logps(
         t = cfg.train
         advance = functools.partial(bar.advance, task)
         size, chunk, ld_alpha = t.micro_batch_size, t.loss_chunk_tokens, cfg.dpo.ld_alpha
-        if ranks.sharded:  # every rank joins as many forwards as the largest share takes
+        if ranks.sharded:  # every rank joins as many forwards as the largest share takes, idle pairs after its own
             share = -(-len(pairs) // ranks.world)
-            forwards = -(-share // size)
-            rows = score_pairs(model, mine, pad_id, size, chunk, advance, ld_alpha, forwards=forwards, spare=pairs[0])
+            filled = mine + [idle_item(pairs[0])] * (-(-share // size) * size - len(mine))
+            rows = score_pairs(model, filled, pad_id, size, chunk, advance, ld_alpha)
         else:
             rows = local_stretch(ranks, score_pairs, model, mine, pad_id, size, chunk, advance, ld_alpha)
     rows = sorted(gather_objects(ranks, rows))
