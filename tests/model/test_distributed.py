@@ -1059,6 +1059,28 @@ def test_out_of_memory_on_one_rank_stops_every_rank_with_one_sentence_and_resume
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_out_of_memory_inside_an_ep_forward_stops_the_run_and_resumes_on_the_uninterrupted_adapter(ep_run, tmp_path):
+    """Under ep a failure inside the forward cannot be met (rank 0 is inside the experts' exchange): rank 1 prints
+    its sentence naming the last checkpoint (step 2; nothing is written for step 3), the launch ends within its
+    time limit, and `--resume` ends on the uninterrupted ep run's adapter, tensor for tensor."""
+    run, _ = ep_run
+    out = tmp_path / "run"
+    args = ["train", "--config", str(DEMO), *STEPS, *EP_ARGS, *LONG_CONTEXT, "--set", "train.save_every=2"]
+    args += ["--set", "train.dist_timeout_s=60", "--set", f"output.dir={out}"]
+    env = {**env_on_rank_1(tmp_path, MOE_QLORA_INJECT_OOM="4:forward"), **OFFLOAD_ALL}
+    proc = torchrun(args, env, timeout=180)
+    said = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and said, (proc.stdout + proc.stderr)[-3000:]
+    assert said[0].startswith("error: rank 1: out of memory at step 4 (forward): peak")
+    assert f"the last checkpoint is {out / 'checkpoints' / 'step-00000002'}." in said[0]
+    assert sorted(d.name for d in (out / "checkpoints").iterdir()) == ["step-00000002"]
+    resumed = torchrun([*args, "--resume"], env_for(tmp_path, **OFFLOAD_ALL), timeout=180)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert [r["step"] for r in records(out)] == [1, 2, 3, 4, 5, 6]
+    a, b = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in (run, out))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 FLAKY_REWARD = """import os
 calls = []
 def flaky(prompts, completions, **columns):
