@@ -122,7 +122,7 @@ def load_policy(
     parallel = parallel_chosen(cfg, ranks, model_path, console)
     sharded, split = parallel == "fsdp", parallel == "ep"
     placement = Placement(sharded, offloaded_layers(cfg, model_path, device, sharded or split), split)
-    chunk, offload = memory_helpers_chosen(cfg, ranks, model_path, console, sharded=sharded)
+    chunk, offload = memory_helpers_chosen(cfg, ranks, model_path, console, parallel=parallel)
     recompute = Recompute(cfg.train.gradient_checkpointing, cfg.train.checkpoint_interval, chunk, offload)
     return build_policy(
         cfg.model,

@@ -45,7 +45,6 @@ class Ranks:
 SINGLE = Ranks()
 PARTING_TIMEOUT_S = 30  # how long a rank that failed waits at exit for its peers to print
 _parting_at_exit: list[Ranks] = []  # set once every rank raised the same failure
-_gloo_side: list = []  # under nccl, a gloo group for that bounded wait
 
 
 def launched_world_size() -> int:
@@ -65,8 +64,6 @@ def join(timeout_s: int) -> Ranks:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
-    if cuda and not _gloo_side:
-        _gloo_side.append(dist.new_group(backend="gloo"))  # for the bounded barrier of _part_after_printing
     return Ranks(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=local_rank)
 
 
@@ -87,15 +84,20 @@ def _part_after_printing() -> None:
     """At exit, after a failure every rank raised together: wait (at most PARTING_TIMEOUT_S) until every rank
     is here, that is has printed its sentence, then leave the group. Without it the failed rank exits first
     and torchrun's agent stops the others before they print what they got (seen once in CI). gloo's
-    monitored_barrier is bounded; under nccl it runs on the gloo group `join` made."""
+    monitored_barrier is bounded; under nccl it runs on a gloo group made here, only then (every rank is here:
+    each returned from raise_together's gather), so a run that never fails never needs gloo's own rendezvous."""
     if not dist.is_initialized():
         return
     try:
-        group = _gloo_side[0] if _gloo_side else None
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=PARTING_TIMEOUT_S)) if _nccl() else None
         dist.monitored_barrier(group=group, timeout=timedelta(seconds=PARTING_TIMEOUT_S))
     except Exception:  # a peer already gone: nothing left to wait for
         pass
     dist.destroy_process_group()
+
+
+def _nccl() -> bool:
+    return dist.get_backend() == "nccl"
 
 
 def _part_at_exit(ranks: Ranks) -> None:

@@ -36,6 +36,7 @@ def split_experts(model: nn.Module, ranks: Ranks) -> Ranks:
     for name, module in modules:
         check_splittable(module, name)
         experts = module.moe_lora.gate_up_a.shape[0] if hasattr(module, "moe_lora") else expert_count(module)
+        check_every_rank_holds_experts(name, experts, ranks.world)
         held = shard_rows(experts, ranks)
         keep_expert_rows(module, name, experts, held, device)
         if hasattr(module, "moe_lora"):
@@ -56,6 +57,19 @@ def check_splittable(module: nn.Module, name: str) -> None:
         )
     if state.offload is not None:
         raise UnsupportedExpertsError(f"{name}: model.expert_offload keeps its experts on the host; ep splits them")
+
+
+def check_every_rank_holds_experts(name: str, experts: int, world: int) -> None:
+    """Refuse a split that leaves a rank without an expert (torch.chunk's ceil(E/N) a rank: 8 over 6 is 2, 2, 2, 2,
+    0, 0): its experts' kernels would run on empty stacks, a path never run on a GPU."""
+    per_rank = -(-experts // world)
+    if experts < world or per_rank * (world - 1) >= experts:
+        empty = world - -(-experts // per_rank)
+        raise UnsupportedExpertsError(
+            f"{name}: {experts} experts over {world} ranks leave {empty} rank(s) without an expert "
+            f"(ceil({experts}/{world}) = {per_rank} a rank); train.parallel: ep needs a world size that gives "
+            "every rank some, e.g. one dividing the experts"
+        )
 
 
 def expert_count(module: nn.Module) -> int:

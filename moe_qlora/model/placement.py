@@ -49,7 +49,7 @@ def parallel_chosen(cfg: RunConfig, ranks: Ranks, model_path: str, console: Cons
 
 
 def memory_helpers_chosen(
-    cfg: RunConfig, ranks: Ranks, model_path: str, console: Console, *, sharded: bool
+    cfg: RunConfig, ranks: Ranks, model_path: str, console: Console, *, parallel: str = "ddp"
 ) -> tuple[int, bool]:
     """(train.mlp_chunk_tokens, train.offload_activations) as numbers: as set, or auto as `plan` resolves them for
     this GPU (plan.plan_with_autos: none when the run fits without, and none on the CPU), said when one helps. An
@@ -68,8 +68,8 @@ def memory_helpers_chosen(
         cfg,
         name_or_path=model_path,
         device="cuda",
-        gpus=ranks.world if sharded else 1,
-        parallel="fsdp" if sharded else "ddp",
+        gpus=ranks.world if parallel != "ddp" else 1,  # one GPU's share under fsdp or ep
+        parallel=parallel,
         gpu_gib=gib,
         capability=this_gpu_capability(),
     )

@@ -60,7 +60,7 @@ def exchange_with_expert_ranks(
     send = rows_per_rank(routing, shard)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=shard.group)
-    send_sizes, recv_sizes = send.tolist(), recv.tolist()
+    send_sizes, recv_sizes = torch.stack([send, recv]).tolist()  # one host read
     rows = hidden.index_select(0, routing.token)  # (S, H), sorted by expert, so by destination rank
     expert_ids = received_expert_ids(routing.expert, recv_sizes, send_sizes, shard)
     received = exchange_rows(rows, recv_sizes, send_sizes, shard)

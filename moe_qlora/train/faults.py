@@ -66,6 +66,12 @@ def local_stretch(ranks: Ranks, fn, *args, **kwargs):
     return result
 
 
+def run_as_is(ranks: Ranks, fn, *args, **kwargs):
+    """fn(*args, **kwargs) with no meeting point: local_stretch's place where fn's forwards hold collectives (fsdp,
+    ep: a rank that fails there cannot meet the others), or where an enclosing stretch already meets them."""
+    return fn(*args, **kwargs)
+
+
 @dataclass
 class Failure:
     """How a step failed on this rank: `error` (None on a rank that was fine while another failed), and whether

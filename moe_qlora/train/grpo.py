@@ -24,7 +24,7 @@ from moe_qlora.data.examples import IGNORE, Example, collate, epoch_order
 from moe_qlora.model.adapters import adapters_disabled
 from moe_qlora.model.build import load_tokenizer
 from moe_qlora.model.distributed import gather_objects, sum_gradients, sum_scalars
-from moe_qlora.train.faults import local_stretch
+from moe_qlora.train.faults import local_stretch, run_as_is
 from moe_qlora.train.grpo_loss import (
     MicroBatchTerms,
     Objective,
@@ -133,7 +133,7 @@ def policy_update(model, optimizer, schedule, examples: list[Example], g, pad_id
     if ranks.sharded:  # every rank joins each forward: as many micro-batches on each, the extra ones idle
         most = max(gather_objects(ranks, [len(batches)]))
         batches += [idle_batch(examples, pad_id, device)] * (most - len(batches))
-    stretch = run_together if ranks.sharded else local_stretch  # collectives inside: no rank may stop alone
+    stretch = run_as_is if ranks.sharded else local_stretch  # collectives inside: no rank may stop alone
     frozen = stretch(ranks, frozen_policies, model, batches, g, ctx.train.loss_chunk_tokens)
     totals = BatchTotals(max(total_tokens, 1), total_sequences, total_batches)
     record = {"sequences_trained": trained, "passes": 0, "skipped": False, "loss": 0.0, "grad_norm": 0.0}
@@ -152,17 +152,15 @@ def policy_update(model, optimizer, schedule, examples: list[Example], g, pad_id
     return record
 
 
+IDLE_KEY = "idle"  # marks an idle micro-batch: its router auxiliary loss is not trained on either
+
+
 def idle_batch(examples: list[Example], pad_id: int, device) -> dict:
     """A micro-batch that trains nothing (no target, weight 0) for a sharded run's rank with fewer micro-batches
     than another: its forward and backward join the others' collectives and add exactly 0."""
     ids = examples[0].input_ids if examples else [pad_id, pad_id]
     idle = Example(ids, [IGNORE] * len(ids), "idle", 0.0)
-    return {k: v.to(device) for k, v in collate([idle], pad_id).items()}
-
-
-def run_together(ranks, fn, *args, **kwargs):
-    """fn as is: local_stretch's place in a sharded run, where fn's forwards hold collectives."""
-    return fn(*args, **kwargs)
+    return {**{k: v.to(device) for k, v in collate([idle], pad_id).items()}, IDLE_KEY: True}
 
 
 def backward_pass(model, batches: list[dict], frozen: tuple, g, totals: BatchTotals, ctx: StepContext) -> dict:
@@ -187,6 +185,8 @@ def backward_pass(model, batches: list[dict], frozen: tuple, g, totals: BatchTot
         loss, stats = micro_batch_loss(
             (logp, mask, entropies), (old_lp, ref_lp), batch["weights"], g, objective, totals
         )
+        if batch.get(IDLE_KEY):
+            aux = None  # its loss is 0 (no target); the router's auxiliary loss must add nothing either
         if aux is not None:  # the mean over the batch's micro-batches, times train.router_aux_loss_coef
             stats["aux_loss"] = float(aux.detach()) / totals.micro_batches
         loss = loss + aux_term(aux, ctx.aux_coef / totals.micro_batches)
@@ -266,7 +266,7 @@ def grpo_step(
     pad_id = source.tokenizer.pad_token_id
     t0 = time.perf_counter()
     lr = training["optimizer"].param_groups[0]["lr"]
-    stretch = run_together if ranks.sharded else local_stretch  # sampling's forwards hold collectives there
+    stretch = run_as_is if ranks.sharded else local_stretch  # sampling's forwards hold collectives there
     rollouts, rewards, per_fn, group_sizes = stretch(ranks, source.collect_share, model, batch, ranks, ctx.position)
     t_gen = time.perf_counter() - t0
     weights = {f.name: f.weight for f in getattr(source, "functions", [])}  # offline: totals only

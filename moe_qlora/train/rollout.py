@@ -18,9 +18,10 @@ from moe_qlora.config.grpo import GrpoSection
 from moe_qlora.config.sections import DataSection, RunConfig
 from moe_qlora.data.examples import _check_messages, token_ids
 from moe_qlora.data.sources import DataError, entry_path, load_rows
-from moe_qlora.model.distributed import Ranks, rank_slice
+from moe_qlora.model.distributed import SINGLE, Ranks, rank_slice
 from moe_qlora.moe.experts import generation_kernels
 from moe_qlora.train.checkpoint import fingerprint
+from moe_qlora.train.faults import local_stretch, run_as_is
 from moe_qlora.train.position import StepPosition
 from moe_qlora.train.rewards import RewardPolicy, resolve_reward, score
 
@@ -267,7 +268,7 @@ class RolloutSource:
             )
 
     def collect(
-        self, model, batch: list, position: StepPosition, first: int = 0, synced: bool = False
+        self, model, batch: list, position: StepPosition, first: int = 0, ranks: Ranks = SINGLE
     ) -> tuple[list[Rollout], list[float], dict[str, list[float]], list[int]]:
         """(rollouts, total rewards, rewards per function, group sizes) of one step's prompts, sampling and scoring
         marked as phases of `position`; a failing reward names its prompt as `first` + its place in `batch` (a
@@ -277,13 +278,18 @@ class RolloutSource:
             return rollouts, [r for grp in batch for r in grp.rewards], {}, [len(grp.completions) for grp in batch]
         with position.within("generation"):
             started = time.perf_counter()
-            rollouts = sample_rollouts(model, self.tokenizer, batch, self.cfg.grpo, synced=synced)
+            rollouts = sample_rollouts(model, self.tokenizer, batch, self.cfg.grpo, synced=ranks.sharded)
             self.sampling_s = time.perf_counter() - started
         prompts, completions = [r.prompt.text for r in rollouts], [r.text for r in rollouts]
         g = self.cfg.grpo
         policy = RewardPolicy(on_error=g.reward_errors, timeout_s=g.reward_timeout_s, step=position.step)
+        # Under fsdp / ep the step runs outside local_stretch (its forwards hold collectives): the rewards, which
+        # hold none, get their own, so a failing reward still meets the other ranks.
+        stretch = local_stretch if ranks.sharded else run_as_is  # ddp: the step's own stretch meets them
         with position.within("rewards"):
-            rewards, per_fn, self.reward_errors = score(
+            rewards, per_fn, self.reward_errors = stretch(
+                ranks,
+                score,
                 self.functions,
                 prompts,
                 completions,
@@ -304,9 +310,10 @@ class RolloutSource:
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
             torch.manual_seed(hash((self.cfg.train.seed, position.step, ranks.rank)) % 2**63)
             if mine:
-                rollouts, rewards, per_fn, sizes = self.collect(model, mine, position, first, synced=ranks.sharded)
+                rollouts, rewards, per_fn, sizes = self.collect(model, mine, position, first, ranks)
             else:
                 rollouts, rewards, per_fn, sizes = [], [], {}, []
                 if ranks.sharded and not self.offline:  # no prompt here: sample one, dropped, to join the forwards
                     sample_rollouts(model, self.tokenizer, batch[:1], self.cfg.grpo, synced=True)
+                    local_stretch(ranks, list)  # and the rewards' meeting point
         return [replace(r, group=r.group + first) for r in rollouts], rewards, per_fn, sizes

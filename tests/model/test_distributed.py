@@ -1091,15 +1091,19 @@ def flaky(prompts, completions, **columns):
 """
 
 
-def test_a_reward_function_failing_on_one_rank_stops_every_rank_after_a_checkpoint_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("layout", ["ddp", "ep"])
+def test_a_reward_function_failing_on_one_rank_stops_every_rank_after_a_checkpoint_and_resumes_exactly(
+    tmp_path, layout
+):
     """Online grpo over 2 ranks (2 + 1 prompts a step); the reward function raises on rank 1 alone from step 3.
-    Rank 0 meets it after sampling and scoring, before the step's first collective: both print rank 0's
-    sentence, naming the function, the step and the prompt, with step 2 checkpointed; resumed, the run ends
-    on the uninterrupted run's adapter."""
+    Rank 0 meets it after sampling and scoring, before the step's first collective (under ep the sampling's
+    forwards are joined by both, and the scoring has its own meeting point): both print rank 0's sentence,
+    naming the function, the step and the prompt, with step 2 checkpointed; resumed, the run ends on the
+    uninterrupted run's adapter."""
     (tmp_path / "flaky.py").write_text(FLAKY_REWARD)
     reward = {"rewards": [{"function": f"{tmp_path / 'flaky.py'}:flaky"}], "group_size": 4, "max_new_tokens": 4}
     cfg = grpo_config(tmp_path, "run", **reward)
-    args = ["grpo", "--config", str(cfg), "--set", "train.dist_timeout_s=60"]
+    args = ["grpo", "--config", str(cfg), "--set", "train.dist_timeout_s=60", "--set", f"train.parallel={layout}"]
     reference = torchrun([*args, "--set", f"output.dir={tmp_path / 'reference'}"], env_for(tmp_path), timeout=180)
     assert reference.returncode == 0, (reference.stdout + reference.stderr)[-3000:]
     said = stopped_together(torchrun(args, env_on_rank_1(tmp_path, FAIL_REWARD="1"), timeout=180))
