@@ -42,7 +42,7 @@ command[preflight]="$python"' -c "import torch, triton, bitsandbytes, transforme
 assert torch.cuda.is_available(), \"no CUDA device\"
 print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__, \"bitsandbytes\", bitsandbytes.__version__, \"on\", torch.cuda.get_device_name())"'
 estimate[preflight]=1
-command[gpu-tests]="$python -m pytest -q -n 0 -m gpu tests/moe/test_gpu.py"
+command[gpu-tests]="$python -m pytest -q -n 0 -m gpu tests/moe/test_gpu.py tests/model/test_expert_parallel.py"
 estimate[gpu-tests]=2
 command[kernels]="$python -m pytest -q -n 0 -m 'not cpu_only' tests/moe/test_kernels.py"
 estimate[kernels]=6
