@@ -186,7 +186,7 @@ def test_an_offload_the_hosts_memory_cannot_take_is_refused_before_loading(monke
         }
     )
     with pytest.raises(ConfigError, match=r"offload_activations: .* need 24.00 GiB of host memory; .* 1.00 GiB"):
-        placement.memory_helpers_chosen(cfg, SINGLE, str(QWEN3), Console(quiet=True), sharded=False)
+        placement.memory_helpers_chosen(cfg, SINGLE, str(QWEN3), Console(quiet=True), parallel="ddp")
 
 
 def test_plan_longest_says_what_the_autos_take_at_its_length(long_qwen3):
