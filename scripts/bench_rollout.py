@@ -182,7 +182,7 @@ class PolicyBench:
         t = time.perf_counter()
         model_path, tokenizer = load_tokenizer(cfg.model)
         self.source = RolloutSource(cfg, tokenizer, console)
-        model, params, _ = load_policy(cfg, model_path, console, shardable=False)
+        model, params, _ = load_policy(cfg, model_path, console)
         self.load_s = time.perf_counter() - t
         seed_everything(cfg.train.seed)
         optimizer = build_optimizer(params, cfg.train)
