@@ -118,14 +118,20 @@ def reset_peak_rss() -> None:
 
 def worker(model: str, seq: int, label: str) -> dict:
     """Runs in the subprocess: two training steps, the peak measured from the first one on."""
+    from moe_qlora.config.load import validate_config
+
+    with tempfile.TemporaryDirectory(prefix="bench-memory-") as out:
+        return measure_two_steps(validate_config(run_config(Path(model), seq, CONFIGURATIONS[label], Path(out))))
+
+
+def measure_two_steps(cfg) -> dict:
+    """Trains `cfg` for its steps; the peak memory from the first step on, the RSS after loading, and the
+    last step's time. The run's folder is the caller's to remove (a checkpoint is ~250 MiB)."""
     from rich.console import Console
 
     from moe_qlora.common.memory import peak_rss_mib, release_freed_memory
-    from moe_qlora.config.load import validate_config
     from moe_qlora.train import sft as trainer
 
-    out = Path(tempfile.mkdtemp(prefix="bench-memory-"))
-    cfg = validate_config(run_config(Path(model), seq, CONFIGURATIONS[label], out))
     real_step, peaks, loaded = trainer.train_step, [], {}
     cuda = RUN["device"] == "cuda"
     if cuda and RUN["gpu_gib"]:
