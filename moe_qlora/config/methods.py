@@ -71,6 +71,27 @@ def check_sharding(cfg: RunConfig, *, world: int) -> None:
     checked the same way, when the model is placed: model/placement.py)."""
     if cfg.train.parallel in ("fsdp", "ep") and world > 1:
         check_shardable(cfg, layout=cfg.train.parallel)
+    check_ep_size(cfg, world=world)
+
+
+def check_ep_size(cfg: RunConfig, *, world: int) -> None:
+    """train.ep_size: only under ep (or auto, which may choose it), at least 2 (1 would be ddp through an
+    exchange with itself), and a divisor of the world size."""
+    size = cfg.train.ep_size
+    if not size:
+        return
+    if cfg.train.parallel in ("ddp", "fsdp"):
+        raise ConfigError(
+            f"train.ep_size: {size} splits the experts under train.parallel: ep, and this run is "
+            f"{cfg.train.parallel}: set train.parallel: ep, or leave train.ep_size out"
+        )
+    if size == 1:
+        raise ConfigError("train.ep_size: 1 keeps every expert on every rank, which is train.parallel: ddp: set ddp")
+    if world > 1 and world % size:
+        raise ConfigError(
+            f"train.ep_size: {size} does not divide the {world} ranks launched: use a divisor of {world} (the "
+            "ranks of one node, say), or 0 for all of them"
+        )
 
 
 CHECKS = {"train": check_sft, "grpo": check_grpo, "dpo": check_dpo}  # by command

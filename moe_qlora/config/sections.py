@@ -232,7 +232,15 @@ class TrainSection(Section):
         "(FSDP2: 4-bit weights, LoRA and AdamW state sharded across ranks, for a model that does not fit one "
         "GPU; train only); ep (expert parallelism: each rank holds its share of every MoE layer's experts and "
         "their LoRA, the routed rows sent to them and back; the rest whole on every rank; train only); auto: ddp "
-        "when `moe-qlora plan` says the run fits one GPU (always on CPUs), else fsdp",
+        "when `moe-qlora plan` says the run fits one GPU (always on CPUs), else fsdp or ep, the one that fits and "
+        "sends fewer bytes",
+    )
+    ep_size: int = Field(
+        0,
+        ge=0,
+        description="train.parallel: ep: how many consecutive ranks split each MoE layer's experts (one node's GPUs, "
+        "say); the world size must be a multiple of it, and the groups are replicas of each other (their experts' "
+        "LoRA gradients summed, as ddp does); 0: all the ranks",
     )
     dist_timeout_s: int = Field(
         600, ge=10, description="data parallel: a rank waiting longer than this for the others stops the run"

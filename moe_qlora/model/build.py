@@ -24,7 +24,7 @@ from moe_qlora.model.adapters import (
 )
 from moe_qlora.model.checkpoint_files import check_model_path, read_model_config
 from moe_qlora.model.distributed import SINGLE, Ranks, device_of, shard_model
-from moe_qlora.model.expert_parallel import split_experts
+from moe_qlora.model.expert_parallel import describe_groups, expert_group, split_experts
 from moe_qlora.model.kernel_choice import describe_kernels, resolve_kernels
 from moe_qlora.model.loaded_model import parameter_bytes_by_kind
 from moe_qlora.model.loading import LoadOptions, load_model
@@ -52,6 +52,7 @@ class Placement:
     sharded: bool = False
     experts_on_host: frozenset[str] = frozenset()
     experts_split: bool = False
+    ep_size: int = 0  # experts_split: the consecutive ranks each layer's experts are split over (0: all of them)
 
     @property
     def by_rank(self) -> bool:
@@ -121,7 +122,9 @@ def load_policy(
     device = policy_device(cfg.model)
     parallel = parallel_chosen(cfg, ranks, model_path, console)
     sharded, split = parallel == "fsdp", parallel == "ep"
-    placement = Placement(sharded, offloaded_layers(cfg, model_path, device, sharded or split), split)
+    placement = Placement(
+        sharded, offloaded_layers(cfg, model_path, device, sharded or split), split, cfg.train.ep_size
+    )
     chunk, offload = memory_helpers_chosen(cfg, ranks, model_path, console, parallel=parallel)
     recompute = Recompute(cfg.train.gradient_checkpointing, cfg.train.checkpoint_interval, chunk, offload)
     return build_policy(
@@ -134,6 +137,14 @@ def load_policy(
         placement=placement,
         ranks=ranks,
     )
+
+
+def experts_loaded_by(placement: Placement, ranks: Ranks) -> Ranks | None:
+    """Whose share of the experts this rank reads and quantizes: its ep group's place (expert_group), its fsdp
+    place, or None: all of them."""
+    if placement.experts_split:
+        return expert_group(ranks, placement.ep_size)
+    return ranks if placement.sharded else None
 
 
 def build_policy(
@@ -162,7 +173,7 @@ def build_policy(
         trust_remote_code=model_cfg.trust_remote_code,
         strict=model_cfg.strict_quantization,
         experts_on_host=placement.experts_on_host,
-        expert_shard=ranks if placement.by_rank else None,
+        expert_shard=experts_loaded_by(placement, ranks),
     )
     model = attach_adapters(load_model(opts), lora_cfg, seed=seed, device=opts.device)
     start_expert_offload(model, model_cfg, opts.experts_on_host, device, console)
@@ -191,9 +202,10 @@ def build_policy(
             f"{ranks.world} ranks"
         )
     if placement.experts_split:
-        ranks = split_experts(model, ranks)
+        ranks = split_experts(model, ranks, placement.ep_size)
         model.to(device_of(ranks))  # the rest, whole on every rank (the experts' rows and LoRA are there already)
-        console.print(f"ep: every MoE layer's experts and their LoRA split over {ranks.world} ranks, the rest whole")
+        split = describe_groups(ranks, placement.ep_size)
+        console.print(f"ep: every MoE layer's experts and their LoRA split over {split}, the rest whole")
     params = trainable_parameters(model)
     if not params:
         raise ValueError("no trainable parameters: lora.target_modules matched nothing and the model has no experts")

@@ -11,6 +11,7 @@ takes the same clipping and NaN decisions. Rank 0 alone writes logs, checkpoints
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import warnings
 from contextlib import contextmanager
@@ -122,10 +123,12 @@ def sum_scalars(ranks: Ranks, *values: float) -> list[float]:
 def sum_gradients(ranks: Ranks, params: list[torch.Tensor]) -> None:
     """p.grad <- sum over ranks of p.grad, for every trainable tensor held whole on every rank (a rank with no rows
     this step contributes zeros), through one flat buffer and one all_reduce. A sharded tensor's gradient (a
-    DTensor) is already summed: FSDP's backward reduce-scattered it (the divide factor is 1), and an ep rank's
-    experts got every rank's rows through the exchange."""
+    DTensor) is already summed within its shard group: FSDP's backward reduce-scattered it (the divide factor is
+    1), and an ep rank's experts got its group's rows through the exchange; over groups that replicate each other
+    (train.ep_size) it is summed by sum_over_replicas."""
     if not ranks.enabled:
         return
+    sum_over_replicas([p for p in params if is_sharded(p)])
     params = [p for p in params if not is_sharded(p)]
     if not params:
         return
@@ -137,6 +140,28 @@ def sum_gradients(ranks: Ranks, params: list[torch.Tensor]) -> None:
         n = g.numel()
         p.grad = flat[offset : offset + n].view_as(g).to(g.dtype)
         offset += n
+
+
+def replicated_dims(t: torch.Tensor) -> list[int]:
+    """The mesh dimensions (of size > 1) a DTensor is replicated over: copies on other ranks of the same rows."""
+    return [d for d, p in enumerate(t.placements) if p.is_replicate() and t.device_mesh.size(d) > 1]
+
+
+def replication(t: torch.Tensor) -> int:
+    """How many ranks hold each element of a sharded tensor (1 when only its own shard's rank does, and for a
+    tensor that is not a DTensor: the caller counts those)."""
+    return math.prod(t.device_mesh.size(d) for d in replicated_dims(t)) if is_sharded(t) else 1
+
+
+def sum_over_replicas(params: list[torch.Tensor]) -> None:
+    """Each DTensor gradient whose parameter is replicated over mesh dimensions (ep groups that replicate each
+    other) summed over them in place: each replica computed it from its own ranks' rows alone."""
+    for p in params:
+        dims = replicated_dims(p)
+        if dims and p.grad is None:  # every replica joins each all_reduce, in the same order
+            p.grad = torch.zeros_like(p)
+        for dim in dims:
+            dist.all_reduce(p.grad.to_local(), group=p.device_mesh.get_group(dim))
 
 
 def any_rank(ranks: Ranks, flag: bool) -> bool:

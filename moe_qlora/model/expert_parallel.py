@@ -7,6 +7,11 @@ Rank r holds experts shard_rows(E)[r] of every layer (torch.chunk's split, the o
 and quantizes only those: loading.LoadOptions.expert_shard). Its 4-bit stacks and expert biases keep those rows
 alone, as plain tensors; its expert LoRA factors are DTensors sharded on dim 0 over the ranks, so the optimizer
 steps its rows alone, and checkpoints and the adapter gather them whole (distributed.full_tensor) as under fsdp.
+
+With train.ep_size = G below the world size N, the experts are split over each group of G consecutive ranks (one
+node's GPUs, say), and the N/G groups are replicas of each other: a 2D mesh ("replicate", "ep"), the LoRA factors
+(Replicate, Shard(0)) on it, the exchange within the group, and the experts' LoRA gradients summed over the
+replicas (distributed.sum_gradients), as ddp sums the rest.
 """
 
 from __future__ import annotations
@@ -23,26 +28,45 @@ from moe_qlora.moe.layer_state import layer_state, read_state
 from moe_qlora.moe.stack_surgery import make_stacks_shardable
 
 
-def split_experts(model: nn.Module, ranks: Ranks) -> Ranks:
-    """Keep this rank's experts of every experts module of `model` (its LoRA attached), on its device; every
-    other tensor stays whole on every rank. Returns `ranks` marked sharded (collectives inside each forward and
-    backward: every rank runs each micro-batch) and experts_split."""
+def expert_group(ranks: Ranks, ep_size: int) -> Ranks:
+    """This rank's place in its ep group of `ep_size` consecutive ranks (0: all of them), as a Ranks whose rank and
+    world are the group's: what shard_rows needs to name its experts."""
+    size = ep_size or ranks.world
+    return replace(ranks, rank=ranks.rank % size, world=size)
+
+
+def describe_groups(ranks: Ranks, ep_size: int) -> str:
+    size = ep_size or ranks.world
+    if size == ranks.world:
+        return f"{size} ranks"
+    return f"each group of {size} ranks ({ranks.world // size} groups, replicas of each other)"
+
+
+def split_experts(model: nn.Module, ranks: Ranks, ep_size: int = 0) -> Ranks:
+    """Keep this rank's experts of every experts module of `model` (its LoRA attached), on its device: its share
+    of its group's (expert_group); every other tensor stays whole on every rank. Returns `ranks` marked sharded
+    (collectives inside each forward and backward: every rank runs each micro-batch) and experts_split."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    device = device_of(ranks)
-    mesh = init_device_mesh(device.type, (ranks.world,))
+    device, group = device_of(ranks), expert_group(ranks, ep_size)
+    replicas = ranks.world // group.world
+    if replicas > 1:
+        mesh = init_device_mesh(device.type, (replicas, group.world), mesh_dim_names=("replicate", "ep"))
+    else:
+        mesh = init_device_mesh(device.type, (group.world,), mesh_dim_names=("ep",))
     make_stacks_shardable(model)  # NF4 stacks as (E, ...) codes and scales, this rank's rows written
     modules = experts_modules(model)
     for name, module in modules:
         check_splittable(module, name)
         experts = module.moe_lora.gate_up_a.shape[0] if hasattr(module, "moe_lora") else expert_count(module)
-        check_every_rank_holds_experts(name, experts, ranks.world)
-        held = shard_rows(experts, ranks)
+        check_every_rank_holds_experts(name, experts, group.world)
+        held = shard_rows(experts, group)
         keep_expert_rows(module, name, experts, held, device)
         if hasattr(module, "moe_lora"):
             shard_lora(module.moe_lora, held, mesh, device)
-        bounds = tuple(shard_rows(experts, replace(ranks, rank=r)).start for r in range(ranks.world)) + (experts,)
-        layer_state(module).expert_shard = ExpertShard(bounds, ranks.rank)
+        bounds = tuple(shard_rows(experts, replace(group, rank=r)).start for r in range(group.world)) + (experts,)
+        ep_group = mesh.get_group("ep") if replicas > 1 else None
+        layer_state(module).expert_shard = ExpertShard(bounds, group.rank, ep_group)
     return replace(ranks, sharded=True, experts_split=True)
 
 
@@ -95,11 +119,13 @@ def keep_expert_rows(module: nn.Module, name: str, experts: int, held: range, de
 
 
 def shard_lora(lora: nn.Module, held: range, mesh, device: torch.device) -> None:
-    """The expert LoRA factors as DTensors sharded on dim 0, this rank's local part the rows `held` (their values
-    unchanged: every rank drew the same whole factors from the run's seed)."""
-    from torch.distributed.tensor import DTensor, Shard
+    """The expert LoRA factors as DTensors on `mesh` (("replicate",) "ep"): sharded on dim 0 within a group,
+    replicated over the groups, this rank's local part the rows `held` (their values unchanged: every rank drew
+    the same whole factors from the run's seed)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     for key, p in list(lora._parameters.items()):
         local = p.detach()[held.start : held.stop].to(device).contiguous()
-        whole = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
+        placements = [Replicate(), Shard(0)] if mesh.ndim == 2 else [Shard(0)]
+        whole = DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
         lora._parameters[key] = nn.Parameter(whole, requires_grad=p.requires_grad)

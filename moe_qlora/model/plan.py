@@ -330,14 +330,17 @@ def add_parallel_notes(plan: Plan, why: str, cfg: RunConfig, *, gpu_gib: float) 
             f"ddp over {gpus}: each holds all of the above; the fp32 LoRA gradients are all-reduced once a step"
         )
     elif plan.parallel == "ep":
+        group = cfg.train.ep_size or n
+        groups = f" in {n // group} groups of {group} (train.ep_size), replicas of each other" if group < n else ""
         plan.notes.append(
-            f"ep over {gpus}: each holds its share of every MoE layer's 4-bit experts (4.5 bits a weight: fp32 "
+            f"ep over {gpus}{groups}: each holds its share of every MoE layer's 4-bit experts (4.5 bits a weight: fp32 "
             "scales), their LoRA, gradients and optimizer state; the rest whole; exchange_buffers: one MoE layer "
             "call's rows sent, received, computed and returned"
         )
         plan.notes.append(
             "communication: each MoE layer call's routed rows out and back in the forward, the backward and the "
             "checkpointed forward's recompute (balanced routing assumed), and the whole tensors' LoRA gradients"
+            + (", and the experts' LoRA gradients over the groups" if groups else "")
         )
     else:
         plan.notes.append(

@@ -15,7 +15,7 @@ import bitsandbytes as bnb
 import torch
 
 from moe_qlora.common.device_runtime import CpuRuntime, runtime_for
-from moe_qlora.model.distributed import local_shard
+from moe_qlora.model.distributed import local_shard, replication
 from moe_qlora.train.position import StepPosition
 
 
@@ -67,9 +67,12 @@ def clip_global_norm(params, max_norm: float) -> float:
     parts = [local_shard(g) for g in grads]  # this rank's shards under fsdp / ep, the gradients themselves otherwise
     norms = [torch.linalg.vector_norm(part.float()) for part in parts]
     norm = torch.linalg.vector_norm(torch.stack(norms))
-    shard = [n for n, part, g in zip(norms, parts, grads, strict=True) if part is not g]
-    if shard:  # the shards' squares summed over the ranks, the whole tensors' (the same on each) counted once
-        squares = torch.linalg.vector_norm(torch.stack(shard)).square().double()
+    shard = [
+        n.square().double() / replication(g) for n, part, g in zip(norms, parts, grads, strict=True) if part is not g
+    ]
+    if shard:  # the shards' squares summed over the ranks (each copy of a replicated shard counted a part), the
+        # whole tensors' (the same on each rank) counted once
+        squares = torch.stack(shard).sum()
         torch.distributed.all_reduce(squares)
         whole = [n for n, part, g in zip(norms, parts, grads, strict=True) if part is g]
         norm = (squares + (torch.linalg.vector_norm(torch.stack(whole)).square().double() if whole else 0.0)).sqrt()

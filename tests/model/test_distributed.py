@@ -79,25 +79,14 @@ def runs(tmp_path_factory):
     return tmp / "single", tmp / "two", two
 
 
+FSDP_ARGS = ["--set", "train.micro_batch_size=2", "--set", "train.parallel=fsdp", "--set", "train.save_every=3"]
+
+
 @pytest.fixture(scope="module")
 def fsdp_run(runs, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp")
     proc = torchrun(
-        [
-            "train",
-            "--config",
-            str(DEMO),
-            *STEPS,
-            "--set",
-            "train.micro_batch_size=2",
-            "--set",
-            "train.parallel=fsdp",
-            "--set",
-            "train.save_every=3",
-            *LONG_CONTEXT,
-            "--set",
-            f"output.dir={tmp / 'run'}",
-        ],
+        ["train", "--config", str(DEMO), *STEPS, *FSDP_ARGS, *LONG_CONTEXT, "--set", f"output.dir={tmp / 'run'}"],
         env_for(tmp, **OFFLOAD_ALL),
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
@@ -125,39 +114,6 @@ def test_fsdp_over_two_ranks_reproduces_one_process(runs, fsdp_run):
     saved = load_file(str(run / "checkpoints" / "step-00000006" / "trainable.safetensors"))
     mine = load_file(str(single / "checkpoints" / "step-00000006" / "trainable.safetensors"))
     assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in mine.items()}
-
-
-def test_an_fsdp_checkpoint_resumes_exactly_at_the_same_world_size(fsdp_run, tmp_path):
-    """Checkpoint step 3 of the 2-rank FSDP run (whole tensors, gathered), resumed by 2 FSDP ranks, each taking
-    its shards of LoRA and of the AdamW moments: the end is the uninterrupted run's adapter, bit for bit (the MoE
-    rows in chunks and the layer inputs offloaded in both, LONG_CONTEXT)."""
-    run, _ = fsdp_run
-    resumed = Path(shutil.copytree(run, tmp_path / "resumed"))
-    proc = torchrun(
-        [
-            "train",
-            "--config",
-            str(DEMO),
-            *STEPS,
-            "--set",
-            "train.micro_batch_size=2",
-            "--set",
-            "train.parallel=fsdp",
-            "--set",
-            "train.save_every=3",
-            *LONG_CONTEXT,
-            "--set",
-            f"output.dir={resumed}",
-            "--resume-from",
-            str(resumed / "checkpoints" / "step-00000003"),
-        ],
-        env_for(tmp_path, **OFFLOAD_ALL),
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert "resumed from" in proc.stdout and "warning" not in proc.stdout
-    assert [r["step"] for r in records(resumed)] == [1, 2, 3, 4, 5, 6]
-    a, b = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in (run, resumed))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_checkpoint_of_two_fsdp_ranks_resumes_in_one_process_from_the_same_global_position(fsdp_run, tmp_path):
@@ -265,17 +221,15 @@ def test_ep_over_two_ranks_reproduces_one_process(runs, ep_run):
     assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in mine.items()}
 
 
-@pytest.mark.parametrize("layout", ["ep", "ddp"])
-def test_an_ep_checkpoint_resumes_under_ep_exactly_and_under_ddp_as_the_same_run(ep_run, tmp_path, layout):
-    """Checkpoint step 3 of the ep run (whole tensors), resumed by 2 ranks: under ep, each rank taking its experts'
-    rows of LoRA and AdamW moments, the end is the uninterrupted run's adapter bit for bit; under ddp (the whole
-    model on each rank: another layout) it is the same run within AdamW's noise (the bound above)."""
+def test_an_ep_checkpoint_resumes_under_ddp_as_the_same_run(ep_run, tmp_path):
+    """Checkpoint step 3 of the ep run (whole tensors) resumed by 2 ranks under ddp (the whole model on each rank:
+    another layout): the same run within AdamW's noise (the bound above), and not bit for bit (another order of
+    the sums). Resumed under ep it is bit for bit: the SIGKILL test below."""
     run, _ = ep_run
     resumed = Path(shutil.copytree(run, tmp_path / "resumed"))
-    args = [*EP_ARGS, "--set", f"train.parallel={layout}"]
     proc = torchrun(
-        ["train", "--config", str(DEMO), *STEPS, *args, *LONG_CONTEXT, "--set", f"output.dir={resumed}"]
-        + ["--resume-from", str(resumed / "checkpoints" / "step-00000003")],
+        ["train", "--config", str(DEMO), *STEPS, *EP_ARGS, "--set", "train.parallel=ddp", *LONG_CONTEXT]
+        + ["--set", f"output.dir={resumed}", "--resume-from", str(resumed / "checkpoints" / "step-00000003")],
         env_for(tmp_path, **OFFLOAD_ALL),
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
@@ -283,11 +237,8 @@ def test_an_ep_checkpoint_resumes_under_ep_exactly_and_under_ddp_as_the_same_run
     assert [r["step"] for r in records(resumed)] == [1, 2, 3, 4, 5, 6]
     a, b = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in (run, resumed))
     assert a.keys() == b.keys()
-    if layout == "ep":
-        assert all(torch.equal(a[k], b[k]) for k in a)
-    else:
-        assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 5e-5
-        assert any(not torch.equal(a[k], b[k]) for k in a)  # another layout: another order of the sums
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 5e-5
+    assert any(not torch.equal(a[k], b[k]) for k in a)
 
 
 def test_two_ranks_reproduce_one_process_with_the_same_global_batch(runs):
@@ -349,9 +300,15 @@ joined = join(60)
 lora = LoraSection(rank=4, target_modules=["o_proj"])
 
 
-def gradient_of(path):
+def gradient_of(path, layout):
+    from moe_qlora.model.expert_parallel import expert_group
+
     ranks = joined
-    expert_shard = ranks if sys.argv[2] in ("fsdp", "ep") and ranks.enabled else None
+    layout, _, ep_size = layout.partition(":")  # ep:2: experts split over each group of 2 ranks
+    ep_size = int(ep_size or 0)
+    expert_shard = ranks if layout in ("fsdp", "ep") and ranks.enabled else None
+    if layout == "ep" and ranks.enabled:
+        expert_shard = expert_group(ranks, ep_size)
     model = attach_adapters(load_model(LoadOptions(path, expert_shard=expert_shard)), lora, seed=0)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -365,14 +322,14 @@ def gradient_of(path):
     if not mine:  # 6 rows over 4 ranks: the last has none, and runs a row with no target, as a run's step does
         mine = [idle_row(rows[0])]
     shards = {}
-    if sys.argv[2] == "fsdp" and ranks.enabled:
+    if layout == "fsdp" and ranks.enabled:
         ranks = shard_model(model, ranks)
         shards = {k: (tuple(local_shard(p).shape), tuple(p.shape)) for k, p in model.named_parameters()
                   if k.endswith(("_nf4", "_blocks"))}
-    if sys.argv[2] == "ep" and ranks.enabled:
+    if layout == "ep" and ranks.enabled:
         from moe_qlora.model.expert_parallel import split_experts
 
-        ranks = split_experts(model, ranks)
+        ranks = split_experts(model, ranks, ep_size)
         shards = {k: (tuple(local_shard(p).shape), tuple(p.shape)) for k, p in model.named_parameters()
                   if "moe_lora" in k or k.endswith(("_nf4", "_blocks"))}
     loss, n, _ = accumulate_gradients(model, [collate(mine, 0)], ranks=ranks)
@@ -380,7 +337,8 @@ def gradient_of(path):
     return {"loss": loss, "n": n, "grads": grads, "shards": shards}
 
 
-results = [gradient_of(path) for path in (sys.argv[3:] or [str(ensure_tiny("mixtral"))])]
+paths = sys.argv[3:] or [str(ensure_tiny("mixtral"))]
+results = [gradient_of(path, layout) for layout in sys.argv[2].split(",") for path in paths]
 if joined.main:
     torch.save(results, sys.argv[1])
 leave(joined)
@@ -460,7 +418,9 @@ def test_expert_parallel_gradients_of_two_and_four_ranks_are_the_one_process_gra
     routed rows exchanged with all_to_all. The summed LoRA gradients, gathered whole, are the one-process gradient
     within 1e-6 of its scale (assert_same_gradients: fp32 sums in another order) for Mixtral, Qwen3-MoE (a shared
     expert), DeepSeek-V3 (grouped routing, its first layer dense), gpt-oss (biases, its own gate) in NF4 and as
-    published in MXFP4; over 4 ranks the last rank has no row of its own and runs a row with no target."""
+    published in MXFP4; over 4 ranks the last rank has no row of its own and runs a row with no target. Over 4
+    ranks also as 2 groups of 2 (train.ep_size: 2; 4 experts a rank, the groups replicas whose experts' gradients
+    are summed over them). Control by hand: without that sum (distributed.sum_over_replicas a no-op) it fails."""
     tok = build_byte_tokenizer()
     paths = [
         str(save_tiny_model(tmp_path / family, tiny_config(family, len(tok)), seed=0, tokenizer=tok))
@@ -468,13 +428,14 @@ def test_expert_parallel_gradients_of_two_and_four_ranks_are_the_one_process_gra
     ]
     paths.append(str(publish_gpt_oss_mxfp4(Path(paths[-1]), tmp_path / "gpt_oss_mxfp4")[0]))
     one, two = gradients_over_models(tmp_path, "ep", paths, world=2)
-    _, four = gradients_over_models(tmp_path, "ep", paths, world=4, one=one)
-    for world, results in ((2, two), (4, four)):
+    _, four = gradients_over_models(tmp_path, "ep,ep:2", paths, world=4, one=one)
+    # (ranks, ranks an expert group holds, results): over 2, over 4, and over 4 as 2 groups of 2 (train.ep_size 2)
+    for world, group, results in ((2, 2, two), (4, 4, four[: len(paths)]), (4, 2, four[len(paths) :])):
         for path, a, b in zip(paths, one, results, strict=True):
             split = {k: v for k, v in b["shards"].items() if "moe_lora" in k or k.endswith(("_nf4", "_blocks"))}
             # LoRA: DTensors of 8 experts, this rank's rows local; codes and blocks: this rank's rows alone.
             assert split and all(
-                local[0] == 8 // world and whole[0] == (8 if "moe_lora" in k else 8 // world)
+                local[0] == 8 // group and whole[0] == (8 if "moe_lora" in k else 8 // group)
                 for k, (local, whole) in split.items()
             ), path
             assert_same_gradients(a, b)
@@ -599,13 +560,26 @@ def rank_pids(launcher_pid: int) -> dict[int, int]:
     return found
 
 
+def kill_rank_1_after_steps(args: list[str], env: dict, out: Path, steps: int) -> None:
+    """Launch `args` on 2 ranks and SIGKILL rank 1 once rank 0 has logged `steps` steps to `out`/metrics.jsonl;
+    torchrun then stops rank 0, and the launch fails."""
+    import signal
+    import time
+
+    launcher = subprocess.Popen(torchrun_command(args), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics, killed = out / "metrics.jsonl", False
+    while launcher.poll() is None and not killed:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            os.kill(rank_pids(launcher.pid)[1], signal.SIGKILL)
+            killed = True
+        time.sleep(0.002)
+    assert killed and launcher.wait(timeout=120) != 0
+
+
 def test_sigkill_of_one_rank_then_resume_gives_the_uninterrupted_result(tmp_path):
     """Two ranks, a checkpoint every 2 steps; rank 1 is SIGKILLed after rank 0 logged 5 steps. torchrun stops
     the other rank; relaunched with --resume, the run ends with the uninterrupted run's adapter, tensor for
     tensor, and metrics.jsonl holds each step once."""
-    import signal
-    import time
-
     args = [
         "train",
         "--config",
@@ -626,22 +600,34 @@ def test_sigkill_of_one_rank_then_resume_gives_the_uninterrupted_result(tmp_path
     assert reference.returncode == 0, reference.stderr[-2000:]
 
     out = tmp_path / "crashed"
-    cmd = torchrun_command([*args, "--set", f"output.dir={out}"])
-    launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    metrics, killed = out / "metrics.jsonl", False
-    while launcher.poll() is None and not killed:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
-            os.kill(rank_pids(launcher.pid)[1], signal.SIGKILL)
-            killed = True
-        time.sleep(0.002)
-    assert killed and launcher.wait(timeout=120) != 0
-
+    kill_rank_1_after_steps([*args, "--set", f"output.dir={out}"], env, out, steps=5)
     resumed = torchrun([*args, "--set", f"output.dir={out}", "--set", "train.resume=auto"], env)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout
     assert [r["step"] for r in records(out)] == list(range(1, 9))
     a = load_file(str(out / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "reference" / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "ep"])
+def test_sigkill_of_one_sharded_rank_then_resume_ends_on_the_uninterrupted_adapter(request, tmp_path, layout):
+    """The 2-rank fsdp and ep runs (their fixtures: 6 steps, the long-context helpers on) relaunched with a
+    checkpoint every 2 steps; rank 1 is SIGKILLed once rank 0 has logged 3. `--resume` (each rank taking its
+    shards, or its experts' rows, of the whole tensors checkpointed) ends on the uninterrupted run's adapter,
+    tensor for tensor, with each step logged once."""
+    run, _ = request.getfixturevalue(f"{layout}_run")
+    out = tmp_path / "crashed"
+    layout_args = {"fsdp": FSDP_ARGS, "ep": EP_ARGS}[layout]
+    args = ["train", "--config", str(DEMO), *STEPS, *layout_args, *LONG_CONTEXT, "--set", "train.save_every=2"]
+    args += ["--set", "train.dist_timeout_s=60", "--set", f"output.dir={out}"]
+    env = env_for(tmp_path, **OFFLOAD_ALL)
+    kill_rank_1_after_steps(args, env, out, steps=3)
+    resumed = torchrun([*args, "--resume"], env, timeout=180)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert "resumed from" in resumed.stdout and "warning" not in resumed.stdout
+    assert [r["step"] for r in records(out)] == [1, 2, 3, 4, 5, 6]
+    a, b = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in (run, out))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -844,22 +830,27 @@ def test_accelerate_launch_and_two_nodes_run_the_same_data_parallel_steps(runs, 
 
 
 def test_ep_over_two_nodes_of_two_ranks_trains_checkpoints_and_resumes_as_one_node(runs, tmp_path):
-    """train.parallel: ep on two 'nodes' of 2 ranks (c10d rendezvous, LOCAL_RANK 0 and 1 on each): 4 ranks x
-    micro-batch 1 x grad_accum 2 are one process's global batch of 8 (losses within 1e-5, as on one node), each
-    rank holding 2 of the 8 experts; the checkpoint of step 3 resumed on two nodes ends on the uninterrupted
-    adapter, bit for bit."""
+    """train.parallel: ep on two 'nodes' of 2 ranks (c10d rendezvous, LOCAL_RANK 0 and 1 on each), the experts
+    split within each node (train.ep_size: 2; each rank holds 4 of the 8 experts, the nodes replicas of each
+    other, the experts' LoRA gradients summed across them): 4 ranks x micro-batch 1 x grad_accum 2 are one
+    process's global batch of 8, losses and gradient norms within 1e-5 (as on one node; the norm counts each
+    replicated shard once); the checkpoint of step 3 resumed on two nodes ends on the uninterrupted adapter, bit
+    for bit."""
     single, _, _ = runs
     args = ["train", "--config", str(DEMO), *STEPS, "--set", "train.micro_batch_size=1"]
-    args += ["--set", "train.parallel=ep", "--set", "train.save_every=3"]
+    args += ["--set", "train.parallel=ep", "--set", "train.ep_size=2", "--set", "train.save_every=3"]
     env = env_for(tmp_path)
     run = tmp_path / "run"
     procs = launch_two_nodes([*args, "--set", f"output.dir={run}"], env, per_node=2)
     for proc in procs:
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert sum(p.stdout.count("data parallel (ep): 4 ranks x micro_batch_size 1, global batch 8") for p in procs) == 1
+    said = " ".join(" ".join(p.stdout for p in procs).split())
+    assert said.count("data parallel (ep): 4 ranks x micro_batch_size 1, global batch 8") == 1
+    assert "experts and their LoRA split over each group of 2 ranks (2 groups, replicas of each other)" in said
     a, b = records(single), records(run)
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6] and [r["tokens"] for r in a] == [r["tokens"] for r in b]
     assert max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b, strict=True)) <= 1e-5
+    assert max(abs(x["grad_norm"] - y["grad_norm"]) / x["grad_norm"] for x, y in zip(a, b, strict=True)) <= 1e-5
     resumed = Path(shutil.copytree(run, tmp_path / "resumed"))
     checkpoint = ["--resume-from", str(resumed / "checkpoints" / "step-00000003")]
     procs = launch_two_nodes([*args, "--set", f"output.dir={resumed}", *checkpoint], env, per_node=2)

@@ -98,3 +98,40 @@ def test_auto_takes_ep_where_it_fits_and_sends_less_than_fsdp_and_fsdp_where_it_
     assert ep["fits"] and fsdp["fits"]
     assert ep["communication_bytes_per_step"] > fsdp["communication_bytes_per_step"]
     assert plan_json(*long, "--parallel", "auto")["parallel"] == "fsdp"
+
+
+def test_ep_in_groups_splits_the_experts_within_a_group_and_sums_their_gradients_over_the_groups(tiny_mixtral):
+    """train.ep_size 2 over 4 GPUs: each GPU's bytes are those of ep over 2 (4 of the 8 experts and their LoRA);
+    the exchange is the 2-GPU group's; the whole LoRA is all-reduced over the 4 GPUs, and each GPU's experts' LoRA
+    gradients over the 2 replica groups (2 (R-1)/R of them, R = 2). Control: ep over all 4 holds fewer experts a
+    GPU and sends more rows."""
+    path, lora = tiny_mixtral
+    cfg = config(path, grad_accum=2, ep_size=2)
+    grouped = plan_run(cfg, name_or_path=str(path), gpus=4, parallel="ep")
+    pair = plan_run(config(path, grad_accum=2), name_or_path=str(path), gpus=2, parallel="ep")
+    assert grouped.bytes == pair.bytes
+    whole = sum(math.prod(s) for n, s in lora.items() if "moe_lora" not in n)
+    experts_per_gpu = sum(4 * math.prod(s[1:]) for n, s in lora.items() if "moe_lora" in n)
+    rows = 32 * 2 * 64 * 2
+    exchange = 2 * 3 * 2 * rows * (2 - 1) // 2
+    reduce = 2 * 3 * 4 * whole // 4 + 2 * 1 * 4 * experts_per_gpu // 2
+    assert grouped.communication_bytes_per_step == 2 * exchange + reduce
+    four = plan_run(config(path, grad_accum=2), name_or_path=str(path), gpus=4, parallel="ep")
+    assert four.bytes["experts_nf4"] < grouped.bytes["experts_nf4"]
+    assert four.communication_bytes_per_step != grouped.communication_bytes_per_step
+
+
+@pytest.mark.parametrize(
+    ("train", "world", "message"),
+    [
+        ({"parallel": "fsdp", "ep_size": 2}, 4, "train.ep_size: 2 splits the experts under train.parallel: ep, and"),
+        ({"parallel": "ep", "ep_size": 1}, 4, "train.ep_size: 1 keeps every expert on every rank"),
+        ({"parallel": "ep", "ep_size": 3}, 4, "train.ep_size: 3 does not divide the 4 ranks launched"),
+    ],
+)
+def test_an_ep_size_that_cannot_split_the_experts_is_refused_naming_the_key(tmp_path, train, world, message):
+    from moe_qlora.config.methods import check_method
+    from moe_qlora.config.sections import ConfigError
+
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        check_method("train", config(tmp_path, **train), world=world, source="cfg.yaml")
