@@ -75,8 +75,13 @@ def check_sharding(cfg: RunConfig, *, world: int) -> None:
 
 
 def check_ep_size(cfg: RunConfig, *, world: int) -> None:
-    """train.ep_size: only under ep (or auto, which may choose it), at least 2 (1 would be ddp through an
-    exchange with itself), and a divisor of the world size."""
+    """train.ep_size and train.ep_dense: only under ep (or auto, which may choose it); ep_size at least 2 (1 would
+    be ddp through an exchange with itself), and a divisor of the world size."""
+    if cfg.train.ep_dense != "replicate" and cfg.train.parallel in ("ddp", "fsdp"):
+        raise ConfigError(
+            f"train.ep_dense: {cfg.train.ep_dense} places the non-expert part under train.parallel: ep, and this run "
+            f"is {cfg.train.parallel}: set train.parallel: ep, or leave train.ep_dense out"
+        )
     size = cfg.train.ep_size
     if not size:
         return

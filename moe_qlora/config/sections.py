@@ -242,6 +242,13 @@ class TrainSection(Section):
         "say); the world size must be a multiple of it, and the groups are replicas of each other (their experts' "
         "LoRA gradients summed, as ddp does); 0: all the ranks",
     )
+    ep_dense: Literal["replicate", "fsdp"] = Field(
+        "replicate",
+        description="train.parallel: ep: what the ranks do with the rest of the model (attention, routers, shared "
+        "experts, dense layers, embeddings, head): replicate it whole on each (its LoRA gradients all-reduced), or "
+        "fsdp: shard it with FSDP2 over all the ranks, one FSDP group a decoder layer (gathered for its forward "
+        "and again for its backward), for a model whose non-expert part does not fit beside the experts",
+    )
     dist_timeout_s: int = Field(
         600, ge=10, description="data parallel: a rank waiting longer than this for the others stops the run"
     )

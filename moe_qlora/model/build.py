@@ -24,7 +24,7 @@ from moe_qlora.model.adapters import (
 )
 from moe_qlora.model.checkpoint_files import check_model_path, read_model_config
 from moe_qlora.model.distributed import SINGLE, Ranks, device_of, shard_model
-from moe_qlora.model.expert_parallel import describe_groups, expert_group, split_experts
+from moe_qlora.model.expert_parallel import describe_groups, expert_group, shard_dense, split_experts
 from moe_qlora.model.kernel_choice import describe_kernels, resolve_kernels
 from moe_qlora.model.loaded_model import parameter_bytes_by_kind
 from moe_qlora.model.loading import LoadOptions, load_model
@@ -53,6 +53,7 @@ class Placement:
     experts_on_host: frozenset[str] = frozenset()
     experts_split: bool = False
     ep_size: int = 0  # experts_split: the consecutive ranks each layer's experts are split over (0: all of them)
+    dense_sharded: bool = False  # experts_split: the rest FSDP2-sharded over all the ranks (train.ep_dense: fsdp)
 
     @property
     def by_rank(self) -> bool:
@@ -123,7 +124,11 @@ def load_policy(
     parallel = parallel_chosen(cfg, ranks, model_path, console)
     sharded, split = parallel == "fsdp", parallel == "ep"
     placement = Placement(
-        sharded, offloaded_layers(cfg, model_path, device, sharded or split), split, cfg.train.ep_size
+        sharded,
+        offloaded_layers(cfg, model_path, device, sharded or split),
+        split,
+        cfg.train.ep_size,
+        dense_sharded=split and cfg.train.ep_dense == "fsdp",
     )
     chunk, offload = memory_helpers_chosen(cfg, ranks, model_path, console, parallel=parallel)
     recompute = Recompute(cfg.train.gradient_checkpointing, cfg.train.checkpoint_interval, chunk, offload)
@@ -203,9 +208,15 @@ def build_policy(
         )
     if placement.experts_split:
         ranks = split_experts(model, ranks, placement.ep_size)
-        model.to(device_of(ranks))  # the rest, whole on every rank (the experts' rows and LoRA are there already)
         split = describe_groups(ranks, placement.ep_size)
-        console.print(f"ep: every MoE layer's experts and their LoRA split over {split}, the rest whole")
+        if placement.dense_sharded:
+            ranks = shard_dense(model, ranks)
+            move_unsharded_to(model, device_of(ranks))
+            rest = f"the rest sharded with FSDP2 over {ranks.world} ranks (train.ep_dense: fsdp)"
+        else:
+            model.to(device_of(ranks))  # the rest, whole on every rank (the experts' rows and LoRA are there already)
+            rest = "the rest whole"
+        console.print(f"ep: every MoE layer's experts and their LoRA split over {split}, {rest}")
     params = trainable_parameters(model)
     if not params:
         raise ValueError("no trainable parameters: lora.target_modules matched nothing and the model has no experts")

@@ -204,9 +204,10 @@ class RankFailed(RuntimeError):
 # --- FSDP2: sharded 4-bit experts -------------------------------------------------------------------------------
 
 
-def shard_model(model, ranks: Ranks) -> Ranks:
+def shard_model(model, ranks: Ranks, keep: frozenset = frozenset()) -> Ranks:
     """Shard `model` over the ranks with FSDP2 (torch.distributed.fsdp.fully_shard): one FSDP group per decoder
-    layer (the classes in the model's _no_split_modules) and the root for the rest.
+    layer (the classes in the model's _no_split_modules) and the root for the rest. `keep`: parameters FSDP
+    leaves alone (ep's experts, split over the ranks already: expert_parallel.shard_dense).
 
     Sharded on dim 0: the NF4 expert stacks (by expert) and the other 4-bit linears (by output row), each made
     plain frozen parameters of codes and fp32 scales first (a Params4bit keeps its scales in a quant_state FSDP
@@ -229,7 +230,7 @@ def shard_model(model, ranks: Ranks) -> Ranks:
     # nothing writes to it in place, which is what the warning is about.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     mesh = init_device_mesh(device_of(ranks).type, (ranks.world,))
-    whole = {p for p in model.parameters() if isinstance(p, bnb.nn.Params4bit)}
+    whole = {p for p in model.parameters() if isinstance(p, bnb.nn.Params4bit)} | set(keep)
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
     if not layers:

@@ -129,3 +129,14 @@ def shard_lora(lora: nn.Module, held: range, mesh, device: torch.device) -> None
         placements = [Replicate(), Shard(0)] if mesh.ndim == 2 else [Shard(0)]
         whole = DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
         lora._parameters[key] = nn.Parameter(whole, requires_grad=p.requires_grad)
+
+
+def shard_dense(model: nn.Module, ranks: Ranks) -> Ranks:
+    """After split_experts (train.ep_dense: fsdp): everything but the experts (attention, routers, shared experts,
+    dense layers, embeddings, head, and their LoRA) sharded with FSDP2 over all the ranks, one FSDP group a decoder
+    layer, as distributed.shard_model does for fsdp; each experts module's tensors (its split stacks and LoRA) left
+    to ep. The dense LoRA gradients are then reduce-scattered by FSDP's backward instead of all-reduced."""
+    from moe_qlora.model.distributed import shard_model
+
+    experts = frozenset(p for _, module in experts_modules(model) for p in module.parameters())
+    return shard_model(model, ranks, keep=experts)

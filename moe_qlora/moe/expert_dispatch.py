@@ -12,7 +12,7 @@ Every rank must call the exchange for every layer call, with or without tokens: 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +32,13 @@ class ExpertShard:
     bounds: tuple[int, ...]
     rank: int
     group: Any = None
+    on_device: dict = field(default_factory=dict, compare=False, repr=False)  # bounds as a tensor, by device
+
+    def bounds_on(self, device: torch.device) -> torch.Tensor:
+        """(W + 1,) int64 `bounds` on `device`, copied there once (not a host-to-device copy every layer call)."""
+        if device not in self.on_device:
+            self.on_device[device] = torch.tensor(self.bounds, device=device)
+        return self.on_device[device]
 
     @property
     def num_experts(self) -> int:
@@ -74,8 +81,7 @@ def exchange_with_expert_ranks(
 
 def rows_per_rank(routing: RoutedTokens, shard: ExpertShard) -> torch.Tensor:
     """(W,) int64: how many of this rank's sorted rows go to each rank (the rows of its experts' range)."""
-    bounds = torch.tensor(shard.bounds, device=routing.offsets_device.device)
-    at = routing.offsets_device.index_select(0, bounds)
+    at = routing.offsets_device.index_select(0, shard.bounds_on(routing.offsets_device.device))
     return at[1:] - at[:-1]
 
 

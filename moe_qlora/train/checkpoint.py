@@ -90,6 +90,8 @@ BOOKKEEPING = {
     "keep_best",
     "dist_timeout_s",
     "parallel",
+    "ep_size",  # as `parallel`: where the experts are computed, the same sums in another order
+    "ep_dense",
     # the long-context memory helpers: the same step, held in less memory (bitwise for the offload, to fp32
     # rounding for the chunks, as for `parallel`): a run out of memory may resume with them turned on
     "mlp_chunk_tokens",

@@ -185,15 +185,17 @@ def test_a_checkpoint_of_two_fsdp_ranks_resumes_in_one_process_from_the_same_glo
 
 
 EP_ARGS = ["--set", "train.micro_batch_size=2", "--set", "train.parallel=ep", "--set", "train.save_every=3"]
+EP_DENSE_FSDP = ["--set", "train.ep_dense=fsdp"]  # the ep run's: the rest sharded (replicated in the other ep tests)
 
 
 @pytest.fixture(scope="module")
 def ep_run(tmp_path_factory):
-    """The demo for 6 steps on 2 ranks under train.parallel: ep, with the MoE rows in chunks and the layer inputs
-    offloaded (LONG_CONTEXT), a checkpoint at step 3."""
+    """The demo for 6 steps on 2 ranks under train.parallel: ep, the rest sharded with FSDP2 (train.ep_dense:
+    fsdp), with the MoE rows in chunks and the layer inputs offloaded (LONG_CONTEXT), a checkpoint at step 3."""
     tmp = tmp_path_factory.mktemp("ep")
+    args = [*STEPS, *EP_ARGS, *EP_DENSE_FSDP, *LONG_CONTEXT, "--set", f"output.dir={tmp / 'run'}"]
     proc = torchrun(
-        ["train", "--config", str(DEMO), *STEPS, *EP_ARGS, *LONG_CONTEXT, "--set", f"output.dir={tmp / 'run'}"],
+        ["train", "--config", str(DEMO), *args],
         env_for(tmp, **OFFLOAD_ALL),
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
@@ -211,7 +213,7 @@ def test_ep_over_two_ranks_reproduces_one_process(runs, ep_run):
     assert max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b, strict=True)) <= 1e-5
     assert max(abs(x["grad_norm"] - y["grad_norm"]) / x["grad_norm"] for x, y in zip(a, b, strict=True)) <= 1e-5
     said = " ".join(proc.stdout.split())
-    assert "ep: every MoE layer's experts and their LoRA split over 2 ranks" in said
+    assert "ep: every MoE layer's experts and their LoRA split over 2 ranks, the rest sharded with FSDP2" in said
     assert "data parallel (ep): 2 ranks x micro_batch_size 2, global batch 8" in said
     fa, fb = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in (single, run))
     diff = torch.cat([(fa[k] - fb[k]).abs().flatten() for k in fa])
@@ -306,6 +308,7 @@ def gradient_of(path, layout):
     ranks = joined
     layout, _, ep_size = layout.partition(":")  # ep:2: experts split over each group of 2 ranks
     ep_size = int(ep_size or 0)
+    layout, _, dense = layout.partition("+")  # ep+fsdp: the rest FSDP2-sharded over all ranks (train.ep_dense)
     expert_shard = ranks if layout in ("fsdp", "ep") and ranks.enabled else None
     if layout == "ep" and ranks.enabled:
         expert_shard = expert_group(ranks, ep_size)
@@ -330,8 +333,11 @@ def gradient_of(path, layout):
         from moe_qlora.model.expert_parallel import split_experts
 
         ranks = split_experts(model, ranks, ep_size)
-        shards = {k: (tuple(local_shard(p).shape), tuple(p.shape)) for k, p in model.named_parameters()
-                  if "moe_lora" in k or k.endswith(("_nf4", "_blocks"))}
+        if dense == "fsdp":
+            from moe_qlora.model.expert_parallel import shard_dense
+
+            ranks = shard_dense(model, ranks)
+        shards = {k: (tuple(local_shard(p).shape), tuple(p.shape)) for k, p in model.named_parameters()}
     loss, n, _ = accumulate_gradients(model, [collate(mine, 0)], ranks=ranks)
     grads = {k: full_tensor(p.grad) for k, p in model.named_parameters() if p.requires_grad}  # every rank gathers
     return {"loss": loss, "n": n, "grads": grads, "shards": shards}
@@ -420,7 +426,9 @@ def test_expert_parallel_gradients_of_two_and_four_ranks_are_the_one_process_gra
     expert), DeepSeek-V3 (grouped routing, its first layer dense), gpt-oss (biases, its own gate) in NF4 and as
     published in MXFP4; over 4 ranks the last rank has no row of its own and runs a row with no target. Over 4
     ranks also as 2 groups of 2 (train.ep_size: 2; 4 experts a rank, the groups replicas whose experts' gradients
-    are summed over them). Control by hand: without that sum (distributed.sum_over_replicas a no-op) it fails."""
+    are summed over them), and so again with the rest FSDP2-sharded over the 4 (train.ep_dense: fsdp; its LoRA
+    gradients reduce-scattered). Control by hand: without the sum over the groups (distributed.sum_over_replicas a
+    no-op) it fails."""
     tok = build_byte_tokenizer()
     paths = [
         str(save_tiny_model(tmp_path / family, tiny_config(family, len(tok)), seed=0, tokenizer=tok))
@@ -428,11 +436,17 @@ def test_expert_parallel_gradients_of_two_and_four_ranks_are_the_one_process_gra
     ]
     paths.append(str(publish_gpt_oss_mxfp4(Path(paths[-1]), tmp_path / "gpt_oss_mxfp4")[0]))
     one, two = gradients_over_models(tmp_path, "ep", paths, world=2)
-    _, four = gradients_over_models(tmp_path, "ep,ep:2", paths, world=4, one=one)
-    # (ranks, ranks an expert group holds, results): over 2, over 4, and over 4 as 2 groups of 2 (train.ep_size 2)
-    for world, group, results in ((2, 2, two), (4, 4, four[: len(paths)]), (4, 2, four[len(paths) :])):
+    _, four = gradients_over_models(tmp_path, "ep,ep:2,ep+fsdp:2", paths, world=4, one=one)
+    by_layout = [four[i * len(paths) : (i + 1) * len(paths)] for i in range(3)]
+    # (ranks, ranks an expert group holds, the rest sharded, results): over 2, over 4, over 4 as 2 groups of 2
+    # (train.ep_size 2), and so with the rest sharded over the 4
+    layouts = ((2, 2, False, two), (4, 4, False, by_layout[0]), (4, 2, False, by_layout[1]), (4, 2, True, by_layout[2]))
+    for world, group, dense_sharded, results in layouts:
         for path, a, b in zip(paths, one, results, strict=True):
             split = {k: v for k, v in b["shards"].items() if "moe_lora" in k or k.endswith(("_nf4", "_blocks"))}
+            split = {k: v for k, v in split.items() if ".experts." in k}  # not shared_experts
+            dense = {k: v for k, v in b["shards"].items() if "self_attn" in k and "weight" in k}
+            assert dense and all((local[0] < whole[0]) == dense_sharded for local, whole in dense.values()), path
             # LoRA: DTensors of 8 experts, this rank's rows local; codes and blocks: this rank's rows alone.
             assert split and all(
                 local[0] == 8 // group and whole[0] == (8 if "moe_lora" in k else 8 // group)
@@ -618,7 +632,7 @@ def test_sigkill_of_one_sharded_rank_then_resume_ends_on_the_uninterrupted_adapt
     tensor for tensor, with each step logged once."""
     run, _ = request.getfixturevalue(f"{layout}_run")
     out = tmp_path / "crashed"
-    layout_args = {"fsdp": FSDP_ARGS, "ep": EP_ARGS}[layout]
+    layout_args = {"fsdp": FSDP_ARGS, "ep": EP_ARGS + EP_DENSE_FSDP}[layout]
     args = ["train", "--config", str(DEMO), *STEPS, *layout_args, *LONG_CONTEXT, "--set", "train.save_every=2"]
     args += ["--set", "train.dist_timeout_s=60", "--set", f"output.dir={out}"]
     env = env_for(tmp_path, **OFFLOAD_ALL)
@@ -1056,7 +1070,8 @@ def test_out_of_memory_inside_an_ep_forward_stops_the_run_and_resumes_on_the_uni
     time limit, and `--resume` ends on the uninterrupted ep run's adapter, tensor for tensor."""
     run, _ = ep_run
     out = tmp_path / "run"
-    args = ["train", "--config", str(DEMO), *STEPS, *EP_ARGS, *LONG_CONTEXT, "--set", "train.save_every=2"]
+    args = ["train", "--config", str(DEMO), *STEPS, *EP_ARGS, *EP_DENSE_FSDP, *LONG_CONTEXT]
+    args += ["--set", "train.save_every=2"]
     args += ["--set", "train.dist_timeout_s=60", "--set", f"output.dir={out}"]
     env = {**env_on_rank_1(tmp_path, MOE_QLORA_INJECT_OOM="4:forward"), **OFFLOAD_ALL}
     proc = torchrun(args, env, timeout=180)

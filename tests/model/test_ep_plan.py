@@ -127,9 +127,10 @@ def test_ep_in_groups_splits_the_experts_within_a_group_and_sums_their_gradients
         ({"parallel": "fsdp", "ep_size": 2}, 4, "train.ep_size: 2 splits the experts under train.parallel: ep, and"),
         ({"parallel": "ep", "ep_size": 1}, 4, "train.ep_size: 1 keeps every expert on every rank"),
         ({"parallel": "ep", "ep_size": 3}, 4, "train.ep_size: 3 does not divide the 4 ranks launched"),
+        ({"parallel": "ddp", "ep_dense": "fsdp"}, 2, "train.ep_dense: fsdp places the non-expert part under"),
     ],
 )
-def test_an_ep_size_that_cannot_split_the_experts_is_refused_naming_the_key(tmp_path, train, world, message):
+def test_an_ep_setting_that_cannot_apply_is_refused_naming_the_key(tmp_path, train, world, message):
     from moe_qlora.config.methods import check_method
     from moe_qlora.config.sections import ConfigError
 
