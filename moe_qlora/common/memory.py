@@ -10,19 +10,43 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+from contextlib import contextmanager
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+GLIBC_MAPPED_FROM = 32 * 2**20  # the highest mmap threshold glibc's own grows to: above it, always a fresh mapping
+_mapped_from = [GLIBC_MAPPED_FROM]
 
 
 @functools.cache
-def _libc_trim():
-    name = ctypes.util.find_library("c")
+def _libc_function(name: str):
+    lib = ctypes.util.find_library("c")
     try:
-        return ctypes.CDLL(name).malloc_trim if name else None
+        return getattr(ctypes.CDLL(lib), name) if lib else None
     except (OSError, AttributeError):
         return None
 
 
+@contextmanager
+def large_allocations_mapped(threshold: int = 2**20):
+    """Within the block glibc serves each host allocation of `threshold` bytes or more by its own mmap (mallopt
+    M_MMAP_THRESHOLD): freed, its pages go back to the OS at once instead of staying in the heap under the next
+    peak (a layer's stored tensors, read and quantized one after another, left ~20 MiB a layer resident on a
+    loading rank), and allocated by `unwritten`, they are resident only where written. After it the threshold
+    stays fixed at 32 MiB, the highest glibc's own grows to. Elsewhere (macOS, musl) this does nothing."""
+    mallopt = _libc_function("mallopt")
+    if mallopt is None or not mallopt(M_MMAP_THRESHOLD, threshold):
+        yield
+        return
+    _mapped_from[0] = threshold
+    try:
+        yield
+    finally:
+        mallopt(M_MMAP_THRESHOLD, GLIBC_MAPPED_FROM)
+        _mapped_from[0] = GLIBC_MAPPED_FROM
+
+
 def release_freed_memory() -> None:
-    trim = _libc_trim()
+    trim = _libc_function("malloc_trim")
     if trim is not None:
         trim(0)
 
@@ -87,13 +111,13 @@ def available_host_bytes() -> int | None:
 
 
 def unwritten(numel: int, dtype, device):
-    """(numel,) zeros whose pages are not resident until written: on the CPU an allocation over glibc's largest
-    mmap threshold (32 MiB) is fresh zeroed pages, so it is left as allocated; smaller ones may reuse heap
-    memory and are zeroed. Elsewhere plain zeros."""
+    """(numel,) zeros whose pages are not resident until written: on the CPU an allocation over glibc's mmap
+    threshold (32 MiB, or large_allocations_mapped's) is fresh zeroed pages, so it is left as allocated; smaller
+    ones may reuse heap memory and are zeroed. Elsewhere plain zeros."""
     import torch
 
     out = torch.empty(numel, dtype=dtype, device=device)
-    small = numel * out.element_size() <= 32 * 2**20
+    small = numel * out.element_size() <= _mapped_from[0]
     return out.zero_() if small or out.device.type != "cpu" else out
 
 

@@ -14,7 +14,7 @@ import torch
 from rich.console import Console
 from transformers import AutoTokenizer
 
-from moe_qlora.common.memory import release_freed_memory
+from moe_qlora.common.memory import large_allocations_mapped, release_freed_memory
 from moe_qlora.config.sections import ConfigError, LoraSection, ModelSection, RunConfig, resolve_compute_dtype
 from moe_qlora.model.adapters import (
     attach_adapters,
@@ -200,17 +200,20 @@ def build_policy(
             f"train.offload_activations: the {n_ckpt} checkpointed layers' inputs wait for the backward in host memory"
         )
     if placement.sharded:
-        ranks = shard_model(model, ranks)
+        with large_allocations_mapped():
+            ranks = shard_model(model, ranks)
         move_unsharded_to(model, device_of(ranks))
         console.print(
             f"fsdp: 4-bit experts and linears, frozen weights, LoRA and optimizer state sharded over "
             f"{ranks.world} ranks"
         )
     if placement.experts_split:
-        ranks = split_experts(model, ranks, placement.ep_size)
+        with large_allocations_mapped():
+            ranks = split_experts(model, ranks, placement.ep_size)
+            if placement.dense_sharded:
+                ranks = shard_dense(model, ranks)
         split = describe_groups(ranks, placement.ep_size)
         if placement.dense_sharded:
-            ranks = shard_dense(model, ranks)
             move_unsharded_to(model, device_of(ranks))
             rest = f"the rest sharded with FSDP2 over {ranks.world} ranks (train.ep_dense: fsdp)"
         else:

@@ -224,13 +224,10 @@ def shard_model(model, ranks: Ranks, keep: frozenset = frozenset()) -> Ranks:
     from moe_qlora.moe.nf4 import make_linears_shardable
     from moe_qlora.moe.stack_surgery import make_stacks_shardable
 
-    make_stacks_shardable(model)
-    make_linears_shardable(model)
     # The root returns the model's output, a view when the loss reads the head's input as logits (losses.py);
     # nothing writes to it in place, which is what the warning is about.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     mesh = init_device_mesh(device_of(ranks).type, (ranks.world,))
-    whole = {p for p in model.parameters() if isinstance(p, bnb.nn.Params4bit)} | set(keep)
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
     if not layers:
@@ -238,9 +235,15 @@ def shard_model(model, ranks: Ranks, keep: frozenset = frozenset()) -> Ranks:
             f"{type(model).__name__} names no decoder layer class (_no_split_modules): cannot shard "
             "it layer by layer; use train.parallel: ddp"
         )
-    for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=True, ignored_params=whole)
-    fully_shard(model, mesh=mesh, ignored_params=whole)
+    for module in [*layers, model]:  # each layer's tensors made shardable, then cut to this rank's: one layer's
+        # (E, ...) placeholders at most are resident (zeroed when small: common.memory.unwritten)
+        make_stacks_shardable(module)
+        make_linears_shardable(module)
+        whole = {p for p in model.parameters() if isinstance(p, bnb.nn.Params4bit)} | set(keep)
+        if module is model:
+            fully_shard(model, mesh=mesh, ignored_params=whole)
+        else:
+            fully_shard(module, mesh=mesh, reshard_after_forward=True, ignored_params=whole)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

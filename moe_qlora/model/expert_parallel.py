@@ -54,10 +54,12 @@ def split_experts(model: nn.Module, ranks: Ranks, ep_size: int = 0) -> Ranks:
         mesh = init_device_mesh(device.type, (replicas, group.world), mesh_dim_names=("replicate", "ep"))
     else:
         mesh = init_device_mesh(device.type, (group.world,), mesh_dim_names=("ep",))
-    make_stacks_shardable(model)  # NF4 stacks as (E, ...) codes and scales, this rank's rows written
     modules = experts_modules(model)
     for name, module in modules:
         check_splittable(module, name)
+        # NF4 stacks as (E, ...) codes and scales, this rank's rows written, then cut to them: one layer at a time,
+        # so one layer's (E, ...) tensors at most are resident (zeroed when small: common.memory.unwritten)
+        make_stacks_shardable(module)
         experts = module.moe_lora.gate_up_a.shape[0] if hasattr(module, "moe_lora") else expert_count(module)
         check_every_rank_holds_experts(name, experts, group.world)
         held = shard_rows(experts, group)

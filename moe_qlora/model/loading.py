@@ -23,7 +23,7 @@ from transformers.quantizers.base import get_keys_to_not_convert
 from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
-from moe_qlora.common.memory import release_freed_memory
+from moe_qlora.common.memory import large_allocations_mapped, release_freed_memory
 from moe_qlora.model.attention import choose_attention
 from moe_qlora.model.checkpoint_files import (
     check_model_path,
@@ -237,7 +237,7 @@ def load_model(opts: LoadOptions):
             "masked tokens; moe-qlora trains next-token prediction, the wrong objective for it"
         )
     attention = choose_attention(model_class, opts.device)
-    with lazy_state_dict(files) as state:
+    with large_allocations_mapped(), lazy_state_dict(files) as state:
         # FP8 block-scaled weights decoded as read, MXFP4 experts too unless kept; other formats refused
         state = dequantized_as_read(state, config, folder, keep_mxfp4=expert_format == "mxfp4")
         by_expert = stacks_read_by_expert(state, getattr(config, "model_type", None))
@@ -266,12 +266,13 @@ def load_model(opts: LoadOptions):
     model.name_or_path = str(folder)
     model.expert_format = expert_format
     model.attention_choice = attention.as_loaded(model.config)
-    fuse_gate_up(
-        model,
-        lambda stack: quantize_stack(
-            stack, double_quant=opts.expert_double_quant, held=held_experts(stack.shape[0], opts.expert_shard)
-        ),
-    )
+    with large_allocations_mapped():
+        fuse_gate_up(
+            model,
+            lambda stack: quantize_stack(
+                stack, double_quant=opts.expert_double_quant, held=held_experts(stack.shape[0], opts.expert_shard)
+            ),
+        )
     cast_unquantized(model, opts.compute_dtype)
     release_freed_memory()
     if torch.device(opts.device).type == "cuda":

@@ -145,7 +145,7 @@ def plan_as_given(
         raise ValueError(f"parallel: {requested!r} is not one of {', '.join(PARALLEL_MODES)}")
     layouts = {
         "fsdp": lambda p: shard_plan(p, sharded_tensors(model, cfg, targets, device=device), cfg, model, device=device),
-        "ep": lambda p: ep_plan(
+        "ep": lambda p: (ep_plan if cfg.train.ep_dense == "replicate" else ep_dense_sharded_plan)(
             p,
             sharded_tensors(model, cfg, targets, device=device),
             lora_tensor_shapes(model, cfg, targets),
@@ -204,6 +204,7 @@ class ShardedTensor:
     rows: int
     row_numel: int
     elem_bytes: int
+    experts: bool = False  # a LoRA stack of an experts module, (E, ., .): split by ep, not by FSDP
 
     def shard_numel(self, gpus: int) -> int:
         """Elements one rank holds: FSDP2 pads dim 0 to a multiple of the ranks, so each has ceil(rows / N)."""
@@ -258,7 +259,8 @@ def sharded_tensors(model: nn.Module, cfg: RunConfig, targets: list[str], *, dev
         elif kind == "other":
             tensors.append(ShardedTensor(group, kind, *rows_and_row_numel(tuple(p.shape)), compute))
     for module_name, shape in lora_tensor_shapes(model, cfg, targets):
-        tensors.append(ShardedTensor(fsdp_group(module_name, layers), "lora", *rows_and_row_numel(shape), LORA_BYTES))
+        numel = rows_and_row_numel(shape)
+        tensors.append(ShardedTensor(fsdp_group(module_name, layers), "lora", *numel, LORA_BYTES, len(shape) == 3))
     return tensors
 
 
@@ -320,6 +322,20 @@ def shard_plan(plan: Plan, tensors: list[ShardedTensor], cfg: RunConfig, model: 
     plan.communication_bytes_per_step = fsdp_communication_bytes(tensors, n, cfg.train.grad_accum)
 
 
+def ep_dense_sharded_plan(plan: Plan, tensors, lora_shapes, model: nn.Module, cfg: RunConfig, *, device: str) -> None:
+    """train.parallel: ep with train.ep_dense: fsdp: ep_plan's experts and their LoRA (split within each group)
+    beside shard_plan's bytes and traffic for the rest (sharded over all plan.gpus GPUs)."""
+    rest = [t for t in tensors if t.kind not in ("experts_nf4", "experts_mxfp4") and not t.experts]
+    ep_plan(plan, tensors, [(k, s) for k, s in lora_shapes if len(s) == 3], model, cfg, device=device)
+    sharded = copy.deepcopy(plan)
+    shard_plan(sharded, rest, cfg, model, device=device)
+    for kind in ("linear_4bit", "other", "all_gather_buffers", "root_unsharded"):
+        plan.bytes[kind] = sharded.bytes[kind]
+    for kind in ("lora", "gradients", "optimizer"):
+        plan.bytes[kind] += sharded.bytes[kind]
+    plan.communication_bytes_per_step += sharded.communication_bytes_per_step
+
+
 def add_parallel_notes(plan: Plan, why: str, cfg: RunConfig, *, gpu_gib: float) -> None:
     """What the mode holds on each GPU, whether it fits, and what its communication costs per step."""
     n, gb = plan.gpus, plan.communication_bytes_per_step / 1e9
@@ -342,6 +358,12 @@ def add_parallel_notes(plan: Plan, why: str, cfg: RunConfig, *, gpu_gib: float) 
             "checkpointed forward's recompute (balanced routing assumed), and the whole tensors' LoRA gradients"
             + (", and the experts' LoRA gradients over the groups" if groups else "")
         )
+        if cfg.train.ep_dense == "fsdp":
+            plan.notes.append(
+                f"train.ep_dense: fsdp: the rest sharded over the {n} GPUs as under fsdp (all_gather_buffers: two "
+                "decoder layers' non-expert parameters unsharded; root_unsharded: embeddings, final norm and head), "
+                "its layers all-gathered in the forward and the backward, its LoRA gradients reduce-scattered"
+            )
     else:
         plan.notes.append(
             f"fsdp over {gpus}, one FSDP group a decoder layer: 4-bit experts and linears (4.5 bits "

@@ -73,6 +73,34 @@ def test_ep_splits_the_experts_and_their_lora_and_keeps_the_rest_whole(tiny_mixt
     assert longer.communication_bytes_per_step == 4 * exchange + all_reduce
 
 
+def test_ep_with_the_rest_sharded_holds_eps_experts_and_fsdps_share_of_the_rest(tiny_mixtral):
+    """train.ep_dense: fsdp over 2 GPUs: the experts, their LoRA and the exchange as under ep; the attention's
+    4-bit linears, the compute-dtype weights and the root as under fsdp; the rest's LoRA halved (its rows split).
+    Traffic: ep's exchange (no LoRA all-reduce) plus fsdp's traffic less what fsdp moves for the experts (their
+    stacks and LoRA gathered twice a layer, their LoRA gradients reduce-scattered, (N-1)/N of each). Control: the
+    replicated rest holds the 4-bit linears whole."""
+    path, lora = tiny_mixtral
+    dense = plan_run(config(path, grad_accum=2, ep_dense="fsdp"), name_or_path=str(path), gpus=2, parallel="ep")
+    ep, fsdp = (
+        plan_run(config(path, grad_accum=2), name_or_path=str(path), gpus=2, parallel=p) for p in ("ep", "fsdp")
+    )
+    assert dense.bytes["experts_nf4"] == ep.bytes["experts_nf4"] and dense.bytes["exchange_buffers"] > 0
+    for kind in ("linear_4bit", "other", "root_unsharded"):
+        assert dense.bytes[kind] == fsdp.bytes[kind], kind
+    assert 0 < dense.bytes["all_gather_buffers"] < fsdp.bytes["all_gather_buffers"]  # a layer without its experts
+    numel = sum(4 * math.prod(s[1:]) if "moe_lora" in n else -(-s[0] // 2) * math.prod(s[1:]) for n, s in lora.items())
+    assert dense.bytes["lora"] == 4 * numel and dense.bytes["optimizer"] == 2 * 4 * numel
+    assert dense.bytes["linear_4bit"] < ep.bytes["linear_4bit"]
+    exchange = 2 * (2 * 3 * 2 * (32 * 2 * 64 * 2) // 2)
+    no_nested = config(path, grad_accum=2).model_copy(deep=True)
+    no_nested.model.expert_double_quant = False
+    stacks = plan_run(no_nested, name_or_path=str(path)).bytes["experts_nf4"]  # codes and fp32 scales, whole
+    expert_lora = 4 * sum(math.prod(s) for n, s in lora.items() if "moe_lora" in n)
+    experts_in_fsdp = 2 * (2 * (stacks + expert_lora) // 2 + expert_lora // 2)  # 2 micro-batches
+    assert dense.communication_bytes_per_step == exchange + fsdp.communication_bytes_per_step - experts_in_fsdp
+    assert any(note.startswith("train.ep_dense: fsdp: the rest sharded over the 2 GPUs") for note in dense.notes)
+
+
 def plan_json(*args, code=0):
     result = CliRunner().invoke(app, ["plan", "--model", str(MIXTRAL_8X7B), "--json", "--gpus", "2", *args])
     assert result.exit_code == code, result.output
