@@ -4,6 +4,7 @@ Mixtral, Qwen3-MoE and DeepSeek-V3 checkpoints of random weights, bf16 or DeepSe
     python scripts/bench_load_ranks.py                          # 3 families, bf16, 2 and 4 ranks
     python scripts/bench_load_ranks.py --family deepseek_v3 --format fp8 --ranks 2 4
     python scripts/bench_load_ranks.py --json out.json
+    python scripts/bench_load_ranks.py --family mixtral --layouts ddp ep  # some layouts (one process always)
 
 Each rank builds the run's model as the trainer does (`build.build_policy`: loading, LoRA, then fsdp's shards or
 ep's experts), in bf16, in its own process; its peak RSS (VmHWM) above the ~500 MiB that the imports take is
@@ -168,7 +169,7 @@ def launch(layout: str, path: Path, world: int) -> list[dict]:
     return rows
 
 
-def family_rows(family: str, fmt: str, worlds: list[int]) -> tuple[list[dict], dict]:
+def family_rows(family: str, fmt: str, worlds: list[int], layouts=LAYOUTS) -> tuple[list[dict], dict]:
     """Every layout over every world size for one family; the bound's parts added to each row."""
     from bench_load import generate_fp8
 
@@ -181,7 +182,7 @@ def family_rows(family: str, fmt: str, worlds: list[int]) -> tuple[list[dict], d
     [one] = launch("one process", path, 1)
     rows = [{**one, "family": family}]
     for world in worlds:
-        for layout in LAYOUTS:
+        for layout in layouts:
             for row in launch(layout, path, world):
                 row.update(family=family, layout=row.get("layout", layout), world=world)
                 if "error" not in row:
@@ -224,6 +225,7 @@ def main():
     ap.add_argument("--family", nargs="*", choices=sorted(FAMILIES), default=sorted(FAMILIES))
     ap.add_argument("--format", choices=["bf16", "fp8"], default="bf16")
     ap.add_argument("--ranks", nargs="*", type=int, default=[2, 4], help="world sizes")
+    ap.add_argument("--layouts", nargs="*", choices=LAYOUTS, default=list(LAYOUTS), help="beside one process")
     ap.add_argument("--json")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
@@ -233,7 +235,7 @@ def main():
         return
     rows, bounds = [], {}
     for family in args.family:
-        family_result, bounds[family] = family_rows(family, args.format, args.ranks)
+        family_result, bounds[family] = family_rows(family, args.format, args.ranks, args.layouts)
         rows += family_result
     print_table(rows, args.format)
     payload = {"format": args.format, "families": {f: FAMILIES[f] for f in args.family}, "bound_parts": bounds}

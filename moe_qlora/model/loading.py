@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,7 +238,8 @@ def load_model(opts: LoadOptions):
             "masked tokens; moe-qlora trains next-token prediction, the wrong objective for it"
         )
     attention = choose_attention(model_class, opts.device)
-    with large_allocations_mapped(), lazy_state_dict(files) as state:
+    mapped = large_allocations_mapped if opts.expert_shard is not None else nullcontext  # by rank: its bound
+    with mapped(), lazy_state_dict(files) as state:
         # FP8 block-scaled weights decoded as read, MXFP4 experts too unless kept; other formats refused
         state = dequantized_as_read(state, config, folder, keep_mxfp4=expert_format == "mxfp4")
         by_expert = stacks_read_by_expert(state, getattr(config, "model_type", None))
@@ -266,7 +268,7 @@ def load_model(opts: LoadOptions):
     model.name_or_path = str(folder)
     model.expert_format = expert_format
     model.attention_choice = attention.as_loaded(model.config)
-    with large_allocations_mapped():
+    with mapped():
         fuse_gate_up(
             model,
             lambda stack: quantize_stack(

@@ -1064,14 +1064,18 @@ def test_out_of_memory_on_one_rank_stops_every_rank_with_one_sentence_and_resume
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_out_of_memory_inside_an_ep_forward_stops_the_run_and_resumes_on_the_uninterrupted_adapter(ep_run, tmp_path):
-    """Under ep a failure inside the forward cannot be met (rank 0 is inside the experts' exchange): rank 1 prints
-    its sentence naming the last checkpoint (step 2; nothing is written for step 3), the launch ends within its
-    time limit, and `--resume` ends on the uninterrupted ep run's adapter, tensor for tensor."""
-    run, _ = ep_run
+@pytest.mark.parametrize("layout", ["fsdp", "ep"])
+def test_out_of_memory_inside_a_sharded_forward_stops_the_run_and_resumes_on_the_uninterrupted_adapter(
+    request, tmp_path, layout
+):
+    """Under fsdp and ep a failure inside the forward cannot be met (rank 0 is inside FSDP's gathers, or the
+    experts' exchange): rank 1 prints its sentence naming the last checkpoint (step 2; nothing is written for
+    step 3), the launch ends within its time limit, and `--resume` ends on the uninterrupted run's adapter (the
+    layout's fixture), tensor for tensor."""
+    run, _ = request.getfixturevalue(f"{layout}_run")
     out = tmp_path / "run"
-    args = ["train", "--config", str(DEMO), *STEPS, *EP_ARGS, *EP_DENSE_FSDP, *LONG_CONTEXT]
-    args += ["--set", "train.save_every=2"]
+    layout_args = {"fsdp": FSDP_ARGS, "ep": EP_ARGS + EP_DENSE_FSDP}[layout]
+    args = ["train", "--config", str(DEMO), *STEPS, *layout_args, *LONG_CONTEXT, "--set", "train.save_every=2"]
     args += ["--set", "train.dist_timeout_s=60", "--set", f"output.dir={out}"]
     env = {**env_on_rank_1(tmp_path, MOE_QLORA_INJECT_OOM="4:forward"), **OFFLOAD_ALL}
     proc = torchrun(args, env, timeout=180)
