@@ -45,8 +45,9 @@ SHAPE = dict(
 SHARD_BYTES = 400 * 2**20
 
 
-def generate(path: Path) -> Path:
-    """Write random bf16 weights for every parameter of the meta model into ~400 MiB shards plus an index."""
+def generate(path: Path, config=None, shard_bytes: int = SHARD_BYTES) -> Path:
+    """Write random bf16 weights (seed 0) for every parameter of the meta model of `config` (SHAPE's Qwen3-MoE by
+    default) into ~`shard_bytes` shards plus an index."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
@@ -55,7 +56,7 @@ def generate(path: Path) -> Path:
     if (path / "model.safetensors.index.json").exists():
         return path
     path.mkdir(parents=True, exist_ok=True)
-    config = Qwen3MoeConfig(**SHAPE)
+    config = config or Qwen3MoeConfig(**SHAPE)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     g = torch.Generator().manual_seed(0)
@@ -72,7 +73,7 @@ def generate(path: Path) -> Path:
     for key, p in model.state_dict().items():
         shard[key] = (torch.randn(p.shape, generator=g) * 0.02).to(torch.bfloat16)
         size += shard[key].numel() * 2
-        if size >= SHARD_BYTES:
+        if size >= shard_bytes:
             flush()
     flush()
     total = sum(f.stat().st_size for f in path.glob("*.safetensors"))

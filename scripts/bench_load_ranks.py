@@ -57,35 +57,10 @@ def family_config(family: str):
 
 
 def generate(family: str, path: Path) -> Path:
-    """Random bf16 weights (seed 0) for every parameter of the meta model, in ~256 MiB shards plus an index."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
+    """Random bf16 weights (seed 0) for every parameter of `family`'s model, in ~256 MiB shards plus an index."""
+    from bench_load import generate as generate_checkpoint
 
-    from moe_qlora.model.tiny import build_byte_tokenizer
-
-    if (path / "model.safetensors.index.json").exists():
-        return path
-    path.mkdir(parents=True, exist_ok=True)
-    config = family_config(family)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    g, shard, size, weight_map = torch.Generator().manual_seed(0), {}, 0, {}
-    for key, p in [*model.state_dict().items(), (None, None)]:
-        if key is not None:
-            shard[key] = (torch.randn(p.shape, generator=g) * 0.02).to(torch.bfloat16)
-            size += shard[key].numel() * 2
-        if shard and (key is None or size >= SHARD_BYTES):
-            name = f"model-{len(set(weight_map.values())):05d}.safetensors"
-            save_file(shard, str(path / name), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, name))
-            shard, size = {}, 0
-    total = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
-    )
-    config.save_pretrained(path)
-    build_byte_tokenizer().save_pretrained(path)
-    return path
+    return generate_checkpoint(path, family_config(family), SHARD_BYTES)
 
 
 def stored_sizes(path: Path) -> dict:
