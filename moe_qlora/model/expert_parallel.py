@@ -12,6 +12,9 @@ With train.ep_size = G below the world size N, the experts are split over each g
 node's GPUs, say), and the N/G groups are replicas of each other: a 2D mesh ("replicate", "ep"), the LoRA factors
 (Replicate, Shard(0)) on it, the exchange within the group, and the experts' LoRA gradients summed over the
 replicas (distributed.sum_gradients), as ddp sums the rest.
+
+With train.ep_dense: fsdp the rest is not replicated but sharded with FSDP2 over all the ranks (shard_dense): its
+layers gathered for their forward and backward, its LoRA gradients reduce-scattered.
 """
 
 from __future__ import annotations
