@@ -71,10 +71,10 @@ def check_sharding(cfg: RunConfig, *, world: int) -> None:
     checked the same way, when the model is placed: model/placement.py)."""
     if cfg.train.parallel in ("fsdp", "ep") and world > 1:
         check_shardable(cfg, layout=cfg.train.parallel)
-    check_ep_size(cfg, world=world)
+    check_ep_settings(cfg, world=world)
 
 
-def check_ep_size(cfg: RunConfig, *, world: int) -> None:
+def check_ep_settings(cfg: RunConfig, *, world: int) -> None:
     """train.ep_size and train.ep_dense: only under ep (or auto, which may choose it); ep_size at least 2 (1 would
     be ddp through an exchange with itself), and a divisor of the world size."""
     if cfg.train.ep_dense != "replicate" and cfg.train.parallel in ("ddp", "fsdp"):

@@ -239,7 +239,7 @@ def shard_model(model, ranks: Ranks, keep: frozenset = frozenset()) -> Ranks:
         # (E, ...) placeholders at most are resident (zeroed when small: common.memory.unwritten)
         make_stacks_shardable(module)
         make_linears_shardable(module)
-        whole = {p for p in model.parameters() if isinstance(p, bnb.nn.Params4bit)} | set(keep)
+        whole = {p for p in module.parameters() if isinstance(p, bnb.nn.Params4bit)} | set(keep)
         if module is model:
             fully_shard(model, mesh=mesh, ignored_params=whole)
         else:
