@@ -26,6 +26,12 @@ def verify_cmd(
         None, "--format", "-f", help="gguf | vllm | per-expert (repeatable): only these, each required to be there"
     ),
     merged: str = typer.Option(None, "--merged", help="a merged checkpoint of this adapter (moe-qlora merge --out)"),
+    gguf_base: str = typer.Option(
+        None,
+        "--gguf-base",
+        help="the base as an f32 GGUF, for libllama's run of the GGUF export (else converted with LLAMA_CPP_DIR's "
+        "convert_hf_to_gguf.py)",
+    ),
     as_json: bool = typer.Option(False, "--json", help="print JSON (one object per row) instead of a table"),
     debug: bool = typer.Option(False, "--debug", help="show tracebacks"),
 ):
@@ -39,7 +45,13 @@ def verify_cmd(
     from moe_qlora.inference.verify import verify_all
 
     try:
-        rows = verify_all(Path(adapter), merged=Path(merged) if merged else None, formats=formats, console=err_console)
+        rows = verify_all(
+            Path(adapter),
+            merged=Path(merged) if merged else None,
+            formats=formats,
+            console=err_console,
+            gguf_base=Path(gguf_base) if gguf_base else None,
+        )
     except user_errors() as exc:
         fail(exc, debug)
     if as_json:

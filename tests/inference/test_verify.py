@@ -50,6 +50,7 @@ def test_every_export_of_the_adapter_agrees(exported):
     assert {f: r["status"] for f, r in found.items()} == {
         "peft": "ok",
         "gguf": "ok",
+        "gguf (libllama)": "not checked",  # (tests/inference/test_verify_libllama.py runs it, opt-in)
         "vllm": "ok",
         "vllm (runtime)": "not checked",
         "per-expert": "ok",
@@ -143,3 +144,34 @@ def test_the_vllm_row_says_why_vllm_did_not_run(exported, monkeypatch):
     for broken in ({"bypassed": ["model.layers.0.mlp.gate"]}, {"leftover": ["x"]}, {"max_err": 0.5}):
         assert vllm_verdict(result | broken, exported).status == "mismatch", broken  # each check can fail
     assert vllm_verdict(result | {"error": "ValueError: no"}, exported).status == "not checked"
+
+
+def test_the_libllama_row_says_why_libllama_did_not_run(exported, monkeypatch, tmp_path):
+    """Without llama-cpp-python; with it but no base GGUF and no LLAMA_CPP_DIR; with a base GGUF that is not f32;
+    with --gguf-base naming nothing: 'not checked' and why, or one sentence, never 'ok'."""
+    import sys
+    import types
+
+    import gguf
+    import numpy as np
+
+    from moe_qlora.inference.verify import libllama_row
+
+    config = json.loads((exported / "adapter_config.json").read_text())
+    lora = exported.parent / "adapter.gguf"
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails
+    row = libllama_row(exported, lora, config, None)
+    assert (row.status, row.detail.startswith("llama-cpp-python (libllama) is not installed")) == ("not checked", True)
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(__version__="0.3.36"))
+    monkeypatch.setenv("LLAMA_CPP_DIR", str(tmp_path))  # a folder without convert_hf_to_gguf.py
+    row = libllama_row(exported, lora, config, None)
+    assert row.status == "not checked" and row.detail.startswith("no f32 base GGUF: give --gguf-base"), row
+    half = tmp_path / "base-f16.gguf"
+    writer = gguf.GGUFWriter(str(half), "mixtral")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float16))
+    writer.add_tensor("output_norm.weight", np.ones(8, np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    row = libllama_row(exported, lora, config, half)
+    assert row.status == "not checked" and f"{half} holds F16 tensors" in row.detail, row
+    code, output = invoke("verify", exported, "--format", "gguf", "--gguf-base", tmp_path / "none.gguf")
+    assert code == 2 and "--gguf-base" in output and "no such file" in " ".join(output.split()), output
