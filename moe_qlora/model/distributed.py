@@ -219,7 +219,7 @@ def shard_model(model, ranks: Ranks, keep: frozenset = frozenset()) -> Ranks:
     """
     import bitsandbytes as bnb
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
     from moe_qlora.moe.nf4 import make_linears_shardable
     from moe_qlora.moe.stack_surgery import make_stacks_shardable
@@ -248,6 +248,9 @@ def shard_model(model, ranks: Ranks, keep: frozenset = frozenset()) -> Ranks:
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+    # GRPO's sampling calls generate, which reaches the layers' forwards (their groups gather themselves) but
+    # not the root's: without this the embedding and the head would stay shards inside it
+    register_fsdp_forward_method(model, "generate")
     return replace(ranks, sharded=True)
 
 

@@ -154,13 +154,13 @@ def is_truncated(completion: list[int], tokenizer, *, max_new_tokens: int, stop:
     return not (stop and any(s in tokenizer.decode(completion) for s in stop))
 
 
-@torch.inference_mode()
 def sample_rollouts(
     model, tokenizer, prompts: list[PromptRow], cfg: GrpoSection, *, synced: bool = False
 ) -> list[Rollout]:
     """G completions of each prompt from the current policy (adapters on, eval mode, KV cache). `synced`: a
     sharded run's ranks, each generating until every one is done (transformers' synced_gpus), so every forward
-    is joined by all of them.
+    is joined by all of them. Under no_grad there (FSDP gathers parameters that the update then trains, which
+    must not be inference tensors), inference_mode otherwise.
 
     Returns P*G rollouts, prompt-major (the G of prompt 0 first), the order advantages assume.
     """
@@ -169,7 +169,7 @@ def sample_rollouts(
     was_training = model.training
     model.eval()  # no dropout while sampling; checkpointed layers keep the KV cache only in eval mode
     try:
-        with generation_kernels(model):
+        with torch.no_grad() if synced else torch.inference_mode(), generation_kernels(model):
             out = model.generate(
                 input_ids=ids.to(device),
                 attention_mask=mask.to(device),

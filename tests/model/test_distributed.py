@@ -684,10 +684,12 @@ def grpo_one(tmp_path_factory):
 @pytest.mark.parametrize("layout", ["ddp", "fsdp", "ep"])
 def test_grpo_over_two_ranks_splits_prompts_by_whole_groups_and_reproduces_one_process(grpo_one, tmp_path, layout):
     """Under fsdp and ep the rank with 1 group has fewer micro-batches than the rank with 2: it runs idle ones
-    (no target, weight 0), so every rank joins each forward of the scoring and of the update."""
+    (no target, weight 0), so every rank joins each forward of the scoring and of the update. Under ep the rest
+    of the model is FSDP2-sharded (train.ep_dense: fsdp; replicated in the reward fault's ep run)."""
     env = env_for(tmp_path)
     config = grpo_config(tmp_path, "two", **OFFLINE)
-    two = torchrun(["grpo", "--config", str(config), "--set", f"train.parallel={layout}"], env)
+    dense = EP_DENSE_FSDP if layout == "ep" else []
+    two = torchrun(["grpo", "--config", str(config), "--set", f"train.parallel={layout}", *dense], env)
     assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
     assert f"data parallel ({layout}): 2 ranks share each step's 3 prompts by whole groups" in two.stdout
     a, b = records(grpo_one), records(tmp_path / "two")
@@ -711,8 +713,9 @@ def test_grpo_over_two_ranks_splits_prompts_by_whole_groups_and_reproduces_one_p
 
 def test_online_grpo_over_two_ranks_samples_every_prompt_of_a_step_once_per_completion(tmp_path):
     """Sampling: each rank samples G completions of its own prompts (seeded by step and rank); rank 0's
-    rollouts.jsonl holds the whole batch, every prompt of the step with exactly G completions; and under ep the
-    same rollouts."""
+    rollouts.jsonl holds the whole batch, every prompt of the step with exactly G completions; and under ep and
+    fsdp the same rollouts (where FSDP2 shards the model, generate gathers the root's shards: the embedding and
+    the head)."""
     cfg = grpo_config(
         tmp_path,
         "online",
@@ -736,18 +739,20 @@ def test_online_grpo_over_two_ranks_samples_every_prompt_of_a_step_once_per_comp
     # the model computes the same function (to fp32 rounding): step 1's completions and rewards are ddp's. Its
     # logged loss is the second pass's, after an update (AdamW's noise, see above), and step 2 samples from
     # adapters that differ by it: a token may differ there.
-    ep = tmp_path / "online-ep"
-    proc = torchrun(
-        ["grpo", "--config", str(cfg), "--set", "train.max_steps=2", "--set", "train.parallel=ep"]
-        + ["--set", f"output.dir={ep}"],
-        env_for(tmp_path),
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    ep_rows = [json.loads(line) for line in (ep / "rollouts.jsonl").read_text().splitlines()]
     keep = ("step", "group", "source", "completion", "reward")
     first = [{k: r[k] for k in keep} for r in rows if r["step"] == 1]
-    assert len(first) == 12 and first == [{k: r[k] for k in keep} for r in ep_rows if r["step"] == 1]
-    assert len(ep_rows) == len(rows) and [r["step"] for r in records(ep)] == [1, 2]
+    for layout in ("ep", "fsdp"):  # ep with the rest sharded too (replicated in the reward fault's ep run)
+        out = tmp_path / f"online-{layout}"
+        dense = EP_DENSE_FSDP if layout == "ep" else []
+        proc = torchrun(
+            ["grpo", "--config", str(cfg), "--set", "train.max_steps=2", "--set", f"train.parallel={layout}"]
+            + ["--set", f"output.dir={out}", *dense],
+            env_for(tmp_path),
+        )
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        sharded = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+        assert len(first) == 12 and first == [{k: r[k] for k in keep} for r in sharded if r["step"] == 1], layout
+        assert len(sharded) == len(rows) and [r["step"] for r in records(out)] == [1, 2]
 
 
 def launch_two_nodes(
@@ -1101,13 +1106,13 @@ def flaky(prompts, completions, **columns):
 """
 
 
-@pytest.mark.parametrize("layout", ["ddp", "ep"])
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "ep"])
 def test_a_reward_function_failing_on_one_rank_stops_every_rank_after_a_checkpoint_and_resumes_exactly(
     tmp_path, layout
 ):
     """Online grpo over 2 ranks (2 + 1 prompts a step); the reward function raises on rank 1 alone from step 3.
-    Rank 0 meets it after sampling and scoring, before the step's first collective (under ep the sampling's
-    forwards are joined by both, and the scoring has its own meeting point): both print rank 0's sentence,
+    Rank 0 meets it after sampling and scoring, before the step's first collective (under fsdp and ep the
+    sampling's forwards are joined by both, and the scoring has its own meeting point): both print rank 0's sentence,
     naming the function, the step and the prompt, with step 2 checkpointed; resumed, the run ends on the
     uninterrupted run's adapter."""
     (tmp_path / "flaky.py").write_text(FLAKY_REWARD)

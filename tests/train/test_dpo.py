@@ -184,10 +184,10 @@ def single_dpo(env, tmp_path_factory):
 def test_two_ranks_reproduce_one_process(single_dpo, env, tmp_path, layout):
     """Two ranks of 8 pairs a micro-batch against one process accumulating 2 micro-batches of 8: the same global
     batch, so the same steps (no dropout: the ranks draw from their own generators), under ddp, fsdp (the model
-    sharded) and ep (the experts split). 56 pairs train: each epoch's fourth step has 8, all on rank 0, so rank 1
-    joins its collectives with none (under fsdp and ep with a pair whose loss counts 0: every rank runs each
-    forward, the reference's scoring and the eval's too)."""
-    train = {**RESUMED["train"], "parallel": layout}
+    sharded) and ep (the experts split, the rest FSDP2-sharded: train.ep_dense: fsdp). 56 pairs train: each
+    epoch's fourth step has 8, all on rank 0, so rank 1 joins its collectives with none (under fsdp and ep with a
+    pair whose loss counts 0: every rank runs each forward, the reference's scoring and the eval's too)."""
+    train = {**RESUMED["train"], "parallel": layout, **({"ep_dense": "fsdp"} if layout == "ep" else {})}
     config = config_file(tmp_path, "two", train=train, **COMMON)
     two = torchrun(["dpo", "--config", str(config)], {**env, "OMP_NUM_THREADS": "1"})
     assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
