@@ -132,9 +132,15 @@ class DemoRun:
 
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory) -> DemoRun:
-    """The README's demo command run as a user would (a subprocess of the installed CLI, all 30 epochs: minutes on
-    2 CPU cores), once a session for every test that needs the trained demo."""
-    tmp = tmp_path_factory.mktemp("demo")
+    """The README's demo command run as a user would (a subprocess of the installed CLI, all 30 epochs), once for
+    the whole test run: the first xdist worker to ask trains it under a file lock in the folder the workers
+    share, the others read what it left (tests only read the run)."""
+    import fcntl
+    import json
+
+    shared = tmp_path_factory.getbasetemp()
+    shared = shared.parent if IN_XDIST_WORKER else shared
+    tmp = shared / "demo"
     env = {**os.environ, "MOE_QLORA_CACHE": str(tmp / "cache")}
     run = [
         sys.executable,
@@ -147,5 +153,14 @@ def demo_run(tmp_path_factory) -> DemoRun:
         f"output.dir={tmp / 'run'}",
     ]
     root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run(run, cwd=root, env=env, capture_output=True, text=True, timeout=1800)
-    return DemoRun(tmp / "run", proc, env)
+    with open(shared / "demo.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        finished = tmp / "finished.json"
+        if not finished.exists():
+            tmp.mkdir(exist_ok=True)
+            proc = subprocess.run(run, cwd=root, env=env, capture_output=True, text=True, timeout=1800)
+            finished.write_text(
+                json.dumps({"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr})
+            )
+        said = json.loads(finished.read_text())
+    return DemoRun(tmp / "run", subprocess.CompletedProcess(run, **said), env)
