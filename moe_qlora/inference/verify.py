@@ -103,7 +103,7 @@ def verify_gguf(adapter: Path, path: Path, config: dict) -> Row:
     problem = compare_tensors(expected, found)
     if problem is None and gguf_alpha(path) != float(config["lora_alpha"]):
         problem = f"adapter.lora.alpha is {gguf_alpha(path)}, the adapter's lora_alpha {config['lora_alpha']}"
-    flags = ", ".join(f"--{k.replace('_', '-')}" for k, on in options.items() if on)
+    flags = ", ".join(converter_flags(options))
     how = "read by gguf-py's GGUFReader" + (f" (as exported with {flags})" if flags else "")
     return row("gguf", path, problem, len(found), how)
 
@@ -116,6 +116,11 @@ def converter_options(gguf_tensors: dict) -> dict[str, bool]:
     }
 
 
+def converter_flags(options: dict[str, bool]) -> tuple[str, ...]:
+    """The options that are on, as the converter's command-line flags (--fuse-qkv, --fuse-gate-up-exps)."""
+    return tuple(f"--{k.replace('_', '-')}" for k, on in options.items() if on)
+
+
 def libllama_row(adapter: Path, path: Path, config: dict, gguf_base: Path | None) -> Row:
     """libllama's run of the GGUF on the f32 base against PEFT's run of the adapter (libllama_check.py); "not
     checked" with the reason where libllama, an f32 base or a telling comparison cannot be had."""
@@ -126,7 +131,7 @@ def libllama_row(adapter: Path, path: Path, config: dict, gguf_base: Path | None
     if (why := libllama_check.unavailable(gguf_base, base_dir)) is not None:
         return Row(name, str(path), "not checked", why)
     found = gguf_tensors_of(path)
-    flags = tuple(f"--{k.replace('_', '-')}" for k, on in converter_options(found).items() if on)
+    flags = converter_flags(converter_options(found))
     with tempfile.TemporaryDirectory(prefix="moe-qlora-verify-") as tmp:
         base = libllama_check.f32_base(gguf_base, base_dir, flags, Path(tmp))
         if isinstance(base, str):
