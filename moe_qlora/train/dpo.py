@@ -161,7 +161,7 @@ def dpo_step(
         sums = local_stretch(ranks, backward_over, model, groups, reference, d, totals, ctx, pad_id)
     sums = dict(zip(sums, sum_scalars(ranks, *sums.values()), strict=True))
     sum_gradients(ranks, [p for p in model.parameters() if p.requires_grad])
-    grad_norm, skipped = local_stretch(ranks, apply_update, optimizer, sums["loss"], ctx.train, ctx.position)
+    grad_norm, skipped = apply_update(ranks, optimizer, sums["loss"], ctx.train, ctx.position)
     means = {k: sums[k] / pairs for k in (*STATISTICS, *LOGPS) if k in sums}
     extra = {k: sums[k] for k in ("nll_loss", "aux_loss", "preference_loss") if k in sums}
     return {

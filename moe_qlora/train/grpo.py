@@ -143,7 +143,7 @@ def policy_update(model, optimizer, schedule, examples: list[Example], g, pad_id
         if "entropy_sum" in sums:
             sums["entropy"] = sums.pop("entropy_sum") / max(total_tokens, 1)
         sum_gradients(ranks, params)
-        grad_norm, skipped = local_stretch(ranks, apply_update, optimizer, sums["loss"], ctx.train, ctx.position)
+        grad_norm, skipped = apply_update(ranks, optimizer, sums["loss"], ctx.train, ctx.position)
         record.update({k: v for k, v in sums.items()}, grad_norm=grad_norm, skipped=skipped)
         if skipped:
             break

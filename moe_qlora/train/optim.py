@@ -10,6 +10,7 @@ before the optimizer sees it, so it means the same for every optimizer here.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import bitsandbytes as bnb
 import torch
@@ -59,26 +60,61 @@ def is_bitsandbytes(optimizer) -> bool:
     return isinstance(optimizer, bnb.optim.optimizer.Optimizer8bit)
 
 
-def clip_global_norm(params, max_norm: float) -> float:
-    """The gradients' global L2 norm before clipping; scales them to max_norm when above (0 disables)."""
+@dataclass
+class NormTerms:
+    """A step's global gradient norm as this rank computes it alone, before the sum over the ranks.
+
+    parts: this rank's part of each gradient (its shard under fsdp / ep, the gradient itself otherwise);
+    whole: the L2 norm (fp32, 0-d) of the gradients every rank holds whole (None when there are none);
+    shard_squares: the sharded gradients' squared norms on this rank (fp64, 0-d), each copy of a replicated shard
+    counted a part, so that the sum over the ranks counts every element once (None when nothing is sharded)."""
+
+    parts: list[torch.Tensor]
+    whole: torch.Tensor | None
+    shard_squares: torch.Tensor | None
+
+
+def gradient_norm_terms(params) -> NormTerms:
+    """This rank's terms of the global gradient norm; runs no collective."""
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return 0.0
-    parts = [local_shard(g) for g in grads]  # this rank's shards under fsdp / ep, the gradients themselves otherwise
+    parts = [local_shard(g) for g in grads]
     norms = [torch.linalg.vector_norm(part.float()) for part in parts]
-    norm = torch.linalg.vector_norm(torch.stack(norms))
+    whole = [n for n, part, g in zip(norms, parts, grads, strict=True) if part is g]
     shard = [
         n.square().double() / replication(g) for n, part, g in zip(norms, parts, grads, strict=True) if part is not g
     ]
-    if shard:  # the shards' squares summed over the ranks (each copy of a replicated shard counted a part), the
-        # whole tensors' (the same on each rank) counted once
-        squares = torch.stack(shard).sum()
-        torch.distributed.all_reduce(squares)
-        whole = [n for n, part, g in zip(norms, parts, grads, strict=True) if part is g]
-        norm = (squares + (torch.linalg.vector_norm(torch.stack(whole)).square().double() if whole else 0.0)).sqrt()
+    return NormTerms(
+        parts,
+        torch.linalg.vector_norm(torch.stack(whole)) if whole else None,
+        torch.stack(shard).sum() if shard else None,
+    )
+
+
+def summed_norm(terms: NormTerms) -> torch.Tensor:
+    """The global norm (0-d) from every rank's terms: one all_reduce when anything is sharded (every rank must
+    call it then), none otherwise."""
+    if terms.shard_squares is None:
+        return terms.whole if terms.whole is not None else torch.zeros(())
+    squares = terms.shard_squares
+    torch.distributed.all_reduce(squares)
+    return (squares + (terms.whole.square().double() if terms.whole is not None else 0.0)).sqrt()
+
+
+def scale_to_norm(parts: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+    """Scale the gradients (in place, this rank's parts) to max_norm when their global `norm` is above (0
+    disables)."""
     if max_norm > 0 and norm > max_norm:
         for part in parts:
             part.mul_((max_norm / (norm + 1e-6)).to(part.dtype))
+
+
+def clip_global_norm(params, max_norm: float) -> float:
+    """The gradients' global L2 norm before clipping; scales them to max_norm when above (0 disables)."""
+    terms = gradient_norm_terms(params)
+    if not terms.parts:
+        return 0.0
+    norm = summed_norm(terms)
+    scale_to_norm(terms.parts, norm, max_norm)
     return float(norm)
 
 

@@ -166,7 +166,7 @@ def train_step(model, optimizer, group, pad_id: int, ctx: StepContext, stepper: 
             position=ctx.position,
             aux_coef=ctx.aux_coef,
         )
-        grad_norm, skipped = local_stretch(ctx.ranks, apply_update, optimizer, loss, t, ctx.position)
+        grad_norm, skipped = apply_update(ctx.ranks, optimizer, loss, t, ctx.position)
     trained = sum(len(e.input_ids) for mb in group for e in mb if not e.source.endswith(IDLE))
     tokens = int(sum_scalars(ctx.ranks, trained)[0])
     return {

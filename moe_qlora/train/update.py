@@ -13,24 +13,46 @@ import torch
 from moe_qlora.common.fileio import atomic_write_text
 from moe_qlora.common.memory import release_freed_memory
 from moe_qlora.model.adapters import expert_loras
+from moe_qlora.model.distributed import Ranks
 from moe_qlora.train.checkpoint import RunProgress
-from moe_qlora.train.optim import clip_global_norm
+from moe_qlora.train.faults import local_stretch
+from moe_qlora.train.optim import NormTerms, gradient_norm_terms, scale_to_norm, summed_norm
 from moe_qlora.train.position import StepPosition
 
 
-def apply_update(optimizer, loss: float, train_cfg, position: StepPosition | None = None) -> tuple[float, bool]:
+def apply_update(
+    ranks: Ranks, optimizer, loss: float, train_cfg, position: StepPosition | None = None
+) -> tuple[float, bool]:
     """Clip and take the optimizer step on the accumulated gradients unless the loss or the gradient is not
     finite; returns (pre-clip gradient norm, skipped). Gradients are cleared either way. The step is marked as
-    the `optimizer` phase of `position`."""
+    the `optimizer` phase of `position`.
+
+    What each rank does alone (its gradients' norm terms, then the clip and the step) runs as two local stretches,
+    and the norm's sum over the ranks (fsdp, ep) between them, where every rank arrives: a rank that fails in
+    either stretch meets the others at the stretch's own all_reduce, never at the norm's."""
+    position = position or StepPosition()
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    grad_norm = clip_global_norm(params, train_cfg.max_grad_norm)  # measured before any clipping
-    skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
-    if not skipped:  # checked before the step: a non-finite one reaches no weight and no AdamW moment
-        with (position or StepPosition()).within("optimizer"):
+    terms = local_stretch(ranks, measured_terms, params, position)
+    norm = summed_norm(terms)  # measured before any clipping
+    skipped = not (math.isfinite(loss) and math.isfinite(float(norm)))
+    local_stretch(ranks, clip_and_step, optimizer, terms.parts, norm, train_cfg.max_grad_norm, skipped, position)
+    return float(norm), skipped
+
+
+def measured_terms(params, position: StepPosition) -> NormTerms:
+    with position.within("gradient norm"):
+        return gradient_norm_terms(params)
+
+
+def clip_and_step(optimizer, parts: list, norm: torch.Tensor, max_norm: float, skipped: bool, position) -> None:
+    """Scale the gradients (`parts`, this rank's) from their global `norm` to max_norm and step, unless `skipped`
+    (checked before the step: a non-finite one reaches no weight and no AdamW moment); then clear them."""
+    if not skipped:
+        scale_to_norm(parts, norm, max_norm)
+        with position.within("optimizer"):
             optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     release_freed_memory()
-    return grad_norm, skipped
 
 
 class TrainingAborted(RuntimeError):
