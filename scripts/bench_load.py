@@ -152,6 +152,14 @@ def generate_fp8(source: Path, path: Path) -> Path:
     return path
 
 
+def run_default_double_quant() -> bool:
+    """model.expert_double_quant as a run has it by default (LoadOptions' own default is off): the loads measured
+    here are a run's."""
+    from moe_qlora.config.sections import ModelSection
+
+    return ModelSection.model_fields["expert_double_quant"].default
+
+
 def worker(name: str, path: str) -> dict:
     import logging
 
@@ -164,13 +172,17 @@ def worker(name: str, path: str) -> dict:
     from moe_qlora.model.loaded_model import parameter_bytes_by_kind
     from moe_qlora.model.loading import LoadOptions, load_model
 
+    nested = run_default_double_quant()
     baseline = peak_rss_mib()
     t = time.perf_counter()
     if name == "moe-qlora":
-        model = load_model(LoadOptions(path, compute_dtype=torch.bfloat16))
-    else:
+        model = load_model(LoadOptions(path, compute_dtype=torch.bfloat16, expert_double_quant=nested))
+    else:  # the same choice of nested scales as moe-qlora's
         quant = transformers.BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=torch.bfloat16,
+            bnb_4bit_use_double_quant=nested,
         )
         model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, dtype=torch.bfloat16)
     seconds = time.perf_counter() - t
@@ -209,7 +221,8 @@ def rank_worker(name: str, path: str) -> dict:
     baseline = peak_rss_mib()
     t = time.perf_counter()
     shard = ranks if name == "sliced" else None
-    model = load_model(LoadOptions(path, compute_dtype=torch.bfloat16, expert_shard=shard))
+    nested = run_default_double_quant()
+    model = load_model(LoadOptions(path, compute_dtype=torch.bfloat16, expert_shard=shard, expert_double_quant=nested))
     peak_load = peak_rss_mib()
     shard_model(model, ranks)
     seconds = time.perf_counter() - t

@@ -101,7 +101,8 @@ def rank_worker(layout: str, path: str) -> dict:
     ranks = SINGLE if layout == "one process" else join(1800)
     baseline, t = peak_rss_mib(), time.perf_counter()
     if layout == "fsdp, whole":  # the control: the whole model quantized on every rank, then sharded
-        model = load_model(LoadOptions(path, compute_dtype=torch.bfloat16))
+        nested = ModelSection.model_fields["expert_double_quant"].default  # as the run's layouts load
+        model = load_model(LoadOptions(path, compute_dtype=torch.bfloat16, expert_double_quant=nested))
         ranks = shard_model(model, ranks)
     else:
         placement = Placement(sharded=layout == "fsdp", experts_split=layout == "ep")

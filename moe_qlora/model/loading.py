@@ -197,7 +197,9 @@ class MoEQLoRAQuantizer(Bnb4BitHfQuantizer):
 
 @dataclass(frozen=True)
 class LoadOptions:
-    """How to load: where from, the compute dtype, and quantization choices."""
+    """How to load: where from, the compute dtype, and quantization choices. The defaults are the plainest load
+    (no nested scales); a run's choices come from its config (build.build_policy: model.expert_double_quant is on
+    by default there), which a script measuring what a run does must pass."""
 
     name_or_path: str
     compute_dtype: torch.dtype = torch.float32
