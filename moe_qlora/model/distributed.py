@@ -294,9 +294,11 @@ def shard_like(param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
 
 @contextmanager
 def whole_trainable(model, ranks: Ranks):
-    """Within the block every trainable parameter of a sharded model is whole (gathered on every rank), so the
-    adapter can be written and verified as from one process; the shards are put back after. Only LoRA is
-    gathered, never the 4-bit weights."""
+    """Within the block rank 0's trainable parameters are whole (gathered from every rank), so the adapter can be
+    written and verified as from one process; the shards are put back after. Only LoRA is gathered, never the
+    4-bit weights; one tensor at a time, to the host: no GPU holds more than its shards and one whole tensor
+    (DeepSeek-V3's recipe has 9 GiB of expert LoRA, 1.1 per GPU), and the other ranks, which write nothing, drop
+    each tensor as it arrives. Nothing inside may run the model."""
     if not ranks.sharded:
         yield model
         return
@@ -312,8 +314,11 @@ def whole_trainable(model, ranks: Ranks):
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is not None and p.requires_grad:
-                module._parameters[name] = torch.nn.Parameter(full_tensor(p.detach()), requires_grad=True)
-                swapped.append((module, name, p))
+                whole = full_tensor(p.detach())
+                if ranks.main:
+                    module._parameters[name] = torch.nn.Parameter(whole.cpu(), requires_grad=True)
+                    swapped.append((module, name, p))
+                del whole
     try:
         yield model
     finally:

@@ -203,7 +203,7 @@ class Recipe(ABC):
         """A checkpoint of `progress` (a sharded run's LoRA and optimizer state gathered by every rank first)."""
         if not (self.ranks.main or self.ranks.sharded):
             return
-        tensors = checkpoint_tensors(self.model, self.optimizer)
+        tensors = checkpoint_tensors(self.model, self.optimizer, keep=self.ranks.main)
         if self.ranks.main:
             cfg = self.cfg.train
             save_checkpoint(
