@@ -23,6 +23,7 @@ import torch
 
 from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model
 
+from helpers.once import once_per_session
 from helpers.tiny_configs import tiny_mixtral_config
 
 IN_XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
@@ -135,32 +136,13 @@ def demo_run(tmp_path_factory) -> DemoRun:
     """The README's demo command run as a user would (a subprocess of the installed CLI, all 30 epochs), once for
     the whole test run: the first xdist worker to ask trains it under a file lock in the folder the workers
     share, the others read what it left (tests only read the run)."""
-    import fcntl
-    import json
-
-    shared = tmp_path_factory.getbasetemp()
-    shared = shared.parent if IN_XDIST_WORKER else shared
-    tmp = shared / "demo"
-    env = {**os.environ, "MOE_QLORA_CACHE": str(tmp / "cache")}
-    run = [
-        sys.executable,
-        "-m",
-        "moe_qlora",
-        "train",
-        "--config",
-        "configs/demo.yaml",
-        "--set",
-        f"output.dir={tmp / 'run'}",
-    ]
     root = Path(__file__).resolve().parent.parent
-    with open(shared / "demo.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        finished = tmp / "finished.json"
-        if not finished.exists():
-            tmp.mkdir(exist_ok=True)
-            proc = subprocess.run(run, cwd=root, env=env, capture_output=True, text=True, timeout=1800)
-            finished.write_text(
-                json.dumps({"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr})
-            )
-        said = json.loads(finished.read_text())
-    return DemoRun(tmp / "run", subprocess.CompletedProcess(run, **said), env)
+
+    def train(folder: Path) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "moe_qlora", "train", "--config", "configs/demo.yaml"]
+        command += ["--set", f"output.dir={folder / 'run'}"]
+        env = {**os.environ, "MOE_QLORA_CACHE": str(folder / "cache")}
+        return subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=1800)
+
+    folder, proc = once_per_session(tmp_path_factory, "demo", train)
+    return DemoRun(folder / "run", proc, {**os.environ, "MOE_QLORA_CACHE": str(folder / "cache")})

@@ -69,13 +69,17 @@ train = run_command(
 
 
 def check_paths_before_loading(cfg, *, hub: bool = True) -> None:
-    """What would otherwise fail after seconds of imports or minutes of loading: a hub id neither cached nor
-    reachable (unless not `hub`: --dry-run reads no weights), data files that are not there, an output.dir that is
-    a file or cannot be written. Raises ConfigError naming the model or the absolute path."""
+    """What would otherwise fail after seconds of imports or minutes of loading: a builtin model that does not
+    exist, a hub id neither cached nor reachable (unless not `hub`: --dry-run reads no weights), data files that
+    are not there, an output.dir that is a file or cannot be written. Raises ConfigError naming the model or the
+    absolute path."""
     from moe_qlora.common.hub import check_hub_model
     from moe_qlora.config.sections import ConfigError
+    from moe_qlora.model.tiny_families import unknown_builtin_model
 
     name = cfg.model.name_or_path
+    if problem := unknown_builtin_model(name):
+        raise ConfigError(problem)
     local = os.path.isabs(name) or name.startswith((".", "~")) or os.path.exists(name)
     if hub and not local and not name.startswith("builtin:"):
         check_hub_model(name, ConfigError)

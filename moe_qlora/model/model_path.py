@@ -4,7 +4,6 @@ on first use into the cache and found there by a hash of its recipe; a hub id or
 
 from __future__ import annotations
 
-import difflib
 import functools
 import hashlib
 import json
@@ -13,7 +12,8 @@ import tempfile
 from pathlib import Path
 
 from moe_qlora.config.sections import ConfigError
-from moe_qlora.model.tiny import TINY_FAMILIES, build_byte_tokenizer, save_tiny_model, tiny_config
+from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
+from moe_qlora.model.tiny_families import BUILTIN_FAMILIES, unknown_builtin_model
 
 
 def cache_dir() -> Path:
@@ -42,15 +42,13 @@ def ensure_tiny(family: str = "mixtral", *, seed: int = 0, **overrides) -> Path:
 
 
 # builtin:tiny-mixtral is the demo's model; builtin:tiny-<family> for every family in TINY_FAMILIES.
-BUILTIN_MODELS = {f"builtin:tiny-{f.replace('_', '-')}": functools.partial(ensure_tiny, f) for f in TINY_FAMILIES}
+BUILTIN_MODELS = {name: functools.partial(ensure_tiny, family) for name, family in BUILTIN_FAMILIES.items()}
 
 
 def resolve_model_path(name_or_path: str) -> str:
     """Turn `builtin:<name>` into the path of the generated model; pass anything else through."""
+    if problem := unknown_builtin_model(name_or_path):
+        raise ConfigError(problem)
     if name_or_path.startswith("builtin:"):
-        if name_or_path not in BUILTIN_MODELS:
-            near = difflib.get_close_matches(name_or_path, list(BUILTIN_MODELS), n=1)
-            hint = f"did you mean {near[0]!r}?" if near else f"known: {', '.join(BUILTIN_MODELS)}"
-            raise ConfigError(f"model.name_or_path: unknown builtin model {name_or_path!r}; {hint}")
         return str(BUILTIN_MODELS[name_or_path]())
     return name_or_path

@@ -135,6 +135,14 @@ def torchrun(args: list[str], env: dict, timeout: int = 600) -> subprocess.Compl
     return subprocess.run(torchrun_command(args), env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def script_on_ranks(script: Path, ranks: int, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`script` (a Python file) on `ranks` gloo processes under torchrun, one thread each; finished."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks)]
+    cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def torchrun_command(args: list[str]) -> list[str]:
     """The command line of `moe_qlora` with `args` under torchrun, 2 processes on a free local port."""
     return [

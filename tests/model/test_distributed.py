@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from moe_qlora.model.tiny import build_byte_tokenizer, save_tiny_model, tiny_config
 
 from helpers.crash import free_port, torchrun, torchrun_command
+from helpers.once import once_per_session
 from helpers.published import publish_gpt_oss_mxfp4
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -711,22 +712,48 @@ def test_grpo_over_two_ranks_splits_prompts_by_whole_groups_and_reproduces_one_p
     assert fa.keys() == fb.keys() and max(float((fa[k] - fb[k]).abs().max()) for k in fa) <= 5e-5
 
 
-def test_online_grpo_over_two_ranks_samples_every_prompt_of_a_step_once_per_completion(tmp_path):
+FLAKY_REWARD = """import os
+calls = []
+def flaky(prompts, completions, **columns):
+    calls.append(len(completions))
+    if len(calls) >= 3 and os.environ.get("FAIL_REWARD"):  # rank 1's third step on: every call fails
+        raise ConnectionError("reward server unreachable from this node")
+    return [float(len(c) % 3) for c in completions]
+"""
+
+
+def online_grpo_args(folder: Path, layout: str) -> list[str]:
+    """Online grpo over 2 ranks (2 + 1 prompts a step, 4 completions of at most 4 tokens each, 4 steps) under
+    `layout`, scored by FLAKY_REWARD (written to `folder`), which fails where FAIL_REWARD is set."""
+    (folder / "flaky.py").write_text(FLAKY_REWARD)
+    reward = {"rewards": [{"function": f"{folder / 'flaky.py'}:flaky"}], "group_size": 4, "max_new_tokens": 4}
+    cfg = grpo_config(folder, "run", **reward)
+    return ["grpo", "--config", str(cfg), "--set", "train.dist_timeout_s=60", "--set", f"train.parallel={layout}"]
+
+
+def online_grpo(tmp_path_factory, layout: str) -> Path:
+    """The uninterrupted online grpo run of `layout` (online_grpo_args), made once a session: the online test
+    reads its rollouts, the reward fault's test its adapter."""
+
+    def run(folder: Path) -> subprocess.CompletedProcess:
+        return torchrun(online_grpo_args(folder, layout), env_for(folder), timeout=180)
+
+    folder, proc = once_per_session(tmp_path_factory, f"online-grpo-{layout}", run)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return folder / "run"
+
+
+def rollouts(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+
+
+def test_online_grpo_over_two_ranks_samples_every_prompt_of_a_step_once_per_completion(tmp_path_factory):
     """Sampling: each rank samples G completions of its own prompts (seeded by step and rank); rank 0's
     rollouts.jsonl holds the whole batch, every prompt of the step with exactly G completions; and under ep and
     fsdp the same rollouts (where FSDP2 shards the model, generate gathers the root's shards: the embedding and
     the head)."""
-    cfg = grpo_config(
-        tmp_path,
-        "online",
-        group_size=4,
-        max_new_tokens=4,
-        rewards=[{"function": "length", "args": {"target": 2}, "weight": 1.0}],
-    )
-    proc = torchrun(["grpo", "--config", str(cfg), "--set", "train.max_steps=2"], env_for(tmp_path))
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "online" / "rollouts.jsonl").read_text().splitlines()]
-    for step in (1, 2):
+    rows = rollouts(online_grpo(tmp_path_factory, "ddp"))
+    for step in (1, 2, 3, 4):
         mine = [r for r in rows if r["step"] == step]
         by_group = {}
         for r in mine:
@@ -737,22 +764,15 @@ def test_online_grpo_over_two_ranks_samples_every_prompt_of_a_step_once_per_comp
     # ep: the experts split, every rank generating until all are done (its forwards joined by the other rank,
     # which samples 1 prompt's group against 2). Each rank draws from the same seeded generator as under ddp and
     # the model computes the same function (to fp32 rounding): step 1's completions and rewards are ddp's. Its
-    # logged loss is the second pass's, after an update (AdamW's noise, see above), and step 2 samples from
+    # logged loss is the second pass's, after an update (AdamW's noise, see above), and later steps sample from
     # adapters that differ by it: a token may differ there.
     keep = ("step", "group", "source", "completion", "reward")
     first = [{k: r[k] for k in keep} for r in rows if r["step"] == 1]
-    for layout in ("ep", "fsdp"):  # ep with the rest sharded too (replicated in the reward fault's ep run)
-        out = tmp_path / f"online-{layout}"
-        dense = EP_DENSE_FSDP if layout == "ep" else []
-        proc = torchrun(
-            ["grpo", "--config", str(cfg), "--set", "train.max_steps=2", "--set", f"train.parallel={layout}"]
-            + ["--set", f"output.dir={out}", *dense],
-            env_for(tmp_path),
-        )
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-        sharded = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    for layout in ("ep", "fsdp"):  # ep with the rest replicated (sharded too in the offline grpo's ep run)
+        run = online_grpo(tmp_path_factory, layout)
+        sharded = rollouts(run)
         assert len(first) == 12 and first == [{k: r[k] for k in keep} for r in sharded if r["step"] == 1], layout
-        assert len(sharded) == len(rows) and [r["step"] for r in records(out)] == [1, 2]
+        assert len(sharded) == len(rows) and [r["step"] for r in records(run)] == [1, 2, 3, 4]
 
 
 def launch_two_nodes(
@@ -1096,31 +1116,17 @@ def test_out_of_memory_inside_a_sharded_forward_stops_the_run_and_resumes_on_the
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-FLAKY_REWARD = """import os
-calls = []
-def flaky(prompts, completions, **columns):
-    calls.append(len(completions))
-    if len(calls) >= 3 and os.environ.get("FAIL_REWARD"):  # rank 1's third step on: every call fails
-        raise ConnectionError("reward server unreachable from this node")
-    return [float(len(c) % 3) for c in completions]
-"""
-
-
 @pytest.mark.parametrize("layout", ["ddp", "fsdp", "ep"])
 def test_a_reward_function_failing_on_one_rank_stops_every_rank_after_a_checkpoint_and_resumes_exactly(
-    tmp_path, layout
+    tmp_path_factory, tmp_path, layout
 ):
     """Online grpo over 2 ranks (2 + 1 prompts a step); the reward function raises on rank 1 alone from step 3.
     Rank 0 meets it after sampling and scoring, before the step's first collective (under fsdp and ep the
     sampling's forwards are joined by both, and the scoring has its own meeting point): both print rank 0's sentence,
     naming the function, the step and the prompt, with step 2 checkpointed; resumed, the run ends on the
-    uninterrupted run's adapter."""
-    (tmp_path / "flaky.py").write_text(FLAKY_REWARD)
-    reward = {"rewards": [{"function": f"{tmp_path / 'flaky.py'}:flaky"}], "group_size": 4, "max_new_tokens": 4}
-    cfg = grpo_config(tmp_path, "run", **reward)
-    args = ["grpo", "--config", str(cfg), "--set", "train.dist_timeout_s=60", "--set", f"train.parallel={layout}"]
-    reference = torchrun([*args, "--set", f"output.dir={tmp_path / 'reference'}"], env_for(tmp_path), timeout=180)
-    assert reference.returncode == 0, (reference.stdout + reference.stderr)[-3000:]
+    uninterrupted run's adapter (the online test's run of the layout)."""
+    reference = online_grpo(tmp_path_factory, layout)
+    args = online_grpo_args(tmp_path, layout)
     said = stopped_together(torchrun(args, env_on_rank_1(tmp_path, FAIL_REWARD="1"), timeout=180))
     assert said.startswith(f"error: rank 1: reward '{tmp_path / 'flaky.py'}:flaky' failed on prompt 2 of step 3 (")
     assert "ConnectionError: reward server unreachable from this node" in said
@@ -1128,5 +1134,5 @@ def test_a_reward_function_failing_on_one_rank_stops_every_rank_after_a_checkpoi
     resumed = torchrun([*args, "--resume"], env_for(tmp_path), timeout=180)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
     assert [r["step"] for r in records(tmp_path / "run")] == [1, 2, 3, 4]
-    a, b = (load_file(str(tmp_path / r / "adapter" / "adapter_model.safetensors")) for r in ("reference", "run"))
+    a, b = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in (reference, tmp_path / "run"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -3,13 +3,9 @@ the output and the gradients of the hidden states, the routing weights and each 
 step meets: uneven loads, every row routed to one rank's experts (the others receive nothing), a rank with no
 tokens at all. Controls: a wrong permutation of the received rows, a combine that gets nothing back."""
 
-import os
-import subprocess
-import sys
-
 import torch
 
-from helpers.crash import free_port
+from helpers.crash import script_on_ranks
 
 SCRIPT = r"""
 import os, sys, torch, torch.distributed as dist
@@ -117,10 +113,7 @@ def test_the_exchange_over_three_ranks_is_the_one_process_layer(tmp_path):
     (> 1e-2) in every case where any row crosses ranks."""
     script = tmp_path / "exchange.py"
     script.write_text(SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "3"]
-    cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = script_on_ranks(script, 3)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     results = {}
     for line in proc.stdout.splitlines():

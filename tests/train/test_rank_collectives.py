@@ -4,13 +4,11 @@ rank at the same meeting point and the next update still sums the norm over both
 collectives stay paired); and the gathers for the adapter and the checkpoint, whose whole tensors rank 0 alone
 keeps, on the host."""
 
-import os
 import subprocess
-import sys
 
 import pytest
 
-from helpers.crash import free_port
+from helpers.crash import script_on_ranks
 
 SCRIPT = r"""
 import os, sys
@@ -85,10 +83,7 @@ def update_launch(tmp_path_factory) -> subprocess.CompletedProcess:
     """The script on 2 gloo ranks, launched once for the module's tests."""
     script = tmp_path_factory.mktemp("ranks") / "ranks.py"
     script.write_text(SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
-    cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = script_on_ranks(script, 2)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return proc
 

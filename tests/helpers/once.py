@@ -1,0 +1,37 @@
+"""A run that several tests read, made once per test session however xdist spreads those tests over its workers."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+
+def session_folder(tmp_path_factory) -> Path:
+    """The folder every xdist worker of this session shares (the parent of the workers' own base folders), or the
+    session's base folder without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
+
+
+def once_per_session(
+    tmp_path_factory, name: str, run: Callable[[Path], subprocess.CompletedProcess]
+) -> tuple[Path, subprocess.CompletedProcess]:
+    """(folder, finished process) of `run(folder)`, run by the first worker to ask for `name` under a file lock;
+    the others wait on the lock and read what it left (the process's return code and output, kept in the folder).
+    Tests must only read the folder."""
+    shared = session_folder(tmp_path_factory)
+    folder = shared / name
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        finished = folder / "finished.json"
+        if not finished.exists():
+            folder.mkdir(exist_ok=True)
+            proc = run(folder)
+            said = {"args": proc.args, "returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+            finished.write_text(json.dumps(said))
+        said = json.loads(finished.read_text())
+    return folder, subprocess.CompletedProcess(**said)
