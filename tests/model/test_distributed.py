@@ -625,27 +625,6 @@ def test_sigkill_of_one_rank_then_resume_gives_the_uninterrupted_result(tmp_path
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "ep"])
-def test_sigkill_of_one_sharded_rank_then_resume_ends_on_the_uninterrupted_adapter(request, tmp_path, layout):
-    """The 2-rank fsdp and ep runs (their fixtures: 6 steps, the long-context helpers on) relaunched with a
-    checkpoint every 2 steps; rank 1 is SIGKILLed once rank 0 has logged 3. `--resume` (each rank taking its
-    shards, or its experts' rows, of the whole tensors checkpointed) ends on the uninterrupted run's adapter,
-    tensor for tensor, with each step logged once."""
-    run, _ = request.getfixturevalue(f"{layout}_run")
-    out = tmp_path / "crashed"
-    layout_args = {"fsdp": FSDP_ARGS, "ep": EP_ARGS + EP_DENSE_FSDP}[layout]
-    args = ["train", "--config", str(DEMO), *STEPS, *layout_args, *LONG_CONTEXT, "--set", "train.save_every=2"]
-    args += ["--set", "train.dist_timeout_s=60", "--set", f"output.dir={out}"]
-    env = env_for(tmp_path, **OFFLOAD_ALL)
-    kill_rank_1_after_steps(args, env, out, steps=3)
-    resumed = torchrun([*args, "--resume"], env, timeout=180)
-    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
-    assert "resumed from" in resumed.stdout and "warning" not in resumed.stdout
-    assert [r["step"] for r in records(out)] == [1, 2, 3, 4, 5, 6]
-    a, b = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in (run, out))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 def grpo_config(tmp_path, name: str, **grpo) -> Path:
     """Offline GRPO (scored completions in a file, so no sampling noise): 3 prompts a step over 2 ranks is 2 and
     1 whole groups; 2 passes (the clipped ratio) and a KL term, so every statistic and normaliser is summed."""
@@ -1048,15 +1027,15 @@ def stopped_together(proc: subprocess.CompletedProcess) -> str:
     return said[0]
 
 
-@pytest.mark.parametrize("phase", ["forward", "backward", "optimizer"])
-def test_out_of_memory_on_one_rank_stops_every_rank_with_one_sentence_and_resumes_exactly(runs, tmp_path, phase):
-    """Issue 43: out of memory on rank 1 alone, at step 4 of 6. Rank 0 meets it after the stretch that failed
-    (before the gradients are summed, or after the optimizer), so neither waits in a collective the other never
-    reaches: both print rank 0's sentence and exit 1, step 3 checkpointed (the weights are not past it) or, in
-    the optimizer, not (they are; step 2's checkpoint is the last). Resumed, the run ends on the uninterrupted
-    2-rank run's adapter, tensor for tensor. A launch that hangs fails on the timeout (dist_timeout_s bounds a
-    collective's wait). Before the fix rank 1 stopped alone, saying it had checkpointed what only rank 0 writes,
-    and torchrun killed rank 0."""
+def test_out_of_memory_on_one_rank_stops_every_rank_with_one_sentence_and_resumes_exactly(runs, tmp_path):
+    """Issue 43: out of memory on rank 1 alone, in each phase of a step in turn, the run resumed after each: the
+    forward of step 4, the backward of step 5, the optimizer of step 6. Rank 0 meets it after the stretch that
+    failed (before the gradients are summed, or after the optimizer), so neither waits in a collective the other
+    never reaches: both print rank 0's sentence and exit 1, with the last completed step checkpointed (step 3),
+    or found checkpointed already (step 4, by save_every), or, in the optimizer, not (the weights are past step
+    5; step 4's checkpoint is the last). The last resume ends on the uninterrupted 2-rank run's adapter, tensor for
+    tensor. A launch that hangs fails on the timeout (dist_timeout_s bounds a collective's wait). Before the fix
+    rank 1 stopped alone, saying it had checkpointed what only rank 0 writes, and torchrun killed rank 0."""
     _, two, _ = runs
     out = tmp_path / "run"
     args = [
@@ -1073,15 +1052,21 @@ def test_out_of_memory_on_one_rank_stops_every_rank_with_one_sentence_and_resume
         "--set",
         f"output.dir={out}",
     ]
-    said = stopped_together(torchrun(args, env_on_rank_1(tmp_path, MOE_QLORA_INJECT_OOM=f"4:{phase}"), timeout=180))
-    assert said.startswith(f"error: rank 1: out of memory at step 4 ({phase}): peak")
-    kept = sorted(d.name for d in (out / "checkpoints").iterdir())
-    if phase == "optimizer":
-        assert "Not checkpointed: the optimizer had already updated part of the weights" in said
-        assert kept == ["step-00000002"]
-    else:
-        assert f"Step 3, the last completed, is checkpointed in {out / 'checkpoints' / 'step-00000003'}." in said
-        assert kept == ["step-00000002", "step-00000003"]
+    checkpoints = out / "checkpoints"
+    faults = (
+        ("forward", 4, f"Step 3, the last completed, is checkpointed in {checkpoints / 'step-00000003'}.", 2),
+        ("backward", 5, f"Step 4, the last completed, was already checkpointed in {checkpoints / 'step-00000004'}", 3),
+        ("optimizer", 6, "Not checkpointed: the optimizer had already updated part of the weights", 3),
+    )
+    resume = []
+    for phase, step, where, oldest_kept in faults:
+        env = env_on_rank_1(tmp_path, MOE_QLORA_INJECT_OOM=f"{step}:{phase}")
+        said = stopped_together(torchrun([*args, *resume], env, timeout=180))
+        assert said.startswith(f"error: rank 1: out of memory at step {step} ({phase}): peak"), said
+        assert where in said, said
+        kept = sorted(d.name for d in checkpoints.iterdir())
+        assert kept == [f"step-{oldest_kept:08d}", f"step-{oldest_kept + 1:08d}"], (phase, kept)
+        resume = ["--resume"]
     resumed = torchrun([*args, "--resume"], env_for(tmp_path), timeout=180)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
     assert [r["step"] for r in records(out)] == [1, 2, 3, 4, 5, 6]
@@ -1090,13 +1075,16 @@ def test_out_of_memory_on_one_rank_stops_every_rank_with_one_sentence_and_resume
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "ep"])
-def test_out_of_memory_inside_a_sharded_forward_stops_the_run_and_resumes_on_the_uninterrupted_adapter(
+def test_out_of_memory_in_a_sharded_forward_then_sigkill_of_a_rank_each_resume_on_the_uninterrupted_adapter(
     request, tmp_path, layout
 ):
-    """Under fsdp and ep a failure inside the forward cannot be met (rank 0 is inside FSDP's gathers, or the
-    experts' exchange): rank 1 prints its sentence naming the last checkpoint (step 2; nothing is written for
-    step 3), the launch ends within its time limit, and `--resume` ends on the uninterrupted run's adapter (the
-    layout's fixture), tensor for tensor."""
+    """The 2-rank fsdp and ep runs (their fixtures: 6 steps, the long-context helpers on) relaunched with a
+    checkpoint every 2 steps, and two faults in turn. Out of memory on rank 1 in the forward of step 4: under fsdp
+    and ep it cannot be met (rank 0 is inside FSDP's gathers, or the experts' exchange), so rank 1 prints its
+    sentence naming the last checkpoint (step 2; nothing is written for step 3) and the launch ends within its
+    time limit. Resumed, rank 1 is SIGKILLed once rank 0 has logged 5 steps. The last `--resume` (each rank taking
+    its shards, or its experts' rows, of the whole tensors checkpointed) ends on the uninterrupted run's adapter,
+    tensor for tensor, with each step logged once."""
     run, _ = request.getfixturevalue(f"{layout}_run")
     out = tmp_path / "run"
     layout_args = {"fsdp": FSDP_ARGS, "ep": EP_ARGS + EP_DENSE_FSDP}[layout]
@@ -1109,8 +1097,12 @@ def test_out_of_memory_inside_a_sharded_forward_stops_the_run_and_resumes_on_the
     assert said[0].startswith("error: rank 1: out of memory at step 4 (forward): peak")
     assert f"the last checkpoint is {out / 'checkpoints' / 'step-00000002'}." in said[0]
     assert sorted(d.name for d in (out / "checkpoints").iterdir()) == ["step-00000002"]
-    resumed = torchrun([*args, "--resume"], env_for(tmp_path, **OFFLOAD_ALL), timeout=180)
+    env = env_for(tmp_path, **OFFLOAD_ALL)
+    kill_rank_1_after_steps([*args, "--resume"], env, out, steps=5)
+    assert sorted(d.name for d in (out / "checkpoints").iterdir())[-1] == "step-00000004"
+    resumed = torchrun([*args, "--resume"], env, timeout=180)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert "resumed from" in resumed.stdout and "warning" not in resumed.stdout
     assert [r["step"] for r in records(out)] == [1, 2, 3, 4, 5, 6]
     a, b = (load_file(str(r / "adapter" / "adapter_model.safetensors")) for r in (run, out))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
