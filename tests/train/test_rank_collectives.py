@@ -23,6 +23,10 @@ from moe_qlora.train.optim import ClippedAdamW
 from moe_qlora.train.position import StepPosition
 from moe_qlora.train.update import apply_update
 
+def say(line):
+    os.write(1, (line + "\n").encode())  # one write: the ranks share the pipe, and print writes the newline apart
+
+
 dist.init_process_group("gloo", timeout=timedelta(seconds=20))
 rank = dist.get_rank()
 ranks = Ranks(rank=rank, world=2, sharded=True)
@@ -48,7 +52,7 @@ for step, phase in enumerate(("gradient norm", "optimizer", ""), start=1):
         said = f"stepped {norm:.6f} {skipped}"
     except StepAbandoned as exc:
         said = f"abandoned {type(exc.error).__name__}"
-    print(f"rank {rank} | {phase or 'none'} | {said} | {expected:.6f}", flush=True)
+    say(f"rank {rank} | {phase or 'none'} | {said} | {expected:.6f}")
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from moe_qlora.model.distributed import local_shard, whole_trainable
@@ -70,7 +74,7 @@ after = all(isinstance(p, DTensor) for p in net.parameters())
 state = checkpoint_tensors(net, adamw, keep=rank == 0)
 kinds = sorted({f"{'shard' if d else 'whole'}:{dev}:{'full shape' if same else 'part'}" for d, dev, same in inside})
 counts = f"{len(state['trainable'])} {len(state['optimizer'])}"
-print(f"rank {rank} | gathered | {','.join(kinds)} {after} | {counts}", flush=True)
+say(f"rank {rank} | gathered | {','.join(kinds)} {after} | {counts}")
 dist.barrier()
 dist.destroy_process_group()
 sys.stdout.flush()
