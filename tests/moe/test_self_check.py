@@ -211,14 +211,13 @@ def demo_losses(tmp_path, name, *overrides, fault=None):
 @pytest.mark.slow
 def test_demo_with_a_broken_grouped_mm_falls_back_and_trains_as_the_reference(tmp_path):
     """The demo with model.kernels=grouped_mm and a wrong grouped_mm: one warning, every layer on the torch
-    reference, and the losses of model.kernels=torch within 1e-4. Without the fault nothing falls back."""
+    reference, and the losses of model.kernels=torch within 1e-4. (Without the fault nothing falls back:
+    test_a_right_path_is_kept, in-process.)"""
     reference, _ = demo_losses(tmp_path, "torch", "--set", "model.kernels=torch")
     fallen, log = demo_losses(tmp_path, "broken", "--set", "model.kernels=grouped_mm", fault="grouped_mm:wrong")
     assert log.count("MoE self-check: grouped_mm failed") == 1 and "runs torch instead" in log
     assert len(fallen) == len(reference) == 12
     assert max(abs(a - b) for a, b in zip(fallen, reference, strict=True)) <= 1e-4
-    healthy, log = demo_losses(tmp_path, "healthy", "--set", "model.kernels=grouped_mm")
-    assert "MoE self-check" not in log and len(healthy) == 12
     # Control: the injected fault, unchecked, changes the training.
     broken, _ = demo_losses(
         tmp_path,
