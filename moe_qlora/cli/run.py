@@ -108,6 +108,19 @@ def check_paths_before_loading(cfg, *, hub: bool = True) -> None:
         raise ConfigError(f"output.dir: {out} cannot be written ({existing} is not writable by this user)")
 
 
+def check_resume_before_loading(cfg, *, anyway: bool) -> None:
+    """A resume from checkpoints all trained with another config (the run would refuse it once the model is
+    loaded: minutes for a big one) is refused before any heavy import, with the keys that changed; --resume-anyway
+    skips it."""
+    from moe_qlora.config.sections import ConfigError
+    from moe_qlora.train.run_identity import refused_config
+
+    if anyway:
+        return
+    if problem := refused_config(Path(cfg.output.dir), cfg.train.resume, cfg.model_dump(mode="json")):
+        raise ConfigError(problem)
+
+
 def check_router_aux_loss(cfg, folder: str | None) -> None:
     """train.router_aux_loss_coef on a family without an auxiliary loss, seen from the checkpoint's config.json
     (a local folder, or the hub cache's copy) before minutes of loading; the recipe checks it again on the model."""
@@ -152,6 +165,7 @@ def _run(
         cfg = load_config(config, [*overrides, *resumes])
         check_method(command, cfg, world=int(os.environ.get("WORLD_SIZE", "1")), source=config)
         check_paths_before_loading(cfg, hub=not dry_run)
+        check_resume_before_loading(cfg, anyway=resume_anyway)
     except ConfigError as exc:  # (its subclasses too) before the heavy imports _user_errors makes
         fail(exc, debug)
     quiet_libraries()

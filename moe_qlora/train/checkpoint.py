@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 import signal
 from dataclasses import asdict, dataclass
@@ -28,11 +27,12 @@ from moe_qlora.common.fileio import atomic_dir, save_safetensors
 from moe_qlora.common.injection import injected_faults
 from moe_qlora.model.distributed import full_tensor, shard_like
 from moe_qlora.train.optim import restore_state
+from moe_qlora.train.run_identity import checkpoint_folders as checkpoint_dirs
+from moe_qlora.train.run_identity import config_changes
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
 class CheckpointError(ValueError):
@@ -73,73 +73,6 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-# model keys that change where the experts live, never a bit of what is computed (tests/moe/test_offload.py): a run
-# may resume with expert offload switched on or off.
-PLACEMENT = {"expert_offload", "offload_resident_layers"}
-# train keys that change when and where a run saves or logs, or where it keeps what it computes, never what it
-# computes.
-BOOKKEEPING = {
-    "resume",
-    "save_every",
-    "save_every_minutes",
-    "keep_checkpoints",
-    "log_every",
-    "eval_every",
-    "keep_best",
-    "dist_timeout_s",
-    "parallel",
-    "ep_size",  # as `parallel`: where the experts are computed, the same sums in another order
-    "ep_dense",
-    # the long-context memory helpers: the same step, held in less memory (bitwise for the offload, to fp32
-    # rounding for the chunks, as for `parallel`): a run out of memory may resume with them turned on
-    "mlp_chunk_tokens",
-    "offload_activations",
-}
-
-
-def resumable_config(resolved: dict) -> dict:
-    """The resolved config without what may change between a run and its resume (output and bookkeeping)."""
-    relevant = {k: v for k, v in resolved.items() if k != "output"}
-    relevant["train"] = {k: v for k, v in relevant.get("train", {}).items() if k not in BOOKKEEPING}
-    relevant["model"] = {k: v for k, v in relevant.get("model", {}).items() if k not in PLACEMENT}
-    return relevant
-
-
-def config_hash(resolved: dict) -> str:
-    """sha256 of the resolved config's resumable_config."""
-    return hashlib.sha256(json.dumps(resumable_config(resolved), sort_keys=True).encode()).hexdigest()
-
-
-def config_identity(resolved: dict) -> dict:
-    """What a checkpoint records of the config: its hash, which a resume compares, and the resumable config
-    itself, so that a refused resume can name the keys that changed."""
-    return {"config_hash": config_hash(resolved), "config": resumable_config(resolved)}
-
-
-def flat_keys(tree: dict, prefix: str = "") -> dict[str, object]:
-    """{'train.lr': 2e-4, ...}: the leaves of nested sections under dotted keys (lists are leaves)."""
-    out = {}
-    for k, v in tree.items():
-        out.update(flat_keys(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
-    return out
-
-
-UNSET = "(not set)"  # a key one side has and the other has not (a key added or removed since)
-
-
-def config_changes(old: dict, new: dict, shown: int = 4) -> str:
-    """'train.lr 0.005 -> 0.001, lora.rank 8 -> 16': the keys whose value differs, the first `shown` of them."""
-    before, after = flat_keys(old), flat_keys(new)
-    keys = sorted(k for k in before.keys() | after.keys() if before.get(k, UNSET) != after.get(k, UNSET))
-    parts = [f"{k} {_value(before.get(k, UNSET))} -> {_value(after.get(k, UNSET))}" for k in keys[:shown]]
-    return ", ".join(parts) + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
-
-
-def _value(v) -> str:
-    text = v if v is UNSET else json.dumps(v)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def dataset_fingerprint(examples) -> str:
@@ -249,13 +182,6 @@ def save_checkpoint(
         (tmp / MANIFEST).write_text(json.dumps({f: sha256_file(tmp / f) for f in files}, indent=1))
     prune_checkpoints(Path(run_dir), keep)
     return target
-
-
-def checkpoint_dirs(run_dir: Path) -> list[Path]:
-    """Checkpoint folders under their final names, newest first (temporary folders are not listed)."""
-    root = Path(run_dir) / "checkpoints"
-    found = [d for d in root.iterdir() if d.is_dir() and STEP_DIR.match(d.name)] if root.is_dir() else []
-    return sorted(found, key=lambda d: d.name, reverse=True)
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> None:

@@ -22,12 +22,13 @@ from moe_qlora.config.methods import check_method
 from moe_qlora.config.sections import DataSection, RunConfig
 from moe_qlora.model.build import load_policy
 from moe_qlora.model.distributed import any_rank, launched_world_size, raise_together, whole_trainable
-from moe_qlora.train.checkpoint import RunProgress, checkpoint_tensors, config_identity, save_checkpoint
+from moe_qlora.train.checkpoint import RunProgress, checkpoint_tensors, save_checkpoint
 from moe_qlora.train.faults import FaultStop, attempt
 from moe_qlora.train.losses import router_aux_coefficient
 from moe_qlora.train.optim import build_optimizer
 from moe_qlora.train.position import StepContext, StepPosition
 from moe_qlora.train.resume import resume_if_asked, truncate_metrics
+from moe_qlora.train.run_identity import config_identity
 from moe_qlora.train.runs import (
     CheckpointPolicy,
     RunSummary,

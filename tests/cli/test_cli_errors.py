@@ -140,3 +140,48 @@ def test_debug_shows_the_traceback_and_keeps_the_exit_code(config):
     code, _, err = cli(["train", "--config", str(config), "--set", "data.train_files=[nope.jsonl]", "--debug"])
     assert code == 2 and "Traceback (most recent call last)" in err
     assert f"error: data.train_files: {Path.cwd() / 'nope.jsonl'}: no such file" in err
+
+
+def trained_checkpoints(config: Path, out: Path, steps: dict[int, list[str]]) -> None:
+    """Checkpoint folders as a run leaves them, for the config-identity check alone: each step's state.json
+    records the config of `config` with that step's overrides (the tensors are not read before loading)."""
+    from moe_qlora.config.load import load_config
+    from moe_qlora.train.run_identity import config_identity
+
+    for step, overrides in steps.items():
+        folder = out / "checkpoints" / f"step-{step:08d}"
+        folder.mkdir(parents=True)
+        identity = config_identity(load_config(str(config), overrides).model_dump(mode="json"))
+        (folder / "state.json").write_text(json.dumps({"step": step, **identity}))
+
+
+def test_a_resume_with_another_config_is_refused_before_any_heavy_import(config, tmp_path):
+    """Every checkpoint of the run was trained at lr 0.005: a resume at 0.001 is refused naming the newest and the
+    key that changed, before torch is imported (it was refused only once the model had loaded). --resume-anyway
+    skips the check: tests/train/test_resume.py resumes so."""
+    trained_checkpoints(config, tmp_path / "out", {2: ["train.lr=0.005"], 4: ["train.lr=0.005"]})
+    newest = tmp_path / "out" / "checkpoints" / "step-00000004"
+    code, torch_imported, err = cli(["train", "--config", str(config), "--resume", "--set", "train.lr=0.001"])
+    assert code == 2 and not torch_imported, err
+    assert f"error: {newest}: the configuration differs from the one this checkpoint was trained with" in err
+    assert "(train.lr 0.005 -> 0.001)" in err and "--resume-anyway" in err
+
+
+def test_the_early_resume_check_refuses_only_where_every_checkpoint_differs(config, tmp_path):
+    """refused_config: None where any checkpoint the resume could take has the config (a corrupt newer one is
+    skipped by the resume), for a fresh run (resume: never), or with no checkpoint; a named checkpoint is
+    compared alone. Control: the same folders with no matching checkpoint are refused."""
+    from moe_qlora.config.load import load_config
+    from moe_qlora.train.run_identity import refused_config
+
+    out = tmp_path / "out"
+    trained_checkpoints(config, out, {2: ["train.lr=0.001"], 4: ["train.lr=0.005"]})
+    now = load_config(str(config), ["train.lr=0.001"]).model_dump(mode="json")
+    assert refused_config(out, "never", now) is None
+    assert refused_config(tmp_path / "elsewhere", "auto", now) is None
+    assert refused_config(out, "auto", now) is None  # step 2 has it
+    assert refused_config(out, str(out / "checkpoints" / "step-00000002"), now) is None
+    named = refused_config(out, str(out / "checkpoints" / "step-00000004"), now)
+    assert named.startswith(f"{out / 'checkpoints' / 'step-00000004'}: the configuration differs")
+    other = load_config(str(config), ["train.lr=0.002"]).model_dump(mode="json")
+    assert "(train.lr 0.005 -> 0.002)" in refused_config(out, "auto", other)

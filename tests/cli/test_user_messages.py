@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 from moe_qlora.cli.app import app
 from moe_qlora.config.load import load_config
 from moe_qlora.config.sections import ConfigError, LoraSection
-from moe_qlora.train.checkpoint import check_same_run, config_identity
+from moe_qlora.train.checkpoint import check_same_run
+from moe_qlora.train.run_identity import config_identity
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "data" / "demo_sft.jsonl"

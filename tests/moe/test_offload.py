@@ -410,7 +410,7 @@ def test_a_run_may_resume_with_offload_switched():
     """Offload changes no bit, so it is not part of the config identity a resume checks (checkpoint.PLACEMENT);
     the control: a key that does change the math (the LoRA rank) changes it."""
     from moe_qlora.config.load import load_config
-    from moe_qlora.train.checkpoint import config_hash
+    from moe_qlora.train.run_identity import config_hash
 
     def identity(*overrides):
         return config_hash(load_config(ROOT / "configs" / "demo.yaml", list(overrides)).model_dump(mode="json"))
