@@ -70,9 +70,9 @@ train = run_command(
 
 def check_paths_before_loading(cfg, *, hub: bool = True) -> None:
     """What would otherwise fail after seconds of imports or minutes of loading: a builtin model that does not
-    exist, a hub id neither cached nor reachable (unless not `hub`: --dry-run reads no weights), data files that
-    are not there, an output.dir that is a file or cannot be written. Raises ConfigError naming the model or the
-    absolute path."""
+    exist, model.device cuda where torch has none, a hub id neither cached nor reachable (unless not `hub`:
+    --dry-run reads no weights), data files that are not there, an output.dir that is a file or cannot be
+    written. Raises ConfigError naming the model or the absolute path."""
     from moe_qlora.common.hub import check_hub_model
     from moe_qlora.config.sections import ConfigError
     from moe_qlora.model.tiny_families import unknown_builtin_model
@@ -96,6 +96,10 @@ def check_paths_before_loading(cfg, *, hub: bool = True) -> None:
             except DataError as exc:
                 raise ConfigError(f"data.{key}: {exc}") from None
     check_router_aux_loss(cfg, name if local else None)
+    if cfg.model.device == "cuda":  # torch alone (about 2 s), not the seconds of the rest
+        from moe_qlora.model.device_choice import policy_device
+
+        policy_device(cfg.model)
     from moe_qlora.common.reporting import missing_reporters
 
     if missing := missing_reporters(cfg.output.report_to):

@@ -23,6 +23,7 @@ from moe_qlora.model.adapters import (
     trainable_parameters,
 )
 from moe_qlora.model.checkpoint_files import check_model_path, read_model_config
+from moe_qlora.model.device_choice import policy_device
 from moe_qlora.model.distributed import SINGLE, Ranks, device_of, shard_model
 from moe_qlora.model.expert_parallel import describe_groups, expert_group, shard_dense, split_experts
 from moe_qlora.model.kernel_choice import describe_kernels, resolve_kernels
@@ -98,18 +99,6 @@ def read_chat_template(path: str) -> str:
     if not text.strip():
         raise ConfigError(f"model.chat_template: {path} is empty")
     return text
-
-
-def policy_device(model: ModelSection) -> str:
-    """model.device with auto resolved: the GPU when there is one. cuda asked of a torch without CUDA (its CPU
-    build, or no GPU visible) is refused in one sentence, before anything is loaded."""
-    if model.device == "cuda" and not torch.cuda.is_available():
-        build = "a CPU build of torch" if torch.version.cuda is None else "no CUDA device visible to torch"
-        raise ConfigError(
-            f"model.device is cuda, but this machine has {build} ({torch.__version__}): install the CUDA build "
-            "of torch your driver supports, or set model.device: auto"
-        )
-    return model.device if model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def load_policy(

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, safe_open
 from moe_qlora.common.fileio import atomic_dir, save_safetensors
 from moe_qlora.config.sections import RunConfig, resolve_compute_dtype
 from moe_qlora.data.preference import PreferencePair
-from moe_qlora.model.build import policy_device
+from moe_qlora.model.device_choice import policy_device
 from moe_qlora.model.distributed import Ranks, from_main, gather_objects, rank_slice
 from moe_qlora.train.checkpoint import fingerprint
 from moe_qlora.train.faults import local_stretch
