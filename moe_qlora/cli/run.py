@@ -115,7 +115,7 @@ def check_paths_before_loading(cfg, *, hub: bool = True) -> None:
 def check_resume_before_loading(cfg, *, anyway: bool) -> None:
     """A resume from checkpoints all trained with another config (the run would refuse it once the model is
     loaded: minutes for a big one) is refused before any heavy import, with the keys that changed; --resume-anyway
-    skips it."""
+    (and --dry-run, which resumes nothing) skips it."""
     from moe_qlora.config.sections import ConfigError
     from moe_qlora.train.run_identity import refused_config
 
@@ -169,7 +169,7 @@ def _run(
         cfg = load_config(config, [*overrides, *resumes])
         check_method(command, cfg, world=int(os.environ.get("WORLD_SIZE", "1")), source=config)
         check_paths_before_loading(cfg, hub=not dry_run)
-        check_resume_before_loading(cfg, anyway=resume_anyway)
+        check_resume_before_loading(cfg, anyway=resume_anyway or dry_run)
     except ConfigError as exc:  # (its subclasses too) before the heavy imports _user_errors makes
         fail(exc, debug)
     quiet_libraries()

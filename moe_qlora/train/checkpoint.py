@@ -27,12 +27,10 @@ from moe_qlora.common.fileio import atomic_dir, save_safetensors
 from moe_qlora.common.injection import injected_faults
 from moe_qlora.model.distributed import full_tensor, shard_like
 from moe_qlora.train.optim import restore_state
+from moe_qlora.train.run_identity import MANIFEST, config_changes
 from moe_qlora.train.run_identity import checkpoint_folders as checkpoint_dirs
-from moe_qlora.train.run_identity import config_changes
 
 log = logging.getLogger(__name__)
-
-MANIFEST = "manifest.json"
 
 
 class CheckpointError(ValueError):

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
+MANIFEST = "manifest.json"  # written last into a checkpoint folder (its files' sha256), before it is renamed final
 
 # model keys that change where the experts live, never a bit of what is computed (tests/moe/test_offload.py): a run
 # may resume with expert offload switched on or off.
@@ -83,17 +84,18 @@ def refused_config(run_dir: Path, resume: str, resolved: dict) -> str | None:
     """The sentence refusing a resume of `run_dir` (train.resume: auto, or a checkpoint's path) with the config
     `resolved` when no checkpoint it could resume from was trained with that config: it names the newest one and
     the keys that changed. None when one could (its files are verified when the run resumes) or none records a
-    config. The dataset is compared later, once it is read."""
+    config. Only folders with a manifest count (complete ones; the resume checks their hashes). The dataset is
+    compared later, once it is read."""
     if resume == "never":
         return None
     folders = [Path(resume)] if resume != "auto" else checkpoint_folders(run_dir)
     states = [(d, read_state(d)) for d in folders]
-    states = [(d, state) for d, state in states if state and "config_hash" in state]
+    states = [(d, state) for d, state in states if state and "config_hash" in state and (d / MANIFEST).is_file()]
     identity = config_identity(resolved)
     if not states or any(state["config_hash"] == identity["config_hash"] for _, state in states):
         return None
     newest, state = states[0]
-    changed = config_changes(state["config"], identity["config"]) if "config" in state else ""
+    changed = config_changes(state["config"], identity["config"]) if isinstance(state.get("config"), dict) else ""
     return (
         f"{newest}: the configuration differs from the one this checkpoint was trained with"
         f"{f' ({changed})' if changed else ''}; resuming would not continue the same run (pass --resume-anyway "
@@ -104,7 +106,10 @@ def refused_config(run_dir: Path, resume: str, resolved: dict) -> str | None:
 def checkpoint_folders(run_dir: Path) -> list[Path]:
     """run_dir's checkpoint folders under their final names, newest first (temporary folders are not listed)."""
     root = Path(run_dir) / "checkpoints"
-    found = [d for d in root.iterdir() if d.is_dir() and STEP_DIR.match(d.name)] if root.is_dir() else []
+    try:
+        found = [d for d in root.iterdir() if d.is_dir() and STEP_DIR.match(d.name)] if root.is_dir() else []
+    except OSError:  # unreadable: the resume says so when it lists them again
+        return []
     return sorted(found, key=lambda d: d.name, reverse=True)
 
 

@@ -153,6 +153,7 @@ def trained_checkpoints(config: Path, out: Path, steps: dict[int, list[str]]) ->
         folder.mkdir(parents=True)
         identity = config_identity(load_config(str(config), overrides).model_dump(mode="json"))
         (folder / "state.json").write_text(json.dumps({"step": step, **identity}))
+        (folder / "manifest.json").write_text("{}")  # complete (the resume checks the hashes it lists)
 
 
 def test_a_resume_with_another_config_is_refused_before_any_heavy_import(config, tmp_path):
@@ -185,3 +186,12 @@ def test_the_early_resume_check_refuses_only_where_every_checkpoint_differs(conf
     assert named.startswith(f"{out / 'checkpoints' / 'step-00000004'}: the configuration differs")
     other = load_config(str(config), ["train.lr=0.002"]).model_dump(mode="json")
     assert "(train.lr 0.005 -> 0.002)" in refused_config(out, "auto", other)
+    # A folder without its manifest (incomplete) does not count; a state.json whose config is not a section tree
+    # still gets the sentence, without the keys.
+    (out / "checkpoints" / "step-00000002" / "manifest.json").unlink()
+    assert refused_config(out, "auto", now).startswith(f"{out / 'checkpoints' / 'step-00000004'}: the config")
+    state = out / "checkpoints" / "step-00000004" / "state.json"
+    state.write_text(json.dumps({**json.loads(state.read_text()), "config": None}))
+    assert refused_config(out, "auto", now).endswith(
+        "with; resuming would not continue the same run (pass --resume-anyway to do it regardless)"
+    )

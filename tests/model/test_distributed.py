@@ -703,11 +703,14 @@ def flaky(prompts, completions, **columns):
 
 def online_grpo_args(folder: Path, layout: str) -> list[str]:
     """Online grpo over 2 ranks (2 + 1 prompts a step, 4 completions of at most 4 tokens each, 4 steps) under
-    `layout`, scored by FLAKY_REWARD (written to `folder`), which fails where FAIL_REWARD is set."""
+    `layout` (ep-fsdp: ep with the rest FSDP2-sharded), scored by FLAKY_REWARD (written to `folder`), which fails
+    where FAIL_REWARD is set."""
     (folder / "flaky.py").write_text(FLAKY_REWARD)
     reward = {"rewards": [{"function": f"{folder / 'flaky.py'}:flaky"}], "group_size": 4, "max_new_tokens": 4}
     cfg = grpo_config(folder, "run", **reward)
-    return ["grpo", "--config", str(cfg), "--set", "train.dist_timeout_s=60", "--set", f"train.parallel={layout}"]
+    parallel = ["--set", f"train.parallel={layout.removesuffix('-fsdp')}"]
+    parallel += EP_DENSE_FSDP if layout == "ep-fsdp" else []
+    return ["grpo", "--config", str(cfg), "--set", "train.dist_timeout_s=60", *parallel]
 
 
 def online_grpo(tmp_path_factory, layout: str) -> Path:
@@ -728,9 +731,9 @@ def rollouts(run: Path) -> list[dict]:
 
 def test_online_grpo_over_two_ranks_samples_every_prompt_of_a_step_once_per_completion(tmp_path_factory):
     """Sampling: each rank samples G completions of its own prompts (seeded by step and rank); rank 0's
-    rollouts.jsonl holds the whole batch, every prompt of the step with exactly G completions; and under ep and
-    fsdp the same rollouts (where FSDP2 shards the model, generate gathers the root's shards: the embedding and
-    the head)."""
+    rollouts.jsonl holds the whole batch, every prompt of the step with exactly G completions; and under ep (the
+    rest replicated, or sharded too) and fsdp the same rollouts (where FSDP2 shards the model, generate gathers the
+    root's shards: the embedding and the head)."""
     rows = rollouts(online_grpo(tmp_path_factory, "ddp"))
     for step in (1, 2, 3, 4):
         mine = [r for r in rows if r["step"] == step]
@@ -747,7 +750,7 @@ def test_online_grpo_over_two_ranks_samples_every_prompt_of_a_step_once_per_comp
     # adapters that differ by it: a token may differ there.
     keep = ("step", "group", "source", "completion", "reward")
     first = [{k: r[k] for k in keep} for r in rows if r["step"] == 1]
-    for layout in ("ep", "fsdp"):  # ep with the rest replicated (sharded too in the offline grpo's ep run)
+    for layout in ("ep", "ep-fsdp", "fsdp"):  # ep with the rest replicated, and sharded too
         run = online_grpo(tmp_path_factory, layout)
         sharded = rollouts(run)
         assert len(first) == 12 and first == [{k: r[k] for k in keep} for r in sharded if r["step"] == 1], layout

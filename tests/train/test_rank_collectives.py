@@ -2,7 +2,7 @@
 where out of memory on one rank while it measures its gradients' norm, or in the optimizer step, leaves every
 rank at the same meeting point and the next update still sums the norm over both ranks right (the ranks'
 collectives stay paired); and the gathers for the adapter and the checkpoint, whose whole tensors rank 0 alone
-keeps, on the host."""
+keeps."""
 
 import subprocess
 
@@ -115,8 +115,9 @@ def test_a_rank_out_of_memory_in_the_update_meets_the_other_and_the_next_norm_is
 
 
 def test_the_adapter_and_checkpoint_gathers_keep_whole_tensors_on_rank_0_alone(update_launch):
-    """An FSDP2-sharded 2-layer net after one AdamW step: inside whole_trainable rank 0's parameters are whole, on
-    the host, and rank 1's are still its shards; both are shards again after. checkpoint_tensors gives rank 0 the
+    """An FSDP2-sharded 2-layer net after one AdamW step: inside whole_trainable rank 0's parameters are whole and
+    rank 1's are still its shards; both are shards again after. (That rank 0's go to the host is not shown here:
+    on gloo every tensor is on the CPU already.) checkpoint_tensors gives rank 0 the
     4 tensors and 12 optimizer entries (step and both moments of each), rank 1 nothing. Control: before the
     change every rank held every whole tensor (on its device) and the whole state."""
     gathered = {}
