@@ -122,7 +122,22 @@ def check_resume_before_loading(cfg, *, anyway: bool) -> None:
     if anyway:
         return
     if problem := refused_config(Path(cfg.output.dir), cfg.train.resume, cfg.model_dump(mode="json")):
+        refuse_if_in_use(Path(cfg.output.dir))  # a live run in the folder is said first, as the run would
         raise ConfigError(problem)
+
+
+def refuse_if_in_use(out: Path) -> None:
+    """ConfigError with the run lock's sentence when another live process holds `out` (nothing in it is changed);
+    nothing where it is free or its filesystem cannot lock."""
+    from moe_qlora.common.lock import LockUnsupported, RunDirLocked, RunLock
+    from moe_qlora.config.sections import ConfigError
+
+    try:
+        RunLock.acquire(out).release()
+    except RunDirLocked as exc:
+        raise ConfigError(str(exc)) from None
+    except LockUnsupported:
+        pass
 
 
 def check_router_aux_loss(cfg, folder: str | None) -> None:
