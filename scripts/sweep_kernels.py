@@ -3,6 +3,7 @@ that tunes tiles.MATMUL_CONFIGS and tiles.group_m offline from one GPU session.
 
     python scripts/sweep_kernels.py --out "$OUT/sweep.jsonl"           # GPU: Qwen3-30B-A3B and Mixtral-8x7B
     python scripts/sweep_kernels.py --tiny --out sweep.jsonl           # CPU smoke run: interpreter, tiny shapes
+    python scripts/sweep_kernels.py --tokens 4096 16384 --out ...      # a short session: the figures' token counts
 
 For each shape, token count and launch of the layer step (kernels.aot.layer_launch_calls: LoRA A, gate_up with its
 silu epilogue, down, both input gradients, the LoRA outer product), each candidate of the GPU's config list pinned
@@ -134,8 +135,11 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--budget-s", type=float, default=300, help="what is not reached by then is listed, not timed")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: Triton's interpreter, tiny shapes")
+    ap.add_argument("--tokens", type=int, nargs="+", default=TOKENS, help="token counts, swept in this order")
+    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES), help="shapes, in this order")
     args = ap.parse_args()
-    plan = TINY if args.tiny else dict(shapes=SHAPES, tokens=TOKENS)
+    shapes = {name: SHAPES[name] for name in args.shapes}
+    plan = TINY if args.tiny else dict(shapes=shapes, tokens=args.tokens)
     with open(args.out, "a") as out:
         left_out = sweep(args, plan, out)
         out.write(json.dumps({"not_measured": left_out}) + "\n")
