@@ -144,12 +144,14 @@ def test_a_layer_step_replays_as_cuda_graphs_bit_for_bit_for_any_routing(tiny_mi
     done), then replayed with another batch and another routing of the same token count: output, input gradient
     and every LoRA gradient equal eager's on the same inputs bit for bit (the same kernels in the same order; the
     tile maps and grids depend on shapes alone, tests/moe/test_host_syncs.py). The replay on a second routing is
-    the control that a graph frozen on the first one's row counts would fail."""
+    the control that a graph frozen on the first one's row counts would fail. In bf16, what training runs: torch's
+    fp32 `_grouped_mm` is a fallback that copies the offsets to the host (seen on an H200, torch 2.11: capture
+    refused), and `auto` never takes grouped_mm in fp32."""
     from moe_qlora.moe.experts import set_moe_kernels
 
     from helpers.oracle import quantized_with_lora
 
-    model = quantized_with_lora(tiny_mixtral_dir, "cuda", expert_double_quant=True)
+    model = quantized_with_lora(tiny_mixtral_dir, "cuda", expert_double_quant=True, compute_dtype=torch.bfloat16)
     set_moe_kernels(model, kernels)
     module = model.model.layers[0].mlp.experts
     factors = module.moe_lora.factors()
@@ -160,7 +162,7 @@ def test_a_layer_step_replays_as_cuda_graphs_bit_for_bit_for_any_routing(tiny_mi
         scores = torch.rand(64, 8, generator=g) + (torch.arange(8) < 2) * float(skewed)
         weights, idx = scores.softmax(-1).topk(2, dim=-1)
         x = torch.randn(64, 64, generator=g)
-        return x.cuda().requires_grad_(True), idx.cuda(), weights.cuda()
+        return x.cuda().bfloat16().requires_grad_(True), idx.cuda(), weights.cuda().bfloat16()
 
     def eager(x, idx, weights):
         for p in factors:
