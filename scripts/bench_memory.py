@@ -117,8 +117,13 @@ def reset_peak_rss() -> None:
 
 
 def worker(model: str, seq: int, label: str) -> dict:
-    """Runs in the subprocess: two training steps, the peak measured from the first one on."""
+    """Runs in the subprocess: two training steps, the peak measured from the first one on. On CUDA with the
+    allocator `moe-qlora train` sets (expandable segments; torch's default fragments at long context)."""
+    from moe_qlora.common.cuda_allocator import choose_cuda_allocator
     from moe_qlora.config.load import validate_config
+
+    if RUN["device"] == "cuda":
+        choose_cuda_allocator()  # before CUDA allocates
 
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as out:
         return measure_two_steps(validate_config(run_config(Path(model), seq, CONFIGURATIONS[label], Path(out))))
@@ -159,11 +164,17 @@ def measure_two_steps(cfg) -> dict:
 
     trainer.train_step = measured_step
     trainer.train(cfg, Console(quiet=True))
-    return {
+    figures = {
         "measured_peak_mib": round(max(p for p, _ in peaks), 1),
         "rss_after_load_mib": round(loaded["rss"], 1),
         "step_s": round(peaks[-1][1], 1),
     }
+    if cuda:  # what the tensors held at their peak, beside what the allocator reserved for them
+        figures |= {
+            "allocated_peak_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1),
+            "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or "default",
+        }
+    return figures
 
 
 def planned(model: Path, seq: int, label: str) -> tuple[int, dict]:
@@ -232,6 +243,8 @@ def main() -> None:
             }
             row["ratio"] = round(row["measured_peak_mib"] / row["planned_mib"], 3)
             results.append(row)
+            if args.json:  # rewritten after each row: a run stopped by a timeout keeps what it measured
+                args.json.write_text(json.dumps(payload(args, name, results), indent=2) + "\n")
             print(
                 f"{label:<38} seq {seq:>5}: measured {row['measured_peak_mib']:>9,.0f} MiB, planned "
                 f"{row['planned_mib']:>9,.0f} MiB, ratio {row['ratio']:.3f}, step {row['step_s']} s",
@@ -257,7 +270,12 @@ def main() -> None:
             f"{r['ratio']:.3f}",
         )
     Console().print(table)
-    payload = {
+    print(json.dumps(payload(args, name, results)))
+
+
+def payload(args, name: str, results: list[dict]) -> dict:
+    """The JSON the run prints and writes: what was measured, where, at which commit."""
+    return {
         "model": name,
         "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
         "gpu_gib": args.gpu_gib,
@@ -266,9 +284,6 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "results": results,
     }
-    print(json.dumps(payload))
-    if args.json:
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
 
 
 if __name__ == "__main__":
