@@ -190,12 +190,16 @@ def test_an_offload_the_hosts_memory_cannot_take_is_refused_before_loading(monke
 
 
 def test_plan_longest_says_what_the_autos_take_at_its_length(long_qwen3):
-    """At 262,144 tokens on 80 GiB (the plan above: offload on, no chunks) the note names the offload and its host
-    memory, 48 layers x 262,144 tokens x 2048 x 2 bytes = 48 GiB; at 2,048 tokens neither is taken: no note."""
+    """At 262,144 tokens on 80 GiB both autos are taken (MoE chunks of 16,384, the largest candidate, and the
+    offload), and the note names both, the offload with its host memory, 48 layers x 262,144 tokens x 2048 x 2
+    bytes = 48 GiB; at 2,048 tokens neither is taken: no note."""
     from moe_qlora.cli.plan_plot import autos_taken
 
     cfg, model = long_qwen3
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"offload_activations": "auto"})})
     note = autos_taken(cfg, 262144, str(QWEN3), "cuda", model, 80, capability=(9, 0))
-    assert note == "at this length the layer inputs in 48.00 GiB of host memory (train.offload_activations)"
+    assert note == (
+        "at this length the MoE rows 16,384 tokens at a time (train.mlp_chunk_tokens) and the layer inputs in 48.00 GiB"
+        " of host memory (train.offload_activations)"
+    )
     assert autos_taken(cfg, 2048, str(QWEN3), "cuda", model, 80, capability=(9, 0)) is None
