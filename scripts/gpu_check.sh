@@ -11,7 +11,7 @@
 # tests/moe/test_kernel_report.py), torch.compile (tests/moe/test_compile.py) and the interpreter tests run in CI.
 #
 # Estimated GPU-machine time per stage (H100, 16 cores; measured on 2026-11-26 where said): `wheels` and
-# `preflight` 1 min each (measured together: 15 s); `gpu-tests` 2 min (measured: 63 s); `kernels` 6 min (each
+# `preflight` 1 min each (measured together: 15 s); `gpu-tests` 2 min (measured: 63 s; 73 s on an H200); `kernels` 6 min (each
 # distinct constexpr variant compiled once by the JIT, ~2-10 s each); `kernels-parity` 2 min (measured with the
 # self-check tests: 75 s); `checks` 4 min (one Qwen3-30B-A3B layer, 3 backends, 8 candidates x 3 token counts,
 # ~40 compiles); `offload` 3 min (scripts/bench_offload.py: 6 short training runs, a real-width model built once;
@@ -21,13 +21,17 @@
 # counts; Mixtral at 3 token counts measured: about 150 s); `profile` 1 min (scripts/profile_moe.py: measured
 # 30 s); `rollout` 4 min (scripts/bench_rollout.py: a GRPO step on four Qwen3-30B-A3B-wide layers, 8 prompts x 16
 # completions of 256 tokens, against transformers generate + bitsandbytes + PEFT; not measured yet); `perf` 7 min
-# (scripts/perf.py: issue 58's layer, training-step and plan figures in one JSON, within its 420 s budget; not
-# measured yet); `sweep` 8 min (scripts/sweep_kernels.py: every kernel config and grid order of a layer step at
-# both shapes, 512-16k tokens, within its 420 s budget, rows kept as measured; not measured yet); `long` 4 min
+# (scripts/perf.py: issue 58's layer, training-step and plan figures in one JSON, within its 420 s budget;
+# measured on an H200 on 2026-11-30 with --budget-s 380: 296 s, nothing left out); `sweep` 3 min
+# (scripts/sweep_kernels.py: every kernel config and grid order of a layer step at both shapes, 512-16k tokens,
+# within its 420 s budget, rows kept as measured; measured at 4096 and 16384 tokens alone: 192 rows in about
+# 45 s); `long` 5 min
 # (scripts/bench_memory.py --device cuda: two Qwen3-30B-A3B-wide layers at 32,768 and 131,072 tokens held to 80
 # GiB, the MoE rows in 8,192-token chunks, the layer inputs kept or on the host: peak reserved against `plan`;
-# not measured yet). About 51 minutes in all: more than one session's device time (15 minutes), so a session runs
-# the stages it needs most: `wheels`, `preflight` and `perf` first, then `sweep`, then `long`.
+# measured: about 4.5 min for its four rows, 2026-11-30). About 47 minutes in all: more than one session's device
+# time (15 minutes), so a session runs the stages it needs most: `wheels`, `preflight` and `perf` first, then
+# `sweep`, then `long` (2026-11-30: the first three with the sweep at two token counts in one 372 s call, then
+# `gpu-tests` and `long`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
@@ -59,9 +63,9 @@ estimate[rollout]=4
 command[perf]="$python scripts/perf.py --json \$OUT/perf.json"
 estimate[perf]=7
 command[sweep]="$python scripts/sweep_kernels.py --budget-s 420 --out \$OUT/sweep.jsonl"
-estimate[sweep]=8
+estimate[sweep]=3
 command[long]="$python scripts/bench_memory.py --device cuda --gpu-gib 80 --seqs 32768 131072 --configs 'long: MLP chunks of 8192' 'long: MLP chunks of 8192, inputs on the host' --json \$OUT/long.json"
-estimate[long]=4
+estimate[long]=5
 command[profile]="$python scripts/profile_moe.py --json \$OUT/profile.json"
 estimate[profile]=1
 command[bench-qwen3]="$python scripts/bench_moe.py --full --shape qwen3-30b-a3b --json \$OUT/bench_qwen3.json"

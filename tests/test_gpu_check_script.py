@@ -1,5 +1,5 @@
 """scripts/gpu_check.sh fits a lent GPU machine: stages listed with their commands, each bounded by `timeout`,
-about 51 minutes in all by the script's estimate (no more than 52), nothing that a CPU does (AOT compiles, SASS
+about 47 minutes in all by the script's estimate (no more than 52), nothing that a CPU does (AOT compiles, SASS
 readings, torch.compile), and a stage that fails says FAIL (here: the pre-flight, which needs CUDA)."""
 
 import os
