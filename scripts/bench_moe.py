@@ -8,6 +8,8 @@ Contenders, side by side in one run, on the same random weights and routing:
   moe-qlora grouped_mm  NF4 experts, each stack decoded to a buffer, then torch._grouped_mm (LoRA unmerged)
   moe-qlora auto        per call: triton below model.fused_below_rows rows per expert, grouped_mm above (CUDA)
   moe-qlora torch       NF4 experts, the per-expert torch reference
+  moe-qlora auto, CUDA graph  auto's forward and backward captured once (torch.cuda.make_graphed_callables, after
+                        warming up) and replayed: what the host's launches cost a step, against `auto` (CUDA)
   transformers+PEFT     bf16/fp32 experts (what bitsandbytes leaves), PEFT target_parameters LoRA on them,
                         transformers' grouped_mm and eager experts
 Each contender runs as a default run holds it (moe-qlora: nested NF4 scales, the 256 MB decode buffer, the
@@ -148,9 +150,42 @@ def step(layer, x, idx, weights, seed):
     return [t.detach().float() for t in (out, xi.grad, wi.grad, *[p.grad for p in lora])]
 
 
+class LayerCall(torch.nn.Module):
+    """The experts layer called as (x, idx, weights): what make_graphed_callables captures, leaving the layer
+    itself as it was (the other contenders run it eagerly)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x, idx, weights):
+        return self.layer(x, idx, weights)
+
+
+def graphed_layer(layer, x, idx, weights):
+    """`layer`'s forward and backward as CUDA graphs, captured after 3 eager warm-up calls (kernel compilation,
+    autotuning and the self-check happen there): x requires a gradient, the routing weights do not, as measure()
+    calls it."""
+    sample = (x.clone().requires_grad_(True), idx, weights)
+    return torch.cuda.make_graphed_callables(LayerCall(layer), sample, num_warmup_iters=3)
+
+
+def graphed_step(graphed, x, idx, weights, seed):
+    """step() through the graphs: [output, grad x, None in place of the routing weights' gradient (the graphs
+    take them as constants), LoRA grads...]; compared on what it has."""
+    xi = x.clone().requires_grad_(True)
+    lora = [p for p in graphed.parameters() if p.requires_grad]
+    for p in lora:
+        p.grad = None
+    out = graphed(xi, idx, weights)
+    out.backward(seed.to(out.dtype))
+    return [t.detach().float() if t is not None else None for t in (out, xi.grad, None, *[p.grad for p in lora])]
+
+
 def max_relative_difference(got: list, expected: list) -> float:
-    """The largest over the tensors of max |got - expected| / max |expected|."""
-    return max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) for a, b in zip(got, expected, strict=True))
+    """The largest over the tensors of max |got - expected| / max |expected| (a None in `got`: not compared)."""
+    pairs = [(a, b) for a, b in zip(got, expected, strict=True) if a is not None]
+    return max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) for a, b in pairs)
 
 
 def measure(layer, x, idx, weights, seed, repeats):
@@ -242,6 +277,8 @@ CONTENDERS = [
     ("moe-qlora triton, sm_80 configs", "ours", "triton@80"),
     ("transformers grouped_mm + PEFT", "peft", "grouped_mm"),
     ("transformers eager + PEFT", "peft", "eager"),
+    # last: a capture that fails leaves the other contenders' figures measured first
+    ("moe-qlora auto, CUDA graph", "ours", "auto+graph"),
 ]
 
 
@@ -325,6 +362,7 @@ def bench_shape(shape_name, dims, token_counts, *, device, dtype, rank, repeats,
             row = {"shape": shape_name, "hidden": hidden, "intermediate": inter, "tokens": tokens, "rank": rank}
             row["contender"] = name
             kind, arch = kind.split("@") if "@" in kind else (kind, None)
+            kind, graphed = kind.removesuffix("+graph"), kind.endswith("+graph")
             if kind in ("triton", "auto") and owner == "ours" and not cuda:
                 rows.append(row | {"skipped": "needs CUDA"})
                 continue
@@ -336,12 +374,16 @@ def bench_shape(shape_name, dims, token_counts, *, device, dtype, rank, repeats,
                 experts_config(layer)._experts_implementation = kind
             try:
                 with target_arch(arch):
-                    error = max_relative_difference(step(layer, x, idx, weights, seed), expected[owner])
+                    if graphed:
+                        layer = graphed_layer(layer, x, idx, weights)
+                        error = max_relative_difference(graphed_step(layer, x, idx, weights, seed), expected[owner])
+                    else:
+                        error = max_relative_difference(step(layer, x, idx, weights, seed), expected[owner])
                     seconds, gpu_seconds, peak, gpu_all = measure(layer, x, idx, weights, seed, repeats)
             except Exception as exc:  # a contender that cannot run this case says why, the others go on
                 rows.append(row | {"skipped": f"{type(exc).__name__}: {exc}"[:200]})
                 continue
-            checker = kernel_self_check(layer) if owner == "ours" else None
+            checker = kernel_self_check(ours_layer) if owner == "ours" else None
             fell_back = [
                 f"{key[0]} at {key[-1]} rows/expert: {why}" for key, why in (checker.failed.items() if checker else [])
             ]
@@ -355,7 +397,7 @@ def bench_shape(shape_name, dims, token_counts, *, device, dtype, rank, repeats,
                     "gpu_seconds_all": gpu_all,
                     "path": path_taken(kind, tokens * top_k, num_experts) if owner == "ours" else kind,
                     "step_peak_mib": peak,
-                    "stored_mib": stored_mib(layer),
+                    "stored_mib": stored_mib(ours_layer if owner == "ours" else layer),
                     "bytes": nbytes,
                     "flops": flops,
                     "expert_bytes": per_expert if owner == "ours" else expert_bytes(layer),

@@ -19,8 +19,9 @@ rewritten after each part, so a stage stopped by its timeout keeps what it measu
      "train": [{"preset": "qwen3-30b-a3b-8l", "layers": 8, "vocab": 151936, "seq": 4096, "contender": "moe-qlora",
      "tokens_per_s": 85762, "peak_reserved_mib": 3262, "plan_mib": 2747, ...}, ...], "not_measured": [...]}
 
-Layer contenders: moe-qlora auto / grouped_mm / triton, transformers grouped_mm + PEFT (bench_moe.py, each checked
-against its fp32 reference). Train contenders: moe-qlora, transformers+bnb+peft, unsloth, experts4bit-qlora
+Layer contenders: moe-qlora auto / grouped_mm / triton, transformers grouped_mm + PEFT, and auto replayed as CUDA
+graphs (bench_moe.py, each checked against its fp32 reference; `graphed_over_auto` in the summary: what the host's
+launches cost a step). Train contenders: moe-qlora, transformers+bnb+peft, unsloth, experts4bit-qlora
 (bench_train.py, each in its own process). x_roofline divides by the H100's ideal (3.35 TB/s, 990 TFLOP/s bf16), as
 bench_moe.py prints it; ideal_ms is that ideal.
 """
@@ -47,6 +48,9 @@ import bench_train  # noqa: E402
 from bench_presets import PRESETS  # noqa: E402
 
 LAYER_CONTENDERS = ["moe-qlora auto", "moe-qlora grouped_mm", "moe-qlora triton", "transformers grouped_mm + PEFT"]
+# issue 67's item 4: auto's step captured and replayed as CUDA graphs, beside auto: what the host's launches cost
+GRAPHED = "moe-qlora auto, CUDA graph"
+LAYER_CONTENDERS.append(GRAPHED)
 # issue 58's item 4: the Triton kernels with the 24 GB cards' config list (sm_80 / sm_89) on this GPU, beside the own
 SMALL_GPU_CONTENDERS = ["moe-qlora triton, sm_80 configs", "moe-qlora triton"]
 PEFT_LAYER = "transformers grouped_mm + PEFT"
@@ -153,13 +157,15 @@ def layer_summary(layer: list[dict]) -> list[dict]:
         def ms(r):
             return r["gpu_ms"] if r["gpu_ms"] is not None else r["wall_ms"]
 
-        ours = {n: ms(r) for n, r in by_name.items() if n.startswith("moe-qlora")}
+        ours = {n: ms(r) for n, r in by_name.items() if n.startswith("moe-qlora") and n != GRAPHED}
         peft, auto = by_name.get(PEFT_LAYER), ours.get("moe-qlora auto")
         best = min(ours.values()) if ours else None
         row = {"shape": shape, "tokens": tokens, "rank": rank, "auto_ms": auto, "best_ours_ms": best}
         if peft is not None and auto is not None:
             row["auto_x_peft"] = round(ms(peft) / auto, 3)
             row["meets_2x_peft"] = ms(peft) / auto >= 2
+        if auto is not None and GRAPHED in by_name:  # < 1: the graphs save the host's share of the step
+            row["graphed_over_auto"] = round(ms(by_name[GRAPHED]) / auto, 3)
         if auto is not None and best:
             row["auto_over_best"] = round(auto / best, 3)
             row["meets_auto_within_5pct"] = auto <= 1.05 * best

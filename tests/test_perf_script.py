@@ -44,6 +44,7 @@ def test_the_layer_part_checks_each_contender_and_fails_on_a_wrong_one(tmp_path)
         ("moe-qlora triton", "needs CUDA"),
         ("moe-qlora auto", "needs CUDA"),
         ("moe-qlora triton, sm_80 configs", "needs CUDA"),
+        ("moe-qlora auto, CUDA graph", "needs CUDA"),
     }
     proc, doc = run_layer_part(tmp_path, fault="grouped_mm:wrong")
     assert proc.returncode == 1 and "FAIL  moe-qlora grouped_mm" in proc.stdout
