@@ -34,7 +34,7 @@ def test_the_layer_part_checks_each_contender_and_fails_on_a_wrong_one(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert doc["commit"] == "c0ffee" and doc["device"] == "cpu"
     rows = {r["contender"]: r for r in doc["layer"]}
-    assert set(rows) == set(perf.LAYER_CONTENDERS) | set(perf.SMALL_GPU_CONTENDERS)
+    assert set(rows) == set(perf.LAYER_CONTENDERS) | set(perf.SMALL_GPU_CONTENDERS) | set(perf.GRAPH_CONTENDERS)
     measured = {n for n, r in rows.items() if "not_measured" not in r}
     assert measured == {"moe-qlora grouped_mm", "transformers grouped_mm + PEFT"}
     assert all(rows[n]["correct"] and rows[n]["max_relative_error"] <= 1e-4 for n in measured)
@@ -57,7 +57,8 @@ def test_what_the_budget_leaves_out_is_listed_as_not_measured(tmp_path):
     proc, doc = run_layer_part(tmp_path, "--budget-s", "0")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert doc["layer"] and all(r.get("not_measured") == "not measured: out of time" for r in doc["layer"])
-    assert len(doc["not_measured"]) == len(doc["layer"]) == len(perf.LAYER_CONTENDERS) + len(perf.SMALL_GPU_CONTENDERS)
+    parts = (perf.LAYER_CONTENDERS, perf.SMALL_GPU_CONTENDERS, perf.GRAPH_CONTENDERS)
+    assert len(doc["not_measured"]) == len(doc["layer"]) == sum(len(part) for part in parts)
 
 
 def layer_row(contender, gpu_ms, x_roofline=1.0, tokens=4096):
