@@ -244,7 +244,9 @@ def main() -> None:
             row["ratio"] = round(row["measured_peak_mib"] / row["planned_mib"], 3)
             results.append(row)
             if args.json:  # rewritten after each row: a run stopped by a timeout keeps what it measured
-                args.json.write_text(json.dumps(payload(args, name, results), indent=2) + "\n")
+                from moe_qlora.common.fileio import atomic_write_text
+
+                atomic_write_text(args.json, json.dumps(payload(args, name, results), indent=2) + "\n")
             print(
                 f"{label:<38} seq {seq:>5}: measured {row['measured_peak_mib']:>9,.0f} MiB, planned "
                 f"{row['planned_mib']:>9,.0f} MiB, ratio {row['ratio']:.3f}, step {row['step_s']} s",
