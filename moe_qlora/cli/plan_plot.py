@@ -167,6 +167,7 @@ def print_plan_json(result, gpu_gb: float, to_fit: tuple[list[str], float] | Non
                 "params": result.params,
                 "bytes": result.bytes,
                 "total": result.total,
+                "not_at_once": result.phases_apart,
                 "notes": result.notes,
                 "gpus": result.gpus,
                 "parallel": result.parallel,
@@ -218,7 +219,8 @@ def render_plan(plan, console) -> None:
     table.add_column("kind")
     table.add_column("MiB", justify="right")
     table.add_column("GiB", justify="right")
-    for kind, n in [*plan.bytes.items(), ("total", plan.total)]:
+    apart = [("not_at_once", -plan.phases_apart)] if plan.phases_apart else []
+    for kind, n in [*plan.bytes.items(), *apart, ("total", plan.total)]:
         table.add_row(kind, f"{n / 2**20:,.1f}", f"{n / 2**30:,.2f}")
     console.print(table)
     for note in plan.notes:

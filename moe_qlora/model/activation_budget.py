@@ -35,27 +35,41 @@ def activation_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> int:
     """An estimate of activation memory for one micro-batch (N = batch * seq tokens, d = compute bytes).
 
     Checkpointed layers keep their input (N H d); the others, and the one being recomputed, keep a layer's
-    activations: attention, norms and residuals (attention_layer_bytes), N K (2I + 2r) d for the MoE rows (h and
-    the LoRA projections) and 2 N E fp32 for the router. Attention without an N x N matrix (SDPA, flex); eager
-    attention's matrices are their own row (attention_bytes), as is the loss (loss_bytes). With MLP chunks
-    (train.mlp_chunk_tokens) the MoE rows are a chunk's, C K (2I + 2r) d, and each chunk keeps its input (N H d).
-    With train.offload_activations the checkpointed inputs are on the host but OFFLOADED_ON_GPU of them.
+    activations (layer_activation_bytes). Eager attention's matrices are their own row (attention_bytes), as is
+    the loss (loss_bytes). With train.offload_activations the checkpointed inputs are on the host but
+    OFFLOADED_ON_GPU of them.
     """
-    c, t, lora = model.config, cfg.train, cfg.lora
+    c, t = model.config, cfg.train
+    tokens = micro_batch_tokens(cfg)
+    d = DTYPE_BYTES[resolve_compute_dtype(cfg.model.compute_dtype, device)]
+    layers = c.num_hidden_layers
+    checkpointed = math.ceil(layers / t.checkpoint_interval) if t.gradient_checkpointing else 0
+    kept_full = layers - checkpointed + (1 if checkpointed else 0)
+    on_gpu = min(checkpointed, OFFLOADED_ON_GPU) if offloads_activations(cfg) else checkpointed
+    return on_gpu * tokens * c.hidden_size * d + kept_full * layer_activation_bytes(model, cfg, device=device)
+
+
+def layer_activation_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> int:
+    """What one decoder layer keeps for its backward: attention, norms and residuals (attention_layer_bytes),
+    N K (2I + 2r) d for the MoE rows (h and the LoRA projections) and 2 N E fp32 for the router. Attention
+    without an N x N matrix (SDPA, flex). With MLP chunks (train.mlp_chunk_tokens) the MoE rows are a chunk's,
+    C K (2I + 2r) d, and each chunk keeps its input (N H d)."""
+    c, lora = model.config, cfg.lora
     tokens = micro_batch_tokens(cfg)
     d, hidden = DTYPE_BYTES[resolve_compute_dtype(cfg.model.compute_dtype, device)], c.hidden_size
-    layers = c.num_hidden_layers
     moe = [m for m in model.modules() if is_experts_module(m)]
     k = getattr(c, "num_experts_per_tok", 0) or 0
     experts, _, inter = expert_dims(moe[0]) if moe else (0, hidden, 0)
     rows = mlp_row_tokens(cfg)
     chunk_inputs = tokens * hidden * d if rows < tokens else 0
     moe_rows = rows * k * (2 * inter + 2 * lora.rank) * d
-    per_layer = attention_layer_bytes(model, tokens, d) + chunk_inputs + moe_rows + 2 * tokens * experts * 4
-    checkpointed = math.ceil(layers / t.checkpoint_interval) if t.gradient_checkpointing else 0
-    kept_full = layers - checkpointed + (1 if checkpointed else 0)
-    on_gpu = min(checkpointed, OFFLOADED_ON_GPU) if offloads_activations(cfg) else checkpointed
-    return on_gpu * tokens * hidden * d + kept_full * per_layer
+    return attention_layer_bytes(model, tokens, d) + chunk_inputs + moe_rows + 2 * tokens * experts * 4
+
+
+def recomputed_layer_bytes(model: nn.Module, cfg: RunConfig, *, device: str) -> int:
+    """The part of activation_bytes held in the backward alone: the checkpointed layer being recomputed (none
+    without checkpointing, where every layer's activations are held from the forward on)."""
+    return layer_activation_bytes(model, cfg, device=device) if cfg.train.gradient_checkpointing else 0
 
 
 # What a decoder layer's attention, norms and residuals hold at the peak of its forward and backward, per token, in
