@@ -46,9 +46,12 @@ def test_a_failing_stage_says_fail(tmp_path):
 
 
 def collected(*args: str) -> set[str]:
+    """The node ids pytest collects with `args`, one per line: PYTEST_ADDOPTS left out (a -v there prints a tree)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
         cwd=ROOT,
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,

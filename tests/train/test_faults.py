@@ -151,7 +151,7 @@ def test_a_full_disk_stops_the_run_with_one_message_and_keeps_the_last_checkpoin
         "--set",
         "train.keep_checkpoints=5",
         "--set",
-        "train.max_steps=200",
+        "train.max_steps=40",
         failpoint=failpoint,
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
@@ -165,11 +165,11 @@ def test_a_full_disk_stops_the_run_with_one_message_and_keeps_the_last_checkpoin
         assert "add --set train.keep_checkpoints=1 to the resume" in " ".join(proc.stderr.split())
     # The advice that follows works: with fewer checkpoints kept, the resume makes room before it writes (pruning
     # only after the new one is written, it filled the same disk again at its first save).
-    sets = ["--set", "train.save_every=5", "--set", "train.keep_checkpoints=1", "--set", "train.max_steps=200"]
+    sets = ["--set", "train.save_every=5", "--set", "train.keep_checkpoints=1", "--set", "train.max_steps=40"]
     resumed = run_cli("train", config, out, env, "--resume", *sets)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {kept[-1]}" in " ".join(resumed.stdout.split())
-    assert [c.name for c in (out / "checkpoints").glob("step-*")] == ["step-00000200"]
+    assert [c.name for c in (out / "checkpoints").glob("step-*")] == ["step-00000040"]
 
 
 def test_export_to_a_full_disk_is_one_sentence(reference, env, small_disk, tmp_path, monkeypatch):

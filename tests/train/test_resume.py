@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from moe_qlora.common.fileio import current_umask
 
 from helpers.crash import assert_same_run, cli_command, kill_after_steps, logged_losses, run_cli, signal_after_steps
+from helpers.once import once_per_session
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP_NAME = re.compile(r"^step-\d{8}$")
@@ -41,11 +42,12 @@ def run(config, out, env, *extra, failpoint=None):
     return run_cli("train", config, out, env, *extra, failpoint=failpoint)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def reference(config, env, tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference")
-    proc = run(config, out, env)
+    """The uninterrupted run, made once a session (helpers.once: whichever xdist worker asks first)."""
+    folder, proc = once_per_session(tmp_path_factory, "resume-reference", lambda f: run(config, f / "run", env))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    out = folder / "run"
     assert [s for s, _ in logged_losses(out)] == list(range(1, STEPS + 1))
     return out
 
