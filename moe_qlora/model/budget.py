@@ -25,8 +25,8 @@ from moe_qlora.model.activation_budget import (
     attention_bytes,
     host_activation_bytes,
     loss_bytes,
-    recomputed_layer_bytes,
     mlp_row_tokens,
+    recomputed_layer_bytes,
 )
 from moe_qlora.model.attention import choose_attention, position_limit_note
 from moe_qlora.model.checkpoint_files import read_model_config
