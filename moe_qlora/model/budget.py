@@ -103,8 +103,8 @@ class Plan:
     def phases_apart(self) -> int:
         """Bytes the rows count twice over: the loss's logits are freed before the layers' backward begins, so they
         never meet what that backward alone holds (the recomputed layer, the decoded stacks, the MoE rows); the
-        peak holds the larger of the two. Measured on an H200 (docs/benchmarks.md), the plan that summed them was
-        13% over the peak at 4k tokens and 9% at 16k; taking the larger, within 1%."""
+        peak holds the larger of the two. Against the peaks an H200 measured (docs/memory.md), the plan that summed
+        them was 15% over at 4k tokens and 9% at 16k (the CUDA context counted); taking the larger, within 1%."""
         backward = self.recomputed_layer_bytes + sum(self.bytes.get(k, 0) for k in BACKWARD_ONLY_ROWS)
         return min(self.bytes.get("loss_logits", 0), backward)
 
