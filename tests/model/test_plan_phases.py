@@ -4,9 +4,9 @@ recomputes, the decoded stacks, the MoE rows), and the peak holds the larger of 
 the CPU with helpers.live_bytes (every storage an op returns, alive until freed) through the training loss
 (sft.token_loss_sum) of a tiny Mixtral with a vocabulary of 4,096, its layers checkpointed: the bytes alive when
 the first layer's recompute starts, against the logits' bytes. Control: the same step with a hook that keeps the
-head's logits (what a loss that held them across the backward would do) is caught. On an H200 (commit d7073e2)
-the plan that summed the two phases was 13% above the peak at 4k tokens; taking the larger, within 1%
-(docs/memory.md)."""
+head's logits (what a loss that held them across the backward would do) is caught. Against the peaks an H200
+measured (commit d7073e2), the plan that summed the two phases was 15% above at 4k tokens (the CUDA context
+counted); taking the larger, within 1% (docs/memory.md)."""
 
 from __future__ import annotations
 
