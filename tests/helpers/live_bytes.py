@@ -27,6 +27,11 @@ class LiveBytes(TorchDispatchMode):
         self.peak = max(self.peak, self.now)
         return out
 
+    def alive(self) -> int:
+        """The bytes alive now (what was freed since the last op forgotten first)."""
+        self._forget_freed()
+        return self.now
+
     def _note(self, storage) -> None:
         key = storage.data_ptr()
         if key and key not in self.live and key not in self.existing:

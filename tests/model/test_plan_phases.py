@@ -46,8 +46,7 @@ def alive_at_first_recompute(model, loss_chunk: int, keep_logits: bool) -> tuple
 
     def at_layer_start(module, args):
         if in_backward[0] and not seen:
-            tracker._forget_freed()
-            seen.append(tracker.now)
+            seen.append(tracker.alive())
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     # a layer's first module, not the layer: the recompute calls the layer's forward, not its hooks
