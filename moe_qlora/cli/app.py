@@ -59,7 +59,24 @@ def with_resume_path(argv: list[str]) -> list[str]:
 def main() -> None:
     """The console entry point. A full disk in any command (export, merge, plot, ...; train and grpo also name
     their last checkpoint) is one sentence and exit code 1; a folder the filesystem will not let it write (no
-    permission, read-only, a file in the way) one sentence and exit code 2; tracebacks only with --debug."""
+    permission, read-only, a file in the way) one sentence and exit code 2; tracebacks only with --debug. A rank
+    of a gloo group ends without the interpreter's finalization (distributed.exit_without_finalizing)."""
+    try:
+        run_command()
+    except SystemExit as exc:
+        if not _joined_gloo():
+            raise
+        _exit_rank(exit_status(exc.code))
+    except BaseException:
+        if not _joined_gloo():
+            raise
+        sys.excepthook(*sys.exc_info())
+        _exit_rank(1)
+    if _joined_gloo():
+        _exit_rank(0)
+
+
+def run_command() -> None:
     from moe_qlora.common.cpu_threads import choose_cpu_threads
     from moe_qlora.common.cuda_allocator import choose_cuda_allocator
     from moe_qlora.common.fileio import DiskFullError, UnwritableError
@@ -80,3 +97,25 @@ def main() -> None:
 
         err_console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(1 if isinstance(exc, DiskFullError) else 2)
+
+
+def exit_status(code: object) -> int:
+    """The status the interpreter would exit with for SystemExit(code): None is 0, an int itself, anything else
+    printed to stderr and 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _joined_gloo() -> bool:
+    distributed = sys.modules.get("moe_qlora.model.distributed")  # never imported: torch never was either
+    return distributed is not None and distributed.joined_gloo()
+
+
+def _exit_rank(code: int) -> None:
+    from moe_qlora.model.distributed import exit_without_finalizing
+
+    exit_without_finalizing(code)

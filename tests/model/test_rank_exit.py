@@ -1,0 +1,76 @@
+"""How a gloo rank ends. gloo's worker threads outlive destroy_process_group; one that drops a collective's
+tensor while the interpreter finalizes is ended by CPython with pthread_exit inside the tensor's noexcept
+destructor, and the process aborts ("terminate called without an active exception"; seen three times in CI,
+each time a finished run reported failed). The scripts below make that race certain: the last exit handler
+registered starts an asynchronous all_reduce and returns; the first registered (so run last) holds the GIL in
+C while the all_reduce finishes, so its worker waits for the GIL to free the tensor's Python object until
+finalization has begun, and an object's __del__ running bytecode at teardown hands it the GIL then."""
+
+import re
+
+from helpers.crash import script_on_ranks
+
+RACE = r"""
+import atexit, os, sys
+atexit.register(sum, range(40_000_000))  # C: holds the GIL (about 0.5 s) with no bytecode to hand it over
+import time
+import torch
+import torch.distributed as dist
+from moe_qlora.model.distributed import join
+
+
+class BytecodeAtTeardown:
+    def __del__(self, clock=time.perf_counter):
+        end = clock() + 0.3
+        while clock() < end:  # the eval loop hands the GIL to a thread waiting for it
+            pass
+
+
+ranks = join(60)
+
+
+def collective_in_flight():  # the first exit handler to run
+    os.write(1, f"rank {ranks.rank}: exit handlers ran\n".encode())
+    t = torch.ones(4_000_000)
+    work = dist.all_reduce(t, async_op=True)
+    # returning drops t and work: the gloo worker thread holds the tensor's last reference
+
+
+atexit.register(collective_in_flight)
+keeper = BytecodeAtTeardown()
+"""
+
+THROUGH_MAIN = r"""
+from moe_qlora.cli.app import main
+
+sys.argv = ["moe-qlora", *(["--version"] if ranks.rank == 0 else ["train", "--config", "missing.yaml"])]
+main()
+os.write(1, b"main returned\n")
+"""
+
+
+def test_a_rank_that_ends_by_finalizing_the_interpreter_aborts_the_control(tmp_path):
+    """The race itself, with the process ending as a script does: both ranks abort. If this stops failing, the
+    reproduction no longer reproduces, and the test below proves nothing."""
+    script = tmp_path / "race.py"
+    script.write_text(RACE)
+    proc = script_on_ranks(script, 2, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "terminate called without an active exception" in out, out[-3000:]
+
+
+def test_the_command_line_ends_a_gloo_rank_with_its_status_and_without_finalizing(tmp_path):
+    """cli.app.main on each rank of the race: rank 0's command succeeds (--version), rank 1's fails with a user
+    error (a config that does not exist: exit 2). Each ends through distributed.exit_without_finalizing: its exit
+    handlers run, main never returns, the status is the command's, and nothing aborts."""
+    script = tmp_path / "race.py"
+    script.write_text(RACE + THROUGH_MAIN)
+    proc = script_on_ranks(script, 2, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert "terminate called" not in out and "SIGABRT" not in out, out[-3000:]
+    assert "moe-qlora " in proc.stdout and "missing.yaml" in out, out[-3000:]
+    assert "rank 0: exit handlers ran" in proc.stdout and "rank 1: exit handlers ran" in proc.stdout, out[-3000:]
+    assert "main returned" not in proc.stdout
+    # torchrun names each rank that failed and its exit code: rank 1 alone, with the command's 2
+    failed = re.findall(r"rank\s*: (\d) \(local_rank: \d\)\s*\n\s*exitcode\s*: (-?\d+)", out)
+    assert proc.returncode != 0 and failed == [("1", "2")], out[-3000:]
