@@ -1,5 +1,5 @@
 """`python -m moe_qlora ...`: the same as the `moe-qlora` command."""
 
-from moe_qlora.cli.app import main
+from moe_qlora.cli.app import entry_point
 
-main()
+entry_point()

@@ -294,14 +294,6 @@ def print_rank_runs(path: Path, world: int, args) -> None:
         Path(args.json).write_text(json.dumps(payload, indent=2))
 
 
-def end_rank() -> None:
-    """A gloo rank ends without the interpreter's finalization (distributed.exit_without_finalizing)."""
-    from moe_qlora.model.distributed import exit_without_finalizing, joined_gloo
-
-    if joined_gloo():
-        exit_without_finalizing(0)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--path", default=None, help="where the generated checkpoint lives (default: the moe-qlora cache)")
@@ -313,7 +305,9 @@ def main():
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(rank_worker(args.worker, args.path) if args.ranks else worker(args.worker, args.path)))
-        end_rank()
+        from moe_qlora.common.process_exit import exit_without_finalizing
+
+        exit_without_finalizing(0)  # a gloo rank: common/process_exit.py
         return
     from moe_qlora.model.model_path import cache_dir
 

@@ -196,14 +196,6 @@ def print_table(rows: list[dict], fmt: str) -> None:
     Console(width=160).print(table)
 
 
-def end_rank() -> None:
-    """A gloo rank ends without the interpreter's finalization (distributed.exit_without_finalizing)."""
-    from moe_qlora.model.distributed import exit_without_finalizing, joined_gloo
-
-    if joined_gloo():
-        exit_without_finalizing(0)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", nargs="*", choices=sorted(FAMILIES), default=sorted(FAMILIES))
@@ -216,7 +208,9 @@ def main():
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(rank_worker(args.worker, args.path)))
-        end_rank()
+        from moe_qlora.common.process_exit import exit_without_finalizing
+
+        exit_without_finalizing(0)  # a gloo rank: common/process_exit.py
         return
     rows, bounds = [], {}
     for family in args.family:

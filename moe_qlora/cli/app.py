@@ -56,27 +56,24 @@ def with_resume_path(argv: list[str]) -> list[str]:
     return out
 
 
-def main() -> None:
-    """The console entry point. A full disk in any command (export, merge, plot, ...; train and grpo also name
-    their last checkpoint) is one sentence and exit code 1; a folder the filesystem will not let it write (no
-    permission, read-only, a file in the way) one sentence and exit code 2; tracebacks only with --debug. A rank
-    of a gloo group ends without the interpreter's finalization (distributed.exit_without_finalizing)."""
+def entry_point() -> None:
+    """`moe-qlora` and `python -m moe_qlora`: main(), then the process ends without the interpreter's
+    finalization, having done what an exit observably does (common/process_exit.py: a gloo rank could abort in
+    it, and it costs about a second)."""
+    from moe_qlora.common.process_exit import exit_without_finalizing
+
     try:
-        run_command()
+        main()
     except SystemExit as exc:
-        if not _joined_gloo():
-            raise
-        _exit_rank(exit_status(exc.code))
-    except BaseException:
-        if not _joined_gloo():
-            raise
-        sys.excepthook(*sys.exc_info())
-        _exit_rank(1)
-    if _joined_gloo():
-        _exit_rank(0)
+        exit_without_finalizing(exit_status(exc.code))
+    exit_without_finalizing(0)
 
 
-def run_command() -> None:
+def main() -> None:
+    """The command line, run in this interpreter (SystemExit carries its status). A full disk in any command
+    (export, merge, plot, ...; train and grpo also name their last checkpoint) is one sentence and exit code 1; a
+    folder the filesystem will not let it write (no permission, read-only, a file in the way) one sentence and
+    exit code 2; tracebacks only with --debug."""
     from moe_qlora.common.cpu_threads import choose_cpu_threads
     from moe_qlora.common.cuda_allocator import choose_cuda_allocator
     from moe_qlora.common.fileio import DiskFullError, UnwritableError
@@ -108,14 +105,3 @@ def exit_status(code: object) -> int:
         return code
     print(code, file=sys.stderr)
     return 1
-
-
-def _joined_gloo() -> bool:
-    distributed = sys.modules.get("moe_qlora.model.distributed")  # never imported: torch never was either
-    return distributed is not None and distributed.joined_gloo()
-
-
-def _exit_rank(code: int) -> None:
-    from moe_qlora.model.distributed import exit_without_finalizing
-
-    exit_without_finalizing(code)

@@ -1,6 +1,6 @@
 """What every layer uses: atomic writes and full-disk errors, the lock that keeps one process per run folder,
-memory readings, the CPU threads a command computes with and the CUDA allocator's settings, the hub-or-path rule,
-metrics written as JSONL (with TensorBoard and W&B beside them), and the faults tests inject, read once.
+memory readings, the CPU threads and the CUDA allocator's settings, the hub-or-path rule, metrics as JSONL (with
+TensorBoard and W&B beside them), the faults tests inject, read once, and how a process ends.
 
 May import nothing from moe_qlora.
 """

@@ -13,12 +13,10 @@ from __future__ import annotations
 import atexit
 import math
 import os
-import sys
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -48,7 +46,6 @@ class Ranks:
 SINGLE = Ranks()
 PARTING_TIMEOUT_S = 30  # how long a rank that failed waits at exit for its peers to print
 _parting_at_exit: list[Ranks] = []  # set once every rank raised the same failure
-_joined_gloo: list[bool] = []  # set by join under gloo: see exit_without_finalizing
 
 
 def launched_world_size() -> int:
@@ -68,8 +65,6 @@ def join(timeout_s: int) -> Ranks:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
-    if not _nccl():
-        _joined_gloo.append(True)
     return Ranks(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=local_rank)
 
 
@@ -84,32 +79,6 @@ def leave(ranks: Ranks, *, together: bool = True) -> None:
         elif _parting_at_exit:
             return  # every rank raised the same failure: they part at exit, once each has printed it
         dist.destroy_process_group()
-
-
-def joined_gloo() -> bool:
-    """Whether this process joined a gloo group: it then ends with exit_without_finalizing."""
-    return bool(_joined_gloo)
-
-
-def exit_without_finalizing(code: int) -> NoReturn:
-    """End the process as an exit would (the exit handlers run, the standard streams are flushed), less the
-    interpreter's finalization: os._exit(code).
-
-    Why: gloo's worker threads outlive destroy_process_group (the gloo backend has no shutdown; they stop when
-    the group's C++ object is freed, if ever). A worker that finished a collective drops its tensors; one whose
-    Python object outlived Python's last reference to it takes the GIL to free that object. When the interpreter
-    has begun finalizing meanwhile, CPython 3.11 ends that thread with pthread_exit, whose unwinding through the
-    tensor's noexcept destructor is std::terminate: "terminate called without an active exception", SIGABRT,
-    and torchrun calls a finished run failed. A barrier does not prevent it: a collective's work is complete
-    before its worker drops it, and a worker descheduled in between (a loaded machine) drops it at exit. Seen
-    three times in CI; tests/model/test_rank_exit.py reproduces it by holding the GIL at exit."""
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # closed, or a pipe gone: nothing left to lose
-            pass
-    os._exit(code)
 
 
 def _part_after_printing() -> None:

@@ -277,7 +277,8 @@ import sys, torch
 from moe_qlora.model.adapters import attach_adapters
 from moe_qlora.config.sections import LoraSection
 from moe_qlora.data.examples import Example, collate
-from moe_qlora.model.distributed import exit_without_finalizing, full_tensor, join, leave, local_shard, shard_model
+from moe_qlora.common.process_exit import exit_without_finalizing
+from moe_qlora.model.distributed import full_tensor, join, leave, local_shard, shard_model
 from moe_qlora.model.loading import LoadOptions, load_model
 from moe_qlora.model.model_path import ensure_tiny
 from moe_qlora.train.sft import accumulate_gradients
@@ -333,7 +334,7 @@ results = [gradient_of(path, layout) for layout in sys.argv[2].split(",") for pa
 if joined.main:
     torch.save(results, sys.argv[1])
 leave(joined)
-exit_without_finalizing(0)  # gloo's worker threads outlive the group (tests/model/test_rank_exit.py)
+exit_without_finalizing(0)  # gloo's worker threads outlive the group (common/process_exit.py)
 """
 
 

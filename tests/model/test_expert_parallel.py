@@ -67,9 +67,9 @@ def gradients(split):
 whole, split = gradients(False), gradients(True)
 torch.save({"whole": whole, "split": split, "device": device}, out)
 dist.destroy_process_group()
-from moe_qlora.model.distributed import exit_without_finalizing
+from moe_qlora.common.process_exit import exit_without_finalizing
 
-exit_without_finalizing(0)  # gloo's worker threads outlive the group (tests/model/test_rank_exit.py)
+exit_without_finalizing(0)  # gloo's worker threads outlive the group (common/process_exit.py)
 """
 
 

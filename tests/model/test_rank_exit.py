@@ -41,11 +41,11 @@ keeper = BytecodeAtTeardown()
 """
 
 THROUGH_MAIN = r"""
-from moe_qlora.cli.app import main
+from moe_qlora.cli.app import entry_point
 
 sys.argv = ["moe-qlora", *(["--version"] if ranks.rank == 0 else ["train", "--config", "missing.yaml"])]
-main()
-os.write(1, b"main returned\n")
+entry_point()
+os.write(1, b"entry_point returned\n")
 """
 
 
@@ -60,9 +60,9 @@ def test_a_rank_that_ends_by_finalizing_the_interpreter_aborts_the_control(tmp_p
 
 
 def test_the_command_line_ends_a_gloo_rank_with_its_status_and_without_finalizing(tmp_path):
-    """cli.app.main on each rank of the race: rank 0's command succeeds (--version), rank 1's fails with a user
-    error (a config that does not exist: exit 2). Each ends through distributed.exit_without_finalizing: its exit
-    handlers run, main never returns, the status is the command's, and nothing aborts."""
+    """cli.app.entry_point on each rank of the race: rank 0's command succeeds (--version), rank 1's fails with a user
+    error (a config that does not exist: exit 2). Each ends through common/process_exit.py: its exit
+    handlers run, entry_point never returns, the status is the command's, and nothing aborts."""
     script = tmp_path / "race.py"
     script.write_text(RACE + THROUGH_MAIN)
     proc = script_on_ranks(script, 2, timeout=120)
@@ -70,7 +70,7 @@ def test_the_command_line_ends_a_gloo_rank_with_its_status_and_without_finalizin
     assert "terminate called" not in out and "SIGABRT" not in out, out[-3000:]
     assert "moe-qlora " in proc.stdout and "missing.yaml" in out, out[-3000:]
     assert "rank 0: exit handlers ran" in proc.stdout and "rank 1: exit handlers ran" in proc.stdout, out[-3000:]
-    assert "main returned" not in proc.stdout
+    assert "entry_point returned" not in proc.stdout
     # torchrun names each rank that failed and its exit code: rank 1 alone, with the command's 2
     failed = re.findall(r"rank\s*: (\d) \(local_rank: \d\)\s*\n\s*exitcode\s*: (-?\d+)", out)
     assert proc.returncode != 0 and failed == [("1", "2")], out[-3000:]

@@ -100,9 +100,9 @@ for broken in ("", "permutation", "combine"):
         check(name, broken)
 dist.barrier()  # no rank tears the group down while a peer is still in a collective (gloo aborts then)
 dist.destroy_process_group()
-from moe_qlora.model.distributed import exit_without_finalizing
+from moe_qlora.common.process_exit import exit_without_finalizing
 
-exit_without_finalizing(0)  # gloo's worker threads outlive the group (tests/model/test_rank_exit.py)
+exit_without_finalizing(0)  # gloo's worker threads outlive the group (common/process_exit.py)
 """
 
 

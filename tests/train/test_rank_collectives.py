@@ -77,9 +77,9 @@ counts = f"{len(state['trainable'])} {len(state['optimizer'])}"
 say(f"rank {rank} | gathered | {','.join(kinds)} {after} | {counts}")
 dist.barrier()
 dist.destroy_process_group()
-from moe_qlora.model.distributed import exit_without_finalizing
+from moe_qlora.common.process_exit import exit_without_finalizing
 
-exit_without_finalizing(0)  # gloo's worker threads outlive the group (tests/model/test_rank_exit.py)
+exit_without_finalizing(0)  # gloo's worker threads outlive the group (common/process_exit.py)
 os._exit(0)
 """
 
