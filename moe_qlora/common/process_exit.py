@@ -99,5 +99,5 @@ def flush_standard_streams() -> None:
             pass
     try:
         ctypes.CDLL(None).fflush(None)  # C's stdio buffers (a library's printf), which exit() would flush
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # no C library to ask (not a POSIX system)
         pass
