@@ -45,21 +45,31 @@ def exit_without_finalizing(code: int) -> NoReturn:
 def close_open_files() -> None:
     """Close every Python file object still open for writing (flushing it), as finalization's freeing would: a
     user's reward module that wrote to a file it never closed keeps what it wrote. Wrappers first (text, then a file
-    written in Python such as gzip's, then buffered, then raw), so none is closed under its wrapper. Looked for
-    only when this process holds a descriptor open for writing beyond the standard streams (cheap on Linux;
-    scanning the heap costs about 0.4 s after torch's imports)."""
+    written in Python such as gzip's, then buffered, then raw), so none is closed under its wrapper; one on the
+    standard streams' descriptors is flushed, not closed. Looked for only when this process holds a descriptor
+    open for writing beyond the standard streams (cheap on Linux; scanning the heap costs about 0.4 s after
+    torch's imports)."""
     if not writable_descriptors_beyond_the_standard_streams():
         return
-    streams = {id(getattr(sys, name, None)) for name in STANDARD_STREAMS}
     objects = gc.get_objects()
     file_types = {t for t in {type(o) for o in objects} if issubclass(t, io.IOBase)}
-    files = [o for o in objects if type(o) in file_types and id(o) not in streams]
-    for obj in sorted(files, key=wrapping_order):
+    files = [(o, fd) for o in objects if type(o) in file_types and (fd := writable_descriptor(o)) is not None]
+    for obj, fd in sorted(files, key=lambda file: wrapping_order(file[0])):
         try:
-            if not obj.closed and obj.writable():
+            if fd > 2:
                 obj.close()
+            else:
+                obj.flush()
         except (OSError, ValueError):  # a full disk, a pipe gone: finalization would lose it too
             pass
+
+
+def writable_descriptor(obj: io.IOBase) -> int | None:
+    """The descriptor of an open file object written to; None for one read, closed or in memory (nothing to keep)."""
+    try:
+        return obj.fileno() if not obj.closed and obj.writable() else None
+    except (OSError, ValueError, AttributeError):  # io.UnsupportedOperation: no descriptor
+        return None
 
 
 def wrapping_order(obj: io.IOBase) -> int:

@@ -12,12 +12,14 @@ import pytest
 from moe_qlora.cli.app import exit_status
 
 SCRIPT = r"""
-import atexit, ctypes, gzip, os, sys, threading, time
+import atexit, ctypes, gzip, io, os, sys, threading, time
 out, how, args = sys.argv[1], sys.argv[2], sys.argv[3:]
 log = open(os.path.join(out, "unclosed.txt"), "w")
 log.write("written, never flushed")  # a reward module's log, say
 packed = gzip.open(os.path.join(out, "unclosed.gz"), "wt")
 packed.write("gzip's trailer is written when it closes")
+beside = io.TextIOWrapper(open(1, "wb", closefd=False))  # a second writer on stdout, never flushed
+beside.write("a second writer on stdout")
 
 
 def late_writer():
@@ -61,6 +63,7 @@ def what_the_exit_did(tmp_path, proc) -> dict:
         "thread": text("thread.txt"),
         "exit handler": text("atexit.txt"),
         "C stdio": "from C's stdio" in proc.stdout,
+        "second writer on stdout": "a second writer on stdout" in proc.stdout,
     }
 
 
@@ -70,6 +73,7 @@ EXPECTED = {
     "thread": "joined",
     "exit handler": "ran",
     "C stdio": True,
+    "second writer on stdout": True,
 }
 
 
