@@ -195,3 +195,31 @@ def test_the_early_resume_check_refuses_only_where_every_checkpoint_differs(conf
     assert refused_config(out, "auto", now).endswith(
         "with; resuming would not continue the same run (pass --resume-anyway to do it regardless)"
     )
+
+
+QUIET_DRIVER = """
+import json, sys
+from moe_qlora.cli.app import main
+sys.argv = ["moe-qlora", *json.loads(sys.argv[1])]
+try:
+    main()
+except SystemExit as exc:
+    code = exc.code
+imported = "datasets" in sys.modules
+import datasets
+quiet = datasets.logging.get_verbosity() == datasets.logging.ERROR and not datasets.is_progress_bar_enabled()
+print(json.dumps({"code": code, "imported": imported, "quiet": quiet}))
+"""
+
+
+def test_plan_never_imports_datasets_and_datasets_imported_later_is_quiet(config):
+    """`datasets` (about 1 s of imports after torch's) is for the commands that read rows; the silencing of its
+    logs and progress bars holds once it is imported (its environment variables, set before)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", QUIET_DRIVER, json.dumps(["plan", "--config", str(config)])],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"code": 0, "imported": False, "quiet": True}, proc.stderr[-2000:]
