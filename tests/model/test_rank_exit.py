@@ -6,13 +6,11 @@ registered starts an asynchronous all_reduce and returns; the first registered (
 C while the all_reduce finishes, so its worker waits for the GIL to free the tensor's Python object until
 finalization has begun, and an object's __del__ running bytecode at teardown hands it the GIL then."""
 
-import re
-
 from helpers.crash import script_on_ranks
 
 RACE = r"""
 import atexit, os, sys
-atexit.register(sum, range(40_000_000))  # C: holds the GIL (about 0.5 s) with no bytecode to hand it over
+atexit.register(sum, range(100_000_000))  # C: holds the GIL (about 1.5 s) with no bytecode to hand it over
 import time
 import torch
 import torch.distributed as dist
@@ -43,14 +41,14 @@ keeper = BytecodeAtTeardown()
 THROUGH_MAIN = r"""
 from moe_qlora.cli.app import entry_point
 
-sys.argv = ["moe-qlora", *(["--version"] if ranks.rank == 0 else ["train", "--config", "missing.yaml"])]
+sys.argv = ["moe-qlora", "--version"]
 entry_point()
 os.write(1, b"entry_point returned\n")
 """
 
 
 def test_a_rank_that_ends_by_finalizing_the_interpreter_aborts_the_control(tmp_path):
-    """The race itself, with the process ending as a script does: both ranks abort. If this stops failing, the
+    """The race itself, with the process ending as a script does: the ranks abort. If this stops failing, the
     reproduction no longer reproduces, and the test below proves nothing."""
     script = tmp_path / "race.py"
     script.write_text(RACE)
@@ -59,18 +57,16 @@ def test_a_rank_that_ends_by_finalizing_the_interpreter_aborts_the_control(tmp_p
     assert proc.returncode != 0 and "terminate called without an active exception" in out, out[-3000:]
 
 
-def test_the_command_line_ends_a_gloo_rank_with_its_status_and_without_finalizing(tmp_path):
-    """cli.app.entry_point on each rank of the race: rank 0's command succeeds (--version), rank 1's fails with a user
-    error (a config that does not exist: exit 2). Each ends through common/process_exit.py: its exit
-    handlers run, entry_point never returns, the status is the command's, and nothing aborts."""
+def test_the_command_line_ends_a_gloo_rank_without_finalizing(tmp_path):
+    """cli.app.entry_point on each rank of the race (the command `--version`): each ends through
+    common/process_exit.py, its exit handlers run, entry_point never returns, and nothing aborts. (The status a
+    failing command ends with: tests/common/test_process_exit.py; here a rank that failed first would have
+    torchrun stop the other.)"""
     script = tmp_path / "race.py"
     script.write_text(RACE + THROUGH_MAIN)
     proc = script_on_ranks(script, 2, timeout=120)
     out = proc.stdout + proc.stderr
-    assert "terminate called" not in out and "SIGABRT" not in out, out[-3000:]
-    assert "moe-qlora " in proc.stdout and "missing.yaml" in out, out[-3000:]
+    assert proc.returncode == 0 and "terminate called" not in out, out[-3000:]
+    assert proc.stdout.count("moe-qlora ") == 2, out[-3000:]
     assert "rank 0: exit handlers ran" in proc.stdout and "rank 1: exit handlers ran" in proc.stdout, out[-3000:]
     assert "entry_point returned" not in proc.stdout
-    # torchrun names each rank that failed and its exit code: rank 1 alone, with the command's 2
-    failed = re.findall(r"rank\s*: (\d) \(local_rank: \d\)\s*\n\s*exitcode\s*: (-?\d+)", out)
-    assert proc.returncode != 0 and failed == [("1", "2")], out[-3000:]
