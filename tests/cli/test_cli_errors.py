@@ -12,29 +12,38 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "data" / "demo_sft.jsonl"
 
-# Runs the CLI in-process in a fresh interpreter, then reports the exit code and whether torch got imported.
+# Runs the CLI in-process in a fresh interpreter, then reports the exit code, whether torch and datasets got
+# imported, and whatever the Python given after the arguments adds to `result`.
 DRIVER = """
 import json, sys
+args, after = json.loads(sys.argv[1]), sys.argv[2:]
 from moe_qlora.cli.app import main
-sys.argv = ["moe-qlora", *json.loads(sys.argv[1])]
+sys.argv = ["moe-qlora", *args]
 try:
     main()
 except SystemExit as exc:
     code = exc.code
-print(json.dumps({"code": code, "torch": "torch" in sys.modules}))
+result = {"code": code, "torch": "torch" in sys.modules, "datasets": "datasets" in sys.modules}
+exec(after[0] if after else "")
+print(json.dumps(result))
 """
 
 
-def cli(args: list[str], **env) -> tuple[int, bool, str]:
+def driver(args: list[str], *after: str, **env) -> tuple[dict, str]:
+    """DRIVER's result and the standard error, spaces collapsed."""
     proc = subprocess.run(
-        [sys.executable, "-c", DRIVER, json.dumps(args)],
+        [sys.executable, "-c", DRIVER, json.dumps(args), *after],
         capture_output=True,
         text=True,
         env={**os.environ, **env},
         timeout=300,
     )
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result["code"], result["torch"], " ".join(proc.stderr.split())
+    return json.loads(proc.stdout.strip().splitlines()[-1]), " ".join(proc.stderr.split())
+
+
+def cli(args: list[str], **env) -> tuple[int, bool, str]:
+    result, err = driver(args, **env)
+    return result["code"], result["torch"], err
 
 
 @pytest.fixture
@@ -197,29 +206,13 @@ def test_the_early_resume_check_refuses_only_where_every_checkpoint_differs(conf
     )
 
 
-QUIET_DRIVER = """
-import json, sys
-from moe_qlora.cli.app import main
-sys.argv = ["moe-qlora", *json.loads(sys.argv[1])]
-try:
-    main()
-except SystemExit as exc:
-    code = exc.code
-imported = "datasets" in sys.modules
-import datasets
-quiet = datasets.logging.get_verbosity() == datasets.logging.ERROR and not datasets.is_progress_bar_enabled()
-print(json.dumps({"code": code, "imported": imported, "quiet": quiet}))
-"""
-
-
 def test_plan_never_imports_datasets_and_datasets_imported_later_is_quiet(config):
     """`datasets` (about 1 s of imports after torch's) is for the commands that read rows; the silencing of its
     logs and progress bars holds once it is imported (its environment variables, set before)."""
-    proc = subprocess.run(
-        [sys.executable, "-c", QUIET_DRIVER, json.dumps(["plan", "--config", str(config)])],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    quiet = (
+        "import datasets\n"
+        "result['quiet'] = datasets.logging.get_verbosity() == datasets.logging.ERROR"
+        " and not datasets.is_progress_bar_enabled()"
     )
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result == {"code": 0, "imported": False, "quiet": True}, proc.stderr[-2000:]
+    result, err = driver(["plan", "--config", str(config)], quiet)
+    assert (result["code"], result["datasets"], result["quiet"]) == (0, False, True), err[-2000:]
