@@ -70,9 +70,9 @@ def join(timeout_s: int) -> Ranks:
 
 def leave(ranks: Ranks, *, together: bool = True) -> None:
     """Leave the process group. `together` (a run that ended normally): wait at a barrier first, so no rank
-    tears its group down while a peer is still in a collective with it; gloo can then abort the process
-    ("terminate called without an active exception", seen once in CI on a 2-rank FSDP step). After a failure
-    the barrier is skipped: the other ranks may never reach it."""
+    tears its group down while a peer is still in a collective with it. After a failure the barrier is skipped:
+    the other ranks may never reach it. (The abort once blamed on leaving, "terminate called without an active
+    exception", came from the interpreter's finalization: common/process_exit.py.)"""
     if ranks.enabled and dist.is_initialized():
         if together:
             dist.barrier()

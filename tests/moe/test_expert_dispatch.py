@@ -98,7 +98,7 @@ for broken in ("", "permutation", "combine"):
         dispatch.exchange_rows = no_return
     for name in ("uneven", "one rank's experts", "a rank without tokens"):
         check(name, broken)
-dist.barrier()  # no rank tears the group down while a peer is still in a collective (gloo aborts then)
+dist.barrier()  # no rank tears the group down while a peer is still in a collective
 dist.destroy_process_group()
 from moe_qlora.common.process_exit import exit_without_finalizing
 

@@ -80,7 +80,6 @@ dist.destroy_process_group()
 from moe_qlora.common.process_exit import exit_without_finalizing
 
 exit_without_finalizing(0)  # gloo's worker threads outlive the group (common/process_exit.py)
-os._exit(0)
 """
 
 
