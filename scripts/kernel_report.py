@@ -300,6 +300,69 @@ def implied_ceilings(c: dict, loop_instructions: int, warps: int, arch: int) -> 
     }
 
 
+GLUON_STEPS_PER_LOOP = 4  # gluon_nf4's K loop is unrolled by its four activation slots
+
+
+def gluon_report(arch: int, shapes: list[str], block_t: int = 64) -> list[dict]:
+    """Rows of the Gluon NF4 kernel (moe/kernels/gluon_nf4.py, sm_90 only) for each shape's two expert weights,
+    down (N = hidden, K = inter) and gate_up (N = 2 inter, K = hidden), plus the control of the first: the same
+    kernel waiting for each wgmma to finish (drained). Counts are per K-step (the loop holds four)."""
+    import torch
+
+    from moe_qlora.moe.kernels import gluon_nf4
+    from moe_qlora.moe.kernels.aot import Launch
+    from moe_qlora.moe.nf4 import NF4Stack
+
+    def tiny(dtype):  # only the pointer's alignment reaches the compiler
+        return torch.zeros(64, dtype=dtype)
+
+    rows = []
+    for shape in shapes:
+        hidden, inter, experts, _ = SHAPES[shape]
+        weights = {"down": (hidden, inter), "gate_up": (2 * inter, hidden)}
+        for wname, (n, k) in weights.items():
+            for pending in (1, 0) if (shape, wname) == (shapes[0], "down") else (1,):
+                stack = NF4Stack(tiny(torch.uint8), tiny(torch.uint8), (tiny(torch.float32), tiny(torch.float32), 0.01),
+                                 (experts, n, k))  # fmt: skip
+                tiles = tuple(tiny(torch.int32) for _ in range(3))
+                x, out = torch.empty(0, k, dtype=torch.bfloat16), torch.empty(0, n, dtype=torch.bfloat16)
+                kernel, grid, args, kwargs = gluon_nf4.swapped_launch(x, stack, tiles, out, block_t, pending)
+                compiled = compile_as_jit(Launch(wname, kernel, grid, args, kwargs), arch)
+                regs, spilled = resource_usage(compiled)
+                loop = innermost_loop(sass_of(compiled.asm["cubin"]))
+                mma = sum(_is_mma(_opcode(x)) for x in loop)
+                per_step = (len(loop) - mma) / GLUON_STEPS_PER_LOOP
+                feed = mma_feed(loop)
+                for key in ("barriers_per_kstep", "decoded_tile_stores_per_kstep", "table_loads_per_kstep"):
+                    feed[key] /= GLUON_STEPS_PER_LOOP
+                c = dict(
+                    BLOCK_M=block_t,
+                    BLOCK_N=gluon_nf4.BLOCK_N.value,
+                    BLOCK_K=gluon_nf4.BLOCK_K.value,
+                    W_NF4=True,
+                    NESTED=True,
+                )
+                row = {
+                    "name": f"{shape}/gluon_{wname}" + ("" if pending else "/drained_control"),
+                    "arch": str(arch),
+                    "regs": regs,
+                    "spills": spilled,
+                    "smem_bytes": compiled.metadata.shared,
+                    "warps": compiled.metadata.num_warps,
+                    "stages": 4,
+                    "mma_per_kstep": mma / GLUON_STEPS_PER_LOOP,
+                    "loop_instructions": len(loop),
+                    "instr_per_weight_element": round(per_step / (c["BLOCK_K"] * c["BLOCK_N"] / 128), 1),
+                    "widest_packed_load_bytes": 16,
+                    "blocks": [block_t, c["BLOCK_N"], c["BLOCK_K"]],
+                    "swap_ab": True,
+                    **feed,
+                }
+                row["item2_misses"] = item2_misses(row)
+                rows.append(row | implied_ceilings(c, round(per_step + mma / GLUON_STEPS_PER_LOOP), 4, arch))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, action="append")
@@ -316,7 +379,12 @@ def main() -> None:
     ap.add_argument(
         "--weights", choices=["nf4_nested", "nf4", "mxfp4"], default="nf4_nested", help="the experts' storage"
     )
+    ap.add_argument("--gluon", action="store_true", help="the Gluon NF4 kernel (sm_90) instead of the Triton ones")
     args = ap.parse_args()
+    if args.gluon:
+        rows = gluon_report(90, args.shape or ["qwen3-30b-a3b", "mixtral-8x7b"])
+        print(json.dumps(rows))
+        return
     rows = report(
         args.arch or [80, 90],
         args.shape or list(SHAPES),

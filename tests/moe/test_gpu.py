@@ -182,3 +182,34 @@ def test_a_layer_step_replays_as_cuda_graphs_bit_for_bit_for_any_routing(tiny_mi
         replayed = [out.detach(), x.grad, *[p.grad.clone() for p in factors]]
         for got, want in zip(replayed, eager(x, idx, weights), strict=True):
             assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
+def test_the_gluon_nf4_kernel_equals_the_dequantized_product():
+    """moe/kernels/gluon_nf4.py on Hopper against x @ W_e^T with bitsandbytes' own dequantization in fp32, at
+    Qwen3-30B-A3B's down shape, 128 experts of uneven rows (some empty, some tiles partial). The decoded weights are
+    bitsandbytes' bit for bit and the wgmma sums exact bf16 products in fp32, so the bound is the output's bf16
+    rounding (2^-8 relative) plus 1e-5 of sum |x||w| for the summation order. Control: the rolled experts miss."""
+    from moe_qlora.moe.kernels.gluon_nf4 import nf4_swapped_matmul
+    from moe_qlora.moe.nf4 import dequantize_stack
+
+    torch.manual_seed(0)
+    stack = nf4_stack(128, 2048, 768, double_quant=True, device="cuda")
+    counts = torch.randint(0, 150, (128,))
+    counts[::9] = 0
+    experts, starts, ends = [], [], []
+    first = 0
+    for e, c in enumerate(counts.tolist()):
+        for s in range(first, first + c, 64):
+            experts.append(e), starts.append(s), ends.append(min(s + 64, first + c))
+        first += c
+    tiles = tuple(torch.tensor(v, dtype=torch.int32, device="cuda") for v in (experts, starts, ends))
+    x = torch.randn(first, 768, device="cuda").bfloat16()
+    w = dequantize_stack(stack).view(128, 2048, 768)
+    row_expert = torch.repeat_interleave(torch.arange(128, device="cuda"), counts.cuda())
+    ref = torch.bmm(x.float()[:, None, :], w[row_expert].transpose(1, 2))[:, 0]
+    scale = torch.bmm(x.float().abs()[:, None, :], w[row_expert].abs().transpose(1, 2))[:, 0]
+    out = nf4_swapped_matmul(x, stack, tiles).float()
+    assert ((out - ref).abs() <= 2**-8 * ref.abs() + 1e-5 * scale).all()
+    rolled = torch.bmm(x.float()[:, None, :], w[(row_expert + 1) % 128].transpose(1, 2))[:, 0]
+    assert not ((out - rolled).abs() <= 2**-8 * rolled.abs() + 1e-5 * scale).all()

@@ -311,11 +311,15 @@ def resource_usage(compiled) -> tuple[int, int]:
 
 def compile_as_jit(launch: Launch, arch: int):
     """Compile `launch` for sm_`arch` through the JIT's own binder and argument packing (JITFunction.run
-    without the driver): the same specialization, signature, constants and attributes the GPU would get."""
+    without the driver): the same specialization, signature, constants and attributes the GPU would get.
+    Gluon kernels (gluon_nf4.py) go through Gluon's own source class."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
+
+    if kernel_is_gluon(launch.kernel):
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
 
     kernel = launch.kernel
     target = GPUTarget("cuda", arch, 32)
@@ -327,6 +331,10 @@ def compile_as_jit(launch: Launch, arch: int):
     )
     src = ASTSource(kernel, signature, constexprs, attrs)
     return triton.compile(src, target=target, options=options.__dict__)
+
+
+def kernel_is_gluon(kernel) -> bool:
+    return bool(getattr(kernel, "is_gluon", lambda: False)())
 
 
 if __name__ == "__main__":

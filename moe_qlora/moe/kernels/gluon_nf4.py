@@ -1,0 +1,343 @@
+"""A Hopper (sm_90) NF4 MUL_MAT_ID written in Gluon: the decoded weight is the wgmma's register A operand and the
+wgmmas stay in flight while the next chunk decodes (issue 67, item 2). Experimental: not yet run on a GPU and not
+used by the layer; `nf4_swapped_matmul` is its launcher, tests/moe/test_gpu.py its numerics, and
+tests/moe/test_gluon_nf4.py what its SASS must show.
+
+The product is taken swapped, Y^T (N, T) = W_e (N, K) @ X^T (K, T): a program holds 64 weight rows (the wgmma's M,
+one warpgroup) and a tile of at most BLOCK_T routed rows of one expert (its N side). Per K-step of 128:
+- the activations (BLOCK_T, 128) arrive by cp.async in one of four shared slots, two steps ahead;
+- each thread loads its two weight rows' 16 words (2 x 16 bytes a row) and decodes them in the wgmma's A-fragment
+  layout itself: the code of k = 16 c + 8 h + 2 q + p (q = lane % 4) is nibble 8 q + 4 (1 - p) of word 2 c + h,
+  bitsandbytes' high-nibble-first order; the NF4 level comes from a `shfl` of the lane holding it (the 16 levels
+  sit in lanes 0-15 and again in 16-31, so only the code's low five bits matter); the level times the fp32 block
+  scale is rounded once to bf16, bit for bit bitsandbytes' dequantization;
+- every 16-wide chunk is its own wgmma group, waited to one in flight: a single group over the whole step let ptxas
+  decode into one register set and drain each wgmma.
+Shapes the launcher takes: x (S, K) bf16 rows sorted by expert, a nested-scale NF4 stack (E, N, K) with N % 64 == 0
+and K % 128 == 0, tiles (expert, first row, end row) on the device; out (S, N) bf16.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from moe_qlora.moe.nf4 import NF4_LEVELS, NF4Stack
+
+BLOCK_N = gl.constexpr(64)  # weight rows a program holds: one warpgroup's wgmma M
+BLOCK_K = gl.constexpr(128)  # weights a row decodes per K-step: two quant blocks of 64
+# Triton 3.7 renamed these (3.6, the GPU machines' version, has the old names only).
+_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+# fp32 x2 -> one register of two bf16, rounded to nearest even ($1 the low half). As an asm LLVM may not move, the
+# rounding stays in the step that decodes: folded through the loop's phi, it was sunk to the wgmma.
+PACK_BF16X2 = gl.constexpr("cvt.rn.bf16x2.f32 $0, $2, $1;")
+LEVEL_OF_CODE = gl.constexpr("shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;")
+
+
+def lane_levels_asm(levels=NF4_LEVELS) -> str:
+    """PTX putting levels[laneid % 16] (fp32) in $0, once per thread ($1 is an unused constant input)."""
+    bits = [struct.unpack("<I", struct.pack("<f", v))[0] for v in levels]
+    lines = [
+        "{",
+        ".reg .b32 l;",
+        ".reg .pred p;",
+        "mov.u32 l, %laneid;",
+        "and.b32 l, l, 15;",
+        f"mov.b32 $0, {bits[0]:#x};",
+    ]
+    for i, b in enumerate(bits[1:], 1):
+        lines += [f"setp.eq.u32 p, l, {i};", f"@p mov.b32 $0, {b:#x};"]
+    return "\n".join(lines + ["}"])
+
+
+# The A fragment of a 64 x 16 bf16 chunk over (n, h, q, p), k = 8 h + 2 q + p: the wgmma's own register order
+# (k + 1, n + 8, k + 8), its lanes (k + 2, k + 4, n + 1, n + 2, n + 4) and warps (n + 16, n + 32), as
+# gl.to_linear_layout gives it. The compiler checks the match (convert_layout's assert_trivial).
+CHUNK_LAYOUT = gl.constexpr(
+    gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1], [8, 0, 0, 0], [0, 1, 0, 0]],
+        lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+        warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]],
+        block_bases=[],
+        shape=[64, 2, 4, 2],
+    )
+)
+# A step's 16 words of each of a thread's two rows, in consecutive registers (two 16-byte loads a row); the four
+# threads of a quad hold the same words.
+WORD_LAYOUT = gl.constexpr(
+    gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
+        lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]],
+        block_bases=[],
+        shape=[64, 16],
+    )
+)
+
+
+def word_and_shift(k: int) -> tuple[int, int]:
+    """Which of a row's words (of 8 codes) holds the code of column k of a step, and at what bit: the decode's
+    index math, for the CPU test against bitsandbytes' dequantization."""
+    c, h, q, p = k // 16, (k // 8) % 2, (k // 2) % 4, k % 2
+    return 2 * c + h, 8 * q + 4 * (1 - p)
+
+
+@gluon.jit
+def _split_first(t):
+    """The halves of t along its dim 1, a register dim: no data moves."""
+    if len(t.shape) == 5:
+        return gl.split(gl.permute(t, [0, 2, 3, 4, 1]))
+    elif len(t.shape) == 4:
+        return gl.split(gl.permute(t, [0, 2, 3, 1]))
+    else:
+        return gl.split(gl.permute(t, [0, 2, 1]))
+
+
+@gluon.jit
+def _chunk_words(words):
+    """(64, 16) words of a step -> 8 tensors (64, 2): each 16-wide chunk's two words a row."""
+    a, b = _split_first(gl.reshape(words, [64, 2, 2, 2, 2]))
+    a0, a1 = _split_first(a)
+    b0, b1 = _split_first(b)
+    return _split_first(a0) + _split_first(a1) + _split_first(b0) + _split_first(b1)
+
+
+@gluon.jit
+def _decode_chunk(words, scale, shift, levels, w_l: gl.constexpr, a_l: gl.constexpr):
+    """(64, 16) bf16 A fragment of one chunk: words (64, 2) int32, scale (64,) fp32, shift (1, 1, 4, 2)."""
+    codes = gl.convert_layout(words, w_l)[:, :, None, None] >> shift
+    level = gl.inline_asm_elementwise(LEVEL_OF_CODE, "=r,r,r", [levels, codes], dtype=gl.float32, is_pure=True, pack=1)
+    w = level * scale[:, None, None, None]
+    w = gl.inline_asm_elementwise(PACK_BF16X2, "=r,r,r", [w], dtype=gl.bfloat16, is_pure=False, pack=2)
+    return gl.convert_layout(gl.reshape(w, [64, 16]), a_l, assert_trivial=True)
+
+
+@gluon.jit
+def _block_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset2, block, live):
+    """fp32 scale of quant block `block` (nested: code2[absmax_u8] * absmax2[block // 256] + offset2); 0 past K."""
+    q = gl.load(absmax_ptr + block).to(gl.int32)
+    return gl.where(live, gl.load(code2_ptr + q) * gl.load(absmax2_ptr + block // 256) + offset2, 0.0)
+
+
+@gluon.jit
+def _k_step(
+    acc,
+    i,
+    steps,
+    xs,
+    x_next,
+    w_ptrs,
+    blk0,
+    absmax_ptr,
+    absmax2_ptr,
+    code2_ptr,
+    offset2,
+    shift,
+    levels,
+    x_ptrs,
+    t_ok,
+    PENDING: gl.constexpr,
+    w_l: gl.constexpr,
+    a_l: gl.constexpr,
+):
+    """One K-step of 128: copy step i + 2's activations into x_next, decode and multiply step i's from xs."""
+    # Past the last step (the loop runs whole groups of four) the weights of the last step are read again and
+    # scaled by 0: no masked loads, whose registers must be zeroed first.
+    live = i < steps
+    i_w = gl.minimum(i, steps - 1)
+    block = blk0 + 2 * i_w
+    scale0 = _block_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset2, block, live)
+    scale1 = _block_scale(absmax_ptr, absmax2_ptr, code2_ptr, offset2, block + 1, live)
+    words = gl.load(w_ptrs + i_w * (BLOCK_K // 8))
+    async_copy.wait_group(1)
+    _cta_barrier()  # step i's slot landed for every thread, and every thread is past step i - 1's first wait
+    _async_load(x_next, x_ptrs + (i + 2) * BLOCK_K, mask=t_ok & (i + 2 < steps))
+    async_copy.commit_group()
+    fence_async_shared()
+    chunks = _chunk_words(words)
+    for j in gl.static_range(BLOCK_K // 16):
+        if j < 4:
+            a = _decode_chunk(chunks[j], scale0, shift, levels, w_l, a_l)
+        else:
+            a = _decode_chunk(chunks[j], scale1, shift, levels, w_l, a_l)
+        acc = warpgroup_mma(a, xs.slice(16 * j, 16, dim=1).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=PENDING, deps=(acc,))  # 0: drained, the tests' control
+    return acc
+
+
+@gluon.jit
+def _nf4_swapped_kernel(
+    x_ptr, out_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2,
+    tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+    N, K, words_we, words_row, stride_xs, stride_os,
+    LEVELS_ASM: gl.constexpr, BLOCK_T: gl.constexpr, PENDING: gl.constexpr,
+):  # fmt: skip
+    tile = gl.program_id(0)
+    n0 = gl.program_id(1) * BLOCK_N
+    e = gl.load(tile_expert_ptr + tile)
+    start = gl.load(tile_start_ptr + tile)
+    end = gl.load(tile_end_ptr + tile)
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_T, 16])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+    d_l: gl.constexpr = CHUNK_LAYOUT
+    w_l: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, d_l))  # (n, h)
+    qp_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, d_l))  # (q, p)
+    ws_l: gl.constexpr = WORD_LAYOUT
+
+    rows_w = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ws_l))
+    row_words = e.to(gl.int64) * words_we + rows_w.to(gl.int64) * words_row
+    w_ptrs = w_ptr + (row_words[:, None] + gl.arange(0, BLOCK_K // 8, layout=gl.SliceLayout(0, ws_l))[None, :])
+    rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_l))
+    blk0 = (e * words_we + rows * words_row) // 8  # each row's first quant block of 64 codes
+    q = gl.arange(0, 4, layout=gl.SliceLayout(1, qp_l))
+    p = gl.arange(0, 2, layout=gl.SliceLayout(0, qp_l))
+    shift = (8 * q[:, None] + 4 * (1 - p[None, :]))[None, None, :, :]
+    splat = gl.full([64, 2, 4, 2], 0, gl.int32, d_l)
+    levels = gl.inline_asm_elementwise(LEVELS_ASM, "=r,r", [splat], dtype=gl.float32, is_pure=True, pack=1)
+
+    x_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_T, BLOCK_K], gl.bfloat16)
+    x0 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_T, BLOCK_K], x_sl)
+    x1 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_T, BLOCK_K], x_sl)
+    x2 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_T, BLOCK_K], x_sl)
+    x3 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_T, BLOCK_K], x_sl)
+    x_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    offs_t = start + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, x_l))
+    x_ptrs = (
+        x_ptr + offs_t.to(gl.int64)[:, None] * stride_xs + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_l))[None, :]
+    )
+    t_ok = (offs_t < end)[:, None]
+
+    steps = gl.cdiv(K, BLOCK_K)
+    # Four slots, one allocation each and the loop unrolled by four, so every slot is named at compile time and a
+    # step's one barrier orders both hazards: step i's copy fills the slot step i - 2 read (retired by then).
+    _async_load(x0, x_ptrs, mask=t_ok)
+    async_copy.commit_group()
+    _async_load(x1, x_ptrs + BLOCK_K, mask=t_ok & (1 < steps))
+    async_copy.commit_group()
+    acc = gl.zeros([BLOCK_N, BLOCK_T], gl.float32, acc_l)
+    for i in range(0, steps, 4):
+        acc = _k_step(
+            acc,
+            i,
+            steps,
+            x0,
+            x2,
+            w_ptrs,
+            blk0,
+            absmax_ptr,
+            absmax2_ptr,
+            code2_ptr,
+            offset2,
+            shift,
+            levels,
+            x_ptrs,
+            t_ok,
+            PENDING,
+            w_l,
+            a_l,
+        )
+        acc = _k_step(
+            acc,
+            i + 1,
+            steps,
+            x1,
+            x3,
+            w_ptrs,
+            blk0,
+            absmax_ptr,
+            absmax2_ptr,
+            code2_ptr,
+            offset2,
+            shift,
+            levels,
+            x_ptrs,
+            t_ok,
+            PENDING,
+            w_l,
+            a_l,
+        )
+        acc = _k_step(
+            acc,
+            i + 2,
+            steps,
+            x2,
+            x0,
+            w_ptrs,
+            blk0,
+            absmax_ptr,
+            absmax2_ptr,
+            code2_ptr,
+            offset2,
+            shift,
+            levels,
+            x_ptrs,
+            t_ok,
+            PENDING,
+            w_l,
+            a_l,
+        )
+        acc = _k_step(
+            acc,
+            i + 3,
+            steps,
+            x3,
+            x1,
+            w_ptrs,
+            blk0,
+            absmax_ptr,
+            absmax2_ptr,
+            code2_ptr,
+            offset2,
+            shift,
+            levels,
+            x_ptrs,
+            t_ok,
+            PENDING,
+            w_l,
+            a_l,
+        )
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    async_copy.wait_group(0)
+
+    on = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
+    ot = start + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, acc_l))
+    out = out_ptr + ot.to(gl.int64)[None, :] * stride_os + on[:, None]
+    gl.store(out, acc.to(gl.bfloat16), mask=(ot < end)[None, :])
+
+
+def swapped_launch(x, stack: NF4Stack, tiles, out, block_t: int = 64, pending: int = 1):
+    """(kernel, grid, args, kwargs) of one launch: what `nf4_swapped_matmul` runs and the AOT test compiles.
+    tiles: (expert, first row, end row) int32 tensors of equal length, each tile at most block_t rows."""
+    E, N, K = stack.shape
+    if (
+        stack.nested is None
+        or stack.blocksize != 64
+        or N % BLOCK_N.value
+        or K % BLOCK_K.value
+        or x.dtype != torch.bfloat16
+    ):
+        raise ValueError(
+            "the Gluon NF4 kernel takes bf16 rows and a nested-scale stack of blocksize 64"
+            f" with N % {BLOCK_N.value} == 0 and K % {BLOCK_K.value} == 0; got {x.dtype}, blocksize"
+            f" {stack.blocksize}, nested {stack.nested is not None}, (E, N, K) = {stack.shape}"
+        )
+    absmax2, code2, offset2 = stack.nested
+    words = stack.packed.view(torch.int32)
+    args = (x, out, words, stack.absmax, absmax2, code2, float(offset2), *tiles, N, K, N * K // 8, K // 8)
+    args += (x.stride(0), out.stride(0))
+    kwargs = dict(LEVELS_ASM=lane_levels_asm(), BLOCK_T=block_t, PENDING=pending, num_warps=4)
+    return _nf4_swapped_kernel, (tiles[0].numel(), N // BLOCK_N.value), args, kwargs
+
+
+def nf4_swapped_matmul(x: torch.Tensor, stack: NF4Stack, tiles, block_t: int = 64) -> torch.Tensor:
+    """out (S, N) bf16: row s of x (S, K) times expert e's W_e^T (K, N) for the tile (e, first, end) holding s."""
+    out = torch.zeros(x.shape[0], stack.shape[1], dtype=torch.bfloat16, device=x.device)
+    kernel, grid, args, kwargs = swapped_launch(x, stack, tiles, out, block_t)
+    kernel[grid](*args, **kwargs)
+    return out
