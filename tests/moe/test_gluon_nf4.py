@@ -51,14 +51,14 @@ def test_the_decode_reads_each_code_where_bitsandbytes_wrote_it():
 
 
 def test_the_launch_refuses_what_the_kernel_cannot_compute():
-    stack = nf4_stack(2, 64, 192, double_quant=True)  # K = 192: not a whole number of 128-wide steps
+    stack = nf4_stack(2, 128, 192, double_quant=True)  # K = 192: not a whole number of 128-wide steps
     tiles = tuple(torch.zeros(1, dtype=torch.int32) for _ in range(3))
     x = torch.zeros(4, 192, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="K % 128 == 0"):
-        gluon_nf4.swapped_launch(x, stack, tiles, torch.zeros(4, 64, dtype=torch.bfloat16))
-    plain = nf4_stack(2, 64, 256)
+        gluon_nf4.swapped_launch(x, stack, tiles, torch.zeros(4, 128, dtype=torch.bfloat16))
+    plain = nf4_stack(2, 128, 256)
     with pytest.raises(ValueError, match="nested False"):
-        gluon_nf4.swapped_launch(x.new_zeros(4, 256), plain, tiles, torch.zeros(4, 64, dtype=torch.bfloat16))
+        gluon_nf4.swapped_launch(x.new_zeros(4, 256), plain, tiles, torch.zeros(4, 128, dtype=torch.bfloat16))
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +74,9 @@ def gluon_rows():
 def test_the_sm90_sass_feeds_the_tensor_cores_from_registers_with_the_wgmma_in_flight(gluon_rows):
     """Issue 67 item 2's targets for every launch (down and gate_up weights of both models): A from registers, a
     wgmma left in flight across the decode of the next chunk, one barrier a K-step, no store of the decoded tile and
-    no table read from shared memory, no spill, at most 240 registers. The instructions per decoded weight are
-    pinned at today's reading (5.7 against the target's 5.0: not met). Control: the same kernel draining each
-    wgmma is caught."""
+    no table read from shared memory, no spill, at most 240 registers, at most 5 non-MMA instructions per decoded
+    weight (4.99 today: a shift, a shfl, a multiply and half a pack, the rest addressing, scales and copies).
+    Control: the same kernel draining each wgmma is caught."""
     launches = {name: row for name, row in gluon_rows.items() if not name.endswith("_control")}
     assert len(launches) == 4
     for name, row in launches.items():
@@ -85,7 +85,7 @@ def test_the_sm90_sass_feeds_the_tensor_cores_from_registers_with_the_wgmma_in_f
         assert row["barriers_per_kstep"] <= 1, name
         assert row["decoded_tile_stores_per_kstep"] == 0 and row["table_loads_per_kstep"] == 0, name
         assert row["spills"] == 0 and row["regs"] <= 240, name
-        assert row["instr_per_weight_element"] <= 6.0, name
-        assert row["item2_misses"] == [f"{row['instr_per_weight_element']} instructions per decoded weight"], name
+        assert row["instr_per_weight_element"] <= 5.0, name
+        assert row["item2_misses"] == [], name
     drained = gluon_rows["qwen3-30b-a3b/gluon_down/drained_control"]
     assert drained["wgmma_max_pending"] == 0 and "wgmma drained every K-step" in drained["item2_misses"]
