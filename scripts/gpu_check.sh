@@ -28,7 +28,9 @@
 # 45 s); `long` 5 min
 # (scripts/bench_memory.py --device cuda: two Qwen3-30B-A3B-wide layers at 32,768 and 131,072 tokens held to 80
 # GiB, the MoE rows in 8,192-token chunks, the layer inputs kept or on the host: peak reserved against `plan`;
-# measured: about 4.5 min for its four rows, 2026-11-30). About 47 minutes in all: more than one session's device
+# measured: about 4.5 min for its four rows, 2026-11-30); `gluon` 1 min (scripts/bench_gluon.py: the Gluon NF4
+# kernel beside the fused Triton kernel and dequantize + grouped_mm, 4 weights x 2 token counts, each result checked
+# first; not measured yet). About 48 minutes in all: more than one session's device
 # time (15 minutes), so a session runs the stages it needs most: `wheels`, `preflight` and `perf` first, then
 # `sweep`, then `long` (2026-11-30: the first three with the sweep at two token counts in one 372 s call, then
 # `gpu-tests` and `long`).
@@ -37,7 +39,7 @@ cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 limit=${STAGE_TIMEOUT:-540}
 declare -A command estimate
-stages=(wheels preflight perf sweep long gpu-tests kernels kernels-parity checks offload train-bench rollout bench-qwen3 bench-mixtral profile)
+stages=(wheels preflight perf sweep long gluon gpu-tests kernels kernels-parity checks offload train-bench rollout bench-qwen3 bench-mixtral profile)
 # CPU-only tests inside the kernel test files (AOT compiles in a subprocess, the launcher run with a stubbed JIT)
 # carry the marker cpu_only (tests/conftest.py marks every user of the AOT fixture).
 command[wheels]='if [ -d .whl ]; then '"$python"' -m pip install -q --no-index --no-deps --no-compile --upgrade --target .gpu-site .whl/*.whl; else echo "no .whl/: using the installed packages"; fi'
@@ -66,6 +68,8 @@ command[sweep]="$python scripts/sweep_kernels.py --budget-s 420 --out \$OUT/swee
 estimate[sweep]=3
 command[long]="$python scripts/bench_memory.py --device cuda --gpu-gib 80 --seqs 32768 131072 --configs 'long: MLP chunks of 8192' 'long: MLP chunks of 8192, inputs on the host' --json \$OUT/long.json"
 estimate[long]=5
+command[gluon]="$python scripts/bench_gluon.py --out \$OUT/gluon.json"
+estimate[gluon]=1
 command[profile]="$python scripts/profile_moe.py --json \$OUT/profile.json"
 estimate[profile]=1
 command[bench-qwen3]="$python scripts/bench_moe.py --full --shape qwen3-30b-a3b --json \$OUT/bench_qwen3.json"
