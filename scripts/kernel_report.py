@@ -304,12 +304,13 @@ GLUON_STEPS_PER_LOOP = 4  # gluon_nf4's K loop is unrolled by its four activatio
 
 
 def gluon_report(arch: int, shapes: list[str], block_t: int = 64) -> list[dict]:
-    """Rows of the Gluon NF4 kernel (moe/kernels/gluon_nf4.py, sm_90 only) for each shape's two expert weights,
-    down (N = hidden, K = inter) and gate_up (N = 2 inter, K = hidden), plus the control of the first: the same
-    kernel waiting for each wgmma to finish (drained). Counts are per K-step (the loop holds four)."""
+    """Rows of the Gluon NF4 kernel (moe/kernels/gluon_nf4.py; gluon_nf4_sm80.py below sm_90) for each shape's two
+    expert weights, down (N = hidden, K = inter) and gate_up (N = 2 inter, K = hidden), plus on sm_90 the control of
+    the first: the same kernel waiting for each wgmma to finish (drained). Counts are per K-step (the loop holds
+    four)."""
     import torch
 
-    from moe_qlora.moe.kernels import gluon_nf4
+    from moe_qlora.moe.kernels import gluon_decode, gluon_nf4
     from moe_qlora.moe.kernels.aot import Launch
     from moe_qlora.moe.nf4 import NF4Stack
 
@@ -321,12 +322,12 @@ def gluon_report(arch: int, shapes: list[str], block_t: int = 64) -> list[dict]:
         hidden, inter, experts, _ = SHAPES[shape]
         weights = {"down": (hidden, inter), "gate_up": (2 * inter, hidden)}
         for wname, (n, k) in weights.items():
-            for pending in (1, 0) if (shape, wname) == (shapes[0], "down") else (1,):
+            for pending in (1, 0) if (shape, wname) == (shapes[0], "down") and arch == 90 else (1,):
                 stack = NF4Stack(tiny(torch.uint8), tiny(torch.uint8), (tiny(torch.float32), tiny(torch.float32), 0.01),
                                  (experts, n, k))  # fmt: skip
                 tiles = tuple(tiny(torch.int32) for _ in range(3))
                 x, out = torch.empty(0, k, dtype=torch.bfloat16), torch.empty(0, n, dtype=torch.bfloat16)
-                kernel, grid, args, kwargs = gluon_nf4.swapped_launch(x, stack, tiles, out, block_t, pending)
+                kernel, grid, args, kwargs = gluon_nf4.swapped_launch(x, stack, tiles, out, block_t, pending, arch)
                 compiled = compile_as_jit(Launch(wname, kernel, grid, args, kwargs), arch)
                 regs, spilled = resource_usage(compiled)
                 loop = innermost_loop(sass_of(compiled.asm["cubin"]))
@@ -337,8 +338,8 @@ def gluon_report(arch: int, shapes: list[str], block_t: int = 64) -> list[dict]:
                     feed[key] /= GLUON_STEPS_PER_LOOP
                 c = dict(
                     BLOCK_M=block_t,
-                    BLOCK_N=gluon_nf4.BLOCK_N.value,
-                    BLOCK_K=gluon_nf4.BLOCK_K.value,
+                    BLOCK_N=gluon_decode.BLOCK_N.value,
+                    BLOCK_K=gluon_decode.BLOCK_K.value,
                     W_NF4=True,
                     NESTED=True,
                 )
@@ -379,10 +380,11 @@ def main() -> None:
     ap.add_argument(
         "--weights", choices=["nf4_nested", "nf4", "mxfp4"], default="nf4_nested", help="the experts' storage"
     )
-    ap.add_argument("--gluon", action="store_true", help="the Gluon NF4 kernel (sm_90) instead of the Triton ones")
+    ap.add_argument("--gluon", action="store_true", help="the Gluon NF4 kernels instead of the Triton ones")
     args = ap.parse_args()
     if args.gluon:
-        rows = gluon_report(90, args.shape or ["qwen3-30b-a3b", "mixtral-8x7b"])
+        shapes = args.shape or ["qwen3-30b-a3b", "mixtral-8x7b"]
+        rows = [row for arch in args.arch or [80, 90] for row in gluon_report(arch, shapes)]
         print(json.dumps(rows))
         return
     rows = report(

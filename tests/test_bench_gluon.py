@@ -1,6 +1,6 @@
-"""scripts/bench_gluon.py on the CPU: the tiny shapes through Triton's interpreter and grouped_mm, every result checked
-against grouped_mm's before it is timed, the Gluon rows listed as not measured (they need an sm_90 GPU); and the
-check itself catches a wrong product (control: the experts rolled)."""
+"""scripts/bench_gluon.py on the CPU: the tiny shapes through Triton's interpreter and grouped_mm, every result
+checked against grouped_mm's before it is timed, the Gluon rows listed as not measured (they need an sm_80 to sm_90
+GPU); and the check itself catches a wrong product (control: the experts rolled)."""
 
 import json
 import os
@@ -30,9 +30,7 @@ def test_the_tiny_run_checks_and_times_each_path_and_lists_the_gluon_rows(tmp_pa
         for c in paths
     }
     assert all(r["agrees"] and r["ms"] > 0 for r in result["rows"])
-    assert result["not_measured"] == [
-        f"tiny/{w}/32 gluon: needs an sm_90 GPU (the Gluon kernel is Hopper's)" for w in ("down", "gate_up")
-    ]
+    assert result["not_measured"] == [f"tiny/{w}/32 gluon: needs an sm_80 to sm_90 GPU" for w in ("down", "gate_up")]
 
 
 def test_the_agreement_check_catches_rolled_experts():

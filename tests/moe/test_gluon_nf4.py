@@ -1,7 +1,8 @@
-"""The Gluon NF4 kernel (moe/kernels/gluon_nf4.py) without a GPU: its decode's index math against bitsandbytes'
-dequantization, and what its sm_90 SASS shows at Qwen3-30B-A3B's and Mixtral-8x7B's weight shapes, compiled as
-the JIT would (scripts/kernel_report.py --gluon, in a subprocess without TRITON_INTERPRET). Its numerics on a GPU:
-tests/moe/test_gpu.py. Gluon has no interpreter, so nothing here runs the kernel itself."""
+"""The Gluon NF4 kernels (moe/kernels/gluon_nf4.py, gluon_nf4_sm80.py) without a GPU: their decode's index math
+against bitsandbytes' dequantization, and what their SASS shows at Qwen3-30B-A3B's and Mixtral-8x7B's weight shapes,
+compiled as the JIT would for sm_80 and sm_90 (scripts/kernel_report.py --gluon, in a subprocess without
+TRITON_INTERPRET). Their numerics on a GPU: tests/moe/test_gpu.py. Gluon has no interpreter, so nothing here runs a
+kernel itself."""
 
 import json
 import os
@@ -13,13 +14,13 @@ import pytest
 import torch
 from test_kernels import nf4_stack
 
-from moe_qlora.moe.kernels import gluon_nf4
+from moe_qlora.moe.kernels import gluon_decode, gluon_nf4
 from moe_qlora.moe.nf4 import NF4_LEVELS, dequantize_expert_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def decode_as_the_kernel(stack, e, shift_of=gluon_nf4.word_and_shift):
+def decode_as_the_kernel(stack, e, shift_of=gluon_decode.word_and_shift):
     """Expert e's (N, K) weights in bf16 decoded as the kernel's threads do: step by step of 128 columns, the code
     of column k read from the word and bit word_and_shift(k % 128) names, its level times the block's fp32
     scale rounded once to bf16."""
@@ -44,7 +45,7 @@ def test_the_decode_reads_each_code_where_bitsandbytes_wrote_it():
         assert torch.equal(decode_as_the_kernel(stack, e), expected)
 
     def low_first(k):
-        word, shift = gluon_nf4.word_and_shift(k)
+        word, shift = gluon_decode.word_and_shift(k)
         return word, shift ^ 4
 
     assert not torch.equal(decode_as_the_kernel(stack, 0, low_first), dequantize_expert_reference(stack, 0).bfloat16())
@@ -68,24 +69,26 @@ def gluon_rows():
         [sys.executable, "scripts/kernel_report.py", "--gluon"], cwd=ROOT, env=env, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return {r["name"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {(r["arch"], r["name"]): r for r in rows}
 
 
-def test_the_sm90_sass_feeds_the_tensor_cores_from_registers_with_the_wgmma_in_flight(gluon_rows):
-    """Issue 67 item 2's targets for every launch (down and gate_up weights of both models): A from registers, a
-    wgmma left in flight across the decode of the next chunk, one barrier a K-step, no store of the decoded tile and
-    no table read from shared memory, no spill, at most 240 registers, at most 5 non-MMA instructions per decoded
-    weight (4.99 today: a shift, a shfl, a multiply and half a pack, the rest addressing, scales and copies).
-    Control: the same kernel draining each wgmma is caught."""
-    launches = {name: row for name, row in gluon_rows.items() if not name.endswith("_control")}
-    assert len(launches) == 4
-    for name, row in launches.items():
+def test_the_sass_feeds_the_tensor_cores_from_registers_within_issue_67s_targets(gluon_rows):
+    """Issue 67 item 2's targets for every launch (down and gate_up weights of both models, sm_80 and sm_90): A
+    from registers (HMMA, or HGMMA with a register A), on sm_90 a wgmma left in flight across the decode of the
+    next chunk, one barrier a K-step, no store of the decoded tile and no table read from shared memory, no spill,
+    at most 240 registers, at most 5 non-MMA instructions per decoded weight (4.99 on sm_90, 4.8 on sm_80: a shift,
+    a shfl, a multiply and half a pack, the rest addressing, scales and copies). Control: the sm_90 kernel draining
+    each wgmma is caught."""
+    launches = {key: row for key, row in gluon_rows.items() if not key[1].endswith("_control")}
+    assert {arch for arch, _ in launches} == {"80", "90"} and len(launches) == 8
+    for (arch, name), row in launches.items():
         assert row["mma_a_from_registers"] is True, name
-        assert row["wgmma_max_pending"] >= 1, name
+        assert row["wgmma_max_pending"] >= 1 if arch == "90" else row["wgmma_max_pending"] is None, name
         assert row["barriers_per_kstep"] <= 1, name
         assert row["decoded_tile_stores_per_kstep"] == 0 and row["table_loads_per_kstep"] == 0, name
         assert row["spills"] == 0 and row["regs"] <= 240, name
         assert row["instr_per_weight_element"] <= 5.0, name
         assert row["item2_misses"] == [], name
-    drained = gluon_rows["qwen3-30b-a3b/gluon_down/drained_control"]
+    drained = gluon_rows[("90", "qwen3-30b-a3b/gluon_down/drained_control")]
     assert drained["wgmma_max_pending"] == 0 and "wgmma drained every K-step" in drained["item2_misses"]

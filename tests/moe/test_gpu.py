@@ -184,15 +184,19 @@ def test_a_layer_step_replays_as_cuda_graphs_bit_for_bit_for_any_routing(tiny_mi
             assert torch.equal(got, want)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
-def test_the_gluon_nf4_kernel_equals_the_dequantized_product():
-    """moe/kernels/gluon_nf4.py on Hopper against x @ W_e^T with bitsandbytes' own dequantization in fp32, at
-    Qwen3-30B-A3B's down shape, 128 experts of uneven rows (some empty, some tiles partial). The decoded weights are
-    bitsandbytes' bit for bit and the wgmma sums exact bf16 products in fp32, so the bound is the output's bf16
-    rounding (2^-8 relative) plus 1e-5 of sum |x||w| for the summation order. Control: the rolled experts miss."""
+@pytest.mark.parametrize("arch", [90, 80])
+def test_the_gluon_nf4_kernels_equal_the_dequantized_product(arch):
+    """moe/kernels/gluon_nf4.py (sm_90: wgmma) and gluon_nf4_sm80.py (mma_v2, which an sm_90 GPU runs too) against
+    x @ W_e^T with bitsandbytes' own dequantization in fp32, at Qwen3-30B-A3B's down shape, 128 experts of uneven
+    rows (some empty, some tiles partial). The decoded weights are bitsandbytes' bit for bit and the MMA sums exact
+    bf16 products in fp32, so the bound is the output's bf16 rounding (2^-8 relative) plus 1e-5 of sum |x||w| for
+    the summation order. Control: the rolled experts miss."""
     from moe_qlora.moe.kernels.gluon_nf4 import nf4_swapped_matmul
     from moe_qlora.moe.nf4 import dequantize_stack
 
+    major, minor = torch.cuda.get_device_capability()
+    if 10 * major + minor < arch or major > 9:
+        pytest.skip(f"the sm_{arch} kernel needs sm_{arch} to sm_90; this GPU is sm_{major}{minor}")
     torch.manual_seed(0)
     stack = nf4_stack(128, 2048, 768, double_quant=True, device="cuda")
     counts = torch.randint(0, 150, (128,))
@@ -209,7 +213,7 @@ def test_the_gluon_nf4_kernel_equals_the_dequantized_product():
     row_expert = torch.repeat_interleave(torch.arange(128, device="cuda"), counts.cuda())
     ref = torch.bmm(x.float()[:, None, :], w[row_expert].transpose(1, 2))[:, 0]
     scale = torch.bmm(x.float().abs()[:, None, :], w[row_expert].abs().transpose(1, 2))[:, 0]
-    out = nf4_swapped_matmul(x, stack, tiles).float()
+    out = nf4_swapped_matmul(x, stack, tiles, arch=arch).float()
     assert ((out - ref).abs() <= 2**-8 * ref.abs() + 1e-5 * scale).all()
     rolled = torch.bmm(x.float()[:, None, :], w[(row_expert + 1) % 128].transpose(1, 2))[:, 0]
     assert not ((out - rolled).abs() <= 2**-8 * rolled.abs() + 1e-5 * scale).all()

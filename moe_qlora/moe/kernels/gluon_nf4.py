@@ -20,111 +20,26 @@ and K % 128 == 0, tiles (expert, first row, end row) on the device; out (S, N) b
 
 from __future__ import annotations
 
-import struct
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from moe_qlora.moe.nf4 import NF4_LEVELS, NF4Stack
-
-BLOCK_N = gl.constexpr(128)  # weight rows a program holds: two blocks of one warpgroup's wgmma M (64)
-BLOCK_K = gl.constexpr(128)  # weights a row decodes per K-step: two quant blocks of 64
-# Triton 3.7 renamed these (3.6, the GPU machines' version, has the old names only).
-_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-# fp32 x2 -> one register of two bf16, rounded to nearest even ($1 the low half). As an asm LLVM may not move, the
-# rounding stays in the step that decodes: folded through the loop's phi, it was sunk to the wgmma.
-PACK_BF16X2 = gl.constexpr("cvt.rn.bf16x2.f32 $0, $2, $1;")
-LEVEL_OF_CODE = gl.constexpr("shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;")
-
-
-def lane_levels_asm(levels=NF4_LEVELS) -> str:
-    """PTX putting levels[laneid % 16] (fp32) in $0, once per thread ($1 is an unused constant input)."""
-    bits = [struct.unpack("<I", struct.pack("<f", v))[0] for v in levels]
-    lines = [
-        "{",
-        ".reg .b32 l;",
-        ".reg .pred p;",
-        "mov.u32 l, %laneid;",
-        "and.b32 l, l, 15;",
-        f"mov.b32 $0, {bits[0]:#x};",
-    ]
-    for i, b in enumerate(bits[1:], 1):
-        lines += [f"setp.eq.u32 p, l, {i};", f"@p mov.b32 $0, {b:#x};"]
-    return "\n".join(lines + ["}"])
-
-
-# The A fragment of a 64 x 16 bf16 chunk over (n, h, q, p), k = 8 h + 2 q + p: the wgmma's own register order
-# (k + 1, n + 8, k + 8), its lanes (k + 2, k + 4, n + 1, n + 2, n + 4) and warps (n + 16, n + 32), as
-# gl.to_linear_layout gives it. The compiler checks the match (convert_layout's assert_trivial).
-CHUNK_LAYOUT = gl.constexpr(
-    gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 0, 1], [8, 0, 0, 0], [0, 1, 0, 0]],
-        lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
-        warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]],
-        block_bases=[],
-        shape=[64, 2, 4, 2],
-    )
+from moe_qlora.moe.kernels.gluon_decode import (
+    BLOCK_K,
+    BLOCK_N,
+    CHUNK_LAYOUT,
+    async_load,
+    chunk_words,
+    cta_barrier,
+    decode_chunk,
+    lane_levels_asm,
+    row_block,
+    step_scales,
 )
-# A step's 16 words of each of a thread's two rows, in consecutive registers (two 16-byte loads a row); the four
-# threads of a quad hold the same words.
-WORD_LAYOUT = gl.constexpr(
-    gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [8, 0]],
-        lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]],
-        block_bases=[],
-        shape=[64, 4],
-    )
-)
-
-
-def word_and_shift(k: int) -> tuple[int, int]:
-    """Which of a row's words (of 8 codes) holds the code of column k of a step, and at what bit: the decode's
-    index math, for the CPU test against bitsandbytes' dequantization."""
-    c, h, q, p = k // 16, (k // 8) % 2, (k // 2) % 4, k % 2
-    return 2 * c + h, 8 * q + 4 * (1 - p)
-
-
-@gluon.jit
-def _split_first(t):
-    """The halves of t along its dim 1, a register dim: no data moves."""
-    if len(t.shape) == 5:
-        return gl.split(gl.permute(t, [0, 2, 3, 4, 1]))
-    elif len(t.shape) == 4:
-        return gl.split(gl.permute(t, [0, 2, 3, 1]))
-    else:
-        return gl.split(gl.permute(t, [0, 2, 1]))
-
-
-@gluon.jit
-def _chunk_words(words):
-    """(64, 4) words of a quarter step -> 2 tensors (64, 2): each 16-wide chunk's two words a row."""
-    return _split_first(gl.reshape(words, [64, 2, 2]))
-
-
-@gluon.jit
-def _decode_chunk(words, scale, shift, levels, w_l: gl.constexpr, a_l: gl.constexpr):
-    """(64, 16) bf16 A fragment of one chunk: words (64, 2) int32, scale (64,) fp32, shift (1, 1, 4, 2)."""
-    codes = gl.convert_layout(words, w_l)[:, :, None, None] >> shift
-    level = gl.inline_asm_elementwise(LEVEL_OF_CODE, "=r,r,r", [levels, codes], dtype=gl.float32, is_pure=True, pack=1)
-    w = level * scale[:, None, None, None]
-    w = gl.inline_asm_elementwise(PACK_BF16X2, "=r,r,r", [w], dtype=gl.bfloat16, is_pure=False, pack=2)
-    return gl.convert_layout(gl.reshape(w, [64, 16]), a_l, assert_trivial=True)
-
-
-@gluon.jit
-def _step_scales(absmax_pairs_ptr, absmax2_ptr, code2_ptr, offset2, pair, live):
-    """fp32 scales of a step's two quant blocks 2 pair and 2 pair + 1 of each row, 0 past K (nested:
-    code2[absmax_u8] * absmax2[block // 256] + offset2; both blocks share their absmax2, 256 being even)."""
-    codes = gl.load(absmax_pairs_ptr + pair).to(gl.int32)  # the two u8 codes, the first block's low
-    scale2 = gl.where(live, gl.load(absmax2_ptr + pair // 128), 0.0)
-    scale0 = gl.load(code2_ptr + (codes & 0xFF)) * scale2 + offset2
-    scale1 = gl.load(code2_ptr + ((codes >> 8) & 0xFF)) * scale2 + offset2
-    return gl.where(live, scale0, 0.0), gl.where(live, scale1, 0.0)
+from moe_qlora.moe.kernels.gluon_nf4_sm80 import _nf4_swapped_kernel_sm80
+from moe_qlora.moe.nf4 import NF4Stack
 
 
 @gluon.jit
@@ -133,13 +48,13 @@ def _quarter_step(acc, xs, quarter, rows, i_w, scales, shift, levels, PENDING: g
     """A quarter step's two chunks of both row blocks: read their words, then per chunk decode, issue the two
     wgmmas and leave them in flight."""
     acc0, acc1 = acc
-    chunks0 = _chunk_words(gl.load(rows[0] + i_w * (BLOCK_K // 8) + 4 * quarter))
-    chunks1 = _chunk_words(gl.load(rows[2] + i_w * (BLOCK_K // 8) + 4 * quarter))
+    chunks0 = chunk_words(gl.load(rows[0] + i_w * (BLOCK_K // 8) + 4 * quarter))
+    chunks1 = chunk_words(gl.load(rows[2] + i_w * (BLOCK_K // 8) + 4 * quarter))
     for j in gl.static_range(2):
         b = xs.slice(32 * quarter + 16 * j, 16, dim=1).permute((1, 0))
-        a0 = _decode_chunk(chunks0[j], scales[0], shift, levels, w_l, a_l)
+        a0 = decode_chunk(chunks0[j], scales[0], shift, levels, w_l, a_l)
         acc0 = warpgroup_mma(a0, b, acc0, is_async=True)
-        a1 = _decode_chunk(chunks1[j], scales[1], shift, levels, w_l, a_l)
+        a1 = decode_chunk(chunks1[j], scales[1], shift, levels, w_l, a_l)
         acc1 = warpgroup_mma(a1, b, acc1, is_async=True)
         # the chunk's two groups left in flight (none: drained, the tests' control)
         acc0, acc1 = warpgroup_mma_wait(num_outstanding=2 * PENDING, deps=(acc0, acc1))
@@ -158,27 +73,17 @@ def _k_step(acc, i, steps, xs, x_next, rows, scale_ptrs, shift, levels, x_ptrs, 
     live = i < steps
     i_w = gl.minimum(i, steps - 1)
     absmax_ptr, absmax2_ptr, code2_ptr, offset2 = scale_ptrs
-    s0 = _step_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset2, rows[1] + i_w, live)
-    s1 = _step_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset2, rows[3] + i_w, live)
+    s0 = step_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset2, rows[1] + i_w, live)
+    s1 = step_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset2, rows[3] + i_w, live)
     async_copy.wait_group(1)
-    _cta_barrier()  # step i's slot landed for every thread, and every thread is past step i - 1's first wait
-    _async_load(x_next, x_ptrs + gl.minimum(i + 2, steps - 1) * BLOCK_K)  # past K: a slot no step reads
+    cta_barrier()  # step i's slot landed for every thread, and every thread is past step i - 1's first wait
+    async_load(x_next, x_ptrs + gl.minimum(i + 2, steps - 1) * BLOCK_K)  # past K: a slot no step reads
     async_copy.commit_group()
     fence_async_shared()
     acc = _quarter_step(acc, xs, 0, rows, i_w, (s0[0], s1[0]), shift, levels, PENDING, w_l, a_l)
     acc = _quarter_step(acc, xs, 1, rows, i_w, (s0[0], s1[0]), shift, levels, PENDING, w_l, a_l)
     acc = _quarter_step(acc, xs, 2, rows, i_w, (s0[1], s1[1]), shift, levels, PENDING, w_l, a_l)
     return _quarter_step(acc, xs, 3, rows, i_w, (s0[1], s1[1]), shift, levels, PENDING, w_l, a_l)
-
-
-@gluon.jit
-def _row_block(w_ptr, e, n0, words_we, words_row, w_l: gl.constexpr):
-    """(word pointers (64, 8): a half step's, first quant-block pairs (64,)) of rows n0 .. n0 + 63 of expert e."""
-    rows_w = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, WORD_LAYOUT))
-    row_words = e.to(gl.int64) * words_we + rows_w.to(gl.int64) * words_row
-    w_ptrs = w_ptr + (row_words[:, None] + gl.arange(0, 4, layout=gl.SliceLayout(0, WORD_LAYOUT))[None, :])
-    rows = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, w_l))
-    return w_ptrs, (e * words_we + rows * words_row) // 16
 
 
 @gluon.jit
@@ -198,8 +103,8 @@ def _nf4_swapped_kernel(
     w_l: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, CHUNK_LAYOUT))  # (n, h)
     qp_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, CHUNK_LAYOUT))  # (q, p)
 
-    w_ptrs0, pair0_0 = _row_block(w_ptr, e, n0, words_we, words_row, w_l)
-    w_ptrs1, pair0_1 = _row_block(w_ptr, e, n0 + 64, words_we, words_row, w_l)
+    w_ptrs0, pair0_0 = row_block(w_ptr, e, n0, words_we, words_row, w_l)
+    w_ptrs1, pair0_1 = row_block(w_ptr, e, n0 + 64, words_we, words_row, w_l)
     rows = (w_ptrs0, pair0_0, w_ptrs1, pair0_1)
     scale_ptrs = (absmax_ptr, absmax2_ptr, code2_ptr, offset2)
     q = gl.arange(0, 4, layout=gl.SliceLayout(1, qp_l))
@@ -223,9 +128,9 @@ def _nf4_swapped_kernel(
     steps = gl.cdiv(K, BLOCK_K)
     # Four slots, one allocation each and the loop unrolled by four, so every slot is named at compile time and a
     # step's one barrier orders both hazards: step i's copy fills the slot step i - 2 read (retired by then).
-    _async_load(x0, x_ptrs)
+    async_load(x0, x_ptrs)
     async_copy.commit_group()
-    _async_load(x1, x_ptrs + gl.minimum(1, steps - 1) * BLOCK_K)
+    async_load(x1, x_ptrs + gl.minimum(1, steps - 1) * BLOCK_K)
     async_copy.commit_group()
     acc = (gl.zeros([64, BLOCK_T], gl.float32, acc_l), gl.zeros([64, BLOCK_T], gl.float32, acc_l))
     for i in range(0, steps, 4):
@@ -244,9 +149,10 @@ def _nf4_swapped_kernel(
     gl.store(out + 64, acc1.to(gl.bfloat16), mask=t_ok)
 
 
-def swapped_launch(x, stack: NF4Stack, tiles, out, block_t: int = 64, pending: int = 1):
-    """(kernel, grid, args, kwargs) of one launch: what `nf4_swapped_matmul` runs and the AOT test compiles.
-    tiles: (expert, first row, end row) int32 tensors of equal length, each tile at most block_t rows."""
+def swapped_launch(x, stack: NF4Stack, tiles, out, block_t: int = 64, pending: int = 1, arch: int | None = None):
+    """(kernel, grid, args, kwargs) of one launch: what `nf4_swapped_matmul` runs and the AOT test compiles, for
+    sm_`arch` (default: the current GPU's; below 90, gluon_nf4_sm80's kernel). tiles: (expert, first row, end row)
+    int32 tensors of equal length, each tile at most block_t rows."""
     E, N, K = stack.shape
     if (
         stack.nested is None
@@ -265,14 +171,23 @@ def swapped_launch(x, stack: NF4Stack, tiles, out, block_t: int = 64, pending: i
     absmax_pairs = stack.absmax.view(torch.int16)
     args = (x, out, words, absmax_pairs, absmax2, code2, float(offset2), *tiles, x.shape[0], N, K, N * K // 8, K // 8)
     args += (x.stride(0), out.stride(0))
+    kwargs = dict(LEVELS_ASM=lane_levels_asm(), BLOCK_T=block_t, PENDING=pending, num_warps=4)
+    grid = (tiles[0].numel(), N // BLOCK_N.value)
+    if arch is None:
+        major, minor = torch.cuda.get_device_capability(x.device)
+        arch = 10 * major + minor
+    if arch < 90:
+        return _nf4_swapped_kernel_sm80, grid, args, kwargs
     # 240 registers (two CTAs an SM): left alone ptxas took 250, without spilling either way.
-    kwargs = dict(LEVELS_ASM=lane_levels_asm(), BLOCK_T=block_t, PENDING=pending, num_warps=4, maxnreg=240)
-    return _nf4_swapped_kernel, (tiles[0].numel(), N // BLOCK_N.value), args, kwargs
+    return _nf4_swapped_kernel, grid, args, dict(kwargs, maxnreg=240)
 
 
-def nf4_swapped_matmul(x: torch.Tensor, stack: NF4Stack, tiles, block_t: int = 64) -> torch.Tensor:
-    """out (S, N) bf16: row s of x (S, K) times expert e's W_e^T (K, N) for the tile (e, first, end) holding s."""
+def nf4_swapped_matmul(x: torch.Tensor, stack: NF4Stack, tiles, block_t: int = 64, arch: int | None = None):
+    """out (S, N) bf16: row s of x (S, K) times expert e's W_e^T (K, N) for the tile (e, first, end) holding s.
+    arch: whose kernel (default the GPU's; 80 runs the mma_v2 kernel, which an sm_90 GPU runs too)."""
     out = torch.zeros(x.shape[0], stack.shape[1], dtype=torch.bfloat16, device=x.device)
-    kernel, grid, args, kwargs = swapped_launch(x, stack, tiles, out, block_t)
+    if tiles[0].numel() == 0:
+        return out
+    kernel, grid, args, kwargs = swapped_launch(x, stack, tiles, out, block_t, arch=arch)
     kernel[grid](*args, **kwargs)
     return out

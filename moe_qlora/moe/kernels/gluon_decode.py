@@ -1,0 +1,120 @@
+"""What the Gluon NF4 kernels (gluon_nf4.py for sm_90, gluon_nf4_sm80.py for sm_80-89) share: the decode of a
+16-wide chunk of NF4 codes into the MMA's bf16 A fragment (mma.m16n8k16's register layout is the wgmma's), the step's
+block scales, the words' layouts, and the Triton-version shims. The decode's math is in gluon_nf4's docstring.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+from moe_qlora.moe.nf4 import NF4_LEVELS
+
+BLOCK_N = gl.constexpr(128)  # weight rows a program holds: two blocks of one warpgroup's wgmma M (64)
+BLOCK_K = gl.constexpr(128)  # weights a row decodes per K-step: two quant blocks of 64
+# Triton 3.7 renamed these (3.6, the GPU machines' version, has the old names only).
+cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+# fp32 x2 -> one register of two bf16, rounded to nearest even ($1 the low half). As an asm LLVM may not move, the
+# rounding stays in the step that decodes: folded through the loop's phi, it was sunk to the wgmma.
+PACK_BF16X2 = gl.constexpr("cvt.rn.bf16x2.f32 $0, $2, $1;")
+LEVEL_OF_CODE = gl.constexpr("shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;")
+
+
+def lane_levels_asm(levels=NF4_LEVELS) -> str:
+    """PTX putting levels[laneid % 16] (fp32) in $0, once per thread ($1 is an unused constant input)."""
+    bits = [struct.unpack("<I", struct.pack("<f", v))[0] for v in levels]
+    lines = [
+        "{",
+        ".reg .b32 l;",
+        ".reg .pred p;",
+        "mov.u32 l, %laneid;",
+        "and.b32 l, l, 15;",
+        f"mov.b32 $0, {bits[0]:#x};",
+    ]
+    for i, b in enumerate(bits[1:], 1):
+        lines += [f"setp.eq.u32 p, l, {i};", f"@p mov.b32 $0, {b:#x};"]
+    return "\n".join(lines + ["}"])
+
+
+# The A fragment of a 64 x 16 bf16 chunk over (n, h, q, p), k = 8 h + 2 q + p: the wgmma's own register order
+# (k + 1, n + 8, k + 8), its lanes (k + 2, k + 4, n + 1, n + 2, n + 4) and warps (n + 16, n + 32), as
+# gl.to_linear_layout gives it. The compiler checks the match (convert_layout's assert_trivial).
+CHUNK_LAYOUT = gl.constexpr(
+    gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1], [8, 0, 0, 0], [0, 1, 0, 0]],
+        lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+        warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]],
+        block_bases=[],
+        shape=[64, 2, 4, 2],
+    )
+)
+# A step's 16 words of each of a thread's two rows, in consecutive registers (two 16-byte loads a row); the four
+# threads of a quad hold the same words.
+WORD_LAYOUT = gl.constexpr(
+    gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]],
+        lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]],
+        block_bases=[],
+        shape=[64, 4],
+    )
+)
+
+
+def word_and_shift(k: int) -> tuple[int, int]:
+    """Which of a row's words (of 8 codes) holds the code of column k of a step, and at what bit: the decode's
+    index math, for the CPU test against bitsandbytes' dequantization."""
+    c, h, q, p = k // 16, (k // 8) % 2, (k // 2) % 4, k % 2
+    return 2 * c + h, 8 * q + 4 * (1 - p)
+
+
+@gluon.jit
+def split_first(t):
+    """The halves of t along its dim 1, a register dim: no data moves."""
+    if len(t.shape) == 5:
+        return gl.split(gl.permute(t, [0, 2, 3, 4, 1]))
+    elif len(t.shape) == 4:
+        return gl.split(gl.permute(t, [0, 2, 3, 1]))
+    else:
+        return gl.split(gl.permute(t, [0, 2, 1]))
+
+
+@gluon.jit
+def chunk_words(words):
+    """(64, 4) words of a quarter step -> 2 tensors (64, 2): each 16-wide chunk's two words a row."""
+    return split_first(gl.reshape(words, [64, 2, 2]))
+
+
+@gluon.jit
+def decode_chunk(words, scale, shift, levels, w_l: gl.constexpr, a_l: gl.constexpr):
+    """(64, 16) bf16 A fragment of one chunk: words (64, 2) int32, scale (64,) fp32, shift (1, 1, 4, 2)."""
+    codes = gl.convert_layout(words, w_l)[:, :, None, None] >> shift
+    level = gl.inline_asm_elementwise(LEVEL_OF_CODE, "=r,r,r", [levels, codes], dtype=gl.float32, is_pure=True, pack=1)
+    w = level * scale[:, None, None, None]
+    w = gl.inline_asm_elementwise(PACK_BF16X2, "=r,r,r", [w], dtype=gl.bfloat16, is_pure=False, pack=2)
+    return gl.convert_layout(gl.reshape(w, [64, 16]), a_l, assert_trivial=True)
+
+
+@gluon.jit
+def step_scales(absmax_pairs_ptr, absmax2_ptr, code2_ptr, offset2, pair, live):
+    """fp32 scales of a step's two quant blocks 2 pair and 2 pair + 1 of each row, 0 past K (nested:
+    code2[absmax_u8] * absmax2[block // 256] + offset2; both blocks share their absmax2, 256 being even)."""
+    codes = gl.load(absmax_pairs_ptr + pair).to(gl.int32)  # the two u8 codes, the first block's low
+    scale2 = gl.where(live, gl.load(absmax2_ptr + pair // 128), 0.0)
+    scale0 = gl.load(code2_ptr + (codes & 0xFF)) * scale2 + offset2
+    scale1 = gl.load(code2_ptr + ((codes >> 8) & 0xFF)) * scale2 + offset2
+    return gl.where(live, scale0, 0.0), gl.where(live, scale1, 0.0)
+
+
+@gluon.jit
+def row_block(w_ptr, e, n0, words_we, words_row, w_l: gl.constexpr):
+    """(word pointers (64, 8): a half step's, first quant-block pairs (64,)) of rows n0 .. n0 + 63 of expert e."""
+    rows_w = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, WORD_LAYOUT))
+    row_words = e.to(gl.int64) * words_we + rows_w.to(gl.int64) * words_row
+    w_ptrs = w_ptr + (row_words[:, None] + gl.arange(0, 4, layout=gl.SliceLayout(0, WORD_LAYOUT))[None, :])
+    rows = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, w_l))
+    return w_ptrs, (e * words_we + rows * words_row) // 16

@@ -1,0 +1,121 @@
+"""The Gluon NF4 MUL_MAT_ID of gluon_nf4.py for sm_80 / sm_86 / sm_89 (A100, RTX 3090 / 4090): the same decode into
+the A fragment (mma.m16n8k16's register layout is the wgmma's), fed to `mma_v2` (HMMA) from registers; the
+activations go through shared memory by cp.async as there and reach the MMA by ldmatrix. Experimental: not yet run
+on a GPU and not used by the layer; gluon_nf4.swapped_launch picks it for arch < 90.
+
+A program holds 128 weight rows (two blocks of 64: each warp has 16 rows of each) and BLOCK_T routed rows; each
+16-wide chunk's activation fragment is read once and multiplied with both blocks.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+from moe_qlora.moe.kernels.gluon_decode import (
+    BLOCK_K,
+    BLOCK_N,
+    CHUNK_LAYOUT,
+    async_load,
+    chunk_words,
+    cta_barrier,
+    decode_chunk,
+    row_block,
+    step_scales,
+)
+
+
+@gluon.jit
+def _quarter_step(acc, xs, quarter, rows, i_w, scales, shift, levels, w_l: gl.constexpr, a_l: gl.constexpr,
+                  b_l: gl.constexpr):  # fmt: skip
+    """A quarter step's two chunks of both row blocks: read their words, then per chunk load the activations'
+    fragment (ldmatrix) and decode and multiply each block's weights."""
+    acc0, acc1 = acc
+    chunks0 = chunk_words(gl.load(rows[0] + i_w * (BLOCK_K // 8) + 4 * quarter))
+    chunks1 = chunk_words(gl.load(rows[2] + i_w * (BLOCK_K // 8) + 4 * quarter))
+    for j in gl.static_range(2):
+        b = xs.slice(32 * quarter + 16 * j, 16, dim=1).permute((1, 0)).load(b_l)
+        acc0 = mma_v2(decode_chunk(chunks0[j], scales[0], shift, levels, w_l, a_l), b, acc0)
+        acc1 = mma_v2(decode_chunk(chunks1[j], scales[1], shift, levels, w_l, a_l), b, acc1)
+    return acc0, acc1
+
+
+@gluon.jit
+def _k_step(acc, i, steps, xs, x_next, rows, scale_ptrs, shift, levels, x_ptrs, w_l: gl.constexpr,
+            a_l: gl.constexpr, b_l: gl.constexpr):  # fmt: skip
+    """One K-step of 128: copy step i + 2's activations into x_next, decode and multiply step i's (as gluon_nf4)."""
+    live = i < steps
+    i_w = gl.minimum(i, steps - 1)
+    absmax_ptr, absmax2_ptr, code2_ptr, offset2 = scale_ptrs
+    s0 = step_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset2, rows[1] + i_w, live)
+    s1 = step_scales(absmax_ptr, absmax2_ptr, code2_ptr, offset2, rows[3] + i_w, live)
+    async_copy.wait_group(1)
+    cta_barrier()  # step i's slot landed for every thread, and every thread is done reading step i - 1's
+    async_load(x_next, x_ptrs + gl.minimum(i + 2, steps - 1) * BLOCK_K)  # past K: a slot no step reads
+    async_copy.commit_group()
+    acc = _quarter_step(acc, xs, 0, rows, i_w, (s0[0], s1[0]), shift, levels, w_l, a_l, b_l)
+    acc = _quarter_step(acc, xs, 1, rows, i_w, (s0[0], s1[0]), shift, levels, w_l, a_l, b_l)
+    acc = _quarter_step(acc, xs, 2, rows, i_w, (s0[1], s1[1]), shift, levels, w_l, a_l, b_l)
+    return _quarter_step(acc, xs, 3, rows, i_w, (s0[1], s1[1]), shift, levels, w_l, a_l, b_l)
+
+
+@gluon.jit
+def _nf4_swapped_kernel_sm80(
+    x_ptr, out_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2,
+    tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+    S, N, K, words_we, words_row, stride_xs, stride_os,
+    LEVELS_ASM: gl.constexpr, BLOCK_T: gl.constexpr, PENDING: gl.constexpr,
+):  # fmt: skip
+    """gluon_nf4._nf4_swapped_kernel's contract (PENDING is unused: mma_v2 is synchronous)."""
+    tile = gl.program_id(0)
+    n0 = gl.program_id(1) * BLOCK_N
+    e = gl.load(tile_expert_ptr + tile)
+    start = gl.load(tile_start_ptr + tile)
+    end = gl.load(tile_end_ptr + tile)
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=acc_l, k_width=2)
+    w_l: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, CHUNK_LAYOUT))  # (n, h)
+    qp_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, CHUNK_LAYOUT))  # (q, p)
+
+    w_ptrs0, pair0_0 = row_block(w_ptr, e, n0, words_we, words_row, w_l)
+    w_ptrs1, pair0_1 = row_block(w_ptr, e, n0 + 64, words_we, words_row, w_l)
+    rows = (w_ptrs0, pair0_0, w_ptrs1, pair0_1)
+    scale_ptrs = (absmax_ptr, absmax2_ptr, code2_ptr, offset2)
+    q = gl.arange(0, 4, layout=gl.SliceLayout(1, qp_l))
+    p = gl.arange(0, 2, layout=gl.SliceLayout(0, qp_l))
+    shift = (8 * q[:, None] + 4 * (1 - p[None, :]))[None, None, :, :]
+    splat = gl.full([64, 2, 4, 2], 0, gl.int32, CHUNK_LAYOUT)
+    levels = gl.inline_asm_elementwise(LEVELS_ASM, "=r,r", [splat], dtype=gl.float32, is_pure=True, pack=1)
+
+    x_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+    x0 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_T, BLOCK_K], x_sl)
+    x1 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_T, BLOCK_K], x_sl)
+    x2 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_T, BLOCK_K], x_sl)
+    x3 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_T, BLOCK_K], x_sl)
+    x_l: gl.constexpr = gl.BlockedLayout([1, 64], [16, 2], [4, 1], [1, 0])
+    offs_t = gl.minimum(start + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, x_l)), S - 1)
+    offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_l))
+    x_ptrs = x_ptr + offs_t.to(gl.int64)[:, None] * stride_xs + offs_k[None, :]
+
+    steps = gl.cdiv(K, BLOCK_K)
+    async_load(x0, x_ptrs)
+    async_copy.commit_group()
+    async_load(x1, x_ptrs + gl.minimum(1, steps - 1) * BLOCK_K)
+    async_copy.commit_group()
+    acc = (gl.zeros([64, BLOCK_T], gl.float32, acc_l), gl.zeros([64, BLOCK_T], gl.float32, acc_l))
+    for i in range(0, steps, 4):
+        acc = _k_step(acc, i, steps, x0, x2, rows, scale_ptrs, shift, levels, x_ptrs, w_l, a_l, b_l)
+        acc = _k_step(acc, i + 1, steps, x1, x3, rows, scale_ptrs, shift, levels, x_ptrs, w_l, a_l, b_l)
+        acc = _k_step(acc, i + 2, steps, x2, x0, rows, scale_ptrs, shift, levels, x_ptrs, w_l, a_l, b_l)
+        acc = _k_step(acc, i + 3, steps, x3, x1, rows, scale_ptrs, shift, levels, x_ptrs, w_l, a_l, b_l)
+    async_copy.wait_group(0)
+
+    acc0, acc1 = acc
+    on = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
+    ot = start + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, acc_l))
+    out = out_ptr + ot.to(gl.int64)[None, :] * stride_os + on[:, None]
+    t_ok = (ot < end)[None, :]
+    gl.store(out, acc0.to(gl.bfloat16), mask=t_ok)
+    gl.store(out + 64, acc1.to(gl.bfloat16), mask=t_ok)
