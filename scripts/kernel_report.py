@@ -303,15 +303,17 @@ def implied_ceilings(c: dict, loop_instructions: int, warps: int, arch: int) -> 
 GLUON_STEPS_PER_LOOP = 4  # gluon_nf4's K loop is unrolled by its four activation slots
 
 
-def gluon_report(arch: int, shapes: list[str], block_t: int = 64) -> list[dict]:
+def gluon_report(arch: int, shapes: list[str], block_t: int = 64, rank: int = RANK) -> list[dict]:
     """Rows of the Gluon NF4 kernel (moe/kernels/gluon_nf4.py; gluon_nf4_sm80.py below sm_90) for each shape's two
-    expert weights, down (N = hidden, K = inter) and gate_up (N = 2 inter, K = hidden), plus on sm_90 the control of
-    the first: the same kernel waiting for each wgmma to finish (drained). Counts are per K-step (the loop holds
-    four)."""
+    forward launches with their LoRA term of rank `rank`: down (N = hidden, K = inter) and gate_up with silu(gate) *
+    up fused (N = 2 inter, K = hidden), plus on sm_90 the control of the first: the same kernel waiting for each
+    wgmma to finish (drained). Counts are per K-step (the loop holds four); lora_k_per_block is the K the LoRA
+    term's MMAs cover per 64 weight rows (the rank rounded up to the MMA's 16, not to a K-step)."""
     import torch
 
     from moe_qlora.moe.kernels import gluon_decode, gluon_nf4
     from moe_qlora.moe.kernels.aot import Launch
+    from moe_qlora.moe.kernels.ops import GroupedWeight, LowRank
     from moe_qlora.moe.nf4 import NF4Stack
 
     def tiny(dtype):  # only the pointer's alignment reaches the compiler
@@ -320,22 +322,30 @@ def gluon_report(arch: int, shapes: list[str], block_t: int = 64) -> list[dict]:
     rows = []
     for shape in shapes:
         hidden, inter, experts, _ = SHAPES[shape]
-        weights = {"down": (hidden, inter), "gate_up": (2 * inter, hidden)}
-        for wname, (n, k) in weights.items():
+        for wname, (n, k) in {"down": (hidden, inter), "gate_up": (2 * inter, hidden)}.items():
             for pending in (1, 0) if (shape, wname) == (shapes[0], "down") and arch == 90 else (1,):
                 stack = NF4Stack(tiny(torch.uint8), tiny(torch.uint8), (tiny(torch.float32), tiny(torch.float32), 0.01),
                                  (experts, n, k))  # fmt: skip
                 tiles = tuple(tiny(torch.int32) for _ in range(3))
                 x, out = torch.empty(0, k, dtype=torch.bfloat16), torch.empty(0, n, dtype=torch.bfloat16)
-                kernel, grid, args, kwargs = gluon_nf4.swapped_launch(x, stack, tiles, out, block_t, pending, arch)
+                lora = LowRank(torch.empty(0, rank, dtype=torch.bfloat16),
+                               GroupedWeight.dense(torch.empty(experts, rank, n), transpose=False), 2.0)  # fmt: skip
+                act = torch.empty(0, n // 2, dtype=torch.bfloat16) if wname == "gate_up" else None
+                kernel, grid, args, kwargs = gluon_nf4.swapped_launch(
+                    x, stack, tiles, out, block_t, pending, arch, lora=lora, act=act
+                )
                 compiled = compile_as_jit(Launch(wname, kernel, grid, args, kwargs), arch)
                 regs, spilled = resource_usage(compiled)
-                loop = innermost_loop(sass_of(compiled.asm["cubin"]))
+                sass = sass_of(compiled.asm["cubin"])
+                loop = innermost_loop(sass)
                 mma = sum(_is_mma(_opcode(x)) for x in loop)
                 per_step = (len(loop) - mma) / GLUON_STEPS_PER_LOOP
                 feed = mma_feed(loop)
                 for key in ("barriers_per_kstep", "decoded_tile_stores_per_kstep", "table_loads_per_kstep"):
                     feed[key] /= GLUON_STEPS_PER_LOOP
+                outside = sum(_is_mma(_opcode(x)) for x in sass[0]) - mma * (1 if arch == 90 else 1)
+                # sm_90: one HGMMA 64 x T x 16 per block per 16 of K; sm_80: per warp, T / 8 HMMA.16816 per 16 of K
+                lora_k = outside * 16 / 2 / (1 if arch == 90 else block_t // 8)
                 c = dict(
                     BLOCK_M=block_t,
                     BLOCK_N=gluon_decode.BLOCK_N.value,
@@ -357,6 +367,8 @@ def gluon_report(arch: int, shapes: list[str], block_t: int = 64) -> list[dict]:
                     "widest_packed_load_bytes": 16,
                     "blocks": [block_t, c["BLOCK_N"], c["BLOCK_K"]],
                     "swap_ab": True,
+                    "rank": rank,
+                    "lora_k_per_block": lora_k,
                     **feed,
                 }
                 row["item2_misses"] = item2_misses(row)
@@ -381,10 +393,11 @@ def main() -> None:
         "--weights", choices=["nf4_nested", "nf4", "mxfp4"], default="nf4_nested", help="the experts' storage"
     )
     ap.add_argument("--gluon", action="store_true", help="the Gluon NF4 kernels instead of the Triton ones")
+    ap.add_argument("--rank", type=int, default=RANK, help="the LoRA rank of the Gluon rows")
     args = ap.parse_args()
     if args.gluon:
         shapes = args.shape or ["qwen3-30b-a3b", "mixtral-8x7b"]
-        rows = [row for arch in args.arch or [80, 90] for row in gluon_report(arch, shapes)]
+        rows = [row for arch in args.arch or [80, 90] for row in gluon_report(arch, shapes, rank=args.rank)]
         print(json.dumps(rows))
         return
     rows = report(

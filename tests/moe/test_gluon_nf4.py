@@ -62,24 +62,28 @@ def test_the_launch_refuses_what_the_kernel_cannot_compute():
         gluon_nf4.swapped_launch(x.new_zeros(4, 256), plain, tiles, torch.zeros(4, 128, dtype=torch.bfloat16))
 
 
+def report_rows(*flags):
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_QLORA_TRITON_BLOCKS")}
+    cmd = [sys.executable, "scripts/kernel_report.py", "--gluon", *flags]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {(r["arch"], r["name"]): r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
 @pytest.fixture(scope="module")
 def gluon_rows():
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_QLORA_TRITON_BLOCKS")}
-    proc = subprocess.run(
-        [sys.executable, "scripts/kernel_report.py", "--gluon"], cwd=ROOT, env=env, capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {(r["arch"], r["name"]): r for r in rows}
+    """The forward launches with a LoRA term of rank 16 (down; gate_up with silu(gate) * up fused)."""
+    return report_rows()
 
 
 def test_the_sass_feeds_the_tensor_cores_from_registers_within_issue_67s_targets(gluon_rows):
-    """Issue 67 item 2's targets for every launch (down and gate_up weights of both models, sm_80 and sm_90): A
-    from registers (HMMA, or HGMMA with a register A), on sm_90 a wgmma left in flight across the decode of the
-    next chunk, one barrier a K-step, no store of the decoded tile and no table read from shared memory, no spill,
-    at most 240 registers, at most 5 non-MMA instructions per decoded weight (4.99 on sm_90, 4.8 on sm_80: a shift,
-    a shfl, a multiply and half a pack, the rest addressing, scales and copies). Control: the sm_90 kernel draining
-    each wgmma is caught."""
+    """Issue 67 item 2's targets for every launch (down, and gate_up with silu(gate) * up fused, of both models, with
+    a rank-16 LoRA term, sm_80 and sm_90): A from registers (HMMA, or HGMMA with a register A), on sm_90 a wgmma
+    left in flight across the decode of the next chunk, one barrier a K-step, no store of the decoded tile and no
+    table read from shared memory, no spill, at most 240 registers, at most 5 non-MMA instructions per decoded
+    weight (4.99 on sm_90, 4.8 on sm_80: a shift, a shfl, a multiply and half a pack, the rest addressing, scales
+    and copies), and the LoRA term's MMAs covering K = 16 per block, not a padded K-step. Control: the sm_90
+    kernel draining each wgmma is caught."""
     launches = {key: row for key, row in gluon_rows.items() if not key[1].endswith("_control")}
     assert {arch for arch, _ in launches} == {"80", "90"} and len(launches) == 8
     for (arch, name), row in launches.items():
@@ -90,5 +94,14 @@ def test_the_sass_feeds_the_tensor_cores_from_registers_within_issue_67s_targets
         assert row["spills"] == 0 and row["regs"] <= 240, name
         assert row["instr_per_weight_element"] <= 5.0, name
         assert row["item2_misses"] == [], name
+        assert row["rank"] == 16 and row["lora_k_per_block"] == 16, name
     drained = gluon_rows[("90", "qwen3-30b-a3b/gluon_down/drained_control")]
     assert drained["wgmma_max_pending"] == 0 and "wgmma drained every K-step" in drained["item2_misses"]
+
+
+def test_the_lora_terms_mma_grows_with_the_rank_not_to_a_k_step():
+    """lora_k_per_block reads the rank back from the sm_90 SASS: 32 at rank 32 (two MMAs of K 16 a block), 16 at
+    rank 8 (one, its zero half included)."""
+    for rank, k in ((8, 16), (32, 32)):
+        rows = report_rows("--arch", "90", "--shape", "qwen3-30b-a3b", "--rank", str(rank))
+        assert {row["lora_k_per_block"] for key, row in rows.items() if not key[1].endswith("_control")} == {k}

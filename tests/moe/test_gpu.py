@@ -25,6 +25,7 @@ from moe_qlora.moe.kernels.ops import (
     grouped_outer_product,
     grouped_outer_product_reference,
 )
+from moe_qlora.moe.nf4 import dequantize_stack
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -184,36 +185,89 @@ def test_a_layer_step_replays_as_cuda_graphs_bit_for_bit_for_any_routing(tiny_mi
             assert torch.equal(got, want)
 
 
+def _gluon_case(experts, n, k, rank, seed=0, device="cuda"):
+    """An NF4 stack (E, n, k) with nested scales on the GPU, uneven rows per expert (every ninth none, tiles of 64
+    partial), bf16 rows, their tiles, and a LoRA term of `rank` (P bf16, L fp32) with its ops reference."""
+    from moe_qlora.moe.kernels.ops import LowRank
+
+    torch.manual_seed(seed)
+    stack = nf4_stack(experts, n, k, double_quant=True, device=device, seed=seed)
+    counts = torch.randint(0, 150, (experts,))
+    counts[::9] = 0
+    experts_of, starts, ends, first = [], [], [], 0
+    for e, c in enumerate(counts.tolist()):
+        for s in range(first, first + c, 64):
+            experts_of.append(e), starts.append(s), ends.append(min(s + 64, first + c))
+        first += c
+    tiles = tuple(torch.tensor(v, dtype=torch.int32, device=device) for v in (experts_of, starts, ends))
+    x = torch.randn(first, k, device=device).bfloat16()
+    lora = None
+    if rank:
+        p = (0.1 * torch.randn(first, rank, device=device)).bfloat16()
+        lora = LowRank(p, GroupedWeight.dense(0.1 * torch.randn(experts, rank, n, device=device), transpose=False), 2.0)
+    offsets = [0] + torch.cumsum(counts, 0).tolist()
+    return stack, tiles, x, lora, offsets
+
+
+def _reference_and_bound(x, stack, offsets, lora):
+    """The fp32 product with bitsandbytes' dequantization rounded to bf16 (what the kernels decode, bit for bit:
+    tests/moe/test_gluon_nf4.py) and the LoRA term in fp32, and the bound of a kernel that rounds L to bf16 and its
+    output once: 2^-8 |y| + K 2^-24 sum |x||w| (fp32 summation in any order) + 2^-8 c |P||L|."""
+    from moe_qlora.moe.kernels.ops import LowRank
+
+    decoded = dequantize_stack(stack, torch.bfloat16).view(stack.shape).float()
+    weight = GroupedWeight.dense(decoded, transpose=True)
+    lora32 = LowRank(lora.p.float(), lora.weight, lora.scale) if lora is not None else None
+    ref = grouped_matmul_reference(x.float(), weight, offsets, lora=lora32)
+    magnitude = grouped_matmul_reference(x.float().abs(), GroupedWeight.dense(decoded.abs(), transpose=True), offsets)
+    bound = 2**-8 * ref.abs() + x.shape[1] * 2**-24 * magnitude
+    if lora is not None:
+        abs_lora = LowRank(lora.p.float().abs(), GroupedWeight.dense(lora.weight.data.abs(), transpose=False), 1.0)
+        bound += 2**-8 * lora.scale * grouped_matmul_reference(x.float() * 0, weight, offsets, lora=abs_lora)
+    return ref, bound
+
+
 @pytest.mark.parametrize("arch", [90, 80])
-def test_the_gluon_nf4_kernels_equal_the_dequantized_product(arch):
+@pytest.mark.parametrize("rank", [0, 8, 16])
+def test_the_gluon_nf4_kernels_equal_the_dequantized_product(arch, rank):
     """moe/kernels/gluon_nf4.py (sm_90: wgmma) and gluon_nf4_sm80.py (mma_v2, which an sm_90 GPU runs too) against
-    x @ W_e^T with bitsandbytes' own dequantization in fp32, at Qwen3-30B-A3B's down shape, 128 experts of uneven
-    rows (some empty, some tiles partial). The decoded weights are bitsandbytes' bit for bit and the MMA sums exact
-    bf16 products in fp32, so the bound is the output's bf16 rounding (2^-8 relative) plus 1e-5 of sum |x||w| for
-    the summation order. Control: the rolled experts miss."""
+    ops.grouped_matmul_reference in fp32 with bitsandbytes' own dequantization, at Qwen3-30B-A3B's down shape, 128
+    experts of uneven rows, with a LoRA term of rank 8 and 16 (its MMA's K 16) and without. The decoded weights
+    are bitsandbytes' bit for bit and the MMA sums exact bf16 products in fp32: the bound (_reference_and_bound)
+    is the output's rounding, the summation order, and L rounded to bf16. Control: the rolled experts miss."""
     from moe_qlora.moe.kernels.gluon_nf4 import nf4_swapped_matmul
-    from moe_qlora.moe.nf4 import dequantize_stack
 
     major, minor = torch.cuda.get_device_capability()
     if 10 * major + minor < arch or major > 9:
         pytest.skip(f"the sm_{arch} kernel needs sm_{arch} to sm_90; this GPU is sm_{major}{minor}")
-    torch.manual_seed(0)
-    stack = nf4_stack(128, 2048, 768, double_quant=True, device="cuda")
-    counts = torch.randint(0, 150, (128,))
-    counts[::9] = 0
-    experts, starts, ends = [], [], []
-    first = 0
-    for e, c in enumerate(counts.tolist()):
-        for s in range(first, first + c, 64):
-            experts.append(e), starts.append(s), ends.append(min(s + 64, first + c))
-        first += c
-    tiles = tuple(torch.tensor(v, dtype=torch.int32, device="cuda") for v in (experts, starts, ends))
-    x = torch.randn(first, 768, device="cuda").bfloat16()
-    w = dequantize_stack(stack).view(128, 2048, 768)
-    row_expert = torch.repeat_interleave(torch.arange(128, device="cuda"), counts.cuda())
-    ref = torch.bmm(x.float()[:, None, :], w[row_expert].transpose(1, 2))[:, 0]
-    scale = torch.bmm(x.float().abs()[:, None, :], w[row_expert].abs().transpose(1, 2))[:, 0]
-    out = nf4_swapped_matmul(x, stack, tiles, arch=arch).float()
-    assert ((out - ref).abs() <= 2**-8 * ref.abs() + 1e-5 * scale).all()
-    rolled = torch.bmm(x.float()[:, None, :], w[(row_expert + 1) % 128].transpose(1, 2))[:, 0]
-    assert not ((out - rolled).abs() <= 2**-8 * rolled.abs() + 1e-5 * scale).all()
+    stack, tiles, x, lora, offsets = _gluon_case(128, 2048, 768, rank)
+    ref, bound = _reference_and_bound(x, stack, offsets, lora)
+    out = nf4_swapped_matmul(x, stack, tiles, arch=arch, lora=lora).float()
+    assert ((out - ref).abs() <= bound).all()
+    rolled_offsets = [0, *offsets[2:], offsets[-1]]  # each expert's rows given to the expert before it
+    rolled, _ = _reference_and_bound(x, stack, rolled_offsets, lora)
+    assert not ((out - rolled).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_the_gluon_nf4_kernels_fuse_silu_gate_times_up(arch):
+    """The gate_up launch with silu(gate) * up in the epilogue, at Qwen3-30B-A3B's gate_up shape with a rank-16
+    LoRA term: h within _reference_and_bound of ops.grouped_matmul_reference, and act within one bf16 rounding
+    (2^-7 of |act| + 1e-6, the exp's approximation) of silu(gate) * up computed by torch from the kernel's own h;
+    without keep_h the same act. Control: act from h's halves swapped misses."""
+    from moe_qlora.moe.kernels.gluon_nf4 import nf4_swapped_matmul_silu_mul
+    from moe_qlora.moe.kernels.ops import silu_mul
+
+    major, minor = torch.cuda.get_device_capability()
+    if 10 * major + minor < arch or major > 9:
+        pytest.skip(f"the sm_{arch} kernel needs sm_{arch} to sm_90; this GPU is sm_{major}{minor}")
+    stack, tiles, x, lora, offsets = _gluon_case(128, 1536, 2048, 16, seed=1)
+    ref, bound = _reference_and_bound(x, stack, offsets, lora)
+    h, act = nf4_swapped_matmul_silu_mul(x, stack, tiles, arch=arch, lora=lora)
+    assert ((h.float() - ref).abs() <= bound).all()
+    expected = silu_mul(h.float())
+    assert ((act.float() - expected).abs() <= 2**-7 * expected.abs() + 1e-6).all()
+    _, act_alone = nf4_swapped_matmul_silu_mul(x, stack, tiles, arch=arch, lora=lora, keep_h=False)
+    assert torch.equal(act_alone, act)
+    swapped = silu_mul(torch.cat(h.float().chunk(2, dim=-1)[::-1], dim=-1))
+    assert not ((act.float() - swapped).abs() <= 2**-7 * swapped.abs() + 1e-6).all()

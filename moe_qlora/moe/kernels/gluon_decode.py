@@ -1,6 +1,11 @@
 """What the Gluon NF4 kernels (gluon_nf4.py for sm_90, gluon_nf4_sm80.py for sm_80-89) share: the decode of a
 16-wide chunk of NF4 codes into the MMA's bf16 A fragment (mma.m16n8k16's register layout is the wgmma's), the step's
-block scales, the words' layouts, and the Triton-version shims. The decode's math is in gluon_nf4's docstring.
+block scales, the words' layouts, the LoRA factors, the epilogue's stores, and the Triton-version shims.
+
+The decode: the code of column k = 16 c + 8 h + 2 q + p (q = lane % 4) is nibble 8 q + 4 (1 - p) of the row's word
+2 c + h, bitsandbytes' high-nibble-first order; its NF4 level comes from a `shfl` of the lane holding it (the 16 levels
+sit in lanes 0-15 and again in 16-31, so only the code's low five bits matter); the level times the fp32 block scale
+is rounded once to bf16, as bitsandbytes dequantizes.
 """
 
 from __future__ import annotations
@@ -118,3 +123,35 @@ def row_block(w_ptr, e, n0, words_we, words_row, w_l: gl.constexpr):
     w_ptrs = w_ptr + (row_words[:, None] + gl.arange(0, 4, layout=gl.SliceLayout(0, WORD_LAYOUT))[None, :])
     rows = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, w_l))
     return w_ptrs, (e * words_we + rows * words_row) // 16
+
+
+@gluon.jit
+def lora_factors(l_ptr, e, first_row, R, stride_le, stride_lr, stride_ln, a_l: gl.constexpr, R_PAD: gl.constexpr):
+    """(64, R_PAD) bf16 A fragment of L_e^T for weight rows first_row.. (L (E, R, N), the expert's other LoRA
+    factor), columns past R zero: rank 8 is padded to 16, the MMA's K, not to a K-step."""
+    rn = first_row + gl.arange(0, 64, layout=gl.SliceLayout(1, a_l))
+    rr = gl.arange(0, R_PAD, layout=gl.SliceLayout(0, a_l))
+    ptrs = l_ptr + e.to(gl.int64) * stride_le + rr[None, :] * stride_lr + rn[:, None] * stride_ln
+    return gl.load(ptrs, mask=(rr < R)[None, :], other=0.0).to(gl.bfloat16)
+
+
+@gluon.jit
+def store_outputs(acc0, acc1, out_ptr, act_ptr, n0, up0, start, end, stride_os, stride_as, acc_l: gl.constexpr,
+                  BLOCK_T: gl.constexpr, GLU: gl.constexpr, STORE_Y: gl.constexpr):  # fmt: skip
+    """Block 0's rows n0.. and block 1's rows up0.. of out (S, N) (transposed back) for the tile's rows start..end.
+    With GLU block 0 holds gate rows and block 1 the up rows of the same columns, and act (S, I) = silu(gate) * up
+    is stored too, from the pre-activations rounded to bf16 (the Triton kernel's epilogue, tl.sigmoid's formula)."""
+    on = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
+    ot = start + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, acc_l))
+    t_ok = (ot < end)[None, :]
+    out = out_ptr + ot.to(gl.int64)[None, :] * stride_os + on[:, None]
+    y0 = acc0.to(gl.bfloat16)
+    y1 = acc1.to(gl.bfloat16)
+    if STORE_Y:
+        gl.store(out + n0, y0, mask=t_ok)
+        gl.store(out + up0, y1, mask=t_ok)
+    if GLU:
+        gate = y0.to(gl.float32)
+        act = gate * (1 / (1 + gl.exp(-gate))) * y1.to(gl.float32)
+        act_out = act_ptr + ot.to(gl.int64)[None, :] * stride_as + (n0 + on[:, None])
+        gl.store(act_out, act.to(gl.bfloat16), mask=t_ok)

@@ -1,21 +1,21 @@
-"""A Hopper (sm_90) NF4 MUL_MAT_ID written in Gluon: the decoded weight is the wgmma's register A operand and the
-wgmmas stay in flight while the next chunk decodes (issue 67, item 2). Experimental: not yet run on a GPU and not
-used by the layer; `nf4_swapped_matmul` is its launcher, tests/moe/test_gpu.py its numerics, and
-tests/moe/test_gluon_nf4.py what its SASS must show (scripts/kernel_report.py --gluon).
+"""A Hopper (sm_90) NF4 MUL_MAT_ID written in Gluon: the decoded weight is the wgmma's register A operand and a
+wgmma stays in flight while the next chunk decodes (issue 67, item 2). Experimental: not yet run on a GPU and not
+used by the layer. Launchers: `nf4_swapped_matmul` (down: Y plus the LoRA term) and `nf4_swapped_matmul_silu_mul`
+(gate_up with silu(gate) * up fused); tests/moe/test_gpu.py checks their numerics, tests/moe/test_gluon_nf4.py
+what their SASS must show (scripts/kernel_report.py --gluon).
 
 The product is taken swapped, Y^T (N, T) = W_e (N, K) @ X^T (K, T): a program holds 128 weight rows, two blocks of
-64 (one warpgroup's wgmma M each), and a tile of at most BLOCK_T routed rows of one expert (the wgmma's N). Per
-K-step of 128:
+64 (one warpgroup's wgmma M each; with the GLU, 64 gate rows and their 64 up rows), and a tile of at most BLOCK_T
+routed rows of one expert (the wgmma's N). The LoRA term c P L_e starts the accumulators: one wgmma of K 16 a block
+for ranks up to 16. Per K-step of 128:
 - the activations (BLOCK_T, 128) arrive by cp.async in one of four shared slots, two steps ahead;
 - each thread reads its four weight rows' words a quarter step at a time (one 16-byte load a row) and decodes them
-  in the wgmma's A-fragment layout itself: the code of k = 16 c + 8 h + 2 q + p (q = lane % 4) is nibble
-  8 q + 4 (1 - p) of word 2 c + h, bitsandbytes' high-nibble-first order; the NF4 level comes from a `shfl` of the
-  lane holding it (the 16 levels sit in lanes 0-15 and again in 16-31, so only the code's low five bits matter);
-  the level times the fp32 block scale is rounded once to bf16, bit for bit bitsandbytes' dequantization;
-- every 16-wide chunk is one wgmma group a block, the chunk's two left in flight while the next decodes: one group
+  in the wgmma's A-fragment layout itself (gluon_decode.py: a shift, a `shfl` of the NF4 level from the lane
+  holding it, the fp32 scale, one rounding to bf16: bitsandbytes' dequantization bit for bit);
+- every 16-wide chunk is one wgmma group a block, the second left in flight while the next chunk decodes: one group
   over a whole step let ptxas decode into one register set and drain each wgmma.
-Shapes the launcher takes: x (S, K) bf16 rows sorted by expert, a nested-scale NF4 stack (E, N, K) with N % 128 == 0
-and K % 128 == 0, tiles (expert, first row, end row) on the device; out (S, N) bf16.
+Shapes the launchers take: x (S, K) bf16 rows sorted by expert, a nested-scale NF4 stack (E, N, K) with K % 128 == 0
+and N % 128 == 0 (GLU: N / 2 % 64 == 0), tiles (expert, first row, end row) on the device; out (S, N) bf16.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ from moe_qlora.moe.kernels.gluon_decode import (
     cta_barrier,
     decode_chunk,
     lane_levels_asm,
+    lora_factors,
     row_block,
     step_scales,
+    store_outputs,
 )
 from moe_qlora.moe.kernels.gluon_nf4_sm80 import _nf4_swapped_kernel_sm80
 from moe_qlora.moe.nf4 import NF4Stack
@@ -56,8 +58,9 @@ def _quarter_step(acc, xs, quarter, rows, i_w, scales, shift, levels, PENDING: g
         acc0 = warpgroup_mma(a0, b, acc0, is_async=True)
         a1 = decode_chunk(chunks1[j], scales[1], shift, levels, w_l, a_l)
         acc1 = warpgroup_mma(a1, b, acc1, is_async=True)
-        # the chunk's two groups left in flight (none: drained, the tests' control)
-        acc0, acc1 = warpgroup_mma_wait(num_outstanding=2 * PENDING, deps=(acc0, acc1))
+        # the chunk's second group left in flight (none: drained, the tests' control); leaving both made ptxas 3.6
+        # spill 8-24 bytes at 240 registers once the LoRA term was in the kernel
+        acc0, acc1 = warpgroup_mma_wait(num_outstanding=PENDING, deps=(acc0, acc1))
     return acc0, acc1
 
 
@@ -87,14 +90,25 @@ def _k_step(acc, i, steps, xs, x_next, rows, scale_ptrs, shift, levels, x_ptrs, 
 
 
 @gluon.jit
+def _lora_term(factors, p_smem, acc_l: gl.constexpr, BLOCK_T: gl.constexpr):
+    """(64, BLOCK_T) fp32 L_e^T P^T of a block: one wgmma of K = R_PAD (16 for ranks up to 16)."""
+    return warpgroup_mma(factors, p_smem.permute((1, 0)), gl.zeros([64, BLOCK_T], gl.float32, acc_l))
+
+
+@gluon.jit
 def _nf4_swapped_kernel(
-    x_ptr, out_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2,
-    tile_expert_ptr, tile_start_ptr, tile_end_ptr,
-    S, N, K, words_we, words_row, stride_xs, stride_os,
-    LEVELS_ASM: gl.constexpr, BLOCK_T: gl.constexpr, PENDING: gl.constexpr,
+    x_ptr, out_ptr, act_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2,
+    tile_expert_ptr, tile_start_ptr, tile_end_ptr, p_ptr, l_ptr, lora_scale,
+    S, K, R, words_we, words_row, stride_xs, stride_os, stride_as, stride_pm, stride_le, stride_lr,
+    stride_ln,
+    LEVELS_ASM: gl.constexpr, BLOCK_T: gl.constexpr, ROW_STEP: gl.constexpr, R_PAD: gl.constexpr, GLU: gl.constexpr,
+    STORE_Y: gl.constexpr, PENDING: gl.constexpr, UP_OFFSET: gl.constexpr,
 ):  # fmt: skip
+    """Block 0 holds weight rows n0 = program * ROW_STEP.., block 1 rows n0 + UP_OFFSET.. (the next 64, or with GLU
+    the up rows of the gate rows in block 0). R_PAD > 0: the LoRA term lora_scale P[rows] @ L_e added in fp32."""
     tile = gl.program_id(0)
-    n0 = gl.program_id(1) * BLOCK_N
+    n0 = gl.program_id(1) * ROW_STEP
+    up0 = n0 + UP_OFFSET
     e = gl.load(tile_expert_ptr + tile)
     start = gl.load(tile_start_ptr + tile)
     end = gl.load(tile_end_ptr + tile)
@@ -104,7 +118,7 @@ def _nf4_swapped_kernel(
     qp_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, CHUNK_LAYOUT))  # (q, p)
 
     w_ptrs0, pair0_0 = row_block(w_ptr, e, n0, words_we, words_row, w_l)
-    w_ptrs1, pair0_1 = row_block(w_ptr, e, n0 + 64, words_we, words_row, w_l)
+    w_ptrs1, pair0_1 = row_block(w_ptr, e, up0, words_we, words_row, w_l)
     rows = (w_ptrs0, pair0_0, w_ptrs1, pair0_1)
     scale_ptrs = (absmax_ptr, absmax2_ptr, code2_ptr, offset2)
     q = gl.arange(0, 4, layout=gl.SliceLayout(1, qp_l))
@@ -132,7 +146,23 @@ def _nf4_swapped_kernel(
     async_copy.commit_group()
     async_load(x1, x_ptrs + gl.minimum(1, steps - 1) * BLOCK_K)
     async_copy.commit_group()
-    acc = (gl.zeros([64, BLOCK_T], gl.float32, acc_l), gl.zeros([64, BLOCK_T], gl.float32, acc_l))
+    acc0 = gl.zeros([64, BLOCK_T], gl.float32, acc_l)
+    acc1 = gl.zeros([64, BLOCK_T], gl.float32, acc_l)
+    # The LoRA term first, as the accumulators' start: after the K loop its wgmma and a second accumulator made
+    # ptxas serialize every wgmma of the kernel (the sum's order is all that changes).
+    if R_PAD > 0:  # the tile's P rows (BLOCK_T, R_PAD) through shared memory, the MMA's B operand
+        p_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (R_PAD // 8), R_PAD // 8], [4, 1], [1, 0])
+        pt = gl.minimum(start + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, p_l)), S - 1)
+        pr = gl.arange(0, R_PAD, layout=gl.SliceLayout(0, p_l))
+        p_rows = gl.load(p_ptr + pt.to(gl.int64)[:, None] * stride_pm + pr[None, :], mask=(pr < R)[None, :], other=0.0)
+        p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_T, R_PAD], gl.bfloat16)
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_T, R_PAD], p_sl, p_rows.to(gl.bfloat16))
+        fence_async_shared()
+        l0 = lora_factors(l_ptr, e, n0, R, stride_le, stride_lr, stride_ln, a_l, R_PAD)
+        acc0 = lora_scale * _lora_term(l0, p_smem, acc_l, BLOCK_T)
+        l1 = lora_factors(l_ptr, e, up0, R, stride_le, stride_lr, stride_ln, a_l, R_PAD)
+        acc1 = lora_scale * _lora_term(l1, p_smem, acc_l, BLOCK_T)
+    acc = (acc0, acc1)
     for i in range(0, steps, 4):
         acc = _k_step(acc, i, steps, x0, x2, rows, scale_ptrs, shift, levels, x_ptrs, PENDING, w_l, a_l)
         acc = _k_step(acc, i + 1, steps, x1, x3, rows, scale_ptrs, shift, levels, x_ptrs, PENDING, w_l, a_l)
@@ -141,53 +171,84 @@ def _nf4_swapped_kernel(
     acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=acc)
     async_copy.wait_group(0)
 
-    on = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
-    ot = start + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, acc_l))
-    out = out_ptr + ot.to(gl.int64)[None, :] * stride_os + on[:, None]
-    t_ok = (ot < end)[None, :]
-    gl.store(out, acc0.to(gl.bfloat16), mask=t_ok)
-    gl.store(out + 64, acc1.to(gl.bfloat16), mask=t_ok)
+    store_outputs(acc0, acc1, out_ptr, act_ptr, n0, up0, start, end, stride_os, stride_as, acc_l, BLOCK_T, GLU, STORE_Y)
 
 
-def swapped_launch(x, stack: NF4Stack, tiles, out, block_t: int = 64, pending: int = 1, arch: int | None = None):
+def swapped_launch(x, stack: NF4Stack, tiles, out, block_t=64, pending=1, arch=None, *, lora=None, act=None):
     """(kernel, grid, args, kwargs) of one launch: what `nf4_swapped_matmul` runs and the AOT test compiles, for
     sm_`arch` (default: the current GPU's; below 90, gluon_nf4_sm80's kernel). tiles: (expert, first row, end row)
-    int32 tensors of equal length, each tile at most block_t rows."""
+    int32 tensors of equal length, each tile at most block_t rows. lora: ops.LowRank (P (S, R) bf16, L a dense
+    GroupedWeight (E, R, N), R <= 64). act: GLU, the (S, I) output of silu(gate) * up from a gate_up stack
+    (N = 2 I); out (S, N) may then be None (the pre-activations not kept)."""
     E, N, K = stack.shape
+    rows_step = 64 if act is not None else BLOCK_N.value
+    rows_split = N // 2 if act is not None else N
+    rank = lora.p.shape[1] if lora is not None else 0
     if (
         stack.nested is None
         or stack.blocksize != 64
-        or N % BLOCK_N.value
+        or rows_split % rows_step
         or K % BLOCK_K.value
         or x.dtype != torch.bfloat16
+        or rank > 64
+        or (lora is not None and lora.weight.quant is not None)
     ):
         raise ValueError(
-            "the Gluon NF4 kernel takes bf16 rows and a nested-scale stack of blocksize 64"
-            f" with N % {BLOCK_N.value} == 0 and K % {BLOCK_K.value} == 0; got {x.dtype}, blocksize"
-            f" {stack.blocksize}, nested {stack.nested is not None}, (E, N, K) = {stack.shape}"
+            "the Gluon NF4 kernel takes bf16 rows, a nested-scale stack of blocksize 64 with K % 128 == 0 and N %"
+            f" 128 == 0 (GLU: N / 2 % 64 == 0), and a dense LoRA of rank <= 64; got {x.dtype}, blocksize"
+            f" {stack.blocksize}, nested {stack.nested is not None}, (E, N, K) = {stack.shape}, rank {rank}"
         )
     absmax2, code2, offset2 = stack.nested
-    words = stack.packed.view(torch.int32)
-    absmax_pairs = stack.absmax.view(torch.int16)
-    args = (x, out, words, absmax_pairs, absmax2, code2, float(offset2), *tiles, x.shape[0], N, K, N * K // 8, K // 8)
-    args += (x.stride(0), out.stride(0))
-    kwargs = dict(LEVELS_ASM=lane_levels_asm(), BLOCK_T=block_t, PENDING=pending, num_warps=4)
-    grid = (tiles[0].numel(), N // BLOCK_N.value)
+    dummy = x
+    p, l_weight, scale = (lora.p, lora.weight, float(lora.scale)) if lora is not None else (dummy, None, 0.0)
+    l_strides = l_weight.strides() if l_weight is not None else (0, 0, 0)
+    args = (x, out if out is not None else dummy, act if act is not None else dummy, stack.packed.view(torch.int32))
+    args += (stack.absmax.view(torch.int16), absmax2, code2, float(offset2), *tiles, p)
+    args += (l_weight.data if l_weight is not None else dummy, scale, x.shape[0], K, rank)
+    args += (N * K // 8, K // 8, x.stride(0))
+    args += (out.stride(0) if out is not None else 0, act.stride(0) if act is not None else 0, p.stride(0))
+    args += l_strides
+    kwargs = dict(
+        LEVELS_ASM=lane_levels_asm(),
+        BLOCK_T=block_t,
+        ROW_STEP=rows_step,
+        R_PAD=0 if rank == 0 else 16 * -(-rank // 16),
+        GLU=act is not None,
+        STORE_Y=out is not None,
+        PENDING=pending,
+        UP_OFFSET=N // 2 if act is not None else 64,
+        num_warps=4,
+    )
+    grid = (tiles[0].numel(), rows_split // rows_step)
     if arch is None:
         major, minor = torch.cuda.get_device_capability(x.device)
         arch = 10 * major + minor
+    # At most 240 registers (two CTAs an SM) on sm_90, where ptxas took 250 left alone. On sm_80 a cap makes
+    # ptxas spill the plain launch (32-56 bytes at 232-255; 181 registers uncapped), and without one Triton 3.9's
+    # ptxas held the fused GLU epilogue at 168 and spilled 8 bytes (240: none).
     if arch < 90:
-        return _nf4_swapped_kernel_sm80, grid, args, kwargs
-    # 240 registers (two CTAs an SM): left alone ptxas took 250, without spilling either way.
+        return _nf4_swapped_kernel_sm80, grid, args, dict(kwargs, maxnreg=240) if act is not None else kwargs
     return _nf4_swapped_kernel, grid, args, dict(kwargs, maxnreg=240)
 
 
-def nf4_swapped_matmul(x: torch.Tensor, stack: NF4Stack, tiles, block_t: int = 64, arch: int | None = None):
-    """out (S, N) bf16: row s of x (S, K) times expert e's W_e^T (K, N) for the tile (e, first, end) holding s.
-    arch: whose kernel (default the GPU's; 80 runs the mma_v2 kernel, which an sm_90 GPU runs too)."""
+def nf4_swapped_matmul(x, stack: NF4Stack, tiles, block_t: int = 64, arch: int | None = None, *, lora=None):
+    """out (S, N) bf16: row s of x (S, K) times expert e's W_e^T (K, N) for the tile (e, first, end) holding s,
+    plus lora.scale P[s] @ L_e. arch: whose kernel (default the GPU's; 80 runs the mma_v2 kernel, which an sm_90
+    GPU runs too)."""
     out = torch.zeros(x.shape[0], stack.shape[1], dtype=torch.bfloat16, device=x.device)
-    if tiles[0].numel() == 0:
-        return out
-    kernel, grid, args, kwargs = swapped_launch(x, stack, tiles, out, block_t, arch=arch)
-    kernel[grid](*args, **kwargs)
+    if tiles[0].numel() > 0:
+        kernel, grid, args, kwargs = swapped_launch(x, stack, tiles, out, block_t, arch=arch, lora=lora)
+        kernel[grid](*args, **kwargs)
     return out
+
+
+def nf4_swapped_matmul_silu_mul(x, stack: NF4Stack, tiles, block_t=64, arch=None, *, lora=None, keep_h=True):
+    """(h (S, 2 I) or None, act (S, I) = silu(gate) * up): nf4_swapped_matmul over a gate_up stack (gate rows
+    first) with transformers' gating fused into the epilogue."""
+    rows, n = x.shape[0], stack.shape[1]
+    h = torch.zeros(rows, n, dtype=torch.bfloat16, device=x.device) if keep_h else None
+    act = torch.zeros(rows, n // 2, dtype=torch.bfloat16, device=x.device)
+    if tiles[0].numel() > 0:
+        kernel, grid, args, kwargs = swapped_launch(x, stack, tiles, h, block_t, arch=arch, lora=lora, act=act)
+        kernel[grid](*args, **kwargs)
+    return h, act

@@ -15,14 +15,15 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from moe_qlora.moe.kernels.gluon_decode import (
     BLOCK_K,
-    BLOCK_N,
     CHUNK_LAYOUT,
     async_load,
     chunk_words,
     cta_barrier,
     decode_chunk,
+    lora_factors,
     row_block,
     step_scales,
+    store_outputs,
 )
 
 
@@ -62,14 +63,17 @@ def _k_step(acc, i, steps, xs, x_next, rows, scale_ptrs, shift, levels, x_ptrs, 
 
 @gluon.jit
 def _nf4_swapped_kernel_sm80(
-    x_ptr, out_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2,
-    tile_expert_ptr, tile_start_ptr, tile_end_ptr,
-    S, N, K, words_we, words_row, stride_xs, stride_os,
-    LEVELS_ASM: gl.constexpr, BLOCK_T: gl.constexpr, PENDING: gl.constexpr,
+    x_ptr, out_ptr, act_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2,
+    tile_expert_ptr, tile_start_ptr, tile_end_ptr, p_ptr, l_ptr, lora_scale,
+    S, K, R, words_we, words_row, stride_xs, stride_os, stride_as, stride_pm, stride_le, stride_lr,
+    stride_ln,
+    LEVELS_ASM: gl.constexpr, BLOCK_T: gl.constexpr, ROW_STEP: gl.constexpr, R_PAD: gl.constexpr, GLU: gl.constexpr,
+    STORE_Y: gl.constexpr, PENDING: gl.constexpr, UP_OFFSET: gl.constexpr,
 ):  # fmt: skip
     """gluon_nf4._nf4_swapped_kernel's contract (PENDING is unused: mma_v2 is synchronous)."""
     tile = gl.program_id(0)
-    n0 = gl.program_id(1) * BLOCK_N
+    n0 = gl.program_id(1) * ROW_STEP
+    up0 = n0 + UP_OFFSET
     e = gl.load(tile_expert_ptr + tile)
     start = gl.load(tile_start_ptr + tile)
     end = gl.load(tile_end_ptr + tile)
@@ -80,7 +84,7 @@ def _nf4_swapped_kernel_sm80(
     qp_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, CHUNK_LAYOUT))  # (q, p)
 
     w_ptrs0, pair0_0 = row_block(w_ptr, e, n0, words_we, words_row, w_l)
-    w_ptrs1, pair0_1 = row_block(w_ptr, e, n0 + 64, words_we, words_row, w_l)
+    w_ptrs1, pair0_1 = row_block(w_ptr, e, up0, words_we, words_row, w_l)
     rows = (w_ptrs0, pair0_0, w_ptrs1, pair0_1)
     scale_ptrs = (absmax_ptr, absmax2_ptr, code2_ptr, offset2)
     q = gl.arange(0, 4, layout=gl.SliceLayout(1, qp_l))
@@ -104,7 +108,18 @@ def _nf4_swapped_kernel_sm80(
     async_copy.commit_group()
     async_load(x1, x_ptrs + gl.minimum(1, steps - 1) * BLOCK_K)
     async_copy.commit_group()
-    acc = (gl.zeros([64, BLOCK_T], gl.float32, acc_l), gl.zeros([64, BLOCK_T], gl.float32, acc_l))
+    acc0 = gl.zeros([64, BLOCK_T], gl.float32, acc_l)
+    acc1 = gl.zeros([64, BLOCK_T], gl.float32, acc_l)
+    if R_PAD > 0:  # the LoRA term first (as on sm_90); P^T (R_PAD, BLOCK_T) is the B fragment, read from memory
+        pr = gl.arange(0, R_PAD, layout=gl.SliceLayout(1, b_l))
+        pt = gl.minimum(start + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, b_l)), S - 1)
+        p_ptrs = p_ptr + pt.to(gl.int64)[None, :] * stride_pm + pr[:, None]
+        p_t = gl.load(p_ptrs, mask=(pr < R)[:, None], other=0.0).to(gl.bfloat16)
+        l0 = lora_factors(l_ptr, e, n0, R, stride_le, stride_lr, stride_ln, a_l, R_PAD)
+        acc0 = lora_scale * mma_v2(l0, p_t, acc0)
+        l1 = lora_factors(l_ptr, e, up0, R, stride_le, stride_lr, stride_ln, a_l, R_PAD)
+        acc1 = lora_scale * mma_v2(l1, p_t, acc1)
+    acc = (acc0, acc1)
     for i in range(0, steps, 4):
         acc = _k_step(acc, i, steps, x0, x2, rows, scale_ptrs, shift, levels, x_ptrs, w_l, a_l, b_l)
         acc = _k_step(acc, i + 1, steps, x1, x3, rows, scale_ptrs, shift, levels, x_ptrs, w_l, a_l, b_l)
@@ -113,9 +128,4 @@ def _nf4_swapped_kernel_sm80(
     async_copy.wait_group(0)
 
     acc0, acc1 = acc
-    on = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
-    ot = start + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, acc_l))
-    out = out_ptr + ot.to(gl.int64)[None, :] * stride_os + on[:, None]
-    t_ok = (ot < end)[None, :]
-    gl.store(out, acc0.to(gl.bfloat16), mask=t_ok)
-    gl.store(out + 64, acc1.to(gl.bfloat16), mask=t_ok)
+    store_outputs(acc0, acc1, out_ptr, act_ptr, n0, up0, start, end, stride_os, stride_as, acc_l, BLOCK_T, GLU, STORE_Y)
