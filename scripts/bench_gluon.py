@@ -1,6 +1,6 @@
 """The Gluon NF4 kernels (moe/kernels/gluon_nf4.py, sm_90; gluon_nf4_sm80.py, which an sm_90 GPU runs too) on one GPU
-beside the two paths `auto` takes today for the same product, Y = X @ W_e^T over routed rows sorted by expert (no
-LoRA, bf16): the fused Triton kernel
+beside the two paths `auto` takes today for the same launches, Y = X @ W_e^T + c P L_e over routed rows sorted by
+expert (LoRA rank 16, bf16; gate_up with silu(gate) * up fused): the fused Triton kernel
 (kernels/ops.grouped_matmul) and bitsandbytes' dequantization + torch._grouped_mm (kernels/grouped_mm.py, the
 dequantization timed with it and apart). Each result is first checked against grouped_mm's (the same dequantized
 weights; the bound is two bf16 roundings of the output plus 1e-3 of sum |x||w| for summation order), so a run that
@@ -27,7 +27,13 @@ sys.path.insert(0, str(ROOT))
 
 from moe_qlora.common.fileio import atomic_write_text  # noqa: E402
 from moe_qlora.moe.kernels.grouped_mm import gmm_rows  # noqa: E402
-from moe_qlora.moe.kernels.ops import GroupedWeight, grouped_matmul  # noqa: E402
+from moe_qlora.moe.kernels.ops import (  # noqa: E402
+    GroupedWeight,
+    LowRank,
+    grouped_matmul,
+    grouped_matmul_silu_mul,
+    silu_mul,
+)
 from moe_qlora.moe.nf4 import NF4Stack, quantize_stack  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}  # hidden, inter, E, top-k
@@ -71,55 +77,76 @@ def time_ms(call, repeats: int) -> float:
     return statistics.median(times)
 
 
-def contenders(x, stack: NF4Stack, counts: torch.Tensor, with_gluon: bool):
-    """{name: call} of the product Y (S, N) = X (S, K) @ W_e^T for each expert's rows."""
+def contenders(x, stack: NF4Stack, counts: torch.Tensor, with_gluon: bool, lora, glu: bool):
+    """{name: call} of the launch each path makes: Y (S, N) = X (S, K) @ W_e^T + c P L_e for each expert's rows
+    (lora: ops.LowRank or None), and with glu silu(gate) * up of it too; each call returns Y."""
     offsets = [0] + torch.cumsum(counts, 0).tolist()
     ends = torch.tensor(offsets[1:], dtype=torch.int32, device=x.device)
     weight = GroupedWeight.quantized(stack, transpose=True)
     decoded = stack.decode(0, stack.shape[0], torch.bfloat16)
+    factors = lora.weight.data.bfloat16() if lora is not None else None
 
-    def dequantize_then_grouped_mm():
-        return gmm_rows(x, stack.decode(0, stack.shape[0], x.dtype).transpose(1, 2), ends)
+    def grouped_mm_path(weights):
+        y = gmm_rows(x, weights.transpose(1, 2), ends)
+        if lora is not None:
+            y = y + lora.scale * gmm_rows(lora.p, factors, ends)
+        if glu:
+            silu_mul(y)
+        return y
 
     calls = {}
     if with_gluon:
-        from moe_qlora.moe.kernels.gluon_nf4 import nf4_swapped_matmul
+        from moe_qlora.moe.kernels.gluon_nf4 import nf4_swapped_matmul, nf4_swapped_matmul_silu_mul
 
         tiles = tiles_of(counts, 64, x.device)
-        major, minor = torch.cuda.get_device_capability()
-        if major == 9:
-            calls["gluon wgmma (sm_90 kernel)"] = lambda: nf4_swapped_matmul(x, stack, tiles, arch=90)
-        calls["gluon mma_v2 (sm_80 kernel)"] = lambda: nf4_swapped_matmul(x, stack, tiles, arch=80)
-    calls["triton fused (auto on sm_80/89)"] = lambda: grouped_matmul(x, weight, offsets)
-    calls["dequantize + grouped_mm (auto on sm_90)"] = dequantize_then_grouped_mm
-    calls["grouped_mm alone (weights decoded)"] = lambda: gmm_rows(x, decoded.transpose(1, 2), ends)
+        major, _ = torch.cuda.get_device_capability()
+        for arch, label in ((90, "gluon wgmma (sm_90 kernel)"), (80, "gluon mma_v2 (sm_80 kernel)")):
+            if arch == 90 and major != 9:
+                continue
+            if glu:
+                calls[label] = lambda a=arch: nf4_swapped_matmul_silu_mul(x, stack, tiles, arch=a, lora=lora)[0]
+            else:
+                calls[label] = lambda a=arch: nf4_swapped_matmul(x, stack, tiles, arch=a, lora=lora)
+    if glu:
+        calls["triton fused (auto on sm_80/89)"] = lambda: grouped_matmul_silu_mul(x, weight, offsets, lora=lora)[0]
+    else:
+        calls["triton fused (auto on sm_80/89)"] = lambda: grouped_matmul(x, weight, offsets, lora=lora)
+    calls["dequantize + grouped_mm (auto on sm_90)"] = lambda: grouped_mm_path(stack.decode(0, stack.shape[0], x.dtype))
+    calls["grouped_mm alone (weights decoded)"] = lambda: grouped_mm_path(decoded)
     return calls
 
 
 def agreement(y: torch.Tensor, reference: torch.Tensor, magnitude: torch.Tensor) -> tuple[float, bool]:
-    """(max |y - reference|, whether within two bf16 roundings of the output plus `rel` of sum |x||w|): rel 1e-3
-    for the summation order (K 2^-24 is 8.5e-4 at K = 14,336) where every path rounds the weights alike; 2^-7 under
-    Triton's interpreter, which rounds the fused kernel's weights to bf16 towards zero (a whole ulp)."""
+    """(max |y - reference|, whether within two bf16 roundings of the output plus `rel` of sum |x||w| + c |P||L|):
+    rel 1e-3 for the summation order (K 2^-24 is 8.5e-4 at K = 14,336) where every path rounds the weights alike;
+    2^-7 under Triton's interpreter, which rounds the fused kernel's weights to bf16 towards zero (a whole ulp)."""
     rel = 2**-7 if os.environ.get("TRITON_INTERPRET") == "1" else 1e-3
     err = (y.float() - reference).abs()
     return float(err.max()), bool((err <= 2**-7 * reference.abs() + rel * magnitude).all())
 
 
-def bench_shape(name, n, k, experts, top_k, tokens, repeats, device, with_gluon) -> list[dict]:
+def bench_shape(name, n, k, experts, top_k, tokens, repeats, device, with_gluon, rank, glu) -> list[dict]:
     counts = routed_rows(tokens, experts, top_k)
     rows_total = int(counts.sum())
     torch.manual_seed(0)
     stack = NF4Stack.from_param(quantize_stack(torch.randn(experts, n, k, device=device), double_quant=True))
     x = torch.randn(rows_total, k, device=device).bfloat16()
-    flop = 2 * rows_total * n * k
+    lora = None
+    if rank:
+        p = (0.1 * torch.randn(rows_total, rank, device=device)).bfloat16()
+        l_factors = 0.1 * torch.randn(experts, rank, n, device=device)
+        lora = LowRank(p, GroupedWeight.dense(l_factors, transpose=False), 2.0)
+    flop = 2 * rows_total * n * (k + rank)
     weight_bytes = experts * n * k // 2 + experts * n * k // 64  # codes and nested scale codes, read once
-    calls = contenders(x, stack, counts, with_gluon)
+    calls = contenders(x, stack, counts, with_gluon, lora, glu)
     reference = calls["grouped_mm alone (weights decoded)"]().float()
     ends = torch.cumsum(counts, 0).to(device=device, dtype=torch.int32)
     magnitude = gmm_rows(x.abs(), stack.decode(0, experts, torch.bfloat16).abs().transpose(1, 2), ends).float()
+    if lora is not None:
+        magnitude += lora.scale * gmm_rows(lora.p.abs(), lora.weight.data.abs().bfloat16(), ends).float()
     out = []
     for contender, call in calls.items():
-        row = dict(shape=name, n=n, k=k, tokens=tokens, rows=rows_total, contender=contender)
+        row = dict(shape=name, n=n, k=k, tokens=tokens, rows=rows_total, rank=rank, glu=glu, contender=contender)
         row["max_abs_err"], row["agrees"] = agreement(call(), reference, magnitude)
         row["ms"] = round(time_ms(call, repeats), 4)
         row["tflops"] = round(flop / row["ms"] / 1e9, 2)
@@ -133,6 +160,7 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="the JSON file, rewritten after each row")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU: Triton's interpreter, no Gluon row)")
+    ap.add_argument("--lora-rank", type=int, default=16, help="the LoRA term's rank (0: none)")
     args = ap.parse_args()
     plan = TINY if args.tiny else dict(shapes=SHAPES, tokens=TOKENS)
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
@@ -150,7 +178,19 @@ def main() -> None:
                 if not runs_gluon:
                     result["not_measured"].append(f"{label} gluon: needs an sm_80 to sm_90 GPU")
                 device = "cuda" if torch.cuda.is_available() else "cpu"
-                for row in bench_shape(name, n, k, experts, top_k, tokens, args.repeats, device, runs_gluon):
+                for row in bench_shape(
+                    name,
+                    n,
+                    k,
+                    experts,
+                    top_k,
+                    tokens,
+                    args.repeats,
+                    device,
+                    runs_gluon,
+                    args.lora_rank,
+                    wname == "gate_up",
+                ):
                     row["weights"] = wname
                     result["rows"].append(row)
                     print(f"{label:<34}{row['contender']:<42}{row['ms']:>9.3f} ms{row['tflops']:>8.1f} TF/s"

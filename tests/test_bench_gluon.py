@@ -1,6 +1,7 @@
-"""scripts/bench_gluon.py on the CPU: the tiny shapes through Triton's interpreter and grouped_mm, every result
-checked against grouped_mm's before it is timed, the Gluon rows listed as not measured (they need an sm_80 to sm_90
-GPU); and the check itself catches a wrong product (control: the experts rolled)."""
+"""scripts/bench_gluon.py on the CPU: the tiny launches (rank-16 LoRA; gate_up with the GLU fused) through Triton's
+interpreter and grouped_mm, every result checked against grouped_mm's before it is timed, the Gluon rows listed as
+not measured (they need an sm_80 to sm_90 GPU); and the check itself catches a wrong product (control: the experts
+rolled)."""
 
 import json
 import os
