@@ -77,9 +77,10 @@ def time_ms(call, repeats: int) -> float:
     return statistics.median(times)
 
 
-def contenders(x, stack: NF4Stack, counts: torch.Tensor, with_gluon: bool, lora, glu: bool):
+def contenders(x, stack: NF4Stack, counts: torch.Tensor, with_gluon: bool, lora, glu: bool, gather=None):
     """{name: call} of the launch each path makes: Y (S, N) = X (S, K) @ W_e^T + c P L_e for each expert's rows
-    (lora: ops.LowRank or None), and with glu silu(gate) * up of it too; each call returns Y."""
+    (lora: ops.LowRank or None; gather: sorted row s is token gather[s] of x), and with glu silu(gate) * up of it
+    too; each call returns Y."""
     offsets = [0] + torch.cumsum(counts, 0).tolist()
     ends = torch.tensor(offsets[1:], dtype=torch.int32, device=x.device)
     weight = GroupedWeight.quantized(stack, transpose=True)
@@ -87,7 +88,8 @@ def contenders(x, stack: NF4Stack, counts: torch.Tensor, with_gluon: bool, lora,
     factors = lora.weight.data.bfloat16() if lora is not None else None
 
     def grouped_mm_path(weights):
-        y = gmm_rows(x, weights.transpose(1, 2), ends)
+        rows = x if gather is None else x.index_select(0, gather)
+        y = gmm_rows(rows, weights.transpose(1, 2), ends)
         if lora is not None:
             y = y + lora.scale * gmm_rows(lora.p, factors, ends)
         if glu:
@@ -104,11 +106,15 @@ def contenders(x, stack: NF4Stack, counts: torch.Tensor, with_gluon: bool, lora,
             if arch == 90 and major != 9:
                 continue
             if glu:
-                calls[label] = lambda a=arch: nf4_swapped_matmul_silu_mul(x, stack, tiles, arch=a, lora=lora)[0]
+                calls[label] = lambda a=arch: nf4_swapped_matmul_silu_mul(
+                    x, stack, tiles, arch=a, lora=lora, gather=gather
+                )[0]
             else:
                 calls[label] = lambda a=arch: nf4_swapped_matmul(x, stack, tiles, arch=a, lora=lora)
     if glu:
-        calls["triton fused (auto on sm_80/89)"] = lambda: grouped_matmul_silu_mul(x, weight, offsets, lora=lora)[0]
+        calls["triton fused (auto on sm_80/89)"] = lambda: grouped_matmul_silu_mul(
+            x, weight, offsets, lora=lora, gather=gather
+        )[0]
     else:
         calls["triton fused (auto on sm_80/89)"] = lambda: grouped_matmul(x, weight, offsets, lora=lora)
     calls["dequantize + grouped_mm (auto on sm_90)"] = lambda: grouped_mm_path(stack.decode(0, stack.shape[0], x.dtype))
@@ -130,7 +136,9 @@ def bench_shape(name, n, k, experts, top_k, tokens, repeats, device, with_gluon,
     rows_total = int(counts.sum())
     torch.manual_seed(0)
     stack = NF4Stack.from_param(quantize_stack(torch.randn(experts, n, k, device=device), double_quant=True))
-    x = torch.randn(rows_total, k, device=device).bfloat16()
+    # gate_up reads each token by index (top_k sorted rows a token), down its own sorted rows
+    x = torch.randn(tokens if glu else rows_total, k, device=device).bfloat16()
+    gather = torch.randint(0, tokens, (rows_total,), device=device) if glu else None
     lora = None
     if rank:
         p = (0.1 * torch.randn(rows_total, rank, device=device)).bfloat16()
@@ -138,10 +146,11 @@ def bench_shape(name, n, k, experts, top_k, tokens, repeats, device, with_gluon,
         lora = LowRank(p, GroupedWeight.dense(l_factors, transpose=False), 2.0)
     flop = 2 * rows_total * n * (k + rank)
     weight_bytes = experts * n * k // 2 + experts * n * k // 64  # codes and nested scale codes, read once
-    calls = contenders(x, stack, counts, with_gluon, lora, glu)
+    calls = contenders(x, stack, counts, with_gluon, lora, glu, gather)
     reference = calls["grouped_mm alone (weights decoded)"]().float()
     ends = torch.cumsum(counts, 0).to(device=device, dtype=torch.int32)
-    magnitude = gmm_rows(x.abs(), stack.decode(0, experts, torch.bfloat16).abs().transpose(1, 2), ends).float()
+    rows = x if gather is None else x.index_select(0, gather)
+    magnitude = gmm_rows(rows.abs(), stack.decode(0, experts, torch.bfloat16).abs().transpose(1, 2), ends).float()
     if lora is not None:
         magnitude += lora.scale * gmm_rows(lora.p.abs(), lora.weight.data.abs().bfloat16(), ends).float()
     out = []

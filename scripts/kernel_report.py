@@ -305,10 +305,11 @@ GLUON_STEPS_PER_LOOP = 4  # gluon_nf4's K loop is unrolled by its four activatio
 
 def gluon_report(arch: int, shapes: list[str], block_t: int = 64, rank: int = RANK) -> list[dict]:
     """Rows of the Gluon NF4 kernel (moe/kernels/gluon_nf4.py; gluon_nf4_sm80.py below sm_90) for each shape's two
-    forward launches with their LoRA term of rank `rank`: down (N = hidden, K = inter) and gate_up with silu(gate) *
-    up fused (N = 2 inter, K = hidden), plus on sm_90 the control of the first: the same kernel waiting for each
-    wgmma to finish (drained). Counts are per K-step (the loop holds four); lora_k_per_block is the K the LoRA
-    term's MMAs cover per 64 weight rows (the rank rounded up to the MMA's 16, not to a K-step)."""
+    forward launches with their LoRA term of rank `rank`: down (N = hidden, K = inter), and gate_up with silu(gate)
+    * up fused, reading the tokens by index (N = 2 inter, K = hidden); plus on sm_90 the control of the first: the
+    same kernel waiting for each wgmma to finish (drained). Counts are per K-step (the loop holds four);
+    lora_k_per_block is the K the LoRA term's MMAs cover per 64 weight rows (the rank rounded up to the MMA's 16,
+    not to a K-step)."""
     import torch
 
     from moe_qlora.moe.kernels import gluon_decode, gluon_nf4
@@ -331,8 +332,9 @@ def gluon_report(arch: int, shapes: list[str], block_t: int = 64, rank: int = RA
                 lora = LowRank(torch.empty(0, rank, dtype=torch.bfloat16),
                                GroupedWeight.dense(torch.empty(experts, rank, n), transpose=False), 2.0)  # fmt: skip
                 act = torch.empty(0, n // 2, dtype=torch.bfloat16) if wname == "gate_up" else None
+                gather = tiny(torch.int32) if wname == "gate_up" else None  # the gate_up launch reads tokens by index
                 kernel, grid, args, kwargs = gluon_nf4.swapped_launch(
-                    x, stack, tiles, out, block_t, pending, arch, lora=lora, act=act
+                    x, stack, tiles, out, block_t, pending, arch, lora=lora, act=act, gather=gather
                 )
                 compiled = compile_as_jit(Launch(wname, kernel, grid, args, kwargs), arch)
                 regs, spilled = resource_usage(compiled)

@@ -252,7 +252,8 @@ def test_the_gluon_nf4_kernels_equal_the_dequantized_product(arch, rank):
 @pytest.mark.parametrize("arch", [90, 80])
 def test_the_gluon_nf4_kernels_fuse_silu_gate_times_up(arch):
     """The gate_up launch with silu(gate) * up in the epilogue, at Qwen3-30B-A3B's gate_up shape with a rank-16
-    LoRA term: h within _reference_and_bound of ops.grouped_matmul_reference, and act within one bf16 rounding
+    LoRA term, each sorted row reading its token by index (gather), as the layer's gate_up launch does: h within
+    _reference_and_bound of ops.grouped_matmul_reference, and act within one bf16 rounding
     (2^-7 of |act| + 1e-6, the exp's approximation) of silu(gate) * up computed by torch from the kernel's own h;
     without keep_h the same act. Control: act from h's halves swapped misses."""
     from moe_qlora.moe.kernels.gluon_nf4 import nf4_swapped_matmul_silu_mul
@@ -262,12 +263,14 @@ def test_the_gluon_nf4_kernels_fuse_silu_gate_times_up(arch):
     if 10 * major + minor < arch or major > 9:
         pytest.skip(f"the sm_{arch} kernel needs sm_{arch} to sm_90; this GPU is sm_{major}{minor}")
     stack, tiles, x, lora, offsets = _gluon_case(128, 1536, 2048, 16, seed=1)
-    ref, bound = _reference_and_bound(x, stack, offsets, lora)
-    h, act = nf4_swapped_matmul_silu_mul(x, stack, tiles, arch=arch, lora=lora)
+    tokens = torch.randn(x.shape[0] // 4 + 1, 2048, device="cuda").bfloat16()
+    gather = torch.randint(0, tokens.shape[0], (x.shape[0],), device="cuda", dtype=torch.int32)
+    ref, bound = _reference_and_bound(tokens[gather.long()], stack, offsets, lora)
+    h, act = nf4_swapped_matmul_silu_mul(tokens, stack, tiles, arch=arch, lora=lora, gather=gather)
     assert ((h.float() - ref).abs() <= bound).all()
     expected = silu_mul(h.float())
     assert ((act.float() - expected).abs() <= 2**-7 * expected.abs() + 1e-6).all()
-    _, act_alone = nf4_swapped_matmul_silu_mul(x, stack, tiles, arch=arch, lora=lora, keep_h=False)
+    _, act_alone = nf4_swapped_matmul_silu_mul(tokens, stack, tiles, arch=arch, lora=lora, keep_h=False, gather=gather)
     assert torch.equal(act_alone, act)
     swapped = silu_mul(torch.cat(h.float().chunk(2, dim=-1)[::-1], dim=-1))
     assert not ((act.float() - swapped).abs() <= 2**-7 * swapped.abs() + 1e-6).all()

@@ -155,3 +155,16 @@ def store_outputs(acc0, acc1, out_ptr, act_ptr, n0, up0, start, end, stride_os, 
         act = gate * (1 / (1 + gl.exp(-gate))) * y1.to(gl.float32)
         act_out = act_ptr + ot.to(gl.int64)[None, :] * stride_as + (n0 + on[:, None])
         gl.store(act_out, act.to(gl.bfloat16), mask=t_ok)
+
+
+@gluon.jit
+def activation_rows(x_ptr, gather_ptr, start, S, stride_xs, x_l: gl.constexpr, BLOCK_T: gl.constexpr,
+                    HAS_GATHER: gl.constexpr):  # fmt: skip
+    """(BLOCK_T, BLOCK_K) pointers to the first K-step of the activations of the tile's sorted rows start..: x's
+    rows themselves, or (HAS_GATHER) x[gather[row]] (the gate_up launch reads each token once per expert it was
+    routed to). Rows past S read row S - 1 again (their outputs are never stored)."""
+    rows = gl.minimum(start + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, x_l)), S - 1)
+    if HAS_GATHER:
+        rows = gl.load(gather_ptr + rows)
+    offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_l))
+    return x_ptr + rows.to(gl.int64)[:, None] * stride_xs + offs_k[None, :]

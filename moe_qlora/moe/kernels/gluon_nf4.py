@@ -30,6 +30,7 @@ from moe_qlora.moe.kernels.gluon_decode import (
     BLOCK_K,
     BLOCK_N,
     CHUNK_LAYOUT,
+    activation_rows,
     async_load,
     chunk_words,
     cta_barrier,
@@ -97,12 +98,12 @@ def _lora_term(factors, p_smem, acc_l: gl.constexpr, BLOCK_T: gl.constexpr):
 
 @gluon.jit
 def _nf4_swapped_kernel(
-    x_ptr, out_ptr, act_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2,
+    x_ptr, gather_ptr, out_ptr, act_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2,
     tile_expert_ptr, tile_start_ptr, tile_end_ptr, p_ptr, l_ptr, lora_scale,
     S, K, R, words_we, words_row, stride_xs, stride_os, stride_as, stride_pm, stride_le, stride_lr,
     stride_ln,
     LEVELS_ASM: gl.constexpr, BLOCK_T: gl.constexpr, ROW_STEP: gl.constexpr, R_PAD: gl.constexpr, GLU: gl.constexpr,
-    STORE_Y: gl.constexpr, PENDING: gl.constexpr, UP_OFFSET: gl.constexpr,
+    STORE_Y: gl.constexpr, PENDING: gl.constexpr, UP_OFFSET: gl.constexpr, HAS_GATHER: gl.constexpr,
 ):  # fmt: skip
     """Block 0 holds weight rows n0 = program * ROW_STEP.., block 1 rows n0 + UP_OFFSET.. (the next 64, or with GLU
     the up rows of the gate rows in block 0). R_PAD > 0: the LoRA term lora_scale P[rows] @ L_e added in fp32."""
@@ -135,9 +136,7 @@ def _nf4_swapped_kernel(
     # Half a row's step a thread: one address, eight 16-byte copies at fixed offsets. Rows past the tile (the next
     # expert's) are copied and multiplied too, and their outputs never stored; past S the last row is read again.
     x_l: gl.constexpr = gl.BlockedLayout([1, 64], [16, 2], [4, 1], [1, 0])
-    offs_t = gl.minimum(start + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, x_l)), S - 1)
-    offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_l))
-    x_ptrs = x_ptr + offs_t.to(gl.int64)[:, None] * stride_xs + offs_k[None, :]
+    x_ptrs = activation_rows(x_ptr, gather_ptr, start, S, stride_xs, x_l, BLOCK_T, HAS_GATHER)
 
     steps = gl.cdiv(K, BLOCK_K)
     # Four slots, one allocation each and the loop unrolled by four, so every slot is named at compile time and a
@@ -174,12 +173,15 @@ def _nf4_swapped_kernel(
     store_outputs(acc0, acc1, out_ptr, act_ptr, n0, up0, start, end, stride_os, stride_as, acc_l, BLOCK_T, GLU, STORE_Y)
 
 
-def swapped_launch(x, stack: NF4Stack, tiles, out, block_t=64, pending=1, arch=None, *, lora=None, act=None):
+def swapped_launch(
+    x, stack: NF4Stack, tiles, out, block_t=64, pending=1, arch=None, *, lora=None, act=None, gather=None
+):
     """(kernel, grid, args, kwargs) of one launch: what `nf4_swapped_matmul` runs and the AOT test compiles, for
     sm_`arch` (default: the current GPU's; below 90, gluon_nf4_sm80's kernel). tiles: (expert, first row, end row)
     int32 tensors of equal length, each tile at most block_t rows. lora: ops.LowRank (P (S, R) bf16, L a dense
     GroupedWeight (E, R, N), R <= 64). act: GLU, the (S, I) output of silu(gate) * up from a gate_up stack
-    (N = 2 I); out (S, N) may then be None (the pre-activations not kept)."""
+    (N = 2 I); out (S, N) may then be None (the pre-activations not kept). gather (S,): sorted row s reads
+    x[gather[s]] (x (T, K), T tokens), as the gate_up launch does."""
     E, N, K = stack.shape
     rows_step = 64 if act is not None else BLOCK_N.value
     rows_split = N // 2 if act is not None else N
@@ -202,9 +204,11 @@ def swapped_launch(x, stack: NF4Stack, tiles, out, block_t=64, pending=1, arch=N
     dummy = x
     p, l_weight, scale = (lora.p, lora.weight, float(lora.scale)) if lora is not None else (dummy, None, 0.0)
     l_strides = l_weight.strides() if l_weight is not None else (0, 0, 0)
-    args = (x, out if out is not None else dummy, act if act is not None else dummy, stack.packed.view(torch.int32))
+    rows = gather.numel() if gather is not None else x.shape[0]
+    args = (x, gather if gather is not None else dummy, out if out is not None else dummy)
+    args += (act if act is not None else dummy, stack.packed.view(torch.int32))
     args += (stack.absmax.view(torch.int16), absmax2, code2, float(offset2), *tiles, p)
-    args += (l_weight.data if l_weight is not None else dummy, scale, x.shape[0], K, rank)
+    args += (l_weight.data if l_weight is not None else dummy, scale, rows, K, rank)
     args += (N * K // 8, K // 8, x.stride(0))
     args += (out.stride(0) if out is not None else 0, act.stride(0) if act is not None else 0, p.stride(0))
     args += l_strides
@@ -217,6 +221,7 @@ def swapped_launch(x, stack: NF4Stack, tiles, out, block_t=64, pending=1, arch=N
         STORE_Y=out is not None,
         PENDING=pending,
         UP_OFFSET=N // 2 if act is not None else 64,
+        HAS_GATHER=gather is not None,
         num_warps=4,
     )
     grid = (tiles[0].numel(), rows_split // rows_step)
@@ -242,13 +247,16 @@ def nf4_swapped_matmul(x, stack: NF4Stack, tiles, block_t: int = 64, arch: int |
     return out
 
 
-def nf4_swapped_matmul_silu_mul(x, stack: NF4Stack, tiles, block_t=64, arch=None, *, lora=None, keep_h=True):
+def nf4_swapped_matmul_silu_mul(x, stack: NF4Stack, tiles, block_t=64, arch=None, *, lora=None, keep_h=True,
+                                gather=None):  # fmt: skip
     """(h (S, 2 I) or None, act (S, I) = silu(gate) * up): nf4_swapped_matmul over a gate_up stack (gate rows
-    first) with transformers' gating fused into the epilogue."""
-    rows, n = x.shape[0], stack.shape[1]
+    first) with transformers' gating fused into the epilogue; with gather, sorted row s is token gather[s] of x."""
+    rows, n = (gather.numel() if gather is not None else x.shape[0]), stack.shape[1]
     h = torch.zeros(rows, n, dtype=torch.bfloat16, device=x.device) if keep_h else None
     act = torch.zeros(rows, n // 2, dtype=torch.bfloat16, device=x.device)
     if tiles[0].numel() > 0:
-        kernel, grid, args, kwargs = swapped_launch(x, stack, tiles, h, block_t, arch=arch, lora=lora, act=act)
+        kernel, grid, args, kwargs = swapped_launch(
+            x, stack, tiles, h, block_t, arch=arch, lora=lora, act=act, gather=gather
+        )
         kernel[grid](*args, **kwargs)
     return h, act

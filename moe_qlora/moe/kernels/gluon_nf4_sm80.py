@@ -16,6 +16,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from moe_qlora.moe.kernels.gluon_decode import (
     BLOCK_K,
     CHUNK_LAYOUT,
+    activation_rows,
     async_load,
     chunk_words,
     cta_barrier,
@@ -63,12 +64,12 @@ def _k_step(acc, i, steps, xs, x_next, rows, scale_ptrs, shift, levels, x_ptrs, 
 
 @gluon.jit
 def _nf4_swapped_kernel_sm80(
-    x_ptr, out_ptr, act_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2,
+    x_ptr, gather_ptr, out_ptr, act_ptr, w_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset2,
     tile_expert_ptr, tile_start_ptr, tile_end_ptr, p_ptr, l_ptr, lora_scale,
     S, K, R, words_we, words_row, stride_xs, stride_os, stride_as, stride_pm, stride_le, stride_lr,
     stride_ln,
     LEVELS_ASM: gl.constexpr, BLOCK_T: gl.constexpr, ROW_STEP: gl.constexpr, R_PAD: gl.constexpr, GLU: gl.constexpr,
-    STORE_Y: gl.constexpr, PENDING: gl.constexpr, UP_OFFSET: gl.constexpr,
+    STORE_Y: gl.constexpr, PENDING: gl.constexpr, UP_OFFSET: gl.constexpr, HAS_GATHER: gl.constexpr,
 ):  # fmt: skip
     """gluon_nf4._nf4_swapped_kernel's contract (PENDING is unused: mma_v2 is synchronous)."""
     tile = gl.program_id(0)
@@ -99,9 +100,7 @@ def _nf4_swapped_kernel_sm80(
     x2 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_T, BLOCK_K], x_sl)
     x3 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_T, BLOCK_K], x_sl)
     x_l: gl.constexpr = gl.BlockedLayout([1, 64], [16, 2], [4, 1], [1, 0])
-    offs_t = gl.minimum(start + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, x_l)), S - 1)
-    offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_l))
-    x_ptrs = x_ptr + offs_t.to(gl.int64)[:, None] * stride_xs + offs_k[None, :]
+    x_ptrs = activation_rows(x_ptr, gather_ptr, start, S, stride_xs, x_l, BLOCK_T, HAS_GATHER)
 
     steps = gl.cdiv(K, BLOCK_K)
     async_load(x0, x_ptrs)
