@@ -168,3 +168,49 @@ def activation_rows(x_ptr, gather_ptr, start, S, stride_xs, x_l: gl.constexpr, B
         rows = gl.load(gather_ptr + rows)
     offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_l))
     return x_ptr + rows.to(gl.int64)[:, None] * stride_xs + offs_k[None, :]
+
+
+@gluon.jit
+def decode_setup(w_ptr, e, n0, up0, words_we, words_row, LEVELS_ASM: gl.constexpr):
+    """The decode's loop invariants for weight rows n0.. and up0.. of expert e: each block's (word pointers, first
+    quant-block pairs), the nibble shift of each (q, p) (1, 1, 4, 2), and the NF4 level each lane holds."""
+    w_l: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, CHUNK_LAYOUT))  # (n, h)
+    qp_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, CHUNK_LAYOUT))  # (q, p)
+    w_ptrs0, pair0_0 = row_block(w_ptr, e, n0, words_we, words_row, w_l)
+    w_ptrs1, pair0_1 = row_block(w_ptr, e, up0, words_we, words_row, w_l)
+    q = gl.arange(0, 4, layout=gl.SliceLayout(1, qp_l))
+    p = gl.arange(0, 2, layout=gl.SliceLayout(0, qp_l))
+    shift = (8 * q[:, None] + 4 * (1 - p[None, :]))[None, None, :, :]
+    splat = gl.full([64, 2, 4, 2], 0, gl.int32, CHUNK_LAYOUT)
+    levels = gl.inline_asm_elementwise(LEVELS_ASM, "=r,r", [splat], dtype=gl.float32, is_pure=True, pack=1)
+    return (w_ptrs0, pair0_0, w_ptrs1, pair0_1), shift, levels
+
+
+@gluon.jit
+def activation_slots(x_ptr, gather_ptr, start, S, steps, stride_xs, x_sl: gl.constexpr, BLOCK_T: gl.constexpr,
+                     HAS_GATHER: gl.constexpr):  # fmt: skip
+    """Four (BLOCK_T, BLOCK_K) activation slots, one allocation each (with the K loop unrolled by four every slot is
+    named at compile time, and a step's one barrier orders both hazards: step i's copy fills the slot step i - 2
+    read), the first two steps' copies issued, and the copies' pointers: half a row's step a thread, one address and
+    eight 16-byte copies at fixed offsets."""
+    x0 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_T, BLOCK_K], x_sl)
+    x1 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_T, BLOCK_K], x_sl)
+    x2 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_T, BLOCK_K], x_sl)
+    x3 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_T, BLOCK_K], x_sl)
+    x_l: gl.constexpr = gl.BlockedLayout([1, 64], [16, 2], [4, 1], [1, 0])
+    x_ptrs = activation_rows(x_ptr, gather_ptr, start, S, stride_xs, x_l, BLOCK_T, HAS_GATHER)
+    async_load(x0, x_ptrs)
+    async_copy.commit_group()
+    async_load(x1, x_ptrs + gl.minimum(1, steps - 1) * BLOCK_K)
+    async_copy.commit_group()
+    return (x0, x1, x2, x3), x_ptrs
+
+
+@gluon.jit
+def program_tile(tile_expert_ptr, tile_start_ptr, tile_end_ptr, ROW_STEP: gl.constexpr, UP_OFFSET: gl.constexpr):
+    """(expert, first row, end row) of this program's tile of routed rows, and its two blocks' first weight rows:
+    n0 = program * ROW_STEP and n0 + UP_OFFSET (the next 64 rows, or with the GLU the up rows of block 0's gates)."""
+    tile = gl.program_id(0)
+    n0 = gl.program_id(1) * ROW_STEP
+    e = gl.load(tile_expert_ptr + tile)
+    return e, gl.load(tile_start_ptr + tile), gl.load(tile_end_ptr + tile), n0, n0 + UP_OFFSET

@@ -30,14 +30,15 @@ from moe_qlora.moe.kernels.gluon_decode import (
     BLOCK_K,
     BLOCK_N,
     CHUNK_LAYOUT,
-    activation_rows,
+    activation_slots,
     async_load,
     chunk_words,
     cta_barrier,
     decode_chunk,
+    decode_setup,
     lane_levels_asm,
     lora_factors,
-    row_block,
+    program_tile,
     step_scales,
     store_outputs,
 )
@@ -107,44 +108,17 @@ def _nf4_swapped_kernel(
 ):  # fmt: skip
     """Block 0 holds weight rows n0 = program * ROW_STEP.., block 1 rows n0 + UP_OFFSET.. (the next 64, or with GLU
     the up rows of the gate rows in block 0). R_PAD > 0: the LoRA term lora_scale P[rows] @ L_e added in fp32."""
-    tile = gl.program_id(0)
-    n0 = gl.program_id(1) * ROW_STEP
-    up0 = n0 + UP_OFFSET
-    e = gl.load(tile_expert_ptr + tile)
-    start = gl.load(tile_start_ptr + tile)
-    end = gl.load(tile_end_ptr + tile)
+    e, start, end, n0, up0 = program_tile(tile_expert_ptr, tile_start_ptr, tile_end_ptr, ROW_STEP, UP_OFFSET)
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_T, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
     w_l: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, CHUNK_LAYOUT))  # (n, h)
-    qp_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, CHUNK_LAYOUT))  # (q, p)
 
-    w_ptrs0, pair0_0 = row_block(w_ptr, e, n0, words_we, words_row, w_l)
-    w_ptrs1, pair0_1 = row_block(w_ptr, e, up0, words_we, words_row, w_l)
-    rows = (w_ptrs0, pair0_0, w_ptrs1, pair0_1)
+    rows, shift, levels = decode_setup(w_ptr, e, n0, up0, words_we, words_row, LEVELS_ASM)
     scale_ptrs = (absmax_ptr, absmax2_ptr, code2_ptr, offset2)
-    q = gl.arange(0, 4, layout=gl.SliceLayout(1, qp_l))
-    p = gl.arange(0, 2, layout=gl.SliceLayout(0, qp_l))
-    shift = (8 * q[:, None] + 4 * (1 - p[None, :]))[None, None, :, :]
-    splat = gl.full([64, 2, 4, 2], 0, gl.int32, CHUNK_LAYOUT)
-    levels = gl.inline_asm_elementwise(LEVELS_ASM, "=r,r", [splat], dtype=gl.float32, is_pure=True, pack=1)
-
-    x_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_T, BLOCK_K], gl.bfloat16)
-    x0 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_T, BLOCK_K], x_sl)
-    x1 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_T, BLOCK_K], x_sl)
-    x2 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_T, BLOCK_K], x_sl)
-    x3 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_T, BLOCK_K], x_sl)
-    # Half a row's step a thread: one address, eight 16-byte copies at fixed offsets. Rows past the tile (the next
-    # expert's) are copied and multiplied too, and their outputs never stored; past S the last row is read again.
-    x_l: gl.constexpr = gl.BlockedLayout([1, 64], [16, 2], [4, 1], [1, 0])
-    x_ptrs = activation_rows(x_ptr, gather_ptr, start, S, stride_xs, x_l, BLOCK_T, HAS_GATHER)
-
     steps = gl.cdiv(K, BLOCK_K)
-    # Four slots, one allocation each and the loop unrolled by four, so every slot is named at compile time and a
-    # step's one barrier orders both hazards: step i's copy fills the slot step i - 2 read (retired by then).
-    async_load(x0, x_ptrs)
-    async_copy.commit_group()
-    async_load(x1, x_ptrs + gl.minimum(1, steps - 1) * BLOCK_K)
-    async_copy.commit_group()
+    x_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_T, BLOCK_K], gl.bfloat16)
+    slots, x_ptrs = activation_slots(x_ptr, gather_ptr, start, S, steps, stride_xs, x_sl, BLOCK_T, HAS_GATHER)
+    x0, x1, x2, x3 = slots
     acc0 = gl.zeros([64, BLOCK_T], gl.float32, acc_l)
     acc1 = gl.zeros([64, BLOCK_T], gl.float32, acc_l)
     # The LoRA term first, as the accumulators' start: after the K loop its wgmma and a second accumulator made
