@@ -105,3 +105,55 @@ def test_the_lora_terms_mma_grows_with_the_rank_not_to_a_k_step():
     for rank, k in ((8, 16), (32, 32)):
         rows = report_rows("--arch", "90", "--shape", "qwen3-30b-a3b", "--rank", str(rank))
         assert {row["lora_k_per_block"] for key, row in rows.items() if not key[1].endswith("_control")} == {k}
+
+
+def test_the_gluon_kernels_serve_only_what_they_compute():
+    """serves: a forward over a nested-scale NF4 stack in bf16 on sm_80-90 with K and N whole steps and a dense LoRA
+    of rank <= 64; each way out of that is refused (the launch then stays with the Triton kernel)."""
+    from moe_qlora.moe.kernels.ops import GroupedWeight, LowRank
+
+    nested = nf4_stack(2, 128, 256, double_quant=True)
+    weight = GroupedWeight.quantized(nested, transpose=True)
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    lora = LowRank(
+        torch.zeros(4, 16, dtype=torch.bfloat16), GroupedWeight.dense(torch.zeros(2, 16, 128), transpose=False)
+    )
+
+    def serves(x=x, weight=weight, bias=None, lora=lora, glu=False, capability=(9, 0)):
+        return gluon_nf4.serves(x, weight, gather=None, bias=bias, lora=lora, glu=glu, capability=capability)
+
+    assert serves() and serves(capability=(8, 0)) and serves(capability=(8, 9)) and serves(lora=None)
+    assert serves(glu=True)  # N / 2 = 64 gate rows
+    wide_lora = LowRank(
+        torch.zeros(4, 65, dtype=torch.bfloat16), GroupedWeight.dense(torch.zeros(2, 65, 128), transpose=False)
+    )
+    short_k = GroupedWeight.quantized(nf4_stack(2, 128, 192, double_quant=True), transpose=True)
+    refused = {
+        "Blackwell": serves(capability=(10, 0)),
+        "Turing": serves(capability=(7, 5)),
+        "fp32 rows": serves(x=x.float()),
+        "no nested scales": serves(weight=GroupedWeight.quantized(nf4_stack(2, 128, 256), transpose=True)),
+        "the transposed experts": serves(weight=GroupedWeight.quantized(nested, transpose=False)),
+        "a bias": serves(bias=torch.zeros(2, 128)),
+        "K not a whole step": serves(weight=short_k),
+        "rank 65": serves(lora=wide_lora),
+        "dense experts": serves(weight=GroupedWeight.dense(torch.zeros(2, 128, 256), transpose=True)),
+    }  # fmt: skip
+    assert not any(refused.values()), refused
+
+
+def test_the_host_tiles_cover_each_experts_rows_in_tiles_of_64():
+    expert, first, end = gluon_nf4.tiles_of_offsets([0, 130, 130, 194], 64, "cpu")
+    assert (
+        expert.tolist() == [0, 0, 0, 2] and first.tolist() == [0, 64, 128, 130] and end.tolist() == [64, 128, 130, 194]
+    )
+
+
+def test_moe_qlora_gluon_1_asks_for_the_gluon_kernels():
+    from moe_qlora.moe.kernels.tiles import KernelSettings
+
+    assert KernelSettings.from_environment({"MOE_QLORA_GLUON": "1"}).gluon
+    assert (
+        not KernelSettings.from_environment({}).gluon
+        and not KernelSettings.from_environment({"MOE_QLORA_GLUON": "0"}).gluon
+    )

@@ -274,3 +274,29 @@ def test_the_gluon_nf4_kernels_fuse_silu_gate_times_up(arch):
     assert torch.equal(act_alone, act)
     swapped = silu_mul(torch.cat(h.float().chunk(2, dim=-1)[::-1], dim=-1))
     assert not ((act.float() - swapped).abs() <= 2**-7 * swapped.abs() + 1e-6).all()
+
+
+def test_ops_launches_take_the_gluon_kernels_when_asked(monkeypatch):
+    """With tiles.KernelSettings.gluon (MOE_QLORA_GLUON=1), ops.grouped_matmul_silu_mul (the gate_up launch: tokens
+    by index, a rank-16 LoRA, offsets on the device as the layer has them) runs the Gluon kernel, whose h is within
+    _reference_and_bound of the reference; without it the same call does not reach it."""
+    from moe_qlora.moe.kernels import gluon_nf4, tiles
+    from moe_qlora.moe.kernels.ops import grouped_matmul_silu_mul
+
+    major, _ = torch.cuda.get_device_capability()
+    if not 8 <= major <= 9:
+        pytest.skip("the Gluon kernels run on sm_80 to sm_90")
+    stack, _, x, lora, offsets = _gluon_case(128, 1536, 2048, 16, seed=2)
+    tokens = torch.randn(x.shape[0] // 4 + 1, 2048, device="cuda").bfloat16()
+    gather = torch.randint(0, tokens.shape[0], (x.shape[0],), device="cuda")
+    ref, bound = _reference_and_bound(tokens[gather], stack, offsets, lora)
+    served = []
+    real = gluon_nf4.forward_if_served
+    monkeypatch.setattr(gluon_nf4, "forward_if_served", lambda *a, **k: served.append(1) or real(*a, **k))
+    weight = GroupedWeight.quantized(stack, transpose=True)
+    on_device = torch.tensor(offsets, device="cuda")
+    with tiles.kernel_settings_overridden(gluon=True):
+        h, act = grouped_matmul_silu_mul(tokens, weight, on_device, gather=gather, lora=lora)
+    assert served == [1] and ((h.float() - ref).abs() <= bound).all()
+    grouped_matmul_silu_mul(tokens, weight, on_device, gather=gather, lora=lora)
+    assert served == [1]

@@ -1,8 +1,9 @@
 """A Hopper (sm_90) NF4 MUL_MAT_ID written in Gluon: the decoded weight is the wgmma's register A operand and a
-wgmma stays in flight while the next chunk decodes (issue 67, item 2). Experimental: not yet run on a GPU and not
-used by the layer. Launchers: `nf4_swapped_matmul` (down: Y plus the LoRA term) and `nf4_swapped_matmul_silu_mul`
-(gate_up with silu(gate) * up fused); tests/moe/test_gpu.py checks their numerics, tests/moe/test_gluon_nf4.py
-what their SASS must show (scripts/kernel_report.py --gluon).
+wgmma stays in flight while the next chunk decodes (issue 67, item 2). Experimental: not yet run on a GPU, and used
+by the layer's forward only with MOE_QLORA_GLUON=1 (ops._launch_matmul, where `serves`). Launchers:
+`nf4_swapped_matmul` (down: Y plus the LoRA term) and `nf4_swapped_matmul_silu_mul` (gate_up with silu(gate) * up
+fused); tests/moe/test_gpu.py checks their numerics, tests/moe/test_gluon_nf4.py what their SASS must show
+(scripts/kernel_report.py --gluon).
 
 The product is taken swapped, Y^T (N, T) = W_e (N, K) @ X^T (K, T): a program holds 128 weight rows, two blocks of
 64 (one warpgroup's wgmma M each; with the GLU, 64 gate rows and their 64 up rows), and a tile of at most BLOCK_T
@@ -109,6 +110,8 @@ def _nf4_swapped_kernel(
     """Block 0 holds weight rows n0 = program * ROW_STEP.., block 1 rows n0 + UP_OFFSET.. (the next 64, or with GLU
     the up rows of the gate rows in block 0). R_PAD > 0: the LoRA term lora_scale P[rows] @ L_e added in fp32."""
     e, start, end, n0, up0 = program_tile(tile_expert_ptr, tile_start_ptr, tile_end_ptr, ROW_STEP, UP_OFFSET)
+    if start >= end:  # a spare tile of the upper-bound grid (ops.expert_tiles)
+        return
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_T, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
     w_l: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, CHUNK_LAYOUT))  # (n, h)
@@ -234,3 +237,44 @@ def nf4_swapped_matmul_silu_mul(x, stack: NF4Stack, tiles, block_t=64, arch=None
         )
         kernel[grid](*args, **kwargs)
     return h, act
+
+
+def tiles_of_offsets(offsets: list[int], block_t: int, device) -> tuple[torch.Tensor, ...]:
+    """(expert, first row, end row) int32 of every tile of at most block_t sorted rows, from the host offsets
+    (E + 1,) of each expert's rows: an expert without rows has no tile."""
+    experts, starts, ends = [], [], []
+    for e, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
+        for first in range(lo, hi, block_t):
+            experts.append(e), starts.append(first), ends.append(min(first + block_t, hi))
+    return tuple(torch.tensor(v, dtype=torch.int32, device=device) for v in (experts, starts, ends))
+
+
+def serves(x, weight, *, gather, bias, lora, glu: bool, capability: tuple[int, int]) -> bool:
+    """Whether these kernels compute an ops._launch_matmul launch: a forward (W_e the stored matrix transposed) over
+    a nested-scale NF4 stack of blocksize 64 in bf16 on sm_80 to sm_90, no bias, K % 128 == 0 and N % 128 == 0
+    (GLU: N / 2 % 64 == 0), a dense LoRA of rank <= 64 with its P in bf16 rows."""
+    q = weight.quant
+    if not ((8, 0) <= tuple(capability) < (10, 0)) or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
+        return False
+    if not isinstance(q, NF4Stack) or q.nested is None or q.blocksize != 64 or not weight.transpose or bias is not None:
+        return False
+    rows_ok = weight.n % 2 == 0 and (weight.n // 2) % 64 == 0 if glu else weight.n % BLOCK_N.value == 0
+    if weight.k % BLOCK_K.value or not rows_ok or not q.packed.is_contiguous():
+        return False
+    return lora is None or (
+        lora.weight.quant is None and lora.p.shape[1] <= 64 and lora.p.dtype == torch.bfloat16 and lora.p.stride(1) == 1
+    )
+
+
+def forward_if_served(x, weight, listed, y, act, *, gather, bias, lora, glu: bool, block_t: int = 64):
+    """ops._launch_matmul's (Y or None, act or None) by these kernels where `serves` (tiles.KernelSettings.gluon),
+    else None. listed: (3, tiles) int32 (expert, first row, end row) of block_t rows, spare ones empty
+    (ops.expert_tiles); y (S, N) and act (S, N / 2, the GLU): the launch's outputs, allocated by the caller."""
+    capability = torch.cuda.get_device_capability(x.device)
+    if not serves(x, weight, gather=gather, bias=bias, lora=lora, glu=glu, capability=capability):
+        return None
+    kernel, grid, args, kwargs = swapped_launch(
+        x, weight.quant, tuple(listed), y, block_t, lora=lora, act=act, gather=gather
+    )
+    kernel[grid](*args, **kwargs)
+    return y, act

@@ -1,7 +1,7 @@
 """The Gluon NF4 MUL_MAT_ID of gluon_nf4.py for sm_80 / sm_86 / sm_89 (A100, RTX 3090 / 4090): the same decode into
 the A fragment (mma.m16n8k16's register layout is the wgmma's), fed to `mma_v2` (HMMA) from registers; the
 activations go through shared memory by cp.async as there and reach the MMA by ldmatrix. Experimental: not yet run
-on a GPU and not used by the layer; gluon_nf4.swapped_launch picks it for arch < 90.
+on a GPU; gluon_nf4.swapped_launch picks it for arch < 90.
 
 A program holds 128 weight rows (two blocks of 64: each warp has 16 rows of each) and BLOCK_T routed rows; each
 16-wide chunk's activation fragment is read once and multiplied with both blocks.
@@ -74,6 +74,8 @@ def _nf4_swapped_kernel_sm80(
 ):  # fmt: skip
     """gluon_nf4._nf4_swapped_kernel's contract (PENDING is unused: mma_v2 is synchronous)."""
     e, start, end, n0, up0 = program_tile(tile_expert_ptr, tile_start_ptr, tile_end_ptr, ROW_STEP, UP_OFFSET)
+    if start >= end:  # a spare tile of the upper-bound grid (ops.expert_tiles)
+        return
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=acc_l, k_width=2)

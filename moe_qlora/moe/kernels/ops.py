@@ -168,23 +168,9 @@ def _levels(device: str, mxfp4: bool = False) -> torch.Tensor:
         return torch.tensor(E2M1 if mxfp4 else NF4_LEVELS, dtype=torch.float32, device=device)
 
 
-_MATMUL_TUNE_KEYS = [
-    "K",
-    "N",
-    "R",
-    "rows_class",
-    "BLOCK_M",
-    "W_NF4",
-    "NESTED",
-    "MXFP4",
-    "GATHER",
-    "GLU",
-    "HAS_LORA",
-    "K_PACKED",
-    "N_PACKED",
-    "SWAP_AB",
-    "PHASE",
-]
+# What Triton's autotuner times anew.
+_MATMUL_TUNE_KEYS = "K N R rows_class BLOCK_M W_NF4 NESTED MXFP4 GATHER GLU HAS_LORA K_PACKED N_PACKED SWAP_AB PHASE"
+_MATMUL_TUNE_KEYS = _MATMUL_TUNE_KEYS.split()
 
 
 @functools.cache
@@ -216,6 +202,12 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
     act = x.new_empty(num_rows, n) if glu else None
     if num_rows == 0:
         return y, act
+    if tiles.kernel_settings().gluon and x.is_cuda:  # the experimental Gluon kernels, where they serve
+        from moe_qlora.moe.kernels.gluon_nf4 import forward_if_served
+
+        listed = expert_tiles(device_offsets(offsets, x.device), num_rows, 64).t().contiguous()
+        if routed := forward_if_served(x, weight, listed, y, act, gather=gather, bias=bias, lora=lora, glu=glu):
+            return routed
     q = weight.quant
     mxfp4 = isinstance(q, MXFP4Stack)
     nested = q is not None and q.nested is not None

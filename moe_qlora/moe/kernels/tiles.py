@@ -177,6 +177,7 @@ BLOCKS_ENV = "MOE_QLORA_TRITON_BLOCKS"  # M,N,K: fixed blocks for every kernel (
 AUTOTUNE_ENV = "MOE_QLORA_AUTOTUNE"  # 0: no autotuning, every launch takes the first candidate that serves it
 TARGET_ARCH_ENV = "MOE_QLORA_TARGET_ARCH"  # the architecture whose config list launches use (AOT capture, tests)
 INTERPRET_ENV = "TRITON_INTERPRET"  # 1: Triton's interpreter runs the kernels (read by Triton when it is imported)
+GLUON_ENV = "MOE_QLORA_GLUON"  # 1: the forward's NF4 launches run the experimental Gluon kernels where they serve
 
 
 @dataclass(frozen=True)
@@ -192,17 +193,20 @@ class KernelSettings:
     # False: fp32 launches take the bf16 tile configs (swapped, tall, wide) as bf16 ones do. The kernel tests set
     # it: in the interpreter fp32 products are exact, so the code paths a GPU runs in bf16 are checked there to 1e-5.
     fp32_own_config: bool = True
+    gluon: bool = False  # the forward's NF4 launches by kernels/gluon_nf4.py where it serves (experimental)
 
     @classmethod
     def from_environment(cls, environ=os.environ) -> KernelSettings:
         """The settings `environ` asks for: MOE_QLORA_TRITON_BLOCKS=M,N,K, MOE_QLORA_AUTOTUNE=0,
-        MOE_QLORA_TARGET_ARCH=80|90, TRITON_INTERPRET=1 (exactly "1", as this package has always read it)."""
+        MOE_QLORA_TARGET_ARCH=80|90, TRITON_INTERPRET=1 (exactly "1", as this package has always read it),
+        MOE_QLORA_GLUON=1."""
         blocks, arch = environ.get(BLOCKS_ENV), environ.get(TARGET_ARCH_ENV)
         return cls(
             block_override=tuple(int(v) for v in blocks.split(",")) if blocks else None,
             autotune=environ.get(AUTOTUNE_ENV, "1") != "0",
             target_arch=int(arch) if arch else None,
             interpreted=environ.get(INTERPRET_ENV) == "1",
+            gluon=environ.get(GLUON_ENV) == "1",
         )
 
 
