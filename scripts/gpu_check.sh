@@ -11,7 +11,7 @@
 # tests/moe/test_kernel_report.py), torch.compile (tests/moe/test_compile.py) and the interpreter tests run in CI.
 #
 # Estimated GPU-machine time per stage (H100, 16 cores; measured on 2026-11-26 where said): `wheels` and
-# `preflight` 1 min each (measured together: 15 s); `gpu-tests` 2 min (measured: 63 s; 73 s on an H200); `kernels` 6 min (each
+# `preflight` 1 min each (measured together: 15 s); `gpu-tests` 3 min (measured: 63 s; 73 s on an H200; since then the Gluon kernels' 18 cases, each variant compiled once); `kernels` 6 min (each
 # distinct constexpr variant compiled once by the JIT, ~2-10 s each); `kernels-parity` 2 min (measured with the
 # self-check tests: 75 s); `checks` 4 min (one Qwen3-30B-A3B layer, 3 backends, 8 candidates x 3 token counts,
 # ~40 compiles); `offload` 3 min (scripts/bench_offload.py: 6 short training runs, a real-width model built once;
@@ -49,7 +49,7 @@ assert torch.cuda.is_available(), \"no CUDA device\"
 print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__, \"bitsandbytes\", bitsandbytes.__version__, \"on\", torch.cuda.get_device_name())"'
 estimate[preflight]=1
 command[gpu-tests]="$python -m pytest -q -n 0 -m gpu tests/moe/test_gpu.py tests/model/test_expert_parallel.py"
-estimate[gpu-tests]=2
+estimate[gpu-tests]=3
 command[kernels]="$python -m pytest -q -n 0 -m 'not cpu_only' tests/moe/test_kernels.py"
 estimate[kernels]=6
 command[kernels-parity]="$python -m pytest -q -n 0 tests/moe/test_kernels_parity.py tests/moe/test_self_check.py"
