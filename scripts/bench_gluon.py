@@ -48,16 +48,6 @@ def routed_rows(tokens: int, experts: int, top_k: int, seed: int = 0) -> torch.T
     return torch.bincount(picks.flatten(), minlength=experts)
 
 
-def tiles_of(counts: torch.Tensor, block_t: int, device) -> tuple[torch.Tensor, ...]:
-    """(expert, first row, end row) of every tile of at most block_t rows, as the kernel takes them."""
-    experts, starts, ends, first = [], [], [], 0
-    for e, c in enumerate(counts.tolist()):
-        for s in range(first, first + c, block_t):
-            experts.append(e), starts.append(s), ends.append(min(s + block_t, first + c))
-        first += c
-    return tuple(torch.tensor(v, dtype=torch.int32, device=device) for v in (experts, starts, ends))
-
-
 def time_ms(call, repeats: int) -> float:
     """The median milliseconds of `repeats` calls after a warm-up call (CUDA events; on a CPU the wall clock)."""
     call()
@@ -98,9 +88,9 @@ def contenders(x, stack: NF4Stack, counts: torch.Tensor, with_gluon: bool, lora,
 
     calls = {}
     if with_gluon:
-        from moe_qlora.moe.kernels.gluon_nf4 import nf4_swapped_matmul, nf4_swapped_matmul_silu_mul
+        from moe_qlora.moe.kernels.gluon_nf4 import nf4_swapped_matmul, nf4_swapped_matmul_silu_mul, tiles_of_offsets
 
-        tiles = tiles_of(counts, 64, x.device)
+        tiles = tiles_of_offsets(offsets, 64, x.device)
         major, _ = torch.cuda.get_device_capability()
         for arch, label in ((90, "gluon wgmma (sm_90 kernel)"), (80, "gluon mma_v2 (sm_80 kernel)")):
             if arch == 90 and major != 9:

@@ -188,24 +188,21 @@ def test_a_layer_step_replays_as_cuda_graphs_bit_for_bit_for_any_routing(tiny_mi
 def _gluon_case(experts, n, k, rank, seed=0, device="cuda"):
     """An NF4 stack (E, n, k) with nested scales on the GPU, uneven rows per expert (every ninth none, tiles of 64
     partial), bf16 rows, their tiles, and a LoRA term of `rank` (P bf16, L fp32) with its ops reference."""
+    from moe_qlora.moe.kernels import gluon_nf4
     from moe_qlora.moe.kernels.ops import LowRank
 
     torch.manual_seed(seed)
     stack = nf4_stack(experts, n, k, double_quant=True, device=device, seed=seed)
     counts = torch.randint(0, 150, (experts,))
     counts[::9] = 0
-    experts_of, starts, ends, first = [], [], [], 0
-    for e, c in enumerate(counts.tolist()):
-        for s in range(first, first + c, 64):
-            experts_of.append(e), starts.append(s), ends.append(min(s + 64, first + c))
-        first += c
-    tiles = tuple(torch.tensor(v, dtype=torch.int32, device=device) for v in (experts_of, starts, ends))
+    offsets = [0] + torch.cumsum(counts, 0).tolist()
+    first = offsets[-1]
+    tiles = gluon_nf4.tiles_of_offsets(offsets, 64, device)
     x = torch.randn(first, k, device=device).bfloat16()
     lora = None
     if rank:
         p = (0.1 * torch.randn(first, rank, device=device)).bfloat16()
         lora = LowRank(p, GroupedWeight.dense(0.1 * torch.randn(experts, rank, n, device=device), transpose=False), 2.0)
-    offsets = [0] + torch.cumsum(counts, 0).tolist()
     return stack, tiles, x, lora, offsets
 
 
