@@ -57,8 +57,8 @@ CHUNK_LAYOUT = gl.constexpr(
         shape=[64, 2, 4, 2],
     )
 )
-# A step's 16 words of each of a thread's two rows, in consecutive registers (two 16-byte loads a row); the four
-# threads of a quad hold the same words.
+# A quarter step's 4 words of each of a thread's two rows of a block, in consecutive registers (one 16-byte load a
+# row); the four threads of a quad hold the same words.
 WORD_LAYOUT = gl.constexpr(
     gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [8, 0]],
@@ -117,7 +117,8 @@ def step_scales(absmax_pairs_ptr, absmax2_ptr, code2_ptr, offset2, pair, live):
 
 @gluon.jit
 def row_block(w_ptr, e, n0, words_we, words_row, w_l: gl.constexpr):
-    """(word pointers (64, 8): a half step's, first quant-block pairs (64,)) of rows n0 .. n0 + 63 of expert e."""
+    """(word pointers (64, 4): a quarter step's, first quant-block pairs (64,)) of rows n0 .. n0 + 63 of expert e.
+    The pairs are int32: a stack has fewer than 2^31 quant blocks (DeepSeek-V3's gate_up: 1.2e8)."""
     rows_w = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, WORD_LAYOUT))
     row_words = e.to(gl.int64) * words_we + rows_w.to(gl.int64) * words_row
     w_ptrs = w_ptr + (row_words[:, None] + gl.arange(0, 4, layout=gl.SliceLayout(0, WORD_LAYOUT))[None, :])
