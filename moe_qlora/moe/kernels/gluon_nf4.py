@@ -193,7 +193,7 @@ def swapped_launch(
         LEVELS_ASM=lane_levels_asm(),
         BLOCK_T=block_t,
         ROW_STEP=rows_step,
-        R_PAD=0 if rank == 0 else 16 * -(-rank // 16),
+        R_PAD=0 if rank == 0 else max(16, 1 << (rank - 1).bit_length()),  # a power of two: arange, layouts
         GLU=act is not None,
         STORE_Y=out is not None,
         PENDING=pending,
