@@ -109,8 +109,9 @@ def test_the_lora_terms_mma_grows_with_the_rank_not_to_a_k_step():
 
 
 def test_the_gluon_kernels_serve_only_what_they_compute():
-    """serves: a forward over a nested-scale NF4 stack in bf16 on sm_80-90 with K and N whole steps and a dense LoRA
-    of rank <= 64; each way out of that is refused (the launch then stays with the Triton kernel)."""
+    """serves: a forward over a nested-scale NF4 stack in bf16 on sm_80-90 with K and N whole steps, a dense LoRA of
+    rank <= 64 and contiguous token indices; each way out of that is refused (the launch then stays with the Triton
+    kernel)."""
     from moe_qlora.moe.kernels.ops import GroupedWeight, LowRank
 
     nested = nf4_stack(2, 128, 256, double_quant=True)
@@ -120,11 +121,11 @@ def test_the_gluon_kernels_serve_only_what_they_compute():
         torch.zeros(4, 16, dtype=torch.bfloat16), GroupedWeight.dense(torch.zeros(2, 16, 128), transpose=False)
     )
 
-    def serves(x=x, weight=weight, bias=None, lora=lora, glu=False, capability=(9, 0)):
-        return gluon_nf4.serves(x, weight, gather=None, bias=bias, lora=lora, glu=glu, capability=capability)
+    def serves(x=x, weight=weight, bias=None, lora=lora, glu=False, capability=(9, 0), gather=None):
+        return gluon_nf4.serves(x, weight, gather=gather, bias=bias, lora=lora, glu=glu, capability=capability)
 
     assert serves() and serves(capability=(8, 0)) and serves(capability=(8, 9)) and serves(lora=None)
-    assert serves(glu=True)  # N / 2 = 64 gate rows
+    assert serves(glu=True) and serves(gather=torch.arange(4))  # N / 2 = 64 gate rows; tokens by index
     wide_lora = LowRank(
         torch.zeros(4, 65, dtype=torch.bfloat16), GroupedWeight.dense(torch.zeros(2, 65, 128), transpose=False)
     )
@@ -139,6 +140,7 @@ def test_the_gluon_kernels_serve_only_what_they_compute():
         "K not a whole step": serves(weight=short_k),
         "rank 65": serves(lora=wide_lora),
         "dense experts": serves(weight=GroupedWeight.dense(torch.zeros(2, 128, 256), transpose=True)),
+        "a strided gather": serves(gather=torch.arange(8)[::2]),
     }  # fmt: skip
     assert not any(refused.values()), refused
 

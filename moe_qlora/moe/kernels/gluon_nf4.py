@@ -261,6 +261,8 @@ def serves(x, weight, *, gather, bias, lora, glu: bool, capability: tuple[int, i
     rows_ok = weight.n % 2 == 0 and (weight.n // 2) % 64 == 0 if glu else weight.n % BLOCK_N.value == 0
     if weight.k % BLOCK_K.value or not rows_ok or not q.packed.is_contiguous():
         return False
+    if gather is not None and gather.stride(0) != 1:
+        return False
     return lora is None or (
         lora.weight.quant is None and lora.p.shape[1] <= 64 and lora.p.dtype == torch.bfloat16 and lora.p.stride(1) == 1
     )
