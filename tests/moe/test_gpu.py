@@ -288,8 +288,8 @@ def test_ops_launches_take_the_gluon_kernels_when_asked(monkeypatch):
     gather = torch.randint(0, tokens.shape[0], (x.shape[0],), device="cuda")
     ref, bound = _reference_and_bound(tokens[gather], stack, offsets, lora)
     served = []
-    real = gluon_nf4.forward_if_served
-    monkeypatch.setattr(gluon_nf4, "forward_if_served", lambda *a, **k: served.append(1) or real(*a, **k))
+    real = gluon_nf4.forward
+    monkeypatch.setattr(gluon_nf4, "forward", lambda *a, **k: served.append(1) or real(*a, **k))
     weight = GroupedWeight.quantized(stack, transpose=True)
     on_device = torch.tensor(offsets, device="cuda")
     with tiles.kernel_settings_overridden(gluon=True):

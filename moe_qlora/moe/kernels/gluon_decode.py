@@ -118,7 +118,8 @@ def step_scales(absmax_pairs_ptr, absmax2_ptr, code2_ptr, offset2, pair, live):
 @gluon.jit
 def row_block(w_ptr, e, n0, words_we, words_row, w_l: gl.constexpr):
     """(word pointers (64, 4): a quarter step's, first quant-block pairs (64,)) of rows n0 .. n0 + 63 of expert e.
-    The pairs are int32: a stack has fewer than 2^31 quant blocks (DeepSeek-V3's gate_up: 1.2e8)."""
+    The pairs are counted in int32 from words: the launchers take stacks of fewer than 2^31 words (1.7e10 codes;
+    DeepSeek-V3's gate_up is 7.5e9)."""
     rows_w = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, WORD_LAYOUT))
     row_words = e.to(gl.int64) * words_we + rows_w.to(gl.int64) * words_row
     w_ptrs = w_ptr + (row_words[:, None] + gl.arange(0, 4, layout=gl.SliceLayout(0, WORD_LAYOUT))[None, :])

@@ -171,11 +171,13 @@ def swapped_launch(
         or x.dtype != torch.bfloat16
         or rank > 64
         or (lora is not None and lora.weight.quant is not None)
+        or E * N * K // 8 >= 2**31
     ):
         raise ValueError(
             "the Gluon NF4 kernel takes bf16 rows, a nested-scale stack of blocksize 64 with K % 128 == 0 and N %"
             f" 128 == 0 (GLU: N / 2 % 64 == 0), and a dense LoRA of rank <= 64; got {x.dtype}, blocksize"
             f" {stack.blocksize}, nested {stack.nested is not None}, (E, N, K) = {stack.shape}, rank {rank}"
+            " (and fewer than 2^31 words of codes)"
         )
     absmax2, code2, offset2 = stack.nested
     dummy = x
@@ -215,9 +217,9 @@ def swapped_launch(
 
 def nf4_swapped_matmul(x, stack: NF4Stack, tiles, block_t: int = 64, arch: int | None = None, *, lora=None):
     """out (S, N) bf16: row s of x (S, K) times expert e's W_e^T (K, N) for the tile (e, first, end) holding s,
-    plus lora.scale P[s] @ L_e. arch: whose kernel (default the GPU's; 80 runs the mma_v2 kernel, which an sm_90
-    GPU runs too)."""
-    out = torch.zeros(x.shape[0], stack.shape[1], dtype=torch.bfloat16, device=x.device)
+    plus lora.scale P[s] @ L_e (a row no tile holds is left unwritten). arch: whose kernel (default the GPU's; 80
+    runs the mma_v2 kernel, which an sm_90 GPU runs too)."""
+    out = torch.empty(x.shape[0], stack.shape[1], dtype=torch.bfloat16, device=x.device)
     if tiles[0].numel() > 0:
         kernel, grid, args, kwargs = swapped_launch(x, stack, tiles, out, block_t, arch=arch, lora=lora)
         kernel[grid](*args, **kwargs)
@@ -229,8 +231,8 @@ def nf4_swapped_matmul_silu_mul(x, stack: NF4Stack, tiles, block_t=64, arch=None
     """(h (S, 2 I) or None, act (S, I) = silu(gate) * up): nf4_swapped_matmul over a gate_up stack (gate rows
     first) with transformers' gating fused into the epilogue; with gather, sorted row s is token gather[s] of x."""
     rows, n = (gather.numel() if gather is not None else x.shape[0]), stack.shape[1]
-    h = torch.zeros(rows, n, dtype=torch.bfloat16, device=x.device) if keep_h else None
-    act = torch.zeros(rows, n // 2, dtype=torch.bfloat16, device=x.device)
+    h = torch.empty(rows, n, dtype=torch.bfloat16, device=x.device) if keep_h else None
+    act = torch.empty(rows, n // 2, dtype=torch.bfloat16, device=x.device)
     if tiles[0].numel() > 0:
         kernel, grid, args, kwargs = swapped_launch(
             x, stack, tiles, h, block_t, arch=arch, lora=lora, act=act, gather=gather
@@ -263,18 +265,26 @@ def serves(x, weight, *, gather, bias, lora, glu: bool, capability: tuple[int, i
         return False
     if gather is not None and gather.stride(0) != 1:
         return False
+    # the int32 and int16 views of the codes and scales, 16-byte copies of x's rows, block pairs counted in int32
+    views_ok = q.packed.storage_offset() % 4 == 0 and q.absmax.is_contiguous() and q.absmax.storage_offset() % 2 == 0
+    if not views_ok or x.data_ptr() % 16 or x.stride(0) % 8 or q.packed.numel() // 4 >= 2**31:
+        return False
     return lora is None or (
         lora.weight.quant is None and lora.p.shape[1] <= 64 and lora.p.dtype == torch.bfloat16 and lora.p.stride(1) == 1
     )
 
 
-def forward_if_served(x, weight, listed, y, act, *, gather, bias, lora, glu: bool, block_t: int = 64):
-    """ops._launch_matmul's (Y or None, act or None) by these kernels where `serves` (tiles.KernelSettings.gluon),
-    else None. listed: (3, tiles) int32 (expert, first row, end row) of block_t rows, spare ones empty
+def serves_launch(x, weight, *, gather, bias, lora, glu: bool) -> bool:
+    """`serves` on x's GPU."""
+    return serves(
+        x, weight, gather=gather, bias=bias, lora=lora, glu=glu, capability=torch.cuda.get_device_capability(x.device)
+    )
+
+
+def forward(x, weight, listed, y, act, *, gather, lora, block_t: int = 64):
+    """ops._launch_matmul's (Y or None, act or None) by these kernels (tiles.KernelSettings.gluon, where
+    `serves_launch`). listed: (3, tiles) int32 (expert, first row, end row) of block_t rows, spare ones empty
     (ops.expert_tiles); y (S, N) and act (S, N / 2, the GLU): the launch's outputs, allocated by the caller."""
-    capability = torch.cuda.get_device_capability(x.device)
-    if not serves(x, weight, gather=gather, bias=bias, lora=lora, glu=glu, capability=capability):
-        return None
     kernel, grid, args, kwargs = swapped_launch(
         x, weight.quant, tuple(listed), y, block_t, lora=lora, act=act, gather=gather
     )

@@ -203,11 +203,11 @@ def _launch_matmul(x, weight: GroupedWeight, offsets, *, gather, bias, lora, glu
     if num_rows == 0:
         return y, act
     if tiles.kernel_settings().gluon and x.is_cuda:  # the experimental Gluon kernels, where they serve
-        from moe_qlora.moe.kernels.gluon_nf4 import forward_if_served
+        from moe_qlora.moe.kernels import gluon_nf4
 
-        listed = expert_tiles(device_offsets(offsets, x.device), num_rows, 64).t().contiguous()
-        if routed := forward_if_served(x, weight, listed, y, act, gather=gather, bias=bias, lora=lora, glu=glu):
-            return routed
+        if gluon_nf4.serves_launch(x, weight, gather=gather, bias=bias, lora=lora, glu=glu):
+            listed = expert_tiles(device_offsets(offsets, x.device), num_rows, 64).t().contiguous()
+            return gluon_nf4.forward(x, weight, listed, y, act, gather=gather, lora=lora)
     q = weight.quant
     mxfp4 = isinstance(q, MXFP4Stack)
     nested = q is not None and q.nested is not None
